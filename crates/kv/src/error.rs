@@ -1,0 +1,134 @@
+//! [`KvError`]: every refusal of the pool, with the facts that caused it.
+
+use crate::{Generation, KvLayout, PageId, PoolId};
+
+/// Errors of the KV pool. Every refused access returns one of these; none reads or writes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KvError {
+    /// A pool needs at least one page.
+    #[error("KV pool must have at least one page")]
+    NoPages,
+    /// A layout dimension is zero.
+    #[error("KV layout field `{field}` is zero")]
+    ZeroDimension {
+        /// Name of the zero field.
+        field: &'static str,
+    },
+    /// The pool's size does not fit in addressable memory (or page ids exceed `u32`).
+    #[error("{pages} KV pages of layout {layout:?} exceed addressable memory or page ids")]
+    TooLarge {
+        /// Pages requested.
+        pages: usize,
+        /// Layout requested.
+        layout: KvLayout,
+    },
+    /// The allocator refused the pool's storage.
+    #[error("cannot allocate {bytes} bytes of KV storage")]
+    OutOfMemory {
+        /// Bytes requested.
+        bytes: usize,
+    },
+    /// Not enough free pages; nothing was leased.
+    #[error("KV pool exhausted: requested {requested} pages, {free} free")]
+    Exhausted {
+        /// Pages requested.
+        requested: usize,
+        /// Pages free at the time.
+        free: usize,
+    },
+    /// A lease (or quarantine handle) made by another pool.
+    #[error("lease from KV pool {lease_pool} presented to KV pool {pool}")]
+    ForeignLease {
+        /// Pool that made the lease.
+        lease_pool: PoolId,
+        /// Pool it was presented to.
+        pool: PoolId,
+    },
+    /// The lease no longer matches its page: the page is not (or no longer) in the state
+    /// the handle claims, or was re-leased (generation differs), or to another owner.
+    #[error(
+        "stale lease on page {page}: lease generation {lease_generation}, page generation {page_generation}"
+    )]
+    StaleLease {
+        /// Page named by the lease.
+        page: PageId,
+        /// Generation the lease carries.
+        lease_generation: Generation,
+        /// Page's current generation.
+        page_generation: Generation,
+    },
+    /// Layer index past the layout's layers.
+    #[error("layer {layer} out of range: layout has {layers} layers")]
+    LayerOutOfRange {
+        /// Layer asked for.
+        layer: usize,
+        /// Layers in the layout.
+        layers: usize,
+    },
+    /// Writes are append-only: the slot must equal the layer's watermark.
+    #[error(
+        "non-sequential write to page {page} layer {layer}: slot {slot}, watermark {watermark}"
+    )]
+    NonSequentialWrite {
+        /// Page written.
+        page: PageId,
+        /// Layer written.
+        layer: usize,
+        /// Slot asked for.
+        slot: usize,
+        /// Slots already written in this layer and generation.
+        watermark: usize,
+    },
+    /// Slot past the end of the page.
+    #[error("page {page} layer {layer} is full: slot {slot} >= page size {page_size}")]
+    PageFull {
+        /// Page written.
+        page: PageId,
+        /// Layer written.
+        layer: usize,
+        /// Slot asked for.
+        slot: usize,
+        /// Slots per page.
+        page_size: usize,
+    },
+    /// A K or V row of the wrong length.
+    #[error("KV row length: expected {expected} elements, got k {k}, v {v}")]
+    RowLength {
+        /// `kv_heads * head_dim`.
+        expected: usize,
+        /// Length of K given.
+        k: usize,
+        /// Length of V given.
+        v: usize,
+    },
+    /// Page id past the pool's pages.
+    #[error("page {page} out of range: pool has {pages} pages")]
+    PageOutOfRange {
+        /// Page asked for.
+        page: PageId,
+        /// Pages in the pool.
+        pages: usize,
+    },
+    /// A sequence position (or commit end) past the pages the sequence reserved.
+    #[error("position {pos} not reserved: sequence holds {reserved} token slots")]
+    NotReserved {
+        /// Position asked for.
+        pos: usize,
+        /// Token slots reserved.
+        reserved: usize,
+    },
+    /// A commit covers a position whose KV is not written in some layer.
+    #[error(
+        "cannot commit position {pos}: page {page} layer {layer} has only {watermark} slots written"
+    )]
+    NotWritten {
+        /// First position not written.
+        pos: usize,
+        /// Layer missing it.
+        layer: usize,
+        /// Page holding it.
+        page: PageId,
+        /// That layer's watermark on that page.
+        watermark: usize,
+    },
+}

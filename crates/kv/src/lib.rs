@@ -1,0 +1,49 @@
+//! Bulkhead's KV page pool: the page allocator and the only place KV bytes live.
+//!
+//! It enforces the isolation contract of the design (I1 ownership, I2 coverage, I4
+//! quarantine): every page is free, leased to one request at one generation, or
+//! quarantined; every read and write goes through a [`Lease`] that is checked against the
+//! page's current state, generation and owner; reads see only the slots written in the
+//! lease's generation. No model, no I/O, no threads, no `unsafe`.
+//!
+//! ```
+//! use bulkhead_kv::{KvLayout, KvPool, PoolConfig, RequestId, SequenceKv};
+//!
+//! let layout = KvLayout { layers: 2, kv_heads: 1, head_dim: 2, page_size: 4 };
+//! let mut pool = KvPool::new(PoolConfig { layout, pages: 8, poison_on_release: true })?;
+//! let mut seq = SequenceKv::new(RequestId(1));
+//! seq.reserve(&mut pool, 3)?; // one page
+//! for pos in 0..3 {
+//!     let (lease, slot) = seq.locate(pos)?;
+//!     for layer in 0..layout.layers {
+//!         pool.write(lease, layer, slot, &[1.0, 2.0], &[3.0, 4.0])?;
+//!     }
+//! }
+//! seq.commit(&pool, 3)?;
+//! let read = pool.read(&seq.leases()[0], 0)?;
+//! assert_eq!(read.len(), 3); // only written slots, never the whole page
+//! assert_eq!(read.k_head(0).len(), 3 * 2);
+//! assert_eq!(seq.release(&mut pool)?, 1);
+//! # Ok::<(), bulkhead_kv::KvError>(())
+//! ```
+//!
+//! # Layout
+//! - `ids`: [`PageId`], [`Generation`], [`RequestId`], [`PoolId`] (process-unique pool ids).
+//! - `layout`: [`KvLayout`] (page shape and sizes) and [`PoolConfig`].
+//! - `error`: [`KvError`], one typed variant per refusal.
+//! - `pool`: [`KvPool`], [`Lease`], [`Quarantined`], [`PageRead`], [`PoolStats`], [`POISON`].
+//! - `sequence`: [`SequenceKv`], the page table of one sequence.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod error;
+mod ids;
+mod layout;
+mod pool;
+mod sequence;
+
+pub use error::KvError;
+pub use ids::{Generation, PageId, PoolId, RequestId};
+pub use layout::{KvLayout, PoolConfig};
+pub use pool::{KvPool, Lease, POISON, PageRead, PoolStats, Quarantined};
+pub use sequence::SequenceKv;

@@ -1,0 +1,913 @@
+//! [`KvPool`]: page storage, leases, watermarks, quarantine and the checks on every access.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use half::f16;
+
+use crate::{Generation, KvError, KvLayout, PageId, PoolConfig, PoolId, RequestId};
+
+/// Sentinel written over a page when it returns to the free list (if
+/// [`PoolConfig::poison_on_release`]): a quiet f16 NaN with a recognisable payload, so a read
+/// that escaped the checks yields NaN (loud) instead of another request's KV. Compare with
+/// `to_bits()`, since NaN != NaN.
+pub const POISON: f16 = f16::from_bits(0x7EAD);
+
+/// What a handle claims about its page; shared by [`Lease`] and [`Quarantined`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Tag {
+    pool: PoolId,
+    page: PageId,
+    generation: Generation,
+    owner: RequestId,
+}
+
+/// Lease of one page to one request at one generation.
+///
+/// Only the pool constructs it, and it is neither `Clone` nor `Copy`, so at most one
+/// handle exists per (page, generation). Giving it back ([`KvPool::release`],
+/// [`KvPool::quarantine`]) consumes it. Dropping it without giving it back leaves the page
+/// leased (never reused, so never leaked to another request); [`KvPool::revoke_owner`]
+/// recovers such pages.
+#[must_use = "a dropped lease keeps its page leased; release or quarantine it"]
+#[derive(Debug)]
+pub struct Lease {
+    tag: Tag,
+}
+
+impl Lease {
+    /// The leased page.
+    pub fn page(&self) -> PageId {
+        self.tag.page
+    }
+    /// The page's generation when this lease was granted.
+    pub fn generation(&self) -> Generation {
+        self.tag.generation
+    }
+    /// The request the page is leased to.
+    pub fn owner(&self) -> RequestId {
+        self.tag.owner
+    }
+    /// The pool that granted this lease.
+    pub fn pool(&self) -> PoolId {
+        self.tag.pool
+    }
+}
+
+/// A page taken out of service until its writer is fenced (design I4): neither free nor
+/// readable nor writable. Not `Clone`; [`KvPool::release_quarantined`] consumes it.
+#[must_use = "a dropped quarantine handle keeps its page out of service forever"]
+#[derive(Debug)]
+pub struct Quarantined {
+    tag: Tag,
+}
+
+impl Quarantined {
+    /// The quarantined page.
+    pub fn page(&self) -> PageId {
+        self.tag.page
+    }
+    /// The generation of the lease that was quarantined.
+    pub fn generation(&self) -> Generation {
+        self.tag.generation
+    }
+    /// The request that held the page.
+    pub fn owner(&self) -> RequestId {
+        self.tag.owner
+    }
+    /// The pool holding the page.
+    pub fn pool(&self) -> PoolId {
+        self.tag.pool
+    }
+}
+
+/// Borrowed view of K and V of one page for one layer, holding only the written slots.
+#[derive(Clone, Copy, Debug)]
+pub struct PageRead<'a> {
+    /// The layer's whole K block, `[kv_head][slot 0..page_size][head_dim]`; only the first
+    /// `len` slots of each head are ever handed out.
+    k: &'a [f16],
+    /// Same for V.
+    v: &'a [f16],
+    /// Written slots (the watermark at read time).
+    len: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    page_size: usize,
+}
+
+impl<'a> PageRead<'a> {
+    /// Written slots: the layer's watermark in the lease's generation.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// No slot written yet.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// KV heads per slot.
+    pub fn kv_heads(&self) -> usize {
+        self.kv_heads
+    }
+    /// Elements per head.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+    /// K of head `kv_head`: `len * head_dim` elements, slot-major (slot `s` at `[s*head_dim..]`).
+    ///
+    /// # Panics
+    /// If `kv_head >= kv_heads` (a programmer error: the layout is known to the caller).
+    pub fn k_head(&self, kv_head: usize) -> &'a [f16] {
+        self.head(self.k, kv_head)
+    }
+    /// V of head `kv_head`, laid out like [`PageRead::k_head`].
+    ///
+    /// # Panics
+    /// If `kv_head >= kv_heads`.
+    pub fn v_head(&self, kv_head: usize) -> &'a [f16] {
+        self.head(self.v, kv_head)
+    }
+
+    fn head(&self, block: &'a [f16], kv_head: usize) -> &'a [f16] {
+        assert!(
+            kv_head < self.kv_heads,
+            "kv_head {kv_head} must be < kv_heads {}",
+            self.kv_heads
+        );
+        let start = kv_head * self.page_size * self.head_dim;
+        // Only the written prefix: slots >= len hold an earlier generation's data (I2).
+        &block[start..start + self.len * self.head_dim]
+    }
+}
+
+/// Counts of pages by state, and of what the pool did (design I6: checks are counted).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Pages in the pool.
+    pub total_pages: usize,
+    /// Pages on the free list.
+    pub free_pages: usize,
+    /// Pages leased to a request.
+    pub leased_pages: usize,
+    /// Pages quarantined.
+    pub quarantined_pages: usize,
+    /// Leases granted since the pool was made.
+    pub leases_granted: u64,
+    /// Pages returned to the free list (from leased or quarantined).
+    pub releases: u64,
+    /// Pages quarantined (by [`KvPool::quarantine`] or [`KvPool::revoke_owner`]).
+    pub quarantines: u64,
+    /// Writes that passed every check.
+    pub writes: u64,
+    /// Reads that passed every check.
+    pub reads: u64,
+    /// Accesses refused with an error (stale, foreign, out of range, non-sequential, ...).
+    pub refusals: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PageState {
+    Free,
+    Leased(RequestId),
+    Quarantined(RequestId),
+}
+
+impl PageState {
+    /// The request holding the page, leased or quarantined.
+    fn owner(self) -> Option<RequestId> {
+        match self {
+            PageState::Free => None,
+            PageState::Leased(o) | PageState::Quarantined(o) => Some(o),
+        }
+    }
+}
+
+/// Which state a handle requires of its page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Want {
+    Leased,
+    Quarantined,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct PageMeta {
+    state: PageState,
+    /// Generation of the latest lease of this page (0: never leased).
+    generation: Generation,
+}
+
+/// The page allocator and the only place KV bytes live.
+///
+/// Invariants (asserted by [`KvPool::check_invariants`]):
+/// - every page is exactly one of free (on the free list once), leased, quarantined;
+/// - a page's generation only grows, and each lease gets a fresh one (I1);
+/// - a page's per-layer watermarks count slots written in its current generation, and are
+///   zero unless the page is leased, so nothing written earlier is ever readable (I2).
+pub struct KvPool {
+    id: PoolId,
+    layout: KvLayout,
+    poison_on_release: bool,
+    /// `pages * page_elems` elements; page `p` at `[p * page_elems..]`.
+    storage: Vec<f16>,
+    meta: Vec<PageMeta>,
+    /// `watermarks[page * layers + layer]`: slots written in that layer this generation.
+    watermarks: Vec<usize>,
+    /// Free pages, used as a stack (most recently freed reused first).
+    free: Vec<PageId>,
+    /// Last generation handed out, pool-wide; strictly increasing, hence per page too.
+    last_generation: u64,
+    leased: usize,
+    quarantined: usize,
+    leases_granted: u64,
+    releases: u64,
+    quarantines: u64,
+    writes: u64,
+    /// Atomic so that `read(&self)` can count while the pool stays `Sync`.
+    reads: AtomicU64,
+    refusals: AtomicU64,
+}
+
+impl fmt::Debug for KvPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never print storage: it is other requests' KV.
+        f.debug_struct("KvPool")
+            .field("id", &self.id)
+            .field("layout", &self.layout)
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl KvPool {
+    /// Makes a pool of `cfg.pages` free pages. Storage is allocated up front with
+    /// `try_reserve_exact`, so running out of memory is an error, not an abort.
+    pub fn new(cfg: PoolConfig) -> Result<Self, KvError> {
+        let layout = cfg.layout;
+        layout.validate()?;
+        if cfg.pages == 0 {
+            return Err(KvError::NoPages);
+        }
+        let too_large = KvError::TooLarge {
+            pages: cfg.pages,
+            layout,
+        };
+        // Page ids are u32.
+        if u32::try_from(cfg.pages - 1).is_err() {
+            return Err(too_large);
+        }
+        let elems = cfg
+            .pages
+            .checked_mul(layout.page_elems())
+            .ok_or(too_large.clone())?;
+        let bytes = elems.checked_mul(2).ok_or(too_large.clone())?;
+        cfg.pages
+            .checked_mul(layout.page_size)
+            .ok_or(too_large.clone())?;
+        let wm_len = cfg.pages.checked_mul(layout.layers).ok_or(too_large)?;
+
+        let mut storage = Vec::new();
+        storage
+            .try_reserve_exact(elems)
+            .map_err(|_| KvError::OutOfMemory { bytes })?;
+        let fill = if cfg.poison_on_release {
+            POISON
+        } else {
+            f16::ZERO
+        };
+        storage.resize(elems, fill);
+
+        let meta = vec![
+            PageMeta {
+                state: PageState::Free,
+                generation: Generation(0)
+            };
+            cfg.pages
+        ];
+        // Reverse so that page 0 is leased first (deterministic, easier to read in tests).
+        let free = (0..cfg.pages)
+            .rev()
+            .map(|p| PageId(p as u32)) // p < 2^32 checked above
+            .collect();
+        Ok(KvPool {
+            id: PoolId::fresh(),
+            layout,
+            poison_on_release: cfg.poison_on_release,
+            storage,
+            meta,
+            watermarks: vec![0; wm_len],
+            free,
+            last_generation: 0,
+            leased: 0,
+            quarantined: 0,
+            leases_granted: 0,
+            releases: 0,
+            quarantines: 0,
+            writes: 0,
+            reads: AtomicU64::new(0),
+            refusals: AtomicU64::new(0),
+        })
+    }
+
+    /// This pool's process-unique id.
+    pub fn id(&self) -> PoolId {
+        self.id
+    }
+
+    /// Shape of every page.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// Pages in the pool.
+    pub fn total_pages(&self) -> usize {
+        self.meta.len()
+    }
+
+    /// Tokens the whole pool can hold: `pages * page_size` (design I5).
+    pub fn capacity_tokens(&self) -> usize {
+        self.meta.len() * self.layout.page_size
+    }
+
+    /// Leases one free page to `owner` at a fresh generation.
+    pub fn lease(&mut self, owner: RequestId) -> Result<Lease, KvError> {
+        match self.free.pop() {
+            Some(page) => Ok(self.grant(page, owner)),
+            None => Err(KvError::Exhausted {
+                requested: 1,
+                free: 0,
+            }),
+        }
+    }
+
+    /// Leases `n` pages to `owner`, all or nothing: on [`KvError::Exhausted`] no page was taken.
+    pub fn lease_many(&mut self, owner: RequestId, n: usize) -> Result<Vec<Lease>, KvError> {
+        // All or nothing: decide before taking any page, so a failure leaves nothing leased.
+        if n > self.free.len() {
+            return Err(KvError::Exhausted {
+                requested: n,
+                free: self.free.len(),
+            });
+        }
+        let mut leases = Vec::with_capacity(n);
+        for _ in 0..n {
+            leases.push(self.lease(owner)?);
+        }
+        Ok(leases)
+    }
+
+    fn grant(&mut self, page: PageId, owner: RequestId) -> Lease {
+        assert!(
+            self.last_generation < u64::MAX,
+            "generations must strictly increase; u64 exhausted"
+        );
+        self.last_generation += 1;
+        let generation = Generation(self.last_generation);
+        let meta = &mut self.meta[page.index()];
+        assert_eq!(
+            meta.state,
+            PageState::Free,
+            "the free list holds only free pages"
+        );
+        assert!(
+            meta.generation < generation,
+            "a page's generation strictly increases on every lease"
+        );
+        meta.state = PageState::Leased(owner);
+        meta.generation = generation;
+        self.leased += 1;
+        self.leases_granted += 1;
+        Lease {
+            tag: Tag {
+                pool: self.id,
+                page,
+                generation,
+                owner,
+            },
+        }
+    }
+
+    /// Verifies a lease is live: made by this pool, page leased, same generation, same owner.
+    /// Every access runs this first; it is public so callers can check before long work.
+    pub fn check(&self, lease: &Lease) -> Result<(), KvError> {
+        self.counted(self.verify(&lease.tag, Want::Leased))
+    }
+
+    /// The isolation check (I1) shared by every handle. Each condition is separate so that a
+    /// test bites each one.
+    fn verify(&self, tag: &Tag, want: Want) -> Result<(), KvError> {
+        if tag.pool != self.id {
+            return Err(KvError::ForeignLease {
+                lease_pool: tag.pool,
+                pool: self.id,
+            });
+        }
+        let meta = self
+            .meta
+            .get(tag.page.index())
+            .ok_or(KvError::PageOutOfRange {
+                page: tag.page,
+                pages: self.meta.len(),
+            })?;
+        let state_ok = match want {
+            Want::Leased => matches!(meta.state, PageState::Leased(_)),
+            Want::Quarantined => matches!(meta.state, PageState::Quarantined(_)),
+        };
+        let generation_ok = meta.generation == tag.generation;
+        let owner_ok = meta.state.owner() == Some(tag.owner);
+        if state_ok && generation_ok && owner_ok {
+            Ok(())
+        } else {
+            Err(KvError::StaleLease {
+                page: tag.page,
+                lease_generation: tag.generation,
+                page_generation: meta.generation,
+            })
+        }
+    }
+
+    fn check_layer(&self, layer: usize) -> Result<(), KvError> {
+        if layer >= self.layout.layers {
+            return Err(KvError::LayerOutOfRange {
+                layer,
+                layers: self.layout.layers,
+            });
+        }
+        Ok(())
+    }
+
+    /// Counts a refusal (I6) and passes the result through.
+    fn counted<T>(&self, r: Result<T, KvError>) -> Result<T, KvError> {
+        if r.is_err() {
+            self.refusals.fetch_add(1, Ordering::Relaxed);
+        }
+        r
+    }
+
+    fn wm_index(&self, page: PageId, layer: usize) -> usize {
+        page.index() * self.layout.layers + layer
+    }
+
+    /// Start of the K block of `layer` in `page`; the V block follows it.
+    fn block_start(&self, page: PageId, layer: usize) -> usize {
+        page.index() * self.layout.page_elems() + layer * 2 * self.layout.block_elems()
+    }
+
+    /// Returns the page to the free list: watermarks zeroed, storage poisoned if configured.
+    fn free_page(&mut self, page: PageId) {
+        self.reset_watermarks(page);
+        if self.poison_on_release {
+            let pe = self.layout.page_elems();
+            let start = page.index() * pe;
+            self.storage[start..start + pe].fill(POISON);
+        }
+        self.meta[page.index()].state = PageState::Free;
+        self.free.push(page);
+        self.releases += 1;
+    }
+
+    fn reset_watermarks(&mut self, page: PageId) {
+        let start = self.wm_index(page, 0);
+        let layers = self.layout.layers;
+        self.watermarks[start..start + layers].fill(0);
+    }
+
+    /// Gives a leased page back to the free list (watermarks reset, poisoned if configured).
+    /// A stale or foreign lease is refused and the page is left as it is.
+    pub fn release(&mut self, lease: Lease) -> Result<(), KvError> {
+        self.check(&lease)?;
+        self.leased -= 1;
+        self.free_page(lease.tag.page);
+        Ok(())
+    }
+
+    /// Takes a leased page out of service until its writer is fenced (I4): it is neither
+    /// free nor readable nor writable until [`KvPool::release_quarantined`].
+    pub fn quarantine(&mut self, lease: Lease) -> Result<Quarantined, KvError> {
+        self.check(&lease)?;
+        Ok(self.quarantine_page(lease.tag))
+    }
+
+    fn quarantine_page(&mut self, tag: Tag) -> Quarantined {
+        // Nothing may read this generation any more; zeroed watermarks make that visible.
+        self.reset_watermarks(tag.page);
+        self.meta[tag.page.index()].state = PageState::Quarantined(tag.owner);
+        self.leased -= 1;
+        self.quarantined += 1;
+        self.quarantines += 1;
+        Quarantined { tag }
+    }
+
+    /// Frees a quarantined page once its writer is fenced (poisoned likewise).
+    pub fn release_quarantined(&mut self, q: Quarantined) -> Result<(), KvError> {
+        self.counted(self.verify(&q.tag, Want::Quarantined))?;
+        self.quarantined -= 1;
+        self.free_page(q.tag.page);
+        Ok(())
+    }
+
+    /// Quarantines every page leased to `owner`, whatever `Lease` values still exist (they
+    /// become stale). For aborts whose lease holders cannot be reached, and to recover pages
+    /// whose lease was dropped. Returns the handles in page order.
+    pub fn revoke_owner(&mut self, owner: RequestId) -> Vec<Quarantined> {
+        let mut out = Vec::new();
+        for i in 0..self.meta.len() {
+            let meta = self.meta[i];
+            if meta.state == PageState::Leased(owner) {
+                let page = PageId(i as u32); // i < pages <= 2^32, checked in new
+                let tag = Tag {
+                    pool: self.id,
+                    page,
+                    generation: meta.generation,
+                    owner,
+                };
+                out.push(self.quarantine_page(tag));
+            }
+        }
+        out
+    }
+
+    /// Appends one token's K and V at `slot` of `layer`. Each of `k`, `v` holds `row_elems`
+    /// f32, head-major (head `h` at `[h*head_dim..]`); they are stored rounded to f16.
+    /// Append-only: `slot` must equal the layer's watermark and be `< page_size`.
+    /// Nothing is written unless every check passes.
+    pub fn write(
+        &mut self,
+        lease: &Lease,
+        layer: usize,
+        slot: usize,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), KvError> {
+        let r = self.write_checked(lease, layer, slot, k, v);
+        self.counted(r)
+    }
+
+    fn write_checked(
+        &mut self,
+        lease: &Lease,
+        layer: usize,
+        slot: usize,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), KvError> {
+        self.verify(&lease.tag, Want::Leased)?;
+        self.check_layer(layer)?;
+        let page = lease.tag.page;
+        let row = self.layout.row_elems();
+        if k.len() != row || v.len() != row {
+            return Err(KvError::RowLength {
+                expected: row,
+                k: k.len(),
+                v: v.len(),
+            });
+        }
+        let page_size = self.layout.page_size;
+        if slot >= page_size {
+            return Err(KvError::PageFull {
+                page,
+                layer,
+                slot,
+                page_size,
+            });
+        }
+        let wm = self.wm_index(page, layer);
+        let watermark = self.watermarks[wm];
+        // Append-only: the written slots are always exactly 0..watermark, no holes.
+        if slot != watermark {
+            return Err(KvError::NonSequentialWrite {
+                page,
+                layer,
+                slot,
+                watermark,
+            });
+        }
+
+        let hd = self.layout.head_dim;
+        let head_stride = page_size * hd;
+        let k_block = self.block_start(page, layer);
+        let v_block = k_block + self.layout.block_elems();
+        for h in 0..self.layout.kv_heads {
+            let at = h * head_stride + slot * hd;
+            let src = h * hd..(h + 1) * hd;
+            for (dst, x) in self.storage[k_block + at..k_block + at + hd]
+                .iter_mut()
+                .zip(&k[src.clone()])
+            {
+                *dst = f16::from_f32(*x);
+            }
+            for (dst, x) in self.storage[v_block + at..v_block + at + hd]
+                .iter_mut()
+                .zip(&v[src])
+            {
+                *dst = f16::from_f32(*x);
+            }
+        }
+        self.watermarks[wm] = slot + 1;
+        self.writes += 1;
+        Ok(())
+    }
+
+    /// K and V of the lease's page for `layer`, limited to the slots written in the lease's
+    /// generation (the watermark).
+    pub fn read(&self, lease: &Lease, layer: usize) -> Result<PageRead<'_>, KvError> {
+        let r = self.read_checked(lease, layer);
+        if r.is_ok() {
+            self.reads.fetch_add(1, Ordering::Relaxed);
+        }
+        self.counted(r)
+    }
+
+    fn read_checked(&self, lease: &Lease, layer: usize) -> Result<PageRead<'_>, KvError> {
+        self.verify(&lease.tag, Want::Leased)?;
+        self.check_layer(layer)?;
+        let page = lease.tag.page;
+        // Never page_size: slots past the watermark hold earlier generations' KV (I2).
+        let len = self.watermarks[self.wm_index(page, layer)];
+        let block = self.layout.block_elems();
+        let k_start = self.block_start(page, layer);
+        Ok(PageRead {
+            k: &self.storage[k_start..k_start + block],
+            v: &self.storage[k_start + block..k_start + 2 * block],
+            len,
+            kv_heads: self.layout.kv_heads,
+            head_dim: self.layout.head_dim,
+            page_size: self.layout.page_size,
+        })
+    }
+
+    /// Slots written in `layer` of the lease's page in its generation.
+    pub fn watermark(&self, lease: &Lease, layer: usize) -> Result<usize, KvError> {
+        let r = self
+            .verify(&lease.tag, Want::Leased)
+            .and_then(|()| self.check_layer(layer))
+            .map(|()| self.watermarks[self.wm_index(lease.tag.page, layer)]);
+        self.counted(r)
+    }
+
+    /// Whether every element of `page` holds [`POISON`]. Reveals one bit, never KV values;
+    /// meant for tests and canaries ("check that poisoning really ran", I6).
+    pub fn page_is_poisoned(&self, page: PageId) -> Result<bool, KvError> {
+        if page.index() >= self.meta.len() {
+            return Err(KvError::PageOutOfRange {
+                page,
+                pages: self.meta.len(),
+            });
+        }
+        let pe = self.layout.page_elems();
+        let start = page.index() * pe;
+        Ok(self.storage[start..start + pe]
+            .iter()
+            .all(|x| x.to_bits() == POISON.to_bits()))
+    }
+
+    /// Counts of pages and operations.
+    pub fn stats(&self) -> PoolStats {
+        PoolStats {
+            total_pages: self.meta.len(),
+            free_pages: self.free.len(),
+            leased_pages: self.leased,
+            quarantined_pages: self.quarantined,
+            leases_granted: self.leases_granted,
+            releases: self.releases,
+            quarantines: self.quarantines,
+            writes: self.writes,
+            reads: self.reads.load(Ordering::Relaxed),
+            refusals: self.refusals.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Asserts the bookkeeping is consistent; for tests. O(pages * layers).
+    ///
+    /// # Panics
+    /// With a message naming the broken invariant.
+    pub fn check_invariants(&self) {
+        let pages = self.meta.len();
+        assert_eq!(
+            self.storage.len(),
+            pages * self.layout.page_elems(),
+            "storage holds exactly pages * page_elems elements"
+        );
+        assert_eq!(
+            self.watermarks.len(),
+            pages * self.layout.layers,
+            "one watermark per page and layer"
+        );
+        let mut on_free_list = vec![false; pages];
+        for &p in &self.free {
+            assert!(
+                p.index() < pages,
+                "free list holds only pages of this pool ({p})"
+            );
+            assert!(
+                !on_free_list[p.index()],
+                "free list has no duplicates (page {p} twice)"
+            );
+            on_free_list[p.index()] = true;
+        }
+        let (mut free, mut leased, mut quarantined) = (0, 0, 0);
+        for (i, m) in self.meta.iter().enumerate() {
+            match m.state {
+                PageState::Free => free += 1,
+                PageState::Leased(_) => leased += 1,
+                PageState::Quarantined(_) => quarantined += 1,
+            }
+            assert_eq!(
+                on_free_list[i],
+                m.state == PageState::Free,
+                "page {i} is on the free list exactly when its state is Free"
+            );
+            assert!(
+                m.generation.0 <= self.last_generation,
+                "no page generation exceeds the last one handed out (page {i})"
+            );
+            if m.state != PageState::Free {
+                assert!(
+                    m.generation.0 > 0,
+                    "a leased or quarantined page has been granted a generation (page {i})"
+                );
+            }
+            let wms = &self.watermarks[i * self.layout.layers..(i + 1) * self.layout.layers];
+            assert!(
+                wms.iter().all(|&w| w <= self.layout.page_size),
+                "watermarks never exceed page_size (page {i}: {wms:?})"
+            );
+            if !matches!(m.state, PageState::Leased(_)) {
+                assert!(
+                    wms.iter().all(|&w| w == 0),
+                    "a page that is not leased has zero watermarks (page {i}: {wms:?})"
+                );
+            }
+        }
+        assert_eq!(free, self.free.len(), "free count matches the free list");
+        assert_eq!(leased, self.leased, "leased count matches page states");
+        assert_eq!(
+            quarantined, self.quarantined,
+            "quarantined count matches page states"
+        );
+        assert_eq!(
+            free + leased + quarantined,
+            pages,
+            "every page is free, leased or quarantined"
+        );
+        assert_eq!(
+            self.leases_granted - self.releases,
+            (leased + quarantined) as u64,
+            "every granted lease is either still out (leased/quarantined) or released"
+        );
+        assert_eq!(
+            self.last_generation, self.leases_granted,
+            "one generation per lease granted"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool() -> KvPool {
+        let layout = KvLayout {
+            layers: 2,
+            kv_heads: 2,
+            head_dim: 2,
+            page_size: 4,
+        };
+        KvPool::new(PoolConfig {
+            layout,
+            pages: 2,
+            poison_on_release: true,
+        })
+        .unwrap()
+    }
+
+    /// Leases cannot be forged outside this crate, so a live generation with another owner
+    /// cannot happen in safe code; the owner check is defence in depth. Forge one here.
+    #[test]
+    fn a_lease_with_the_right_generation_but_another_owner_is_refused() {
+        let mut p = pool();
+        let real = p.lease(RequestId(1)).unwrap();
+        let forged = Lease {
+            tag: Tag {
+                owner: RequestId(2),
+                ..real.tag
+            },
+        };
+        let stale = Err(KvError::StaleLease {
+            page: real.page(),
+            lease_generation: real.generation(),
+            page_generation: real.generation(),
+        });
+        let row = [0.5f32; 4];
+        assert_eq!(p.write(&forged, 0, 0, &row, &row), stale);
+        assert_eq!(
+            p.read(&forged, 0).map(|r| r.len()),
+            stale.clone().map(|()| 0)
+        );
+        assert_eq!(p.watermark(&forged, 0), stale.clone().map(|()| 0));
+        assert_eq!(p.release(forged), stale);
+        p.write(&real, 0, 0, &row, &row).unwrap();
+        assert_eq!(
+            p.quarantine(Lease {
+                tag: Tag {
+                    owner: RequestId(2),
+                    ..real.tag
+                }
+            })
+            .map(|q| q.page()),
+            stale.map(|()| real.page())
+        );
+        p.release(real).unwrap();
+        p.check_invariants();
+    }
+
+    #[test]
+    fn a_quarantine_handle_with_another_owner_is_refused() {
+        let mut p = pool();
+        let l = p_lease(&mut p);
+        let q = p.quarantine(l).unwrap();
+        let forged = Quarantined {
+            tag: Tag {
+                owner: RequestId(9),
+                ..q.tag
+            },
+        };
+        assert!(matches!(
+            p.release_quarantined(forged),
+            Err(KvError::StaleLease { .. })
+        ));
+        p.release_quarantined(q).unwrap();
+        p.check_invariants();
+    }
+
+    /// A quarantine handle cannot be made for a leased page in safe code; forge one to bite
+    /// the state check on `release_quarantined`.
+    #[test]
+    fn a_quarantine_handle_for_a_page_that_is_leased_is_refused() {
+        let mut p = pool();
+        let l = p_lease(&mut p);
+        let forged = Quarantined { tag: l.tag };
+        assert!(matches!(
+            p.release_quarantined(forged),
+            Err(KvError::StaleLease { .. })
+        ));
+        assert_eq!(p.stats().leased_pages, 1);
+        p.release(l).unwrap();
+        p.check_invariants();
+    }
+
+    fn p_lease(p: &mut KvPool) -> Lease {
+        p.lease(RequestId(1)).unwrap()
+    }
+
+    #[test]
+    fn a_lease_naming_a_page_outside_the_pool_is_refused() {
+        let mut p = pool();
+        let real = p_lease(&mut p);
+        let forged = Lease {
+            tag: Tag {
+                page: PageId(7),
+                ..real.tag
+            },
+        };
+        assert_eq!(
+            p.check(&forged),
+            Err(KvError::PageOutOfRange {
+                page: PageId(7),
+                pages: 2
+            })
+        );
+        p.release(real).unwrap();
+    }
+
+    #[test]
+    fn storage_layout_puts_one_heads_written_slots_in_one_contiguous_slice() {
+        let mut p = pool();
+        let l = p_lease(&mut p);
+        // row = [head0: (a,b), head1: (c,d)]
+        p.write(&l, 1, 0, &[1.0, 2.0, 3.0, 4.0], &[5.0, 6.0, 7.0, 8.0])
+            .unwrap();
+        p.write(
+            &l,
+            1,
+            1,
+            &[9.0, 10.0, 11.0, 12.0],
+            &[13.0, 14.0, 15.0, 16.0],
+        )
+        .unwrap();
+        let page = l.page().index() * p.layout.page_elems();
+        let block = p.layout.block_elems(); // 2 heads * 4 slots * 2 = 16
+        let k1 = page + 2 * block; // layer 1 K
+        let f = |x: f32| f16::from_f32(x);
+        assert_eq!(&p.storage[k1..k1 + 4], &[f(1.0), f(2.0), f(9.0), f(10.0)]);
+        assert_eq!(
+            &p.storage[k1 + 8..k1 + 12],
+            &[f(3.0), f(4.0), f(11.0), f(12.0)]
+        );
+        let v1 = k1 + block;
+        assert_eq!(
+            &p.storage[v1 + 8..v1 + 12],
+            &[f(7.0), f(8.0), f(15.0), f(16.0)]
+        );
+        p.release(l).unwrap();
+    }
+}

@@ -1,0 +1,169 @@
+//! [`SequenceKv`]: the ordered pages of one sequence and how many of its tokens are committed.
+
+use crate::{KvError, KvPool, Lease, PoolId, Quarantined, RequestId};
+
+/// The pool a sequence took its pages from, fixed at its first [`SequenceKv::reserve`].
+#[derive(Clone, Copy, Debug)]
+struct Binding {
+    pool: PoolId,
+    page_size: usize,
+}
+
+/// The pages of one sequence in order; position `p` lives in page `p / page_size`, slot
+/// `p % page_size`.
+///
+/// Not `Clone`: it owns its leases. Give it back with [`SequenceKv::release`] or
+/// [`SequenceKv::quarantine`]; dropping it leaves its pages leased (recover them with
+/// [`KvPool::revoke_owner`]).
+#[derive(Debug)]
+pub struct SequenceKv {
+    owner: RequestId,
+    leases: Vec<Lease>,
+    binding: Option<Binding>,
+    /// Tokens whose KV is written in every layer; always <= reserved tokens.
+    committed: usize,
+}
+
+impl SequenceKv {
+    /// An empty sequence owned by `owner`, bound to no pool yet.
+    pub fn new(owner: RequestId) -> Self {
+        SequenceKv {
+            owner,
+            leases: Vec::new(),
+            binding: None,
+            committed: 0,
+        }
+    }
+
+    /// The request this sequence's pages are leased to.
+    pub fn owner(&self) -> RequestId {
+        self.owner
+    }
+
+    /// Tokens whose KV is written in all layers (committed).
+    pub fn len(&self) -> usize {
+        self.committed
+    }
+
+    /// No token committed.
+    pub fn is_empty(&self) -> bool {
+        self.committed == 0
+    }
+
+    /// The leases, in position order.
+    pub fn leases(&self) -> &[Lease] {
+        &self.leases
+    }
+
+    /// Token positions the leased pages can hold.
+    pub fn reserved_tokens(&self) -> usize {
+        self.binding.map_or(0, |b| self.leases.len() * b.page_size)
+    }
+
+    /// Leases pages so that `tokens` positions fit; all or nothing. Never shrinks. A sequence
+    /// takes all its pages from one pool; another pool gives [`KvError::ForeignLease`].
+    pub fn reserve(&mut self, pool: &mut KvPool, tokens: usize) -> Result<(), KvError> {
+        if let Some(b) = self.binding
+            && b.pool != pool.id()
+        {
+            return Err(KvError::ForeignLease {
+                lease_pool: b.pool,
+                pool: pool.id(),
+            });
+        }
+        let need = pool.layout().pages_for_tokens(tokens);
+        if need > self.leases.len() {
+            // lease_many is all or nothing, so a failure leaves this sequence unchanged.
+            let fresh = pool.lease_many(self.owner, need - self.leases.len())?;
+            self.leases.extend(fresh);
+        }
+        self.binding = Some(Binding {
+            pool: pool.id(),
+            page_size: pool.layout().page_size,
+        });
+        Ok(())
+    }
+
+    /// The lease holding position `pos` and the slot within its page; an error if `pos` is
+    /// not reserved.
+    pub fn locate(&self, pos: usize) -> Result<(&Lease, usize), KvError> {
+        let not_reserved = KvError::NotReserved {
+            pos,
+            reserved: self.reserved_tokens(),
+        };
+        let Some(b) = self.binding else {
+            return Err(not_reserved);
+        };
+        match self.leases.get(pos / b.page_size) {
+            Some(lease) => Ok((lease, pos % b.page_size)),
+            None => Err(not_reserved),
+        }
+    }
+
+    /// Marks `n` more tokens as written in all layers, after the forward pass wrote them.
+    /// Checks the pool's watermarks: every layer of every page must cover the new positions.
+    /// On error nothing is committed.
+    pub fn commit(&mut self, pool: &KvPool, n: usize) -> Result<(), KvError> {
+        let reserved = self.reserved_tokens();
+        let end = self.committed.saturating_add(n);
+        if end > reserved {
+            return Err(KvError::NotReserved {
+                pos: end - 1,
+                reserved,
+            });
+        }
+        let Some(Binding { page_size, .. }) = self.binding else {
+            // Nothing reserved, so end == 0: nothing to commit.
+            return Ok(());
+        };
+        let mut pos = self.committed;
+        while pos < end {
+            let (lease, slot) = self.locate(pos)?;
+            let page_start = pos - slot;
+            // End (exclusive) of [pos, end) inside this page.
+            let page_end = end.min(page_start + page_size);
+            let need = page_end - page_start; // slots that must be written in this page
+            for layer in 0..pool.layout().layers {
+                let watermark = pool.watermark(lease, layer)?;
+                // I2: commit only what every layer really wrote in this generation.
+                if watermark < need {
+                    return Err(KvError::NotWritten {
+                        pos: page_start + watermark.max(slot),
+                        layer,
+                        page: lease.page(),
+                        watermark,
+                    });
+                }
+            }
+            pos = page_end;
+        }
+        self.committed = end;
+        Ok(())
+    }
+
+    /// Gives every page back to the free list; returns how many. All leases are checked
+    /// first, so on error nothing was released (the pages stay leased to this owner;
+    /// [`KvPool::revoke_owner`] recovers them).
+    pub fn release(self, pool: &mut KvPool) -> Result<usize, KvError> {
+        for lease in &self.leases {
+            pool.check(lease)?;
+        }
+        let n = self.leases.len();
+        for lease in self.leases {
+            pool.release(lease)?;
+        }
+        Ok(n)
+    }
+
+    /// Quarantines every page instead of freeing it (I4: a writer may still be in flight).
+    /// All leases are checked first, so on error nothing was quarantined.
+    pub fn quarantine(self, pool: &mut KvPool) -> Result<Vec<Quarantined>, KvError> {
+        for lease in &self.leases {
+            pool.check(lease)?;
+        }
+        self.leases
+            .into_iter()
+            .map(|lease| pool.quarantine(lease))
+            .collect()
+    }
+}

@@ -1,0 +1,64 @@
+//! Portable kernels: the reference the SIMD path is tested against.
+
+use bulkhead_gguf::GgmlType;
+use half::f16;
+
+use crate::quant::{f16_at, Q8Acts, QK};
+
+pub(super) fn dot_q_row(ty: GgmlType, w: &[u8], acts: &Q8Acts, first: usize, out: &mut [f32]) {
+    let nb = acts.blocks_per_row();
+    for (i, o) in out.iter_mut().enumerate() {
+        let row = first + i;
+        let mut sum = 0.0f32;
+        for b in 0..nb {
+            let ab = row * nb + b;
+            let y = &acts.qs[ab * QK..(ab + 1) * QK];
+            let dy = acts.d[ab];
+            sum += match ty {
+                GgmlType::Q4_0 => {
+                    let blk = &w[b * 18..(b + 1) * 18];
+                    let mut si = 0i32;
+                    for j in 0..16 {
+                        si += (i32::from(blk[2 + j] & 0x0F) - 8) * i32::from(y[j]);
+                        si += (i32::from(blk[2 + j] >> 4) - 8) * i32::from(y[j + 16]);
+                    }
+                    f16_at(blk) * dy * si as f32
+                }
+                GgmlType::Q4_1 => {
+                    let blk = &w[b * 20..(b + 1) * 20];
+                    let mut si = 0i32;
+                    for j in 0..16 {
+                        si += i32::from(blk[4 + j] & 0x0F) * i32::from(y[j]);
+                        si += i32::from(blk[4 + j] >> 4) * i32::from(y[j + 16]);
+                    }
+                    f16_at(blk) * dy * si as f32 + f16_at(&blk[2..]) * acts.s[ab]
+                }
+                GgmlType::Q8_0 => {
+                    let blk = &w[b * 34..(b + 1) * 34];
+                    let si: i32 = (0..QK).map(|j| i32::from(blk[2 + j] as i8) * i32::from(y[j])).sum();
+                    f16_at(blk) * dy * si as f32
+                }
+                other => unreachable!("{other} is not a quantised block type"),
+            };
+        }
+        *o = sum;
+    }
+}
+
+pub(super) fn dot_f16_bytes(w: &[u8], x: &[f32]) -> f32 {
+    w.chunks_exact(2).zip(x).map(|(c, v)| f16_at(c) * v).sum()
+}
+
+pub(super) fn dot_f32_bytes(w: &[u8], x: &[f32]) -> f32 {
+    w.chunks_exact(4).zip(x).map(|(c, v)| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) * v).sum()
+}
+
+pub(super) fn dot_f16(k: &[f16], q: &[f32]) -> f32 {
+    k.iter().zip(q).map(|(a, b)| a.to_f32() * b).sum()
+}
+
+pub(super) fn axpy_f16(acc: &mut [f32], a: f32, v: &[f16]) {
+    for (o, x) in acc.iter_mut().zip(v) {
+        *o += a * x.to_f32();
+    }
+}

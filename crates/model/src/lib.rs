@@ -1,0 +1,120 @@
+//! A llama-architecture model from a GGUF file, run over paged KV.
+//!
+//! # Layout
+//! - [`config`]: hyperparameters from GGUF metadata.
+//! - [`weights`]: weight tensors, checked for shape and type (F32, F16, Q4_0, Q4_1, Q8_0).
+//! - [`quant`]: ggml block formats; 8-bit activation quantisation.
+//! - [`kernels`]: dot products and attention helpers, portable and AVX2 (detected at run time).
+//! - [`matmul`]: batched, multi-threaded matrix products.
+//! - [`forward`]: the forward pass for a batch of sequences over leased KV pages.
+//! - [`reference`]: a plain contiguous forward pass, the oracle the paged one is tested against.
+//!
+//! The only `unsafe` is in `kernels/avx2.rs` (SIMD loads), each with its `SAFETY:` argument.
+
+pub mod config;
+pub mod forward;
+pub mod kernels;
+pub mod matmul;
+pub mod quant;
+pub mod reference;
+pub mod weights;
+
+use std::path::{Path, PathBuf};
+
+use bulkhead_gguf::{GgufError, GgufFile};
+use bulkhead_kv::{KvError, KvLayout};
+
+pub use config::LlamaConfig;
+pub use forward::SeqInput;
+pub use kernels::Isa;
+pub use weights::Weights;
+
+/// Why a model could not be loaded or run.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("{path}: {source}")]
+    InFile { path: PathBuf, source: Box<ModelError> },
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error("unsupported architecture `{arch}` (general.architecture); Bulkhead runs llama-architecture models")]
+    UnsupportedArchitecture { arch: String },
+    #[error("tensor `{tensor}` has unsupported type {ty} (supported: F32, F16, Q4_0, Q4_1, Q8_0)")]
+    UnsupportedTensorType { tensor: String, ty: String },
+    #[error("tensor `{tensor}`: {why}")]
+    BadShape { tensor: String, why: String },
+    #[error("metadata key `{key}`: {why}")]
+    InvalidConfig { key: String, why: String },
+    #[error("token id {token} is outside the vocabulary of {vocab}")]
+    TokenOutOfRange { token: u32, vocab: usize },
+    #[error("sequence would need {needed} positions, the model's context is {context}")]
+    ContextOverflow { needed: usize, context: usize },
+    #[error("position {pos} has no reserved KV page")]
+    NotReserved { pos: usize },
+    #[error("page {page} layer {layer} holds {written} written slots, attention needs {needed}")]
+    MissingKv { page: u32, layer: usize, written: usize, needed: usize },
+    #[error("forward pass called with no tokens")]
+    EmptyBatch,
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    #[error("cannot start {threads} compute threads: {why}")]
+    Threads { threads: usize, why: String },
+}
+
+/// A loaded model with its compute threads.
+pub struct Llama {
+    /// Shape.
+    pub config: LlamaConfig,
+    /// Weights.
+    pub weights: Weights,
+    isa: Isa,
+    threads: rayon::ThreadPool,
+}
+
+impl std::fmt::Debug for Llama {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Llama").field("config", &self.config).field("isa", &self.isa).finish_non_exhaustive()
+    }
+}
+
+impl Llama {
+    /// Load a GGUF file; every error names the file.
+    pub fn load(path: impl AsRef<Path>, threads: usize) -> Result<Self, ModelError> {
+        let path = path.as_ref();
+        let f = GgufFile::open(path)?;
+        Self::from_gguf(&f, threads).map_err(|e| ModelError::InFile { path: path.to_path_buf(), source: Box::new(e) })
+    }
+
+    /// Build from a parsed file, with `threads` compute threads (0 = one per core).
+    pub fn from_gguf(f: &GgufFile, threads: usize) -> Result<Self, ModelError> {
+        let config = LlamaConfig::from_gguf(f)?;
+        let weights = Weights::load(f, &config)?;
+        let threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("bulkhead-compute-{i}"))
+            .build()
+            .map_err(|e| ModelError::Threads { threads, why: e.to_string() })?;
+        Ok(Llama { config, weights, isa: Isa::detect(), threads: pool })
+    }
+
+    /// Use another instruction set (tests compare the portable path with the SIMD one).
+    pub fn with_isa(mut self, isa: Isa) -> Self {
+        self.isa = isa;
+        self
+    }
+
+    /// The instruction set in use.
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    /// Compute threads.
+    pub fn threads(&self) -> usize {
+        self.threads.current_num_threads()
+    }
+
+    /// The KV page layout this model needs, for a pool of `page_size`-token pages.
+    pub fn kv_layout(&self, page_size: usize) -> KvLayout {
+        KvLayout { layers: self.config.layers, kv_heads: self.config.kv_heads, head_dim: self.config.head_dim, page_size }
+    }
+}

@@ -1,0 +1,82 @@
+//! Matrix products over a batch of activation rows, split across the thread pool by output
+//! rows. Each weight row is read once per call for all activation rows (the point of
+//! batching decode steps together), and several matrices that share an input (Q, K, V; gate
+//! and up) run as one parallel call.
+
+use rayon::prelude::*;
+
+use crate::kernels::{dot_f_row, dot_q_row, Isa};
+use crate::quant::Q8Acts;
+use crate::weights::Matrix;
+
+/// Reusable buffers for [`matmul`].
+#[derive(Debug, Default)]
+pub struct MatmulScratch {
+    q8: Q8Acts,
+    tmp: Vec<f32>,
+}
+
+/// Output rows per parallel task: enough tasks for balance, few enough that each is worth
+/// its scheduling cost.
+fn rows_per_task(total_rows: usize) -> usize {
+    let tasks = rayon::current_num_threads().max(1) * 4;
+    total_rows.div_ceil(tasks).max(16)
+}
+
+/// `outs[m] = x · mats[m]ᵀ`: `x` holds `n` rows of `cols` values; `outs[m]` receives `n`
+/// rows of `mats[m].rows` values. All matrices must have `cols` columns.
+pub fn matmul(isa: Isa, mats: &[&Matrix], x: &[f32], n: usize, scratch: &mut MatmulScratch, outs: &mut [&mut [f32]]) {
+    let cols = mats[0].cols;
+    assert!(mats.iter().all(|m| m.cols == cols), "fused matrices must share their input width");
+    assert!(x.len() == n * cols && outs.len() == mats.len(), "matmul input shape");
+    for (m, o) in mats.iter().zip(outs.iter()) {
+        assert_eq!(o.len(), n * m.rows, "matmul output shape");
+    }
+    if mats.iter().any(|m| m.is_quantized()) {
+        scratch.q8.quantize_from(x, n, cols);
+    }
+    let mut tasks = Vec::new();
+    let mut total = 0;
+    for (mi, m) in mats.iter().enumerate() {
+        let ch = rows_per_task(mats.iter().map(|m| m.rows).sum());
+        let mut r = 0;
+        while r < m.rows {
+            let e = (r + ch).min(m.rows);
+            tasks.push((mi, r, e));
+            r = e;
+        }
+        total += m.rows;
+    }
+    scratch.tmp.resize(total * n, 0.0);
+    let mut bufs = Vec::with_capacity(tasks.len());
+    let mut rest: &mut [f32] = &mut scratch.tmp;
+    for &(_, r0, r1) in &tasks {
+        let (head, tail) = rest.split_at_mut((r1 - r0) * n);
+        bufs.push(head);
+        rest = tail;
+    }
+    let q8 = &scratch.q8;
+    tasks.par_iter().zip(bufs.par_iter_mut()).for_each(|(&(mi, r0, r1), buf)| {
+        let m = mats[mi];
+        for r in r0..r1 {
+            let o = &mut buf[(r - r0) * n..(r - r0 + 1) * n];
+            if m.is_quantized() {
+                dot_q_row(isa, m.ty, m.row(r), q8, 0, o);
+            } else {
+                dot_f_row(isa, m.ty, m.row(r), x, cols, o);
+            }
+        }
+    });
+    // Results are [row][batch] per task; outputs are [batch][row].
+    let mut off = 0;
+    for &(mi, r0, r1) in &tasks {
+        let rows = mats[mi].rows;
+        let out = &mut outs[mi];
+        for r in r0..r1 {
+            for b in 0..n {
+                out[b * rows + r] = scratch.tmp[off + (r - r0) * n + b];
+            }
+        }
+        off += (r1 - r0) * n;
+    }
+}

@@ -1,0 +1,161 @@
+//! Weight tensors copied out of the GGUF file, checked for shape and type.
+
+use bulkhead_gguf::{GgmlType, GgufFile};
+
+use crate::config::LlamaConfig;
+use crate::quant::{dequantize_row, QK};
+use crate::ModelError;
+
+/// A weight matrix of `rows` output features by `cols` input features, rows stored in
+/// ggml's layout for its type (F32, F16, Q4_0, Q4_1 or Q8_0).
+#[derive(Debug)]
+pub struct Matrix {
+    /// Element type.
+    pub ty: GgmlType,
+    /// Output features.
+    pub rows: usize,
+    /// Input features.
+    pub cols: usize,
+    row_bytes: usize,
+    data: Vec<u8>,
+}
+
+impl Matrix {
+    /// Build from raw ggml bytes; shape and type are checked.
+    pub fn new(name: &str, ty: GgmlType, rows: usize, cols: usize, data: Vec<u8>) -> Result<Self, ModelError> {
+        let supported = matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0);
+        if !supported {
+            return Err(ModelError::UnsupportedTensorType { tensor: name.to_string(), ty: ty.to_string() });
+        }
+        if ty.block().is_some_and(|(be, _)| be == QK) && cols % QK != 0 {
+            return Err(ModelError::BadShape {
+                tensor: name.to_string(),
+                why: format!("{cols} columns is not a multiple of the {QK}-element block"),
+            });
+        }
+        let row_bytes = ty.bytes_for(cols as u64).map(|b| b as usize).unwrap_or(0);
+        if data.len() != rows * row_bytes {
+            return Err(ModelError::BadShape {
+                tensor: name.to_string(),
+                why: format!("{} bytes for {rows}x{cols} {ty}", data.len()),
+            });
+        }
+        Ok(Matrix { ty, rows, cols, row_bytes, data })
+    }
+
+    fn load(f: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<Self, ModelError> {
+        let (info, bytes) = f.tensor(name).map_err(|e| match e {
+            bulkhead_gguf::GgufError::BadTensor { name, why } if why.starts_with("unsupported") => {
+                ModelError::UnsupportedTensorType { tensor: name, ty: why.trim_start_matches("unsupported tensor type ").to_string() }
+            }
+            e => e.into(),
+        })?;
+        let want = [cols as u64, rows as u64];
+        if info.dims != want {
+            return Err(ModelError::BadShape { tensor: name.to_string(), why: format!("dims {:?}, expected {want:?}", info.dims) });
+        }
+        Matrix::new(name, info.ty, rows, cols, bytes.to_vec())
+    }
+
+    /// Raw bytes of row `r`.
+    #[inline]
+    pub fn row(&self, r: usize) -> &[u8] {
+        &self.data[r * self.row_bytes..(r + 1) * self.row_bytes]
+    }
+
+    /// True for the block-quantised types (which take 8-bit activations).
+    pub fn is_quantized(&self) -> bool {
+        matches!(self.ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
+    }
+
+    /// Row `r` as f32 values.
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        dequantize_row(self.ty, self.row(r), &mut out[..self.cols]);
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// One transformer block.
+#[derive(Debug)]
+pub struct Layer {
+    pub attn_norm: Vec<f32>,
+    pub wq: Matrix,
+    pub wk: Matrix,
+    pub wv: Matrix,
+    pub wo: Matrix,
+    pub ffn_norm: Vec<f32>,
+    pub w_gate: Matrix,
+    pub w_up: Matrix,
+    pub w_down: Matrix,
+}
+
+/// All weights of a llama model.
+#[derive(Debug)]
+pub struct Weights {
+    pub embedding: Matrix,
+    pub layers: Vec<Layer>,
+    pub out_norm: Vec<f32>,
+    /// `None` when the output projection is tied to the embedding.
+    pub output: Option<Matrix>,
+}
+
+fn vector(f: &GgufFile, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
+    let (info, bytes) = f.tensor(name)?;
+    if info.dims != [len as u64] || !matches!(info.ty, GgmlType::F32 | GgmlType::F16) {
+        return Err(ModelError::BadShape { tensor: name.to_string(), why: format!("{} {:?}, expected F32 [{len}]", info.ty, info.dims) });
+    }
+    let mut v = vec![0.0; len];
+    dequantize_row(info.ty, bytes, &mut v);
+    Ok(v)
+}
+
+impl Weights {
+    /// Load every tensor the config implies.
+    pub fn load(f: &GgufFile, c: &LlamaConfig) -> Result<Self, ModelError> {
+        let (q_dim, kv_dim) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let mut layers = Vec::with_capacity(c.layers);
+        for i in 0..c.layers {
+            let n = |s: &str| format!("blk.{i}.{s}.weight");
+            layers.push(Layer {
+                attn_norm: vector(f, &n("attn_norm"), c.hidden)?,
+                wq: Matrix::load(f, &n("attn_q"), q_dim, c.hidden)?,
+                wk: Matrix::load(f, &n("attn_k"), kv_dim, c.hidden)?,
+                wv: Matrix::load(f, &n("attn_v"), kv_dim, c.hidden)?,
+                wo: Matrix::load(f, &n("attn_output"), c.hidden, q_dim)?,
+                ffn_norm: vector(f, &n("ffn_norm"), c.hidden)?,
+                w_gate: Matrix::load(f, &n("ffn_gate"), c.ffn, c.hidden)?,
+                w_up: Matrix::load(f, &n("ffn_up"), c.ffn, c.hidden)?,
+                w_down: Matrix::load(f, &n("ffn_down"), c.hidden, c.ffn)?,
+            });
+        }
+        let output = match f.tensor_info("output.weight") {
+            Ok(_) => Some(Matrix::load(f, "output.weight", c.vocab, c.hidden)?),
+            Err(_) => None,
+        };
+        Ok(Weights {
+            embedding: Matrix::load(f, "token_embd.weight", c.vocab, c.hidden)?,
+            layers,
+            out_norm: vector(f, "output_norm.weight", c.hidden)?,
+            output,
+        })
+    }
+
+    /// The output projection (the embedding when tied).
+    pub fn output(&self) -> &Matrix {
+        self.output.as_ref().unwrap_or(&self.embedding)
+    }
+
+    /// Total bytes of weights held.
+    pub fn bytes(&self) -> usize {
+        let l: usize = self
+            .layers
+            .iter()
+            .map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().map(|m| m.bytes()).sum::<usize>())
+            .sum();
+        l + self.embedding.bytes() + self.output.as_ref().map_or(0, Matrix::bytes)
+    }
+}
