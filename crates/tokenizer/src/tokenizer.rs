@@ -390,11 +390,12 @@ impl Tokenizer {
         eog.dedup();
         // o200k_harmony: with `<|return|>` and `<|call|>`, `<|end|>` does not end generation.
         let eog_has = |name: &str| eog.iter().any(|&id| texts[id as usize] == name);
-        if eog_has("<|return|>") && eog_has("<|call|>") {
-            if let Some(end) = eog.iter().position(|&id| texts[id as usize] == "<|end|>") {
-                types[eog[end] as usize] = TokenType::UserDefined;
-                eog.remove(end);
-            }
+        let harmony_end = (eog_has("<|return|>") && eog_has("<|call|>"))
+            .then(|| eog.iter().position(|&id| texts[id as usize] == "<|end|>"))
+            .flatten();
+        if let Some(end) = harmony_end {
+            types[eog[end] as usize] = TokenType::UserDefined;
+            eog.remove(end);
         }
 
         let mut specials: Vec<u32> = (0..n_vocab).filter(|&id| types[id as usize].is_special()).collect();
@@ -498,7 +499,7 @@ impl Tokenizer {
         let mut ranges = std::mem::take(&mut scratch.ranges);
         self.pre.split(text, &mut ranges, &mut scratch.tmp);
         for &(s, e) in &ranges {
-            self.encode_word(text[s..e].as_bytes(), out, scratch);
+            self.encode_word(&text.as_bytes()[s..e], out, scratch);
         }
         scratch.ranges = ranges;
     }

@@ -1,0 +1,82 @@
+//! `bulkhead generate`: apply the chat template, stream the reply to stdout.
+
+use std::io::Write;
+use std::sync::Arc;
+
+use anyhow::Context;
+use bulkhead_engine::{Engine, Event, GenRequest, SamplingParams};
+use bulkhead_kv::{KvPool, PoolConfig};
+use bulkhead_tokenizer::ChatMessage;
+use clap::Args;
+
+use crate::ModelArgs;
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The user message.
+    #[arg(long)]
+    prompt: String,
+    /// A system message (else the chat template's default, if it has one).
+    #[arg(long)]
+    system: Option<String>,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling mass (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Keep only the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Seed for reproducible sampling.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop before this string (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+}
+
+pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
+    let m = a.model.load()?;
+    let mut messages = Vec::new();
+    if let Some(s) = &a.system {
+        messages.push(ChatMessage::new("system", s.clone()));
+    }
+    messages.push(ChatMessage::new("user", a.prompt.clone()));
+    let text = m.chat.render(&messages, true).context("chat template")?;
+    let prompt = m.tokenizer.encode(&text, true);
+    let needed = prompt.len().saturating_add(a.max_tokens);
+    let context = m.model.config.context_length;
+    if needed > context {
+        anyhow::bail!(
+            "prompt ({} tokens) + --max-tokens ({}) = {needed} exceeds the model's context of {context} tokens",
+            prompt.len(),
+            a.max_tokens
+        );
+    }
+    let layout = m.model.kv_layout(a.model.page_size as usize);
+    let pool = KvPool::new(PoolConfig { layout, pages: layout.pages_for_tokens(needed), poison_on_release: true })?;
+    let sampling = SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed };
+    let mut engine = Engine::new(Arc::new(m.model), Arc::new(m.tokenizer), pool, 512, context);
+    engine.add(GenRequest { prompt, max_tokens: a.max_tokens, sampling, stop: a.stop })?;
+    let mut out = std::io::stdout().lock();
+    while engine.active() > 0 {
+        for ev in engine.step()? {
+            match ev {
+                Event::Token { text, .. } => out.write_all(text.as_bytes())?,
+                Event::Finished { text, reason, prompt_tokens, completion_tokens, .. } => {
+                    out.write_all(text.as_bytes())?;
+                    writeln!(out)?;
+                    tracing::info!(reason = reason.as_str(), prompt_tokens, completion_tokens, "finished");
+                }
+            }
+            out.flush()?;
+        }
+    }
+    Ok(())
+}

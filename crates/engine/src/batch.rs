@@ -1,0 +1,249 @@
+//! Continuous batching over one model and one KV pool.
+//!
+//! Admission reserves every page a request can ever need (prompt + `max_tokens`) at once, all
+//! or nothing, so a running sequence can never stall for memory and nothing is preempted.
+//! Each [`Engine::step`] runs one forward call over every active sequence: decode sequences
+//! feed their last sampled token, sequences still prefilling feed a chunk of their prompt
+//! (bounded by `prefill_chunk` tokens per step in total), and new requests join between
+//! steps. Finished or aborted sequences leave and release their pages in the same step.
+
+use std::sync::Arc;
+
+use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv};
+use bulkhead_model::{Llama, ModelError, SeqInput};
+use bulkhead_tokenizer::Tokenizer;
+
+use crate::detok::Utf8Stream;
+use crate::sampling::{Sampler, SamplingError, SamplingParams};
+use crate::stop::StopMatcher;
+
+/// What one generation asks for.
+#[derive(Debug, Clone)]
+pub struct GenRequest {
+    /// Prompt token ids (chat template already applied).
+    pub prompt: Vec<u32>,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Sampling settings.
+    pub sampling: SamplingParams,
+    /// Stop strings: generation ends before the first one, which is not returned.
+    pub stop: Vec<String>,
+}
+
+/// Why a sequence ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// End-of-generation token or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// Aborted by the caller.
+    Abort,
+}
+
+impl FinishReason {
+    /// The OpenAI `finish_reason` string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+/// Something a step produced for one request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// A token was sampled; `text` is what may be shown now (possibly empty while a UTF-8
+    /// character or a possible stop string is incomplete).
+    Token { id: RequestId, token: u32, text: String },
+    /// The request ended; `text` is any text released at the end.
+    Finished { id: RequestId, reason: FinishReason, text: String, prompt_tokens: usize, completion_tokens: usize },
+}
+
+/// Why a request was not admitted or a step failed.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("prompt is empty")]
+    EmptyPrompt,
+    #[error(
+        "this request needs {needed} tokens of context (prompt {prompt} + max_tokens {max_tokens}), the limit is {limit}"
+    )]
+    ContextLength { needed: usize, prompt: usize, max_tokens: usize, limit: usize },
+    #[error("max_tokens must be at least 1")]
+    ZeroMaxTokens,
+    #[error("KV pool has too few free pages for this request: {0}")]
+    PoolFull(KvError),
+    #[error(transparent)]
+    Sampling(#[from] SamplingError),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Kv(#[from] KvError),
+}
+
+struct Seq {
+    id: RequestId,
+    kv: SequenceKv,
+    prompt: Vec<u32>,
+    /// Token sampled last step, not yet fed (None while prefilling).
+    next: Option<u32>,
+    generated: usize,
+    max_tokens: usize,
+    sampler: Sampler,
+    utf8: Utf8Stream,
+    stop: StopMatcher,
+}
+
+/// Batches requests over one model and pool.
+pub struct Engine {
+    model: Arc<Llama>,
+    tokenizer: Arc<Tokenizer>,
+    pool: KvPool,
+    seqs: Vec<Seq>,
+    next_id: u64,
+    prefill_chunk: usize,
+    context_limit: usize,
+}
+
+impl Engine {
+    /// An engine over `pool`; each step feeds at most `prefill_chunk` prompt tokens (at
+    /// least one sequence always makes progress). Requests longer than `context_limit`
+    /// tokens (prompt + max_tokens) are refused.
+    pub fn new(model: Arc<Llama>, tokenizer: Arc<Tokenizer>, pool: KvPool, prefill_chunk: usize, context_limit: usize) -> Self {
+        let context_limit = context_limit.min(model.config.context_length);
+        Engine { model, tokenizer, pool, seqs: Vec::new(), next_id: 1, prefill_chunk: prefill_chunk.max(1), context_limit }
+    }
+
+    /// The pool, for statistics.
+    pub fn pool(&self) -> &KvPool {
+        &self.pool
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// Requests admitted and not finished.
+    pub fn active(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// Admit a request: check it, reserve all its pages, queue it for the next step.
+    pub fn add(&mut self, req: GenRequest) -> Result<RequestId, EngineError> {
+        if req.prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if req.max_tokens == 0 {
+            return Err(EngineError::ZeroMaxTokens);
+        }
+        let needed = req.prompt.len().saturating_add(req.max_tokens);
+        if needed > self.context_limit {
+            return Err(EngineError::ContextLength {
+                needed,
+                prompt: req.prompt.len(),
+                max_tokens: req.max_tokens,
+                limit: self.context_limit,
+            });
+        }
+        let sampler = Sampler::new(req.sampling)?;
+        let id = RequestId(self.next_id);
+        self.next_id += 1;
+        let mut kv = SequenceKv::new(id);
+        kv.reserve(&mut self.pool, needed).map_err(EngineError::PoolFull)?;
+        self.seqs.push(Seq {
+            id,
+            kv,
+            prompt: req.prompt,
+            next: None,
+            generated: 0,
+            max_tokens: req.max_tokens,
+            sampler,
+            utf8: Utf8Stream::new(),
+            stop: StopMatcher::new(req.stop),
+        });
+        Ok(id)
+    }
+
+    /// End a request now and give its pages back. Returns false if it was not active.
+    pub fn abort(&mut self, id: RequestId) -> Result<bool, EngineError> {
+        let Some(i) = self.seqs.iter().position(|s| s.id == id) else { return Ok(false) };
+        let s = self.seqs.swap_remove(i);
+        s.kv.release(&mut self.pool)?;
+        Ok(true)
+    }
+
+    /// Run one forward call over all active sequences and return what it produced.
+    pub fn step(&mut self) -> Result<Vec<Event>, EngineError> {
+        if self.seqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut budget = self.prefill_chunk;
+        let mut feeds: Vec<(usize, Vec<u32>, bool)> = Vec::new();
+        for (i, s) in self.seqs.iter().enumerate() {
+            if let Some(t) = s.next {
+                feeds.push((i, vec![t], true));
+            } else {
+                let done = s.kv.len();
+                let n = (s.prompt.len() - done).min(budget);
+                if n == 0 {
+                    continue;
+                }
+                budget -= n;
+                feeds.push((i, s.prompt[done..done + n].to_vec(), done + n == s.prompt.len()));
+            }
+        }
+        let logits = {
+            let mut inputs: Vec<SeqInput<'_>> = Vec::with_capacity(feeds.len());
+            let mut it = feeds.iter().peekable();
+            for (i, s) in self.seqs.iter_mut().enumerate() {
+                if let Some((_, toks, want)) = it.next_if(|f| f.0 == i) {
+                    inputs.push(SeqInput { kv: &mut s.kv, tokens: toks, want_logits: *want });
+                }
+            }
+            self.model.forward(&mut self.pool, &mut inputs)?
+        };
+        let vocab = self.model.config.vocab;
+        let mut events = Vec::new();
+        let mut finished = Vec::new();
+        let mut rows = logits.chunks_exact(vocab);
+        for (i, _, want) in &feeds {
+            if !want {
+                continue;
+            }
+            let Some(l) = rows.next() else { break };
+            let s = &mut self.seqs[*i];
+            let tok = s.sampler.sample(l)?;
+            s.generated += 1;
+            if self.tokenizer.is_eog(tok) {
+                let mut text = s.stop.push(&s.utf8.finish()).emit;
+                text.push_str(&s.stop.finish());
+                finished.push((*i, FinishReason::Stop, text));
+                continue;
+            }
+            let piece = s.utf8.push(self.tokenizer.token_bytes(tok).unwrap_or(&[]));
+            let out = s.stop.push(&piece);
+            events.push(Event::Token { id: s.id, token: tok, text: out.emit });
+            if out.stopped {
+                finished.push((*i, FinishReason::Stop, String::new()));
+            } else if s.generated >= s.max_tokens {
+                let mut text = s.stop.push(&s.utf8.finish()).emit;
+                text.push_str(&s.stop.finish());
+                finished.push((*i, FinishReason::Length, text));
+            } else {
+                s.next = Some(tok);
+            }
+        }
+        // Remove from the back so indices stay valid.
+        finished.sort_by_key(|f| std::cmp::Reverse(f.0));
+        for (i, reason, text) in finished {
+            let s = self.seqs.swap_remove(i);
+            let (id, prompt_tokens, completion_tokens) = (s.id, s.prompt.len(), s.generated);
+            s.kv.release(&mut self.pool)?;
+            events.push(Event::Finished { id, reason, text, prompt_tokens, completion_tokens });
+        }
+        Ok(events)
+    }
+}
