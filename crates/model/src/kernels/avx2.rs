@@ -13,34 +13,6 @@ use half::f16;
 use super::TILE;
 use crate::quant::{Q8Acts, QK};
 
-/// Thirty-two bytes from the start of `s` (bounds-checked).
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn load32(s: &[u8]) -> __m256i {
-    let s = &s[..32];
-    // SAFETY: `s` has exactly 32 readable bytes; loadu has no alignment requirement.
-    unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
-}
-
-/// Sixteen 4-bit pairs unpacked to 32 bytes: low nibbles (elements 0..16), then high (16..32).
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn nibbles(s: &[u8]) -> __m256i {
-    let s = &s[..16];
-    // SAFETY: `s` has exactly 16 readable bytes; loadu has no alignment requirement.
-    let lo = unsafe { _mm_loadu_si128(s.as_ptr().cast()) };
-    let hi = _mm_srli_epi16(lo, 4);
-    _mm256_and_si256(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(0x0F))
-}
-
-/// The f16 at `b[0..2]` (and the one at `b[2..4]` when `b` has four bytes).
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn f16s(b: &[u8]) -> __m128 {
-    let bits = if b.len() >= 4 { i32::from_le_bytes([b[0], b[1], b[2], b[3]]) } else { i32::from(u16::from_le_bytes([b[0], b[1]])) };
-    _mm_cvtph_ps(_mm_cvtsi32_si128(bits))
-}
-
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn hsum(v: __m256) -> f32 {
@@ -50,61 +22,67 @@ fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-/// Sum of products of unsigned bytes `ax` and signed bytes `sy`, as 8 floats.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn mul_sum_us8(ax: __m256i, sy: __m256i) -> __m256 {
-    let dot = _mm256_maddubs_epi16(ax, sy);
-    _mm256_cvtepi32_ps(_mm256_madd_epi16(dot, _mm256_set1_epi16(1)))
+/// Pointers to the first activation row of a tile, with the row stride in blocks.
+#[derive(Clone, Copy)]
+struct ActPtrs {
+    qs: *const i8,
+    d: *const f32,
+    s: *const f32,
+    nb: usize,
 }
 
-/// Sum of products of signed bytes, as 8 floats (sign moved onto `y`).
+/// One weight row against `N` activation rows.
+///
+/// # Safety
+/// AVX2, FMA and F16C are available; `w` points to `a.nb` readable blocks of `ty`; `a` points
+/// to `N` rows of `a.nb` blocks each (`qs`: 32 bytes a block, `d` and `s`: one f32 a block).
 #[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn mul_sum_i8(x: __m256i, y: __m256i) -> __m256 {
-    mul_sum_us8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x))
-}
-
-/// The 32 quantised activations of block `ab`, as a vector.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn act_block(acts: &Q8Acts, ab: usize) -> __m256i {
-    let q = &acts.qs[ab * QK..(ab + 1) * QK];
-    // SAFETY: `q` has exactly 32 readable i8; loadu has no alignment requirement.
-    unsafe { _mm256_loadu_si256(q.as_ptr().cast()) }
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn tile<const N: usize>(ty: GgmlType, w: &[u8], acts: &Q8Acts, first: usize, out: &mut [f32]) {
-    let nb = acts.blocks_per_row();
+unsafe fn tile<const N: usize>(ty: GgmlType, w: *const u8, a: ActPtrs, out: &mut [f32]) {
+    let nb = a.nb;
     let mut acc = [_mm256_setzero_ps(); N];
     let mut summ = [0.0f32; N];
-    for b in 0..nb {
+    let mask = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    // SAFETY (whole body): every offset below is < nb blocks of the weight row or < N rows of
+    // nb blocks of activations, as the caller guarantees; unaligned loads are used throughout.
+    unsafe {
         match ty {
             GgmlType::Q4_1 => {
-                let blk = &w[b * 20..(b + 1) * 20];
-                let dm = f16s(blk);
-                let (d, m) = (_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_movehdup_ps(dm)));
-                let qx = nibbles(&blk[4..]);
-                for n in 0..N {
-                    let ab = (first + n) * nb + b;
-                    let xy = mul_sum_us8(qx, act_block(acts, ab));
-                    acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * acts.d[ab]), xy, acc[n]);
-                    summ[n] += m * acts.s[ab];
+                for b in 0..nb {
+                    let blk = w.add(b * 20);
+                    let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(blk.cast::<i32>())));
+                    let (d, m) = (_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_movehdup_ps(dm)));
+                    let lo = _mm_loadu_si128(blk.add(4).cast());
+                    let qx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(lo, 4), lo), mask);
+                    for n in 0..N {
+                        let ab = n * nb + b;
+                        let qy = _mm256_loadu_si256(a.qs.add(ab * QK).cast());
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(qx, qy), ones);
+                        acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * *a.d.add(ab)), _mm256_cvtepi32_ps(p), acc[n]);
+                        summ[n] += m * *a.s.add(ab);
+                    }
                 }
             }
             GgmlType::Q4_0 | GgmlType::Q8_0 => {
-                let (d, qx) = if ty == GgmlType::Q4_0 {
-                    let blk = &w[b * 18..(b + 1) * 18];
-                    (_mm_cvtss_f32(f16s(&blk[..2])), _mm256_sub_epi8(nibbles(&blk[2..]), _mm256_set1_epi8(8)))
-                } else {
-                    let blk = &w[b * 34..(b + 1) * 34];
-                    (_mm_cvtss_f32(f16s(&blk[..2])), load32(&blk[2..]))
-                };
-                for n in 0..N {
-                    let ab = (first + n) * nb + b;
-                    let xy = mul_sum_i8(qx, act_block(acts, ab));
-                    acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * acts.d[ab]), xy, acc[n]);
+                let q4 = ty == GgmlType::Q4_0;
+                let bs = if q4 { 18 } else { 34 };
+                for b in 0..nb {
+                    let blk = w.add(b * bs);
+                    let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(std::ptr::read_unaligned(blk.cast::<u16>())))));
+                    let qx = if q4 {
+                        let lo = _mm_loadu_si128(blk.add(2).cast());
+                        let x = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(lo, 4), lo), mask);
+                        _mm256_sub_epi8(x, _mm256_set1_epi8(8))
+                    } else {
+                        _mm256_loadu_si256(blk.add(2).cast())
+                    };
+                    let ax = _mm256_sign_epi8(qx, qx);
+                    for n in 0..N {
+                        let ab = n * nb + b;
+                        let qy = _mm256_loadu_si256(a.qs.add(ab * QK).cast());
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(qy, qx)), ones);
+                        acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * *a.d.add(ab)), _mm256_cvtepi32_ps(p), acc[n]);
+                    }
                 }
             }
             other => unreachable!("{other} is not a quantised block type"),
@@ -116,17 +94,37 @@ fn tile<const N: usize>(ty: GgmlType, w: &[u8], acts: &Q8Acts, first: usize, out
 }
 
 pub(super) fn dot_q_row(ty: GgmlType, w: &[u8], acts: &Q8Acts, first: usize, out: &mut [f32]) {
+    let nb = acts.blocks_per_row();
+    let bs = match ty {
+        GgmlType::Q4_0 => 18,
+        GgmlType::Q4_1 => 20,
+        GgmlType::Q8_0 => 34,
+        other => unreachable!("{other} is not a quantised block type"),
+    };
+    // These bounds are what `tile` relies on.
+    let end = (first + out.len()) * nb;
+    assert!(w.len() >= nb * bs, "weight row too short");
+    assert!(acts.qs.len() >= end * QK && acts.d.len() >= end && acts.s.len() >= end, "activations too short");
     let mut i = 0;
     while i < out.len() {
         let n = (out.len() - i).min(TILE);
         let o = &mut out[i..i + n];
-        // SAFETY: only reached with Isa::Avx2, i.e. after AVX2, FMA and F16C were detected.
+        let base = (first + i) * nb;
+        let a = ActPtrs {
+            // SAFETY: base <= end - n * nb, within the asserted lengths.
+            qs: unsafe { acts.qs.as_ptr().add(base * QK) },
+            d: unsafe { acts.d.as_ptr().add(base) },
+            s: unsafe { acts.s.as_ptr().add(base) },
+            nb,
+        };
+        // SAFETY: only reached with Isa::Avx2 (features detected); `w` holds nb blocks and `a`
+        // n rows of nb blocks, checked above.
         unsafe {
             match n {
-                4 => tile::<4>(ty, w, acts, first + i, o),
-                3 => tile::<3>(ty, w, acts, first + i, o),
-                2 => tile::<2>(ty, w, acts, first + i, o),
-                _ => tile::<1>(ty, w, acts, first + i, o),
+                4 => tile::<4>(ty, w.as_ptr(), a, o),
+                3 => tile::<3>(ty, w.as_ptr(), a, o),
+                2 => tile::<2>(ty, w.as_ptr(), a, o),
+                _ => tile::<1>(ty, w.as_ptr(), a, o),
             }
         }
         i += n;
