@@ -1,0 +1,230 @@
+//! Generation through the engine on the real default model: greedy agreement with
+//! llama.cpp's recorded outputs, batching that does not change results, and the request
+//! lifecycle (stop strings, max_tokens, abort, admission limits).
+
+use std::sync::{Arc, OnceLock};
+
+use bulkhead_engine::{load_model, Engine, EngineError, Event, FinishReason, GenRequest, SamplingParams};
+use bulkhead_kv::{KvPool, PoolConfig, RequestId, SequenceKv};
+use bulkhead_model::{Llama, SeqInput};
+use bulkhead_tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
+
+struct Shared {
+    model: Arc<Llama>,
+    tok: Arc<Tokenizer>,
+    chat: ChatTemplate,
+}
+
+fn shared() -> &'static Shared {
+    static S: OnceLock<Shared> = OnceLock::new();
+    S.get_or_init(|| {
+        let p = bulkhead_fetch::ensure_default_model(false).expect("default model");
+        let m = load_model(&p, 2).expect("load");
+        Shared { model: Arc::new(m.model), tok: Arc::new(m.tokenizer), chat: m.chat }
+    })
+}
+
+fn engine(pages: usize) -> Engine {
+    let s = shared();
+    let pool = KvPool::new(PoolConfig { layout: s.model.kv_layout(16), pages, poison_on_release: true }).unwrap();
+    Engine::new(s.model.clone(), s.tok.clone(), pool, 512, 8192)
+}
+
+fn greedy(prompt: Vec<u32>, max_tokens: usize) -> GenRequest {
+    GenRequest { prompt, max_tokens, sampling: SamplingParams::default(), stop: Vec::new() }
+}
+
+/// Runs until every request ends; returns (text, finish reason, completion tokens) per id.
+fn run(e: &mut Engine, ids: &[RequestId]) -> Vec<(String, FinishReason, usize)> {
+    let mut out: Vec<(String, Option<FinishReason>, usize)> = vec![(String::new(), None, 0); ids.len()];
+    while e.active() > 0 {
+        for ev in e.step().unwrap() {
+            match ev {
+                Event::Token { id, text, .. } => out[ids.iter().position(|&i| i == id).unwrap()].0.push_str(&text),
+                Event::Finished { id, reason, text, completion_tokens, .. } => {
+                    let o = &mut out[ids.iter().position(|&i| i == id).unwrap()];
+                    o.0.push_str(&text);
+                    o.1 = Some(reason);
+                    o.2 = completion_tokens;
+                }
+            }
+        }
+    }
+    out.into_iter().map(|(t, r, n)| (t, r.expect("finished"), n)).collect()
+}
+
+fn cases() -> Vec<(String, String, bool)> {
+    let v: serde_json::Value = serde_json::from_str(include_str!("fixtures/greedy_cases.json")).unwrap();
+    v["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c["prompt"].as_str().unwrap().to_string(), c["greedy_32"].as_str().unwrap().to_string(), c["ended_with_eos"].as_bool().unwrap()))
+        .collect()
+}
+
+/// Largest logit gap tolerated between our top token and the token llama.cpp chose. The two
+/// engines round differently (llama.cpp accumulates attention in f16, we in f32; both
+/// quantise activations to 8 bits), and this 135M model has near-ties: measured gaps at the
+/// points where the greedy paths part are 0.06-0.17 logits on a scale of 15-30.
+const NEAR_TIE: f32 = 0.25;
+
+/// Teacher-forced along llama.cpp's own greedy path: at every one of its 32 (or fewer)
+/// tokens, the token llama.cpp picked is our argmax or within NEAR_TIE of it. All seven
+/// prompts run as one batch through the paged pass. Also reports how many continuations
+/// agree exactly under free-running greedy decoding.
+#[test]
+fn llama_cpp_greedy_choices_are_our_argmax_or_a_near_tie_at_every_step() {
+    let s = shared();
+    let cases = cases();
+    let vocab = s.model.config.vocab;
+    let mut pool = KvPool::new(PoolConfig { layout: s.model.kv_layout(16), pages: 256, poison_on_release: true }).unwrap();
+    let paths: Vec<(Vec<u32>, Vec<u32>)> = cases
+        .iter()
+        .map(|(p, want, eos)| {
+            let mut cont = s.tok.encode(want, false);
+            if *eos {
+                cont.push(s.tok.eos_id());
+            }
+            (s.tok.encode(p, true), cont)
+        })
+        .collect();
+    let mut seqs: Vec<SequenceKv> = (0..paths.len()).map(|i| SequenceKv::new(RequestId(100 + i as u64))).collect();
+    for (kv, (p, c)) in seqs.iter_mut().zip(&paths) {
+        kv.reserve(&mut pool, p.len() + c.len()).unwrap();
+    }
+    let mut logits = {
+        let mut inputs: Vec<SeqInput> = seqs.iter_mut().zip(&paths).map(|(kv, (p, _))| SeqInput { kv, tokens: p, want_logits: true }).collect();
+        s.model.forward(&mut pool, &mut inputs).unwrap()
+    };
+    let (mut worst, mut exact_steps, mut steps) = (0.0f32, 0, 0);
+    let longest = paths.iter().map(|(_, c)| c.len()).max().unwrap();
+    for step in 0..longest {
+        let live: Vec<usize> = (0..paths.len()).filter(|&i| step < paths[i].1.len()).collect();
+        for (row, &i) in live.iter().enumerate() {
+            let l = &logits[row * vocab..(row + 1) * vocab];
+            let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let theirs = paths[i].1[step];
+            let gap = max - l[theirs as usize];
+            assert!(
+                gap <= NEAR_TIE,
+                "case {i} step {step}: llama.cpp chose {:?}, {gap:.3} logits below our best",
+                s.tok.decode(&[theirs])
+            );
+            worst = worst.max(gap);
+            exact_steps += usize::from(gap == 0.0);
+            steps += 1;
+        }
+        let feed: Vec<(usize, [u32; 1])> =
+            live.iter().filter(|&&i| step + 1 < paths[i].1.len()).map(|&i| (i, [paths[i].1[step]])).collect();
+        if feed.is_empty() {
+            break;
+        }
+        let mut inputs = Vec::new();
+        for (i, kv) in seqs.iter_mut().enumerate() {
+            if let Some((_, t)) = feed.iter().find(|(j, _)| *j == i) {
+                inputs.push(SeqInput { kv, tokens: t, want_logits: true });
+            }
+        }
+        logits = s.model.forward(&mut pool, &mut inputs).unwrap();
+    }
+    eprintln!("llama.cpp's path: {exact_steps}/{steps} steps are our argmax; largest gap {worst:.3} logits");
+    for kv in seqs {
+        kv.release(&mut pool).unwrap();
+    }
+    // Free-running greedy through the engine: the first token agrees wherever llama.cpp's
+    // first choice is not a near-tie (all cases but the default-system-prompt one).
+    let mut e = engine(256);
+    let ids: Vec<RequestId> = cases.iter().map(|(p, _, _)| e.add(greedy(s.tok.encode(p, true), 32)).unwrap()).collect();
+    let outs = run(&mut e, &ids);
+    let agree = cases.iter().zip(&outs).filter(|((_, want, _), (got, _, _))| got == want).count();
+    eprintln!("free-running greedy: {agree}/{} continuations identical to llama.cpp", cases.len());
+    for (i, ((_, want, _), (got, _, _))) in cases.iter().zip(&outs).enumerate() {
+        let first = |t: &str| s.tok.encode(t, false).first().copied();
+        if i != 1 {
+            assert_eq!(first(got), first(want), "case {i}: first token differs: {got:?} vs {want:?}");
+        }
+    }
+    assert!(agree >= 3, "only {agree} of {} greedy continuations match llama.cpp", cases.len());
+}
+
+/// The same prompt alone and sharing its batch with others gives identical output.
+#[test]
+fn batching_does_not_change_a_sequence_s_output() {
+    let tok = &shared().tok;
+    let (p, _, _) = &cases()[2];
+    let mut alone = engine(64);
+    let id = alone.add(greedy(tok.encode(p, true), 24)).unwrap();
+    let want = run(&mut alone, &[id]).remove(0);
+    let mut busy = engine(256);
+    let mut ids = Vec::new();
+    for (q, _, _) in cases().iter().take(5) {
+        ids.push(busy.add(greedy(tok.encode(q, true), 24)).unwrap());
+    }
+    let id = busy.add(greedy(tok.encode(p, true), 24)).unwrap();
+    ids.push(id);
+    assert_eq!(run(&mut busy, &ids).pop().unwrap(), want);
+}
+
+#[test]
+fn the_chat_template_with_an_explicit_system_prompt_answers_sanely() {
+    let s = shared();
+    let text = s
+        .chat
+        .render(&[ChatMessage::new("system", "You are a helpful assistant."), ChatMessage::new("user", "What is the capital of France?")], true)
+        .unwrap();
+    let mut e = engine(16);
+    let id = e.add(greedy(s.tok.encode(&text, true), 32)).unwrap();
+    let (out, reason, _) = run(&mut e, &[id]).remove(0);
+    assert!(out.contains("Paris"), "{out}");
+    assert_eq!(reason, FinishReason::Stop);
+}
+
+#[test]
+fn a_stop_string_ends_generation_before_it_and_max_tokens_ends_with_length() {
+    let tok = &shared().tok;
+    let (p, want, _) = &cases()[0]; // "The capital of France is Paris."
+    let mut e = engine(16);
+    let mut req = greedy(tok.encode(p, true), 32);
+    req.stop = vec![" is".into()];
+    let id = e.add(req).unwrap();
+    let (out, reason, _) = run(&mut e, &[id]).remove(0);
+    assert_eq!((out.as_str(), reason), ("The capital of France", FinishReason::Stop));
+    let id = e.add(greedy(tok.encode(p, true), 3)).unwrap();
+    let (out, reason, n) = run(&mut e, &[id]).remove(0);
+    assert_eq!((reason, n), (FinishReason::Length, 3));
+    assert!(want.starts_with(&out) && !out.is_empty(), "{out:?}");
+    assert_eq!(e.pool().stats().free_pages, 16);
+}
+
+#[test]
+fn a_seed_makes_sampling_reproducible() {
+    let tok = &shared().tok;
+    let (p, _, _) = &cases()[2];
+    let sampled = |seed| {
+        let mut e = engine(16);
+        let sampling = SamplingParams { temperature: 1.0, top_k: 40, top_p: 0.95, seed: Some(seed) };
+        let id = e.add(GenRequest { prompt: tok.encode(p, true), max_tokens: 16, sampling, stop: vec![] }).unwrap();
+        run(&mut e, &[id]).remove(0).0
+    };
+    assert_eq!(sampled(7), sampled(7));
+    assert!((1..6).any(|s| sampled(s) != sampled(7)), "different seeds never differ");
+}
+
+#[test]
+fn admission_refuses_what_cannot_fit_and_abort_returns_every_page() {
+    let tok = &shared().tok;
+    let mut e = engine(8); // 128 tokens
+    let prompt = tok.encode(&cases()[0].0, true);
+    let too_long = e.add(greedy(prompt.clone(), 8192)).unwrap_err();
+    assert!(matches!(too_long, EngineError::ContextLength { limit: 8192, .. }), "{too_long}");
+    assert!(matches!(e.add(greedy(prompt.clone(), 110)), Err(EngineError::PoolFull(_))));
+    assert!(matches!(e.add(greedy(Vec::new(), 4)), Err(EngineError::EmptyPrompt)));
+    assert_eq!(e.pool().stats().free_pages, 8, "a refused request holds no page");
+    let id = e.add(greedy(prompt, 64)).unwrap();
+    e.step().unwrap();
+    e.step().unwrap();
+    assert!(e.abort(id).unwrap());
+    assert!(!e.abort(id).unwrap());
+    assert_eq!((e.active(), e.pool().stats().free_pages), (0, 8));
+}
