@@ -150,7 +150,7 @@ impl GgmlType {
     pub fn bytes_for(self, elems: u64) -> Option<u64> {
         let (be, bb) = self.block()?;
         let be = be as u64;
-        if elems % be != 0 {
+        if !elems.is_multiple_of(be) {
             return None;
         }
         (elems / be).checked_mul(bb as u64)

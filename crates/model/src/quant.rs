@@ -33,7 +33,7 @@ pub struct Q8Acts {
 impl Q8Acts {
     /// Quantise `x` (`rows * cols` values, row-major) reusing this buffer's allocations.
     pub fn quantize_from(&mut self, x: &[f32], rows: usize, cols: usize) {
-        assert!(cols % QK == 0 && x.len() == rows * cols, "activation shape {rows}x{cols} vs {} values", x.len());
+        assert!(cols.is_multiple_of(QK) && x.len() == rows * cols, "activation shape {rows}x{cols} vs {} values", x.len());
         let nb = rows * cols / QK;
         self.rows = rows;
         self.cols = cols;

@@ -27,7 +27,7 @@ impl Matrix {
         if !supported {
             return Err(ModelError::UnsupportedTensorType { tensor: name.to_string(), ty: ty.to_string() });
         }
-        if ty.block().is_some_and(|(be, _)| be == QK) && cols % QK != 0 {
+        if ty.block().is_some_and(|(be, _)| be == QK) && !cols.is_multiple_of(QK) {
             return Err(ModelError::BadShape {
                 tensor: name.to_string(),
                 why: format!("{cols} columns is not a multiple of the {QK}-element block"),

@@ -27,7 +27,7 @@ fn prompts() -> Vec<Vec<u32>> {
         .collect();
     // A prompt spanning many pages and not a multiple of the page size: several cases glued.
     let long: Vec<u32> = p.iter().take(6).flatten().copied().collect();
-    assert!(long.len() > 150 && long.len() % 16 != 0);
+    assert!(long.len() > 150 && !long.len().is_multiple_of(16));
     p.push(long);
     p
 }

@@ -37,6 +37,7 @@ struct ActPtrs {
 /// AVX2, FMA and F16C are available; `w` points to `a.nb` readable blocks of `ty`; `a` points
 /// to `N` rows of `a.nb` blocks each (`qs`: 32 bytes a block, `d` and `s`: one f32 a block).
 #[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)] // `n` indexes acc, summ and the activation rows alike
 unsafe fn tile<const N: usize>(ty: GgmlType, w: *const u8, a: ActPtrs, out: &mut [f32]) {
     let nb = a.nb;
     let mut acc = [_mm256_setzero_ps(); N];

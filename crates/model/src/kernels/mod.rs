@@ -134,6 +134,7 @@ mod tests {
     /// Quantised dot products agree with dequantise-then-multiply (exact up to the
     /// activation's 8-bit rounding) and SIMD agrees with scalar, for every type and tile size.
     #[test]
+    #[allow(clippy::needless_range_loop)]
     fn quantised_dots_match_a_dequantised_reference_on_every_isa() {
         let mut seed = 0x9E3779B97F4A7C15;
         let cols = 256;

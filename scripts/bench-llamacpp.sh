@@ -1,0 +1,235 @@
+#!/usr/bin/env bash
+# bench-llamacpp.sh - build llama.cpp's benchmark tools and measure them on the
+# Bulkhead default model, as a CPU baseline for `bulkhead bench-engine`.
+#
+# Usage:
+#   scripts/bench-llamacpp.sh [--model PATH] [--out DIR] [--threads N]
+#                             [--batched-reps N] [--no-server] [--build-only]
+#
+#   --model PATH       GGUF model (env MODEL; default
+#                      $BULKHEAD_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf)
+#   --out DIR          where results go (env OUT; default
+#                      $CACHE_DIR/results/<UTC timestamp>)
+#   --threads N        threads for the multi-thread runs (env THREADS; default 2).
+#                      llama-bench always also runs with -t 1.
+#   --batched-reps N   how many times llama-batched-bench is run; the summary
+#                      reports the median (env BATCHED_REPS; default 3)
+#   --no-server        do not build llama-server
+#   --build-only       fetch + build, then exit
+#
+# What it does:
+#   1. fetches the llama-cpp-python 0.3.36 sdist with `pip download` (it vendors
+#      llama.cpp) and builds llama-bench, llama-batched-bench and llama-server
+#      with CMake (Release, GGML_NATIVE=ON). Everything is cached under
+#      ${BULKHEAD_HOME:-~/.cache/bulkhead}/llama.cpp-0.3.36/, so reruns skip
+#      download and build (delete that directory to force a rebuild).
+#   2. llama-bench -m MODEL -t 1,THREADS -p 512 -n 128 -r 5
+#      (markdown on stdout + saved as llama-bench.md, JSON saved as llama-bench.json)
+#   3. llama-batched-bench -m MODEL -t THREADS -c 4096 -b 2048 -ub 512
+#      -npp 128 -ntg 64 -npl 1,4,16: 128-token prompt per sequence, then 64
+#      decode steps at 1/4/16 parallel sequences; S_TG is the aggregate decode
+#      tok/s, comparable to `bulkhead bench-engine`.
+#   4. prints a summary (medians) and writes it to summary.txt in the out dir.
+#
+# Needs: bash, python3 + pip, a C/C++ compiler, cmake (installed with apt-get
+# when missing and running as root), git (optional, for the build commit).
+# Not for CI: it downloads ~75 MB and compiles for several minutes.
+# Benchmarks are noisy if anything else is using the CPU; check the load
+# average it prints.
+set -euo pipefail
+
+LLAMA_CPP_PY_VERSION=0.3.36
+BULKHEAD_HOME="${BULKHEAD_HOME:-$HOME/.cache/bulkhead}"
+CACHE_DIR="$BULKHEAD_HOME/llama.cpp-$LLAMA_CPP_PY_VERSION"
+MODEL="${MODEL:-$BULKHEAD_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
+OUT="${OUT:-}"
+THREADS="${THREADS:-2}"
+BATCHED_REPS="${BATCHED_REPS:-3}"
+BUILD_SERVER=1
+BUILD_ONLY=0
+JOBS="${JOBS:-$(nproc 2>/dev/null || echo 2)}"
+
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --model) MODEL="$2"; shift 2 ;;
+    --model=*) MODEL="${1#*=}"; shift ;;
+    --out) OUT="$2"; shift 2 ;;
+    --out=*) OUT="${1#*=}"; shift ;;
+    --threads) THREADS="$2"; shift 2 ;;
+    --threads=*) THREADS="${1#*=}"; shift ;;
+    --batched-reps) BATCHED_REPS="$2"; shift 2 ;;
+    --batched-reps=*) BATCHED_REPS="${1#*=}"; shift ;;
+    --no-server) BUILD_SERVER=0; shift ;;
+    --build-only) BUILD_ONLY=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "unknown argument: $1" >&2; usage >&2; exit 2 ;;
+  esac
+done
+
+log() { printf '\n==> %s\n' "$*" >&2; }
+die() { printf 'error: %s\n' "$*" >&2; exit 1; }
+
+SRC_DIR="$CACHE_DIR/src"                 # unpacked sdist
+LLAMA_DIR="$SRC_DIR/vendor/llama.cpp"
+BUILD_DIR="$CACHE_DIR/build"
+BIN_DIR="$BUILD_DIR/bin"
+
+# ---------------------------------------------------------------- 1. fetch --
+fetch() {
+  if [[ -f "$LLAMA_DIR/CMakeLists.txt" ]]; then
+    log "llama.cpp source cached at $LLAMA_DIR"
+    return
+  fi
+  command -v python3 >/dev/null || die "python3 is required (for pip download)"
+  mkdir -p "$CACHE_DIR/dl"
+  local tarball="$CACHE_DIR/dl/llama_cpp_python-$LLAMA_CPP_PY_VERSION.tar.gz"
+  if [[ ! -f "$tarball" ]]; then
+    log "downloading llama-cpp-python==$LLAMA_CPP_PY_VERSION sdist (pip)"
+    python3 -m pip download --no-binary :all: --no-deps \
+      "llama-cpp-python==$LLAMA_CPP_PY_VERSION" -d "$CACHE_DIR/dl"
+  fi
+  [[ -f "$tarball" ]] || die "pip did not produce $tarball"
+  log "unpacking sdist"
+  rm -rf "$SRC_DIR.tmp"
+  mkdir -p "$SRC_DIR.tmp"
+  tar -xzf "$tarball" -C "$SRC_DIR.tmp" --strip-components=1
+  [[ -f "$SRC_DIR.tmp/vendor/llama.cpp/CMakeLists.txt" ]] || die "sdist has no vendor/llama.cpp"
+  rm -rf "$SRC_DIR"
+  mv "$SRC_DIR.tmp" "$SRC_DIR"
+}
+
+ensure_cmake() {
+  command -v cmake >/dev/null && return
+  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+    log "cmake missing; installing with apt-get"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake
+  else
+    die "cmake not found; install it (e.g. apt-get install cmake)"
+  fi
+}
+
+# ---------------------------------------------------------------- build -----
+build() {
+  local want=(llama-bench llama-batched-bench)
+  [[ $BUILD_SERVER -eq 1 ]] && want+=(llama-server)
+  local missing=0 t
+  for t in "${want[@]}"; do [[ -x "$BIN_DIR/$t" ]] || missing=1; done
+  if [[ $missing -eq 0 ]]; then
+    log "binaries cached in $BIN_DIR"
+    return
+  fi
+  ensure_cmake
+  log "configuring llama.cpp ($BUILD_DIR)"
+  # Server: no embedded web UI (it would be downloaded from Hugging Face or
+  # built with npm) and no OpenSSL/HTTPS; neither matters for benchmarking.
+  cmake -S "$LLAMA_DIR" -B "$BUILD_DIR" \
+    -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON \
+    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
+  log "building ${want[*]} with -j$JOBS"
+  local t0=$SECONDS
+  if ! cmake --build "$BUILD_DIR" -j"$JOBS" --target "${want[@]}"; then
+    if [[ $BUILD_SERVER -eq 1 ]]; then
+      log "build with llama-server failed; retrying without it"
+      BUILD_SERVER=0
+      cmake --build "$BUILD_DIR" -j"$JOBS" --target llama-bench llama-batched-bench
+    else
+      die "build failed"
+    fi
+  fi
+  log "build took $((SECONDS - t0)) s"
+  echo "$((SECONDS - t0))" > "$BUILD_DIR/.build-seconds"
+}
+
+fetch
+build
+for t in llama-bench llama-batched-bench; do
+  [[ -x "$BIN_DIR/$t" ]] || die "missing $BIN_DIR/$t"
+done
+if [[ -x "$BIN_DIR/llama-server" ]]; then
+  log "llama-server: $BIN_DIR/llama-server"
+fi
+[[ $BUILD_ONLY -eq 1 ]] && exit 0
+
+# ---------------------------------------------------------------- run -------
+[[ -f "$MODEL" ]] || die "model not found: $MODEL (use --model PATH or MODEL=...)"
+[[ -n "$OUT" ]] || OUT="$CACHE_DIR/results/$(date -u +%Y%m%dT%H%M%SZ)"
+mkdir -p "$OUT"
+log "model: $MODEL"
+log "results: $OUT"
+read -r load1 _ < /proc/loadavg || load1=?
+echo "load average (1 min) before benchmarking: $load1 (on $(nproc) CPUs)" | tee "$OUT/load.txt" >&2
+
+# 2. llama-bench: pp512 + tg128 at 1 and THREADS threads, 5 repetitions each.
+# Markdown goes to stdout, JSON to stderr (-oe), so the benchmark runs once.
+BENCH_CMD=("$BIN_DIR/llama-bench" -m "$MODEL" -t "1,$THREADS" -p 512 -n 128 -r 5 -o md -oe json)
+log "${BENCH_CMD[*]}"
+"${BENCH_CMD[@]}" > "$OUT/llama-bench.md" 2> "$OUT/llama-bench.stderr"
+cat "$OUT/llama-bench.md"
+
+# 3. llama-batched-bench: aggregate decode tok/s at 1/4/16 sequences.
+BATCHED_CMD=("$BIN_DIR/llama-batched-bench" -m "$MODEL" -t "$THREADS" -tb "$THREADS"
+             -c 4096 -b 2048 -ub 512 -npp 128 -ntg 64 -npl 1,4,16)
+for ((i = 1; i <= BATCHED_REPS; i++)); do
+  log "[$i/$BATCHED_REPS] ${BATCHED_CMD[*]}"
+  "${BATCHED_CMD[@]}" > "$OUT/batched-bench.$i.md" 2> "$OUT/batched-bench.$i.log"
+  grep -E '^(\||main:)' "$OUT/batched-bench.$i.md" || cat "$OUT/batched-bench.$i.md"
+done
+read -r load1 _ < /proc/loadavg || load1=?
+echo "load average (1 min) after benchmarking: $load1" | tee -a "$OUT/load.txt" >&2
+
+# ---------------------------------------------------------------- summary ---
+python3 - "$OUT" "$THREADS" "$BATCHED_REPS" <<'PY' | tee "$OUT/summary.txt"
+import json, re, statistics, sys, glob, os
+out, threads, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+
+raw = open(os.path.join(out, "llama-bench.stderr")).read()
+start = raw.find("[")
+tests = json.JSONDecoder().raw_decode(raw[start:])[0]
+with open(os.path.join(out, "llama-bench.json"), "w") as f:
+    json.dump(tests, f, indent=2)
+
+def bench(n_prompt, n_gen, t):
+    for x in tests:
+        if x["n_prompt"] == n_prompt and x["n_gen"] == n_gen and x["n_threads"] == t:
+            s = x.get("samples_ts") or [x["avg_ts"]]
+            return statistics.median(s), x["avg_ts"], x["stddev_ts"]
+    return None
+
+first = tests[0]
+print(f"llama.cpp build: {first['build_commit']} ({first['build_number']})  "
+      f"[llama-cpp-python 0.3.36 vendor]")
+print(f"cpu: {first.get('cpu_info','?')}  backend: {first.get('backends','?')}")
+print(f"model: {first.get('model_filename','?')} ({first.get('model_type','?')})")
+print()
+print("llama-bench (-r 5; median [mean +- stddev] tok/s)")
+for label, np_, ng in (("prefill pp512", 512, 0), ("decode  tg128", 0, 128)):
+    for t in sorted({1, threads}):
+        r = bench(np_, ng, t)
+        if r:
+            print(f"  {label}  t={t}: {r[0]:9.2f}   [{r[1]:.2f} +- {r[2]:.2f}]")
+
+rows = {}  # pl -> list of S_TG
+pp_rows = {}
+hdr = None
+for i in range(1, reps + 1):
+    for line in open(os.path.join(out, f"batched-bench.{i}.md")):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 10 and cells[0] == "PP":
+            hdr = cells
+        elif len(cells) == 10 and re.fullmatch(r"\d+", cells[0]):
+            pl = int(cells[2])
+            rows.setdefault(pl, []).append(float(cells[7]))
+            pp_rows.setdefault(pl, []).append(float(cells[5]))
+print()
+print(f"llama-batched-bench -t {threads} (PP=128/seq, TG=64 steps; median of {reps} runs)")
+print("  B   S_TG aggregate decode tok/s   (S_PP prefill tok/s)   all runs S_TG")
+for pl in sorted(rows):
+    print(f"  {pl:<3} {statistics.median(rows[pl]):10.2f}"
+          f"                     ({statistics.median(pp_rows[pl]):8.2f})"
+          f"            {', '.join(f'{v:.2f}' for v in rows[pl])}")
+PY
+log "done; results in $OUT"
