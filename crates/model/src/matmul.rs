@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use crate::kernels::{dot_f_row, dot_q_row, Isa};
+use crate::kernels::{dot_f_row, dot_q_rows, quantize_acts, Isa};
 use crate::quant::Q8Acts;
 use crate::weights::Matrix;
 
@@ -33,7 +33,7 @@ pub fn matmul(isa: Isa, mats: &[&Matrix], x: &[f32], n: usize, scratch: &mut Mat
         assert_eq!(o.len(), n * m.rows, "matmul output shape");
     }
     if mats.iter().any(|m| m.is_quantized()) {
-        scratch.q8.quantize_from(x, n, cols);
+        quantize_acts(isa, x, n, cols, &mut scratch.q8);
     }
     let mut tasks = Vec::new();
     let mut total = 0;
@@ -47,36 +47,53 @@ pub fn matmul(isa: Isa, mats: &[&Matrix], x: &[f32], n: usize, scratch: &mut Mat
         }
         total += m.rows;
     }
-    scratch.tmp.resize(total * n, 0.0);
+    // With one activation row, [row][batch] is [batch][row]: tasks write the outputs directly.
+    let direct = n == 1;
+    if !direct {
+        scratch.tmp.resize(total * n, 0.0);
+    }
     let mut bufs = Vec::with_capacity(tasks.len());
-    let mut rest: &mut [f32] = &mut scratch.tmp;
-    for &(_, r0, r1) in &tasks {
-        let (head, tail) = rest.split_at_mut((r1 - r0) * n);
-        bufs.push(head);
-        rest = tail;
+    if direct {
+        for (mi, out) in outs.iter_mut().enumerate() {
+            let mut rest: &mut [f32] = out;
+            for &(_, r0, r1) in tasks.iter().filter(|t| t.0 == mi) {
+                let (head, tail) = rest.split_at_mut(r1 - r0);
+                bufs.push(head);
+                rest = tail;
+            }
+        }
+    } else {
+        let mut rest: &mut [f32] = &mut scratch.tmp;
+        for &(_, r0, r1) in &tasks {
+            let (head, tail) = rest.split_at_mut((r1 - r0) * n);
+            bufs.push(head);
+            rest = tail;
+        }
     }
     let q8 = &scratch.q8;
     tasks.par_iter().zip(bufs.par_iter_mut()).for_each(|(&(mi, r0, r1), buf)| {
         let m = mats[mi];
-        for r in r0..r1 {
-            let o = &mut buf[(r - r0) * n..(r - r0 + 1) * n];
-            if m.is_quantized() {
-                dot_q_row(isa, m.ty, m.row(r), q8, 0, o);
-            } else {
-                dot_f_row(isa, m.ty, m.row(r), x, cols, o);
+        if m.is_quantized() {
+            dot_q_rows(isa, m.ty, m.rows_bytes(r0, r1), m.row_bytes(), q8, 0, n, buf);
+        } else {
+            for r in r0..r1 {
+                dot_f_row(isa, m.ty, m.row(r), x, cols, &mut buf[(r - r0) * n..(r - r0 + 1) * n]);
             }
         }
     });
-    // Results are [row][batch] per task; outputs are [batch][row].
-    let mut off = 0;
-    for &(mi, r0, r1) in &tasks {
-        let rows = mats[mi].rows;
-        let out = &mut outs[mi];
-        for r in r0..r1 {
-            for b in 0..n {
-                out[b * rows + r] = scratch.tmp[off + (r - r0) * n + b];
+    if direct {
+        return;
+    }
+    // Results are [row][batch]; outputs are [batch][row], one parallel task per batch row.
+    let tmp = &scratch.tmp;
+    let mut base = 0;
+    for (m, out) in mats.iter().zip(outs.iter_mut()) {
+        let rows = m.rows;
+        out.par_chunks_mut(rows).enumerate().for_each(|(b, o)| {
+            for (r, v) in o.iter_mut().enumerate() {
+                *v = tmp[(base + r) * n + b];
             }
-        }
-        off += (r1 - r0) * n;
+        });
+        base += rows;
     }
 }

@@ -31,30 +31,6 @@ pub struct Q8Acts {
 }
 
 impl Q8Acts {
-    /// Quantise `x` (`rows * cols` values, row-major) reusing this buffer's allocations.
-    pub fn quantize_from(&mut self, x: &[f32], rows: usize, cols: usize) {
-        assert!(cols.is_multiple_of(QK) && x.len() == rows * cols, "activation shape {rows}x{cols} vs {} values", x.len());
-        let nb = rows * cols / QK;
-        self.rows = rows;
-        self.cols = cols;
-        self.d.resize(nb, 0.0);
-        self.s.resize(nb, 0.0);
-        self.qs.resize(rows * cols, 0);
-        for (b, (xb, qb)) in x.chunks_exact(QK).zip(self.qs.chunks_exact_mut(QK)).enumerate() {
-            let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let d = amax / 127.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-            let mut sum = 0i32;
-            for (q, &v) in qb.iter_mut().zip(xb) {
-                // |v * id| <= 127 by construction of d, so the cast cannot saturate.
-                *q = (v * id).round() as i8;
-                sum += i32::from(*q);
-            }
-            self.d[b] = f16::from_f32(d).to_f32();
-            self.s[b] = f16::from_f32(sum as f32 * d).to_f32();
-        }
-    }
-
     /// Blocks per row.
     pub fn blocks_per_row(&self) -> usize {
         self.cols / QK

@@ -63,6 +63,17 @@ impl Matrix {
         &self.data[r * self.row_bytes..(r + 1) * self.row_bytes]
     }
 
+    /// Raw bytes of rows `r0..r1`, consecutive.
+    #[inline]
+    pub fn rows_bytes(&self, r0: usize, r1: usize) -> &[u8] {
+        &self.data[r0 * self.row_bytes..r1 * self.row_bytes]
+    }
+
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> usize {
+        self.row_bytes
+    }
+
     /// True for the block-quantised types (which take 8-bit activations).
     pub fn is_quantized(&self) -> bool {
         matches!(self.ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)

@@ -94,7 +94,9 @@ unsafe fn tile<const N: usize>(ty: GgmlType, w: *const u8, a: ActPtrs, out: &mut
     }
 }
 
-pub(super) fn dot_q_row(ty: GgmlType, w: &[u8], acts: &Q8Acts, first: usize, out: &mut [f32]) {
+/// `out[r * n + i] = dot(row r of w, activation row first + i)` for `rows` weight rows of
+/// `row_bytes` each and `n` activation rows.
+pub(super) fn dot_q_rows(ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8Acts, first: usize, n: usize, out: &mut [f32]) {
     let nb = acts.blocks_per_row();
     let bs = match ty {
         GgmlType::Q4_0 => 18,
@@ -103,33 +105,84 @@ pub(super) fn dot_q_row(ty: GgmlType, w: &[u8], acts: &Q8Acts, first: usize, out
         other => unreachable!("{other} is not a quantised block type"),
     };
     // These bounds are what `tile` relies on.
-    let end = (first + out.len()) * nb;
-    assert!(w.len() >= nb * bs, "weight row too short");
+    let end = (first + n) * nb;
+    assert!(row_bytes == nb * bs && w.len() % row_bytes == 0, "weight rows of {row_bytes} bytes for {nb} blocks");
+    assert!(out.len() == w.len() / row_bytes * n, "output shape");
     assert!(acts.qs.len() >= end * QK && acts.d.len() >= end && acts.s.len() >= end, "activations too short");
-    let mut i = 0;
-    while i < out.len() {
-        let n = (out.len() - i).min(TILE);
-        let o = &mut out[i..i + n];
-        let base = (first + i) * nb;
-        let a = ActPtrs {
-            // SAFETY: base <= end - n * nb, within the asserted lengths.
-            qs: unsafe { acts.qs.as_ptr().add(base * QK) },
-            d: unsafe { acts.d.as_ptr().add(base) },
-            s: unsafe { acts.s.as_ptr().add(base) },
-            nb,
-        };
-        // SAFETY: only reached with Isa::Avx2 (features detected); `w` holds nb blocks and `a`
-        // n rows of nb blocks, checked above.
-        unsafe {
-            match n {
-                4 => tile::<4>(ty, w.as_ptr(), a, o),
-                3 => tile::<3>(ty, w.as_ptr(), a, o),
-                2 => tile::<2>(ty, w.as_ptr(), a, o),
-                _ => tile::<1>(ty, w.as_ptr(), a, o),
+    for (row, o_row) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(n)) {
+        let mut i = 0;
+        while i < n {
+            let k = (n - i).min(TILE);
+            let o = &mut o_row[i..i + k];
+            let base = (first + i) * nb;
+            // SAFETY: base + k * nb <= end, within the asserted lengths.
+            let a = unsafe {
+                ActPtrs { qs: acts.qs.as_ptr().add(base * QK), d: acts.d.as_ptr().add(base), s: acts.s.as_ptr().add(base), nb }
+            };
+            // SAFETY: only reached with Isa::Avx2 (features detected); `row` holds nb blocks
+            // and `a` k rows of nb blocks, checked above.
+            unsafe {
+                match k {
+                    4 => tile::<4>(ty, row.as_ptr(), a, o),
+                    3 => tile::<3>(ty, row.as_ptr(), a, o),
+                    2 => tile::<2>(ty, row.as_ptr(), a, o),
+                    _ => tile::<1>(ty, row.as_ptr(), a, o),
+                }
             }
+            i += k;
         }
-        i += n;
     }
+}
+
+/// Quantise blocks of 32 floats to 8 bits exactly as the scalar path (ggml's reference
+/// `quantize_row_q8_1_ref`): `d = amax / 127`, `q = round(x * (1 / d))` with halves away from
+/// zero, `d` and `s = d * sum(q)` stored rounded through f16.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn quantize_impl(x: &[f32], d: &mut [f32], s: &mut [f32], qs: &mut [i8]) {
+    let sign = _mm256_set1_ps(-0.0);
+    for (((xb, qb), db), sb) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).zip(d.iter_mut()).zip(s.iter_mut()) {
+        // SAFETY: `xb` has 32 readable f32 and `qb` 32 writable i8.
+        unsafe {
+            let p = xb.as_ptr();
+            let v = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))];
+            let mut m = _mm256_andnot_ps(sign, v[0]);
+            for vv in &v[1..] {
+                m = _mm256_max_ps(m, _mm256_andnot_ps(sign, *vv));
+            }
+            let m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
+            let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            let dd = amax / 127.0;
+            let id = _mm256_set1_ps(if dd != 0.0 { 1.0 / dd } else { 0.0 });
+            let half = _mm256_set1_ps(0.5);
+            let one = _mm256_set1_ps(1.0);
+            // roundf: truncate, then step away from zero when the exact remainder is >= 0.5.
+            let r = |vv: __m256| {
+                let x = _mm256_mul_ps(vv, id);
+                let t = _mm256_round_ps(x, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+                let up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(x, t)), half, _CMP_GE_OQ);
+                let step = _mm256_and_ps(up, _mm256_or_ps(_mm256_and_ps(sign, x), one));
+                _mm256_cvtps_epi32(_mm256_add_ps(t, step))
+            };
+            let (i0, i1, i2, i3) = (r(v[0]), r(v[1]), r(v[2]), r(v[3]));
+            let sum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+            let s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            let s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+            let s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 1));
+            let isum = _mm_cvtsi128_si32(s4);
+            let packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+            let ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256(qb.as_mut_ptr().cast(), ordered);
+            *db = f16::from_f32(dd).to_f32();
+            *sb = f16::from_f32(isum as f32 * dd).to_f32();
+        }
+    }
+}
+
+pub(super) fn quantize(x: &[f32], d: &mut [f32], s: &mut [f32], qs: &mut [i8]) {
+    assert!(x.len() == qs.len() && x.len() == d.len() * QK && d.len() == s.len(), "quantize shapes");
+    // SAFETY: only reached with Isa::Avx2 (features detected).
+    unsafe { quantize_impl(x, d, s, qs) }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]

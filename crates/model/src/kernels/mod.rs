@@ -9,7 +9,7 @@
 use bulkhead_gguf::GgmlType;
 use half::f16;
 
-use crate::quant::Q8Acts;
+use crate::quant::{Q8Acts, QK};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -65,16 +65,34 @@ fn block_bytes(ty: GgmlType) -> usize {
     }
 }
 
-/// `out[i] = dot(w_row, acts row first_act + i)` for `i in 0..out.len()`, where `w_row` is
-/// one row of a Q4_0, Q4_1 or Q8_0 matrix with `acts.cols` columns.
-pub fn dot_q_row(isa: Isa, ty: GgmlType, w_row: &[u8], acts: &Q8Acts, first_act: usize, out: &mut [f32]) {
+/// `out[r * n + i] = dot(weight row r, activation row first_act + i)` for the consecutive
+/// rows in `w` (`row_bytes` each, Q4_0, Q4_1 or Q8_0 with `acts.cols` columns) and `n`
+/// activation rows.
+pub fn dot_q_rows(isa: Isa, ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8Acts, first_act: usize, n: usize, out: &mut [f32]) {
     let nb = acts.blocks_per_row();
-    assert!(w_row.len() == nb * block_bytes(ty), "weight row of {} bytes for {} blocks of {ty}", w_row.len(), nb);
-    assert!(first_act + out.len() <= acts.rows, "activation rows {first_act}+{} of {}", out.len(), acts.rows);
+    assert!(row_bytes == nb * block_bytes(ty) && w.len() % row_bytes == 0, "weight rows of {row_bytes} bytes for {nb} blocks of {ty}");
+    assert!(out.len() == w.len() / row_bytes * n, "output of {} for {} rows x {n}", out.len(), w.len() / row_bytes);
+    assert!(first_act + n <= acts.rows, "activation rows {first_act}+{n} of {}", acts.rows);
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => avx2::dot_q_row(ty, w_row, acts, first_act, out),
-        _ => scalar::dot_q_row(ty, w_row, acts, first_act, out),
+        Isa::Avx2 => avx2::dot_q_rows(ty, w, row_bytes, acts, first_act, n, out),
+        _ => scalar::dot_q_rows(ty, w, row_bytes, acts, first_act, n, out),
+    }
+}
+
+/// Quantise `x` (`rows * cols` values) into `acts`, reusing its allocations.
+pub fn quantize_acts(isa: Isa, x: &[f32], rows: usize, cols: usize, acts: &mut Q8Acts) {
+    assert!(cols.is_multiple_of(QK) && x.len() == rows * cols, "activation shape {rows}x{cols} vs {} values", x.len());
+    let nb = rows * cols / QK;
+    acts.rows = rows;
+    acts.cols = cols;
+    acts.d.resize(nb, 0.0);
+    acts.s.resize(nb, 0.0);
+    acts.qs.resize(rows * cols, 0);
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2::quantize(x, &mut acts.d, &mut acts.s, &mut acts.qs),
+        _ => scalar::quantize(x, &mut acts.d, &mut acts.s, &mut acts.qs),
     }
 }
 
@@ -146,7 +164,10 @@ mod tests {
             for n in 1..=7 {
                 let x: Vec<f32> = (0..n * cols).map(|_| rng(&mut seed) * 3.0).collect();
                 let mut acts = Q8Acts::default();
-                acts.quantize_from(&x, n, cols);
+                quantize_acts(Isa::Scalar, &x, n, cols, &mut acts);
+                let mut simd = Q8Acts::default();
+                quantize_acts(Isa::detect(), &x, n, cols, &mut simd);
+                assert_eq!((&simd.d, &simd.s, &simd.qs), (&acts.d, &acts.s, &acts.qs), "quantisation differs across ISAs");
                 let mut xd = vec![0.0; n * cols];
                 for r in 0..n {
                     for (b, v) in xd[r * cols..(r + 1) * cols].chunks_exact_mut(32).enumerate() {
@@ -157,21 +178,21 @@ mod tests {
                     }
                 }
                 let mut s = vec![0.0; n];
-                dot_q_row(Isa::Scalar, ty, &wq, &acts, 0, &mut s);
+                dot_q_rows(Isa::Scalar, ty, &wq, wq.len(), &acts, 0, n, &mut s);
                 for r in 0..n {
                     let want: f32 = wd.iter().zip(&xd[r * cols..(r + 1) * cols]).map(|(a, b)| a * b).sum();
                     assert!((s[r] - want).abs() < 1e-2 * (1.0 + want.abs()), "{ty} scalar row {r}: {} vs {want}", s[r]);
                 }
                 let isa = Isa::detect();
                 let mut v = vec![0.0; n];
-                dot_q_row(isa, ty, &wq, &acts, 0, &mut v);
+                dot_q_rows(isa, ty, &wq, wq.len(), &acts, 0, n, &mut v);
                 for r in 0..n {
                     assert!((s[r] - v[r]).abs() < 1e-4 * (1.0 + s[r].abs()), "{ty} {isa:?} n={n} row {r}: {} vs {}", v[r], s[r]);
                 }
                 // Row determinism: each row alone gives bit-identical results to the tile.
                 for r in 0..n {
                     let mut one = [0.0];
-                    dot_q_row(isa, ty, &wq, &acts, r, &mut one);
+                    dot_q_rows(isa, ty, &wq, wq.len(), &acts, r, 1, &mut one);
                     assert_eq!(one[0].to_bits(), v[r].to_bits(), "{ty} row {r} alone vs in a tile of {n}");
                 }
             }

@@ -5,7 +5,31 @@ use half::f16;
 
 use crate::quant::{f16_at, Q8Acts, QK};
 
-pub(super) fn dot_q_row(ty: GgmlType, w: &[u8], acts: &Q8Acts, first: usize, out: &mut [f32]) {
+pub(super) fn dot_q_rows(ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8Acts, first: usize, n: usize, out: &mut [f32]) {
+    for (row, o) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(n)) {
+        dot_q_row(ty, row, acts, first, o);
+    }
+}
+
+/// Quantise blocks of 32 floats to 8 bits as ggml's reference `quantize_row_q8_1_ref` does;
+/// the AVX2 path gives identical results.
+pub(super) fn quantize(x: &[f32], d: &mut [f32], s: &mut [f32], qs: &mut [i8]) {
+    for (((xb, qb), db), sb) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).zip(d.iter_mut()).zip(s.iter_mut()) {
+        let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let dd = amax / 127.0;
+        let id = if dd != 0.0 { 1.0 / dd } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &v) in qb.iter_mut().zip(xb) {
+            // |v * id| <= 127 by construction, so the cast cannot saturate.
+            *q = (v * id).round() as i8;
+            sum += i32::from(*q);
+        }
+        *db = f16::from_f32(dd).to_f32();
+        *sb = f16::from_f32(sum as f32 * dd).to_f32();
+    }
+}
+
+fn dot_q_row(ty: GgmlType, w: &[u8], acts: &Q8Acts, first: usize, out: &mut [f32]) {
     let nb = acts.blocks_per_row();
     for (i, o) in out.iter_mut().enumerate() {
         let row = first + i;
