@@ -9,7 +9,7 @@
 use bulkhead_kv::{KvPool, SequenceKv};
 use rayon::prelude::*;
 
-use crate::kernels::{axpy_f16, dot_f16, Isa};
+use crate::kernels::{dot_f16_rows, weighted_sum_f16, Isa};
 use crate::matmul::{matmul, MatmulScratch};
 use crate::{Llama, ModelError};
 
@@ -70,8 +70,8 @@ pub(crate) fn silu_mul(gate: &mut [f32], up: &[f32]) {
     }
 }
 
-/// Attention of one query row's heads in group `g` over the positions `0..=pos` of its
-/// sequence, read page by page through the leases.
+/// Attention of one query head at position `pos` (its sequence's KV head `g`) over the
+/// positions `0..=pos`, read page by page through the sequence's leases. `scores` is scratch.
 #[allow(clippy::too_many_arguments)]
 fn attend(
     isa: Isa,
@@ -82,45 +82,34 @@ fn attend(
     pos: usize,
     q: &[f32],
     out: &mut [f32],
-    head_dim: usize,
-    group: usize,
+    scores: &mut Vec<f32>,
 ) -> Result<(), ModelError> {
+    let head_dim = q.len();
     let page_size = pool.layout().page_size;
     let n = pos + 1;
-    let scale = 1.0 / (head_dim as f32).sqrt();
-    let mut scores = vec![0.0f32; group * n];
     let pages = n.div_ceil(page_size);
+    if kv.leases().len() < pages {
+        return Err(ModelError::NotReserved { pos });
+    }
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    scores.clear();
+    scores.resize(n, 0.0);
     for (pi, lease) in kv.leases().iter().take(pages).enumerate() {
         let page = pool.read(lease, layer)?;
         let need = (n - pi * page_size).min(page_size);
         if page.len() < need {
             return Err(ModelError::MissingKv { page: lease.page().0, layer, written: page.len(), needed: need });
         }
-        let k = page.k_head(g);
-        for j in 0..need {
-            let kj = &k[j * head_dim..(j + 1) * head_dim];
-            for h in 0..group {
-                scores[h * n + pi * page_size + j] = dot_f16(isa, kj, &q[h * head_dim..(h + 1) * head_dim]) * scale;
-            }
-        }
+        let s = &mut scores[pi * page_size..pi * page_size + need];
+        dot_f16_rows(isa, &page.k_head(g)[..need * head_dim], q, s);
+        s.iter_mut().for_each(|v| *v *= scale);
     }
-    if kv.leases().len() < pages {
-        return Err(ModelError::NotReserved { pos });
-    }
-    for h in 0..group {
-        softmax_in_place(&mut scores[h * n..(h + 1) * n]);
-    }
+    softmax_in_place(scores);
     out.fill(0.0);
     for (pi, lease) in kv.leases().iter().take(pages).enumerate() {
         let page = pool.read(lease, layer)?;
         let need = (n - pi * page_size).min(page_size);
-        let v = page.v_head(g);
-        for j in 0..need {
-            let vj = &v[j * head_dim..(j + 1) * head_dim];
-            for h in 0..group {
-                axpy_f16(isa, &mut out[h * head_dim..(h + 1) * head_dim], scores[h * n + pi * page_size + j], vj);
-            }
-        }
+        weighted_sum_f16(isa, out, &scores[pi * page_size..pi * page_size + need], &page.v_head(g)[..need * head_dim]);
     }
     Ok(())
 }
@@ -186,11 +175,12 @@ impl Llama {
                 let pool: &KvPool = pool;
                 let kvs: Vec<&SequenceKv> = seqs.iter().map(|s| &*s.kv).collect();
                 let (rows, q) = (&rows, &q);
-                att.par_chunks_mut(group * hd).enumerate().try_for_each(|(i, out)| {
-                    let (r, g) = (i / c.kv_heads, i % c.kv_heads);
+                // One task per (token, query head): enough parallelism even for one decode token.
+                att.par_chunks_mut(hd).enumerate().try_for_each_init(Vec::new, |scores, (i, out)| {
+                    let (r, h) = (i / c.heads, i % c.heads);
                     let (s, pos) = rows[r];
-                    let qg = &q[r * q_dim + g * group * hd..r * q_dim + (g + 1) * group * hd];
-                    attend(isa, pool, kvs[s], li, g, pos, qg, out, hd, group)
+                    let qh = &q[r * q_dim + h * hd..r * q_dim + (h + 1) * hd];
+                    attend(isa, pool, kvs[s], li, h / group, pos, qh, out, scores)
                 })?;
             }
             matmul(isa, &[&l.wo], &att, t, &mut scratch, &mut [&mut o]);

@@ -219,6 +219,58 @@ fn axpy_f16_impl(acc: &mut [f32], a: f32, v: &[u16]) {
     }
 }
 
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_f16_rows_impl(k: &[u16], q: &[f32], out: &mut [f32]) {
+    for (row, o) in k.chunks_exact(q.len()).zip(out.iter_mut()) {
+        *o = dot_f16_impl(row, q);
+    }
+}
+
+/// `out += Σ_j w[j] · v[j]`, keeping up to 64 columns of `out` in registers across rows; per
+/// element the same FMA sequence as repeated `axpy_f16`, so results are identical.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn weighted_sum_impl(out: &mut [f32], w: &[f32], v: &[u16]) {
+    let cols = out.len();
+    if cols % 8 != 0 {
+        for (row, &wj) in v.chunks_exact(cols).zip(w) {
+            axpy_f16_impl(out, wj, row);
+        }
+        return;
+    }
+    for c0 in (0..cols).step_by(64) {
+        let width = (cols - c0).min(64) / 8;
+        let mut acc = [_mm256_setzero_ps(); 8];
+        for (r, a) in acc.iter_mut().enumerate().take(width) {
+            let o = &out[c0 + r * 8..c0 + r * 8 + 8];
+            // SAFETY: `o` has 8 readable f32.
+            *a = unsafe { _mm256_loadu_ps(o.as_ptr()) };
+        }
+        for (row, &wj) in v.chunks_exact(cols).zip(w) {
+            let wv = _mm256_set1_ps(wj);
+            for (r, a) in acc.iter_mut().enumerate().take(width) {
+                let x = &row[c0 + r * 8..c0 + r * 8 + 8];
+                // SAFETY: `x` has 8 readable u16 (16 bytes).
+                *a = _mm256_fmadd_ps(wv, _mm256_cvtph_ps(unsafe { _mm_loadu_si128(x.as_ptr().cast()) }), *a);
+            }
+        }
+        for (r, a) in acc.iter().enumerate().take(width) {
+            let o = &mut out[c0 + r * 8..c0 + r * 8 + 8];
+            // SAFETY: `o` has 8 writable f32.
+            unsafe { _mm256_storeu_ps(o.as_mut_ptr(), *a) };
+        }
+    }
+}
+
+pub(super) fn dot_f16_rows(k: &[f16], q: &[f32], out: &mut [f32]) {
+    // SAFETY: only reached with Isa::Avx2 (features detected).
+    unsafe { dot_f16_rows_impl(f16_bits(k), q, out) }
+}
+
+pub(super) fn weighted_sum_f16(out: &mut [f32], w: &[f32], v: &[f16]) {
+    // SAFETY: only reached with Isa::Avx2 (features detected).
+    unsafe { weighted_sum_impl(out, w, f16_bits(v)) }
+}
+
 fn f16_bits(k: &[f16]) -> &[u16] {
     // SAFETY: half::f16 is #[repr(transparent)] over u16.
     unsafe { std::slice::from_raw_parts(k.as_ptr().cast::<u16>(), k.len()) }

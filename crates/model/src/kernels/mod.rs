@@ -137,6 +137,28 @@ pub fn axpy_f16(isa: Isa, acc: &mut [f32], a: f32, v: &[f16]) {
     }
 }
 
+/// `out[j] = dot(k row j, q)` for the `out.len()` rows of `k` (each `q.len()` wide); equal
+/// to calling [`dot_f16`] per row.
+pub fn dot_f16_rows(isa: Isa, k: &[f16], q: &[f32], out: &mut [f32]) {
+    assert_eq!(k.len(), q.len() * out.len(), "rows of k");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2::dot_f16_rows(k, q, out),
+        _ => scalar::dot_f16_rows(k, q, out),
+    }
+}
+
+/// `out += Σ_j w[j] · v row j` for the `w.len()` rows of `v` (each `out.len()` wide); equal to
+/// calling [`axpy_f16`] per row, in order.
+pub fn weighted_sum_f16(isa: Isa, out: &mut [f32], w: &[f32], v: &[f16]) {
+    assert_eq!(v.len(), out.len() * w.len(), "rows of v");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2::weighted_sum_f16(out, w, v),
+        _ => scalar::weighted_sum_f16(out, w, v),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -223,6 +245,22 @@ mod tests {
         let want: f32 = k.iter().zip(q).map(|(a, b)| a.to_f32() * b).sum();
         assert!((dot_f16(Isa::detect(), &k, q) - want).abs() < 1e-4);
         assert!((dot_f16(Isa::Scalar, &k, q) - want).abs() < 1e-4);
+        let rows: Vec<f16> = x.iter().map(|&v| f16::from_f32(v)).collect();
+        for isa in [Isa::Scalar, Isa::detect()] {
+            let mut one_by_one = vec![0.0; 2];
+            for (j, o) in one_by_one.iter_mut().enumerate() {
+                *o = dot_f16(isa, &rows[j * cols..(j + 1) * cols], &w);
+            }
+            let mut batched = vec![0.0; 2];
+            dot_f16_rows(isa, &rows, &w, &mut batched);
+            assert_eq!(one_by_one, batched, "{isa:?} dot rows");
+            let mut a = w.clone();
+            axpy_f16(isa, &mut a, 0.3, &rows[..cols]);
+            axpy_f16(isa, &mut a, -1.7, &rows[cols..]);
+            let mut b = w.clone();
+            weighted_sum_f16(isa, &mut b, &[0.3, -1.7], &rows);
+            assert_eq!(a, b, "{isa:?} weighted sum");
+        }
         let mut acc1 = x[cols..].to_vec();
         let mut acc2 = acc1.clone();
         axpy_f16(Isa::Scalar, &mut acc1, 0.37, &k);

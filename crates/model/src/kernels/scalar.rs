@@ -86,3 +86,16 @@ pub(super) fn axpy_f16(acc: &mut [f32], a: f32, v: &[f16]) {
         *o += a * x.to_f32();
     }
 }
+
+pub(super) fn dot_f16_rows(k: &[f16], q: &[f32], out: &mut [f32]) {
+    for (row, o) in k.chunks_exact(q.len()).zip(out.iter_mut()) {
+        *o = dot_f16(row, q);
+    }
+}
+
+pub(super) fn weighted_sum_f16(out: &mut [f32], w: &[f32], v: &[f16]) {
+    let cols = out.len();
+    for (row, &wj) in v.chunks_exact(cols).zip(w) {
+        axpy_f16(out, wj, row);
+    }
+}
