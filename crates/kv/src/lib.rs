@@ -33,6 +33,8 @@
 //! - `error`: [`KvError`], one typed variant per refusal.
 //! - `pool`: [`KvPool`], [`Lease`], [`Quarantined`], [`PageRead`], [`PoolStats`], [`POISON`].
 //! - `sequence`: [`SequenceKv`], the page table of one sequence.
+//! - [`transfer`]: the verified handoff between pools: [`Inbound`] checks every chunk and
+//!   alone makes a [`VerifiedSequence`].
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -41,9 +43,11 @@ mod ids;
 mod layout;
 mod pool;
 mod sequence;
+pub mod transfer;
 
 pub use error::KvError;
 pub use ids::{Generation, PageId, PoolId, RequestId};
 pub use layout::{KvLayout, PoolConfig};
 pub use pool::{KvPool, Lease, POISON, PageRead, PoolStats, Quarantined};
 pub use sequence::SequenceKv;
+pub use transfer::{ChunkHeader, Inbound, Manifest, PageRef, TransferError, VerifiedSequence};

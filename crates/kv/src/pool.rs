@@ -635,6 +635,93 @@ impl KvPool {
         })
     }
 
+    /// Bytes of one token's KV across all layers in the transfer layout (f16, little-endian).
+    pub fn transfer_bytes_per_token(&self) -> usize {
+        self.layout.bytes_per_token()
+    }
+
+    /// Appends to `out` the KV of slots `start..start + count` of the lease's page, all
+    /// layers, in the transfer layout `[layer][K, V][kv_head][slot][head_dim]` as f16 LE.
+    /// Only written slots can be exported.
+    pub fn export_slots(&self, lease: &Lease, start: usize, count: usize, out: &mut Vec<u8>) -> Result<(), KvError> {
+        let r = self.export_checked(lease, start, count, out);
+        self.counted(r)
+    }
+
+    fn export_checked(&self, lease: &Lease, start: usize, count: usize, out: &mut Vec<u8>) -> Result<(), KvError> {
+        self.verify(&lease.tag, Want::Leased)?;
+        let page = lease.tag.page;
+        let end = start.saturating_add(count);
+        for layer in 0..self.layout.layers {
+            let watermark = self.watermarks[self.wm_index(page, layer)];
+            if end > watermark {
+                return Err(KvError::NotWritten { pos: end - 1, layer, page, watermark });
+            }
+        }
+        let hd = self.layout.head_dim;
+        let head_stride = self.layout.page_size * hd;
+        out.reserve(count * self.layout.bytes_per_token());
+        for layer in 0..self.layout.layers {
+            let k_block = self.block_start(page, layer);
+            for half in 0..2 {
+                let block = k_block + half * self.layout.block_elems();
+                for h in 0..self.layout.kv_heads {
+                    let at = block + h * head_stride + start * hd;
+                    for x in &self.storage[at..at + count * hd] {
+                        out.extend_from_slice(&x.to_bits().to_le_bytes());
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes slots `start..start + count` of the lease's page, all layers, from `data` in the
+    /// transfer layout (see [`KvPool::export_slots`]). Append-only: `start` must equal every
+    /// layer's watermark. Nothing is written unless every check passes.
+    pub fn import_slots(&mut self, lease: &Lease, start: usize, count: usize, data: &[u8]) -> Result<(), KvError> {
+        let r = self.import_checked(lease, start, count, data);
+        self.counted(r)
+    }
+
+    fn import_checked(&mut self, lease: &Lease, start: usize, count: usize, data: &[u8]) -> Result<(), KvError> {
+        self.verify(&lease.tag, Want::Leased)?;
+        let page = lease.tag.page;
+        let page_size = self.layout.page_size;
+        if count == 0 || start.saturating_add(count) > page_size {
+            return Err(KvError::PageFull { page, layer: 0, slot: start.saturating_add(count), page_size });
+        }
+        let expected = count * self.layout.bytes_per_token();
+        if data.len() != expected {
+            return Err(KvError::RowLength { expected, k: data.len(), v: 0 });
+        }
+        for layer in 0..self.layout.layers {
+            let watermark = self.watermarks[self.wm_index(page, layer)];
+            if start != watermark {
+                return Err(KvError::NonSequentialWrite { page, layer, slot: start, watermark });
+            }
+        }
+        let hd = self.layout.head_dim;
+        let head_stride = page_size * hd;
+        let mut src = data.chunks_exact(2);
+        for layer in 0..self.layout.layers {
+            let k_block = self.block_start(page, layer);
+            for half in 0..2 {
+                let block = k_block + half * self.layout.block_elems();
+                for h in 0..self.layout.kv_heads {
+                    let at = block + h * head_stride + start * hd;
+                    for (dst, b) in self.storage[at..at + count * hd].iter_mut().zip(&mut src) {
+                        *dst = f16::from_bits(u16::from_le_bytes([b[0], b[1]]));
+                    }
+                }
+            }
+            let wm = self.wm_index(page, layer);
+            self.watermarks[wm] = start + count;
+        }
+        self.writes += 1;
+        Ok(())
+    }
+
     /// Slots written in `layer` of the lease's page in its generation.
     pub fn watermark(&self, lease: &Lease, layer: usize) -> Result<usize, KvError> {
         let r = self

@@ -6,7 +6,7 @@
 //!    longest token first, each token splitting every remaining text fragment at all its
 //!    occurrences. With `parse_special = false` only user-defined tokens are cut (llama.cpp and
 //!    Hugging Face do the same).
-//! 2. Each remaining fragment is pre-tokenized into words ([`crate::pretok`]).
+//! 2. Each remaining fragment is pre-tokenized into words (module `pretok`).
 //! 3. Each word, as bytes, is merged by BPE: the adjacent pair with the lowest merge rank (ties:
 //!    the leftmost) is merged until no pair has a rank. A final piece that is not a token falls
 //!    back to one token per byte.

@@ -4,7 +4,7 @@
 use std::sync::OnceLock;
 use std::time::Instant;
 
-use bulkhead_gguf::GgufFile;
+use bulkhead_gguf::{GgufFile, GgufWriter, Value};
 use bulkhead_tokenizer::{ChatMessage, ChatTemplate, TokenType, Tokenizer};
 use proptest::prelude::*;
 use serde::Deserialize;
@@ -34,6 +34,7 @@ struct GreedyCase {
 }
 
 struct Model {
+    gguf: GgufFile,
     tokenizer: Tokenizer,
     template: ChatTemplate,
 }
@@ -46,6 +47,7 @@ fn model() -> &'static Model {
         Model {
             tokenizer: Tokenizer::from_gguf(&gguf).expect("tokenizer loads"),
             template: ChatTemplate::from_gguf(&gguf).expect("chat template loads"),
+            gguf,
         }
     })
 }
@@ -70,6 +72,45 @@ fn every_reference_case_encodes_to_llama_cpp_ids_and_decodes_back_to_its_text() 
         let ids = tok.encode(&case.text, true);
         assert_eq!(ids, case.ids, "ids for {:?}", case.text);
         assert_eq!(tok.decode(&ids), case.text, "round trip of {:?}", case.text);
+    }
+}
+
+/// The default model's vocabulary and merges under another `tokenizer.ggml.pre`.
+fn tokenizer_with_pre(pre: &str) -> Tokenizer {
+    let mut w = GgufWriter::new();
+    for (key, value) in model().gguf.metadata() {
+        if key.starts_with("tokenizer.ggml.") && key != "tokenizer.ggml.pre" {
+            w.meta(key, value.clone());
+        }
+    }
+    w.meta("tokenizer.ggml.pre", Value::String(pre.to_string()));
+    let gguf = GgufFile::parse(w.to_bytes()).expect("rewritten tokenizer metadata parses");
+    Tokenizer::from_gguf(&gguf).expect("tokenizer loads")
+}
+
+#[derive(Deserialize)]
+struct PreCases {
+    pre: std::collections::BTreeMap<String, Vec<PreCase>>,
+}
+
+#[derive(Deserialize)]
+struct PreCase {
+    text: String,
+    special: Vec<u32>,
+    plain: Vec<u32>,
+}
+
+#[test]
+fn every_pre_tokenizer_matches_llama_cpp_on_recorded_random_text() {
+    let cases: PreCases =
+        serde_json::from_str(include_str!("fixtures/llama_cpp_pre_cases.json")).expect("llama_cpp_pre_cases.json parses");
+    assert_eq!(cases.pre.len(), 6, "smollm, gpt-2, llama-bpe, default, qwen2, falcon");
+    for (pre, cases) in &cases.pre {
+        let tok = tokenizer_with_pre(pre);
+        for case in cases {
+            assert_eq!(tok.encode(&case.text, true), case.special, "pre {pre}, special parsing, text {:?}", case.text);
+            assert_eq!(tok.encode(&case.text, false), case.plain, "pre {pre}, no special parsing, text {:?}", case.text);
+        }
     }
 }
 
@@ -133,6 +174,13 @@ fn the_default_model_has_llama_cpp_special_ids_and_end_of_generation_set() {
     assert_eq!(tok.eog_ids(), [0, 2, 4]);
     assert!(tok.is_eog(2) && tok.is_eog(0));
     assert!(!tok.is_eog(1) && !tok.is_eog(198));
+}
+
+#[test]
+fn tokenizer_and_template_can_be_shared_across_threads() {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<Tokenizer>();
+    shareable::<ChatTemplate>();
 }
 
 #[test]

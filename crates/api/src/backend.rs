@@ -1,0 +1,103 @@
+//! [`Backend`]: what the HTTP layer needs from whatever generates text — the in-process
+//! engine ([`ColocatedBackend`](crate::ColocatedBackend)) or, later, the disaggregated
+//! gateway.
+
+use bulkhead_engine::SamplingParams;
+use bulkhead_tokenizer::ChatMessage;
+use tokio::sync::mpsc::Receiver;
+
+use crate::error::ApiError;
+
+/// One model a backend serves, as listed by `GET /v1/models`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelCard {
+    /// The name clients pass as `model`.
+    pub id: String,
+    /// Most tokens (prompt + completion) one request may use.
+    pub max_model_len: usize,
+    /// Unix time (seconds) the model was loaded.
+    pub created: u64,
+    /// Who serves it (OpenAI's `owned_by`).
+    pub owned_by: String,
+}
+
+/// The input of a generation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
+    /// Chat messages; the backend applies the model's chat template (with the generation
+    /// prompt appended).
+    Chat(Vec<ChatMessage>),
+    /// Raw text, tokenised as is (`/v1/completions`).
+    Text(String),
+}
+
+/// One generation request, validated by the HTTP layer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerationRequest {
+    /// The request's id (the `x-request-id` header), for logs; not necessarily unique.
+    pub request_id: String,
+    /// The model asked for.
+    pub model: String,
+    /// What to continue.
+    pub prompt: Prompt,
+    /// Most tokens to generate; `None` means whatever context remains after the prompt.
+    pub max_tokens: Option<usize>,
+    /// Sampling settings (already range-checked).
+    pub sampling: SamplingParams,
+    /// Stop strings: generation ends before the first one, which is not returned.
+    pub stop: Vec<String>,
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// End-of-generation token or a stop string.
+    Stop,
+    /// `max_tokens` (or the context) reached.
+    Length,
+}
+
+impl FinishReason {
+    /// The OpenAI `finish_reason` string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// What a backend streams for one request. The stream ends after `Finished` or `Failed`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GenEvent {
+    /// More text (a delta; may be empty).
+    Text(String),
+    /// The generation ended normally, with its token counts.
+    Finished {
+        /// Why it ended.
+        reason: FinishReason,
+        /// Tokens in the prompt (after the chat template).
+        prompt_tokens: usize,
+        /// Tokens generated.
+        completion_tokens: usize,
+    },
+    /// The generation failed after it was admitted.
+    Failed(ApiError),
+}
+
+/// A generator of text behind the OpenAI API.
+///
+/// Dropping the [`Receiver`] returned by [`Backend::generate`] is how a client disconnect
+/// reaches the backend: it must then abort the request and free what it holds.
+pub trait Backend: Send + Sync + 'static {
+    /// The models served.
+    fn models(&self) -> Vec<ModelCard>;
+
+    /// Admit a request and start generating. Admission happens here: errors (context
+    /// length, unknown model, overload) come back before any stream exists. May block
+    /// briefly (the HTTP layer calls it off the async workers).
+    fn generate(&self, req: GenerationRequest) -> Result<Receiver<GenEvent>, ApiError>;
+
+    /// Whether the backend can take requests now.
+    fn ready(&self) -> bool;
+}

@@ -1,0 +1,173 @@
+//! [`ApiError`]: every refusal or failure the API reports, rendered as an OpenAI error body
+//! `{"error": {"message", "type", "param", "code"}}` with the matching HTTP status.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+
+/// The OpenAI error `type` an [`ApiError`] carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The request is malformed or cannot be served as asked (400, 413).
+    InvalidRequest,
+    /// The model or route does not exist (404).
+    NotFound,
+    /// The server is at capacity; retrying later may succeed (503).
+    Overloaded,
+    /// The server failed (500).
+    Server,
+}
+
+impl ErrorKind {
+    /// The OpenAI `type` string: `invalid_request_error`, `not_found_error`,
+    /// `overloaded_error` or `server_error`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorKind::InvalidRequest => "invalid_request_error",
+            ErrorKind::NotFound => "not_found_error",
+            ErrorKind::Overloaded => "overloaded_error",
+            ErrorKind::Server => "server_error",
+        }
+    }
+}
+
+/// An error answered to the client: status, OpenAI `type`, optional `code` and `param`, and a
+/// human-readable message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct ApiError {
+    /// HTTP status of the response.
+    pub status: StatusCode,
+    /// OpenAI error `type`.
+    pub kind: ErrorKind,
+    /// Machine-readable `code`, e.g. `context_length_exceeded` or `model_not_found`.
+    pub code: Option<&'static str>,
+    /// The request field at fault, e.g. `max_tokens` or `messages[0].content`.
+    pub param: Option<String>,
+    /// What went wrong, for people.
+    pub message: String,
+}
+
+impl ApiError {
+    /// An error with the given parts and no `code` or `param`.
+    pub fn new(status: StatusCode, kind: ErrorKind, message: impl Into<String>) -> Self {
+        ApiError { status, kind, code: None, param: None, message: message.into() }
+    }
+
+    /// The same error with `code` set.
+    pub fn with_code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
+    }
+
+    /// The same error with `param` set.
+    pub fn with_param(mut self, param: impl Into<String>) -> Self {
+        self.param = Some(param.into());
+        self
+    }
+
+    /// 400 `context_length_exceeded`: `prompt_tokens + completion_tokens` exceeds `limit`.
+    /// The message follows OpenAI's wording; `param` is `messages`.
+    pub fn context_length_exceeded(prompt_tokens: usize, completion_tokens: usize, limit: usize) -> Self {
+        let requested = prompt_tokens.saturating_add(completion_tokens);
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            ErrorKind::InvalidRequest,
+            format!(
+                "This model's maximum context length is {limit} tokens. However, you requested {requested} tokens \
+                 ({prompt_tokens} in the messages, {completion_tokens} in the completion). \
+                 Please reduce the length of the messages or completion."
+            ),
+        )
+        .with_code("context_length_exceeded")
+        .with_param("messages")
+    }
+
+    /// 400 `invalid_request_error` about the request field `param`.
+    pub fn invalid_request(param: impl Into<String>, message: impl Into<String>) -> Self {
+        ApiError::new(StatusCode::BAD_REQUEST, ErrorKind::InvalidRequest, message).with_param(param)
+    }
+
+    /// 400 `invalid_request_error` about the request as a whole (no `param`), e.g. a body
+    /// that is not JSON.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        ApiError::new(StatusCode::BAD_REQUEST, ErrorKind::InvalidRequest, message)
+    }
+
+    /// 404 `model_not_found` for the model `name`.
+    pub fn model_not_found(name: &str) -> Self {
+        ApiError::new(StatusCode::NOT_FOUND, ErrorKind::NotFound, format!("The model `{name}` does not exist."))
+            .with_code("model_not_found")
+            .with_param("model")
+    }
+
+    /// 404 for a path or method this server does not serve.
+    pub fn route_not_found(method: &str, path: &str) -> Self {
+        ApiError::new(StatusCode::NOT_FOUND, ErrorKind::NotFound, format!("Unknown request URL: {method} {path}."))
+            .with_code("unknown_url")
+    }
+
+    /// 413: the request body is larger than `limit` bytes.
+    pub fn payload_too_large(limit: usize) -> Self {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorKind::InvalidRequest,
+            format!("The request body is larger than the limit of {limit} bytes."),
+        )
+        .with_code("payload_too_large")
+    }
+
+    /// 503 `overloaded_error`: no capacity for the request now; the client may retry.
+    pub fn overloaded(message: impl Into<String>) -> Self {
+        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, ErrorKind::Overloaded, message).with_code("overloaded")
+    }
+
+    /// 500 `server_error`.
+    pub fn internal(message: impl Into<String>) -> Self {
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, ErrorKind::Server, message)
+    }
+
+    /// The OpenAI `type` string (stable: clients and tests match on it).
+    pub fn error_type(&self) -> &'static str {
+        self.kind.as_str()
+    }
+
+    /// The OpenAI error body, `{"error": {...}}`, as a JSON value.
+    pub fn body(&self) -> serde_json::Value {
+        // Serialising this struct of strings cannot fail; fall back to null all the same.
+        serde_json::to_value(ErrorBody { error: self.detail() }).unwrap_or(serde_json::Value::Null)
+    }
+
+    fn detail(&self) -> ErrorDetail<'_> {
+        ErrorDetail { message: &self.message, kind: self.error_type(), param: self.param.as_deref(), code: self.code }
+    }
+}
+
+#[derive(Serialize)]
+struct ErrorBody<'a> {
+    error: ErrorDetail<'a>,
+}
+
+#[derive(Serialize)]
+struct ErrorDetail<'a> {
+    message: &'a str,
+    #[serde(rename = "type")]
+    kind: &'a str,
+    param: Option<&'a str>,
+    code: Option<&'a str>,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        if self.status.is_server_error() {
+            tracing::warn!(status = self.status.as_u16(), kind = self.error_type(), code = self.code, "{}", self.message);
+        } else {
+            tracing::debug!(status = self.status.as_u16(), kind = self.error_type(), code = self.code, "{}", self.message);
+        }
+        let mut resp = (self.status, axum::Json(self.body())).into_response();
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        resp
+    }
+}

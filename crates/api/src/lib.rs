@@ -1,0 +1,1 @@
+//! Placeholder written by the lead so the workspace builds; the API helper replaces this file.

@@ -1,0 +1,259 @@
+//! The verified KV handoff (I1, I2): how KV computed in one pool lands in another.
+//!
+//! The sender exports written slots page by page ([`export_chunks`]); each chunk names the
+//! receiver's page and generation (from its reservation), a slot range and an xxh3-64
+//! checksum of the bytes. The receiver's [`Inbound`] checks every chunk against its own
+//! leases as it lands, and only [`Inbound::finish`] — after checking that the written slots
+//! cover exactly the reserved prompt tokens, in the current generations, with a matching
+//! manifest of every chunk — produces a [`VerifiedSequence`], the only thing a decode
+//! scheduler accepts. "Transfer complete" from the sender is a claim to check, never trusted.
+//!
+//! xxh3-64 is a fast non-cryptographic hash: it detects corruption, not forgery (a sender
+//! that can write KV can already write wrong KV into its own request's pages).
+
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+use crate::{Generation, KvError, KvPool, PageId, RequestId, SequenceKv};
+
+/// A page of a reservation, as handed to the sender.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PageRef {
+    /// Receiver's page.
+    pub page: PageId,
+    /// The generation the receiver leased it at.
+    pub generation: Generation,
+}
+
+/// What a chunk claims about its bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChunkHeader {
+    /// Receiver's page the bytes are for.
+    pub page: PageId,
+    /// Generation of that page the sender was given.
+    pub generation: Generation,
+    /// First slot within the page.
+    pub slot_start: u32,
+    /// Number of slots.
+    pub slot_count: u32,
+    /// xxh3-64 of the bytes.
+    pub checksum: u64,
+}
+
+impl ChunkHeader {
+    fn bytes(&self) -> [u8; 28] {
+        let mut b = [0u8; 28];
+        b[..4].copy_from_slice(&self.page.0.to_le_bytes());
+        b[4..12].copy_from_slice(&self.generation.0.to_le_bytes());
+        b[12..16].copy_from_slice(&self.slot_start.to_le_bytes());
+        b[16..20].copy_from_slice(&self.slot_count.to_le_bytes());
+        b[20..28].copy_from_slice(&self.checksum.to_le_bytes());
+        b
+    }
+}
+
+/// Checksum of a chunk's bytes (xxh3-64).
+pub fn checksum(data: &[u8]) -> u64 {
+    xxh3_64(data)
+}
+
+/// Digest of a sequence of chunk headers, in order: both sides compute it, the sender sends
+/// its value with "done", the receiver compares.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Manifest(u64);
+
+impl Manifest {
+    /// Fold in the next chunk.
+    pub fn add(&mut self, h: &ChunkHeader) {
+        self.0 = xxh3_64_with_seed(&h.bytes(), self.0);
+    }
+
+    /// The digest so far.
+    pub fn digest(&self) -> u64 {
+        self.0
+    }
+}
+
+/// Why a chunk or a completion was refused. Any of these fails the request.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[allow(missing_docs)] // each variant's `#[error]` message is its documentation
+pub enum TransferError {
+    #[error("chunk for page {page} generation {generation}, which is not a prompt page of this reservation")]
+    UnknownPage { page: PageId, generation: Generation },
+    #[error("chunk for page {page} at generation {chunk}, reserved at generation {reserved}")]
+    StaleGeneration { page: PageId, chunk: Generation, reserved: Generation },
+    #[error("chunk for page {page} starts at position {start}, expected {expected} (chunks arrive in order)")]
+    OutOfOrder { page: PageId, start: usize, expected: usize },
+    #[error("chunk for page {page} ends at position {end}, past the {prompt} reserved prompt tokens")]
+    BeyondPrompt { page: PageId, end: usize, prompt: usize },
+    #[error("chunk for page {page} has checksum {actual:#x}, header says {claimed:#x}")]
+    Checksum { page: PageId, claimed: u64, actual: u64 },
+    #[error("sender reports {claimed} prompt tokens, {reserved} were reserved")]
+    TokenCount { claimed: usize, reserved: usize },
+    #[error("short transfer: {received} of {reserved} prompt tokens written")]
+    ShortTransfer { received: usize, reserved: usize },
+    #[error("manifest digest {claimed:#x} does not match the chunks received ({actual:#x})")]
+    Manifest { claimed: u64, actual: u64 },
+    #[error(transparent)]
+    Kv(#[from] KvError),
+}
+
+/// The receiving side of one request's handoff: its reservation and what has landed.
+#[derive(Debug)]
+pub struct Inbound {
+    seq: SequenceKv,
+    prompt_tokens: usize,
+    received: usize,
+    manifest: Manifest,
+}
+
+/// A sequence whose prompt KV was verified complete. Only [`Inbound::finish`] makes one.
+#[derive(Debug)]
+pub struct VerifiedSequence {
+    seq: SequenceKv,
+    prompt_tokens: usize,
+}
+
+impl VerifiedSequence {
+    /// Prompt tokens whose KV is in place (the sequence's committed length).
+    pub fn prompt_tokens(&self) -> usize {
+        self.prompt_tokens
+    }
+
+    /// The request it belongs to.
+    pub fn owner(&self) -> RequestId {
+        self.seq.owner()
+    }
+
+    /// The sequence, for the decode loop to extend.
+    pub fn into_sequence(self) -> SequenceKv {
+        self.seq
+    }
+}
+
+impl Inbound {
+    /// Reserve pages for `total_tokens` (prompt + generation), all or nothing, for a prompt of
+    /// `prompt_tokens` that a sender will write.
+    pub fn reserve(pool: &mut KvPool, owner: RequestId, prompt_tokens: usize, total_tokens: usize) -> Result<Self, KvError> {
+        let mut seq = SequenceKv::new(owner);
+        seq.reserve(pool, total_tokens.max(prompt_tokens))?;
+        Ok(Inbound { seq, prompt_tokens, received: 0, manifest: Manifest::default() })
+    }
+
+    /// The pages the sender may write: those holding prompt positions, in order.
+    pub fn prompt_pages(&self, page_size: usize) -> Vec<PageRef> {
+        self.seq
+            .leases()
+            .iter()
+            .take(self.prompt_tokens.div_ceil(page_size))
+            .map(|l| PageRef { page: l.page(), generation: l.generation() })
+            .collect()
+    }
+
+    /// The request this reservation belongs to.
+    pub fn owner(&self) -> RequestId {
+        self.seq.owner()
+    }
+
+    /// Prompt tokens written so far.
+    pub fn received_tokens(&self) -> usize {
+        self.received
+    }
+
+    /// Prompt tokens reserved.
+    pub fn prompt_tokens(&self) -> usize {
+        self.prompt_tokens
+    }
+
+    /// Check one chunk against this reservation and, if every check passes, write it.
+    pub fn accept(&mut self, pool: &mut KvPool, h: &ChunkHeader, data: &[u8]) -> Result<(), TransferError> {
+        let page_size = pool.layout().page_size;
+        let prompt_pages = self.prompt_tokens.div_ceil(page_size);
+        let Some(index) = self.seq.leases().iter().take(prompt_pages).position(|l| l.page() == h.page) else {
+            return Err(TransferError::UnknownPage { page: h.page, generation: h.generation });
+        };
+        let lease = &self.seq.leases()[index];
+        if lease.generation() != h.generation {
+            return Err(TransferError::StaleGeneration { page: h.page, chunk: h.generation, reserved: lease.generation() });
+        }
+        let start = index * page_size + h.slot_start as usize;
+        if start != self.received {
+            return Err(TransferError::OutOfOrder { page: h.page, start, expected: self.received });
+        }
+        let end = start + h.slot_count as usize;
+        if end > self.prompt_tokens {
+            return Err(TransferError::BeyondPrompt { page: h.page, end, prompt: self.prompt_tokens });
+        }
+        let actual = checksum(data);
+        if actual != h.checksum {
+            return Err(TransferError::Checksum { page: h.page, claimed: h.checksum, actual });
+        }
+        pool.import_slots(lease, h.slot_start as usize, h.slot_count as usize, data)?;
+        self.received = end;
+        self.manifest.add(h);
+        Ok(())
+    }
+
+    /// The sender says it is done: verify coverage, token count and manifest. On failure the
+    /// sequence comes back with the error, for the caller to quarantine or release.
+    pub fn finish(mut self, pool: &KvPool, claimed_tokens: usize, manifest: u64) -> Result<VerifiedSequence, (TransferError, SequenceKv)> {
+        let check = || {
+            if claimed_tokens != self.prompt_tokens {
+                return Err(TransferError::TokenCount { claimed: claimed_tokens, reserved: self.prompt_tokens });
+            }
+            if self.received != self.prompt_tokens {
+                return Err(TransferError::ShortTransfer { received: self.received, reserved: self.prompt_tokens });
+            }
+            if manifest != self.manifest.digest() {
+                return Err(TransferError::Manifest { claimed: manifest, actual: self.manifest.digest() });
+            }
+            Ok(())
+        };
+        if let Err(e) = check() {
+            return Err((e, self.seq));
+        }
+        // commit re-checks every layer's watermark on every page against the positions.
+        match self.seq.commit(pool, self.prompt_tokens) {
+            Ok(()) => Ok(VerifiedSequence { seq: self.seq, prompt_tokens: self.prompt_tokens }),
+            Err(e) => Err((e.into(), self.seq)),
+        }
+    }
+
+    /// Give up on the transfer; the caller quarantines or releases the pages.
+    pub fn into_sequence(self) -> SequenceKv {
+        self.seq
+    }
+}
+
+/// Chunks the sender produces for the positions `from..to` of its own sequence `src`,
+/// addressed to the receiver's `targets` (its prompt pages, in order), one chunk per page
+/// segment. The manifest is folded as chunks are made.
+pub fn export_chunks(
+    pool: &KvPool,
+    src: &SequenceKv,
+    targets: &[PageRef],
+    from: usize,
+    to: usize,
+    manifest: &mut Manifest,
+) -> Result<Vec<(ChunkHeader, Vec<u8>)>, KvError> {
+    let page_size = pool.layout().page_size;
+    let mut out = Vec::new();
+    let mut pos = from;
+    while pos < to {
+        let (lease, slot) = src.locate(pos)?;
+        let count = (page_size - slot).min(to - pos);
+        let target = targets.get(pos / page_size).ok_or(KvError::NotReserved { pos, reserved: targets.len() * page_size })?;
+        let mut data = Vec::new();
+        pool.export_slots(lease, slot, count, &mut data)?;
+        let h = ChunkHeader {
+            page: target.page,
+            generation: target.generation,
+            slot_start: slot as u32,
+            slot_count: count as u32,
+            checksum: checksum(&data),
+        };
+        manifest.add(&h);
+        out.push((h, data));
+        pos += count;
+    }
+    Ok(out)
+}

@@ -1,0 +1,188 @@
+//! The verified handoff between two pools: a faithful transfer verifies and reads back
+//! exactly; every kind of bad chunk or false "done" is refused and never yields a
+//! `VerifiedSequence`.
+
+use bulkhead_kv::transfer::{export_chunks, ChunkHeader, Manifest};
+use bulkhead_kv::{
+    Generation, Inbound, KvLayout, KvPool, PageRef, PoolConfig, RequestId, SequenceKv, TransferError,
+};
+
+const LAYOUT: KvLayout = KvLayout { layers: 2, kv_heads: 2, head_dim: 4, page_size: 4 };
+
+fn pool(pages: usize) -> KvPool {
+    KvPool::new(PoolConfig { layout: LAYOUT, pages, poison_on_release: true }).unwrap()
+}
+
+/// Distinct per (request, position, layer, element) and exact in f16 (integers below 2048).
+fn value(req: u64, pos: usize, layer: usize, i: usize) -> f32 {
+    ((req % 8) * 256 + pos as u64 * 16 + layer as u64 * 8 + i as u64) as f32
+}
+
+/// A sender sequence of `n` tokens with KV values that identify (request, position, layer).
+fn sender(p: &mut KvPool, req: u64, n: usize) -> SequenceKv {
+    let mut s = SequenceKv::new(RequestId(req));
+    s.reserve(p, n).unwrap();
+    let row = LAYOUT.row_elems();
+    for pos in 0..n {
+        let (lease, slot) = s.locate(pos).unwrap();
+        for layer in 0..LAYOUT.layers {
+            let k: Vec<f32> = (0..row).map(|i| value(req, pos, layer, i)).collect();
+            let v: Vec<f32> = k.iter().map(|x| -x).collect();
+            p.write(lease, layer, slot, &k, &v).unwrap();
+        }
+    }
+    s.commit(p, n).unwrap();
+    s
+}
+
+fn chunks(p: &KvPool, s: &SequenceKv, targets: &[PageRef], n: usize) -> (Vec<(ChunkHeader, Vec<u8>)>, u64) {
+    let mut m = Manifest::default();
+    let c = export_chunks(p, s, targets, 0, n, &mut m).unwrap();
+    (c, m.digest())
+}
+
+#[test]
+fn a_faithful_transfer_verifies_and_the_receiver_reads_exactly_what_was_sent() {
+    let (mut sp, mut rp) = (pool(8), pool(8));
+    let n = 10;
+    let s = sender(&mut sp, 7, n);
+    let mut inb = Inbound::reserve(&mut rp, RequestId(7), n, n + 5).unwrap();
+    let targets = inb.prompt_pages(LAYOUT.page_size);
+    assert_eq!(targets.len(), 3);
+    let (cs, digest) = chunks(&sp, &s, &targets, n);
+    for (h, d) in &cs {
+        inb.accept(&mut rp, h, d).unwrap();
+    }
+    let v = inb.finish(&rp, n, digest).map_err(|(e, _)| e).unwrap();
+    assert_eq!(v.prompt_tokens(), n);
+    let seq = v.into_sequence();
+    assert_eq!(seq.len(), n);
+    for pos in 0..n {
+        let (lease, slot) = seq.locate(pos).unwrap();
+        for layer in 0..LAYOUT.layers {
+            let r = rp.read(lease, layer).unwrap();
+            for h in 0..LAYOUT.kv_heads {
+                let k = &r.k_head(h)[slot * 4..slot * 4 + 4];
+                for (d, x) in k.iter().enumerate() {
+                    assert_eq!(x.to_f32(), value(7, pos, layer, h * 4 + d));
+                }
+            }
+        }
+    }
+}
+
+/// Runs a transfer through `tamper` and returns the first refusal, at accept or at finish.
+fn refused(tamper: impl FnOnce(&mut Vec<(ChunkHeader, Vec<u8>)>, &mut usize, &mut u64, &[PageRef])) -> TransferError {
+    let (mut sp, mut rp) = (pool(16), pool(16));
+    let n = 10;
+    let s = sender(&mut sp, 7, n);
+    // Another request's reservation in the same receiver pool.
+    let other = Inbound::reserve(&mut rp, RequestId(8), 8, 8).unwrap();
+    let mut inb = Inbound::reserve(&mut rp, RequestId(7), n, n).unwrap();
+    let targets = inb.prompt_pages(LAYOUT.page_size);
+    let (mut cs, mut digest) = chunks(&sp, &s, &targets, n);
+    let mut claimed = n;
+    let mut all = targets.clone();
+    all.extend(other.prompt_pages(LAYOUT.page_size));
+    tamper(&mut cs, &mut claimed, &mut digest, &all);
+    for (h, d) in &cs {
+        if let Err(e) = inb.accept(&mut rp, h, d) {
+            return e;
+        }
+    }
+    match inb.finish(&rp, claimed, digest) {
+        Ok(_) => panic!("tampered transfer verified"),
+        Err((e, _)) => e,
+    }
+}
+
+#[test]
+fn a_short_transfer_is_refused_at_finish() {
+    let e = refused(|cs, _, d, _| {
+        cs.pop();
+        let mut m = Manifest::default();
+        cs.iter().for_each(|(h, _)| m.add(h));
+        *d = m.digest();
+    });
+    assert!(matches!(e, TransferError::ShortTransfer { received: 8, reserved: 10 }), "{e}");
+}
+
+#[test]
+fn the_incident_one_page_written_and_done_claimed_is_refused() {
+    // The sender wrote one page for a 1-token placeholder and claims completion.
+    let e = refused(|cs, claimed, d, _| {
+        cs.truncate(1);
+        cs[0].0.slot_count = 1;
+        cs[0].1.truncate(LAYOUT.bytes_per_token());
+        cs[0].0.checksum = bulkhead_kv::transfer::checksum(&cs[0].1);
+        *claimed = 1;
+        let mut m = Manifest::default();
+        m.add(&cs[0].0);
+        *d = m.digest();
+    });
+    assert!(matches!(e, TransferError::TokenCount { claimed: 1, reserved: 10 }), "{e}");
+}
+
+#[test]
+fn a_chunk_for_a_stale_generation_is_refused() {
+    let e = refused(|cs, _, _, _| cs[1].0.generation = Generation(cs[1].0.generation.0 - 1));
+    assert!(matches!(e, TransferError::StaleGeneration { .. }), "{e}");
+}
+
+#[test]
+fn a_chunk_for_another_request_s_page_is_refused() {
+    let e = refused(|cs, _, _, all| cs[0].0.page = all[3].page);
+    assert!(matches!(e, TransferError::UnknownPage { .. }), "{e}");
+}
+
+#[test]
+fn a_corrupted_chunk_is_refused() {
+    let e = refused(|cs, _, _, _| cs[2].1[5] ^= 0x40);
+    assert!(matches!(e, TransferError::Checksum { .. }), "{e}");
+}
+
+#[test]
+fn chunks_out_of_order_or_repeated_are_refused() {
+    let e = refused(|cs, _, _, _| cs.swap(0, 1));
+    assert!(matches!(e, TransferError::OutOfOrder { .. }), "{e}");
+    let e = refused(|cs, _, _, _| {
+        let dup = cs[0].clone();
+        cs.insert(1, dup);
+    });
+    assert!(matches!(e, TransferError::OutOfOrder { .. }), "{e}");
+}
+
+#[test]
+fn a_chunk_past_the_reserved_prompt_is_refused() {
+    let e = refused(|cs, _, _, _| {
+        let last = cs.last_mut().unwrap();
+        last.0.slot_count += 1;
+    });
+    assert!(matches!(e, TransferError::BeyondPrompt { .. }), "{e}");
+}
+
+#[test]
+fn a_wrong_manifest_or_token_count_is_refused() {
+    let e = refused(|_, _, d, _| *d ^= 1);
+    assert!(matches!(e, TransferError::Manifest { .. }), "{e}");
+    let e = refused(|_, c, _, _| *c = 11);
+    assert!(matches!(e, TransferError::TokenCount { claimed: 11, .. }), "{e}");
+}
+
+#[test]
+fn a_refused_transfer_hands_its_pages_back_for_quarantine() {
+    let (mut sp, mut rp) = (pool(8), pool(8));
+    let s = sender(&mut sp, 1, 6);
+    let mut inb = Inbound::reserve(&mut rp, RequestId(1), 6, 6).unwrap();
+    let t = inb.prompt_pages(4);
+    let (cs, _) = chunks(&sp, &s, &t, 6);
+    inb.accept(&mut rp, &cs[0].0, &cs[0].1).unwrap();
+    let (_, seq) = inb.finish(&rp, 6, 0).unwrap_err();
+    let q = seq.quarantine(&mut rp).unwrap();
+    assert_eq!(rp.stats().quarantined_pages, 2);
+    for q in q {
+        rp.release_quarantined(q).unwrap();
+    }
+    assert_eq!(rp.stats().free_pages, 8);
+    rp.check_invariants();
+}
