@@ -1,1 +1,28 @@
-//! Placeholder written by the lead so the workspace builds; the API helper replaces this file.
+#![forbid(unsafe_code)]
+//! Bulkhead's OpenAI-compatible HTTP API, independent of how text is generated, and the
+//! in-process backend that runs the engine (colocated mode).
+//!
+//! # Layout
+//!
+//! - [`backend`]: the [`Backend`] trait the HTTP layer drives ([`GenerationRequest`] in, a
+//!   stream of [`GenEvent`]s out; dropping the stream aborts the request) and [`ModelCard`].
+//! - [`error`]: [`ApiError`], every error as an OpenAI error body with its HTTP status.
+//! - [`openai`]: the wire format — request bodies checked field by field, response and
+//!   stream-chunk objects.
+//! - [`routes`]: [`router`], the axum endpoints (`/v1/chat/completions`, `/v1/completions`,
+//!   `/v1/models`, `/health`, `/ready`), server-sent events, the JSON extractor and the
+//!   `x-request-id` middleware.
+//! - [`colocated`]: [`ColocatedBackend`], the engine on a dedicated thread in this process.
+//! - `ids`: completion and request ids.
+
+pub mod backend;
+pub mod colocated;
+pub mod error;
+mod ids;
+pub mod openai;
+pub mod routes;
+
+pub use backend::{Backend, FinishReason, GenEvent, GenerationRequest, ModelCard, Prompt};
+pub use colocated::{ColocatedBackend, ColocatedError};
+pub use error::{ApiError, ErrorKind};
+pub use routes::{MAX_BODY_BYTES, router};

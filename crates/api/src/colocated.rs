@@ -1,0 +1,314 @@
+//! [`ColocatedBackend`]: the engine in this process, on a dedicated OS thread.
+//!
+//! Requests are templated, tokenised and checked against the context on the caller's
+//! thread, then handed to the engine thread, which admits them between steps (reserving
+//! their KV pages all at once, or refusing with 503 when the pool is full) and replies with
+//! the outcome before any stream exists. The thread steps while any request is active and
+//! blocks on its command channel when none is. Each step's text goes to the request's
+//! channel; a request whose receiver was dropped (client gone) is aborted and its pages
+//! released before the next step.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc as std_mpsc;
+
+use bulkhead_engine::{Engine, EngineError, Event, GenRequest, LoadedModel, SamplingError};
+use bulkhead_kv::{KvError, KvPool, PoolConfig, RequestId};
+use bulkhead_tokenizer::{ChatTemplate, Tokenizer, TokenizerError};
+use tokio::sync::mpsc;
+
+use crate::backend::{Backend, FinishReason, GenEvent, GenerationRequest, ModelCard, Prompt};
+use crate::error::ApiError;
+use crate::ids::unix_now;
+
+/// Most prompt tokens fed to the model in one step (across all prefilling requests).
+pub const PREFILL_CHUNK: usize = 512;
+
+/// Why a [`ColocatedBackend`] could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum ColocatedError {
+    /// The KV pool could not be made (zero pages or page size, too large, out of memory).
+    #[error("cannot create the KV pool: {0}")]
+    Pool(#[from] KvError),
+    /// The engine thread could not be started.
+    #[error("cannot start the engine thread: {0}")]
+    Spawn(#[from] std::io::Error),
+}
+
+/// A request handed to the engine thread.
+struct Admit {
+    request_id: String,
+    req: GenRequest,
+    events: mpsc::Sender<GenEvent>,
+    reply: std_mpsc::SyncSender<Result<(), ApiError>>,
+}
+
+/// A [`Backend`] that runs [`bulkhead_engine::Engine`] in-process (colocated mode: prefill
+/// and decode in one engine).
+pub struct ColocatedBackend {
+    card: ModelCard,
+    tokenizer: Arc<Tokenizer>,
+    chat: ChatTemplate,
+    context_limit: usize,
+    commands: std_mpsc::Sender<Admit>,
+    alive: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for ColocatedBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ColocatedBackend").field("card", &self.card).field("context_limit", &self.context_limit).finish()
+    }
+}
+
+impl ColocatedBackend {
+    /// Serve `model` under the name `model_id` with a KV pool of at least `kv_pool_tokens`
+    /// tokens in pages of `page_size` tokens, and start the engine thread.
+    ///
+    /// The served context (`max_model_len`) is the model's `context_length`, or the pool's
+    /// capacity if smaller, so that a request that fits the context always fits an empty
+    /// pool and a full pool is a transient 503, never a permanent one.
+    pub fn new(
+        model: LoadedModel,
+        model_id: impl Into<String>,
+        kv_pool_tokens: usize,
+        page_size: usize,
+    ) -> Result<Self, ColocatedError> {
+        let LoadedModel { model, tokenizer, chat } = model;
+        let layout = model.kv_layout(page_size);
+        let pool = KvPool::new(PoolConfig { layout, pages: layout.pages_for_tokens(kv_pool_tokens), poison_on_release: true })?;
+        let context_limit = model.config.context_length.min(pool.capacity_tokens());
+        let tokenizer = Arc::new(tokenizer);
+        let engine = Engine::new(Arc::new(model), Arc::clone(&tokenizer), pool, PREFILL_CHUNK, context_limit);
+        let (commands, inbox) = std_mpsc::channel();
+        let alive = Arc::new(AtomicBool::new(true));
+        let guard = AliveGuard(Arc::clone(&alive));
+        std::thread::Builder::new().name("bulkhead-engine".into()).spawn(move || {
+            let _guard = guard;
+            EngineLoop { engine, live: HashMap::new() }.run(&inbox);
+        })?;
+        let card = ModelCard { id: model_id.into(), max_model_len: context_limit, created: unix_now(), owned_by: "bulkhead".into() };
+        tracing::info!(model = %card.id, context = context_limit, "colocated engine started");
+        Ok(ColocatedBackend { card, tokenizer, chat, context_limit, commands, alive })
+    }
+
+    /// The most tokens (prompt + completion) one request may use.
+    pub fn context_limit(&self) -> usize {
+        self.context_limit
+    }
+
+    /// Template (for chat) and tokenise a prompt.
+    fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
+        let text = match prompt {
+            Prompt::Chat(messages) => self.chat.render(messages, true).map_err(|e| match e {
+                TokenizerError::TemplateRaised { message } => ApiError::invalid_request("messages", message),
+                e => ApiError::internal(format!("The chat template failed: {e}")),
+            })?,
+            Prompt::Text(t) => t.clone(),
+        };
+        let mut ids = self.tokenizer.encode(&text, true);
+        if let Some(bos) = self.tokenizer.bos_id().filter(|_| self.tokenizer.add_bos()) {
+            if ids.first() != Some(&bos) {
+                ids.insert(0, bos);
+            }
+        }
+        Ok(ids)
+    }
+}
+
+impl Backend for ColocatedBackend {
+    fn models(&self) -> Vec<ModelCard> {
+        vec![self.card.clone()]
+    }
+
+    fn generate(&self, req: GenerationRequest) -> Result<mpsc::Receiver<GenEvent>, ApiError> {
+        if req.model != self.card.id {
+            return Err(ApiError::model_not_found(&req.model));
+        }
+        let prompt = self.tokenize(&req.prompt)?;
+        if prompt.is_empty() {
+            let param = if matches!(req.prompt, Prompt::Chat(_)) { "messages" } else { "prompt" };
+            return Err(ApiError::invalid_request(param, "The prompt is empty."));
+        }
+        // Refuse what cannot fit before the engine reserves anything.
+        let limit = self.context_limit;
+        let max_tokens = match req.max_tokens {
+            Some(n) => n,
+            None => limit.saturating_sub(prompt.len()),
+        };
+        if max_tokens == 0 || prompt.len().saturating_add(max_tokens) > limit {
+            return Err(ApiError::context_length_exceeded(prompt.len(), max_tokens.max(1), limit));
+        }
+        // Every step sends at most one event per request, plus the final text and Finished:
+        // this capacity means the engine thread never finds the channel full.
+        let (events, rx) = mpsc::channel(max_tokens.saturating_add(4));
+        let (reply, outcome) = std_mpsc::sync_channel(1);
+        let gen_req = GenRequest { prompt, max_tokens, sampling: req.sampling, stop: req.stop };
+        self.commands
+            .send(Admit { request_id: req.request_id, req: gen_req, events, reply })
+            .map_err(|_| ApiError::overloaded("The engine is not running."))?;
+        match outcome.recv() {
+            Ok(Ok(())) => Ok(rx),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(ApiError::internal("The engine stopped while admitting the request.")),
+        }
+    }
+
+    fn ready(&self) -> bool {
+        self.alive.load(Ordering::Acquire)
+    }
+}
+
+/// Clears the `alive` flag when the engine thread ends, however it ends.
+struct AliveGuard(Arc<AtomicBool>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+/// A request the engine is running.
+struct Live {
+    request_id: String,
+    events: mpsc::Sender<GenEvent>,
+}
+
+/// The engine thread's state.
+struct EngineLoop {
+    engine: Engine,
+    live: HashMap<RequestId, Live>,
+}
+
+impl EngineLoop {
+    /// Step while anything is active; block for commands when idle; return once the backend
+    /// is dropped and the last request has ended.
+    fn run(mut self, inbox: &std_mpsc::Receiver<Admit>) {
+        loop {
+            if self.engine.active() == 0 {
+                match inbox.recv() {
+                    Ok(cmd) => self.admit(cmd),
+                    Err(_) => break,
+                }
+            }
+            while let Ok(cmd) = inbox.try_recv() {
+                self.admit(cmd);
+            }
+            self.abort_disconnected();
+            if self.engine.active() == 0 {
+                continue;
+            }
+            match self.engine.step() {
+                Ok(events) => self.route(events),
+                Err(e) => self.fail_all(&e),
+            }
+        }
+        tracing::info!("engine thread stopped");
+    }
+
+    fn admit(&mut self, cmd: Admit) {
+        let Admit { request_id, req, events, reply } = cmd;
+        let (prompt_len, max_tokens) = (req.prompt.len(), req.max_tokens);
+        match self.engine.add(req) {
+            Ok(id) => {
+                tracing::debug!(request_id = %request_id, engine_id = id.0, prompt_tokens = prompt_len, max_tokens, "admitted");
+                if reply.send(Ok(())).is_err() {
+                    self.abort(id, "caller gone before admission completed");
+                } else {
+                    self.live.insert(id, Live { request_id, events });
+                }
+            }
+            Err(e) => {
+                tracing::debug!(request_id = %request_id, error = %e, "refused");
+                let _ = reply.send(Err(admission_error(e)));
+            }
+        }
+    }
+
+    /// Abort every request whose receiver was dropped.
+    fn abort_disconnected(&mut self) {
+        let gone: Vec<RequestId> = self.live.iter().filter(|(_, l)| l.events.is_closed()).map(|(id, _)| *id).collect();
+        for id in gone {
+            self.abort(id, "client disconnected");
+        }
+    }
+
+    fn abort(&mut self, id: RequestId, why: &str) {
+        let request_id = self.live.remove(&id).map(|l| l.request_id).unwrap_or_default();
+        match self.engine.abort(id) {
+            Ok(_) => tracing::debug!(request_id = %request_id, engine_id = id.0, "aborted: {why}"),
+            Err(e) => tracing::error!(request_id = %request_id, engine_id = id.0, error = %e, "abort failed"),
+        }
+    }
+
+    /// Send `ev` to request `id`; abort it if its receiver is gone.
+    fn send(&mut self, id: RequestId, ev: GenEvent) {
+        let Some(live) = self.live.get(&id) else { return };
+        if live.events.try_send(ev).is_err() {
+            self.abort(id, "event channel closed");
+        }
+    }
+
+    fn route(&mut self, events: Vec<Event>) {
+        for ev in events {
+            match ev {
+                Event::Token { id, text, .. } => {
+                    if !text.is_empty() {
+                        self.send(id, GenEvent::Text(text));
+                    }
+                }
+                Event::Finished { id, reason, text, prompt_tokens, completion_tokens } => {
+                    if !text.is_empty() {
+                        self.send(id, GenEvent::Text(text));
+                    }
+                    let reason = match reason {
+                        bulkhead_engine::FinishReason::Length => FinishReason::Length,
+                        bulkhead_engine::FinishReason::Stop | bulkhead_engine::FinishReason::Abort => FinishReason::Stop,
+                    };
+                    if let Some(live) = self.live.remove(&id) {
+                        tracing::debug!(
+                            request_id = %live.request_id,
+                            prompt_tokens,
+                            completion_tokens,
+                            reason = reason.as_str(),
+                            "finished"
+                        );
+                        let _ = live.events.try_send(GenEvent::Finished { reason, prompt_tokens, completion_tokens });
+                    }
+                }
+            }
+        }
+    }
+
+    /// A step failed: the batch's state is unknown, so every active request fails.
+    fn fail_all(&mut self, e: &EngineError) {
+        tracing::error!(error = %e, active = self.live.len(), "engine step failed; failing every active request");
+        let err = ApiError::internal(format!("The engine failed: {e}"));
+        let ids: Vec<RequestId> = self.live.keys().copied().collect();
+        for id in ids {
+            if let Some(live) = self.live.get(&id) {
+                let _ = live.events.try_send(GenEvent::Failed(err.clone()));
+            }
+            self.abort(id, "engine step failed");
+        }
+    }
+}
+
+/// The API error for a refused admission.
+fn admission_error(e: EngineError) -> ApiError {
+    match e {
+        EngineError::ContextLength { prompt, max_tokens, limit, .. } => {
+            ApiError::context_length_exceeded(prompt, max_tokens, limit)
+        }
+        EngineError::PoolFull(e) => {
+            ApiError::overloaded(format!("The server is at capacity (KV cache full: {e}). Please retry later."))
+        }
+        EngineError::EmptyPrompt => ApiError::invalid_request("messages", "The prompt is empty."),
+        EngineError::ZeroMaxTokens => ApiError::invalid_request("max_tokens", "max_tokens must be at least 1."),
+        EngineError::Sampling(e @ SamplingError::InvalidTemperature { .. }) => {
+            ApiError::invalid_request("temperature", e.to_string())
+        }
+        EngineError::Sampling(e @ SamplingError::InvalidTopP { .. }) => ApiError::invalid_request("top_p", e.to_string()),
+        e => ApiError::internal(format!("The engine refused the request: {e}")),
+    }
+}

@@ -1,0 +1,401 @@
+//! The axum [`Router`]: OpenAI endpoints over a [`Backend`], the JSON extractor whose
+//! rejections are OpenAI error bodies, server-sent-event streaming, and the `x-request-id`
+//! middleware.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::Json;
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::PathRejection;
+use axum::extract::{DefaultBodyLimit, Extension, FromRequest, Path, Request, State};
+use axum::http::{HeaderName, HeaderValue, Method, StatusCode, Uri, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::Serialize;
+use serde_json::Value;
+use tokio::sync::mpsc::Receiver;
+use tracing::{Instrument, Span};
+
+use crate::backend::{Backend, GenEvent, GenerationRequest, ModelCard};
+use crate::error::{ApiError, ErrorKind};
+use crate::ids::{random_hex, unix_now};
+use crate::openai::{
+    self, AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChunkChoice, CompletionParams, Delta, ModelList,
+    ModelObject, TextChoice, TextCompletion, Usage,
+};
+
+/// Largest accepted request body; larger ones get 413.
+pub const MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
+
+/// The request-id header, echoed on every response.
+pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// Longest client-supplied `x-request-id` kept; longer (or non-ASCII) ones are replaced.
+const MAX_REQUEST_ID_LEN: usize = 128;
+
+/// The request's id, as a request extension: the client's `x-request-id` or a fresh one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct XRequestId(pub String);
+
+#[derive(Clone)]
+struct AppState {
+    backend: Arc<dyn Backend>,
+}
+
+/// The OpenAI-compatible HTTP API over `backend`: `POST /v1/chat/completions`,
+/// `POST /v1/completions`, `GET /v1/models`, `GET /v1/models/{id}`, `GET /health`,
+/// `GET /ready`. Every error, including unknown routes and unreadable bodies, is an OpenAI
+/// error body.
+pub fn router(backend: Arc<dyn Backend>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(list_models))
+        .route("/v1/models/{*id}", get(get_model))
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(AppState { backend })
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(middleware::from_fn(request_id))
+}
+
+/// Takes the client's `x-request-id` (or makes one), runs the request inside a span with
+/// field `request_id`, and echoes the id on the response.
+async fn request_id(mut req: Request, next: Next) -> Response {
+    let id = req
+        .headers()
+        .get(&X_REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .filter(|s| !s.is_empty() && s.len() <= MAX_REQUEST_ID_LEN && s.bytes().all(|b| b.is_ascii_graphic()))
+        .map_or_else(random_hex, str::to_owned);
+    req.extensions_mut().insert(XRequestId(id.clone()));
+    let span = tracing::info_span!("request", request_id = %id, method = %req.method(), path = %req.uri().path());
+    let mut resp = next.run(req).instrument(span).await;
+    if let Ok(v) = HeaderValue::from_str(&id) {
+        resp.headers_mut().insert(X_REQUEST_ID.clone(), v);
+    }
+    resp
+}
+
+/// A JSON body whose every rejection (wrong Content-Type, unreadable or oversize body,
+/// malformed JSON) is an [`ApiError`], never axum's plain-text rejection.
+#[derive(Debug, Clone)]
+pub struct OpenAiJson(pub Value);
+
+impl<S: Send + Sync> FromRequest<S> for OpenAiJson {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        let ct = req.headers().get(header::CONTENT_TYPE).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+        match ct.as_deref() {
+            Some(ct) if is_json(ct) => {}
+            Some(ct) => {
+                return Err(ApiError::bad_request(format!(
+                    "Invalid Content-Type header ({ct}): expected application/json."
+                )));
+            }
+            None => return Err(ApiError::bad_request("Missing Content-Type header: expected application/json.")),
+        }
+        let bytes = Bytes::from_request(req, state).await.map_err(|r| {
+            if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::payload_too_large(MAX_BODY_BYTES)
+            } else {
+                ApiError::bad_request(format!("Could not read the request body: {r}"))
+            }
+        })?;
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Err(ApiError::bad_request(
+                "We could not parse the JSON body of your request: the body is empty. Send a JSON object.",
+            ));
+        }
+        serde_json::from_slice(&bytes).map(OpenAiJson).map_err(|e| {
+            ApiError::bad_request(format!(
+                "We could not parse the JSON body of your request ({e}). Send valid JSON with Content-Type: application/json."
+            ))
+        })
+    }
+}
+
+fn is_json(content_type: &str) -> bool {
+    let mime = content_type.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    mime == "application/json" || (mime.starts_with("application/") && mime.ends_with("+json"))
+}
+
+/// Which completion endpoint a request came through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Endpoint {
+    Chat,
+    Text,
+}
+
+async fn chat_completions(
+    State(st): State<AppState>,
+    Extension(rid): Extension<XRequestId>,
+    OpenAiJson(body): OpenAiJson,
+) -> Result<Response, ApiError> {
+    complete(st, rid, Endpoint::Chat, openai::parse_chat(&body)?).await
+}
+
+async fn completions(
+    State(st): State<AppState>,
+    Extension(rid): Extension<XRequestId>,
+    OpenAiJson(body): OpenAiJson,
+) -> Result<Response, ApiError> {
+    complete(st, rid, Endpoint::Text, openai::parse_completion(&body)?).await
+}
+
+fn find_model(backend: &dyn Backend, name: &str) -> Result<ModelCard, ApiError> {
+    backend.models().into_iter().find(|c| c.id == name).ok_or_else(|| ApiError::model_not_found(name))
+}
+
+async fn complete(st: AppState, rid: XRequestId, endpoint: Endpoint, p: CompletionParams) -> Result<Response, ApiError> {
+    let card = find_model(st.backend.as_ref(), &p.model)?;
+    p.check_against(&card)?;
+    let req = GenerationRequest {
+        request_id: rid.0,
+        model: card.id.clone(),
+        prompt: p.prompt,
+        max_tokens: p.max_tokens,
+        sampling: p.sampling,
+        stop: p.stop,
+    };
+    let backend = Arc::clone(&st.backend);
+    // Admission may block (tokenising, waiting for the engine between steps).
+    let rx = tokio::task::spawn_blocking(move || backend.generate(req))
+        .await
+        .map_err(|e| ApiError::internal(format!("the backend failed to admit the request: {e}")))?
+        .map_err(|mut e| {
+            if endpoint == Endpoint::Text && e.param.as_deref() == Some("messages") {
+                e.param = Some("prompt".into());
+            }
+            e
+        })?;
+    let meta = Meta {
+        id: match endpoint {
+            Endpoint::Chat => format!("chatcmpl-{}", random_hex()),
+            Endpoint::Text => format!("cmpl-{}", random_hex()),
+        },
+        created: unix_now(),
+        model: card.id,
+        endpoint,
+        include_usage: p.include_usage,
+    };
+    if p.stream { Ok(stream_response(meta, rx)) } else { collect_response(meta, rx).await }
+}
+
+/// What every response object of one completion shares.
+struct Meta {
+    id: String,
+    created: u64,
+    model: String,
+    endpoint: Endpoint,
+    include_usage: bool,
+}
+
+async fn collect_response(meta: Meta, mut rx: Receiver<GenEvent>) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    let (reason, usage) = loop {
+        match rx.recv().await {
+            Some(GenEvent::Text(t)) => text.push_str(&t),
+            Some(GenEvent::Finished { reason, prompt_tokens, completion_tokens }) => {
+                break (reason, Usage::new(prompt_tokens, completion_tokens));
+            }
+            Some(GenEvent::Failed(e)) => return Err(e),
+            None => return Err(ApiError::internal("The generation ended without a result.")),
+        }
+    };
+    tracing::info!(
+        prompt_tokens = usage.prompt_tokens,
+        completion_tokens = usage.completion_tokens,
+        finish_reason = reason.as_str(),
+        "completed"
+    );
+    let Meta { id, created, model, endpoint, .. } = meta;
+    Ok(match endpoint {
+        Endpoint::Chat => Json(ChatCompletion {
+            id,
+            object: "chat.completion",
+            created,
+            model,
+            choices: vec![ChatChoice {
+                index: 0,
+                message: AssistantMessage { role: "assistant", content: text },
+                logprobs: None,
+                finish_reason: reason.as_str(),
+            }],
+            usage,
+        })
+        .into_response(),
+        Endpoint::Text => Json(TextCompletion {
+            id,
+            object: "text_completion",
+            created,
+            model,
+            choices: vec![TextChoice { index: 0, text, logprobs: None, finish_reason: Some(reason.as_str()) }],
+            usage: Some(Some(usage)),
+        })
+        .into_response(),
+    })
+}
+
+/// State of one SSE stream. Dropping it (the client went away) drops the receiver, which
+/// tells the backend to abort.
+struct StreamState {
+    rx: Receiver<GenEvent>,
+    meta: Meta,
+    started: bool,
+    done: bool,
+}
+
+fn stream_response(meta: Meta, rx: Receiver<GenEvent>) -> Response {
+    let span = Span::current();
+    let state = StreamState { rx, meta, started: false, done: false };
+    let stream = futures_util::stream::unfold(state, move |mut st| {
+        async move {
+            if st.done {
+                return None;
+            }
+            let frame = next_frames(&mut st).await;
+            Some((Ok::<_, Infallible>(Bytes::from(frame)), st))
+        }
+        .instrument(span.clone())
+    });
+    (
+        [(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")],
+        Body::from_stream(stream),
+    )
+        .into_response()
+}
+
+/// The next SSE frame(s) of a stream; sets `done` after the last.
+async fn next_frames(st: &mut StreamState) -> String {
+    if !st.started {
+        st.started = true;
+        if st.meta.endpoint == Endpoint::Chat {
+            let delta = Delta { role: Some("assistant"), content: Some(String::new()) };
+            return data(&chunk(&st.meta, Some(delta), None, None));
+        }
+    }
+    loop {
+        match st.rx.recv().await {
+            Some(GenEvent::Text(t)) if t.is_empty() => continue,
+            Some(GenEvent::Text(t)) => {
+                return match st.meta.endpoint {
+                    Endpoint::Chat => data(&chunk(&st.meta, Some(Delta { role: None, content: Some(t) }), None, None)),
+                    Endpoint::Text => data(&text_chunk(&st.meta, t, None, None)),
+                };
+            }
+            Some(GenEvent::Finished { reason, prompt_tokens, completion_tokens }) => {
+                st.done = true;
+                let usage = Usage::new(prompt_tokens, completion_tokens);
+                tracing::info!(prompt_tokens, completion_tokens, finish_reason = reason.as_str(), "completed (streamed)");
+                let m = &st.meta;
+                let reason = Some(reason.as_str());
+                let mut out = match m.endpoint {
+                    Endpoint::Chat => data(&chunk(m, Some(Delta::default()), reason, None)),
+                    Endpoint::Text => data(&text_chunk(m, String::new(), reason, None)),
+                };
+                if m.include_usage {
+                    out.push_str(&match m.endpoint {
+                        Endpoint::Chat => data(&chunk(m, None, None, Some(usage))),
+                        Endpoint::Text => data(&TextCompletion {
+                            id: m.id.clone(),
+                            object: "text_completion",
+                            created: m.created,
+                            model: m.model.clone(),
+                            choices: Vec::new(),
+                            usage: Some(Some(usage)),
+                        }),
+                    });
+                }
+                out.push_str("data: [DONE]\n\n");
+                return out;
+            }
+            Some(GenEvent::Failed(e)) => {
+                st.done = true;
+                tracing::warn!(kind = e.error_type(), code = e.code, "generation failed mid-stream: {}", e.message);
+                return data(&e.body());
+            }
+            None => {
+                st.done = true;
+                let e = ApiError::internal("The generation ended without a result.");
+                tracing::warn!("{}", e.message);
+                return data(&e.body());
+            }
+        }
+    }
+}
+
+/// A chat chunk: with one choice carrying `delta` (and `finish_reason`), or with no choices
+/// and `usage` set (the usage chunk).
+fn chunk(m: &Meta, delta: Option<Delta>, finish_reason: Option<&'static str>, usage: Option<Usage>) -> ChatChunk {
+    ChatChunk {
+        id: m.id.clone(),
+        object: "chat.completion.chunk",
+        created: m.created,
+        model: m.model.clone(),
+        choices: delta.map(|delta| ChunkChoice { index: 0, delta, logprobs: None, finish_reason }).into_iter().collect(),
+        usage: m.include_usage.then_some(usage),
+    }
+}
+
+fn text_chunk(m: &Meta, text: String, finish_reason: Option<&'static str>, usage: Option<Usage>) -> TextCompletion {
+    TextCompletion {
+        id: m.id.clone(),
+        object: "text_completion",
+        created: m.created,
+        model: m.model.clone(),
+        choices: vec![TextChoice { index: 0, text, logprobs: None, finish_reason }],
+        usage: m.include_usage.then_some(usage),
+    }
+}
+
+/// One SSE `data:` frame. JSON never contains a raw newline, so one line suffices.
+fn data<T: Serialize>(v: &T) -> String {
+    match serde_json::to_string(v) {
+        Ok(s) => format!("data: {s}\n\n"),
+        Err(e) => {
+            let body = ApiError::internal(format!("cannot encode a stream chunk: {e}")).body();
+            format!("data: {body}\n\n")
+        }
+    }
+}
+
+async fn list_models(State(st): State<AppState>) -> Json<ModelList> {
+    Json(ModelList { object: "list", data: st.backend.models().into_iter().map(ModelObject::from).collect() })
+}
+
+async fn get_model(State(st): State<AppState>, id: Result<Path<String>, PathRejection>) -> Result<Json<ModelObject>, ApiError> {
+    let Path(id) = id.map_err(|e| ApiError::bad_request(format!("Invalid model id in the path: {e}")))?;
+    Ok(Json(ModelObject::from(find_model(st.backend.as_ref(), &id)?)))
+}
+
+async fn health() -> Json<Value> {
+    Json(serde_json::json!({ "status": "ok" }))
+}
+
+async fn ready(State(st): State<AppState>) -> Response {
+    if st.backend.ready() {
+        Json(serde_json::json!({ "status": "ready" })).into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, Json(serde_json::json!({ "status": "not ready" }))).into_response()
+    }
+}
+
+async fn not_found(method: Method, uri: Uri) -> ApiError {
+    ApiError::route_not_found(method.as_str(), uri.path())
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        ErrorKind::InvalidRequest,
+        format!("Method {method} is not allowed for {}.", uri.path()),
+    )
+    .with_code("method_not_allowed")
+}

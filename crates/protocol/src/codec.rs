@@ -1,0 +1,498 @@
+//! The wire format: length-prefixed, versioned frames with a bounded size.
+//!
+//! ```text
+//! frame   = magic "BH" (2) | version u8 | kind u8 | payload length u32 LE | payload
+//! payload = fields of the message, little-endian; strings and lists as u32 count + items
+//! ```
+//!
+//! Decoding is sans-IO ([`FrameDecoder`]: bytes in, messages out). Bad magic, another
+//! version, an unknown kind, a payload over the limit, a truncated or over-long payload, an
+//! invalid enum value or invalid UTF-8 are errors: the caller closes that connection (and
+//! counts it); nothing is guessed.
+
+use bulkhead_kv::{ChunkHeader, Generation, PageId, PageRef, RequestId};
+
+use crate::msg::*;
+
+/// Protocol version spoken by this build.
+pub const VERSION: u8 = 1;
+/// Default largest payload accepted (a KV chunk of one page is ~370 KB for the default model).
+pub const DEFAULT_MAX_FRAME: usize = 16 << 20;
+const MAGIC: [u8; 2] = *b"BH";
+const HEADER: usize = 8;
+
+/// Why bytes could not be decoded. The connection they came from must be closed.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum CodecError {
+    #[error("bad magic {0:02x?}")]
+    BadMagic([u8; 2]),
+    #[error("protocol version {0}, this build speaks {VERSION}")]
+    Version(u8),
+    #[error("unknown message kind {0}")]
+    UnknownKind(u8),
+    #[error("frame of {len} bytes exceeds the limit of {max}")]
+    TooLarge { len: usize, max: usize },
+    #[error("message truncated: {0}")]
+    Truncated(&'static str),
+    #[error("{0} trailing bytes after the message")]
+    Trailing(usize),
+    #[error("invalid value {value} for {field}")]
+    Invalid { field: &'static str, value: u64 },
+    #[error("invalid UTF-8 in {0}")]
+    Utf8(&'static str),
+}
+
+struct W<'a>(&'a mut Vec<u8>);
+
+impl W<'_> {
+    fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn f32(&mut self, v: f32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn bytes(&mut self, b: &[u8]) {
+        self.u32(b.len() as u32);
+        self.0.extend_from_slice(b);
+    }
+    fn str(&mut self, s: &str) {
+        self.bytes(s.as_bytes());
+    }
+    fn req(&mut self, r: RequestId) {
+        self.u64(r.0);
+    }
+    fn pages(&mut self, p: &[PageRef]) {
+        self.u32(p.len() as u32);
+        for r in p {
+            self.u32(r.page.0);
+            self.u64(r.generation.0);
+        }
+    }
+    fn sampling(&mut self, s: &Sampling) {
+        self.f32(s.temperature);
+        self.u32(s.top_k);
+        self.f32(s.top_p);
+        self.u8(u8::from(s.seed.is_some()));
+        self.u64(s.seed.unwrap_or(0));
+    }
+}
+
+struct R<'a> {
+    b: &'a [u8],
+    what: &'static str,
+}
+
+impl<'a> R<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], CodecError> {
+        if self.b.len() < n {
+            return Err(CodecError::Truncated(self.what));
+        }
+        let (h, t) = self.b.split_at(n);
+        self.b = t;
+        Ok(h)
+    }
+    fn arr<const N: usize>(&mut self) -> Result<[u8; N], CodecError> {
+        let mut a = [0; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+    fn u8(&mut self) -> Result<u8, CodecError> {
+        Ok(self.arr::<1>()?[0])
+    }
+    fn u32(&mut self) -> Result<u32, CodecError> {
+        Ok(u32::from_le_bytes(self.arr()?))
+    }
+    fn u64(&mut self) -> Result<u64, CodecError> {
+        Ok(u64::from_le_bytes(self.arr()?))
+    }
+    fn f32(&mut self) -> Result<f32, CodecError> {
+        Ok(f32::from_le_bytes(self.arr()?))
+    }
+    fn bytes(&mut self) -> Result<&'a [u8], CodecError> {
+        let n = self.u32()? as usize;
+        self.take(n)
+    }
+    fn str(&mut self, field: &'static str) -> Result<String, CodecError> {
+        String::from_utf8(self.bytes()?.to_vec()).map_err(|_| CodecError::Utf8(field))
+    }
+    fn req(&mut self) -> Result<RequestId, CodecError> {
+        Ok(RequestId(self.u64()?))
+    }
+    /// A count of items of at least `min_size` bytes each, checked against what remains.
+    fn count(&mut self, min_size: usize) -> Result<usize, CodecError> {
+        let n = self.u32()? as usize;
+        if n.saturating_mul(min_size) > self.b.len() {
+            return Err(CodecError::Truncated(self.what));
+        }
+        Ok(n)
+    }
+    fn pages(&mut self) -> Result<Vec<PageRef>, CodecError> {
+        let n = self.count(12)?;
+        (0..n).map(|_| Ok(PageRef { page: PageId(self.u32()?), generation: Generation(self.u64()?) })).collect()
+    }
+    fn sampling(&mut self) -> Result<Sampling, CodecError> {
+        let temperature = self.f32()?;
+        let top_k = self.u32()?;
+        let top_p = self.f32()?;
+        let has_seed = self.u8()?;
+        let seed = self.u64()?;
+        Ok(Sampling { temperature, top_k, top_p, seed: (has_seed != 0).then_some(seed) })
+    }
+    fn enum_u8<T>(&mut self, field: &'static str, f: impl Fn(u8) -> Option<T>) -> Result<T, CodecError> {
+        let v = self.u8()?;
+        f(v).ok_or(CodecError::Invalid { field, value: v.into() })
+    }
+}
+
+fn role(v: u8) -> Option<Role> {
+    [Role::Prefill, Role::Decode].get(usize::from(v)).copied()
+}
+fn reject(v: u8) -> Option<RejectReason> {
+    use RejectReason::*;
+    [ContextLength, Capacity, Duplicate, Invalid].get(usize::from(v)).copied()
+}
+fn fail(v: u8) -> Option<FailReason> {
+    use FailReason::*;
+    [TransferRefused, Timeout, WorkerLost, Internal].get(usize::from(v)).copied()
+}
+fn abort(v: u8) -> Option<AbortReason> {
+    use AbortReason::*;
+    [ClientGone, Timeout, Failed, Shutdown].get(usize::from(v)).copied()
+}
+fn finish(v: u8) -> Option<Finish> {
+    [Finish::Stop, Finish::Length].get(usize::from(v)).copied()
+}
+
+/// Append `m` as one frame to `out`.
+pub fn encode(m: &Message, out: &mut Vec<u8>) {
+    let start = out.len();
+    out.extend_from_slice(&[MAGIC[0], MAGIC[1], VERSION, 0, 0, 0, 0, 0]);
+    let mut w = W(out);
+    let kind: u8 = match m {
+        Message::Hello(h) => {
+            w.u8(h.role as u8);
+            w.u64(h.model_digest);
+            w.u32(h.page_size);
+            w.u32(h.kv_bytes_per_token);
+            w.u64(h.capacity_tokens);
+            w.u32(h.max_context);
+            w.str(&h.kv_addr);
+            1
+        }
+        Message::Welcome { worker } => {
+            w.u32(worker.0);
+            2
+        }
+        Message::Refuse { reason } => {
+            w.str(reason);
+            3
+        }
+        Message::KvHello { prefill } => {
+            w.u32(prefill.0);
+            4
+        }
+        Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop } => {
+            w.req(*req);
+            w.u32(*prompt_tokens);
+            w.u32(*max_tokens);
+            w.u32(prefill.0);
+            w.sampling(sampling);
+            w.u32(stop.len() as u32);
+            stop.iter().for_each(|s| w.str(s));
+            5
+        }
+        Message::Reserved { req, pages } => {
+            w.req(*req);
+            w.pages(pages);
+            6
+        }
+        Message::Rejected { req, reason, detail } => {
+            w.req(*req);
+            w.u8(*reason as u8);
+            w.str(detail);
+            7
+        }
+        Message::Prefill { req, tokens, decode, pages, sampling } => {
+            w.req(*req);
+            w.u32(tokens.len() as u32);
+            tokens.iter().for_each(|t| w.u32(*t));
+            w.u32(decode.0);
+            w.pages(pages);
+            w.sampling(sampling);
+            8
+        }
+        Message::KvChunk { req, header, data } => {
+            w.req(*req);
+            w.u32(header.page.0);
+            w.u64(header.generation.0);
+            w.u32(header.slot_start);
+            w.u32(header.slot_count);
+            w.u64(header.checksum);
+            w.bytes(data);
+            9
+        }
+        Message::Done { req, tokens, first_token, manifest } => {
+            w.req(*req);
+            w.u32(*tokens);
+            w.u32(*first_token);
+            w.u64(*manifest);
+            10
+        }
+        Message::Fenced { req } => {
+            w.req(*req);
+            11
+        }
+        Message::Token { req, token, text } => {
+            w.req(*req);
+            w.u32(*token);
+            w.str(text);
+            12
+        }
+        Message::Finished { req, finish, text, prompt_tokens, completion_tokens } => {
+            w.req(*req);
+            w.u8(*finish as u8);
+            w.str(text);
+            w.u32(*prompt_tokens);
+            w.u32(*completion_tokens);
+            13
+        }
+        Message::Failed { req, reason, detail } => {
+            w.req(*req);
+            w.u8(*reason as u8);
+            w.str(detail);
+            14
+        }
+        Message::Abort { req, reason } => {
+            w.req(*req);
+            w.u8(*reason as u8);
+            15
+        }
+    };
+    let len = (out.len() - start - HEADER) as u32;
+    out[start + 3] = kind;
+    out[start + 4..start + 8].copy_from_slice(&len.to_le_bytes());
+}
+
+fn decode_payload(kind: u8, b: &[u8]) -> Result<Message, CodecError> {
+    let mut r = R { b, what: "message" };
+    let m = match kind {
+        1 => Message::Hello(Hello {
+            role: r.enum_u8("role", role)?,
+            model_digest: r.u64()?,
+            page_size: r.u32()?,
+            kv_bytes_per_token: r.u32()?,
+            capacity_tokens: r.u64()?,
+            max_context: r.u32()?,
+            kv_addr: r.str("kv_addr")?,
+        }),
+        2 => Message::Welcome { worker: WorkerId(r.u32()?) },
+        3 => Message::Refuse { reason: r.str("reason")? },
+        4 => Message::KvHello { prefill: WorkerId(r.u32()?) },
+        5 => {
+            let req = r.req()?;
+            let prompt_tokens = r.u32()?;
+            let max_tokens = r.u32()?;
+            let prefill = WorkerId(r.u32()?);
+            let sampling = r.sampling()?;
+            let n = r.count(4)?;
+            let stop = (0..n).map(|_| r.str("stop")).collect::<Result<_, _>>()?;
+            Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop }
+        }
+        6 => Message::Reserved { req: r.req()?, pages: r.pages()? },
+        7 => Message::Rejected { req: r.req()?, reason: r.enum_u8("reject reason", reject)?, detail: r.str("detail")? },
+        8 => {
+            let req = r.req()?;
+            let n = r.count(4)?;
+            let tokens = (0..n).map(|_| r.u32()).collect::<Result<_, _>>()?;
+            Message::Prefill { req, tokens, decode: WorkerId(r.u32()?), pages: r.pages()?, sampling: r.sampling()? }
+        }
+        9 => {
+            let req = r.req()?;
+            let header = ChunkHeader {
+                page: PageId(r.u32()?),
+                generation: Generation(r.u64()?),
+                slot_start: r.u32()?,
+                slot_count: r.u32()?,
+                checksum: r.u64()?,
+            };
+            Message::KvChunk { req, header, data: r.bytes()?.to_vec() }
+        }
+        10 => Message::Done { req: r.req()?, tokens: r.u32()?, first_token: r.u32()?, manifest: r.u64()? },
+        11 => Message::Fenced { req: r.req()? },
+        12 => Message::Token { req: r.req()?, token: r.u32()?, text: r.str("text")? },
+        13 => Message::Finished {
+            req: r.req()?,
+            finish: r.enum_u8("finish", finish)?,
+            text: r.str("text")?,
+            prompt_tokens: r.u32()?,
+            completion_tokens: r.u32()?,
+        },
+        14 => Message::Failed { req: r.req()?, reason: r.enum_u8("fail reason", fail)?, detail: r.str("detail")? },
+        15 => Message::Abort { req: r.req()?, reason: r.enum_u8("abort reason", abort)? },
+        k => return Err(CodecError::UnknownKind(k)),
+    };
+    if !r.b.is_empty() {
+        return Err(CodecError::Trailing(r.b.len()));
+    }
+    Ok(m)
+}
+
+/// Sans-IO frame decoder: push bytes as they arrive, take whole messages out.
+#[derive(Debug)]
+pub struct FrameDecoder {
+    buf: Vec<u8>,
+    max_frame: usize,
+}
+
+impl FrameDecoder {
+    /// A decoder refusing payloads over `max_frame` bytes.
+    pub fn new(max_frame: usize) -> Self {
+        FrameDecoder { buf: Vec::new(), max_frame }
+    }
+
+    /// Add received bytes.
+    pub fn push(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+    }
+
+    /// The next whole message, `Ok(None)` if more bytes are needed. After an error the
+    /// decoder is unusable: close the connection.
+    pub fn next_message(&mut self) -> Result<Option<Message>, CodecError> {
+        if self.buf.len() < HEADER {
+            // Refuse garbage as early as the magic is visible.
+            if self.buf.len() >= 2 && self.buf[..2] != MAGIC {
+                return Err(CodecError::BadMagic([self.buf[0], self.buf[1]]));
+            }
+            return Ok(None);
+        }
+        let h = &self.buf[..HEADER];
+        if h[..2] != MAGIC {
+            return Err(CodecError::BadMagic([h[0], h[1]]));
+        }
+        if h[2] != VERSION {
+            return Err(CodecError::Version(h[2]));
+        }
+        let kind = h[3];
+        let len = u32::from_le_bytes([h[4], h[5], h[6], h[7]]) as usize;
+        if len > self.max_frame {
+            return Err(CodecError::TooLarge { len, max: self.max_frame });
+        }
+        if self.buf.len() < HEADER + len {
+            return Ok(None);
+        }
+        let m = decode_payload(kind, &self.buf[HEADER..HEADER + len]);
+        self.buf.drain(..HEADER + len);
+        m.map(Some)
+    }
+
+    /// Bytes received but not yet decoded.
+    pub fn buffered(&self) -> usize {
+        self.buf.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn samples() -> Vec<Message> {
+        let s = Sampling { temperature: 0.7, top_k: 40, top_p: 0.9, seed: Some(7) };
+        let pages = vec![PageRef { page: PageId(3), generation: Generation(9) }];
+        vec![
+            Message::Hello(Hello {
+                role: Role::Decode,
+                model_digest: 42,
+                page_size: 16,
+                kv_bytes_per_token: 23040,
+                capacity_tokens: 1 << 20,
+                max_context: 8192,
+                kv_addr: "127.0.0.1:9".into(),
+            }),
+            Message::Welcome { worker: WorkerId(2) },
+            Message::Refuse { reason: "model differs".into() },
+            Message::KvHello { prefill: WorkerId(1) },
+            Message::Reserve { req: RequestId(5), prompt_tokens: 9, max_tokens: 3, prefill: WorkerId(1), sampling: s.clone(), stop: vec!["x".into(), "".into()] },
+            Message::Reserved { req: RequestId(5), pages: pages.clone() },
+            Message::Rejected { req: RequestId(5), reason: RejectReason::ContextLength, detail: "too long".into() },
+            Message::Prefill { req: RequestId(5), tokens: vec![1, 2, 3], decode: WorkerId(2), pages, sampling: s },
+            Message::KvChunk {
+                req: RequestId(5),
+                header: ChunkHeader { page: PageId(3), generation: Generation(9), slot_start: 0, slot_count: 2, checksum: 77 },
+                data: vec![1, 2, 3, 4],
+            },
+            Message::Done { req: RequestId(5), tokens: 3, first_token: 11, manifest: 99 },
+            Message::Fenced { req: RequestId(5) },
+            Message::Token { req: RequestId(5), token: 4, text: "héllo".into() },
+            Message::Finished { req: RequestId(5), finish: Finish::Length, text: String::new(), prompt_tokens: 3, completion_tokens: 1 },
+            Message::Failed { req: RequestId(5), reason: FailReason::TransferRefused, detail: "checksum".into() },
+            Message::Abort { req: RequestId(5), reason: AbortReason::ClientGone },
+        ]
+    }
+
+    #[test]
+    fn every_message_round_trips_through_a_byte_stream_split_anywhere() {
+        let mut bytes = Vec::new();
+        let msgs = samples();
+        msgs.iter().for_each(|m| encode(m, &mut bytes));
+        for step in [1, 3, 7, 64, bytes.len()] {
+            let mut d = FrameDecoder::new(DEFAULT_MAX_FRAME);
+            let mut got = Vec::new();
+            for c in bytes.chunks(step) {
+                d.push(c);
+                while let Some(m) = d.next_message().unwrap() {
+                    got.push(m);
+                }
+            }
+            assert_eq!(got, msgs);
+            assert_eq!(d.buffered(), 0);
+        }
+    }
+
+    #[test]
+    fn garbage_oversize_unknown_and_truncated_frames_are_errors() {
+        let mut d = FrameDecoder::new(DEFAULT_MAX_FRAME);
+        d.push(b"GET / HTTP/1.1\r\n");
+        assert!(matches!(d.next_message(), Err(CodecError::BadMagic(_))));
+        let mut d = FrameDecoder::new(100);
+        d.push(&[b'B', b'H', VERSION, 9, 0xff, 0xff, 0, 0]);
+        assert!(matches!(d.next_message(), Err(CodecError::TooLarge { .. })));
+        let mut d = FrameDecoder::new(100);
+        d.push(&[b'B', b'H', VERSION + 1, 9, 0, 0, 0, 0]);
+        assert!(matches!(d.next_message(), Err(CodecError::Version(_))));
+        let mut d = FrameDecoder::new(100);
+        d.push(&[b'B', b'H', VERSION, 200, 0, 0, 0, 0]);
+        assert!(matches!(d.next_message(), Err(CodecError::UnknownKind(200))));
+        // A Fenced frame whose payload is one byte short, and one with a byte too many.
+        let mut d = FrameDecoder::new(100);
+        d.push(&[b'B', b'H', VERSION, 11, 7, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7]);
+        assert!(matches!(d.next_message(), Err(CodecError::Truncated(_))));
+        let mut d = FrameDecoder::new(100);
+        d.push(&[b'B', b'H', VERSION, 11, 9, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9]);
+        assert!(matches!(d.next_message(), Err(CodecError::Trailing(1))));
+        // A list count far beyond the payload.
+        let mut d = FrameDecoder::new(100);
+        d.push(&[b'B', b'H', VERSION, 6, 12, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 0xff, 0x7f]);
+        assert!(matches!(d.next_message(), Err(CodecError::Truncated(_))));
+    }
+
+    #[test]
+    fn every_prefix_and_every_byte_flip_of_valid_frames_is_handled_without_panic() {
+        let mut bytes = Vec::new();
+        samples().iter().for_each(|m| encode(m, &mut bytes));
+        for i in 0..bytes.len() {
+            for flip in [0x01u8, 0x80, 0xff] {
+                let mut b = bytes.clone();
+                b[i] ^= flip;
+                let mut d = FrameDecoder::new(1 << 16);
+                d.push(&b);
+                while let Ok(Some(_)) = d.next_message() {}
+            }
+        }
+    }
+}

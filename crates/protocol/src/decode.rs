@@ -1,0 +1,356 @@
+//! The decode worker's protocol state machine.
+//!
+//! It owns the decode side of every handoff: reserving pages (admission, I3/I5), checking
+//! each KV chunk against the reservation as it lands and the completion claim before any
+//! decode step (I1/I2, through [`bulkhead_kv::Inbound`]), and keeping pages quarantined while
+//! a chunk for them may still arrive (I4). A page under transfer is released only when its
+//! writer is fenced: its `Done` or `Fenced` for the request arrived, or its connection
+//! closed. A timeout fails the request but never frees its pages.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use bulkhead_kv::{Inbound, KvError, KvPool, Quarantined, RequestId, VerifiedSequence};
+
+use crate::msg::*;
+
+/// Limits of a decode worker.
+#[derive(Clone, Debug)]
+pub struct DecodeConfig {
+    /// Longest request (prompt + generation) admitted.
+    pub max_context: usize,
+    /// How long a reservation waits for its transfer to complete.
+    pub transfer_timeout_ms: u64,
+}
+
+/// Something that happened to the decode worker.
+#[derive(Debug)]
+pub enum DecodeEvent {
+    /// A message from the gateway.
+    Gateway(Message),
+    /// A message from a prefill worker's KV connection.
+    Prefill { from: WorkerId, msg: Message },
+    /// A prefill worker's KV connection closed: nothing more can arrive from it.
+    PrefillClosed { from: WorkerId },
+    /// The clock moved.
+    Tick { now_ms: u64 },
+}
+
+/// A verified request, ready for the decode loop.
+#[derive(Debug)]
+pub struct DecodeStart {
+    /// The request.
+    pub req: RequestId,
+    /// Its pages, prompt KV verified in place.
+    pub seq: VerifiedSequence,
+    /// First generated token (sampled by the prefill worker).
+    pub first_token: u32,
+    /// Most tokens to generate, the first included.
+    pub max_tokens: u32,
+    /// Sampling settings.
+    pub sampling: Sampling,
+    /// Stop strings.
+    pub stop: Vec<String>,
+}
+
+/// What the driver must do.
+#[derive(Debug)]
+pub enum DecodeAction {
+    /// Send to the gateway.
+    ToGateway(Message),
+    /// Send to a prefill worker.
+    ToPrefill { to: WorkerId, msg: Message },
+    /// Hand a verified request to the decode loop.
+    Start(DecodeStart),
+    /// The decode loop must end this request now and release its pages.
+    Stop { req: RequestId },
+}
+
+/// Evidence (I6): every check that ran and every one that failed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DecodeStats {
+    /// Reservations granted.
+    pub reserved: u64,
+    /// Reservations refused: over the context limit.
+    pub rejected_context: u64,
+    /// Reservations refused: no free pages.
+    pub rejected_capacity: u64,
+    /// Reservations refused: malformed or duplicate.
+    pub rejected_invalid: u64,
+    /// Chunks that passed every check.
+    pub chunks_verified: u64,
+    /// Chunks refused (wrong page, generation, order, range, checksum or sender).
+    pub chunks_refused: u64,
+    /// Completion claims verified (coverage, count, manifest).
+    pub coverage_verified: u64,
+    /// Completion claims refused.
+    pub coverage_failed: u64,
+    /// Pages put in quarantine.
+    pub pages_quarantined: u64,
+    /// Quarantined pages released because their writer was fenced.
+    pub fenced_releases: u64,
+    /// Chunks for requests no longer receiving (dropped unread).
+    pub late_chunks: u64,
+    /// Transfers that timed out.
+    pub timeouts: u64,
+}
+
+#[derive(Debug)]
+struct Pending {
+    inbound: Inbound,
+    prefill: WorkerId,
+    max_tokens: u32,
+    sampling: Sampling,
+    stop: Vec<String>,
+    deadline_ms: u64,
+}
+
+#[derive(Debug)]
+struct Fencing {
+    pages: Vec<Quarantined>,
+    prefill: WorkerId,
+}
+
+/// The decode worker's protocol state.
+#[derive(Debug)]
+pub struct DecodeRole {
+    cfg: DecodeConfig,
+    now_ms: u64,
+    pending: BTreeMap<RequestId, Pending>,
+    fencing: BTreeMap<RequestId, Fencing>,
+    decoding: BTreeSet<RequestId>,
+    stats: DecodeStats,
+}
+
+fn failed(req: RequestId, reason: FailReason, detail: impl Into<String>) -> DecodeAction {
+    DecodeAction::ToGateway(Message::Failed { req, reason, detail: detail.into() })
+}
+
+impl DecodeRole {
+    /// A decode role with nothing in flight.
+    pub fn new(cfg: DecodeConfig) -> Self {
+        DecodeRole { cfg, now_ms: 0, pending: BTreeMap::new(), fencing: BTreeMap::new(), decoding: BTreeSet::new(), stats: DecodeStats::default() }
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> DecodeStats {
+        self.stats
+    }
+
+    /// Requests reserved and waiting for their transfer.
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Requests whose pages are quarantined awaiting their writer's fence.
+    pub fn fencing(&self) -> usize {
+        self.fencing.len()
+    }
+
+    /// Requests handed to the decode loop and not yet reported finished.
+    pub fn decoding(&self) -> usize {
+        self.decoding.len()
+    }
+
+    /// The decode loop finished `req` (and released its pages).
+    pub fn finished(&mut self, req: RequestId) {
+        self.decoding.remove(&req);
+    }
+
+    /// Process one event.
+    pub fn handle(&mut self, pool: &mut KvPool, ev: DecodeEvent) -> Vec<DecodeAction> {
+        let mut out = Vec::new();
+        match ev {
+            DecodeEvent::Gateway(m) => self.from_gateway(pool, m, &mut out),
+            DecodeEvent::Prefill { from, msg } => self.from_prefill(pool, from, msg, &mut out),
+            DecodeEvent::PrefillClosed { from } => {
+                // Closed connection = fenced: nothing more can land from it.
+                let reqs: Vec<RequestId> = self.pending.iter().filter(|(_, p)| p.prefill == from).map(|(r, _)| *r).collect();
+                for req in reqs {
+                    if let Some(p) = self.pending.remove(&req) {
+                        self.release_seq(pool, p.inbound.into_sequence());
+                        out.push(failed(req, FailReason::WorkerLost, "prefill worker connection closed"));
+                    }
+                }
+                let reqs: Vec<RequestId> = self.fencing.iter().filter(|(_, f)| f.prefill == from).map(|(r, _)| *r).collect();
+                for req in reqs {
+                    self.unfence(pool, req);
+                }
+            }
+            DecodeEvent::Tick { now_ms } => {
+                self.now_ms = now_ms;
+                let late: Vec<RequestId> =
+                    self.pending.iter().filter(|(_, p)| p.deadline_ms <= now_ms).map(|(r, _)| *r).collect();
+                for req in late {
+                    self.stats.timeouts += 1;
+                    if let Some(p) = self.pending.remove(&req) {
+                        let prefill = p.prefill;
+                        self.quarantine(pool, req, p);
+                        out.push(failed(req, FailReason::Timeout, "KV transfer did not complete in time"));
+                        out.push(DecodeAction::ToPrefill { to: prefill, msg: Message::Abort { req, reason: AbortReason::Timeout } });
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn reject(&mut self, req: RequestId, reason: RejectReason, detail: String) -> DecodeAction {
+        match reason {
+            RejectReason::ContextLength => self.stats.rejected_context += 1,
+            RejectReason::Capacity => self.stats.rejected_capacity += 1,
+            RejectReason::Duplicate | RejectReason::Invalid => self.stats.rejected_invalid += 1,
+        }
+        DecodeAction::ToGateway(Message::Rejected { req, reason, detail })
+    }
+
+    fn known(&self, req: RequestId) -> bool {
+        self.pending.contains_key(&req) || self.fencing.contains_key(&req) || self.decoding.contains(&req)
+    }
+
+    fn from_gateway(&mut self, pool: &mut KvPool, m: Message, out: &mut Vec<DecodeAction>) {
+        match m {
+            Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop } => {
+                if self.known(req) {
+                    out.push(self.reject(req, RejectReason::Duplicate, format!("request {req} is already in flight")));
+                    return;
+                }
+                if prompt_tokens == 0 || max_tokens == 0 {
+                    out.push(self.reject(req, RejectReason::Invalid, "empty prompt or zero max_tokens".into()));
+                    return;
+                }
+                let total = prompt_tokens as usize + max_tokens as usize;
+                // Worker-side admission (I3, I5): holds even if the gateway's check is off.
+                if total > self.cfg.max_context {
+                    let why = format!("{prompt_tokens} prompt + {max_tokens} max tokens = {total} exceeds this decode worker's {}", self.cfg.max_context);
+                    out.push(self.reject(req, RejectReason::ContextLength, why));
+                    return;
+                }
+                match Inbound::reserve(pool, req, prompt_tokens as usize, total) {
+                    Ok(inbound) => {
+                        self.stats.reserved += 1;
+                        let pages = inbound.prompt_pages(pool.layout().page_size);
+                        let deadline_ms = self.now_ms.saturating_add(self.cfg.transfer_timeout_ms);
+                        self.pending.insert(req, Pending { inbound, prefill, max_tokens, sampling, stop, deadline_ms });
+                        out.push(DecodeAction::ToGateway(Message::Reserved { req, pages }));
+                    }
+                    Err(KvError::Exhausted { requested, free }) => {
+                        out.push(self.reject(req, RejectReason::Capacity, format!("needs {requested} KV pages, {free} free")));
+                    }
+                    Err(e) => out.push(self.reject(req, RejectReason::Invalid, e.to_string())),
+                }
+            }
+            Message::Abort { req, .. } => {
+                if let Some(p) = self.pending.remove(&req) {
+                    // The prefill may still be writing: quarantine until it is fenced (I4).
+                    self.quarantine(pool, req, p);
+                } else if self.decoding.remove(&req) {
+                    out.push(DecodeAction::Stop { req });
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn from_prefill(&mut self, pool: &mut KvPool, from: WorkerId, m: Message, out: &mut Vec<DecodeAction>) {
+        match m {
+            Message::KvChunk { req, header, data } => {
+                let Some(p) = self.pending.get_mut(&req) else {
+                    self.stats.late_chunks += 1;
+                    return;
+                };
+                let verdict = if p.prefill != from {
+                    Err(format!("chunk from {from}, the transfer was assigned to {}", p.prefill))
+                } else {
+                    p.inbound.accept(pool, &header, &data).map_err(|e| e.to_string())
+                };
+                match verdict {
+                    Ok(()) => self.stats.chunks_verified += 1,
+                    Err(why) => {
+                        self.stats.chunks_refused += 1;
+                        if let Some(p) = self.pending.remove(&req) {
+                            let prefill = p.prefill;
+                            self.quarantine(pool, req, p);
+                            out.push(failed(req, FailReason::TransferRefused, why));
+                            out.push(DecodeAction::ToPrefill { to: prefill, msg: Message::Abort { req, reason: AbortReason::Failed } });
+                        }
+                    }
+                }
+            }
+            Message::Done { req, tokens, first_token, manifest } => {
+                if self.pending.get(&req).is_some_and(|p| p.prefill == from) {
+                    let Some(p) = self.pending.remove(&req) else { return };
+                    // Done is the sender's last message for req: from here it is fenced.
+                    match p.inbound.finish(pool, tokens as usize, manifest) {
+                        Ok(seq) => {
+                            self.stats.coverage_verified += 1;
+                            self.decoding.insert(req);
+                            out.push(DecodeAction::Start(DecodeStart {
+                                req,
+                                seq,
+                                first_token,
+                                max_tokens: p.max_tokens,
+                                sampling: p.sampling,
+                                stop: p.stop,
+                            }));
+                        }
+                        Err((e, seq)) => {
+                            self.stats.coverage_failed += 1;
+                            self.release_seq(pool, seq);
+                            out.push(failed(req, FailReason::TransferRefused, e.to_string()));
+                        }
+                    }
+                } else if self.fencing.get(&req).is_some_and(|f| f.prefill == from) {
+                    self.unfence(pool, req);
+                }
+            }
+            Message::Fenced { req } => {
+                if self.pending.get(&req).is_some_and(|p| p.prefill == from) {
+                    if let Some(p) = self.pending.remove(&req) {
+                        self.release_seq(pool, p.inbound.into_sequence());
+                        out.push(failed(req, FailReason::WorkerLost, "prefill worker gave the request up"));
+                    }
+                } else if self.fencing.get(&req).is_some_and(|f| f.prefill == from) {
+                    self.unfence(pool, req);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn quarantine(&mut self, pool: &mut KvPool, req: RequestId, p: Pending) {
+        let seq = p.inbound.into_sequence();
+        match seq.quarantine(pool) {
+            Ok(pages) => {
+                self.stats.pages_quarantined += pages.len() as u64;
+                self.fencing.insert(req, Fencing { pages, prefill: p.prefill });
+            }
+            // Leases this role made are live unless the pool was tampered with; keep them
+            // out of circulation rather than free anything we cannot account for.
+            Err(_) => {
+                let pages = pool.revoke_owner(req);
+                self.stats.pages_quarantined += pages.len() as u64;
+                self.fencing.insert(req, Fencing { pages, prefill: p.prefill });
+            }
+        }
+    }
+
+    fn unfence(&mut self, pool: &mut KvPool, req: RequestId) {
+        if let Some(f) = self.fencing.remove(&req) {
+            for q in f.pages {
+                if pool.release_quarantined(q).is_ok() {
+                    self.stats.fenced_releases += 1;
+                }
+            }
+        }
+    }
+
+    fn release_seq(&mut self, pool: &mut KvPool, seq: bulkhead_kv::SequenceKv) {
+        let owner = seq.owner();
+        if seq.release(pool).is_err() {
+            // Unreachable with live leases; never leave pages leased to a dead request.
+            for q in pool.revoke_owner(owner) {
+                let _ = pool.release_quarantined(q);
+            }
+        }
+    }
+}

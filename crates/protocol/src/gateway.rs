@@ -1,0 +1,258 @@
+//! The gateway's per-request state machine: admission, routing to one decode and one
+//! prefill worker, and exactly one terminal outcome per request to the client (I3).
+//!
+//! Lifecycle: `Reserving` (Reserve sent to decode) → `Prefilling` (Prefill sent) →
+//! `Decoding` (tokens flowing) → terminal. A request leaves the table at its terminal
+//! outcome; anything arriving for it afterwards is ignored, so a second terminal outcome
+//! cannot reach the client.
+
+use std::collections::BTreeMap;
+
+use bulkhead_kv::RequestId;
+
+use crate::msg::*;
+
+/// Limits of the gateway.
+#[derive(Clone, Debug)]
+pub struct GatewayConfig {
+    /// Longest request (prompt + generation) the system serves: the smallest worker limit.
+    pub max_context: usize,
+    /// Whether the gateway checks the context limit itself (tests turn it off to show the
+    /// workers' own admission holds).
+    pub admission_check: bool,
+    /// A request not finished after this long fails.
+    pub request_timeout_ms: u64,
+}
+
+/// What happened at the gateway.
+#[derive(Debug)]
+pub enum GatewayEvent {
+    /// A client asked for a generation.
+    Submit { req: RequestId, tokens: Vec<u32>, max_tokens: u32, sampling: Sampling, stop: Vec<String> },
+    /// The client went away.
+    ClientGone { req: RequestId },
+    /// A worker sent a message.
+    FromWorker { from: WorkerId, msg: Message },
+    /// A worker registered.
+    WorkerJoined { id: WorkerId, role: Role },
+    /// A worker's connection closed.
+    WorkerLeft { id: WorkerId },
+    /// The clock moved.
+    Tick { now_ms: u64 },
+}
+
+/// The one terminal outcome of a request, or a streamed token.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ClientOutput {
+    /// Text released by one generated token.
+    Token { text: String },
+    /// Ended normally.
+    Finished { finish: Finish, text: String, prompt_tokens: u32, completion_tokens: u32 },
+    /// Refused before running (over-context: HTTP 400).
+    Rejected { reason: RejectReason, detail: String },
+    /// Failed while running.
+    Failed { reason: FailReason, detail: String },
+    /// No worker of a needed role is available.
+    Unavailable,
+}
+
+impl ClientOutput {
+    /// Whether this ends the request.
+    pub fn is_terminal(&self) -> bool {
+        !matches!(self, ClientOutput::Token { .. })
+    }
+}
+
+/// What the driver must do.
+#[derive(Debug, PartialEq)]
+pub enum GatewayAction {
+    /// Send to a worker.
+    ToWorker { to: WorkerId, msg: Message },
+    /// Deliver to the client of `req`.
+    ToClient { req: RequestId, out: ClientOutput },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Reserving,
+    Prefilling,
+    Decoding,
+}
+
+#[derive(Debug)]
+struct InFlight {
+    phase: Phase,
+    decode: WorkerId,
+    prefill: WorkerId,
+    tokens: Vec<u32>,
+    sampling: Sampling,
+    deadline_ms: u64,
+}
+
+/// Counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GatewayStats {
+    /// Requests submitted.
+    pub submitted: u64,
+    /// Refused by the gateway's own admission check.
+    pub rejected_at_gateway: u64,
+    /// Refused by a worker.
+    pub rejected_by_worker: u64,
+    /// Finished normally.
+    pub finished: u64,
+    /// Failed while running.
+    pub failed: u64,
+    /// Ended because the client left.
+    pub client_gone: u64,
+}
+
+/// The gateway's protocol state.
+#[derive(Debug)]
+pub struct GatewayRole {
+    cfg: GatewayConfig,
+    now_ms: u64,
+    prefills: Vec<WorkerId>,
+    decodes: Vec<WorkerId>,
+    next_pick: usize,
+    inflight: BTreeMap<RequestId, InFlight>,
+    stats: GatewayStats,
+}
+
+impl GatewayRole {
+    /// A gateway with no workers.
+    pub fn new(cfg: GatewayConfig) -> Self {
+        GatewayRole { cfg, now_ms: 0, prefills: Vec::new(), decodes: Vec::new(), next_pick: 0, inflight: BTreeMap::new(), stats: GatewayStats::default() }
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> GatewayStats {
+        self.stats
+    }
+
+    /// Requests not yet terminal.
+    pub fn in_flight(&self) -> usize {
+        self.inflight.len()
+    }
+
+    /// Whether at least one worker of each role is registered.
+    pub fn ready(&self) -> bool {
+        !self.prefills.is_empty() && !self.decodes.is_empty()
+    }
+
+    /// Process one event.
+    pub fn handle(&mut self, ev: GatewayEvent) -> Vec<GatewayAction> {
+        let mut out = Vec::new();
+        match ev {
+            GatewayEvent::Submit { req, tokens, max_tokens, sampling, stop } => {
+                self.stats.submitted += 1;
+                let total = tokens.len() + max_tokens as usize;
+                if self.cfg.admission_check && total > self.cfg.max_context {
+                    // Rejected before any Reserve (I3, I5).
+                    self.stats.rejected_at_gateway += 1;
+                    let detail = format!("{} prompt + {max_tokens} max tokens = {total} exceeds the served context of {}", tokens.len(), self.cfg.max_context);
+                    out.push(GatewayAction::ToClient { req, out: ClientOutput::Rejected { reason: RejectReason::ContextLength, detail } });
+                    return out;
+                }
+                if !self.ready() || self.inflight.contains_key(&req) {
+                    out.push(GatewayAction::ToClient { req, out: ClientOutput::Unavailable });
+                    return out;
+                }
+                self.next_pick = self.next_pick.wrapping_add(1);
+                let decode = self.decodes[self.next_pick % self.decodes.len()];
+                let prefill = self.prefills[self.next_pick % self.prefills.len()];
+                let prompt_tokens = tokens.len() as u32;
+                out.push(GatewayAction::ToWorker {
+                    to: decode,
+                    msg: Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling: sampling.clone(), stop },
+                });
+                let deadline_ms = self.now_ms.saturating_add(self.cfg.request_timeout_ms);
+                self.inflight.insert(req, InFlight { phase: Phase::Reserving, decode, prefill, tokens, sampling, deadline_ms });
+            }
+            GatewayEvent::ClientGone { req } => {
+                if let Some(f) = self.inflight.remove(&req) {
+                    self.stats.client_gone += 1;
+                    Self::abort_workers(req, &f, AbortReason::ClientGone, None, &mut out);
+                }
+            }
+            GatewayEvent::FromWorker { from, msg } => self.from_worker(from, msg, &mut out),
+            GatewayEvent::WorkerJoined { id, role } => match role {
+                Role::Prefill => self.prefills.push(id),
+                Role::Decode => self.decodes.push(id),
+            },
+            GatewayEvent::WorkerLeft { id } => {
+                self.prefills.retain(|w| *w != id);
+                self.decodes.retain(|w| *w != id);
+                let lost: Vec<RequestId> = self.inflight.iter().filter(|(_, f)| f.decode == id || f.prefill == id).map(|(r, _)| *r).collect();
+                for req in lost {
+                    self.fail(req, FailReason::WorkerLost, format!("{id} went away"), Some(id), &mut out);
+                }
+            }
+            GatewayEvent::Tick { now_ms } => {
+                self.now_ms = now_ms;
+                let late: Vec<RequestId> = self.inflight.iter().filter(|(_, f)| f.deadline_ms <= now_ms).map(|(r, _)| *r).collect();
+                for req in late {
+                    self.fail(req, FailReason::Timeout, "request timed out".into(), None, &mut out);
+                }
+            }
+        }
+        out
+    }
+
+    fn abort_workers(req: RequestId, f: &InFlight, reason: AbortReason, except: Option<WorkerId>, out: &mut Vec<GatewayAction>) {
+        let mut targets = vec![f.decode];
+        // The prefill has heard of the request only once Prefill was sent.
+        if f.phase != Phase::Reserving {
+            targets.push(f.prefill);
+        }
+        for to in targets.into_iter().filter(|t| Some(*t) != except) {
+            out.push(GatewayAction::ToWorker { to, msg: Message::Abort { req, reason } });
+        }
+    }
+
+    fn fail(&mut self, req: RequestId, reason: FailReason, detail: String, except: Option<WorkerId>, out: &mut Vec<GatewayAction>) {
+        if let Some(f) = self.inflight.remove(&req) {
+            self.stats.failed += 1;
+            Self::abort_workers(req, &f, AbortReason::Failed, except, out);
+            out.push(GatewayAction::ToClient { req, out: ClientOutput::Failed { reason, detail } });
+        }
+    }
+
+    fn from_worker(&mut self, from: WorkerId, msg: Message, out: &mut Vec<GatewayAction>) {
+        let Some(req) = msg.req() else { return };
+        let Some(f) = self.inflight.get_mut(&req) else { return };
+        // Only the workers assigned to a request speak for it.
+        if from != f.decode && from != f.prefill {
+            return;
+        }
+        match msg {
+            Message::Reserved { pages, .. } if f.phase == Phase::Reserving && from == f.decode => {
+                f.phase = Phase::Prefilling;
+                out.push(GatewayAction::ToWorker {
+                    to: f.prefill,
+                    msg: Message::Prefill { req, tokens: std::mem::take(&mut f.tokens), decode: f.decode, pages, sampling: f.sampling.clone() },
+                });
+            }
+            Message::Token { text, .. } if from == f.decode => {
+                f.phase = Phase::Decoding;
+                out.push(GatewayAction::ToClient { req, out: ClientOutput::Token { text } });
+            }
+            Message::Finished { finish, text, prompt_tokens, completion_tokens, .. } if from == f.decode => {
+                self.inflight.remove(&req);
+                self.stats.finished += 1;
+                out.push(GatewayAction::ToClient { req, out: ClientOutput::Finished { finish, text, prompt_tokens, completion_tokens } });
+            }
+            Message::Rejected { reason, detail, .. } => {
+                if let Some(f) = self.inflight.remove(&req) {
+                    self.stats.rejected_by_worker += 1;
+                    // A prefill rejection leaves a reservation on the decode worker.
+                    if from == f.prefill {
+                        out.push(GatewayAction::ToWorker { to: f.decode, msg: Message::Abort { req, reason: AbortReason::Failed } });
+                    }
+                    out.push(GatewayAction::ToClient { req, out: ClientOutput::Rejected { reason, detail } });
+                }
+            }
+            Message::Failed { reason, detail, .. } => self.fail(req, reason, detail, Some(from), out),
+            _ => {}
+        }
+    }
+}

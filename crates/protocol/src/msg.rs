@@ -1,0 +1,158 @@
+//! Messages between the roles. Every request is named by the gateway's [`RequestId`], which
+//! is also the owner of the KV leases taken for it on every worker.
+
+use bulkhead_kv::{ChunkHeader, PageRef, RequestId};
+
+/// A worker's identity within one gateway (assigned at registration).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkerId(pub u32);
+
+impl std::fmt::Display for WorkerId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "worker-{}", self.0)
+    }
+}
+
+/// What a worker does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Computes prompt KV and sends it to a decode worker.
+    Prefill,
+    /// Receives prompt KV, verifies it, generates tokens.
+    Decode,
+}
+
+/// What a worker announces when it connects (I5: capacity is a contract).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// Role of the worker.
+    pub role: Role,
+    /// Digest of the model file (the gateway refuses a different model).
+    pub model_digest: u64,
+    /// Tokens per KV page.
+    pub page_size: u32,
+    /// KV bytes per token (layout and dtype together).
+    pub kv_bytes_per_token: u32,
+    /// Tokens the worker's KV pool holds.
+    pub capacity_tokens: u64,
+    /// Longest request (prompt + generation) the worker accepts.
+    pub max_context: u32,
+    /// Where prefill workers reach this (decode) worker, `host:port`; empty for prefill.
+    pub kv_addr: String,
+}
+
+/// Sampling settings carried to the workers.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampling {
+    /// 0 = greedy.
+    pub temperature: f32,
+    /// 0 = off.
+    pub top_k: u32,
+    /// 1 = off.
+    pub top_p: f32,
+    /// Seed, if reproducibility was asked for.
+    pub seed: Option<u64>,
+}
+
+/// Why a request was refused before it ran (I3). Terminal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RejectReason {
+    /// Prompt plus generation exceeds what the worker can hold.
+    ContextLength,
+    /// Not enough free KV pages right now.
+    Capacity,
+    /// The request id is already in use.
+    Duplicate,
+    /// The request is malformed (empty prompt, zero max tokens).
+    Invalid,
+}
+
+/// Why a running request failed. Terminal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailReason {
+    /// A KV chunk or the completion claim failed verification (I2).
+    TransferRefused,
+    /// No completion in time.
+    Timeout,
+    /// A worker went away.
+    WorkerLost,
+    /// The model failed.
+    Internal,
+}
+
+/// Why a request is being aborted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AbortReason {
+    /// The client went away.
+    ClientGone,
+    /// The gateway gave up waiting.
+    Timeout,
+    /// Another role failed the request.
+    Failed,
+    /// Shutting down.
+    Shutdown,
+}
+
+/// How a generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// End-of-generation token or stop string.
+    Stop,
+    /// Token limit.
+    Length,
+}
+
+/// Every message of protocol version [`crate::codec::VERSION`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum Message {
+    /// Worker → gateway, first message: who it is.
+    Hello(Hello),
+    /// Gateway → worker: registered under this id.
+    Welcome { worker: WorkerId },
+    /// Gateway → worker: refused (model or layout mismatch); the connection closes.
+    Refuse { reason: String },
+    /// Prefill → decode, first message on a KV connection.
+    KvHello { prefill: WorkerId },
+    /// Gateway → decode: reserve pages for a prompt that `prefill` will write.
+    Reserve { req: RequestId, prompt_tokens: u32, max_tokens: u32, prefill: WorkerId, sampling: Sampling, stop: Vec<String> },
+    /// Decode → gateway: reserved; these are the prompt pages the prefill may write.
+    Reserved { req: RequestId, pages: Vec<PageRef> },
+    /// Worker → gateway: refused before running. Terminal for the request.
+    Rejected { req: RequestId, reason: RejectReason, detail: String },
+    /// Gateway → prefill: compute this prompt's KV into `decode`'s `pages`.
+    Prefill { req: RequestId, tokens: Vec<u32>, decode: WorkerId, pages: Vec<PageRef>, sampling: Sampling },
+    /// Prefill → decode: KV bytes for one page segment.
+    KvChunk { req: RequestId, header: ChunkHeader, data: Vec<u8> },
+    /// Prefill → decode: all chunks sent. The last message for `req` on this connection.
+    Done { req: RequestId, tokens: u32, first_token: u32, manifest: u64 },
+    /// Prefill → decode: nothing (more) will be sent for `req`. The last message for `req`.
+    Fenced { req: RequestId },
+    /// Decode → gateway: one generated token and the text it released.
+    Token { req: RequestId, token: u32, text: String },
+    /// Decode → gateway: the request ended normally. Terminal.
+    Finished { req: RequestId, finish: Finish, text: String, prompt_tokens: u32, completion_tokens: u32 },
+    /// Worker → gateway: the request failed. Terminal.
+    Failed { req: RequestId, reason: FailReason, detail: String },
+    /// Any direction: end the request.
+    Abort { req: RequestId, reason: AbortReason },
+}
+
+impl Message {
+    /// The request a message is about, if any.
+    pub fn req(&self) -> Option<RequestId> {
+        match self {
+            Message::Reserve { req, .. }
+            | Message::Reserved { req, .. }
+            | Message::Rejected { req, .. }
+            | Message::Prefill { req, .. }
+            | Message::KvChunk { req, .. }
+            | Message::Done { req, .. }
+            | Message::Fenced { req }
+            | Message::Token { req, .. }
+            | Message::Finished { req, .. }
+            | Message::Failed { req, .. }
+            | Message::Abort { req, .. } => Some(*req),
+            Message::Hello(_) | Message::Welcome { .. } | Message::Refuse { .. } | Message::KvHello { .. } => None,
+        }
+    }
+}
