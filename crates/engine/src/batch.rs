@@ -86,7 +86,9 @@ pub enum EngineError {
 struct Seq {
     id: RequestId,
     kv: SequenceKv,
+    /// Prompt tokens still to prefill here (empty for a verified, prefilled sequence).
     prompt: Vec<u32>,
+    prompt_len: usize,
     /// Token sampled last step, not yet fed (None while prefilling).
     next: Option<u32>,
     generated: usize,
@@ -156,6 +158,7 @@ impl Engine {
         self.seqs.push(Seq {
             id,
             kv,
+            prompt_len: req.prompt.len(),
             prompt: req.prompt,
             next: None,
             generated: 0,
@@ -175,6 +178,90 @@ impl Engine {
         Ok(true)
     }
 
+    /// Take the first token of `i` (sampled here or by a prefill worker): emit its text, and
+    /// return why the sequence ends if it does.
+    fn on_token(&mut self, i: usize, tok: u32, events: &mut Vec<Event>) -> Option<(FinishReason, String)> {
+        let s = &mut self.seqs[i];
+        s.generated += 1;
+        if self.tokenizer.is_eog(tok) {
+            let mut text = s.stop.push(&s.utf8.finish()).emit;
+            text.push_str(&s.stop.finish());
+            return Some((FinishReason::Stop, text));
+        }
+        let piece = s.utf8.push(self.tokenizer.token_bytes(tok).unwrap_or(&[]));
+        let out = s.stop.push(&piece);
+        events.push(Event::Token { id: s.id, token: tok, text: out.emit });
+        if out.stopped {
+            Some((FinishReason::Stop, String::new()))
+        } else if s.generated >= s.max_tokens {
+            let mut text = s.stop.push(&s.utf8.finish()).emit;
+            text.push_str(&s.stop.finish());
+            Some((FinishReason::Length, text))
+        } else {
+            s.next = Some(tok);
+            None
+        }
+    }
+
+    /// Admit a request whose prompt KV arrived from a prefill worker and was verified, with
+    /// the first token that worker sampled. Returns the events of that first token (its
+    /// text, and `Finished` if it already ends the request).
+    pub fn add_verified(
+        &mut self,
+        seq: bulkhead_kv::VerifiedSequence,
+        first_token: u32,
+        max_tokens: usize,
+        sampling: SamplingParams,
+        stop: Vec<String>,
+    ) -> Result<(RequestId, Vec<Event>), EngineError> {
+        let prompt_tokens = seq.prompt_tokens();
+        let mut sampler = match Sampler::new(sampling) {
+            Ok(s) => s,
+            Err(e) => {
+                seq.into_sequence().release(&mut self.pool)?;
+                return Err(e.into());
+            }
+        };
+        sampler.skip_draw();
+        let kv = seq.into_sequence();
+        let id = kv.owner();
+        if max_tokens == 0 || prompt_tokens + max_tokens > kv.reserved_tokens() {
+            kv.release(&mut self.pool)?;
+            return Err(EngineError::ZeroMaxTokens);
+        }
+        self.seqs.push(Seq {
+            id,
+            kv,
+            prompt: Vec::new(),
+            prompt_len: prompt_tokens,
+            next: None,
+            generated: 0,
+            max_tokens,
+            sampler,
+            utf8: Utf8Stream::new(),
+            stop: StopMatcher::new(stop),
+        });
+        let i = self.seqs.len() - 1;
+        let mut events = Vec::new();
+        if let Some((reason, text)) = self.on_token(i, first_token, &mut events) {
+            self.finish(i, reason, text, &mut events)?;
+        }
+        Ok((id, events))
+    }
+
+    fn finish(&mut self, i: usize, reason: FinishReason, text: String, events: &mut Vec<Event>) -> Result<(), EngineError> {
+        let s = self.seqs.swap_remove(i);
+        let (id, prompt_tokens, completion_tokens) = (s.id, s.prompt_len, s.generated);
+        s.kv.release(&mut self.pool)?;
+        events.push(Event::Finished { id, reason, text, prompt_tokens, completion_tokens });
+        Ok(())
+    }
+
+    /// The pool, for the protocol state machine that reserves and fills pages in it.
+    pub fn pool_mut(&mut self) -> &mut KvPool {
+        &mut self.pool
+    }
+
     /// Run one forward call over all active sequences and return what it produced.
     pub fn step(&mut self) -> Result<Vec<Event>, EngineError> {
         if self.seqs.is_empty() {
@@ -187,7 +274,7 @@ impl Engine {
                 feeds.push((i, vec![t], true));
             } else {
                 let done = s.kv.len();
-                let n = (s.prompt.len() - done).min(budget);
+                let n = (s.prompt.len().saturating_sub(done)).min(budget);
                 if n == 0 {
                     continue;
                 }
@@ -214,35 +301,15 @@ impl Engine {
                 continue;
             }
             let Some(l) = rows.next() else { break };
-            let s = &mut self.seqs[*i];
-            let tok = s.sampler.sample(l)?;
-            s.generated += 1;
-            if self.tokenizer.is_eog(tok) {
-                let mut text = s.stop.push(&s.utf8.finish()).emit;
-                text.push_str(&s.stop.finish());
-                finished.push((*i, FinishReason::Stop, text));
-                continue;
-            }
-            let piece = s.utf8.push(self.tokenizer.token_bytes(tok).unwrap_or(&[]));
-            let out = s.stop.push(&piece);
-            events.push(Event::Token { id: s.id, token: tok, text: out.emit });
-            if out.stopped {
-                finished.push((*i, FinishReason::Stop, String::new()));
-            } else if s.generated >= s.max_tokens {
-                let mut text = s.stop.push(&s.utf8.finish()).emit;
-                text.push_str(&s.stop.finish());
-                finished.push((*i, FinishReason::Length, text));
-            } else {
-                s.next = Some(tok);
+            let tok = self.seqs[*i].sampler.sample(l)?;
+            if let Some((reason, text)) = self.on_token(*i, tok, &mut events) {
+                finished.push((*i, reason, text));
             }
         }
         // Remove from the back so indices stay valid.
         finished.sort_by_key(|f| std::cmp::Reverse(f.0));
         for (i, reason, text) in finished {
-            let s = self.seqs.swap_remove(i);
-            let (id, prompt_tokens, completion_tokens) = (s.id, s.prompt.len(), s.generated);
-            s.kv.release(&mut self.pool)?;
-            events.push(Event::Finished { id, reason, text, prompt_tokens, completion_tokens });
+            self.finish(i, reason, text, &mut events)?;
         }
         Ok(events)
     }

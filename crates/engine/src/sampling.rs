@@ -167,6 +167,15 @@ impl Sampler {
         &self.params
     }
 
+    /// Consume the random draw that one [`Sampler::sample`] call would, without sampling:
+    /// a decode worker continues the stream of a sampler whose first draw the prefill
+    /// worker made (greedy sampling draws nothing).
+    pub fn skip_draw(&mut self) {
+        if !self.params.is_greedy() {
+            self.rng.next_f64();
+        }
+    }
+
     /// Picks the next token id from `logits` (one entry per vocabulary id).
     ///
     /// `temperature == 0` is greedy: a single pass returning the argmax, ties
