@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc as std_mpsc;
 
 use bulkhead_engine::{Engine, EngineError, Event, GenRequest, LoadedModel, SamplingError};
@@ -53,11 +53,22 @@ pub struct ColocatedBackend {
     context_limit: usize,
     commands: std_mpsc::Sender<Admit>,
     alive: Arc<AtomicBool>,
+    counters: Arc<Counters>,
+}
+
+/// Figures the engine thread publishes after every change.
+#[derive(Debug, Default)]
+struct Counters {
+    active: AtomicUsize,
+    aborted: AtomicU64,
 }
 
 impl std::fmt::Debug for ColocatedBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ColocatedBackend").field("card", &self.card).field("context_limit", &self.context_limit).finish()
+        f.debug_struct("ColocatedBackend")
+            .field("card", &self.card)
+            .field("context_limit", &self.context_limit)
+            .finish()
     }
 }
 
@@ -74,22 +85,58 @@ impl ColocatedBackend {
         kv_pool_tokens: usize,
         page_size: usize,
     ) -> Result<Self, ColocatedError> {
-        let LoadedModel { model, tokenizer, chat } = model;
+        let LoadedModel {
+            model,
+            tokenizer,
+            chat,
+        } = model;
         let layout = model.kv_layout(page_size);
-        let pool = KvPool::new(PoolConfig { layout, pages: layout.pages_for_tokens(kv_pool_tokens), poison_on_release: true })?;
+        let pool = KvPool::new(PoolConfig {
+            layout,
+            pages: layout.pages_for_tokens(kv_pool_tokens),
+            poison_on_release: true,
+        })?;
         let context_limit = model.config.context_length.min(pool.capacity_tokens());
         let tokenizer = Arc::new(tokenizer);
-        let engine = Engine::new(Arc::new(model), Arc::clone(&tokenizer), pool, PREFILL_CHUNK, context_limit);
+        let engine = Engine::new(
+            Arc::new(model),
+            Arc::clone(&tokenizer),
+            pool,
+            PREFILL_CHUNK,
+            context_limit,
+        );
         let (commands, inbox) = std_mpsc::channel();
         let alive = Arc::new(AtomicBool::new(true));
         let guard = AliveGuard(Arc::clone(&alive));
-        std::thread::Builder::new().name("bulkhead-engine".into()).spawn(move || {
-            let _guard = guard;
-            EngineLoop { engine, live: HashMap::new() }.run(&inbox);
-        })?;
-        let card = ModelCard { id: model_id.into(), max_model_len: context_limit, created: unix_now(), owned_by: "bulkhead".into() };
+        let counters = Arc::new(Counters::default());
+        let published = Arc::clone(&counters);
+        std::thread::Builder::new()
+            .name("bulkhead-engine".into())
+            .spawn(move || {
+                let _guard = guard;
+                EngineLoop {
+                    engine,
+                    live: HashMap::new(),
+                    counters: published,
+                }
+                .run(&inbox);
+            })?;
+        let card = ModelCard {
+            id: model_id.into(),
+            max_model_len: context_limit,
+            created: unix_now(),
+            owned_by: "bulkhead".into(),
+        };
         tracing::info!(model = %card.id, context = context_limit, "colocated engine started");
-        Ok(ColocatedBackend { card, tokenizer, chat, context_limit, commands, alive })
+        Ok(ColocatedBackend {
+            card,
+            tokenizer,
+            chat,
+            context_limit,
+            commands,
+            alive,
+            counters,
+        })
     }
 
     /// The most tokens (prompt + completion) one request may use.
@@ -97,20 +144,32 @@ impl ColocatedBackend {
         self.context_limit
     }
 
+    /// Requests the engine is running now (admitted, not yet finished or aborted).
+    pub fn active_requests(&self) -> usize {
+        self.counters.active.load(Ordering::Acquire)
+    }
+
+    /// Requests aborted so far because their receiver was dropped (client gone) or the
+    /// engine failed.
+    pub fn aborted_requests(&self) -> u64 {
+        self.counters.aborted.load(Ordering::Acquire)
+    }
+
     /// Template (for chat) and tokenise a prompt.
     fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
         let text = match prompt {
             Prompt::Chat(messages) => self.chat.render(messages, true).map_err(|e| match e {
-                TokenizerError::TemplateRaised { message } => ApiError::invalid_request("messages", message),
+                TokenizerError::TemplateRaised { message } => {
+                    ApiError::invalid_request("messages", message)
+                }
                 e => ApiError::internal(format!("The chat template failed: {e}")),
             })?,
             Prompt::Text(t) => t.clone(),
         };
         let mut ids = self.tokenizer.encode(&text, true);
-        if let Some(bos) = self.tokenizer.bos_id().filter(|_| self.tokenizer.add_bos()) {
-            if ids.first() != Some(&bos) {
-                ids.insert(0, bos);
-            }
+        let bos = self.tokenizer.bos_id().filter(|_| self.tokenizer.add_bos());
+        if let Some(bos) = bos.filter(|b| ids.first() != Some(b)) {
+            ids.insert(0, bos);
         }
         Ok(ids)
     }
@@ -127,7 +186,11 @@ impl Backend for ColocatedBackend {
         }
         let prompt = self.tokenize(&req.prompt)?;
         if prompt.is_empty() {
-            let param = if matches!(req.prompt, Prompt::Chat(_)) { "messages" } else { "prompt" };
+            let param = if matches!(req.prompt, Prompt::Chat(_)) {
+                "messages"
+            } else {
+                "prompt"
+            };
             return Err(ApiError::invalid_request(param, "The prompt is empty."));
         }
         // Refuse what cannot fit before the engine reserves anything.
@@ -137,20 +200,36 @@ impl Backend for ColocatedBackend {
             None => limit.saturating_sub(prompt.len()),
         };
         if max_tokens == 0 || prompt.len().saturating_add(max_tokens) > limit {
-            return Err(ApiError::context_length_exceeded(prompt.len(), max_tokens.max(1), limit));
+            return Err(ApiError::context_length_exceeded(
+                prompt.len(),
+                max_tokens.max(1),
+                limit,
+            ));
         }
         // Every step sends at most one event per request, plus the final text and Finished:
         // this capacity means the engine thread never finds the channel full.
         let (events, rx) = mpsc::channel(max_tokens.saturating_add(4));
         let (reply, outcome) = std_mpsc::sync_channel(1);
-        let gen_req = GenRequest { prompt, max_tokens, sampling: req.sampling, stop: req.stop };
+        let gen_req = GenRequest {
+            prompt,
+            max_tokens,
+            sampling: req.sampling,
+            stop: req.stop,
+        };
         self.commands
-            .send(Admit { request_id: req.request_id, req: gen_req, events, reply })
+            .send(Admit {
+                request_id: req.request_id,
+                req: gen_req,
+                events,
+                reply,
+            })
             .map_err(|_| ApiError::overloaded("The engine is not running."))?;
         match outcome.recv() {
             Ok(Ok(())) => Ok(rx),
             Ok(Err(e)) => Err(e),
-            Err(_) => Err(ApiError::internal("The engine stopped while admitting the request.")),
+            Err(_) => Err(ApiError::internal(
+                "The engine stopped while admitting the request.",
+            )),
         }
     }
 
@@ -178,6 +257,7 @@ struct Live {
 struct EngineLoop {
     engine: Engine,
     live: HashMap<RequestId, Live>,
+    counters: Arc<Counters>,
 }
 
 impl EngineLoop {
@@ -185,6 +265,9 @@ impl EngineLoop {
     /// is dropped and the last request has ended.
     fn run(mut self, inbox: &std_mpsc::Receiver<Admit>) {
         loop {
+            self.counters
+                .active
+                .store(self.engine.active(), Ordering::Release);
             if self.engine.active() == 0 {
                 match inbox.recv() {
                     Ok(cmd) => self.admit(cmd),
@@ -207,7 +290,12 @@ impl EngineLoop {
     }
 
     fn admit(&mut self, cmd: Admit) {
-        let Admit { request_id, req, events, reply } = cmd;
+        let Admit {
+            request_id,
+            req,
+            events,
+            reply,
+        } = cmd;
         let (prompt_len, max_tokens) = (req.prompt.len(), req.max_tokens);
         match self.engine.add(req) {
             Ok(id) => {
@@ -227,23 +315,37 @@ impl EngineLoop {
 
     /// Abort every request whose receiver was dropped.
     fn abort_disconnected(&mut self) {
-        let gone: Vec<RequestId> = self.live.iter().filter(|(_, l)| l.events.is_closed()).map(|(id, _)| *id).collect();
+        let gone: Vec<RequestId> = self
+            .live
+            .iter()
+            .filter(|(_, l)| l.events.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
         for id in gone {
             self.abort(id, "client disconnected");
         }
     }
 
     fn abort(&mut self, id: RequestId, why: &str) {
-        let request_id = self.live.remove(&id).map(|l| l.request_id).unwrap_or_default();
+        let request_id = self
+            .live
+            .remove(&id)
+            .map(|l| l.request_id)
+            .unwrap_or_default();
+        self.counters.aborted.fetch_add(1, Ordering::AcqRel);
         match self.engine.abort(id) {
             Ok(_) => tracing::debug!(request_id = %request_id, engine_id = id.0, "aborted: {why}"),
-            Err(e) => tracing::error!(request_id = %request_id, engine_id = id.0, error = %e, "abort failed"),
+            Err(e) => {
+                tracing::error!(request_id = %request_id, engine_id = id.0, error = %e, "abort failed")
+            }
         }
     }
 
     /// Send `ev` to request `id`; abort it if its receiver is gone.
     fn send(&mut self, id: RequestId, ev: GenEvent) {
-        let Some(live) = self.live.get(&id) else { return };
+        let Some(live) = self.live.get(&id) else {
+            return;
+        };
         if live.events.try_send(ev).is_err() {
             self.abort(id, "event channel closed");
         }
@@ -257,13 +359,20 @@ impl EngineLoop {
                         self.send(id, GenEvent::Text(text));
                     }
                 }
-                Event::Finished { id, reason, text, prompt_tokens, completion_tokens } => {
+                Event::Finished {
+                    id,
+                    reason,
+                    text,
+                    prompt_tokens,
+                    completion_tokens,
+                } => {
                     if !text.is_empty() {
                         self.send(id, GenEvent::Text(text));
                     }
                     let reason = match reason {
                         bulkhead_engine::FinishReason::Length => FinishReason::Length,
-                        bulkhead_engine::FinishReason::Stop | bulkhead_engine::FinishReason::Abort => FinishReason::Stop,
+                        bulkhead_engine::FinishReason::Stop
+                        | bulkhead_engine::FinishReason::Abort => FinishReason::Stop,
                     };
                     if let Some(live) = self.live.remove(&id) {
                         tracing::debug!(
@@ -273,7 +382,11 @@ impl EngineLoop {
                             reason = reason.as_str(),
                             "finished"
                         );
-                        let _ = live.events.try_send(GenEvent::Finished { reason, prompt_tokens, completion_tokens });
+                        let _ = live.events.try_send(GenEvent::Finished {
+                            reason,
+                            prompt_tokens,
+                            completion_tokens,
+                        });
                     }
                 }
             }
@@ -297,18 +410,25 @@ impl EngineLoop {
 /// The API error for a refused admission.
 fn admission_error(e: EngineError) -> ApiError {
     match e {
-        EngineError::ContextLength { prompt, max_tokens, limit, .. } => {
-            ApiError::context_length_exceeded(prompt, max_tokens, limit)
-        }
-        EngineError::PoolFull(e) => {
-            ApiError::overloaded(format!("The server is at capacity (KV cache full: {e}). Please retry later."))
-        }
+        EngineError::ContextLength {
+            prompt,
+            max_tokens,
+            limit,
+            ..
+        } => ApiError::context_length_exceeded(prompt, max_tokens, limit),
+        EngineError::PoolFull(e) => ApiError::overloaded(format!(
+            "The server is at capacity (KV cache full: {e}). Please retry later."
+        )),
         EngineError::EmptyPrompt => ApiError::invalid_request("messages", "The prompt is empty."),
-        EngineError::ZeroMaxTokens => ApiError::invalid_request("max_tokens", "max_tokens must be at least 1."),
+        EngineError::ZeroMaxTokens => {
+            ApiError::invalid_request("max_tokens", "max_tokens must be at least 1.")
+        }
         EngineError::Sampling(e @ SamplingError::InvalidTemperature { .. }) => {
             ApiError::invalid_request("temperature", e.to_string())
         }
-        EngineError::Sampling(e @ SamplingError::InvalidTopP { .. }) => ApiError::invalid_request("top_p", e.to_string()),
+        EngineError::Sampling(e @ SamplingError::InvalidTopP { .. }) => {
+            ApiError::invalid_request("top_p", e.to_string())
+        }
         e => ApiError::internal(format!("The engine refused the request: {e}")),
     }
 }

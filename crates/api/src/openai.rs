@@ -63,11 +63,21 @@ pub fn parse_chat(body: &Value) -> Result<CompletionParams, ApiError> {
 pub fn parse_completion(body: &Value) -> Result<CompletionParams, ApiError> {
     let obj = as_object(body)?;
     let prompt = match field(obj, "prompt") {
-        None => return Err(ApiError::invalid_request("prompt", "Missing required parameter: 'prompt'.")),
+        None => {
+            return Err(ApiError::invalid_request(
+                "prompt",
+                "Missing required parameter: 'prompt'.",
+            ));
+        }
         Some(Value::String(s)) => s.clone(),
         Some(Value::Array(items)) => match items.as_slice() {
             [Value::String(s)] => s.clone(),
-            [] => return Err(ApiError::invalid_request("prompt", "Invalid 'prompt': empty array.")),
+            [] => {
+                return Err(ApiError::invalid_request(
+                    "prompt",
+                    "Invalid 'prompt': empty array.",
+                ));
+            }
             [_] => {
                 return Err(ApiError::invalid_request(
                     "prompt",
@@ -81,7 +91,13 @@ pub fn parse_completion(body: &Value) -> Result<CompletionParams, ApiError> {
                 ));
             }
         },
-        Some(v) => return Err(type_error("prompt", "a string or an array of one string", v)),
+        Some(v) => {
+            return Err(type_error(
+                "prompt",
+                "a string or an array of one string",
+                v,
+            ));
+        }
     };
     common(obj, Prompt::Text(prompt))
 }
@@ -89,19 +105,30 @@ pub fn parse_completion(body: &Value) -> Result<CompletionParams, ApiError> {
 /// The fields chat and text completions share.
 fn common(obj: &Map<String, Value>, prompt: Prompt) -> Result<CompletionParams, ApiError> {
     let model = match field(obj, "model") {
-        None => return Err(ApiError::invalid_request("model", "Missing required parameter: 'model'.")),
+        None => {
+            return Err(ApiError::invalid_request(
+                "model",
+                "Missing required parameter: 'model'.",
+            ));
+        }
         Some(Value::String(s)) => s.clone(),
         Some(v) => return Err(type_error("model", "a string", v)),
     };
     let max_tokens = match field(obj, "max_completion_tokens") {
         Some(v) => Some(positive_int(v, "max_completion_tokens")?),
-        None => field(obj, "max_tokens").map(|v| positive_int(v, "max_tokens")).transpose()?,
+        None => field(obj, "max_tokens")
+            .map(|v| positive_int(v, "max_tokens"))
+            .transpose()?,
     };
     let mut sampling = SamplingParams::default();
     if let Some(v) = field(obj, "temperature") {
         let t = number(v, "temperature")?;
         if !(0.0..=MAX_TEMPERATURE).contains(&t) {
-            return Err(range_error("temperature", format!("a value in [0, {MAX_TEMPERATURE}]"), v));
+            return Err(range_error(
+                "temperature",
+                format!("a value in [0, {MAX_TEMPERATURE}]"),
+                v,
+            ));
         }
         sampling.temperature = t as f32;
     }
@@ -122,10 +149,9 @@ fn common(obj: &Map<String, Value>, prompt: Prompt) -> Result<CompletionParams, 
     if let Some(v) = field(obj, "seed") {
         sampling.seed = Some(seed(v)?);
     }
-    if let Some(v) = field(obj, "n") {
-        if int(v, "n", 1)? != 1 {
-            return Err(ApiError::invalid_request("n", "Only n=1 is supported."));
-        }
+    match field(obj, "n").map(|v| int(v, "n", 1)).transpose()? {
+        None | Some(1) => {}
+        Some(_) => return Err(ApiError::invalid_request("n", "Only n=1 is supported.")),
     }
     let stream = match field(obj, "stream") {
         None => false,
@@ -142,12 +168,25 @@ fn common(obj: &Map<String, Value>, prompt: Prompt) -> Result<CompletionParams, 
         Some(v) => return Err(type_error("stream_options", "an object", v)),
     };
     let stop = parse_stop(obj)?;
-    Ok(CompletionParams { model, prompt, max_tokens, sampling, stop, stream, include_usage })
+    Ok(CompletionParams {
+        model,
+        prompt,
+        max_tokens,
+        sampling,
+        stop,
+        stream,
+        include_usage,
+    })
 }
 
 fn parse_messages(obj: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError> {
     let items = match field(obj, "messages") {
-        None => return Err(ApiError::invalid_request("messages", "Missing required parameter: 'messages'.")),
+        None => {
+            return Err(ApiError::invalid_request(
+                "messages",
+                "Missing required parameter: 'messages'.",
+            ));
+        }
         Some(Value::Array(items)) => items,
         Some(v) => return Err(type_error("messages", "an array", v)),
     };
@@ -157,14 +196,25 @@ fn parse_messages(obj: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError
             "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty array instead.",
         ));
     }
-    items.iter().enumerate().map(|(i, m)| parse_message(i, m)).collect()
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, m)| parse_message(i, m))
+        .collect()
 }
 
 fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
     let p = |f: &str| format!("messages[{i}].{f}");
-    let Value::Object(m) = m else { return Err(type_error(&format!("messages[{i}]"), "an object", m)) };
+    let Value::Object(m) = m else {
+        return Err(type_error(&format!("messages[{i}]"), "an object", m));
+    };
     let role = match field(m, "role") {
-        None => return Err(ApiError::invalid_request(p("role"), format!("Missing required parameter: '{}'.", p("role")))),
+        None => {
+            return Err(ApiError::invalid_request(
+                p("role"),
+                format!("Missing required parameter: '{}'.", p("role")),
+            ));
+        }
         Some(Value::String(r)) => match r.as_str() {
             "system" | "user" | "assistant" | "tool" => r.clone(),
             "developer" => "system".to_string(),
@@ -183,7 +233,10 @@ fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
         // An assistant turn that only called tools has no content.
         None if role == "assistant" => String::new(),
         None => {
-            return Err(ApiError::invalid_request(p("content"), format!("Missing required parameter: '{}'.", p("content"))));
+            return Err(ApiError::invalid_request(
+                p("content"),
+                format!("Missing required parameter: '{}'.", p("content")),
+            ));
         }
         Some(Value::String(s)) => s.clone(),
         Some(Value::Array(parts)) => {
@@ -193,13 +246,21 @@ fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
             }
             texts.join("\n")
         }
-        Some(v) => return Err(type_error(&p("content"), "a string or an array of content parts", v)),
+        Some(v) => {
+            return Err(type_error(
+                &p("content"),
+                "a string or an array of content parts",
+                v,
+            ));
+        }
     };
     Ok(ChatMessage::new(role, content))
 }
 
 fn text_part<'a>(param: &str, part: &'a Value) -> Result<&'a str, ApiError> {
-    let Value::Object(o) = part else { return Err(type_error(param, "an object", part)) };
+    let Value::Object(o) = part else {
+        return Err(type_error(param, "an object", part));
+    };
     match field(o, "type") {
         Some(Value::String(t)) if t == "text" => {}
         Some(Value::String(t)) => {
@@ -209,12 +270,20 @@ fn text_part<'a>(param: &str, part: &'a Value) -> Result<&'a str, ApiError> {
             ));
         }
         Some(v) => return Err(type_error(&format!("{param}.type"), "a string", v)),
-        None => return Err(ApiError::invalid_request(format!("{param}.type"), format!("Missing required parameter: '{param}.type'."))),
+        None => {
+            return Err(ApiError::invalid_request(
+                format!("{param}.type"),
+                format!("Missing required parameter: '{param}.type'."),
+            ));
+        }
     }
     match field(o, "text") {
         Some(Value::String(s)) => Ok(s),
         Some(v) => Err(type_error(&format!("{param}.text"), "a string", v)),
-        None => Err(ApiError::invalid_request(format!("{param}.text"), format!("Missing required parameter: '{param}.text'."))),
+        None => Err(ApiError::invalid_request(
+            format!("{param}.text"),
+            format!("Missing required parameter: '{param}.text'."),
+        )),
     }
 }
 
@@ -226,7 +295,10 @@ fn parse_stop(obj: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
             if items.len() > MAX_STOP {
                 return Err(ApiError::invalid_request(
                     "stop",
-                    format!("Invalid 'stop': array too long. Expected at most {MAX_STOP} stop sequences, but got {}.", items.len()),
+                    format!(
+                        "Invalid 'stop': array too long. Expected at most {MAX_STOP} stop sequences, but got {}.",
+                        items.len()
+                    ),
                 ));
             }
             let mut out = Vec::with_capacity(items.len());
@@ -248,7 +320,10 @@ fn parse_stop(obj: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
 fn as_object(body: &Value) -> Result<&Map<String, Value>, ApiError> {
     match body {
         Value::Object(o) => Ok(o),
-        v => Err(ApiError::bad_request(format!("The request body must be a JSON object, but got {}.", type_name(v)))),
+        v => Err(ApiError::bad_request(format!(
+            "The request body must be a JSON object, but got {}.",
+            type_name(v)
+        ))),
     }
 }
 
@@ -286,7 +361,9 @@ fn number(v: &Value, param: &str) -> Result<f64, ApiError> {
 /// floats) are folded into a `u64` deterministically, so the same seed still gives the
 /// same output.
 fn seed(v: &Value) -> Result<u64, ApiError> {
-    let Value::Number(n) = v else { return Err(type_error("seed", "an integer", v)) };
+    let Value::Number(n) = v else {
+        return Err(type_error("seed", "an integer", v));
+    };
     if let Some(x) = n.as_u64() {
         return Ok(x);
     }
@@ -315,12 +392,18 @@ fn type_name(v: &Value) -> &'static str {
 fn type_error(param: &str, expected: &str, got: &Value) -> ApiError {
     ApiError::invalid_request(
         param,
-        format!("Invalid type for '{param}': expected {expected}, but got {} instead.", type_name(got)),
+        format!(
+            "Invalid type for '{param}': expected {expected}, but got {} instead.",
+            type_name(got)
+        ),
     )
 }
 
 fn range_error(param: &str, expected: String, got: &Value) -> ApiError {
-    ApiError::invalid_request(param, format!("Invalid '{param}': expected {expected}, but got {got} instead."))
+    ApiError::invalid_request(
+        param,
+        format!("Invalid '{param}': expected {expected}, but got {got} instead."),
+    )
 }
 
 /// Token counts of one completion.
@@ -337,7 +420,11 @@ pub struct Usage {
 impl Usage {
     /// Usage from the two counts.
     pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
-        Usage { prompt_tokens, completion_tokens, total_tokens: prompt_tokens.saturating_add(completion_tokens) }
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens.saturating_add(completion_tokens),
+        }
     }
 }
 
@@ -470,7 +557,13 @@ pub struct ModelObject {
 
 impl From<ModelCard> for ModelObject {
     fn from(c: ModelCard) -> Self {
-        ModelObject { id: c.id, object: "model", created: c.created, owned_by: c.owned_by, max_model_len: c.max_model_len }
+        ModelObject {
+            id: c.id,
+            object: "model",
+            created: c.created,
+            owned_by: c.owned_by,
+            max_model_len: c.max_model_len,
+        }
     }
 }
 
@@ -482,4 +575,3 @@ pub struct ModelList {
     /// The models.
     pub data: Vec<ModelObject>,
 }
-

@@ -23,8 +23,8 @@ use crate::backend::{Backend, GenEvent, GenerationRequest, ModelCard};
 use crate::error::{ApiError, ErrorKind};
 use crate::ids::{random_hex, unix_now};
 use crate::openai::{
-    self, AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChunkChoice, CompletionParams, Delta, ModelList,
-    ModelObject, TextChoice, TextCompletion, Usage,
+    self, AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChunkChoice, CompletionParams,
+    Delta, ModelList, ModelObject, TextChoice, TextCompletion, Usage,
 };
 
 /// Largest accepted request body; larger ones get 413.
@@ -71,7 +71,11 @@ async fn request_id(mut req: Request, next: Next) -> Response {
         .headers()
         .get(&X_REQUEST_ID)
         .and_then(|v| v.to_str().ok())
-        .filter(|s| !s.is_empty() && s.len() <= MAX_REQUEST_ID_LEN && s.bytes().all(|b| b.is_ascii_graphic()))
+        .filter(|s| {
+            !s.is_empty()
+                && s.len() <= MAX_REQUEST_ID_LEN
+                && s.bytes().all(|b| b.is_ascii_graphic())
+        })
         .map_or_else(random_hex, str::to_owned);
     req.extensions_mut().insert(XRequestId(id.clone()));
     let span = tracing::info_span!("request", request_id = %id, method = %req.method(), path = %req.uri().path());
@@ -91,7 +95,10 @@ impl<S: Send + Sync> FromRequest<S> for OpenAiJson {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
-        let ct = req.headers().get(header::CONTENT_TYPE).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+        let ct = req
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
         match ct.as_deref() {
             Some(ct) if is_json(ct) => {}
             Some(ct) => {
@@ -99,7 +106,11 @@ impl<S: Send + Sync> FromRequest<S> for OpenAiJson {
                     "Invalid Content-Type header ({ct}): expected application/json."
                 )));
             }
-            None => return Err(ApiError::bad_request("Missing Content-Type header: expected application/json.")),
+            None => {
+                return Err(ApiError::bad_request(
+                    "Missing Content-Type header: expected application/json.",
+                ));
+            }
         }
         let bytes = Bytes::from_request(req, state).await.map_err(|r| {
             if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
@@ -122,7 +133,12 @@ impl<S: Send + Sync> FromRequest<S> for OpenAiJson {
 }
 
 fn is_json(content_type: &str) -> bool {
-    let mime = content_type.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    let mime = content_type
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
     mime == "application/json" || (mime.starts_with("application/") && mime.ends_with("+json"))
 }
 
@@ -150,10 +166,19 @@ async fn completions(
 }
 
 fn find_model(backend: &dyn Backend, name: &str) -> Result<ModelCard, ApiError> {
-    backend.models().into_iter().find(|c| c.id == name).ok_or_else(|| ApiError::model_not_found(name))
+    backend
+        .models()
+        .into_iter()
+        .find(|c| c.id == name)
+        .ok_or_else(|| ApiError::model_not_found(name))
 }
 
-async fn complete(st: AppState, rid: XRequestId, endpoint: Endpoint, p: CompletionParams) -> Result<Response, ApiError> {
+async fn complete(
+    st: AppState,
+    rid: XRequestId,
+    endpoint: Endpoint,
+    p: CompletionParams,
+) -> Result<Response, ApiError> {
     let card = find_model(st.backend.as_ref(), &p.model)?;
     p.check_against(&card)?;
     let req = GenerationRequest {
@@ -185,7 +210,11 @@ async fn complete(st: AppState, rid: XRequestId, endpoint: Endpoint, p: Completi
         endpoint,
         include_usage: p.include_usage,
     };
-    if p.stream { Ok(stream_response(meta, rx)) } else { collect_response(meta, rx).await }
+    if p.stream {
+        Ok(stream_response(meta, rx))
+    } else {
+        collect_response(meta, rx).await
+    }
 }
 
 /// What every response object of one completion shares.
@@ -202,7 +231,11 @@ async fn collect_response(meta: Meta, mut rx: Receiver<GenEvent>) -> Result<Resp
     let (reason, usage) = loop {
         match rx.recv().await {
             Some(GenEvent::Text(t)) => text.push_str(&t),
-            Some(GenEvent::Finished { reason, prompt_tokens, completion_tokens }) => {
+            Some(GenEvent::Finished {
+                reason,
+                prompt_tokens,
+                completion_tokens,
+            }) => {
                 break (reason, Usage::new(prompt_tokens, completion_tokens));
             }
             Some(GenEvent::Failed(e)) => return Err(e),
@@ -215,7 +248,13 @@ async fn collect_response(meta: Meta, mut rx: Receiver<GenEvent>) -> Result<Resp
         finish_reason = reason.as_str(),
         "completed"
     );
-    let Meta { id, created, model, endpoint, .. } = meta;
+    let Meta {
+        id,
+        created,
+        model,
+        endpoint,
+        ..
+    } = meta;
     Ok(match endpoint {
         Endpoint::Chat => Json(ChatCompletion {
             id,
@@ -224,7 +263,10 @@ async fn collect_response(meta: Meta, mut rx: Receiver<GenEvent>) -> Result<Resp
             model,
             choices: vec![ChatChoice {
                 index: 0,
-                message: AssistantMessage { role: "assistant", content: text },
+                message: AssistantMessage {
+                    role: "assistant",
+                    content: text,
+                },
                 logprobs: None,
                 finish_reason: reason.as_str(),
             }],
@@ -236,7 +278,12 @@ async fn collect_response(meta: Meta, mut rx: Receiver<GenEvent>) -> Result<Resp
             object: "text_completion",
             created,
             model,
-            choices: vec![TextChoice { index: 0, text, logprobs: None, finish_reason: Some(reason.as_str()) }],
+            choices: vec![TextChoice {
+                index: 0,
+                text,
+                logprobs: None,
+                finish_reason: Some(reason.as_str()),
+            }],
             usage: Some(Some(usage)),
         })
         .into_response(),
@@ -254,7 +301,12 @@ struct StreamState {
 
 fn stream_response(meta: Meta, rx: Receiver<GenEvent>) -> Response {
     let span = Span::current();
-    let state = StreamState { rx, meta, started: false, done: false };
+    let state = StreamState {
+        rx,
+        meta,
+        started: false,
+        done: false,
+    };
     let stream = futures_util::stream::unfold(state, move |mut st| {
         async move {
             if st.done {
@@ -266,7 +318,10 @@ fn stream_response(meta: Meta, rx: Receiver<GenEvent>) -> Response {
         .instrument(span.clone())
     });
     (
-        [(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")],
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
         Body::from_stream(stream),
     )
         .into_response()
@@ -277,7 +332,10 @@ async fn next_frames(st: &mut StreamState) -> String {
     if !st.started {
         st.started = true;
         if st.meta.endpoint == Endpoint::Chat {
-            let delta = Delta { role: Some("assistant"), content: Some(String::new()) };
+            let delta = Delta {
+                role: Some("assistant"),
+                content: Some(String::new()),
+            };
             return data(&chunk(&st.meta, Some(delta), None, None));
         }
     }
@@ -286,14 +344,31 @@ async fn next_frames(st: &mut StreamState) -> String {
             Some(GenEvent::Text(t)) if t.is_empty() => continue,
             Some(GenEvent::Text(t)) => {
                 return match st.meta.endpoint {
-                    Endpoint::Chat => data(&chunk(&st.meta, Some(Delta { role: None, content: Some(t) }), None, None)),
+                    Endpoint::Chat => data(&chunk(
+                        &st.meta,
+                        Some(Delta {
+                            role: None,
+                            content: Some(t),
+                        }),
+                        None,
+                        None,
+                    )),
                     Endpoint::Text => data(&text_chunk(&st.meta, t, None, None)),
                 };
             }
-            Some(GenEvent::Finished { reason, prompt_tokens, completion_tokens }) => {
+            Some(GenEvent::Finished {
+                reason,
+                prompt_tokens,
+                completion_tokens,
+            }) => {
                 st.done = true;
                 let usage = Usage::new(prompt_tokens, completion_tokens);
-                tracing::info!(prompt_tokens, completion_tokens, finish_reason = reason.as_str(), "completed (streamed)");
+                tracing::info!(
+                    prompt_tokens,
+                    completion_tokens,
+                    finish_reason = reason.as_str(),
+                    "completed (streamed)"
+                );
                 let m = &st.meta;
                 let reason = Some(reason.as_str());
                 let mut out = match m.endpoint {
@@ -318,7 +393,12 @@ async fn next_frames(st: &mut StreamState) -> String {
             }
             Some(GenEvent::Failed(e)) => {
                 st.done = true;
-                tracing::warn!(kind = e.error_type(), code = e.code, "generation failed mid-stream: {}", e.message);
+                tracing::warn!(
+                    kind = e.error_type(),
+                    code = e.code,
+                    "generation failed mid-stream: {}",
+                    e.message
+                );
                 return data(&e.body());
             }
             None => {
@@ -333,24 +413,47 @@ async fn next_frames(st: &mut StreamState) -> String {
 
 /// A chat chunk: with one choice carrying `delta` (and `finish_reason`), or with no choices
 /// and `usage` set (the usage chunk).
-fn chunk(m: &Meta, delta: Option<Delta>, finish_reason: Option<&'static str>, usage: Option<Usage>) -> ChatChunk {
+fn chunk(
+    m: &Meta,
+    delta: Option<Delta>,
+    finish_reason: Option<&'static str>,
+    usage: Option<Usage>,
+) -> ChatChunk {
     ChatChunk {
         id: m.id.clone(),
         object: "chat.completion.chunk",
         created: m.created,
         model: m.model.clone(),
-        choices: delta.map(|delta| ChunkChoice { index: 0, delta, logprobs: None, finish_reason }).into_iter().collect(),
+        choices: delta
+            .map(|delta| ChunkChoice {
+                index: 0,
+                delta,
+                logprobs: None,
+                finish_reason,
+            })
+            .into_iter()
+            .collect(),
         usage: m.include_usage.then_some(usage),
     }
 }
 
-fn text_chunk(m: &Meta, text: String, finish_reason: Option<&'static str>, usage: Option<Usage>) -> TextCompletion {
+fn text_chunk(
+    m: &Meta,
+    text: String,
+    finish_reason: Option<&'static str>,
+    usage: Option<Usage>,
+) -> TextCompletion {
     TextCompletion {
         id: m.id.clone(),
         object: "text_completion",
         created: m.created,
         model: m.model.clone(),
-        choices: vec![TextChoice { index: 0, text, logprobs: None, finish_reason }],
+        choices: vec![TextChoice {
+            index: 0,
+            text,
+            logprobs: None,
+            finish_reason,
+        }],
         usage: m.include_usage.then_some(usage),
     }
 }
@@ -367,12 +470,27 @@ fn data<T: Serialize>(v: &T) -> String {
 }
 
 async fn list_models(State(st): State<AppState>) -> Json<ModelList> {
-    Json(ModelList { object: "list", data: st.backend.models().into_iter().map(ModelObject::from).collect() })
+    Json(ModelList {
+        object: "list",
+        data: st
+            .backend
+            .models()
+            .into_iter()
+            .map(ModelObject::from)
+            .collect(),
+    })
 }
 
-async fn get_model(State(st): State<AppState>, id: Result<Path<String>, PathRejection>) -> Result<Json<ModelObject>, ApiError> {
-    let Path(id) = id.map_err(|e| ApiError::bad_request(format!("Invalid model id in the path: {e}")))?;
-    Ok(Json(ModelObject::from(find_model(st.backend.as_ref(), &id)?)))
+async fn get_model(
+    State(st): State<AppState>,
+    id: Result<Path<String>, PathRejection>,
+) -> Result<Json<ModelObject>, ApiError> {
+    let Path(id) =
+        id.map_err(|e| ApiError::bad_request(format!("Invalid model id in the path: {e}")))?;
+    Ok(Json(ModelObject::from(find_model(
+        st.backend.as_ref(),
+        &id,
+    )?)))
 }
 
 async fn health() -> Json<Value> {
@@ -383,7 +501,11 @@ async fn ready(State(st): State<AppState>) -> Response {
     if st.backend.ready() {
         Json(serde_json::json!({ "status": "ready" })).into_response()
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, Json(serde_json::json!({ "status": "not ready" }))).into_response()
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(serde_json::json!({ "status": "not ready" })),
+        )
+            .into_response()
     }
 }
 

@@ -4,10 +4,12 @@
 //! - `main.rs`: CLI definition (clap; every flag also from an environment variable).
 //! - `generate.rs`: `bulkhead generate`, one chat completion streamed to stdout.
 //! - `bench.rs`: `bulkhead bench-engine`, prefill and batched decode throughput.
+//! - `serve.rs`: `bulkhead serve`, the gateway and workers (one role or all three).
 #![forbid(unsafe_code)]
 
 mod bench;
 mod generate;
+mod serve;
 
 use std::path::PathBuf;
 
@@ -23,6 +25,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Serve the OpenAI API: gateway, prefill and decode workers (all three by default).
+    Serve(serve::ServeArgs),
     /// Generate one chat reply, streamed to stdout.
     Generate(generate::GenerateArgs),
     /// Measure prefill and batched decode throughput of the engine.
@@ -67,12 +71,13 @@ impl ModelArgs {
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("BULKHEAD_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+            tracing_subscriber::EnvFilter::try_from_env("BULKHEAD_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
     let r = match cli.cmd {
+        Cmd::Serve(a) => serve::run(a),
         Cmd::Generate(a) => generate::run(a),
         Cmd::BenchEngine(a) => bench::run(a),
     };

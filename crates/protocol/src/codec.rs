@@ -273,6 +273,11 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
             w.u8(*reason as u8);
             15
         }
+        Message::DecodePeer { worker, addr } => {
+            w.u32(worker.0);
+            w.str(addr);
+            16
+        }
     };
     let len = (out.len() - start - HEADER) as u32;
     out[start + 3] = kind;
@@ -335,6 +340,7 @@ fn decode_payload(kind: u8, b: &[u8]) -> Result<Message, CodecError> {
         },
         14 => Message::Failed { req: r.req()?, reason: r.enum_u8("fail reason", fail)?, detail: r.str("detail")? },
         15 => Message::Abort { req: r.req()?, reason: r.enum_u8("abort reason", abort)? },
+        16 => Message::DecodePeer { worker: WorkerId(r.u32()?), addr: r.str("addr")? },
         k => return Err(CodecError::UnknownKind(k)),
     };
     if !r.b.is_empty() {
@@ -432,6 +438,7 @@ mod tests {
             Message::Finished { req: RequestId(5), finish: Finish::Length, text: String::new(), prompt_tokens: 3, completion_tokens: 1 },
             Message::Failed { req: RequestId(5), reason: FailReason::TransferRefused, detail: "checksum".into() },
             Message::Abort { req: RequestId(5), reason: AbortReason::ClientGone },
+            Message::DecodePeer { worker: WorkerId(2), addr: "127.0.0.1:7".into() },
         ]
     }
 

@@ -160,8 +160,8 @@ impl DecodeRole {
     pub fn handle(&mut self, pool: &mut KvPool, ev: DecodeEvent) -> Vec<DecodeAction> {
         let mut out = Vec::new();
         match ev {
-            DecodeEvent::Gateway(m) => self.from_gateway(pool, m, &mut out),
-            DecodeEvent::Prefill { from, msg } => self.from_prefill(pool, from, msg, &mut out),
+            DecodeEvent::Gateway(m) => self.on_gateway(pool, m, &mut out),
+            DecodeEvent::Prefill { from, msg } => self.on_prefill(pool, from, msg, &mut out),
             DecodeEvent::PrefillClosed { from } => {
                 // Closed connection = fenced: nothing more can land from it.
                 let reqs: Vec<RequestId> = self.pending.iter().filter(|(_, p)| p.prefill == from).map(|(r, _)| *r).collect();
@@ -207,7 +207,7 @@ impl DecodeRole {
         self.pending.contains_key(&req) || self.fencing.contains_key(&req) || self.decoding.contains(&req)
     }
 
-    fn from_gateway(&mut self, pool: &mut KvPool, m: Message, out: &mut Vec<DecodeAction>) {
+    fn on_gateway(&mut self, pool: &mut KvPool, m: Message, out: &mut Vec<DecodeAction>) {
         match m {
             Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop } => {
                 if self.known(req) {
@@ -251,7 +251,7 @@ impl DecodeRole {
         }
     }
 
-    fn from_prefill(&mut self, pool: &mut KvPool, from: WorkerId, m: Message, out: &mut Vec<DecodeAction>) {
+    fn on_prefill(&mut self, pool: &mut KvPool, from: WorkerId, m: Message, out: &mut Vec<DecodeAction>) {
         match m {
             Message::KvChunk { req, header, data } => {
                 let Some(p) = self.pending.get_mut(&req) else {

@@ -129,6 +129,16 @@ impl GatewayRole {
         self.stats
     }
 
+    /// Change the served context (workers registered or left).
+    pub fn set_max_context(&mut self, max_context: usize) {
+        self.cfg.max_context = max_context;
+    }
+
+    /// The served context.
+    pub fn max_context(&self) -> usize {
+        self.cfg.max_context
+    }
+
     /// Requests not yet terminal.
     pub fn in_flight(&self) -> usize {
         self.inflight.len()
@@ -174,7 +184,7 @@ impl GatewayRole {
                     Self::abort_workers(req, &f, AbortReason::ClientGone, None, &mut out);
                 }
             }
-            GatewayEvent::FromWorker { from, msg } => self.from_worker(from, msg, &mut out),
+            GatewayEvent::FromWorker { from, msg } => self.on_worker(from, msg, &mut out),
             GatewayEvent::WorkerJoined { id, role } => match role {
                 Role::Prefill => self.prefills.push(id),
                 Role::Decode => self.decodes.push(id),
@@ -217,7 +227,7 @@ impl GatewayRole {
         }
     }
 
-    fn from_worker(&mut self, from: WorkerId, msg: Message, out: &mut Vec<GatewayAction>) {
+    fn on_worker(&mut self, from: WorkerId, msg: Message, out: &mut Vec<GatewayAction>) {
         let Some(req) = msg.req() else { return };
         let Some(f) = self.inflight.get_mut(&req) else { return };
         // Only the workers assigned to a request speak for it.

@@ -111,6 +111,8 @@ pub enum Message {
     Welcome { worker: WorkerId },
     /// Gateway → worker: refused (model or layout mismatch); the connection closes.
     Refuse { reason: String },
+    /// Gateway → prefill: a decode worker to open a KV connection to.
+    DecodePeer { worker: WorkerId, addr: String },
     /// Prefill → decode, first message on a KV connection.
     KvHello { prefill: WorkerId },
     /// Gateway → decode: reserve pages for a prompt that `prefill` will write.
@@ -152,7 +154,7 @@ impl Message {
             | Message::Finished { req, .. }
             | Message::Failed { req, .. }
             | Message::Abort { req, .. } => Some(*req),
-            Message::Hello(_) | Message::Welcome { .. } | Message::Refuse { .. } | Message::KvHello { .. } => None,
+            Message::Hello(_) | Message::Welcome { .. } | Message::Refuse { .. } | Message::DecodePeer { .. } | Message::KvHello { .. } => None,
         }
     }
 }

@@ -1,0 +1,259 @@
+//! `bulkhead serve`: the gateway, prefill and decode roles. With no `--role`, all three on
+//! this machine: the gateway in this process, each worker a child process of this binary
+//! talking to it over loopback TCP. Children exit when their gateway connection closes, so
+//! they never outlive this process.
+
+use std::path::PathBuf;
+use std::process::{Child, Command};
+use std::time::Duration;
+
+use anyhow::Context;
+use bulkhead_server::gateway::{self, GatewayOptions};
+use bulkhead_server::worker::WorkerConfig;
+use clap::{Args, ValueEnum};
+
+use crate::ModelArgs;
+
+/// Which part of the system this process runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ServeRole {
+    /// Gateway plus one prefill and one decode worker (or as many as asked) on this machine.
+    All,
+    /// The HTTP gateway only; workers register at --worker-listen.
+    Gateway,
+    /// A prefill worker registering with --gateway.
+    Prefill,
+    /// A decode worker registering with --gateway.
+    Decode,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// What to run.
+    #[arg(long, env = "BULKHEAD_ROLE", value_enum, default_value_t = ServeRole::All)]
+    role: ServeRole,
+    /// HTTP address (gateway).
+    #[arg(long, env = "BULKHEAD_HOST", default_value = "127.0.0.1")]
+    host: String,
+    /// HTTP port (gateway).
+    #[arg(long, env = "BULKHEAD_PORT", default_value_t = 8080)]
+    port: u16,
+    /// Where workers register (gateway); port 0 picks one.
+    #[arg(long, env = "BULKHEAD_WORKER_LISTEN", default_value = "127.0.0.1:0")]
+    worker_listen: String,
+    /// The gateway's worker address (prefill, decode).
+    #[arg(long, env = "BULKHEAD_GATEWAY")]
+    gateway: Option<String>,
+    /// Where prefill workers reach this decode worker.
+    #[arg(long, env = "BULKHEAD_KV_LISTEN", default_value = "127.0.0.1:0")]
+    kv_listen: String,
+    /// KV pool size in tokens (default: twice the context).
+    #[arg(long, env = "BULKHEAD_KV_POOL_TOKENS", conflicts_with = "kv_memory")]
+    kv_pool_tokens: Option<usize>,
+    /// KV pool size as a memory budget, e.g. 512MiB or 2GiB.
+    #[arg(long, env = "BULKHEAD_KV_MEMORY")]
+    kv_memory: Option<String>,
+    /// Context length to advertise (default: the model's).
+    #[arg(long, env = "BULKHEAD_CONTEXT_LENGTH")]
+    context_length: Option<usize>,
+    /// Advertise what the KV pool holds instead of refusing to start when it is smaller than the context.
+    #[arg(long, env = "BULKHEAD_CLAMP_CONTEXT")]
+    clamp_context: bool,
+    /// Pages per KV transfer batch (also the prefill chunk).
+    #[arg(long, env = "BULKHEAD_TRANSFER_BATCH_PAGES", default_value_t = 32)]
+    transfer_batch_pages: usize,
+    /// How long a decode reservation waits for its KV (ms).
+    #[arg(long, env = "BULKHEAD_TRANSFER_TIMEOUT_MS", default_value_t = 60_000)]
+    transfer_timeout_ms: u64,
+    /// A request not finished after this long fails (ms).
+    #[arg(long, env = "BULKHEAD_REQUEST_TIMEOUT_MS", default_value_t = 600_000)]
+    request_timeout_ms: u64,
+    /// How long shutdown waits for in-flight requests (s).
+    #[arg(long, env = "BULKHEAD_DRAIN_TIMEOUT_S", default_value_t = 30)]
+    drain_timeout_s: u64,
+    /// Prefill workers to start (role all).
+    #[arg(long, env = "BULKHEAD_PREFILL_WORKERS", default_value_t = 1)]
+    prefill_workers: usize,
+    /// Decode workers to start (role all).
+    #[arg(long, env = "BULKHEAD_DECODE_WORKERS", default_value_t = 1)]
+    decode_workers: usize,
+    /// KV pool size in tokens for prefill workers only (role all; default: --kv-pool-tokens).
+    #[arg(long, env = "BULKHEAD_PREFILL_KV_POOL_TOKENS")]
+    prefill_kv_pool_tokens: Option<usize>,
+    /// Name of the model in the API.
+    #[arg(long, env = "BULKHEAD_MODEL_ID", default_value = "bulkhead")]
+    model_id: String,
+    /// Test only: switch the gateway's context check off to show the workers' own holds.
+    #[arg(long, hide = true, env = "BULKHEAD_NO_GATEWAY_ADMISSION")]
+    no_gateway_admission: bool,
+}
+
+/// Parse sizes like `512MiB`, `2GiB`, `1000000`.
+fn parse_bytes(s: &str) -> anyhow::Result<u64> {
+    let s = s.trim();
+    let (num, mult) = [("GiB", 1u64 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("GB", 1_000_000_000), ("MB", 1_000_000), ("KB", 1000), ("B", 1)]
+        .iter()
+        .find_map(|(suf, m)| s.strip_suffix(suf).map(|n| (n.trim(), *m)))
+        .unwrap_or((s, 1));
+    let n: f64 = num.parse().with_context(|| format!("invalid size `{s}` (examples: 512MiB, 2GiB)"))?;
+    anyhow::ensure!(n.is_finite() && n > 0.0, "size `{s}` must be positive");
+    Ok((n * mult as f64) as u64)
+}
+
+impl ServeArgs {
+    fn model_path(&self) -> anyhow::Result<PathBuf> {
+        match &self.model.model {
+            Some(p) => Ok(p.clone()),
+            None => bulkhead_fetch::ensure_default_model(true).context("cannot get the default model"),
+        }
+    }
+
+    fn pool_tokens(&self, bytes_per_token: usize, context: usize) -> anyhow::Result<usize> {
+        if let Some(t) = self.kv_pool_tokens {
+            return Ok(t);
+        }
+        if let Some(m) = &self.kv_memory {
+            return Ok((parse_bytes(m)? / bytes_per_token as u64) as usize);
+        }
+        Ok(2 * context)
+    }
+
+    fn worker(&self, model: PathBuf, gateway: String) -> anyhow::Result<WorkerConfig> {
+        // The model's shape decides bytes per token; read it without loading weights.
+        let f = bulkhead_gguf::GgufFile::open(&model)?;
+        let c = bulkhead_model::LlamaConfig::from_gguf(&f)?;
+        let context = self.context_length.unwrap_or(c.context_length);
+        Ok(WorkerConfig {
+            model,
+            threads: self.model.threads,
+            gateway,
+            pool_tokens: self.pool_tokens(c.kv_bytes_per_token(2), context)?,
+            page_size: self.model.page_size as usize,
+            context_length: self.context_length,
+            clamp_context: self.clamp_context,
+            kv_listen: self.kv_listen.clone(),
+            transfer_batch_pages: self.transfer_batch_pages,
+            transfer_timeout_ms: self.transfer_timeout_ms,
+        })
+    }
+}
+
+pub fn run(a: ServeArgs) -> anyhow::Result<()> {
+    let model = a.model_path()?;
+    match a.role {
+        ServeRole::Prefill | ServeRole::Decode => {
+            let gw = a.gateway.clone().context("--gateway HOST:PORT is required for a worker role")?;
+            let cfg = a.worker(model, gw)?;
+            if a.role == ServeRole::Prefill {
+                bulkhead_server::prefill_worker::run(cfg)?;
+            } else {
+                bulkhead_server::decode_worker::run(cfg)?;
+            }
+            Ok(())
+        }
+        ServeRole::Gateway | ServeRole::All => {
+            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+            rt.block_on(serve_gateway(a, model))
+        }
+    }
+}
+
+async fn serve_gateway(a: ServeArgs, model: PathBuf) -> anyhow::Result<()> {
+    let opts = GatewayOptions {
+        http: format!("{}:{}", a.host, a.port),
+        workers: a.worker_listen.clone(),
+        model: model.clone(),
+        model_id: a.model_id.clone(),
+        admission_check: !a.no_gateway_admission,
+        request_timeout_ms: a.request_timeout_ms,
+    };
+    let mut gw = gateway::start(opts).await.with_context(|| format!("cannot start the gateway on {}:{}", a.host, a.port))?;
+    let mut children = Children(Vec::new());
+    if a.role == ServeRole::All {
+        let exe = std::env::current_exe()?;
+        let gw_addr = gw.worker_addr.to_string();
+        for (role, n) in [("prefill", a.prefill_workers), ("decode", a.decode_workers)] {
+            for _ in 0..n {
+                let mut cmd = Command::new(&exe);
+                cmd.args(["serve", "--role", role, "--gateway", &gw_addr, "--model"]).arg(&model);
+                cmd.args(["--threads", &a.model.threads.to_string(), "--page-size", &a.model.page_size.to_string()]);
+                cmd.args(["--transfer-batch-pages", &a.transfer_batch_pages.to_string()]);
+                cmd.args(["--transfer-timeout-ms", &a.transfer_timeout_ms.to_string()]);
+                let pool = if role == "prefill" { a.prefill_kv_pool_tokens.or(a.kv_pool_tokens) } else { a.kv_pool_tokens };
+                if let Some(t) = pool {
+                    cmd.args(["--kv-pool-tokens", &t.to_string()]);
+                } else if let Some(m) = &a.kv_memory {
+                    cmd.args(["--kv-memory", m]);
+                }
+                if let Some(c) = a.context_length {
+                    cmd.args(["--context-length", &c.to_string()]);
+                }
+                if a.clamp_context {
+                    cmd.arg("--clamp-context");
+                }
+                // Workers must not bind the gateway's HTTP port or inherit its role.
+                cmd.env_remove("BULKHEAD_ROLE").env_remove("BULKHEAD_PORT");
+                children.0.push(cmd.spawn().with_context(|| format!("cannot start a {role} worker"))?);
+            }
+        }
+    }
+    println!("bulkhead: serving on http://{} (workers register at {})", gw.http_addr, gw.worker_addr);
+    shutdown_signal(&mut children).await;
+    tracing::info!("shutting down: draining in-flight requests");
+    gw.shutdown();
+    if tokio::time::timeout(Duration::from_secs(a.drain_timeout_s), &mut gw.server).await.is_err() {
+        tracing::warn!(drain_timeout_s = a.drain_timeout_s, "drain timed out; exiting with requests in flight");
+    }
+    Ok(())
+}
+
+/// Wait for SIGINT/SIGTERM, or for a child worker to die (then serve on without it only if
+/// others remain; the gateway fails its requests cleanly either way).
+async fn shutdown_signal(children: &mut Children) {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    let watch = async {
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            if !children.0.is_empty() && children.all_exited() {
+                tracing::error!("every worker process exited");
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+        _ = watch => {}
+    }
+}
+
+/// Worker processes, killed when this is dropped.
+struct Children(Vec<Child>);
+
+impl Children {
+    fn all_exited(&mut self) -> bool {
+        self.0.iter_mut().all(|c| matches!(c.try_wait(), Ok(Some(_))))
+    }
+}
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}

@@ -1,0 +1,431 @@
+//! The gateway: OpenAI HTTP API in front, workers behind, the protocol's gateway role in
+//! the middle. One actor task owns the role, the worker connections and the client
+//! streams, so every decision about a request is made in one place, in order.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bulkhead_api::{ApiError, Backend, FinishReason, GenEvent, GenerationRequest, ModelCard};
+
+use crate::prompt::PromptEncoder;
+use bulkhead_kv::RequestId;
+use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole};
+use bulkhead_protocol::{encode, FailReason, Finish, FrameDecoder, Hello, Message, RejectReason, Role, Sampling, WorkerId, DEFAULT_MAX_FRAME};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot};
+
+/// Settings of the gateway.
+#[derive(Clone, Debug)]
+pub struct GatewayOptions {
+    /// HTTP listen address.
+    pub http: String,
+    /// Worker listen address.
+    pub workers: String,
+    /// Model file (for the tokenizer, chat template and the digest workers must match).
+    pub model: PathBuf,
+    /// Name served in the API.
+    pub model_id: String,
+    /// Check the context limit at the gateway (tests switch it off).
+    pub admission_check: bool,
+    /// A request not finished after this long fails.
+    pub request_timeout_ms: u64,
+}
+
+/// Why the gateway could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Gguf(#[from] bulkhead_gguf::GgufError),
+    #[error("{0}")]
+    Tokenizer(#[from] bulkhead_tokenizer::TokenizerError),
+    #[error("{0}")]
+    Model(#[from] bulkhead_model::ModelError),
+}
+
+enum Cmd {
+    Submit { tokens: Vec<u32>, max_tokens: u32, sampling: Sampling, stop: Vec<String>, events: mpsc::Sender<GenEvent> },
+    Register { hello: Hello, writer: mpsc::UnboundedSender<Message>, reply: oneshot::Sender<Result<WorkerId, String>> },
+    Worker { from: WorkerId, msg: Message },
+    Left { id: WorkerId },
+    Tick { now_ms: u64 },
+}
+
+struct Shared {
+    card: ModelCard,
+    max_context: AtomicUsize,
+    ready: AtomicBool,
+    encoder: PromptEncoder,
+    admission_check: bool,
+    cmds: mpsc::UnboundedSender<Cmd>,
+}
+
+/// The [`Backend`] the HTTP layer calls: templating, tokenising and the gateway's own
+/// admission check happen here, before anything is sent to a worker.
+pub struct ClusterBackend(Arc<Shared>);
+
+impl Backend for ClusterBackend {
+    fn models(&self) -> Vec<ModelCard> {
+        let mut c = self.0.card.clone();
+        c.max_model_len = self.0.max_context.load(Ordering::Acquire);
+        vec![c]
+    }
+
+    fn generate(&self, req: GenerationRequest) -> Result<mpsc::Receiver<GenEvent>, ApiError> {
+        let s = &self.0;
+        if !s.ready.load(Ordering::Acquire) {
+            return Err(ApiError::overloaded("no prefill or no decode worker is registered yet"));
+        }
+        let tokens = s.encoder.encode(&req.prompt)?;
+        let limit = s.max_context.load(Ordering::Acquire);
+        let max_tokens = req.max_tokens.unwrap_or_else(|| limit.saturating_sub(tokens.len()).max(1));
+        if s.admission_check && tokens.len().saturating_add(max_tokens) > limit {
+            return Err(ApiError::context_length_exceeded(tokens.len(), max_tokens, limit));
+        }
+        let max_tokens = u32::try_from(max_tokens).map_err(|_| ApiError::context_length_exceeded(tokens.len(), max_tokens, limit))?;
+        // Enough room for every token of the longest request: sends never block the actor.
+        let (tx, rx) = mpsc::channel(limit.max(16) + 8);
+        let p = &req.sampling;
+        let sampling = Sampling { temperature: p.temperature, top_k: p.top_k as u32, top_p: p.top_p, seed: p.seed };
+        s.cmds
+            .send(Cmd::Submit { tokens, max_tokens, sampling, stop: req.stop, events: tx })
+            .map_err(|_| ApiError::internal("the gateway is shutting down"))?;
+        Ok(rx)
+    }
+
+    fn ready(&self) -> bool {
+        self.0.ready.load(Ordering::Acquire)
+    }
+}
+
+/// A running gateway.
+pub struct RunningGateway {
+    /// Where HTTP is served.
+    pub http_addr: SocketAddr,
+    /// Where workers register.
+    pub worker_addr: SocketAddr,
+    /// The HTTP server; completes after shutdown and draining.
+    pub server: tokio::task::JoinHandle<std::io::Result<()>>,
+    shutdown: Option<oneshot::Sender<()>>,
+}
+
+impl RunningGateway {
+    /// Stop accepting requests; in-flight ones finish (the caller bounds the wait).
+    pub fn shutdown(&mut self) {
+        if let Some(s) = self.shutdown.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+/// Load the tokenizer, bind both listeners and start serving.
+pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError> {
+    let f = bulkhead_gguf::GgufFile::open(&opts.model)?;
+    let config = bulkhead_model::LlamaConfig::from_gguf(&f)?;
+    let tokenizer = bulkhead_tokenizer::Tokenizer::from_gguf(&f)?;
+    let chat = bulkhead_tokenizer::ChatTemplate::from_gguf(&f)?;
+    drop(f);
+    let digest = crate::wire::model_digest(&opts.model)?;
+    let (cmds, inbox) = mpsc::unbounded_channel();
+    let shared = Arc::new(Shared {
+        card: ModelCard { id: opts.model_id.clone(), max_model_len: config.context_length, created: unix_now(), owned_by: "bulkhead".into() },
+        max_context: AtomicUsize::new(config.context_length),
+        ready: AtomicBool::new(false),
+        encoder: PromptEncoder::new(Arc::new(tokenizer), chat),
+        admission_check: opts.admission_check,
+        cmds: cmds.clone(),
+    });
+    let role = GatewayRole::new(GatewayConfig {
+        max_context: config.context_length,
+        admission_check: opts.admission_check,
+        request_timeout_ms: opts.request_timeout_ms,
+    });
+    let actor = Actor {
+        role,
+        shared: shared.clone(),
+        digest,
+        model_context: config.context_length,
+        layout: None,
+        writers: BTreeMap::new(),
+        workers: BTreeMap::new(),
+        clients: BTreeMap::new(),
+        next_req: 1,
+        next_worker: 1,
+    };
+    tokio::spawn(actor.run(inbox));
+    let ticker = cmds.clone();
+    tokio::spawn(async move {
+        let start = tokio::time::Instant::now();
+        let mut iv = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            iv.tick().await;
+            if ticker.send(Cmd::Tick { now_ms: start.elapsed().as_millis() as u64 }).is_err() {
+                return;
+            }
+        }
+    });
+    let wl = TcpListener::bind(&opts.workers).await?;
+    let worker_addr = wl.local_addr()?;
+    tokio::spawn(accept_workers(wl, cmds));
+    let hl = TcpListener::bind(&opts.http).await?;
+    let http_addr = hl.local_addr()?;
+    let app = bulkhead_api::router(Arc::new(ClusterBackend(shared)));
+    let (tx, rx) = oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        axum::serve(hl, app)
+            .with_graceful_shutdown(async move {
+                let _ = rx.await;
+            })
+            .await
+    });
+    tracing::info!(%http_addr, %worker_addr, model = %opts.model_id, "gateway listening");
+    Ok(RunningGateway { http_addr, worker_addr, server, shutdown: Some(tx) })
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+struct Client {
+    events: mpsc::Sender<GenEvent>,
+    prompt_tokens: usize,
+    max_tokens: usize,
+}
+
+struct WorkerInfo {
+    role: Role,
+    max_context: usize,
+    kv_addr: String,
+}
+
+struct Actor {
+    role: GatewayRole,
+    shared: Arc<Shared>,
+    digest: u64,
+    model_context: usize,
+    /// (page size, KV bytes per token) every worker must share.
+    layout: Option<(u32, u32)>,
+    writers: BTreeMap<WorkerId, mpsc::UnboundedSender<Message>>,
+    workers: BTreeMap<WorkerId, WorkerInfo>,
+    clients: BTreeMap<RequestId, Client>,
+    next_req: u64,
+    next_worker: u32,
+}
+
+impl Actor {
+    async fn run(mut self, mut inbox: mpsc::UnboundedReceiver<Cmd>) {
+        while let Some(cmd) = inbox.recv().await {
+            match cmd {
+                Cmd::Submit { tokens, max_tokens, sampling, stop, events } => {
+                    let req = RequestId(self.next_req);
+                    self.next_req += 1;
+                    self.clients.insert(req, Client { events, prompt_tokens: tokens.len(), max_tokens: max_tokens as usize });
+                    self.apply(GatewayEvent::Submit { req, tokens, max_tokens, sampling, stop });
+                }
+                Cmd::Register { hello, writer, reply } => {
+                    let r = self.register(hello, writer);
+                    let _ = reply.send(r);
+                }
+                Cmd::Worker { from, msg } => self.apply(GatewayEvent::FromWorker { from, msg }),
+                Cmd::Left { id } => {
+                    if self.workers.remove(&id).is_some() {
+                        tracing::warn!(worker = %id, "worker left");
+                        self.writers.remove(&id);
+                        self.apply(GatewayEvent::WorkerLeft { id });
+                        self.update_context();
+                    }
+                }
+                Cmd::Tick { now_ms } => {
+                    // Clients whose stream was dropped are gone (I3: the abort reaches every role).
+                    let gone: Vec<RequestId> = self.clients.iter().filter(|(_, c)| c.events.is_closed()).map(|(r, _)| *r).collect();
+                    for req in gone {
+                        self.clients.remove(&req);
+                        self.apply(GatewayEvent::ClientGone { req });
+                    }
+                    self.apply(GatewayEvent::Tick { now_ms });
+                }
+            }
+        }
+    }
+
+    fn register(&mut self, h: Hello, writer: mpsc::UnboundedSender<Message>) -> Result<WorkerId, String> {
+        if h.model_digest != self.digest {
+            return Err(format!("model digest {:#x} differs from the gateway's {:#x}", h.model_digest, self.digest));
+        }
+        let layout = (h.page_size, h.kv_bytes_per_token);
+        match self.layout {
+            Some(l) if l != layout => {
+                return Err(format!("KV layout (page size {}, {} bytes/token) differs from the registered workers' ({}, {})", layout.0, layout.1, l.0, l.1));
+            }
+            _ => self.layout = Some(layout),
+        }
+        let id = WorkerId(self.next_worker);
+        self.next_worker += 1;
+        let _ = writer.send(Message::Welcome { worker: id });
+        match h.role {
+            Role::Prefill => {
+                for (w, info) in self.workers.iter().filter(|(_, i)| i.role == Role::Decode) {
+                    let _ = writer.send(Message::DecodePeer { worker: *w, addr: info.kv_addr.clone() });
+                }
+            }
+            Role::Decode => {
+                for (w, _) in self.workers.iter().filter(|(_, i)| i.role == Role::Prefill) {
+                    if let Some(pw) = self.writers.get(w) {
+                        let _ = pw.send(Message::DecodePeer { worker: id, addr: h.kv_addr.clone() });
+                    }
+                }
+            }
+        }
+        tracing::info!(worker = %id, role = ?h.role, capacity = h.capacity_tokens, max_context = h.max_context, "worker registered");
+        self.workers.insert(id, WorkerInfo { role: h.role, max_context: h.max_context as usize, kv_addr: h.kv_addr });
+        self.writers.insert(id, writer);
+        self.apply(GatewayEvent::WorkerJoined { id, role: h.role });
+        self.update_context();
+        Ok(id)
+    }
+
+    /// The served context is the smallest any worker accepts (I5): `/v1/models` shows it.
+    fn update_context(&mut self) {
+        let ctx = self.workers.values().map(|w| w.max_context).min().unwrap_or(self.model_context).min(self.model_context);
+        self.role.set_max_context(ctx);
+        self.shared.max_context.store(ctx, Ordering::Release);
+        self.shared.ready.store(self.role.ready(), Ordering::Release);
+    }
+
+    fn apply(&mut self, ev: GatewayEvent) {
+        for a in self.role.handle(ev) {
+            match a {
+                GatewayAction::ToWorker { to, msg } => {
+                    if let Some(w) = self.writers.get(&to) {
+                        let _ = w.send(msg);
+                    }
+                }
+                GatewayAction::ToClient { req, out } => self.to_client(req, out),
+            }
+        }
+    }
+
+    fn to_client(&mut self, req: RequestId, out: ClientOutput) {
+        let terminal = out.is_terminal();
+        let Some(c) = self.clients.get(&req) else { return };
+        let mut events = Vec::new();
+        match out {
+            ClientOutput::Token { text } => {
+                if !text.is_empty() {
+                    events.push(GenEvent::Text(text));
+                }
+            }
+            ClientOutput::Finished { finish, text, prompt_tokens, completion_tokens } => {
+                if !text.is_empty() {
+                    events.push(GenEvent::Text(text));
+                }
+                let reason = if finish == Finish::Length { FinishReason::Length } else { FinishReason::Stop };
+                events.push(GenEvent::Finished { reason, prompt_tokens: prompt_tokens as usize, completion_tokens: completion_tokens as usize });
+            }
+            ClientOutput::Rejected { reason, detail } => events.push(GenEvent::Failed(match reason {
+                RejectReason::ContextLength => {
+                    let limit = self.role.max_context();
+                    let mut e = ApiError::context_length_exceeded(c.prompt_tokens, c.max_tokens, limit);
+                    e.message = format!("{} ({detail})", e.message);
+                    e
+                }
+                RejectReason::Capacity => ApiError::overloaded(format!("no KV capacity for this request now: {detail}")),
+                RejectReason::Invalid | RejectReason::Duplicate => ApiError::bad_request(detail),
+            })),
+            ClientOutput::Failed { reason, detail } => events.push(GenEvent::Failed(match reason {
+                FailReason::WorkerLost => ApiError::overloaded(format!("a worker serving this request went away: {detail}")),
+                FailReason::Timeout => ApiError::internal(format!("the request timed out: {detail}")),
+                FailReason::TransferRefused => ApiError::internal(format!("KV transfer failed verification: {detail}")),
+                FailReason::Internal => ApiError::internal(detail),
+            })),
+            ClientOutput::Unavailable => events.push(GenEvent::Failed(ApiError::overloaded("no worker available"))),
+        }
+        let mut closed = false;
+        for e in events {
+            if c.events.try_send(e).is_err() {
+                closed = true;
+            }
+        }
+        if terminal {
+            self.clients.remove(&req);
+        } else if closed {
+            self.clients.remove(&req);
+            self.apply(GatewayEvent::ClientGone { req });
+        }
+    }
+}
+
+async fn accept_workers(l: TcpListener, cmds: mpsc::UnboundedSender<Cmd>) {
+    loop {
+        let Ok((s, peer)) = l.accept().await else { continue };
+        let cmds = cmds.clone();
+        tokio::spawn(async move {
+            if let Err(e) = serve_worker(s, cmds).await {
+                tracing::warn!(%peer, error = %e, "worker connection closed");
+            }
+        });
+    }
+}
+
+async fn read_msg(r: &mut tokio::net::tcp::OwnedReadHalf, d: &mut FrameDecoder, buf: &mut [u8]) -> std::io::Result<Message> {
+    loop {
+        if let Some(m) = d.next_message().map_err(std::io::Error::other)? {
+            return Ok(m);
+        }
+        let n = r.read(buf).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        d.push(&buf[..n]);
+    }
+}
+
+async fn serve_worker(s: TcpStream, cmds: mpsc::UnboundedSender<Cmd>) -> std::io::Result<()> {
+    s.set_nodelay(true)?;
+    let (mut r, mut w) = s.into_split();
+    let mut d = FrameDecoder::new(DEFAULT_MAX_FRAME);
+    let mut buf = vec![0u8; 64 << 10];
+    let first = tokio::time::timeout(Duration::from_secs(10), read_msg(&mut r, &mut d, &mut buf)).await.map_err(|_| std::io::Error::other("no Hello within 10 s"))??;
+    let Message::Hello(hello) = first else { return Err(std::io::Error::other("first message was not Hello")) };
+    let (wtx, mut wrx) = mpsc::unbounded_channel::<Message>();
+    let (reply, answer) = oneshot::channel();
+    cmds.send(Cmd::Register { hello, writer: wtx, reply }).map_err(|_| std::io::Error::other("gateway stopped"))?;
+    let id = match answer.await {
+        Ok(Ok(id)) => id,
+        Ok(Err(reason)) => {
+            let mut b = Vec::new();
+            encode(&Message::Refuse { reason: reason.clone() }, &mut b);
+            w.write_all(&b).await?;
+            return Err(std::io::Error::other(format!("refused: {reason}")));
+        }
+        Err(_) => return Err(std::io::Error::other("gateway stopped")),
+    };
+    tokio::spawn(async move {
+        let mut b = Vec::new();
+        while let Some(m) = wrx.recv().await {
+            b.clear();
+            encode(&m, &mut b);
+            if w.write_all(&b).await.is_err() {
+                return;
+            }
+        }
+    });
+    let result = loop {
+        match read_msg(&mut r, &mut d, &mut buf).await {
+            Ok(msg) => {
+                if cmds.send(Cmd::Worker { from: id, msg }).is_err() {
+                    break Ok(());
+                }
+            }
+            Err(e) => break Err(e),
+        }
+    };
+    let _ = cmds.send(Cmd::Left { id });
+    result
+}

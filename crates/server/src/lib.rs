@@ -1,0 +1,16 @@
+//! The processes around the protocol: the gateway (HTTP API + worker registry), the
+//! prefill and decode workers, and `serve`, which runs all three on one machine.
+//!
+//! # Layout
+//! - [`gateway`]: tokio; the OpenAI API (from `bulkhead-api`) over the protocol's gateway role.
+//! - [`prefill_worker`], [`decode_worker`]: blocking threads around the protocol's roles.
+//! - [`worker`]: what both workers share: loading, the capacity contract (I5), registration.
+//! - [`wire`]: frames over blocking TCP.
+#![forbid(unsafe_code)]
+
+pub mod decode_worker;
+pub mod gateway;
+pub mod prefill_worker;
+pub mod prompt;
+pub mod wire;
+pub mod worker;

@@ -1,0 +1,216 @@
+//! The prefill worker process: computes prompt KV in its own pool, chunk by chunk, and
+//! streams it to the decode worker that reserved pages for it.
+//!
+//! The protocol's prefill role decides what runs (admission, aborts); this driver only
+//! computes the job the role hands out and checks `keep_going` between chunks, so an
+//! aborted or rejected request is never computed or transferred after the decision.
+
+use std::collections::BTreeMap;
+use std::net::TcpStream;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::time::Duration;
+
+use bulkhead_engine::{Sampler, SamplingParams};
+use bulkhead_kv::transfer::{export_chunks, Manifest};
+use bulkhead_kv::{KvPool, SequenceKv};
+use bulkhead_model::{Llama, SeqInput};
+use bulkhead_protocol::prefill::{JobOutcome, PrefillAction, PrefillConfig, PrefillJob, PrefillRole};
+use bulkhead_protocol::{Message, Role, WorkerId};
+
+use crate::wire::{send, FrameReader};
+use crate::worker::{load, register, WorkerConfig, WorkerError};
+
+enum In {
+    Gateway(Message),
+    GatewayClosed,
+    Decode(Message),
+    DecodeClosed(WorkerId),
+}
+
+struct Driver {
+    me: WorkerId,
+    gw: TcpStream,
+    decodes: BTreeMap<WorkerId, TcpStream>,
+    role: PrefillRole,
+    tx: Sender<In>,
+}
+
+/// Run a prefill worker until its gateway goes away.
+pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
+    let loaded = load(&cfg)?;
+    let (gw, mut gw_reader, me) = register(&cfg, &loaded, Role::Prefill, String::new())?;
+    tracing::info!(worker = %me, "prefill worker registered");
+    let (tx, rx) = channel::<In>();
+    {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            while let Ok(m) = gw_reader.recv() {
+                if tx.send(In::Gateway(m)).is_err() {
+                    return;
+                }
+            }
+            let _ = tx.send(In::GatewayClosed);
+        });
+    }
+    let page_size = loaded.pool.layout().page_size;
+    let role = PrefillRole::new(PrefillConfig { max_prompt: loaded.context, page_size });
+    let mut d = Driver { me, gw, decodes: BTreeMap::new(), role, tx };
+    let crate::worker::Loaded { model, mut pool, .. } = loaded;
+    let model = model.model;
+    let chunk_tokens = (cfg.transfer_batch_pages.max(1) * page_size).max(1);
+    loop {
+        if !d.pump(&rx, !d.role.busy() && d.role.queued() == 0)? {
+            return Ok(());
+        }
+        if let Some(job) = d.role.next_job() {
+            let req = job.req;
+            let decode = job.decode;
+            let outcome = d.compute(&rx, &model, &mut pool, &job, chunk_tokens)?;
+            let actions = d.role.job_ended(req, outcome);
+            d.act(actions)?;
+            let _ = decode;
+        }
+    }
+}
+
+impl Driver {
+    /// Handle pending inputs; blocks briefly for one if `wait`. Returns false when the
+    /// gateway is gone.
+    fn pump(&mut self, rx: &Receiver<In>, wait: bool) -> Result<bool, WorkerError> {
+        let mut inputs = Vec::new();
+        if wait {
+            match rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(m) => inputs.push(m),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Ok(false),
+            }
+        }
+        inputs.extend(rx.try_iter());
+        for i in inputs {
+            match i {
+                In::Gateway(Message::DecodePeer { worker, addr }) => self.connect_decode(worker, &addr),
+                In::Gateway(m) => {
+                    let actions = self.role.handle(m);
+                    self.act(actions)?;
+                }
+                In::GatewayClosed => {
+                    tracing::info!("gateway connection closed; prefill worker exiting");
+                    return Ok(false);
+                }
+                // Decode asks us to stop a transfer (it refused a chunk or timed out).
+                In::Decode(m @ Message::Abort { .. }) => {
+                    let actions = self.role.handle(m);
+                    self.act(actions)?;
+                }
+                In::Decode(_) => {}
+                In::DecodeClosed(w) => {
+                    self.decodes.remove(&w);
+                    let actions = self.role.decode_closed(w);
+                    self.act(actions)?;
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    fn connect_decode(&mut self, worker: WorkerId, addr: &str) {
+        let conn = TcpStream::connect(addr).and_then(|mut s| {
+            s.set_nodelay(true)?;
+            send(&mut s, &Message::KvHello { prefill: self.me }).map_err(std::io::Error::other)?;
+            Ok(s)
+        });
+        match conn {
+            Ok(s) => {
+                if let Ok(r) = s.try_clone() {
+                    let tx = self.tx.clone();
+                    std::thread::spawn(move || {
+                        let mut reader = FrameReader::new(r);
+                        while let Ok(m) = reader.recv() {
+                            if tx.send(In::Decode(m)).is_err() {
+                                return;
+                            }
+                        }
+                        let _ = tx.send(In::DecodeClosed(worker));
+                    });
+                }
+                self.decodes.insert(worker, s);
+                tracing::info!(decode = %worker, addr, "KV connection open");
+            }
+            Err(e) => tracing::error!(decode = %worker, addr, error = %e, "cannot open KV connection"),
+        }
+    }
+
+    fn act(&mut self, actions: Vec<PrefillAction>) -> Result<(), WorkerError> {
+        for a in actions {
+            match a {
+                PrefillAction::ToGateway(m) => send(&mut self.gw, &m)?,
+                PrefillAction::ToDecode { to, msg } => {
+                    if let Some(s) = self.decodes.get_mut(&to) {
+                        let _ = send(s, &msg);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Compute the job chunk by chunk, sending each chunk's pages as soon as they exist.
+    fn compute(&mut self, rx: &Receiver<In>, model: &Llama, pool: &mut KvPool, job: &PrefillJob, chunk: usize) -> Result<JobOutcome, WorkerError> {
+        let mut seq = SequenceKv::new(job.req);
+        if let Err(e) = seq.reserve(pool, job.tokens.len()) {
+            return Ok(JobOutcome::Failed(format!("prefill KV pool: {e}")));
+        }
+        let result = self.compute_into(rx, model, pool, job, chunk, &mut seq);
+        if let Err(e) = seq.release(pool) {
+            tracing::error!(error = %e, "releasing prefill pages");
+        }
+        result
+    }
+
+    fn compute_into(
+        &mut self,
+        rx: &Receiver<In>,
+        model: &Llama,
+        pool: &mut KvPool,
+        job: &PrefillJob,
+        chunk: usize,
+        seq: &mut SequenceKv,
+    ) -> Result<JobOutcome, WorkerError> {
+        let mut manifest = Manifest::default();
+        let mut logits = Vec::new();
+        let n = job.tokens.len();
+        let mut done = 0;
+        while done < n {
+            // Aborts that arrived while computing take effect here, before more work.
+            if !self.pump(rx, false)? {
+                return Ok(JobOutcome::Stopped);
+            }
+            if !self.role.keep_going(job.req) || !self.decodes.contains_key(&job.decode) {
+                return Ok(JobOutcome::Stopped);
+            }
+            let end = (done + chunk).min(n);
+            logits = match model.forward(pool, &mut [SeqInput { kv: seq, tokens: &job.tokens[done..end], want_logits: end == n }]) {
+                Ok(l) => l,
+                Err(e) => return Ok(JobOutcome::Failed(e.to_string())),
+            };
+            let chunks = match export_chunks(pool, seq, &job.pages, done, end, &mut manifest) {
+                Ok(c) => c,
+                Err(e) => return Ok(JobOutcome::Failed(e.to_string())),
+            };
+            let Some(conn) = self.decodes.get_mut(&job.decode) else { return Ok(JobOutcome::Stopped) };
+            for (header, data) in chunks {
+                if send(conn, &Message::KvChunk { req: job.req, header, data }).is_err() {
+                    return Ok(JobOutcome::Stopped);
+                }
+            }
+            done = end;
+        }
+        let s = &job.sampling;
+        let params = SamplingParams { temperature: s.temperature, top_k: s.top_k as usize, top_p: s.top_p, seed: s.seed };
+        let first_token = match Sampler::new(params).and_then(|mut sm| sm.sample(&logits)) {
+            Ok(t) => t,
+            Err(e) => return Ok(JobOutcome::Failed(e.to_string())),
+        };
+        Ok(JobOutcome::Done { tokens: n as u32, first_token, manifest: manifest.digest() })
+    }
+}

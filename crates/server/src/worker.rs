@@ -1,0 +1,139 @@
+//! What prefill and decode workers share: configuration, the capacity contract (I5),
+//! loading, and registering with the gateway.
+
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use bulkhead_engine::LoadedModel;
+use bulkhead_kv::{KvPool, PoolConfig};
+use bulkhead_protocol::{Hello, Message, Role, WorkerId};
+
+use crate::wire::{send, FrameReader, WireError};
+
+/// Settings of a worker process.
+#[derive(Clone, Debug)]
+pub struct WorkerConfig {
+    /// GGUF model file.
+    pub model: PathBuf,
+    /// Compute threads (0 = one per core).
+    pub threads: usize,
+    /// Gateway's worker address, `host:port`.
+    pub gateway: String,
+    /// KV pool size in tokens.
+    pub pool_tokens: usize,
+    /// Tokens per page.
+    pub page_size: usize,
+    /// Context to advertise (default: the model's).
+    pub context_length: Option<usize>,
+    /// Lower the advertised context to what the pool holds instead of refusing to start.
+    pub clamp_context: bool,
+    /// Decode only: where prefill workers connect, `host:port` (port 0 = any).
+    pub kv_listen: String,
+    /// Prefill only: pages per transfer batch (also the prefill compute chunk).
+    pub transfer_batch_pages: usize,
+    /// Decode only: how long a reservation waits for its KV.
+    pub transfer_timeout_ms: u64,
+}
+
+/// Why a worker could not start or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error(
+        "the KV pool holds {pool} tokens but the advertised context is {context}: one maximum-length request would not fit. \
+         Raise --kv-pool-tokens (or --kv-memory) to at least {context}, lower --context-length to at most {pool}, \
+         or pass --clamp-context to advertise {pool}"
+    )]
+    Capacity { pool: usize, context: usize },
+    #[error(transparent)]
+    Load(#[from] bulkhead_engine::LoadError),
+    #[error(transparent)]
+    Kv(#[from] bulkhead_kv::KvError),
+    #[error("cannot reach the gateway at {addr}: {source}")]
+    Connect { addr: String, source: std::io::Error },
+    #[error("the gateway refused this worker: {0}")]
+    Refused(String),
+    #[error("gateway connection: {0}")]
+    Wire(#[from] WireError),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Model(#[from] bulkhead_model::ModelError),
+}
+
+/// The context a worker advertises given its pool (I5): the check the incident lacked.
+pub fn advertised_context(model_context: usize, requested: Option<usize>, pool_tokens: usize, clamp: bool) -> Result<usize, WorkerError> {
+    let context = requested.unwrap_or(model_context).min(model_context);
+    if pool_tokens >= context {
+        return Ok(context);
+    }
+    if clamp {
+        tracing::warn!(pool_tokens, context, "KV pool smaller than the context: advertising {pool_tokens} tokens (--clamp-context)");
+        return Ok(pool_tokens);
+    }
+    Err(WorkerError::Capacity { pool: pool_tokens, context })
+}
+
+/// A loaded worker: model, pool, advertised context.
+pub struct Loaded {
+    /// Model, tokenizer, chat template.
+    pub model: LoadedModel,
+    /// KV pool.
+    pub pool: KvPool,
+    /// Longest request served.
+    pub context: usize,
+    /// Model file digest.
+    pub digest: u64,
+}
+
+/// Load the model and size the pool, checking the capacity contract.
+pub fn load(cfg: &WorkerConfig) -> Result<Loaded, WorkerError> {
+    let model = bulkhead_engine::load_model(&cfg.model, cfg.threads)?;
+    let layout = model.model.kv_layout(cfg.page_size);
+    let pages = layout.pages_for_tokens(cfg.pool_tokens.max(1));
+    let pool = KvPool::new(PoolConfig { layout, pages, poison_on_release: true })?;
+    let context = advertised_context(model.model.config.context_length, cfg.context_length, pool.capacity_tokens(), cfg.clamp_context)?;
+    let digest = crate::wire::model_digest(&cfg.model)?;
+    tracing::info!(
+        pool_tokens = pool.capacity_tokens(),
+        kv_bytes_per_token = layout.bytes_per_token(),
+        context,
+        "KV pool sized; checks active: lease generation, watermark, chunk checksum (xxh3-64), coverage, quarantine until fenced, poison on release"
+    );
+    Ok(Loaded { model, pool, context, digest })
+}
+
+/// Connect to the gateway and register; returns the connection and our id.
+pub fn register(cfg: &WorkerConfig, loaded: &Loaded, role: Role, kv_addr: String) -> Result<(TcpStream, FrameReader, WorkerId), WorkerError> {
+    let mut stream = connect_retry(&cfg.gateway)?;
+    stream.set_nodelay(true)?;
+    let hello = Hello {
+        role,
+        model_digest: loaded.digest,
+        page_size: loaded.pool.layout().page_size as u32,
+        kv_bytes_per_token: loaded.pool.layout().bytes_per_token() as u32,
+        capacity_tokens: loaded.pool.capacity_tokens() as u64,
+        max_context: loaded.context as u32,
+        kv_addr,
+    };
+    send(&mut stream, &Message::Hello(hello))?;
+    let mut reader = FrameReader::new(stream.try_clone()?);
+    match reader.recv()? {
+        Message::Welcome { worker } => Ok((stream, reader, worker)),
+        Message::Refuse { reason } => Err(WorkerError::Refused(reason)),
+        other => Err(WorkerError::Refused(format!("unexpected first message {other:?}"))),
+    }
+}
+
+/// The gateway may still be starting: retry for a few seconds.
+fn connect_retry(addr: &str) -> Result<TcpStream, WorkerError> {
+    let mut last = None;
+    for _ in 0..50 {
+        match TcpStream::connect(addr) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = Some(e),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Err(WorkerError::Connect { addr: addr.to_string(), source: last.unwrap_or_else(|| std::io::Error::other("no attempt")) })
+}
