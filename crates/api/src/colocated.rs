@@ -15,11 +15,11 @@ use std::sync::mpsc as std_mpsc;
 
 use bulkhead_engine::{Engine, EngineError, Event, GenRequest, LoadedModel, SamplingError};
 use bulkhead_kv::{KvError, KvPool, PoolConfig, RequestId};
-use bulkhead_tokenizer::{ChatTemplate, Tokenizer, TokenizerError};
 use tokio::sync::mpsc;
 
 use crate::backend::{Backend, FinishReason, GenEvent, GenerationRequest, ModelCard, Prompt};
 use crate::error::ApiError;
+use crate::prompt::PromptEncoder;
 use crate::ids::unix_now;
 
 /// Most prompt tokens fed to the model in one step (across all prefilling requests).
@@ -48,8 +48,7 @@ struct Admit {
 /// and decode in one engine).
 pub struct ColocatedBackend {
     card: ModelCard,
-    tokenizer: Arc<Tokenizer>,
-    chat: ChatTemplate,
+    encoder: PromptEncoder,
     context_limit: usize,
     commands: std_mpsc::Sender<Admit>,
     alive: Arc<AtomicBool>,
@@ -130,8 +129,7 @@ impl ColocatedBackend {
         tracing::info!(model = %card.id, context = context_limit, "colocated engine started");
         Ok(ColocatedBackend {
             card,
-            tokenizer,
-            chat,
+            encoder: PromptEncoder::new(tokenizer, chat),
             context_limit,
             commands,
             alive,
@@ -154,25 +152,6 @@ impl ColocatedBackend {
     pub fn aborted_requests(&self) -> u64 {
         self.counters.aborted.load(Ordering::Acquire)
     }
-
-    /// Template (for chat) and tokenise a prompt.
-    fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
-        let text = match prompt {
-            Prompt::Chat(messages) => self.chat.render(messages, true).map_err(|e| match e {
-                TokenizerError::TemplateRaised { message } => {
-                    ApiError::invalid_request("messages", message)
-                }
-                e => ApiError::internal(format!("The chat template failed: {e}")),
-            })?,
-            Prompt::Text(t) => t.clone(),
-        };
-        let mut ids = self.tokenizer.encode(&text, true);
-        let bos = self.tokenizer.bos_id().filter(|_| self.tokenizer.add_bos());
-        if let Some(bos) = bos.filter(|b| ids.first() != Some(b)) {
-            ids.insert(0, bos);
-        }
-        Ok(ids)
-    }
 }
 
 impl Backend for ColocatedBackend {
@@ -184,7 +163,7 @@ impl Backend for ColocatedBackend {
         if req.model != self.card.id {
             return Err(ApiError::model_not_found(&req.model));
         }
-        let prompt = self.tokenize(&req.prompt)?;
+        let prompt = self.encoder.encode(&req.prompt)?;
         if prompt.is_empty() {
             let param = if matches!(req.prompt, Prompt::Chat(_)) {
                 "messages"

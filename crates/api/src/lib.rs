@@ -12,6 +12,7 @@
 //! - [`routes`]: [`router`], the axum endpoints (`/v1/chat/completions`, `/v1/completions`,
 //!   `/v1/models`, `/health`, `/ready`), server-sent events, the JSON extractor and the
 //!   `x-request-id` middleware.
+//! - [`prompt`]: [`PromptEncoder`], chat template and tokenizer applied to a prompt.
 //! - [`colocated`]: [`ColocatedBackend`], the engine on a dedicated thread in this process.
 //! - `ids`: completion and request ids.
 
@@ -20,9 +21,11 @@ pub mod colocated;
 pub mod error;
 mod ids;
 pub mod openai;
+pub mod prompt;
 pub mod routes;
 
 pub use backend::{Backend, FinishReason, GenEvent, GenerationRequest, ModelCard, Prompt};
 pub use colocated::{ColocatedBackend, ColocatedError};
 pub use error::{ApiError, ErrorKind};
+pub use prompt::PromptEncoder;
 pub use routes::{MAX_BODY_BYTES, router};

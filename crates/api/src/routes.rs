@@ -211,7 +211,14 @@ async fn complete(
         include_usage: p.include_usage,
     };
     if p.stream {
-        Ok(stream_response(meta, rx))
+        // Wait for the first event before answering 200: a refusal that only a worker can
+        // make (its own admission, I3) still reaches the client as its HTTP status.
+        let mut rx = rx;
+        let first = rx.recv().await;
+        if let Some(GenEvent::Failed(e)) = first {
+            return Err(e);
+        }
+        Ok(stream_response(meta, first, rx))
     } else {
         collect_response(meta, rx).await
     }
@@ -293,15 +300,18 @@ async fn collect_response(meta: Meta, mut rx: Receiver<GenEvent>) -> Result<Resp
 /// State of one SSE stream. Dropping it (the client went away) drops the receiver, which
 /// tells the backend to abort.
 struct StreamState {
+    /// An event already taken from `rx`, delivered first.
+    first: Option<GenEvent>,
     rx: Receiver<GenEvent>,
     meta: Meta,
     started: bool,
     done: bool,
 }
 
-fn stream_response(meta: Meta, rx: Receiver<GenEvent>) -> Response {
+fn stream_response(meta: Meta, first: Option<GenEvent>, rx: Receiver<GenEvent>) -> Response {
     let span = Span::current();
     let state = StreamState {
+        first,
         rx,
         meta,
         started: false,
@@ -340,7 +350,11 @@ async fn next_frames(st: &mut StreamState) -> String {
         }
     }
     loop {
-        match st.rx.recv().await {
+        let ev = match st.first.take() {
+            Some(e) => Some(e),
+            None => st.rx.recv().await,
+        };
+        match ev {
             Some(GenEvent::Text(t)) if t.is_empty() => continue,
             Some(GenEvent::Text(t)) => {
                 return match st.meta.endpoint {

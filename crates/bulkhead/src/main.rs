@@ -74,6 +74,7 @@ fn main() {
             tracing_subscriber::EnvFilter::try_from_env("BULKHEAD_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
     let r = match cli.cmd {

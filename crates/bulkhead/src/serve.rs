@@ -59,7 +59,7 @@ pub struct ServeArgs {
     #[arg(long, env = "BULKHEAD_CONTEXT_LENGTH")]
     context_length: Option<usize>,
     /// Advertise what the KV pool holds instead of refusing to start when it is smaller than the context.
-    #[arg(long, env = "BULKHEAD_CLAMP_CONTEXT")]
+    #[arg(long, env = "BULKHEAD_CLAMP_CONTEXT", value_parser = clap::builder::BoolishValueParser::new())]
     clamp_context: bool,
     /// Pages per KV transfer batch (also the prefill chunk).
     #[arg(long, env = "BULKHEAD_TRANSFER_BATCH_PAGES", default_value_t = 32)]
@@ -86,7 +86,7 @@ pub struct ServeArgs {
     #[arg(long, env = "BULKHEAD_MODEL_ID", default_value = "bulkhead")]
     model_id: String,
     /// Test only: switch the gateway's context check off to show the workers' own holds.
-    #[arg(long, hide = true, env = "BULKHEAD_NO_GATEWAY_ADMISSION")]
+    #[arg(long, hide = true, env = "BULKHEAD_NO_GATEWAY_ADMISSION", value_parser = clap::builder::BoolishValueParser::new())]
     no_gateway_admission: bool,
 }
 

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use bulkhead_api::{ApiError, Backend, FinishReason, GenEvent, GenerationRequest, ModelCard};
 
-use crate::prompt::PromptEncoder;
+use bulkhead_api::PromptEncoder;
 use bulkhead_kv::RequestId;
 use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole};
 use bulkhead_protocol::{encode, FailReason, Finish, FrameDecoder, Hello, Message, RejectReason, Role, Sampling, WorkerId, DEFAULT_MAX_FRAME};

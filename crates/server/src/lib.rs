@@ -11,6 +11,5 @@
 pub mod decode_worker;
 pub mod gateway;
 pub mod prefill_worker;
-pub mod prompt;
 pub mod wire;
 pub mod worker;

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use bulkhead_api::{ApiError, Prompt};
+use crate::{ApiError, Prompt};
 use bulkhead_tokenizer::{ChatTemplate, Tokenizer, TokenizerError};
 
 /// Turns an API prompt into token ids.

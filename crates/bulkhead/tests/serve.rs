@@ -1,0 +1,211 @@
+//! `bulkhead serve` as users run it: real processes, real TCP, the OpenAI API over HTTP.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+const BIN: &str = env!("CARGO_BIN_EXE_bulkhead");
+
+/// A running `bulkhead serve`, killed (with its workers) on drop.
+struct Server {
+    child: Child,
+    http: String,
+    workers: String,
+    stderr_log: std::path::PathBuf,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // SIGKILL on the parent closes the workers' gateway connections: they exit too.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn model() -> std::path::PathBuf {
+    bulkhead_fetch::ensure_default_model(false).expect("default model")
+}
+
+fn serve(args: &[&str], env: &[(&str, &str)]) -> Server {
+    let log = std::env::temp_dir().join(format!("bulkhead-serve-{}-{}.log", std::process::id(), rand_u64()));
+    let mut cmd = Command::new(BIN);
+    cmd.args(["serve", "--port", "0", "--threads", "1", "--model"]).arg(model()).args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd
+        .env("BULKHEAD_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log).expect("log file"))
+        .spawn()
+        .expect("spawn bulkhead serve");
+    let out = child.stdout.take().expect("stdout");
+    let mut line = String::new();
+    BufReader::new(out).read_line(&mut line).expect("serve prints its address");
+    // "bulkhead: serving on http://ADDR (workers register at ADDR)"
+    let Some(http) = line.split("http://").nth(1).and_then(|r| r.split_whitespace().next()).map(str::to_string) else {
+        let _ = child.wait();
+        panic!("serve did not start: {line:?}\n{}", std::fs::read_to_string(&log).unwrap_or_default());
+    };
+    let workers = line.split("register at ").nth(1).map(|r| r.trim().trim_end_matches(')').to_string()).expect("worker address");
+    let s = Server { child, http, workers, stderr_log: log };
+    for _ in 0..300 {
+        if get(&s.http, "/ready").0 == 200 {
+            return s;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("server never became ready: {}", std::fs::read_to_string(&s.stderr_log).unwrap_or_default());
+}
+
+fn rand_u64() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
+fn request(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).expect("read response");
+    let status = resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = resp.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    (status, body)
+}
+
+fn get(addr: &str, path: &str) -> (u16, String) {
+    request(addr, "GET", path, "")
+}
+
+fn chat(addr: &str, system: &str, user: &str, max_tokens: usize) -> (u16, serde_json::Value) {
+    let body = serde_json::json!({
+        "model": "bulkhead", "temperature": 0, "max_tokens": max_tokens,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+    });
+    let (status, b) = request(addr, "POST", "/v1/chat/completions", &body.to_string());
+    (status, serde_json::from_str(&b).unwrap_or(serde_json::Value::String(b)))
+}
+
+fn content(v: &serde_json::Value) -> String {
+    v["choices"][0]["message"]["content"].as_str().unwrap_or_default().to_string()
+}
+
+const SYSTEM: &str = "You are a helpful assistant.";
+const PROMPTS: [&str; 3] = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors."];
+
+fn generate(user: &str) -> String {
+    let out = Command::new(BIN)
+        .args(["generate", "--threads", "1", "--max-tokens", "32", "--system", SYSTEM, "--prompt", user, "--model"])
+        .arg(model())
+        .output()
+        .expect("generate");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().trim_end_matches('\n').to_string()
+}
+
+#[test]
+fn greedy_output_through_serve_equals_generate_alone_and_while_sharing_the_batch() {
+    let want: Vec<String> = PROMPTS.iter().map(|p| generate(p)).collect();
+    let s = serve(&[], &[]);
+    for (p, w) in PROMPTS.iter().zip(&want) {
+        let (status, v) = chat(&s.http, SYSTEM, p, 32);
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(&content(&v), w, "alone: {p}");
+    }
+    // All at once, plus unrelated load, so they share decode steps.
+    let addr = s.http.clone();
+    let load: Vec<_> = (0..3)
+        .map(|i| {
+            let a = addr.clone();
+            std::thread::spawn(move || chat(&a, SYSTEM, &format!("Count to {}.", 10 + i), 40))
+        })
+        .collect();
+    let mine: Vec<_> = PROMPTS
+        .iter()
+        .map(|p| {
+            let a = addr.clone();
+            let p = p.to_string();
+            std::thread::spawn(move || chat(&a, SYSTEM, &p, 32))
+        })
+        .collect();
+    for (h, w) in mine.into_iter().zip(&want) {
+        let (status, v) = h.join().unwrap();
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(&content(&v), w, "in a shared batch");
+    }
+    for h in load {
+        assert_eq!(h.join().unwrap().0, 200);
+    }
+}
+
+/// The incident: a prefill pool smaller than the context, a decode pool larger; tenant A's
+/// marker in decode pages; tenant B's prompt longer than the prefill pool. B gets 400 and
+/// nobody ever sees A's marker. Then again with the gateway's own check switched off: the
+/// workers' admission alone still ends B's request with 400.
+#[test]
+fn the_incident_replayed_gets_400_and_never_leaks_the_marker_with_or_without_the_gateway_check() {
+    let marker = format!("CANARY-{:x}", rand_u64());
+    for gateway_check in [true, false] {
+        let env: &[(&str, &str)] = if gateway_check { &[] } else { &[("BULKHEAD_NO_GATEWAY_ADMISSION", "1")] };
+        let s = serve(&["--prefill-kv-pool-tokens", "1024", "--clamp-context"], env);
+        let (_, models) = get(&s.http, "/v1/models");
+        let models: serde_json::Value = serde_json::from_str(&models).unwrap();
+        assert_eq!(models["data"][0]["max_model_len"], 1024, "the served context is what the prefill pool holds");
+        let (status, a) = chat(&s.http, SYSTEM, &format!("Remember the code {marker}. Repeat it: {marker}"), 24);
+        assert_eq!(status, 200, "{a}");
+        let long = "hello ".repeat(1500);
+        for stream in [false, true] {
+            let body = serde_json::json!({"model": "bulkhead", "prompt": long, "max_tokens": 16, "stream": stream});
+            let (status, b) = request(&s.http, "POST", "/v1/completions", &body.to_string());
+            assert_eq!(status, 400, "gateway check {gateway_check}, stream {stream}: {b}");
+            assert!(b.contains("context_length_exceeded"), "{b}");
+            assert!(!b.contains(&marker));
+        }
+        // B's next ordinary request reuses freed decode pages: still no marker.
+        let (status, b) = chat(&s.http, SYSTEM, "Say something.", 24);
+        assert_eq!(status, 200);
+        assert!(!b.to_string().contains(&marker), "tenant B saw tenant A's marker: {b}");
+    }
+}
+
+#[test]
+fn a_client_that_disconnects_mid_stream_does_not_hang_the_server() {
+    let s = serve(&[], &[]);
+    for _ in 0..3 {
+        let body = serde_json::json!({"model": "bulkhead", "stream": true, "max_tokens": 300,
+            "messages": [{"role": "user", "content": "Tell me a very long story."}]})
+        .to_string();
+        let mut c = TcpStream::connect(&s.http).unwrap();
+        write!(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+        let mut buf = [0u8; 2048];
+        let n = c.read(&mut buf).unwrap();
+        assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+        drop(c);
+    }
+    let (status, v) = chat(&s.http, SYSTEM, "What is the capital of France?", 16);
+    assert_eq!(status, 200, "{v}");
+    assert!(content(&v).contains("Paris"));
+}
+
+#[test]
+fn garbage_on_worker_ports_closes_that_connection_and_serving_goes_on() {
+    let s = serve(&[], &[]);
+    let log = std::fs::read_to_string(&s.stderr_log).unwrap();
+    let kv = log
+        .lines()
+        .find_map(|l| l.split("kv_addr=").nth(1))
+        .map(|a| a.trim_matches(|c: char| c == '"' || c.is_whitespace()).to_string())
+        .expect("decode worker logs its KV address");
+    for addr in [&s.workers, &kv] {
+        let mut c = TcpStream::connect(addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        c.write_all(b"GET / HTTP/1.1\r\n\r\n\x00\xff garbage garbage").unwrap();
+        let mut buf = [0u8; 64];
+        // The worker closes the connection: EOF (or reset), never a hang.
+        let r = c.read(&mut buf);
+        assert!(matches!(r, Ok(0) | Err(_)), "{addr}: {r:?}");
+    }
+    let (status, v) = chat(&s.http, SYSTEM, "What is the capital of France?", 16);
+    assert_eq!(status, 200, "{v}");
+}
