@@ -278,6 +278,10 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
             w.str(addr);
             16
         }
+        Message::Cancel { req } => {
+            w.req(*req);
+            17
+        }
     };
     let len = (out.len() - start - HEADER) as u32;
     out[start + 3] = kind;
@@ -341,6 +345,7 @@ fn decode_payload(kind: u8, b: &[u8]) -> Result<Message, CodecError> {
         14 => Message::Failed { req: r.req()?, reason: r.enum_u8("fail reason", fail)?, detail: r.str("detail")? },
         15 => Message::Abort { req: r.req()?, reason: r.enum_u8("abort reason", abort)? },
         16 => Message::DecodePeer { worker: WorkerId(r.u32()?), addr: r.str("addr")? },
+        17 => Message::Cancel { req: r.req()? },
         k => return Err(CodecError::UnknownKind(k)),
     };
     if !r.b.is_empty() {
@@ -439,6 +444,7 @@ mod tests {
             Message::Failed { req: RequestId(5), reason: FailReason::TransferRefused, detail: "checksum".into() },
             Message::Abort { req: RequestId(5), reason: AbortReason::ClientGone },
             Message::DecodePeer { worker: WorkerId(2), addr: "127.0.0.1:7".into() },
+            Message::Cancel { req: RequestId(5) },
         ]
     }
 

@@ -108,6 +108,8 @@ struct Pending {
 struct Fencing {
     pages: Vec<Quarantined>,
     prefill: WorkerId,
+    /// Prompt tokens that had landed when the transfer was given up.
+    received: usize,
 }
 
 /// The decode worker's protocol state.
@@ -239,6 +241,23 @@ impl DecodeRole {
                     Err(e) => out.push(self.reject(req, RejectReason::Invalid, e.to_string())),
                 }
             }
+            // The gateway never dispatched this reservation: no writer knows its pages. If
+            // chunks did land, someone did write, so keep waiting for the fence instead.
+            Message::Cancel { req } => {
+                if self.pending.get(&req).is_some_and(|p| p.inbound.received_tokens() == 0) {
+                    if let Some(p) = self.pending.remove(&req) {
+                        self.release_seq(pool, p.inbound.into_sequence());
+                    }
+                } else if self.pending.contains_key(&req) {
+                    if let Some(p) = self.pending.remove(&req) {
+                        self.quarantine(pool, req, p);
+                    }
+                } else if self.fencing.get(&req).is_some_and(|f| f.received == 0) {
+                    self.unfence(pool, req);
+                } else if self.decoding.remove(&req) {
+                    out.push(DecodeAction::Stop { req });
+                }
+            }
             Message::Abort { req, .. } => {
                 if let Some(p) = self.pending.remove(&req) {
                     // The prefill may still be writing: quarantine until it is fenced (I4).
@@ -318,18 +337,19 @@ impl DecodeRole {
     }
 
     fn quarantine(&mut self, pool: &mut KvPool, req: RequestId, p: Pending) {
+        let received = p.inbound.received_tokens();
         let seq = p.inbound.into_sequence();
         match seq.quarantine(pool) {
             Ok(pages) => {
                 self.stats.pages_quarantined += pages.len() as u64;
-                self.fencing.insert(req, Fencing { pages, prefill: p.prefill });
+                self.fencing.insert(req, Fencing { pages, prefill: p.prefill, received });
             }
             // Leases this role made are live unless the pool was tampered with; keep them
             // out of circulation rather than free anything we cannot account for.
             Err(_) => {
                 let pages = pool.revoke_owner(req);
                 self.stats.pages_quarantined += pages.len() as u64;
-                self.fencing.insert(req, Fencing { pages, prefill: p.prefill });
+                self.fencing.insert(req, Fencing { pages, prefill: p.prefill, received });
             }
         }
     }

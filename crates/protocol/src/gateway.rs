@@ -209,12 +209,15 @@ impl GatewayRole {
     }
 
     fn abort_workers(req: RequestId, f: &InFlight, reason: AbortReason, except: Option<WorkerId>, out: &mut Vec<GatewayAction>) {
-        let mut targets = vec![f.decode];
-        // The prefill has heard of the request only once Prefill was sent.
-        if f.phase != Phase::Reserving {
-            targets.push(f.prefill);
+        if f.phase == Phase::Reserving {
+            // No Prefill was sent: no worker can write the reservation, so the decode
+            // worker may release it at once instead of waiting for a fence.
+            if Some(f.decode) != except {
+                out.push(GatewayAction::ToWorker { to: f.decode, msg: Message::Cancel { req } });
+            }
+            return;
         }
-        for to in targets.into_iter().filter(|t| Some(*t) != except) {
+        for to in [f.decode, f.prefill].into_iter().filter(|t| Some(*t) != except) {
             out.push(GatewayAction::ToWorker { to, msg: Message::Abort { req, reason } });
         }
     }

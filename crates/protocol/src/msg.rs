@@ -137,6 +137,9 @@ pub enum Message {
     Failed { req: RequestId, reason: FailReason, detail: String },
     /// Any direction: end the request.
     Abort { req: RequestId, reason: AbortReason },
+    /// Gateway → decode: end a reservation that was never dispatched to a prefill worker, so
+    /// no writer can exist for its pages (they are released, not quarantined).
+    Cancel { req: RequestId },
 }
 
 impl Message {
@@ -153,7 +156,8 @@ impl Message {
             | Message::Token { req, .. }
             | Message::Finished { req, .. }
             | Message::Failed { req, .. }
-            | Message::Abort { req, .. } => Some(*req),
+            | Message::Abort { req, .. }
+            | Message::Cancel { req } => Some(*req),
             Message::Hello(_) | Message::Welcome { .. } | Message::Refuse { .. } | Message::DecodePeer { .. } | Message::KvHello { .. } => None,
         }
     }
