@@ -49,6 +49,10 @@ pub struct ServeArgs {
     /// Where prefill workers reach this decode worker.
     #[arg(long, env = "BULKHEAD_KV_LISTEN", default_value = "127.0.0.1:0")]
     kv_listen: String,
+    /// Address prefill workers are told to reach this decode worker at (default: the
+    /// bound --kv-listen address; set it when listening on 0.0.0.0).
+    #[arg(long, env = "BULKHEAD_KV_ADVERTISE")]
+    kv_advertise: Option<String>,
     /// KV pool size in tokens (default: twice the context).
     #[arg(long, env = "BULKHEAD_KV_POOL_TOKENS", conflicts_with = "kv_memory")]
     kv_pool_tokens: Option<usize>,
@@ -134,6 +138,7 @@ impl ServeArgs {
             context_length: self.context_length,
             clamp_context: self.clamp_context,
             kv_listen: self.kv_listen.clone(),
+            kv_advertise: self.kv_advertise.clone(),
             transfer_batch_pages: self.transfer_batch_pages,
             transfer_timeout_ms: self.transfer_timeout_ms,
         })

@@ -34,7 +34,10 @@ fn sampling(s: &bulkhead_protocol::Sampling) -> SamplingParams {
 pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     let loaded = load(&cfg)?;
     let listener = TcpListener::bind(&cfg.kv_listen)?;
-    let kv_addr = listener.local_addr()?.to_string();
+    let kv_addr = match &cfg.kv_advertise {
+        Some(a) => a.clone(),
+        None => listener.local_addr()?.to_string(),
+    };
     let (mut gw, mut gw_reader, me) = register(&cfg, &loaded, Role::Decode, kv_addr.clone())?;
     tracing::info!(worker = %me, kv_addr, "decode worker registered");
     let (tx, rx) = channel::<In>();

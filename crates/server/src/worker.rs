@@ -30,6 +30,9 @@ pub struct WorkerConfig {
     pub clamp_context: bool,
     /// Decode only: where prefill workers connect, `host:port` (port 0 = any).
     pub kv_listen: String,
+    /// Decode only: the address prefill workers are told to use (default: the bound
+    /// listen address; needed when listening on 0.0.0.0).
+    pub kv_advertise: Option<String>,
     /// Prefill only: pages per transfer batch (also the prefill compute chunk).
     pub transfer_batch_pages: usize,
     /// Decode only: how long a reservation waits for its KV.
