@@ -4,10 +4,12 @@
 //! - `main.rs`: CLI definition (clap; every flag also from an environment variable).
 //! - `generate.rs`: `bulkhead generate`, one chat completion streamed to stdout.
 //! - `bench.rs`: `bulkhead bench-engine`, prefill and batched decode throughput.
+//! - `bench_transfer.rs`: `bulkhead bench-transfer`, KV handoff throughput vs memcpy.
 //! - `serve.rs`: `bulkhead serve`, the gateway and workers (one role or all three).
 #![forbid(unsafe_code)]
 
 mod bench;
+mod bench_transfer;
 mod generate;
 mod serve;
 
@@ -31,6 +33,8 @@ enum Cmd {
     Generate(generate::GenerateArgs),
     /// Measure prefill and batched decode throughput of the engine.
     BenchEngine(bench::BenchArgs),
+    /// Measure the verified KV handoff over loopback TCP against memcpy.
+    BenchTransfer(bench_transfer::TransferArgs),
 }
 
 /// Flags shared by every command that loads a model.
@@ -81,6 +85,7 @@ fn main() {
         Cmd::Serve(a) => serve::run(a),
         Cmd::Generate(a) => generate::run(a),
         Cmd::BenchEngine(a) => bench::run(a),
+        Cmd::BenchTransfer(a) => bench_transfer::run(a),
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");
