@@ -195,7 +195,8 @@ fn garbage_on_worker_ports_closes_that_connection_and_serving_goes_on() {
     let kv = log
         .lines()
         .find_map(|l| l.split("kv_addr=").nth(1))
-        .map(|a| a.trim_matches(|c: char| c == '"' || c.is_whitespace()).to_string())
+        .and_then(|a| a.split_whitespace().next())
+        .map(|a| a.trim_matches('"').to_string())
         .expect("decode worker logs its KV address");
     for addr in [&s.workers, &kv] {
         let mut c = TcpStream::connect(addr).unwrap();
@@ -208,4 +209,63 @@ fn garbage_on_worker_ports_closes_that_connection_and_serving_goes_on() {
     }
     let (status, v) = chat(&s.http, SYSTEM, "What is the capital of France?", 16);
     assert_eq!(status, 200, "{v}");
+}
+
+fn worker_pid(s: &Server, role: &str) -> u32 {
+    let log = std::fs::read_to_string(&s.stderr_log).unwrap();
+    log.lines()
+        .filter(|l| l.contains(&format!("{role} worker registered")))
+        .find_map(|l| l.split("pid=").nth(1))
+        .and_then(|p| p.split_whitespace().next())
+        .and_then(|p| p.parse().ok())
+        .expect("worker logs its pid")
+}
+
+/// A decode worker killed mid-stream: the client's stream ends with an error (no hang, no
+/// 200 claiming success), and the gateway reports itself not ready.
+#[test]
+fn a_decode_worker_killed_mid_stream_ends_the_request_with_an_error() {
+    let s = serve(&[], &[]);
+    let body = serde_json::json!({"model": "bulkhead", "stream": true, "max_tokens": 2000,
+        "messages": [{"role": "user", "content": "Tell me a very long story."}]})
+    .to_string();
+    let mut c = TcpStream::connect(&s.http).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    write!(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+    let mut buf = [0u8; 4096];
+    let n = c.read(&mut buf).unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    let pid = worker_pid(&s, "decode");
+    assert!(Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap().success());
+    let mut rest = String::new();
+    c.read_to_string(&mut rest).expect("the stream ends instead of hanging");
+    assert!(rest.contains("\"error\""), "the stream ends with an error chunk: {}", &rest[rest.len().saturating_sub(400)..]);
+    assert!(!rest.contains("[DONE]"), "no success marker after a lost worker");
+    assert_eq!(get(&s.http, "/ready").0, 503);
+}
+
+#[test]
+fn several_prefill_and_decode_workers_serve_concurrent_requests() {
+    let want = generate(PROMPTS[0]);
+    let s = serve(&["--prefill-workers", "2", "--decode-workers", "2", "--kv-pool-tokens", "8192"], &[]);
+    // The gateway's line for each registration names the role.
+    let registered = || std::fs::read_to_string(&s.stderr_log).unwrap().lines().filter(|l| l.contains("worker registered") && l.contains("role=")).count();
+    for _ in 0..300 {
+        if registered() == 4 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(registered(), 4, "four workers register");
+    let handles: Vec<_> = (0..6)
+        .map(|_| {
+            let a = s.http.clone();
+            std::thread::spawn(move || chat(&a, SYSTEM, PROMPTS[0], 32))
+        })
+        .collect();
+    for h in handles {
+        let (status, v) = h.join().unwrap();
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(content(&v), want);
+    }
 }

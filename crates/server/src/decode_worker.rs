@@ -15,7 +15,7 @@ use bulkhead_engine::{Engine, Event, FinishReason, SamplingParams};
 use bulkhead_protocol::decode::{DecodeAction, DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::{Finish, Message, Role, WorkerId};
 
-use crate::wire::{send, FrameReader};
+use crate::wire::{send, spawn_reader, FrameReader};
 use crate::worker::{load, register, WorkerConfig, WorkerError};
 
 enum In {
@@ -38,20 +38,10 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
         Some(a) => a.clone(),
         None => listener.local_addr()?.to_string(),
     };
-    let (mut gw, mut gw_reader, me) = register(&cfg, &loaded, Role::Decode, kv_addr.clone())?;
-    tracing::info!(worker = %me, kv_addr, "decode worker registered");
+    let (mut gw, gw_reader, me) = register(&cfg, &loaded, Role::Decode, kv_addr.clone())?;
+    tracing::info!(worker = %me, kv_addr, pid = std::process::id(), "decode worker registered");
     let (tx, rx) = channel::<In>();
-    {
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            while let Ok(m) = gw_reader.recv() {
-                if tx.send(In::Gateway(m)).is_err() {
-                    return;
-                }
-            }
-            let _ = tx.send(In::GatewayClosed);
-        });
-    }
+    spawn_reader(gw_reader, tx.clone(), In::Gateway, In::GatewayClosed);
     {
         let tx = tx.clone();
         std::thread::spawn(move || accept_prefills(listener, tx));
@@ -123,7 +113,12 @@ fn act(
 ) -> Result<(), WorkerError> {
     for a in actions {
         match a {
-            DecodeAction::ToGateway(m) => send(gw, &m)?,
+            DecodeAction::ToGateway(m) => {
+                if let Message::Failed { req, detail, .. } | Message::Rejected { req, detail, .. } = &m {
+                    tracing::warn!(request = %req, %detail, "request ended by the decode worker");
+                }
+                send(gw, &m)?
+            }
             DecodeAction::ToPrefill { to, msg } => {
                 if let Some(s) = prefills.get_mut(&to) {
                     // A broken prefill connection shows up as PrefillClosed from its reader.

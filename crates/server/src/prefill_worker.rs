@@ -17,7 +17,7 @@ use bulkhead_model::{Llama, SeqInput};
 use bulkhead_protocol::prefill::{JobOutcome, PrefillAction, PrefillConfig, PrefillJob, PrefillRole};
 use bulkhead_protocol::{Message, Role, WorkerId};
 
-use crate::wire::{send, FrameReader};
+use crate::wire::{send, spawn_reader, FrameReader};
 use crate::worker::{load, register, WorkerConfig, WorkerError};
 
 enum In {
@@ -38,20 +38,10 @@ struct Driver {
 /// Run a prefill worker until its gateway goes away.
 pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     let loaded = load(&cfg)?;
-    let (gw, mut gw_reader, me) = register(&cfg, &loaded, Role::Prefill, String::new())?;
-    tracing::info!(worker = %me, "prefill worker registered");
+    let (gw, gw_reader, me) = register(&cfg, &loaded, Role::Prefill, String::new())?;
+    tracing::info!(worker = %me, pid = std::process::id(), "prefill worker registered");
     let (tx, rx) = channel::<In>();
-    {
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            while let Ok(m) = gw_reader.recv() {
-                if tx.send(In::Gateway(m)).is_err() {
-                    return;
-                }
-            }
-            let _ = tx.send(In::GatewayClosed);
-        });
-    }
+    spawn_reader(gw_reader, tx.clone(), In::Gateway, In::GatewayClosed);
     let page_size = loaded.pool.layout().page_size;
     let role = PrefillRole::new(PrefillConfig { max_prompt: loaded.context, page_size });
     let mut d = Driver { me, gw, decodes: BTreeMap::new(), role, tx };
@@ -63,12 +53,9 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
             return Ok(());
         }
         if let Some(job) = d.role.next_job() {
-            let req = job.req;
-            let decode = job.decode;
             let outcome = d.compute(&rx, &model, &mut pool, &job, chunk_tokens)?;
-            let actions = d.role.job_ended(req, outcome);
+            let actions = d.role.job_ended(job.req, outcome);
             d.act(actions)?;
-            let _ = decode;
         }
     }
 }
@@ -122,16 +109,7 @@ impl Driver {
         match conn {
             Ok(s) => {
                 if let Ok(r) = s.try_clone() {
-                    let tx = self.tx.clone();
-                    std::thread::spawn(move || {
-                        let mut reader = FrameReader::new(r);
-                        while let Ok(m) = reader.recv() {
-                            if tx.send(In::Decode(m)).is_err() {
-                                return;
-                            }
-                        }
-                        let _ = tx.send(In::DecodeClosed(worker));
-                    });
+                    spawn_reader(FrameReader::new(r), self.tx.clone(), In::Decode, In::DecodeClosed(worker));
                 }
                 self.decodes.insert(worker, s);
                 tracing::info!(decode = %worker, addr, "KV connection open");

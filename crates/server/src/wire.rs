@@ -44,6 +44,24 @@ impl FrameReader {
     }
 }
 
+/// Forward every message read from `r` into `tx` as `wrap(message)` on a new thread, then
+/// `closed` once the connection ends (EOF, I/O or codec error) or the receiver is gone.
+pub fn spawn_reader<T: Send + 'static>(
+    mut r: FrameReader,
+    tx: std::sync::mpsc::Sender<T>,
+    wrap: impl Fn(Message) -> T + Send + 'static,
+    closed: T,
+) {
+    std::thread::spawn(move || {
+        while let Ok(m) = r.recv() {
+            if tx.send(wrap(m)).is_err() {
+                return;
+            }
+        }
+        let _ = tx.send(closed);
+    });
+}
+
 /// Write one message (a whole frame) to a stream.
 pub fn send(stream: &mut TcpStream, m: &Message) -> Result<(), WireError> {
     let mut buf = Vec::new();
