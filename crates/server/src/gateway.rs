@@ -306,12 +306,12 @@ impl Actor {
                         let _ = w.send(msg);
                     }
                 }
-                GatewayAction::ToClient { req, out } => self.to_client(req, out),
+                GatewayAction::ToClient { req, out } => self.deliver_to_client(req, out),
             }
         }
     }
 
-    fn to_client(&mut self, req: RequestId, out: ClientOutput) {
+    fn deliver_to_client(&mut self, req: RequestId, out: ClientOutput) {
         let terminal = out.is_terminal();
         let Some(c) = self.clients.get(&req) else { return };
         let mut events = Vec::new();

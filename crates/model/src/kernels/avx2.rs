@@ -106,7 +106,7 @@ pub(super) fn dot_q_rows(ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8Acts
     };
     // These bounds are what `tile` relies on.
     let end = (first + n) * nb;
-    assert!(row_bytes == nb * bs && w.len() % row_bytes == 0, "weight rows of {row_bytes} bytes for {nb} blocks");
+    assert!(row_bytes == nb * bs && w.len().is_multiple_of(row_bytes), "weight rows of {row_bytes} bytes for {nb} blocks");
     assert!(out.len() == w.len() / row_bytes * n, "output shape");
     assert!(acts.qs.len() >= end * QK && acts.d.len() >= end && acts.s.len() >= end, "activations too short");
     for (row, o_row) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(n)) {
@@ -231,7 +231,7 @@ fn dot_f16_rows_impl(k: &[u16], q: &[f32], out: &mut [f32]) {
 #[target_feature(enable = "avx2,fma,f16c")]
 fn weighted_sum_impl(out: &mut [f32], w: &[f32], v: &[u16]) {
     let cols = out.len();
-    if cols % 8 != 0 {
+    if !cols.is_multiple_of(8) {
         for (row, &wj) in v.chunks_exact(cols).zip(w) {
             axpy_f16_impl(out, wj, row);
         }

@@ -68,9 +68,10 @@ fn block_bytes(ty: GgmlType) -> usize {
 /// `out[r * n + i] = dot(weight row r, activation row first_act + i)` for the consecutive
 /// rows in `w` (`row_bytes` each, Q4_0, Q4_1 or Q8_0 with `acts.cols` columns) and `n`
 /// activation rows.
+#[allow(clippy::too_many_arguments)] // mirrors the kernel: matrix rows, activation rows, output
 pub fn dot_q_rows(isa: Isa, ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8Acts, first_act: usize, n: usize, out: &mut [f32]) {
     let nb = acts.blocks_per_row();
-    assert!(row_bytes == nb * block_bytes(ty) && w.len() % row_bytes == 0, "weight rows of {row_bytes} bytes for {nb} blocks of {ty}");
+    assert!(row_bytes == nb * block_bytes(ty) && w.len().is_multiple_of(row_bytes), "weight rows of {row_bytes} bytes for {nb} blocks of {ty}");
     assert!(out.len() == w.len() / row_bytes * n, "output of {} for {} rows x {n}", out.len(), w.len() / row_bytes);
     assert!(first_act + n <= acts.rows, "activation rows {first_act}+{n} of {}", acts.rows);
     match isa {
