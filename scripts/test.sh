@@ -8,5 +8,10 @@ cd "$(dirname "$0")/.."
 # Fetch the model once up front so the first tests do not all wait on the fetch lock.
 cargo run --quiet -p bulkhead-fetch --example fetch-default-model
 
-cargo test --workspace --all-targets
-cargo test --workspace --doc
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+cargo test --workspace --doc 2>&1 | tee "$log"
+cargo test --workspace --all-targets 2>&1 | tee -a "$log"
+# One closing line over every test binary.
+awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
+     END { printf "summary: %d passed, %d failed\n", p, f }' "$log"
