@@ -92,7 +92,9 @@ fetch() {
   local tarball="$CACHE_DIR/dl/llama_cpp_python-$LLAMA_CPP_PY_VERSION.tar.gz"
   if [[ ! -f "$tarball" ]]; then
     log "downloading llama-cpp-python==$LLAMA_CPP_PY_VERSION sdist (pip)"
-    python3 -m pip download --no-binary :all: --no-deps \
+    # Only llama-cpp-python itself from source: with `:all:`, pip would also build its
+    # build dependencies (cmake among them) from source just to read the metadata.
+    python3 -m pip download --no-binary llama-cpp-python --no-deps \
       "llama-cpp-python==$LLAMA_CPP_PY_VERSION" -d "$CACHE_DIR/dl"
   fi
   [[ -f "$tarball" ]] || die "pip did not produce $tarball"
