@@ -640,6 +640,18 @@ impl KvPool {
         self.layout.bytes_per_token()
     }
 
+    /// Storage ranges of slots `start..start + count` of `page`, in the transfer layout's
+    /// order: `[layer][K, V][kv_head]`, each range `count * head_dim` elements.
+    fn transfer_segments(&self, page: PageId, start: usize, count: usize) -> impl Iterator<Item = std::ops::Range<usize>> + use<> {
+        let (hd, heads, block) = (self.layout.head_dim, self.layout.kv_heads, self.layout.block_elems());
+        let head_stride = self.layout.page_size * hd;
+        let starts: Vec<usize> = (0..self.layout.layers).map(|l| self.block_start(page, l)).collect();
+        starts.into_iter().flat_map(move |k_block| {
+            (0..2).flat_map(move |half| (0..heads).map(move |h| k_block + half * block + h * head_stride + start * hd))
+        })
+        .map(move |at| at..at + count * hd)
+    }
+
     /// Appends to `out` the KV of slots `start..start + count` of the lease's page, all
     /// layers, in the transfer layout `[layer][K, V][kv_head][slot][head_dim]` as f16 LE.
     /// Only written slots can be exported.
@@ -658,20 +670,9 @@ impl KvPool {
                 return Err(KvError::NotWritten { pos: end - 1, layer, page, watermark });
             }
         }
-        let hd = self.layout.head_dim;
-        let head_stride = self.layout.page_size * hd;
         out.reserve(count * self.layout.bytes_per_token());
-        for layer in 0..self.layout.layers {
-            let k_block = self.block_start(page, layer);
-            for half in 0..2 {
-                let block = k_block + half * self.layout.block_elems();
-                for h in 0..self.layout.kv_heads {
-                    let at = block + h * head_stride + start * hd;
-                    for x in &self.storage[at..at + count * hd] {
-                        out.extend_from_slice(&x.to_bits().to_le_bytes());
-                    }
-                }
-            }
+        for seg in self.transfer_segments(page, start, count) {
+            out.extend(self.storage[seg].iter().flat_map(|x| x.to_bits().to_le_bytes()));
         }
         Ok(())
     }
@@ -701,20 +702,13 @@ impl KvPool {
                 return Err(KvError::NonSequentialWrite { page, layer, slot: start, watermark });
             }
         }
-        let hd = self.layout.head_dim;
-        let head_stride = page_size * hd;
         let mut src = data.chunks_exact(2);
-        for layer in 0..self.layout.layers {
-            let k_block = self.block_start(page, layer);
-            for half in 0..2 {
-                let block = k_block + half * self.layout.block_elems();
-                for h in 0..self.layout.kv_heads {
-                    let at = block + h * head_stride + start * hd;
-                    for (dst, b) in self.storage[at..at + count * hd].iter_mut().zip(&mut src) {
-                        *dst = f16::from_bits(u16::from_le_bytes([b[0], b[1]]));
-                    }
-                }
+        for seg in self.transfer_segments(page, start, count) {
+            for (dst, b) in self.storage[seg].iter_mut().zip(&mut src) {
+                *dst = f16::from_bits(u16::from_le_bytes([b[0], b[1]]));
             }
+        }
+        for layer in 0..self.layout.layers {
             let wm = self.wm_index(page, layer);
             self.watermarks[wm] = start + count;
         }
