@@ -269,3 +269,75 @@ fn several_prefill_and_decode_workers_serve_concurrent_requests() {
         assert_eq!(content(&v), want);
     }
 }
+
+fn alive(pid: u32) -> bool {
+    Command::new("kill").args(["-0", &pid.to_string()]).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+}
+
+#[test]
+fn sigterm_drains_and_exits_and_the_workers_do_not_outlive_the_parent() {
+    let mut s = serve(&["--drain-timeout-s", "5"], &[]);
+    let workers = [worker_pid(&s, "prefill"), worker_pid(&s, "decode")];
+    assert!(workers.iter().all(|&p| alive(p)));
+    let (status, _) = chat(&s.http, SYSTEM, "Hi", 4);
+    assert_eq!(status, 200);
+    assert!(Command::new("kill").args(["-TERM", &s.child.id().to_string()]).status().unwrap().success());
+    let start = std::time::Instant::now();
+    loop {
+        if s.child.try_wait().unwrap().is_some() {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "serve did not exit after SIGTERM");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    for p in workers {
+        // A zombie still answers kill -0 until reaped by init; check /proc state instead.
+        let state = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+        assert!(state.is_empty() || state.contains(") Z "), "worker {p} outlived the parent: {state}");
+    }
+}
+
+#[test]
+fn a_worker_whose_pool_cannot_hold_the_context_refuses_to_start_and_names_the_fix() {
+    let out = Command::new(BIN)
+        .args(["serve", "--role", "decode", "--gateway", "127.0.0.1:9", "--kv-pool-tokens", "1000", "--threads", "1", "--model"])
+        .arg(model())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    for needle in ["1008", "8192", "--kv-pool-tokens", "--clamp-context"] {
+        assert!(err.contains(needle), "missing {needle:?} in: {err}");
+    }
+}
+
+#[test]
+fn the_gateway_refuses_a_worker_with_another_model_or_kv_layout() {
+    use bulkhead_protocol::{encode, FrameDecoder, Hello, Message, Role};
+    let s = serve(&[], &[]);
+    let digest = bulkhead_server::wire::model_digest(&model()).unwrap();
+    let right = Hello { role: Role::Decode, model_digest: digest, page_size: 16, kv_bytes_per_token: 23040, capacity_tokens: 16384, max_context: 8192, kv_addr: "127.0.0.1:9".into() };
+    let other_model = Hello { model_digest: digest ^ 1, ..right.clone() };
+    let other_layout = Hello { page_size: 32, ..right };
+    for hello in [other_model, other_layout] {
+        let mut c = TcpStream::connect(&s.workers).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut b = Vec::new();
+        encode(&Message::Hello(hello), &mut b);
+        c.write_all(&b).unwrap();
+        let mut d = FrameDecoder::new(1 << 20);
+        let mut buf = [0u8; 4096];
+        let reply = loop {
+            if let Some(m) = d.next_message().unwrap() {
+                break m;
+            }
+            let n = c.read(&mut buf).unwrap();
+            assert!(n > 0, "closed without an answer");
+            d.push(&buf[..n]);
+        };
+        assert!(matches!(reply, Message::Refuse { .. }), "{reply:?}");
+    }
+    // The real workers are unaffected.
+    assert_eq!(chat(&s.http, SYSTEM, "Hi", 4).0, 200);
+}
