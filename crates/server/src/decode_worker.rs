@@ -15,7 +15,7 @@ use bulkhead_engine::{Engine, Event, FinishReason, SamplingParams};
 use bulkhead_protocol::decode::{DecodeAction, DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::{Finish, Message, Role, WorkerId};
 
-use crate::wire::{send, spawn_reader, FrameReader};
+use crate::wire::{count_bad_connection, send, spawn_reader, FrameReader};
 use crate::worker::{load, register, WorkerConfig, WorkerError};
 
 enum In {
@@ -174,11 +174,13 @@ fn accept_prefills(listener: TcpListener, tx: Sender<In>) {
             let from = match reader.recv() {
                 Ok(Message::KvHello { prefill }) => prefill,
                 Ok(other) => {
-                    tracing::warn!(?other, "KV connection did not start with KvHello; closed");
+                    let total = count_bad_connection();
+                    tracing::warn!(?other, bad_connections = total, "KV connection did not start with KvHello; closed");
                     return;
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "bad bytes on the KV port; connection closed");
+                    let total = count_bad_connection();
+                    tracing::warn!(error = %e, bad_connections = total, "bad bytes on the KV port; connection closed");
                     return;
                 }
             };
@@ -193,6 +195,10 @@ fn accept_prefills(listener: TcpListener, tx: Sender<In>) {
                         }
                     }
                     Err(e) => {
+                        if matches!(e, crate::wire::WireError::Codec(_)) {
+                            let total = count_bad_connection();
+                            tracing::warn!(prefill = %from, reason = %e, bad_connections = total, "bad frame on a KV connection; closed");
+                        }
                         tracing::info!(prefill = %from, reason = %e, "KV connection closed");
                         let _ = tx.send(In::PrefillClosed(from));
                         return;

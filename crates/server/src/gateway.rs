@@ -367,7 +367,12 @@ async fn accept_workers(l: TcpListener, cmds: mpsc::UnboundedSender<Cmd>) {
         let cmds = cmds.clone();
         tokio::spawn(async move {
             if let Err(e) = serve_worker(s, cmds).await {
-                tracing::warn!(%peer, error = %e, "worker connection closed");
+                if e.kind() == std::io::ErrorKind::Other {
+                    let total = crate::wire::count_bad_connection();
+                    tracing::warn!(%peer, error = %e, bad_connections = total, "worker connection closed for bad bytes");
+                } else {
+                    tracing::warn!(%peer, error = %e, "worker connection closed");
+                }
             }
         });
     }

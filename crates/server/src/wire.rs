@@ -5,6 +5,15 @@ use std::net::TcpStream;
 
 use bulkhead_protocol::{encode, CodecError, FrameDecoder, Message, DEFAULT_MAX_FRAME};
 
+/// Connections closed for bad bytes (garbage, oversize or unknown frames, a wrong first
+/// message), in this process; logged with each closure (I6 evidence until metrics export).
+pub static BAD_CONNECTIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Count one connection closed for bad bytes and return the running total.
+pub fn count_bad_connection() -> u64 {
+    BAD_CONNECTIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1
+}
+
 /// Why a connection ended.
 #[derive(Debug, thiserror::Error)]
 pub enum WireError {
