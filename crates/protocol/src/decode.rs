@@ -120,6 +120,10 @@ pub struct DecodeRole {
     pending: BTreeMap<RequestId, Pending>,
     fencing: BTreeMap<RequestId, Fencing>,
     decoding: BTreeSet<RequestId>,
+    /// Prefill workers whose KV connection closed. Worker ids are never reused (a restarted
+    /// worker registers anew), so nothing can arrive from these again: a transfer naming one
+    /// is fenced by construction.
+    closed_prefills: BTreeSet<WorkerId>,
     stats: DecodeStats,
 }
 
@@ -130,7 +134,15 @@ fn failed(req: RequestId, reason: FailReason, detail: impl Into<String>) -> Deco
 impl DecodeRole {
     /// A decode role with nothing in flight.
     pub fn new(cfg: DecodeConfig) -> Self {
-        DecodeRole { cfg, now_ms: 0, pending: BTreeMap::new(), fencing: BTreeMap::new(), decoding: BTreeSet::new(), stats: DecodeStats::default() }
+        DecodeRole {
+            cfg,
+            now_ms: 0,
+            pending: BTreeMap::new(),
+            fencing: BTreeMap::new(),
+            decoding: BTreeSet::new(),
+            closed_prefills: BTreeSet::new(),
+            stats: DecodeStats::default(),
+        }
     }
 
     /// Counters.
@@ -166,6 +178,7 @@ impl DecodeRole {
             DecodeEvent::Prefill { from, msg } => self.on_prefill(pool, from, msg, &mut out),
             DecodeEvent::PrefillClosed { from } => {
                 // Closed connection = fenced: nothing more can land from it.
+                self.closed_prefills.insert(from);
                 let reqs: Vec<RequestId> = self.pending.iter().filter(|(_, p)| p.prefill == from).map(|(r, _)| *r).collect();
                 for req in reqs {
                     if let Some(p) = self.pending.remove(&req) {
@@ -337,6 +350,12 @@ impl DecodeRole {
     }
 
     fn quarantine(&mut self, pool: &mut KvPool, req: RequestId, p: Pending) {
+        // Its writer's connection is already closed: no fence will ever come, and none is
+        // needed (found by the model checker: such pages used to stay quarantined for ever).
+        if self.closed_prefills.contains(&p.prefill) {
+            self.release_seq(pool, p.inbound.into_sequence());
+            return;
+        }
         let received = p.inbound.received_tokens();
         let seq = p.inbound.into_sequence();
         match seq.quarantine(pool) {

@@ -1,0 +1,206 @@
+//! What a model run explores: requests, workers, pool sizes, fault budgets and the driver
+//! variant (production or a deliberately broken one).
+
+use bulkhead_kv::KvLayout;
+
+/// The KV layout of every pool in the model: one layer, one KV head, two elements per head,
+/// two token slots per page. Small prompts then span one or two pages and pools fill up
+/// after a few requests.
+pub const LAYOUT: KvLayout = KvLayout { layers: 1, kv_heads: 1, head_dim: 2, page_size: 2 };
+
+/// Milliseconds a decode tick or a gateway tick moves that role's clock; equal to both
+/// timeouts, so one tick times out everything that was waiting before it.
+pub const TICK_MS: u64 = 1_000;
+
+/// One client request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Request {
+    /// Prompt tokens.
+    pub prompt: u32,
+    /// Most tokens to generate.
+    pub max_tokens: u32,
+}
+
+/// How many times each kind of fault may happen in one behaviour (0 = never).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Faults {
+    /// Clients that go away, each at any point before its request ends.
+    pub client_aborts: u8,
+    /// Messages lost on any connection (the receiver never sees them).
+    pub lose: u8,
+    /// Messages delivered twice (the copy arrives right after the original).
+    pub duplicate: u8,
+    /// Messages that overtake the one ahead of them on the same connection. The production
+    /// transport is TCP, whose connections never reorder; see `docs/PROTOCOL.md`.
+    pub reorder: u8,
+    /// Prefill workers that crash (pool, queue and job gone, connections closed) and are
+    /// replaced by a fresh worker under a new id. A worker crashes only while it has
+    /// something to do: a job, a queue, or a message on the wire to or from it.
+    pub prefill_crashes: u8,
+    /// Decode clock steps past the transfer timeout.
+    pub decode_ticks: u8,
+    /// Gateway clock steps past the request timeout.
+    pub gateway_ticks: u8,
+}
+
+/// Which driver wraps the production state machines. Everything but [`Variant::Production`]
+/// is a deliberately broken driver kept to prove that each property can fail; the
+/// production roles and pools are the same in every variant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Variant {
+    /// The drivers do what `crates/server` does.
+    Production,
+    /// The decode driver starts a request when `Done` arrives even if the verifier refused
+    /// the completion claim ("transfer complete" trusted, the incident's decode side).
+    TrustDone,
+    /// The decode loop attends over every slot of every reserved page instead of the
+    /// written ones (the incident's "attended over all 8 pages").
+    ReadPastWatermark,
+    /// The prefill driver keeps a job the prefill role rejected in its own queue and runs a
+    /// 1-token placeholder for it anyway (the incident's prefill side).
+    KeepRejectedJob,
+    /// The decode driver treats a transfer timeout as a fence: it hands the role a
+    /// `Fenced` for every request that timed out, releasing its quarantined pages.
+    ReleaseQuarantineOnTick,
+    /// The gateway driver retries a request refused for capacity under the same id after
+    /// the client already got the refusal.
+    RetryAfterReject,
+    /// The decode driver drops `Fenced` from prefill workers (as if it were informational),
+    /// so quarantined pages wait for a fence that never comes.
+    DropFence,
+}
+
+/// A model configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// Name printed with the results.
+    pub name: &'static str,
+    /// Requests, submitted in this order (each at any point after the previous one).
+    pub requests: Vec<Request>,
+    /// Prefill workers.
+    pub prefill_workers: usize,
+    /// Pages of each prefill worker's pool.
+    pub prefill_pool_pages: usize,
+    /// Longest prompt a prefill worker admits.
+    pub prefill_max_prompt: usize,
+    /// Pages of the decode worker's pool.
+    pub decode_pool_pages: usize,
+    /// Longest request (prompt + generation) the decode worker admits.
+    pub decode_max_context: usize,
+    /// Whether the gateway checks the context itself (off: the workers' admission is what
+    /// stands between an over-capacity prompt and the pools, as in the incident).
+    pub gateway_admission: bool,
+    /// Context the gateway serves.
+    pub gateway_max_context: usize,
+    /// Fault budgets.
+    pub faults: Faults,
+    /// Also check that an over-capacity request the workers refuse is answered with that
+    /// refusal (HTTP 400) rather than a failure. Off in the pinned configurations: the
+    /// production protocol does not hold it (see `docs/PROTOCOL.md`, findings).
+    pub check_original_error: bool,
+    /// Driver variant.
+    pub variant: Variant,
+}
+
+impl Config {
+    /// 3 requests × 2 prefill workers × 1 decode worker, the first generating two tokens
+    /// (one decode step), the third with a prompt over the prefill workers' limit (the
+    /// gateway's own check off, as in the incident) that needs 3 of the decode worker's 4
+    /// pages, so the pool fills up. One client goes away at any point; one transfer
+    /// timeout at any point.
+    pub fn three_requests() -> Self {
+        Config {
+            name: "three-requests",
+            requests: vec![
+                Request { prompt: 1, max_tokens: 2 },
+                Request { prompt: 3, max_tokens: 1 },
+                Request { prompt: 4, max_tokens: 1 },
+            ],
+            prefill_workers: 2,
+            prefill_pool_pages: 2,
+            prefill_max_prompt: 3,
+            decode_pool_pages: 4,
+            decode_max_context: 6,
+            gateway_admission: false,
+            gateway_max_context: 3,
+            faults: Faults { client_aborts: 1, decode_ticks: 1, ..Faults::default() },
+            check_original_error: false,
+            variant: Variant::Production,
+        }
+    }
+
+    /// 2 requests × 2 prefill workers × 1 decode worker under network and worker faults: one
+    /// lost message, one prefill crash and restart, one client abort, one transfer timeout
+    /// and one gateway timeout.
+    pub fn faulty_network() -> Self {
+        Config {
+            name: "faulty-network",
+            requests: vec![Request { prompt: 3, max_tokens: 1 }, Request { prompt: 2, max_tokens: 1 }],
+            prefill_workers: 2,
+            prefill_pool_pages: 2,
+            prefill_max_prompt: 3,
+            decode_pool_pages: 3,
+            decode_max_context: 6,
+            gateway_admission: false,
+            gateway_max_context: 3,
+            faults: Faults {
+                client_aborts: 1,
+                lose: 1,
+                duplicate: 0,
+                reorder: 0,
+                prefill_crashes: 1,
+                decode_ticks: 1,
+                gateway_ticks: 1,
+            },
+            check_original_error: false,
+            variant: Variant::Production,
+        }
+    }
+
+    /// One request (3-token prompt, two chunks) whose connections may duplicate one
+    /// message, with a transfer timeout. TCP never duplicates; this configuration shows
+    /// what the protocol relies on.
+    pub fn duplicating_network() -> Self {
+        Config {
+            name: "duplicating-network",
+            requests: vec![Request { prompt: 3, max_tokens: 1 }],
+            faults: Faults { duplicate: 1, decode_ticks: 1, ..Faults::default() },
+            ..Self::faulty_network()
+        }
+    }
+
+    /// One request (3-token prompt, two chunks) whose connections may reorder one message.
+    /// TCP never reorders; this configuration shows what the protocol relies on.
+    pub fn reordering_network() -> Self {
+        Config {
+            name: "reordering-network",
+            requests: vec![Request { prompt: 3, max_tokens: 1 }],
+            faults: Faults { reorder: 1, ..Faults::default() },
+            ..Self::faulty_network()
+        }
+    }
+
+    /// One prefill worker that crashes and restarts, two one-page requests, no other fault.
+    pub fn prefill_restart() -> Self {
+        Config {
+            name: "prefill-restart",
+            requests: vec![Request { prompt: 1, max_tokens: 1 }, Request { prompt: 1, max_tokens: 1 }],
+            prefill_workers: 1,
+            faults: Faults { prefill_crashes: 1, ..Faults::default() },
+            ..Self::faulty_network()
+        }
+    }
+
+    /// The same configuration with another driver variant.
+    pub fn with_variant(mut self, variant: Variant) -> Self {
+        self.variant = variant;
+        self
+    }
+
+    /// Whether a request can never fit: its prompt exceeds the prefill workers' limit, or
+    /// prompt and generation exceed the decode worker's. Such a request must be refused
+    /// (HTTP 400), never finished (HTTP 200).
+    pub fn over_capacity(&self, r: Request) -> bool {
+        r.prompt as usize > self.prefill_max_prompt || (r.prompt + r.max_tokens) as usize > self.decode_max_context
+    }
+}

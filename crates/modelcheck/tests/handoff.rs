@@ -1,0 +1,175 @@
+//! The KV handoff protocol, model-checked on the production state machines.
+//!
+//! - The pinned configurations hold every property, and their state counts are pinned: a
+//!   change in the model or in the production roles shows here.
+//! - Every property fails on a deliberately broken driver: the checker finds the bug.
+//! - Findings: what the production protocol does not hold, and under which assumption.
+
+use bulkhead_modelcheck::{check, find, names, Config, HandoffModel, Report, Variant};
+
+/// Checks every property of `cfg` to the end and returns the report (printed).
+fn check_all(cfg: Config) -> (Report, HandoffModel) {
+    let model = HandoffModel::new(cfg.clone());
+    let report = check(cfg, false);
+    eprintln!("{report}");
+    (report, model)
+}
+
+/// Asserts the checker finds a counterexample to `property` in `cfg`; returns the violation
+/// text of the final state.
+fn finds(cfg: Config, property: &'static str) -> String {
+    let report = find(cfg, property);
+    eprintln!("{report}");
+    let Some((path, last)) = report.discoveries.get(property) else {
+        panic!("no counterexample to {property:?} in {} ({:?}) after {} states", report.name, report.variant, report.unique_states)
+    };
+    assert!(!path.is_empty());
+    last.clone()
+}
+
+fn assert_holds(report: &Report, model: &HandoffModel) {
+    assert_eq!(report.failures(model), Vec::<&str>::new(), "{report}");
+    assert!(report.discoveries.contains_key(names::SERVED), "the happy path is reachable: {report}");
+}
+
+#[test]
+fn three_requests_two_prefill_workers_one_decode_worker_hold_every_property() {
+    let (report, model) = check_all(Config::three_requests());
+    assert_holds(&report, &model);
+    assert_eq!(report.unique_states, 65_208, "the model changed: {report}");
+}
+
+#[test]
+fn lost_messages_crashes_aborts_and_timeouts_break_no_safety_property() {
+    let (report, model) = check_all(Config::faulty_network());
+    assert_holds(&report, &model);
+    assert_eq!(report.unique_states, 89_846, "the model changed: {report}");
+}
+
+// ------------------------------------------------------------------ broken variants
+
+#[test]
+fn decode_trusting_done_is_caught_by_the_coverage_property() {
+    // A lost chunk makes the transfer short; the verifier refuses the claim, the broken
+    // driver starts the request anyway.
+    let mut cfg = Config::faulty_network().with_variant(Variant::TrustDone);
+    cfg.requests.truncate(1);
+    let last = finds(cfg, names::VERIFIED_COVERAGE);
+    assert!(last.contains("started with"), "{last}");
+}
+
+#[test]
+fn attending_past_the_watermark_is_caught_by_the_read_property() {
+    let last = finds(Config::three_requests().with_variant(Variant::ReadPastWatermark), names::READ_ISOLATION);
+    assert!(last.contains("past the watermark"), "{last}");
+}
+
+/// The three-request configuration with only its request that is over the prefill
+/// workers' limit.
+fn over_capacity_only() -> Config {
+    let mut cfg = Config::three_requests();
+    let over: Vec<_> = cfg.requests.iter().copied().filter(|r| cfg.over_capacity(*r)).collect();
+    cfg.requests = over;
+    cfg
+}
+
+#[test]
+fn running_a_rejected_prompt_anyway_is_caught_by_the_rejection_property() {
+    let last = finds(over_capacity_only().with_variant(Variant::KeepRejectedJob), names::REJECTION_TERMINAL);
+    assert!(last.contains("after it was rejected"), "{last}");
+}
+
+#[test]
+fn releasing_quarantine_on_timeout_is_caught_by_the_late_write_property() {
+    let last = finds(Config::three_requests().with_variant(Variant::ReleaseQuarantineOnTick), names::NO_LATE_WRITES);
+    assert!(last.contains("may still write it"), "{last}");
+}
+
+#[test]
+fn releasing_quarantine_on_timeout_is_caught_by_the_single_lease_property() {
+    let last = finds(Config::three_requests().with_variant(Variant::ReleaseQuarantineOnTick), names::SINGLE_LEASE);
+    assert!(last.contains("is leased to"), "{last}");
+}
+
+#[test]
+fn retrying_a_refused_request_is_caught_by_the_one_outcome_property() {
+    let last = finds(Config::three_requests().with_variant(Variant::RetryAfterReject), names::ONE_OUTCOME);
+    assert!(last.contains("two terminal outcomes"), "{last}");
+}
+
+#[test]
+fn dropping_fences_is_caught_by_the_liveness_property() {
+    let mut cfg = Config::three_requests().with_variant(Variant::DropFence);
+    cfg.requests.truncate(1);
+    let last = finds(cfg, names::ENDS_CLEAN);
+    assert!(last.contains("quarantined_pages: 2"), "{last}");
+}
+
+// ------------------------------------------------------------------ findings
+
+/// The protocol relies on exactly-once delivery per connection (TCP): a duplicated
+/// `Prefill` is refused as a duplicate, the gateway takes that refusal for the request's
+/// outcome (the client gets 400) while the first copy's job runs on and transfers.
+#[test]
+fn finding_a_duplicated_prefill_message_outlives_its_rejection() {
+    let last = finds(Config::duplicating_network(), names::REJECTION_TERMINAL);
+    assert!(last.contains("after it was rejected"), "{last}");
+}
+
+/// The same assumption, for I4: `Fenced` is the last message for a request only if the
+/// `Prefill` before it was delivered once; a duplicate revives the job after the fence
+/// released the pages (its chunks are then dropped as late: the verifier holds).
+#[test]
+fn finding_a_duplicated_prefill_message_writes_after_its_fence() {
+    finds(Config::duplicating_network(), names::NO_LATE_WRITES);
+}
+
+/// The protocol relies on in-order delivery per connection (TCP): `Done` overtaking the
+/// last chunk fails the coverage check and releases the pages while that chunk is on the
+/// wire (it is then dropped as late: the verifier holds).
+#[test]
+fn finding_done_overtaking_a_chunk_releases_pages_under_it() {
+    finds(Config::reordering_network(), names::NO_LATE_WRITES);
+}
+
+/// Was a real leak, found by this checker: when decode saw `PrefillClosed` before the
+/// gateway saw the worker leave, the gateway could still route a request to the dead
+/// worker; decode reserved pages naming it, the gateway's abort quarantined them, and the
+/// fence they waited for could never come. Decode now remembers closed prefill connections
+/// and releases such pages: every run of this configuration ends clean.
+#[test]
+fn a_reservation_naming_a_closed_prefill_connection_is_released_not_quarantined_for_ever() {
+    let (report, model) = check_all(Config::prefill_restart());
+    assert_holds(&report, &model);
+}
+
+/// With the gateway's own check off, a prompt over the prefill workers' limit is refused by
+/// the prefill (`Rejected` to the gateway, `Fenced` to decode); decode answers the fence with
+/// `Failed(WorkerLost)`, and the gateway takes whichever arrives first: the client may get a
+/// failure instead of its 400.
+#[test]
+fn finding_an_over_capacity_prompt_can_be_answered_with_worker_lost() {
+    let mut cfg = Config::three_requests();
+    cfg.faults = Default::default();
+    cfg.check_original_error = true;
+    let last = finds(cfg, names::ORIGINAL_ERROR);
+    assert!(last.contains("WorkerLost"), "{last}");
+}
+
+#[test]
+fn replay_is_deterministic() {
+    use bulkhead_modelcheck::World;
+    let cfg = Config::three_requests();
+    let mut w = World::new(&cfg);
+    let mut history = Vec::new();
+    for i in 0..24 {
+        let enabled = w.enabled();
+        let Some(a) = enabled.get(i * 5 % enabled.len().max(1)).cloned() else { break };
+        w.apply(&a);
+        history.push(a);
+    }
+    let a = World::replay(&cfg, &history).describe();
+    let b = World::replay(&cfg, &history).describe();
+    assert_eq!(bulkhead_modelcheck::fingerprint::canonical(&a), bulkhead_modelcheck::fingerprint::canonical(&b));
+    assert_eq!(bulkhead_modelcheck::fingerprint::canonical(&a), bulkhead_modelcheck::fingerprint::canonical(&w.describe()));
+}
