@@ -337,9 +337,12 @@ impl DecodeRole {
             }
             Message::Fenced { req } => {
                 if self.pending.get(&req).is_some_and(|p| p.prefill == from) {
+                    // The prefill gave the request up: it refused it (and told the gateway
+                    // why), failed it (likewise), or was told to stop. The terminal outcome
+                    // comes from there; a second one from here could race it and replace a
+                    // 400 with a 503 (found by the model checker).
                     if let Some(p) = self.pending.remove(&req) {
                         self.release_seq(pool, p.inbound.into_sequence());
-                        out.push(failed(req, FailReason::WorkerLost, "prefill worker gave the request up"));
                     }
                 } else if self.fencing.get(&req).is_some_and(|f| f.prefill == from) {
                     self.unfence(pool, req);
