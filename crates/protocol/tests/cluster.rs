@@ -372,3 +372,25 @@ fn a_short_transfer_claimed_done_is_refused_before_any_decode_step() {
     assert!(c.decoding.is_empty());
     c.assert_clean(&[1]);
 }
+
+#[test]
+fn a_chunk_from_a_prefill_worker_other_than_the_assigned_one_is_refused() {
+    let mut c = Cluster::new(64, 128, true);
+    c.submit(1, 10, 3);
+    // Run until the first chunk is on the wire, then hand it to decode as if another
+    // prefill worker had sent it.
+    let i = loop {
+        if let Some(i) = c.net.iter().position(|(_, m)| matches!(m, Message::KvChunk { .. })) {
+            break i;
+        }
+        assert!(c.deliver() || c.prefill_step());
+    };
+    let (_, chunk) = c.net.remove(i).unwrap();
+    let acts = c.dec.handle(&mut c.dpool, DecodeEvent::Prefill { from: WorkerId(9), msg: chunk });
+    c.decode_actions(acts);
+    c.run();
+    assert!(matches!(c.terminal(1), Some(ClientOutput::Failed { reason: FailReason::TransferRefused, .. })), "{:?}", c.outputs);
+    assert_eq!(c.dec.stats().chunks_refused, 1);
+    assert_eq!(c.dec.stats().chunks_verified, 0, "nothing from the impostor was written");
+    c.assert_clean(&[1]);
+}
