@@ -394,3 +394,14 @@ fn a_chunk_from_a_prefill_worker_other_than_the_assigned_one_is_refused() {
     assert_eq!(c.dec.stats().chunks_verified, 0, "nothing from the impostor was written");
     c.assert_clean(&[1]);
 }
+
+#[test]
+fn the_decode_worker_refuses_a_request_over_its_context_before_leasing_anything() {
+    let mut c = Cluster::new(64, 16, false);
+    c.submit(1, 10, 10);
+    c.run();
+    assert!(matches!(c.terminal(1), Some(ClientOutput::Rejected { reason: RejectReason::ContextLength, .. })), "{:?}", c.outputs);
+    assert_eq!((c.dpool.stats().leases_granted, c.ppool.stats().leases_granted), (0, 0));
+    assert_eq!(c.dec.stats().rejected_context, 1);
+    c.assert_clean(&[1]);
+}
