@@ -9,7 +9,7 @@
 use bulkhead_kv::{KvPool, SequenceKv};
 use rayon::prelude::*;
 
-use crate::kernels::{dot_f16_rows, weighted_sum_f16, Isa};
+use crate::kernels::{dot_kv_rows, weighted_sum_kv, widen_f16, Isa, KvElem};
 use crate::matmul::{matmul, MatmulScratch};
 use crate::{Llama, ModelError};
 
@@ -70,8 +70,47 @@ pub(crate) fn silu_mul(gate: &mut [f32], up: &[f32]) {
     }
 }
 
-/// Attention of one query head at position `pos` (its sequence's KV head `g`) over the
-/// positions `0..=pos`, read page by page through the sequence's leases. `scores` is scratch.
+/// Consecutive rows of one sequence handled by one attention task: they share each page's
+/// K and V, converted from f16 to f32 once for all of them (exact, so results are the same
+/// as row by row).
+const ATTN_ROWS: usize = 16;
+
+/// Where a page sits among a task's score rows.
+#[derive(Clone, Copy)]
+struct Span {
+    /// First position in the page.
+    page: usize,
+    page_size: usize,
+    /// Score row length (positions of the last row + 1).
+    n_max: usize,
+    head_dim: usize,
+    scale: f32,
+}
+
+/// Scaled scores of every row that sees part of this page, against its keys `k` (as stored,
+/// or converted once to f32 when several rows share them).
+fn score_page<T: KvElem>(isa: Isa, k: &[T], q: &[f32], positions: &[usize], at: Span, scores: &mut [f32]) {
+    let hd = at.head_dim;
+    for (r, &pos) in positions.iter().enumerate() {
+        let Some(n) = (pos + 1).checked_sub(at.page).filter(|&n| n > 0) else { continue };
+        let n = n.min(at.page_size);
+        let s = &mut scores[r * at.n_max + at.page..r * at.n_max + at.page + n];
+        dot_kv_rows(isa, &k[..n * hd], &q[r * hd..(r + 1) * hd], s);
+        s.iter_mut().for_each(|v| *v *= at.scale);
+    }
+}
+
+/// Reusable buffers of one attention task.
+#[derive(Default)]
+struct AttnScratch {
+    scores: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+/// Attention of one query head over the positions `0..=pos` of each row's sequence, for
+/// consecutive rows of one sequence (`positions` increasing, `q` their query vectors for
+/// this head, `head_dim` apart), read page by page through the sequence's leases.
 #[allow(clippy::too_many_arguments)]
 fn attend(
     isa: Isa,
@@ -79,37 +118,59 @@ fn attend(
     kv: &SequenceKv,
     layer: usize,
     g: usize,
-    pos: usize,
+    positions: &[usize],
     q: &[f32],
     out: &mut [f32],
-    scores: &mut Vec<f32>,
+    scr: &mut AttnScratch,
 ) -> Result<(), ModelError> {
-    let head_dim = q.len();
+    let head_dim = q.len() / positions.len();
     let page_size = pool.layout().page_size;
-    let n = pos + 1;
-    let pages = n.div_ceil(page_size);
+    let n_max = positions.last().map_or(0, |p| p + 1);
+    let pages = n_max.div_ceil(page_size);
     if kv.leases().len() < pages {
-        return Err(ModelError::NotReserved { pos });
+        return Err(ModelError::NotReserved { pos: n_max - 1 });
     }
     let scale = 1.0 / (head_dim as f32).sqrt();
-    scores.clear();
-    scores.resize(n, 0.0);
+    let rows = positions.len();
+    scr.scores.clear();
+    scr.scores.resize(rows * n_max, 0.0);
     for (pi, lease) in kv.leases().iter().take(pages).enumerate() {
         let page = pool.read(lease, layer)?;
-        let need = (n - pi * page_size).min(page_size);
+        let need = (n_max - pi * page_size).min(page_size);
         if page.len() < need {
             return Err(ModelError::MissingKv { page: lease.page().0, layer, written: page.len(), needed: need });
         }
-        let s = &mut scores[pi * page_size..pi * page_size + need];
-        dot_f16_rows(isa, &page.k_head(g)[..need * head_dim], q, s);
-        s.iter_mut().for_each(|v| *v *= scale);
+        let k = &page.k_head(g)[..need * head_dim];
+        let at = Span { page: pi * page_size, page_size, n_max, head_dim, scale };
+        if rows == 1 {
+            score_page(isa, k, q, positions, at, &mut scr.scores);
+        } else {
+            widen_f16(isa, k, &mut scr.k);
+            score_page(isa, &scr.k, q, positions, at, &mut scr.scores);
+        }
     }
-    softmax_in_place(scores);
+    for (r, &pos) in positions.iter().enumerate() {
+        softmax_in_place(&mut scr.scores[r * n_max..r * n_max + pos + 1]);
+    }
     out.fill(0.0);
     for (pi, lease) in kv.leases().iter().take(pages).enumerate() {
         let page = pool.read(lease, layer)?;
-        let need = (n - pi * page_size).min(page_size);
-        weighted_sum_f16(isa, out, &scores[pi * page_size..pi * page_size + need], &page.v_head(g)[..need * head_dim]);
+        let need = (n_max - pi * page_size).min(page_size);
+        let v = &page.v_head(g)[..need * head_dim];
+        if rows > 1 {
+            widen_f16(isa, v, &mut scr.v);
+        }
+        for (r, &pos) in positions.iter().enumerate() {
+            let Some(n) = (pos + 1).checked_sub(pi * page_size).filter(|&n| n > 0) else { continue };
+            let n = n.min(page_size);
+            let w = &scr.scores[r * n_max + pi * page_size..r * n_max + pi * page_size + n];
+            let o = &mut out[r * head_dim..(r + 1) * head_dim];
+            if rows == 1 {
+                weighted_sum_kv(isa, o, w, &v[..n * head_dim]);
+            } else {
+                weighted_sum_kv(isa, o, w, &scr.v[..n * head_dim]);
+            }
+        }
     }
     Ok(())
 }
@@ -159,6 +220,18 @@ impl Llama {
         let (mut gate, mut up) = (vec![0.0f32; t * c.ffn], vec![0.0f32; t * c.ffn]);
         let mut scratch = MatmulScratch::default();
         let isa = self.isa;
+        // Attention tasks: (first row, end row, query head), rows of one sequence at a time.
+        let mut tasks = Vec::new();
+        let mut r0 = 0;
+        while r0 < t {
+            let seq = rows[r0].0;
+            let mut r1 = r0;
+            while r1 < t && rows[r1].0 == seq && r1 - r0 < ATTN_ROWS {
+                r1 += 1;
+            }
+            tasks.extend((0..c.heads).map(|h| (r0, r1, h)));
+            r0 = r1;
+        }
 
         for (li, l) in self.weights.layers.iter().enumerate() {
             rms_norm(&x, &l.attn_norm, c.norm_eps, &mut xn);
@@ -175,13 +248,33 @@ impl Llama {
                 let pool: &KvPool = pool;
                 let kvs: Vec<&SequenceKv> = seqs.iter().map(|s| &*s.kv).collect();
                 let (rows, q) = (&rows, &q);
-                // One task per (token, query head): enough parallelism even for one decode token.
-                att.par_chunks_mut(hd).enumerate().try_for_each_init(Vec::new, |scores, (i, out)| {
-                    let (r, h) = (i / c.heads, i % c.heads);
-                    let (s, pos) = rows[r];
-                    let qh = &q[r * q_dim + h * hd..r * q_dim + (h + 1) * hd];
-                    attend(isa, pool, kvs[s], li, h / group, pos, qh, out, scores)
-                })?;
+                if tasks.len() == t * c.heads {
+                    // One row per task (a decode step): each (row, head) writes its own slice
+                    // of `att` directly, as many tasks as heads times sequences.
+                    att.par_chunks_mut(hd).enumerate().try_for_each_init(AttnScratch::default, |scr, (i, out)| {
+                        let (r, h) = (i / c.heads, i % c.heads);
+                        let (s, pos) = rows[r];
+                        let qh = &q[r * q_dim + h * hd..r * q_dim + (h + 1) * hd];
+                        attend(isa, pool, kvs[s], li, h / group, &[pos], qh, out, scr)
+                    })?;
+                } else {
+                    // Blocks of up to ATTN_ROWS consecutive rows of a sequence per query head:
+                    // prefill rows share each page's conversion to f32.
+                    let outs: Vec<Vec<f32>> = tasks
+                        .par_iter()
+                        .map_init(AttnScratch::default, |scr, &(r0, r1, h)| {
+                            let positions: Vec<usize> = rows[r0..r1].iter().map(|&(_, p)| p).collect();
+                            let qh: Vec<f32> = (r0..r1).flat_map(|r| q[r * q_dim + h * hd..r * q_dim + (h + 1) * hd].iter().copied()).collect();
+                            let mut out = vec![0.0f32; (r1 - r0) * hd];
+                            attend(isa, pool, kvs[rows[r0].0], li, h / group, &positions, &qh, &mut out, scr).map(|()| out)
+                        })
+                        .collect::<Result<_, _>>()?;
+                    for (&(r0, r1, h), out) in tasks.iter().zip(&outs) {
+                        for (i, r) in (r0..r1).enumerate() {
+                            att[r * q_dim + h * hd..r * q_dim + (h + 1) * hd].copy_from_slice(&out[i * hd..(i + 1) * hd]);
+                        }
+                    }
+                }
             }
             matmul(isa, &[&l.wo], &att, t, &mut scratch, &mut [&mut o]);
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);

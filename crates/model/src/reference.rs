@@ -11,7 +11,7 @@
 use half::f16;
 
 use crate::forward::{rms_norm, rope, silu_mul, softmax_in_place};
-use crate::kernels::{axpy_f16, dot_f16};
+use crate::kernels::{axpy_kv, dot_kv};
 use crate::matmul::{matmul, MatmulScratch};
 use crate::Llama;
 
@@ -56,10 +56,10 @@ impl Llama {
                 let g = h / c.group();
                 let qh = &q[h * hd..(h + 1) * hd];
                 let at = |p: usize| p * kv_dim + g * hd..p * kv_dim + (g + 1) * hd;
-                let mut w: Vec<f32> = (0..=pos).map(|p| dot_f16(self.isa, &st.k[li][at(p)], qh) * scale).collect();
+                let mut w: Vec<f32> = (0..=pos).map(|p| dot_kv(self.isa, &st.k[li][at(p)], qh) * scale).collect();
                 softmax_in_place(&mut w);
                 for (p, &wp) in w.iter().enumerate() {
-                    axpy_f16(self.isa, &mut att[h * hd..(h + 1) * hd], wp, &st.v[li][at(p)]);
+                    axpy_kv(self.isa, &mut att[h * hd..(h + 1) * hd], wp, &st.v[li][at(p)]);
                 }
             }
             let mut o = vec![0.0; c.hidden];

@@ -185,55 +185,91 @@ pub(super) fn quantize(x: &[f32], d: &mut [f32], s: &mut [f32], qs: &mut [i8]) {
     unsafe { quantize_impl(x, d, s, qs) }
 }
 
+/// Element types attention reads: f16 (pool storage) and f32 (a page converted once).
+pub trait Lanes: Copy {
+    /// Eight elements at `p`, as f32.
+    ///
+    /// # Safety
+    /// AVX2 and F16C are available and `p` points to eight readable elements.
+    unsafe fn load8(p: *const Self) -> __m256;
+    /// One element as f32.
+    fn scalar(self) -> f32;
+}
+
+impl Lanes for f16 {
+    #[inline]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable f16 (16 bytes) and F16C; f16 is
+        // repr(transparent) over u16.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+    fn scalar(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+impl Lanes for f32 {
+    #[inline]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable f32 and AVX.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+    fn scalar(self) -> f32 {
+        self
+    }
+}
+
+/// `sum(k[i] * q[i])`: one 8-lane FMA accumulator in order, then a horizontal sum. The
+/// element type does not change the arithmetic (f16 converts exactly to f32).
 #[target_feature(enable = "avx2,fma,f16c")]
-fn dot_f16_impl(k: &[u16], q: &[f32]) -> f32 {
+fn dot_impl<T: Lanes>(k: &[T], q: &[f32]) -> f32 {
     let n8 = k.len() / 8 * 8;
     let mut acc = _mm256_setzero_ps();
     for i in (0..n8).step_by(8) {
         let (kk, qq) = (&k[i..i + 8], &q[i..i + 8]);
-        // SAFETY: `kk` has 8 u16 (16 bytes) and `qq` 8 f32 (32 bytes), both readable.
-        let (kv, qv) = unsafe { (_mm256_cvtph_ps(_mm_loadu_si128(kk.as_ptr().cast())), _mm256_loadu_ps(qq.as_ptr())) };
+        // SAFETY: `kk` has 8 readable elements and `qq` 8 readable f32.
+        let (kv, qv) = unsafe { (T::load8(kk.as_ptr()), _mm256_loadu_ps(qq.as_ptr())) };
         acc = _mm256_fmadd_ps(kv, qv, acc);
     }
     let mut s = hsum(acc);
     for i in n8..k.len() {
-        s += f16::from_bits(k[i]).to_f32() * q[i];
+        s += k[i].scalar() * q[i];
     }
     s
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-fn axpy_f16_impl(acc: &mut [f32], a: f32, v: &[u16]) {
+fn axpy_impl<T: Lanes>(acc: &mut [f32], a: f32, v: &[T]) {
     let n8 = v.len() / 8 * 8;
     let av = _mm256_set1_ps(a);
     for i in (0..n8).step_by(8) {
         let (vv, oo) = (&v[i..i + 8], &mut acc[i..i + 8]);
-        // SAFETY: `vv` has 16 readable bytes, `oo` 32 readable and writable bytes.
+        // SAFETY: `vv` has 8 readable elements, `oo` 8 readable and writable f32.
         unsafe {
-            let x = _mm256_cvtph_ps(_mm_loadu_si128(vv.as_ptr().cast()));
+            let x = T::load8(vv.as_ptr());
             _mm256_storeu_ps(oo.as_mut_ptr(), _mm256_fmadd_ps(av, x, _mm256_loadu_ps(oo.as_ptr())));
         }
     }
     for i in n8..v.len() {
-        acc[i] += a * f16::from_bits(v[i]).to_f32();
+        acc[i] += a * v[i].scalar();
     }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-fn dot_f16_rows_impl(k: &[u16], q: &[f32], out: &mut [f32]) {
+fn dot_rows_impl<T: Lanes>(k: &[T], q: &[f32], out: &mut [f32]) {
     for (row, o) in k.chunks_exact(q.len()).zip(out.iter_mut()) {
-        *o = dot_f16_impl(row, q);
+        *o = dot_impl(row, q);
     }
 }
 
 /// `out += Σ_j w[j] · v[j]`, keeping up to 64 columns of `out` in registers across rows; per
-/// element the same FMA sequence as repeated `axpy_f16`, so results are identical.
+/// element the same FMA sequence as repeated `axpy`, so results are identical.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn weighted_sum_impl(out: &mut [f32], w: &[f32], v: &[u16]) {
+fn weighted_sum_impl<T: Lanes>(out: &mut [f32], w: &[f32], v: &[T]) {
     let cols = out.len();
     if !cols.is_multiple_of(8) {
         for (row, &wj) in v.chunks_exact(cols).zip(w) {
-            axpy_f16_impl(out, wj, row);
+            axpy_impl(out, wj, row);
         }
         return;
     }
@@ -249,8 +285,8 @@ fn weighted_sum_impl(out: &mut [f32], w: &[f32], v: &[u16]) {
             let wv = _mm256_set1_ps(wj);
             for (r, a) in acc.iter_mut().enumerate().take(width) {
                 let x = &row[c0 + r * 8..c0 + r * 8 + 8];
-                // SAFETY: `x` has 8 readable u16 (16 bytes).
-                *a = _mm256_fmadd_ps(wv, _mm256_cvtph_ps(unsafe { _mm_loadu_si128(x.as_ptr().cast()) }), *a);
+                // SAFETY: `x` has 8 readable elements.
+                *a = _mm256_fmadd_ps(wv, unsafe { T::load8(x.as_ptr()) }, *a);
             }
         }
         for (r, a) in acc.iter().enumerate().take(width) {
@@ -261,33 +297,46 @@ fn weighted_sum_impl(out: &mut [f32], w: &[f32], v: &[u16]) {
     }
 }
 
-pub(super) fn dot_f16_rows(k: &[f16], q: &[f32], out: &mut [f32]) {
-    // SAFETY: only reached with Isa::Avx2 (features detected).
-    unsafe { dot_f16_rows_impl(f16_bits(k), q, out) }
+#[target_feature(enable = "avx2,fma,f16c")]
+fn widen_impl(src: &[f16], dst: &mut [f32]) {
+    let n8 = src.len() / 8 * 8;
+    for i in (0..n8).step_by(8) {
+        let (s, d) = (&src[i..i + 8], &mut dst[i..i + 8]);
+        // SAFETY: `s` has 8 readable f16, `d` 8 writable f32.
+        unsafe { _mm256_storeu_ps(d.as_mut_ptr(), <f16 as Lanes>::load8(s.as_ptr())) };
+    }
+    for i in n8..src.len() {
+        dst[i] = src[i].to_f32();
+    }
 }
 
-pub(super) fn weighted_sum_f16(out: &mut [f32], w: &[f32], v: &[f16]) {
+pub(super) fn widen(src: &[f16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len());
     // SAFETY: only reached with Isa::Avx2 (features detected).
-    unsafe { weighted_sum_impl(out, w, f16_bits(v)) }
+    unsafe { widen_impl(src, dst) }
 }
 
-fn f16_bits(k: &[f16]) -> &[u16] {
-    // SAFETY: half::f16 is #[repr(transparent)] over u16.
-    unsafe { std::slice::from_raw_parts(k.as_ptr().cast::<u16>(), k.len()) }
+pub(super) fn dot<T: Lanes>(k: &[T], q: &[f32]) -> f32 {
+    // SAFETY: only reached with Isa::Avx2 (features detected).
+    unsafe { dot_impl(k, q) }
 }
 
-pub(super) fn dot_f16(k: &[f16], q: &[f32]) -> f32 {
+pub(super) fn axpy<T: Lanes>(acc: &mut [f32], a: f32, v: &[T]) {
     // SAFETY: only reached with Isa::Avx2 (features detected).
-    unsafe { dot_f16_impl(f16_bits(k), q) }
+    unsafe { axpy_impl(acc, a, v) }
 }
 
-pub(super) fn axpy_f16(acc: &mut [f32], a: f32, v: &[f16]) {
+pub(super) fn dot_rows<T: Lanes>(k: &[T], q: &[f32], out: &mut [f32]) {
     // SAFETY: only reached with Isa::Avx2 (features detected).
-    unsafe { axpy_f16_impl(acc, a, f16_bits(v)) }
+    unsafe { dot_rows_impl(k, q, out) }
+}
+
+pub(super) fn weighted_sum<T: Lanes>(out: &mut [f32], w: &[f32], v: &[T]) {
+    // SAFETY: only reached with Isa::Avx2 (features detected).
+    unsafe { weighted_sum_impl(out, w, v) }
 }
 
 pub(super) fn dot_f16_bytes(w: &[u8], x: &[f32]) -> f32 {
-    let bits: Vec<u16> = w.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
-    // SAFETY: only reached with Isa::Avx2 (features detected).
-    unsafe { dot_f16_impl(&bits, x) }
+    let row: Vec<f16> = w.chunks_exact(2).map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect();
+    dot(&row, x)
 }

@@ -116,47 +116,74 @@ pub fn dot_f_row(isa: Isa, ty: GgmlType, w_row: &[u8], x: &[f32], cols: usize, o
     }
 }
 
-/// `sum(k[i] * q[i])` with `k` in f16.
+/// Element types of keys and values attention reads: the pool's f16, or f32 after a page
+/// was converted once for many query rows. Results do not depend on which (f16 converts to
+/// f32 exactly and the arithmetic is the same).
+pub trait KvElem: Copy + private::Both {}
+impl KvElem for f16 {}
+impl KvElem for f32 {}
+
+mod private {
+    #[cfg(target_arch = "x86_64")]
+    pub trait Both: super::avx2::Lanes + super::scalar::Scalar {}
+    #[cfg(not(target_arch = "x86_64"))]
+    pub trait Both: super::scalar::Scalar {}
+    impl Both for half::f16 {}
+    impl Both for f32 {}
+}
+
+/// `sum(k[i] * q[i])`.
 #[inline]
-pub fn dot_f16(isa: Isa, k: &[f16], q: &[f32]) -> f32 {
+pub fn dot_kv<T: KvElem>(isa: Isa, k: &[T], q: &[f32]) -> f32 {
     assert_eq!(k.len(), q.len());
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => avx2::dot_f16(k, q),
-        _ => scalar::dot_f16(k, q),
+        Isa::Avx2 => avx2::dot(k, q),
+        _ => scalar::dot(k, q),
     }
 }
 
-/// `acc[i] += a * v[i]` with `v` in f16.
+/// `acc[i] += a * v[i]`.
 #[inline]
-pub fn axpy_f16(isa: Isa, acc: &mut [f32], a: f32, v: &[f16]) {
+pub fn axpy_kv<T: KvElem>(isa: Isa, acc: &mut [f32], a: f32, v: &[T]) {
     assert_eq!(acc.len(), v.len());
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => avx2::axpy_f16(acc, a, v),
-        _ => scalar::axpy_f16(acc, a, v),
+        Isa::Avx2 => avx2::axpy(acc, a, v),
+        _ => scalar::axpy(acc, a, v),
     }
 }
 
 /// `out[j] = dot(k row j, q)` for the `out.len()` rows of `k` (each `q.len()` wide); equal
-/// to calling [`dot_f16`] per row.
-pub fn dot_f16_rows(isa: Isa, k: &[f16], q: &[f32], out: &mut [f32]) {
+/// to calling [`dot_kv`] per row.
+pub fn dot_kv_rows<T: KvElem>(isa: Isa, k: &[T], q: &[f32], out: &mut [f32]) {
     assert_eq!(k.len(), q.len() * out.len(), "rows of k");
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => avx2::dot_f16_rows(k, q, out),
-        _ => scalar::dot_f16_rows(k, q, out),
+        Isa::Avx2 => avx2::dot_rows(k, q, out),
+        _ => scalar::dot_rows(k, q, out),
     }
 }
 
 /// `out += Σ_j w[j] · v row j` for the `w.len()` rows of `v` (each `out.len()` wide); equal to
-/// calling [`axpy_f16`] per row, in order.
-pub fn weighted_sum_f16(isa: Isa, out: &mut [f32], w: &[f32], v: &[f16]) {
+/// calling [`axpy_kv`] per row, in order.
+pub fn weighted_sum_kv<T: KvElem>(isa: Isa, out: &mut [f32], w: &[f32], v: &[T]) {
     assert_eq!(v.len(), out.len() * w.len(), "rows of v");
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => avx2::weighted_sum_f16(out, w, v),
-        _ => scalar::weighted_sum_f16(out, w, v),
+        Isa::Avx2 => avx2::weighted_sum(out, w, v),
+        _ => scalar::weighted_sum(out, w, v),
+    }
+}
+
+/// `dst = src` widened to f32 (exact), replacing `dst`'s contents.
+pub fn widen_f16(isa: Isa, src: &[f16], dst: &mut Vec<f32>) {
+    dst.clear();
+    dst.resize(src.len(), 0.0);
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2::widen(src, dst),
+        _ => dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32()),
     }
 }
 
@@ -244,28 +271,28 @@ mod tests {
         let k: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
         let q = &x[..cols];
         let want: f32 = k.iter().zip(q).map(|(a, b)| a.to_f32() * b).sum();
-        assert!((dot_f16(Isa::detect(), &k, q) - want).abs() < 1e-4);
-        assert!((dot_f16(Isa::Scalar, &k, q) - want).abs() < 1e-4);
+        assert!((dot_kv(Isa::detect(), &k, q) - want).abs() < 1e-4);
+        assert!((dot_kv(Isa::Scalar, &k, q) - want).abs() < 1e-4);
         let rows: Vec<f16> = x.iter().map(|&v| f16::from_f32(v)).collect();
         for isa in [Isa::Scalar, Isa::detect()] {
             let mut one_by_one = vec![0.0; 2];
             for (j, o) in one_by_one.iter_mut().enumerate() {
-                *o = dot_f16(isa, &rows[j * cols..(j + 1) * cols], &w);
+                *o = dot_kv(isa, &rows[j * cols..(j + 1) * cols], &w);
             }
             let mut batched = vec![0.0; 2];
-            dot_f16_rows(isa, &rows, &w, &mut batched);
+            dot_kv_rows(isa, &rows, &w, &mut batched);
             assert_eq!(one_by_one, batched, "{isa:?} dot rows");
             let mut a = w.clone();
-            axpy_f16(isa, &mut a, 0.3, &rows[..cols]);
-            axpy_f16(isa, &mut a, -1.7, &rows[cols..]);
+            axpy_kv(isa, &mut a, 0.3, &rows[..cols]);
+            axpy_kv(isa, &mut a, -1.7, &rows[cols..]);
             let mut b = w.clone();
-            weighted_sum_f16(isa, &mut b, &[0.3, -1.7], &rows);
+            weighted_sum_kv(isa, &mut b, &[0.3, -1.7], &rows);
             assert_eq!(a, b, "{isa:?} weighted sum");
         }
         let mut acc1 = x[cols..].to_vec();
         let mut acc2 = acc1.clone();
-        axpy_f16(Isa::Scalar, &mut acc1, 0.37, &k);
-        axpy_f16(Isa::detect(), &mut acc2, 0.37, &k);
+        axpy_kv(Isa::Scalar, &mut acc1, 0.37, &k);
+        axpy_kv(Isa::detect(), &mut acc2, 0.37, &k);
         for (a, b) in acc1.iter().zip(&acc2) {
             assert!((a - b).abs() < 1e-5);
         }

@@ -77,25 +77,40 @@ pub(super) fn dot_f32_bytes(w: &[u8], x: &[f32]) -> f32 {
     w.chunks_exact(4).zip(x).map(|(c, v)| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) * v).sum()
 }
 
-pub(super) fn dot_f16(k: &[f16], q: &[f32]) -> f32 {
-    k.iter().zip(q).map(|(a, b)| a.to_f32() * b).sum()
+/// Element types attention reads.
+pub trait Scalar: Copy {
+    fn f(self) -> f32;
+}
+impl Scalar for f16 {
+    fn f(self) -> f32 {
+        self.to_f32()
+    }
+}
+impl Scalar for f32 {
+    fn f(self) -> f32 {
+        self
+    }
 }
 
-pub(super) fn axpy_f16(acc: &mut [f32], a: f32, v: &[f16]) {
+pub(super) fn dot<T: Scalar>(k: &[T], q: &[f32]) -> f32 {
+    k.iter().zip(q).map(|(a, b)| a.f() * b).sum()
+}
+
+pub(super) fn axpy<T: Scalar>(acc: &mut [f32], a: f32, v: &[T]) {
     for (o, x) in acc.iter_mut().zip(v) {
-        *o += a * x.to_f32();
+        *o += a * x.f();
     }
 }
 
-pub(super) fn dot_f16_rows(k: &[f16], q: &[f32], out: &mut [f32]) {
+pub(super) fn dot_rows<T: Scalar>(k: &[T], q: &[f32], out: &mut [f32]) {
     for (row, o) in k.chunks_exact(q.len()).zip(out.iter_mut()) {
-        *o = dot_f16(row, q);
+        *o = dot(row, q);
     }
 }
 
-pub(super) fn weighted_sum_f16(out: &mut [f32], w: &[f32], v: &[f16]) {
+pub(super) fn weighted_sum<T: Scalar>(out: &mut [f32], w: &[f32], v: &[T]) {
     let cols = out.len();
     for (row, &wj) in v.chunks_exact(cols).zip(w) {
-        axpy_f16(out, wj, row);
+        axpy(out, wj, row);
     }
 }
