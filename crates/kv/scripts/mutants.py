@@ -24,7 +24,7 @@ MUTANTS = [
     ("lease_many all-or-nothing", POOL, "if n > self.free.len() {", "if false {"),
     ("layer range", POOL, "if layer >= self.layout.layers {", "if false {"),
     ("row length", POOL, "if k.len() != row || v.len() != row {", "if false {"),
-    ("poison on free", POOL, "if self.poison_on_release {", "if false {"),
+    ("poison on free", POOL, "if self.checks.canaries {", "if false {"),
     ("watermarks reset on free", POOL, "fn free_page(&mut self, page: PageId) {\n        self.reset_watermarks(page);", "fn free_page(&mut self, page: PageId) {"),
     ("watermarks reset on quarantine", POOL, "        self.reset_watermarks(tag.page);\n", ""),
     ("commit checks watermarks", SEQ, "if watermark < need {", "if false {"),

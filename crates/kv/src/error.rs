@@ -1,6 +1,6 @@
 //! [`KvError`]: every refusal of the pool, with the facts that caused it.
 
-use crate::{Generation, KvLayout, PageId, PoolId};
+use crate::{Generation, KvLayout, PageId, PoolId, RequestId};
 
 /// Errors of the KV pool. Every refused access returns one of these; none reads or writes.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -130,5 +130,37 @@ pub enum KvError {
         page: PageId,
         /// That layer's watermark on that page.
         watermark: usize,
+    },
+    /// A slot about to be attended to still holds [`POISON`](crate::POISON): it was never
+    /// written since its page was last freed (a canary, design I2/I6).
+    #[error("page {page} layer {layer} slot {slot} holds the poison canary: it was not written in this lease")]
+    PoisonedSlot {
+        /// Page holding the slot.
+        page: PageId,
+        /// Layer.
+        layer: usize,
+        /// Slot within the page.
+        slot: usize,
+    },
+    /// The KV auditor found a slot about to be attended to whose shadow tag names another
+    /// writer than the reader's lease (design I1/I2).
+    #[error(
+        "KV audit: page {page} layer {layer} slot {slot} was written by request {written_by} at generation {written_generation}, read by request {reader} at generation {reader_generation}"
+    )]
+    AuditViolation {
+        /// Page holding the slot.
+        page: PageId,
+        /// Layer.
+        layer: usize,
+        /// Slot within the page.
+        slot: usize,
+        /// Request whose write the shadow tag records.
+        written_by: RequestId,
+        /// Generation of that write's lease.
+        written_generation: Generation,
+        /// Request about to read the slot.
+        reader: RequestId,
+        /// Generation of the reader's lease.
+        reader_generation: Generation,
     },
 }

@@ -84,8 +84,37 @@ pub struct PoolConfig {
     pub layout: KvLayout,
     /// Number of pages; the pool holds `pages * layout.page_size` tokens.
     pub pages: usize,
-    /// Fill a page with [`POISON`](crate::POISON) whenever it returns to the free list, so
-    /// any read that escaped the watermark checks would show NaN rather than another
-    /// request's data.
-    pub poison_on_release: bool,
+    /// Which of the optional integrity checks run.
+    pub checks: KvChecks,
+}
+
+/// The integrity checks a pool runs besides the ones that always run (lease generation,
+/// owner, watermark). The first two are on in production ([`KvChecks::default`]); turning
+/// them off exists only to measure what they cost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvChecks {
+    /// Canaries: fill a page with [`POISON`](crate::POISON) whenever it returns to the free
+    /// list, and refuse to let attention read a slot that still holds it
+    /// ([`KvPool::check_reads`](crate::KvPool::check_reads)).
+    pub canaries: bool,
+    /// Checksum every transferred chunk (xxh3-64, non-cryptographic: it catches corruption,
+    /// not forgery) at the sender and verify it at the receiver.
+    pub checksums: bool,
+    /// The KV auditor: a shadow tag (owner, generation) for every written slot, checked for
+    /// every slot a sequence is about to attend to. Costs 16 bytes per slot per layer.
+    pub audit: bool,
+}
+
+impl Default for KvChecks {
+    /// Production: canaries and checksums on, auditor off.
+    fn default() -> Self {
+        KvChecks { canaries: true, checksums: true, audit: false }
+    }
+}
+
+impl KvChecks {
+    /// Every check on, auditor included: what tests run with.
+    pub fn all() -> Self {
+        KvChecks { canaries: true, checksums: true, audit: true }
+    }
 }

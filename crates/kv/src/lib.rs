@@ -7,10 +7,10 @@
 //! lease's generation. No model, no I/O, no threads, no `unsafe`.
 //!
 //! ```
-//! use bulkhead_kv::{KvLayout, KvPool, PoolConfig, RequestId, SequenceKv};
+//! use bulkhead_kv::{KvChecks, KvLayout, KvPool, PoolConfig, RequestId, SequenceKv};
 //!
 //! let layout = KvLayout { layers: 2, kv_heads: 1, head_dim: 2, page_size: 4 };
-//! let mut pool = KvPool::new(PoolConfig { layout, pages: 8, poison_on_release: true })?;
+//! let mut pool = KvPool::new(PoolConfig { layout, pages: 8, checks: KvChecks::all() })?;
 //! let mut seq = SequenceKv::new(RequestId(1));
 //! seq.reserve(&mut pool, 3)?; // one page
 //! for pos in 0..3 {
@@ -47,7 +47,7 @@ pub mod transfer;
 
 pub use error::KvError;
 pub use ids::{Generation, PageId, PoolId, RequestId};
-pub use layout::{KvLayout, PoolConfig};
+pub use layout::{KvChecks, KvLayout, PoolConfig};
 pub use pool::{KvPool, Lease, POISON, PageRead, PoolStats, Quarantined};
 pub use sequence::SequenceKv;
 pub use transfer::{ChunkHeader, Inbound, Manifest, PageRef, TransferError, VerifiedSequence};

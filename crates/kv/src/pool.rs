@@ -5,10 +5,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use half::f16;
 
-use crate::{Generation, KvError, KvLayout, PageId, PoolConfig, PoolId, RequestId};
+use crate::{Generation, KvChecks, KvError, KvLayout, PageId, PoolConfig, PoolId, RequestId, SequenceKv};
 
 /// Sentinel written over a page when it returns to the free list (if
-/// [`PoolConfig::poison_on_release`]): a quiet f16 NaN with a recognisable payload, so a read
+/// [`KvChecks::canaries`]): a quiet f16 NaN with a recognisable payload, so a read
 /// that escaped the checks yields NaN (loud) instead of another request's KV. Compare with
 /// `to_bits()`, since NaN != NaN.
 pub const POISON: f16 = f16::from_bits(0x7EAD);
@@ -163,7 +163,28 @@ pub struct PoolStats {
     pub reads: u64,
     /// Accesses refused with an error (stale, foreign, out of range, non-sequential, ...).
     pub refusals: u64,
+    /// Leases checked live (page generation == lease generation) before a forward step
+    /// attends to them ([`KvPool::check_reads`]); runs whatever the checks configuration.
+    pub generation_checks: u64,
+    /// Slots checked against the poison canary before first being attended to.
+    pub canary_checks: u64,
+    /// Slots refused because they still held the poison canary.
+    pub poisoned_reads: u64,
+    /// Slot reads checked by the KV auditor.
+    pub audited_slots: u64,
+    /// Slots the auditor refused (shadow tag of another owner or generation).
+    pub audit_violations: u64,
 }
+
+/// Shadow tag of one slot: who wrote it, under which lease generation. Generation 0 is
+/// never leased, so the initial tag matches no reader.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct SlotTag {
+    owner: RequestId,
+    generation: Generation,
+}
+
+const UNWRITTEN: SlotTag = SlotTag { owner: RequestId(0), generation: Generation(0) };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum PageState {
@@ -206,12 +227,15 @@ struct PageMeta {
 pub struct KvPool {
     id: PoolId,
     layout: KvLayout,
-    poison_on_release: bool,
+    checks: KvChecks,
     /// `pages * page_elems` elements; page `p` at `[p * page_elems..]`.
     storage: Vec<f16>,
     meta: Vec<PageMeta>,
     /// `watermarks[page * layers + layer]`: slots written in that layer this generation.
     watermarks: Vec<usize>,
+    /// The auditor's shadow tags, `[page][layer][slot]`; empty unless `checks.audit`.
+    /// Written only by the pool's own write paths, never read by attention.
+    shadow: Vec<SlotTag>,
     /// Free pages, used as a stack (most recently freed reused first).
     free: Vec<PageId>,
     /// Last generation handed out, pool-wide; strictly increasing, hence per page too.
@@ -225,6 +249,11 @@ pub struct KvPool {
     /// Atomic so that `read(&self)` can count while the pool stays `Sync`.
     reads: AtomicU64,
     refusals: AtomicU64,
+    generation_checks: AtomicU64,
+    canary_checks: AtomicU64,
+    poisoned_reads: AtomicU64,
+    audited_slots: AtomicU64,
+    audit_violations: AtomicU64,
 }
 
 impl fmt::Debug for KvPool {
@@ -263,13 +292,19 @@ impl KvPool {
         cfg.pages
             .checked_mul(layout.page_size)
             .ok_or(too_large.clone())?;
-        let wm_len = cfg.pages.checked_mul(layout.layers).ok_or(too_large)?;
+        let wm_len = cfg.pages.checked_mul(layout.layers).ok_or(too_large.clone())?;
+        let shadow_len = if cfg.checks.audit { wm_len.checked_mul(layout.page_size).ok_or(too_large)? } else { 0 };
 
         let mut storage = Vec::new();
         storage
             .try_reserve_exact(elems)
             .map_err(|_| KvError::OutOfMemory { bytes })?;
-        let fill = if cfg.poison_on_release {
+        let mut shadow = Vec::new();
+        shadow
+            .try_reserve_exact(shadow_len)
+            .map_err(|_| KvError::OutOfMemory { bytes: shadow_len.saturating_mul(std::mem::size_of::<SlotTag>()) })?;
+        shadow.resize(shadow_len, UNWRITTEN);
+        let fill = if cfg.checks.canaries {
             POISON
         } else {
             f16::ZERO
@@ -291,10 +326,11 @@ impl KvPool {
         Ok(KvPool {
             id: PoolId::fresh(),
             layout,
-            poison_on_release: cfg.poison_on_release,
+            checks: cfg.checks,
             storage,
             meta,
             watermarks: vec![0; wm_len],
+            shadow,
             free,
             last_generation: 0,
             leased: 0,
@@ -305,6 +341,11 @@ impl KvPool {
             writes: 0,
             reads: AtomicU64::new(0),
             refusals: AtomicU64::new(0),
+            generation_checks: AtomicU64::new(0),
+            canary_checks: AtomicU64::new(0),
+            poisoned_reads: AtomicU64::new(0),
+            audited_slots: AtomicU64::new(0),
+            audit_violations: AtomicU64::new(0),
         })
     }
 
@@ -316,6 +357,11 @@ impl KvPool {
     /// Shape of every page.
     pub fn layout(&self) -> &KvLayout {
         &self.layout
+    }
+
+    /// The optional checks this pool runs.
+    pub fn checks(&self) -> KvChecks {
+        self.checks
     }
 
     /// Pages in the pool.
@@ -455,7 +501,7 @@ impl KvPool {
     /// Returns the page to the free list: watermarks zeroed, storage poisoned if configured.
     fn free_page(&mut self, page: PageId) {
         self.reset_watermarks(page);
-        if self.poison_on_release {
+        if self.checks.canaries {
             let pe = self.layout.page_elems();
             let start = page.index() * pe;
             self.storage[start..start + pe].fill(POISON);
@@ -603,6 +649,7 @@ impl KvPool {
             }
         }
         self.watermarks[wm] = slot + 1;
+        self.tag_slots(&lease.tag, layer, slot, 1);
         self.writes += 1;
         Ok(())
     }
@@ -633,6 +680,77 @@ impl KvPool {
             head_dim: self.layout.head_dim,
             page_size: self.layout.page_size,
         })
+    }
+
+    /// Records the writer of slots `start..start + count` of `layer` for the auditor.
+    fn tag_slots(&mut self, tag: &Tag, layer: usize, start: usize, count: usize) {
+        if self.checks.audit {
+            let at = self.wm_index(tag.page, layer) * self.layout.page_size + start;
+            self.shadow[at..at + count].fill(SlotTag { owner: tag.owner, generation: tag.generation });
+        }
+    }
+
+    /// The checks before a forward step attends to the committed positions of `kv`
+    /// (design I1, I2, I6). Always: every lease is live (page generation == lease
+    /// generation). With canaries: no slot attended to holds [`POISON`]; each slot is
+    /// checked once, when first attended to, since a live lease's written slots cannot
+    /// change (writes are append-only and a page changes hands only under a new
+    /// generation). With the auditor: every slot of every layer, on every call, carries the
+    /// shadow tag of this lease, independently of the watermarks.
+    pub fn check_reads(&self, kv: &mut SequenceKv) -> Result<(), KvError> {
+        let r = self.check_reads_inner(kv);
+        self.counted(r)
+    }
+
+    fn check_reads_inner(&self, kv: &mut SequenceKv) -> Result<(), KvError> {
+        let (ps, len) = (self.layout.page_size, kv.len());
+        for lease in kv.leases() {
+            self.generation_checks.fetch_add(1, Ordering::Relaxed);
+            self.verify(&lease.tag, Want::Leased)?;
+        }
+        if self.checks.canaries {
+            let from = kv.canary_checked();
+            for pos in from..len {
+                let (lease, slot) = kv.locate(pos)?;
+                for layer in 0..self.layout.layers {
+                    // First K element of kv head 0: poison fills whole pages.
+                    let at = self.block_start(lease.tag.page, layer) + slot * self.layout.head_dim;
+                    if self.storage[at].to_bits() == POISON.to_bits() {
+                        self.poisoned_reads.fetch_add(1, Ordering::Relaxed);
+                        return Err(KvError::PoisonedSlot { page: lease.tag.page, layer, slot });
+                    }
+                }
+            }
+            self.canary_checks.fetch_add((len - from.min(len)) as u64, Ordering::Relaxed);
+            kv.set_canary_checked(len);
+        }
+        if self.checks.audit {
+            for (i, lease) in kv.leases().iter().enumerate() {
+                let slots = len.saturating_sub(i * ps).min(ps);
+                if slots == 0 {
+                    break;
+                }
+                let want = SlotTag { owner: lease.tag.owner, generation: lease.tag.generation };
+                for layer in 0..self.layout.layers {
+                    let at = self.wm_index(lease.tag.page, layer) * ps;
+                    self.audited_slots.fetch_add(slots as u64, Ordering::Relaxed);
+                    if let Some(slot) = self.shadow[at..at + slots].iter().position(|t| *t != want) {
+                        self.audit_violations.fetch_add(1, Ordering::Relaxed);
+                        let found = self.shadow[at + slot];
+                        return Err(KvError::AuditViolation {
+                            page: lease.tag.page,
+                            layer,
+                            slot,
+                            written_by: found.owner,
+                            written_generation: found.generation,
+                            reader: want.owner,
+                            reader_generation: want.generation,
+                        });
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Bytes of one token's KV across all layers in the transfer layout (f16, little-endian).
@@ -711,6 +829,7 @@ impl KvPool {
         for layer in 0..self.layout.layers {
             let wm = self.wm_index(page, layer);
             self.watermarks[wm] = start + count;
+            self.tag_slots(&lease.tag, layer, start, count);
         }
         self.writes += 1;
         Ok(())
@@ -754,6 +873,11 @@ impl KvPool {
             writes: self.writes,
             reads: self.reads.load(Ordering::Relaxed),
             refusals: self.refusals.load(Ordering::Relaxed),
+            generation_checks: self.generation_checks.load(Ordering::Relaxed),
+            canary_checks: self.canary_checks.load(Ordering::Relaxed),
+            poisoned_reads: self.poisoned_reads.load(Ordering::Relaxed),
+            audited_slots: self.audited_slots.load(Ordering::Relaxed),
+            audit_violations: self.audit_violations.load(Ordering::Relaxed),
         }
     }
 
@@ -856,7 +980,7 @@ mod tests {
         KvPool::new(PoolConfig {
             layout,
             pages: 2,
-            poison_on_release: true,
+            checks: KvChecks::all(),
         })
         .unwrap()
     }
@@ -990,5 +1114,110 @@ mod tests {
             &[f(7.0), f(8.0), f(15.0), f(16.0)]
         );
         p.release(l).unwrap();
+    }
+
+    /// A page that held request 1's KV, freed and leased to request 2, with its watermarks
+    /// forced up as a watermark bug would: request 2 commits slots it never wrote. Returns
+    /// the pool and request 2's sequence with 3 committed positions (only slot 0 written).
+    fn stale_read_setup(checks: KvChecks) -> (KvPool, SequenceKv) {
+        let layout = KvLayout { layers: 2, kv_heads: 1, head_dim: 2, page_size: 4 };
+        let mut p = KvPool::new(PoolConfig { layout, pages: 1, checks }).unwrap();
+        let row = [0.25f32; 2];
+        let mut first = SequenceKv::new(RequestId(1));
+        first.reserve(&mut p, 4).unwrap();
+        for layer in 0..2 {
+            for slot in 0..3 {
+                p.write(&first.leases()[0], layer, slot, &row, &row).unwrap();
+            }
+        }
+        first.release(&mut p).unwrap();
+        let mut second = SequenceKv::new(RequestId(2));
+        second.reserve(&mut p, 4).unwrap();
+        for layer in 0..2 {
+            p.write(&second.leases()[0], layer, 0, &row, &row).unwrap();
+        }
+        let page = second.leases()[0].page();
+        for layer in 0..2 {
+            let wm = p.wm_index(page, layer);
+            p.watermarks[wm] = 3;
+        }
+        second.commit(&p, 3).unwrap();
+        (p, second)
+    }
+
+    #[test]
+    fn the_canary_refuses_a_slot_not_written_since_its_page_was_freed() {
+        let (p, mut seq) = stale_read_setup(KvChecks { audit: false, ..KvChecks::all() });
+        let page = seq.leases()[0].page();
+        assert_eq!(p.check_reads(&mut seq), Err(KvError::PoisonedSlot { page, layer: 0, slot: 1 }));
+        let st = p.stats();
+        assert_eq!((st.poisoned_reads, st.generation_checks, st.audit_violations), (1, 1, 0));
+    }
+
+    #[test]
+    fn the_auditor_refuses_a_slot_written_by_the_previous_owner() {
+        // Without canaries the stale slot holds request 1's real KV: only the auditor sees it.
+        let (p, mut seq) = stale_read_setup(KvChecks { canaries: false, ..KvChecks::all() });
+        let page = seq.leases()[0].page();
+        assert_eq!(
+            p.check_reads(&mut seq),
+            Err(KvError::AuditViolation {
+                page,
+                layer: 0,
+                slot: 1,
+                written_by: RequestId(1),
+                written_generation: Generation(1),
+                reader: RequestId(2),
+                reader_generation: Generation(2),
+            })
+        );
+        assert_eq!((p.stats().audit_violations, p.stats().poisoned_reads), (1, 0));
+    }
+
+    #[test]
+    fn without_canaries_or_auditor_the_stale_read_goes_unnoticed() {
+        // What the two tests above guard against: the remaining checks pass it.
+        let (p, mut seq) = stale_read_setup(KvChecks { canaries: false, checksums: true, audit: false });
+        assert_eq!(p.check_reads(&mut seq), Ok(()));
+    }
+
+    #[test]
+    fn faithful_sequences_pass_every_read_check_and_canaries_run_once_per_slot() {
+        let layout = KvLayout { layers: 2, kv_heads: 1, head_dim: 2, page_size: 4 };
+        let mut p = KvPool::new(PoolConfig { layout, pages: 2, checks: KvChecks::all() }).unwrap();
+        let mut seq = SequenceKv::new(RequestId(5));
+        seq.reserve(&mut p, 6).unwrap();
+        let row = [0.5f32; 2];
+        for pos in 0..6 {
+            let (lease, slot) = seq.locate(pos).unwrap();
+            for layer in 0..2 {
+                p.write(lease, layer, slot, &row, &row).unwrap();
+            }
+        }
+        seq.commit(&p, 6).unwrap();
+        p.check_reads(&mut seq).unwrap();
+        p.check_reads(&mut seq).unwrap();
+        let st = p.stats();
+        // Two leases checked twice; 6 slots canary-checked once; 6 slots x 2 layers audited twice.
+        assert_eq!((st.generation_checks, st.canary_checks, st.audited_slots), (4, 6, 24));
+        assert_eq!((st.poisoned_reads, st.audit_violations, st.refusals), (0, 0, 0));
+        seq.release(&mut p).unwrap();
+    }
+
+    #[test]
+    fn a_sequence_whose_page_changed_hands_fails_the_generation_check() {
+        let layout = KvLayout { layers: 1, kv_heads: 1, head_dim: 2, page_size: 4 };
+        let mut p = KvPool::new(PoolConfig { layout, pages: 1, checks: KvChecks::default() }).unwrap();
+        let mut seq = SequenceKv::new(RequestId(1));
+        seq.reserve(&mut p, 2).unwrap();
+        let page = seq.leases()[0].page();
+        for q in p.revoke_owner(RequestId(1)) {
+            p.release_quarantined(q).unwrap();
+        }
+        let _other = p.lease(RequestId(2)).unwrap();
+        assert_eq!(
+            p.check_reads(&mut seq),
+            Err(KvError::StaleLease { page, lease_generation: Generation(1), page_generation: Generation(2) })
+        );
     }
 }

@@ -22,6 +22,9 @@ pub struct SequenceKv {
     binding: Option<Binding>,
     /// Tokens whose KV is written in every layer; always <= reserved tokens.
     committed: usize,
+    /// Positions `0..canary_checked` passed the pool's canary check (see
+    /// [`KvPool::check_reads`]); always <= committed.
+    canary_checked: usize,
 }
 
 impl SequenceKv {
@@ -32,6 +35,7 @@ impl SequenceKv {
             leases: Vec::new(),
             binding: None,
             committed: 0,
+            canary_checked: 0,
         }
     }
 
@@ -48,6 +52,14 @@ impl SequenceKv {
     /// No token committed.
     pub fn is_empty(&self) -> bool {
         self.committed == 0
+    }
+
+    pub(crate) fn canary_checked(&self) -> usize {
+        self.canary_checked
+    }
+
+    pub(crate) fn set_canary_checked(&mut self, n: usize) {
+        self.canary_checked = n.min(self.committed);
     }
 
     /// The leases, in position order.

@@ -183,9 +183,11 @@ impl Inbound {
         if end > self.prompt_tokens {
             return Err(TransferError::BeyondPrompt { page: h.page, end, prompt: self.prompt_tokens });
         }
-        let actual = checksum(data);
-        if actual != h.checksum {
-            return Err(TransferError::Checksum { page: h.page, claimed: h.checksum, actual });
+        if pool.checks().checksums {
+            let actual = checksum(data);
+            if actual != h.checksum {
+                return Err(TransferError::Checksum { page: h.page, claimed: h.checksum, actual });
+            }
         }
         pool.import_slots(lease, h.slot_start as usize, h.slot_count as usize, data)?;
         self.received = end;
@@ -216,6 +218,13 @@ impl Inbound {
             Ok(()) => Ok(VerifiedSequence { seq: self.seq, prompt_tokens: self.prompt_tokens }),
             Err(e) => Err((e.into(), self.seq)),
         }
+    }
+
+    /// The incident's bug, for tests that prove the suite catches it: believe the sender's
+    /// "done" without checking coverage, token count or manifest. Never built in production.
+    #[cfg(feature = "incident-replay")]
+    pub fn finish_trusting_claim(self) -> VerifiedSequence {
+        VerifiedSequence { seq: self.seq, prompt_tokens: self.prompt_tokens }
     }
 
     /// Give up on the transfer; the caller quarantines or releases the pages.
@@ -249,7 +258,8 @@ pub fn export_chunks(
             generation: target.generation,
             slot_start: slot as u32,
             slot_count: count as u32,
-            checksum: checksum(&data),
+            // Without checksums (measurement only) the receiver must not verify either.
+            checksum: if pool.checks().checksums { checksum(&data) } else { 0 },
         };
         manifest.add(&h);
         out.push((h, data));

@@ -2,7 +2,7 @@
 //! against a simple model of what the pool must do.
 
 use bulkhead_kv::{
-    Generation, KvError, KvLayout, KvPool, Lease, PageId, PoolConfig, Quarantined, RequestId,
+    Generation, KvError, KvLayout, KvPool, Lease, PageId, KvChecks, PoolConfig, Quarantined, RequestId,
 };
 use half::f16;
 use proptest::prelude::*;
@@ -216,7 +216,7 @@ fn run(ops: Vec<Op>, poison: bool) {
     let mut pool = KvPool::new(PoolConfig {
         layout: LAYOUT,
         pages: PAGES,
-        poison_on_release: poison,
+        checks: KvChecks { canaries: poison, ..KvChecks::all() },
     })
     .unwrap();
     let mut model = Model::new();

@@ -1,6 +1,6 @@
 //! Behaviour of `KvPool`: leases, isolation checks, watermarks, poisoning, quarantine.
 
-use bulkhead_kv::{Generation, KvError, KvLayout, KvPool, POISON, PageId, PoolConfig, RequestId};
+use bulkhead_kv::{Generation, KvError, KvLayout, KvPool, POISON, PageId, KvChecks, PoolConfig, RequestId};
 
 const LAYOUT: KvLayout = KvLayout {
     layers: 2,
@@ -16,7 +16,7 @@ fn pool(pages: usize, poison: bool) -> KvPool {
     KvPool::new(PoolConfig {
         layout: LAYOUT,
         pages,
-        poison_on_release: poison,
+        checks: KvChecks { canaries: poison, ..KvChecks::all() },
     })
     .unwrap()
 }
@@ -56,7 +56,7 @@ fn a_pool_with_zero_pages_or_a_zero_dimension_is_refused() {
     let cfg = |layout, pages| PoolConfig {
         layout,
         pages,
-        poison_on_release: false,
+        checks: KvChecks { canaries: false, ..KvChecks::all() },
     };
     assert_eq!(KvPool::new(cfg(LAYOUT, 0)).err(), Some(KvError::NoPages));
     for (field, layout) in [
@@ -108,7 +108,7 @@ fn a_pool_too_large_for_memory_is_an_error_not_an_abort() {
     let cfg = |pages| PoolConfig {
         layout: huge,
         pages,
-        poison_on_release: false,
+        checks: KvChecks { canaries: false, ..KvChecks::all() },
     };
     // 2^30 pages * 2^32 elements * 2 bytes = 2^63 bytes > isize::MAX: allocator refuses.
     assert_eq!(
@@ -130,7 +130,7 @@ fn a_pool_too_large_for_memory_is_an_error_not_an_abort() {
     let r = KvPool::new(PoolConfig {
         layout: tiny,
         pages: (1 << 32) + 1,
-        poison_on_release: false,
+        checks: KvChecks { canaries: false, ..KvChecks::all() },
     });
     assert!(matches!(r.err(), Some(KvError::TooLarge { .. })));
 }

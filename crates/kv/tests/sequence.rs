@@ -1,6 +1,6 @@
 //! Behaviour of `SequenceKv`: reserve, locate, commit, release, quarantine.
 
-use bulkhead_kv::{KvError, KvLayout, KvPool, PageId, PoolConfig, RequestId, SequenceKv};
+use bulkhead_kv::{KvError, KvLayout, KvPool, PageId, KvChecks, PoolConfig, RequestId, SequenceKv};
 
 const LAYOUT: KvLayout = KvLayout {
     layers: 2,
@@ -14,7 +14,7 @@ fn pool(pages: usize) -> KvPool {
     KvPool::new(PoolConfig {
         layout: LAYOUT,
         pages,
-        poison_on_release: true,
+        checks: KvChecks::all(),
     })
     .unwrap()
 }

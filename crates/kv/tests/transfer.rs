@@ -4,13 +4,13 @@
 
 use bulkhead_kv::transfer::{export_chunks, ChunkHeader, Manifest};
 use bulkhead_kv::{
-    Generation, Inbound, KvLayout, KvPool, PageRef, PoolConfig, RequestId, SequenceKv, TransferError,
+    Generation, Inbound, KvLayout, KvPool, PageRef, KvChecks, PoolConfig, RequestId, SequenceKv, TransferError,
 };
 
 const LAYOUT: KvLayout = KvLayout { layers: 2, kv_heads: 2, head_dim: 4, page_size: 4 };
 
 fn pool(pages: usize) -> KvPool {
-    KvPool::new(PoolConfig { layout: LAYOUT, pages, poison_on_release: true }).unwrap()
+    KvPool::new(PoolConfig { layout: LAYOUT, pages, checks: KvChecks::all() }).unwrap()
 }
 
 /// Distinct per (request, position, layer, element) and exact in f16 (integers below 2048).
@@ -185,4 +185,25 @@ fn a_refused_transfer_hands_its_pages_back_for_quarantine() {
     }
     assert_eq!(rp.stats().free_pages, 8);
     rp.check_invariants();
+}
+
+/// Checksums off (measurement only) must be off at both ends: a sender without them sends
+/// 0, which a checking receiver refuses and a non-checking one accepts.
+#[test]
+fn chunks_without_checksums_are_refused_by_a_receiver_that_checks() {
+    let off = KvChecks { checksums: false, ..KvChecks::all() };
+    let mut sp = KvPool::new(PoolConfig { layout: LAYOUT, pages: 4, checks: off }).unwrap();
+    let s = sender(&mut sp, 3, 4);
+    for (receiver_checks, accepted) in [(KvChecks::all(), false), (off, true)] {
+        let mut rp = KvPool::new(PoolConfig { layout: LAYOUT, pages: 4, checks: receiver_checks }).unwrap();
+        let mut inb = Inbound::reserve(&mut rp, RequestId(3), 4, 4).unwrap();
+        let (cs, _) = chunks(&sp, &s, &inb.prompt_pages(LAYOUT.page_size), 4);
+        assert_eq!(cs[0].0.checksum, 0);
+        let r = inb.accept(&mut rp, &cs[0].0, &cs[0].1);
+        assert_eq!(r.is_ok(), accepted, "{r:?}");
+        if !accepted {
+            assert!(matches!(r, Err(TransferError::Checksum { .. })), "{r:?}");
+        }
+        inb.into_sequence().release(&mut rp).unwrap();
+    }
 }
