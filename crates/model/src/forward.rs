@@ -4,7 +4,8 @@
 //! (one token each of many sequences): every token is a row of the same matrix products, so
 //! each weight is read once per call. KV is written and read only through the sequence's
 //! leases ([`bulkhead_kv::KvPool::write`] / [`bulkhead_kv::KvPool::read`]): a stale lease or a
-//! slot past a page's watermark is an error, never a read.
+//! slot past a page's watermark is an error, never a read; before each call every sequence's
+//! committed positions pass [`bulkhead_kv::KvPool::check_reads`].
 
 use bulkhead_kv::{KvPool, SequenceKv};
 use rayon::prelude::*;
@@ -189,6 +190,11 @@ impl Llama {
         let (q_dim, kv_dim) = (c.heads * hd, c.kv_heads * hd);
         // Row t of every activation matrix is token t; remember whose and where.
         let mut rows: Vec<(usize, usize)> = Vec::new();
+        // Every position attention will read, checked before anything is written (design
+        // I1, I2): lease generations always, canaries and the auditor as configured.
+        for (s, seq) in seqs.iter_mut().enumerate() {
+            pool.check_reads(seq.kv).map_err(|source| ModelError::ReadCheck { seq: s, source })?;
+        }
         for (s, seq) in seqs.iter().enumerate() {
             let start = seq.kv.len();
             let end = start + seq.tokens.len();

@@ -52,6 +52,10 @@ pub enum ModelError {
     NotReserved { pos: usize },
     #[error("page {page} layer {layer} holds {written} written slots, attention needs {needed}")]
     MissingKv { page: u32, layer: usize, written: usize, needed: usize },
+    /// A read check failed for sequence `seq` (its index in the forward call) before
+    /// anything was computed or written: that sequence must not run; the others may.
+    #[error("sequence {seq} of the batch failed a KV read check: {source}")]
+    ReadCheck { seq: usize, source: KvError },
     #[error("forward pass called with no tokens")]
     EmptyBatch,
     #[error(transparent)]

@@ -1,7 +1,7 @@
 //! The paged, batched forward pass against the plain contiguous reference, on the real
 //! default model: logits within tolerance and identical greedy continuations.
 
-use bulkhead_kv::{KvPool, PoolConfig, RequestId, SequenceKv};
+use bulkhead_kv::{KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
 use bulkhead_model::reference::ReferenceState;
 use bulkhead_model::{Llama, SeqInput};
 
@@ -71,7 +71,7 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 fn batched_paged_forward_matches_the_contiguous_reference() {
     let m = model();
     let prompts = prompts();
-    let mut pool = KvPool::new(PoolConfig { layout: m.kv_layout(16), pages: 256, poison_on_release: true }).unwrap();
+    let mut pool = KvPool::new(PoolConfig { layout: m.kv_layout(16), pages: 256, checks: KvChecks::all() }).unwrap();
     let mut seqs: Vec<SequenceKv> = (0..prompts.len()).map(|i| SequenceKv::new(RequestId(i as u64))).collect();
     for (s, p) in seqs.iter_mut().zip(&prompts) {
         s.reserve(&mut pool, p.len() + GEN).unwrap();
@@ -134,7 +134,7 @@ fn chunked_prefill_interleaved_with_decode_equals_whole_prefill() {
     let prompts = prompts();
     let long = prompts.last().unwrap();
     let short = &prompts[0];
-    let mut pool = KvPool::new(PoolConfig { layout: m.kv_layout(16), pages: 64, poison_on_release: true }).unwrap();
+    let mut pool = KvPool::new(PoolConfig { layout: m.kv_layout(16), pages: 64, checks: KvChecks::all() }).unwrap();
 
     let mut whole = SequenceKv::new(RequestId(1));
     whole.reserve(&mut pool, long.len()).unwrap();

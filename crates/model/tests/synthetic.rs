@@ -3,7 +3,7 @@
 //! name what is wrong.
 
 use bulkhead_gguf::{GgmlType, GgufFile, GgufWriter, Value};
-use bulkhead_kv::{KvPool, PoolConfig, RequestId, SequenceKv};
+use bulkhead_kv::{KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
 use bulkhead_model::quant::quantize_row;
 use bulkhead_model::reference::ReferenceState;
 use bulkhead_model::{Isa, Llama, ModelError, SeqInput};
@@ -78,7 +78,7 @@ fn every_supported_tensor_type_runs_and_the_paged_pass_equals_the_reference() {
             for &t in &prompt {
                 want = m.reference_step(&mut st, t);
             }
-            let mut pool = KvPool::new(PoolConfig { layout: m.kv_layout(8), pages: 8, poison_on_release: true }).unwrap();
+            let mut pool = KvPool::new(PoolConfig { layout: m.kv_layout(8), pages: 8, checks: KvChecks::all() }).unwrap();
             let mut kv = SequenceKv::new(RequestId(1));
             kv.reserve(&mut pool, prompt.len()).unwrap();
             let got = m.forward(&mut pool, &mut [SeqInput { kv: &mut kv, tokens: &prompt, want_logits: true }]).unwrap();
@@ -153,7 +153,7 @@ fn a_truncated_model_file_is_an_error_naming_the_file() {
 #[test]
 fn positions_past_the_context_or_unreserved_and_bad_tokens_are_errors_not_panics() {
     let m = load(&synthetic(GgmlType::Q8_0, "llama")).unwrap();
-    let mut pool = KvPool::new(PoolConfig { layout: m.kv_layout(16), pages: 32, poison_on_release: true }).unwrap();
+    let mut pool = KvPool::new(PoolConfig { layout: m.kv_layout(16), pages: 32, checks: KvChecks::all() }).unwrap();
     let mut kv = SequenceKv::new(RequestId(1));
     kv.reserve(&mut pool, 300).unwrap();
     let long = vec![1u32; 257];
