@@ -60,6 +60,9 @@ pub enum Event {
     Token { id: RequestId, token: u32, text: String },
     /// The request ended; `text` is any text released at the end.
     Finished { id: RequestId, reason: FinishReason, text: String, prompt_tokens: usize, completion_tokens: usize },
+    /// The request failed a KV read check (a stale lease, the poison canary or the
+    /// auditor) and was removed before its step ran; its pages are given back.
+    Failed { id: RequestId, error: KvError },
 }
 
 /// Why a request was not admitted or a step failed.
@@ -183,12 +186,15 @@ impl Engine {
     fn on_token(&mut self, i: usize, tok: u32, events: &mut Vec<Event>) -> Option<(FinishReason, String)> {
         let s = &mut self.seqs[i];
         s.generated += 1;
-        if self.tokenizer.is_eog(tok) {
+        let eog = self.tokenizer.is_eog(tok);
+        if eog && !s.sampler.params().ignore_eos {
             let mut text = s.stop.push(&s.utf8.finish()).emit;
             text.push_str(&s.stop.finish());
             return Some((FinishReason::Stop, text));
         }
-        let piece = s.utf8.push(self.tokenizer.token_bytes(tok).unwrap_or(&[]));
+        // Under ignore_eos an end-of-generation token counts but, being special, shows no text.
+        let bytes = if eog { &[][..] } else { self.tokenizer.token_bytes(tok).unwrap_or(&[]) };
+        let piece = s.utf8.push(bytes);
         let out = s.stop.push(&piece);
         events.push(Event::Token { id: s.id, token: tok, text: out.emit });
         if out.stopped {
@@ -262,8 +268,39 @@ impl Engine {
         &mut self.pool
     }
 
-    /// Run one forward call over all active sequences and return what it produced.
+    /// Run one forward call over all active sequences and return what it produced. A
+    /// sequence that fails a KV read check is failed alone (nothing of the step was computed
+    /// yet) and the step runs without it.
     pub fn step(&mut self) -> Result<Vec<Event>, EngineError> {
+        let mut failed = Vec::new();
+        loop {
+            match self.step_once() {
+                Err(EngineError::Model(ModelError::ReadCheck { seq, source })) => {
+                    let s = self.seqs.swap_remove(seq);
+                    let pages: Vec<u32> = s.kv.leases().iter().map(|l| l.page().0).collect();
+                    tracing::error!(request = s.id.0, ?pages, error = %source, "KV read check failed; request failed");
+                    let owner = s.id;
+                    if let Err(e) = s.kv.release(&mut self.pool) {
+                        // Its leases are stale: recover whatever is still leased to it.
+                        tracing::error!(request = owner.0, error = %e, "releasing a failed sequence");
+                        for q in self.pool.revoke_owner(owner) {
+                            self.pool.release_quarantined(q)?;
+                        }
+                    }
+                    failed.push(Event::Failed { id: owner, error: source });
+                }
+                Ok(mut events) => {
+                    failed.append(&mut events);
+                    return Ok(failed);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// One forward call; inputs are in `self.seqs` order, so a `ReadCheck` error's index is a
+    /// `self.seqs` index.
+    fn step_once(&mut self) -> Result<Vec<Event>, EngineError> {
         if self.seqs.is_empty() {
             return Ok(Vec::new());
         }
@@ -290,7 +327,14 @@ impl Engine {
                     inputs.push(SeqInput { kv: &mut s.kv, tokens: toks, want_logits: *want });
                 }
             }
-            self.model.forward(&mut self.pool, &mut inputs)?
+            match self.model.forward(&mut self.pool, &mut inputs) {
+                Ok(logits) => logits,
+                // The forward call numbers only the fed sequences.
+                Err(ModelError::ReadCheck { seq, source }) => {
+                    return Err(ModelError::ReadCheck { seq: feeds[seq].0, source }.into());
+                }
+                Err(e) => return Err(e.into()),
+            }
         };
         let vocab = self.model.config.vocab;
         let mut events = Vec::new();

@@ -74,6 +74,10 @@ pub struct SamplingParams {
     /// RNG seed. `Some` makes the token sequence reproducible for identical
     /// logits; `None` seeds from [`entropy_seed`] (not reproducible).
     pub seed: Option<u64>,
+    /// Keep generating past end-of-generation tokens (they count, show no
+    /// text), so only `max_tokens` or a stop string ends the sequence; for
+    /// fixed-length benchmarks (llama.cpp's and vLLM's `ignore_eos`).
+    pub ignore_eos: bool,
 }
 
 impl Default for SamplingParams {
@@ -83,6 +87,7 @@ impl Default for SamplingParams {
             top_k: 0,
             top_p: 1.0,
             seed: None,
+            ignore_eos: false,
         }
     }
 }
@@ -529,6 +534,7 @@ mod tests {
             top_k,
             top_p,
             seed: Some(seed),
+            ignore_eos: false,
         })
         .unwrap()
     }

@@ -5,7 +5,7 @@
 use std::sync::{Arc, OnceLock};
 
 use bulkhead_engine::{load_model, Engine, EngineError, Event, FinishReason, GenRequest, SamplingParams};
-use bulkhead_kv::{KvPool, PoolConfig, RequestId, SequenceKv};
+use bulkhead_kv::{KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
 use bulkhead_model::{Llama, SeqInput};
 use bulkhead_tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
 
@@ -26,7 +26,7 @@ fn shared() -> &'static Shared {
 
 fn engine(pages: usize) -> Engine {
     let s = shared();
-    let pool = KvPool::new(PoolConfig { layout: s.model.kv_layout(16), pages, poison_on_release: true }).unwrap();
+    let pool = KvPool::new(PoolConfig { layout: s.model.kv_layout(16), pages, checks: KvChecks::all() }).unwrap();
     Engine::new(s.model.clone(), s.tok.clone(), pool, 512, 8192)
 }
 
@@ -47,6 +47,7 @@ fn run(e: &mut Engine, ids: &[RequestId]) -> Vec<(String, FinishReason, usize)> 
                     o.1 = Some(reason);
                     o.2 = completion_tokens;
                 }
+                Event::Failed { id, error } => panic!("request {id:?} failed a KV read check: {error}"),
             }
         }
     }
@@ -78,7 +79,7 @@ fn llama_cpp_greedy_choices_are_our_argmax_or_a_near_tie_at_every_step() {
     let s = shared();
     let cases = cases();
     let vocab = s.model.config.vocab;
-    let mut pool = KvPool::new(PoolConfig { layout: s.model.kv_layout(16), pages: 256, poison_on_release: true }).unwrap();
+    let mut pool = KvPool::new(PoolConfig { layout: s.model.kv_layout(16), pages: 256, checks: KvChecks::all() }).unwrap();
     let paths: Vec<(Vec<u32>, Vec<u32>)> = cases
         .iter()
         .map(|(p, want, eos)| {
@@ -181,6 +182,24 @@ fn the_chat_template_with_an_explicit_system_prompt_answers_sanely() {
 }
 
 #[test]
+fn ignore_eos_generates_past_the_end_token_until_max_tokens() {
+    let s = shared();
+    let text = s.chat.render(&[ChatMessage::new("user", "What is the capital of France?")], true).unwrap();
+    let prompt = s.tok.encode(&text, true);
+    let mut e = engine(16);
+    let id = e.add(greedy(prompt.clone(), 64)).unwrap();
+    let (short, reason, n) = run(&mut e, &[id]).remove(0);
+    assert!(reason == FinishReason::Stop && n < 64, "the reply must end by itself for this test: {n} tokens, {short:?}");
+    let mut req = greedy(prompt, 64);
+    req.sampling.ignore_eos = true;
+    let id = e.add(req).unwrap();
+    let (long, reason, n) = run(&mut e, &[id]).remove(0);
+    assert_eq!((reason, n), (FinishReason::Length, 64));
+    assert!(long.starts_with(&short) && long.len() > short.len(), "{short:?} then {long:?}");
+    assert!(!long.contains("<|im_end|>"), "the end token shows no text: {long:?}");
+}
+
+#[test]
 fn a_stop_string_ends_generation_before_it_and_max_tokens_ends_with_length() {
     let tok = &shared().tok;
     let (p, want, _) = &cases()[0]; // "The capital of France is Paris."
@@ -203,7 +222,7 @@ fn a_seed_makes_sampling_reproducible() {
     let (p, _, _) = &cases()[2];
     let sampled = |seed| {
         let mut e = engine(16);
-        let sampling = SamplingParams { temperature: 1.0, top_k: 40, top_p: 0.95, seed: Some(seed) };
+        let sampling = SamplingParams { temperature: 1.0, top_k: 40, top_p: 0.95, seed: Some(seed), ignore_eos: false };
         let id = e.add(GenRequest { prompt: tok.encode(p, true), max_tokens: 16, sampling, stop: vec![] }).unwrap();
         run(&mut e, &[id]).remove(0).0
     };
@@ -227,4 +246,45 @@ fn admission_refuses_what_cannot_fit_and_abort_returns_every_page() {
     assert!(e.abort(id).unwrap());
     assert!(!e.abort(id).unwrap());
     assert_eq!((e.active(), e.pool().stats().free_pages), (0, 8));
+}
+
+/// A sequence whose pages changed hands mid-generation fails its read check before the next
+/// step computes anything: it alone is failed, and the sequence beside it in the batch
+/// finishes exactly as it does alone.
+#[test]
+fn a_sequence_failing_its_read_check_is_failed_alone_and_the_batch_goes_on() {
+    let s = shared();
+    let text = s.chat.render(&[ChatMessage::new("user", "What is the capital of France?")], true).unwrap();
+    let prompt = s.tok.encode(&text, true);
+    let mut alone = engine(16);
+    let id = alone.add(greedy(prompt.clone(), 12)).unwrap();
+    let (expected, _, _) = run(&mut alone, &[id]).remove(0);
+
+    let mut e = engine(16);
+    let victim = e.add(greedy(prompt.clone(), 12)).unwrap();
+    let other = e.add(greedy(prompt, 12)).unwrap();
+    e.step().unwrap();
+    // The victim's leases go stale, as if its pages were taken back and re-leased.
+    for q in e.pool_mut().revoke_owner(victim) {
+        e.pool_mut().release_quarantined(q).unwrap();
+    }
+    let mut failed = Vec::new();
+    let mut text = String::new();
+    while e.active() > 0 {
+        for ev in e.step().unwrap() {
+            match ev {
+                Event::Failed { id, error } => failed.push((id, error)),
+                Event::Token { id, text: t, .. } if id == other => text.push_str(&t),
+                Event::Finished { id, text: t, .. } if id == other => text.push_str(&t),
+                ev => panic!("the victim produced {ev:?} after its pages were revoked"),
+            }
+        }
+    }
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert_eq!(failed[0].0, victim);
+    assert!(matches!(failed[0].1, bulkhead_kv::KvError::StaleLease { .. }), "{failed:?}");
+    assert!(e.pool().stats().generation_checks > 0);
+    assert_eq!(e.pool().stats().free_pages, e.pool().stats().total_pages, "every page is back");
+    // The survivor's first token came from the shared first step.
+    assert!(expected.ends_with(&text) && !text.is_empty(), "{expected:?} vs {text:?}");
 }
