@@ -211,6 +211,11 @@ impl GgufFile {
             },
         };
         let data_offset = (c.pos as u64).div_ceil(alignment) * alignment;
+        // Every tensor, even one of no bytes, is read from the data section: it must start
+        // within the file.
+        if !tensors.is_empty() && data_offset > data.len() as u64 {
+            return Err(GgufError::Truncated { offset: c.pos as u64, needed: data_offset - c.pos as u64, len: data.len() as u64 });
+        }
         let data_len = (data.len() as u64).saturating_sub(data_offset);
         let mut seen = std::collections::HashSet::new();
         for t in &mut tensors {

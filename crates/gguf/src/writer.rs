@@ -64,9 +64,16 @@ impl GgufWriter {
         self.tensor(name, dims, GgmlType::F32, bytes)
     }
 
-    /// Serialise.
+    /// Serialise, aligning tensor data to `general.alignment` when it is set (readers align
+    /// to it), else to the default.
     pub fn to_bytes(&self) -> Vec<u8> {
-        let align = DEFAULT_ALIGNMENT as usize;
+        let align = self
+            .metadata
+            .iter()
+            .rfind(|(k, _)| k == "general.alignment")
+            .and_then(|(_, v)| v.as_u64())
+            .filter(|a| a.is_power_of_two())
+            .unwrap_or(DEFAULT_ALIGNMENT) as usize;
         let mut out = Vec::new();
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&3u32.to_le_bytes());
@@ -90,7 +97,10 @@ impl GgufWriter {
             offsets.push(offset);
             offset = (offset + bytes.len()).div_ceil(align) * align;
         }
-        out.resize(out.len().div_ceil(align) * align, 0);
+        // The data section starts aligned; without tensors there is none to pad for.
+        if !self.tensors.is_empty() {
+            out.resize(out.len().div_ceil(align) * align, 0);
+        }
         let base = out.len();
         for ((_, _, _, bytes), off) in self.tensors.iter().zip(offsets) {
             out.resize(base + off, 0);

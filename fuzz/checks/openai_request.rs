@@ -1,0 +1,121 @@
+//! The `openai_request` fuzz check, shared by the cargo-fuzz target (`fuzz/fuzz_targets/
+//! openai_request.rs`, nightly) and `crates/api/tests/fuzz_corpus.rs`, which replays the
+//! committed corpus on stable.
+//!
+//! Input: the first byte picks the endpoint (even: chat, odd: text completions); the rest is
+//! the body of a `POST` with `Content-Type: application/json`, sent through the real axum
+//! router to a backend that admits everything. Properties:
+//! - the answer is 2xx, or a 4xx with an OpenAI error body; never 5xx, never a panic;
+//! - a 4xx means the backend never saw the request (refusals happen before admission);
+//! - a request the backend saw is one generation can run: the served model, `max_tokens`
+//!   within the context, sampling parameters the engine accepts, at most four non-empty
+//!   stop strings.
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use axum::body::Body;
+use axum::http::{Request, header};
+use bulkhead_api::{ApiError, Backend, FinishReason, GenEvent, GenerationRequest, ModelCard, router};
+use serde_json::Value;
+use tokio::sync::mpsc;
+use tower::ServiceExt;
+
+/// The one model served.
+pub const MODEL: &str = "fuzz-model";
+/// Its context length (small, so `max_tokens` over it is easy to reach).
+pub const MAX_LEN: usize = 64;
+
+/// Admits every request with a two-event answer, keeping what it was asked.
+#[derive(Default)]
+struct Admit {
+    seen: Mutex<Option<GenerationRequest>>,
+}
+
+impl Backend for Admit {
+    fn models(&self) -> Vec<ModelCard> {
+        vec![ModelCard { id: MODEL.into(), max_model_len: MAX_LEN, created: 0, owned_by: "fuzz".into() }]
+    }
+
+    fn generate(&self, req: GenerationRequest) -> Result<mpsc::Receiver<GenEvent>, ApiError> {
+        *self.seen.lock().unwrap_or_else(|e| e.into_inner()) = Some(req);
+        let (tx, rx) = mpsc::channel(2);
+        let done = GenEvent::Finished { reason: FinishReason::Stop, prompt_tokens: 1, completion_tokens: 1 };
+        for ev in [GenEvent::Text("ok".into()), done] {
+            tx.try_send(ev).map_err(|e| ApiError::internal(e.to_string()))?;
+        }
+        Ok(rx)
+    }
+
+    fn ready(&self) -> bool {
+        true
+    }
+}
+
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_current_thread().build().expect("a current-thread runtime")
+    })
+}
+
+/// Runs one input; panics if a property fails.
+pub fn check(data: &[u8]) {
+    let Some((&pick, body)) = data.split_first() else {
+        return;
+    };
+    let path = if pick % 2 == 0 { "/v1/chat/completions" } else { "/v1/completions" };
+    let backend = Arc::new(Admit::default());
+    let req = Request::post(path)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(body.to_vec()))
+        .expect("a valid request");
+    let (status, content_type, out) = runtime().block_on(async {
+        let resp = router(Arc::clone(&backend) as Arc<dyn Backend>)
+            .oneshot(req)
+            .await
+            .expect("the router is infallible");
+        let (parts, body) = resp.into_parts();
+        let ct = parts.headers.get(header::CONTENT_TYPE).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+        let bytes = axum::body::to_bytes(body, usize::MAX).await.expect("the body is readable");
+        (parts.status, ct.unwrap_or_default(), bytes)
+    });
+    let seen = backend.seen.lock().unwrap_or_else(|e| e.into_inner()).take();
+    let out = String::from_utf8_lossy(&out);
+    assert!(!status.is_server_error(), "{status} for {:?}: {out}", String::from_utf8_lossy(body));
+    if status.is_client_error() {
+        assert!(seen.is_none(), "{status} after the backend admitted {seen:?}");
+        assert!(content_type.starts_with("application/json"), "{status} as {content_type}");
+        let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{status} body is not JSON ({e}): {out}"));
+        assert_error_body(&v);
+        return;
+    }
+    assert!(status.is_success(), "{status}: {out}");
+    let seen = seen.unwrap_or_else(|| panic!("{status} without reaching the backend: {out}"));
+    assert_runnable(&seen);
+    if content_type.starts_with("text/event-stream") {
+        assert!(out.ends_with("data: [DONE]\n\n"), "unterminated stream: {out}");
+    } else {
+        let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{status} body is not JSON ({e}): {out}"));
+        assert!(v["choices"][0].is_object(), "no choice in {v}");
+    }
+}
+
+/// `{"error": {"message", "type", "param", "code"}}`, nothing else.
+fn assert_error_body(v: &Value) {
+    let e = v["error"].as_object().unwrap_or_else(|| panic!("no error object in {v}"));
+    assert_eq!(e.len(), 4, "error has exactly message/type/param/code: {v}");
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    assert!(e["type"].is_string(), "{v}");
+    assert!(e["param"].is_null() || e["param"].is_string(), "{v}");
+    assert!(e["code"].is_null() || e["code"].is_string(), "{v}");
+}
+
+/// What validation promises the backend.
+fn assert_runnable(r: &GenerationRequest) {
+    assert_eq!(r.model, MODEL);
+    if let Some(n) = r.max_tokens {
+        assert!((1..=MAX_LEN).contains(&n), "max_tokens {n}");
+    }
+    assert!(r.sampling.validate().is_ok(), "the engine refuses {:?}", r.sampling);
+    assert!(r.stop.len() <= 4 && r.stop.iter().all(|s| !s.is_empty()), "stop {:?}", r.stop);
+}
