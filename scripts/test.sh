@@ -11,9 +11,32 @@ export BULKHEAD_AUDIT_KV=1
 cargo run --quiet -p bulkhead-fetch --example fetch-default-model
 
 log=$(mktemp)
-trap 'rm -f "$log"' EXIT
+trap 'rm -f "$log" "$log.py"' EXIT
 cargo test --workspace --doc 2>&1 | tee "$log"
 cargo test --workspace --all-targets 2>&1 | tee -a "$log"
-# One closing line over every test binary.
-awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
-     END { printf "summary: %d passed, %d failed\n", p, f }' "$log"
+
+# The official `openai` Python client and schemathesis against a real `bulkhead serve` (the
+# debug build the tests above used), from a virtual environment that tests/python/venv.sh
+# makes once per machine. A failure here still prints the summary, then fails the suite.
+cargo build --quiet -p bulkhead
+export BULKHEAD_BIN="${CARGO_TARGET_DIR:-target}/debug/bulkhead"
+venv=$(bash tests/python/venv.sh)
+status=0
+"$venv/bin/python" -m pytest -p no:cacheprovider -q -rfE tests/python 2>&1 | tee "$log.py" ||
+    { status=1; echo "FAILED: the openai client tests (tests/python/test_openai_client.py), above"; }
+st=passed
+bash scripts/schemathesis.sh ||
+    { status=1; st=failed; echo "FAILED: schemathesis (scripts/schemathesis.sh), above"; }
+
+# One closing line over every test binary, the Python tests (pytest's last count line), and
+# schemathesis counted as one test.
+awk -v st="$st" '
+    FILENAME == ARGV[1] && /^test result:/ {
+        for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
+    FILENAME == ARGV[2] && /^=* *[0-9]+ (passed|failed|errors?|skipped)/ { py = $0 }
+    END {
+        n = split(py, w, /[ ,=]+/)
+        for (i = 1; i < n; i++) { if (w[i+1] == "passed") p += w[i]; if (w[i+1] ~ /^(failed|errors?)$/) f += w[i] }
+        if (st == "passed") p++; else f++
+        printf "summary: %d passed, %d failed\n", p, f }' "$log" "$log.py"
+exit "$status"

@@ -49,7 +49,9 @@ pub struct GenerationRequest {
 }
 
 /// Why a generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+// The schema's names must be `as_str`'s: tests/openapi.rs checks that they agree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, utoipa::ToSchema)]
+#[schema(rename_all = "lowercase")]
 pub enum FinishReason {
     /// End-of-generation token or a stop string.
     Stop,

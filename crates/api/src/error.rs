@@ -178,17 +178,29 @@ impl ApiError {
     }
 }
 
-#[derive(Serialize)]
-struct ErrorBody<'a> {
+/// The body of every error response.
+// Named `ErrorResponse` in the OpenAPI document.
+#[derive(Serialize, utoipa::ToSchema)]
+#[schema(as = ErrorResponse)]
+pub(crate) struct ErrorBody<'a> {
     error: ErrorDetail<'a>,
 }
 
-#[derive(Serialize)]
+/// What went wrong.
+#[derive(Serialize, utoipa::ToSchema)]
+#[schema(as = ErrorDetail)]
 struct ErrorDetail<'a> {
+    /// For people.
     message: &'a str,
+    /// `invalid_request_error`, `not_found_error`, `overloaded_error` or `server_error`.
     #[serde(rename = "type")]
+    #[schema(example = "invalid_request_error")]
     kind: &'a str,
+    /// The request field at fault, e.g. `max_tokens` or `messages[0].content`.
+    #[schema(required = true)]
     param: Option<&'a str>,
+    /// Machine-readable, e.g. `context_length_exceeded` or `model_not_found`.
+    #[schema(required = true)]
     code: Option<&'a str>,
 }
 

@@ -9,6 +9,8 @@
 //! - [`error`]: [`ApiError`], every error as an OpenAI error body with its HTTP status.
 //! - [`openai`]: the wire format — request bodies checked field by field, response and
 //!   stream-chunk objects.
+//! - [`openapi`]: the OpenAPI document ([`openapi::document`]), generated from the types and
+//!   handlers; served at `/openapi.json`, checked in as `docs/openapi.json`.
 //! - [`routes`]: [`router`], the axum endpoints (`/v1/chat/completions`, `/v1/completions`,
 //!   `/v1/models`, `/health`, `/ready`), server-sent events, the JSON extractor and the
 //!   `x-request-id` middleware.
@@ -22,6 +24,7 @@ pub mod error;
 mod ids;
 pub mod openai;
 pub mod prompt;
+pub mod openapi;
 pub mod routes;
 
 pub use backend::{Backend, FinishReason, GenEvent, GenerationRequest, ModelCard, Prompt};

@@ -5,9 +5,12 @@
 use bulkhead_engine::SamplingParams;
 use bulkhead_tokenizer::ChatMessage;
 use serde::Serialize;
-use serde_json::{Map, Value};
+use serde_json::{Map, Number, Value};
+use utoipa::openapi::RefOr;
+use utoipa::openapi::schema::{ArrayBuilder, ObjectBuilder, OneOfBuilder, Schema, Type};
+use utoipa::{PartialSchema, ToSchema};
 
-use crate::backend::{ModelCard, Prompt};
+use crate::backend::{FinishReason, ModelCard, Prompt};
 use crate::error::ApiError;
 
 /// Most stop strings a request may give (OpenAI's limit).
@@ -99,6 +102,13 @@ pub fn parse_completion(body: &Value) -> Result<CompletionParams, ApiError> {
             ));
         }
     };
+    // Nothing to continue from (vLLM refuses it too); the workers would refuse it later.
+    if prompt.is_empty() {
+        return Err(ApiError::invalid_request(
+            "prompt",
+            "Invalid 'prompt': it is empty. Send at least one character.",
+        ));
+    }
     common(obj, Prompt::Text(prompt))
 }
 
@@ -134,20 +144,27 @@ fn common(obj: &Map<String, Value>, prompt: Prompt) -> Result<CompletionParams, 
     }
     if let Some(v) = field(obj, "top_p") {
         let p = number(v, "top_p")?;
-        // The f32 rounding must not turn a tiny positive top_p into 0.
-        if !(p > 0.0 && p <= 1.0) || (p as f32) <= 0.0 {
+        if !(p > 0.0 && p <= 1.0) {
             return Err(range_error("top_p", "a value in (0, 1]".into(), v));
         }
-        sampling.top_p = p as f32;
+        // The f32 rounding must not turn a tiny positive top_p into 0 (outside the sampler's
+        // range): the smallest positive f32 keeps only the most likely token, as `p` does.
+        sampling.top_p = (p as f32).max(f32::MIN_POSITIVE);
     }
     if let Some(v) = field(obj, "top_k") {
-        sampling.top_k = match v.as_i64() {
-            Some(-1) => 0, // vLLM's "off"
+        sampling.top_k = match v.as_f64() {
+            Some(-1.0) => 0, // vLLM's "off"
             _ => usize::try_from(int(v, "top_k", 0)?).unwrap_or(usize::MAX),
         };
     }
     if let Some(v) = field(obj, "seed") {
         sampling.seed = Some(seed(v)?);
+    }
+    // Not OpenAI's: llama.cpp's and vLLM's extension, for fixed-length benchmarks.
+    match field(obj, "ignore_eos") {
+        None => {}
+        Some(Value::Bool(b)) => sampling.ignore_eos = *b,
+        Some(v) => return Err(type_error("ignore_eos", "a boolean", v)),
     }
     match field(obj, "n").map(|v| int(v, "n", 1)).transpose()? {
         None | Some(1) => {}
@@ -332,15 +349,32 @@ fn field<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
     obj.get(key).filter(|v| !v.is_null())
 }
 
-/// A JSON integer `>= min`, or 400 naming `param`.
+/// The value of a JSON number that is a whole number, `4` and `4.0` alike (JSON Schema's
+/// `integer` admits both, so clients generated from a schema may send either); `None` for a
+/// fraction. Whole numbers past the `i128` range saturate, which keeps them out of range.
+fn whole(n: &Number) -> Option<i128> {
+    if let Some(x) = n.as_u64() {
+        return Some(x.into());
+    }
+    if let Some(x) = n.as_i64() {
+        return Some(x.into());
+    }
+    n.as_f64()
+        .filter(|f| f.is_finite() && f.fract() == 0.0)
+        .map(|f| f as i128)
+}
+
+/// A JSON integer (or whole decimal) `>= min`, or 400 naming `param`.
 fn int(v: &Value, param: &str, min: u64) -> Result<u64, ApiError> {
-    match v {
-        Value::Number(n) => match n.as_u64() {
-            Some(x) if x >= min => Ok(x),
-            _ if n.is_f64() => Err(type_error(param, "an integer", v)),
-            _ => Err(range_error(param, format!("a value >= {min}"), v)),
-        },
-        _ => Err(type_error(param, "an integer", v)),
+    let Value::Number(n) = v else {
+        return Err(type_error(param, "an integer", v));
+    };
+    match whole(n) {
+        None => Err(type_error(param, "an integer", v)),
+        Some(x) if x < i128::from(min) => Err(range_error(param, format!("a value >= {min}"), v)),
+        Some(x) => {
+            u64::try_from(x).map_err(|_| range_error(param, format!("a value <= {}", u64::MAX), v))
+        }
     }
 }
 
@@ -357,23 +391,19 @@ fn number(v: &Value, param: &str) -> Result<f64, ApiError> {
     }
 }
 
-/// Any non-negative integer. Integers past `u64::MAX` (which JSON parsing turns into
-/// floats) are folded into a `u64` deterministically, so the same seed still gives the
-/// same output.
+/// Any non-negative integer (or whole decimal). Integers past `u64::MAX` (which JSON
+/// parsing turns into floats) are folded into a `u64` deterministically, so the same seed
+/// still gives the same output.
 fn seed(v: &Value) -> Result<u64, ApiError> {
     let Value::Number(n) = v else {
         return Err(type_error("seed", "an integer", v));
     };
-    if let Some(x) = n.as_u64() {
-        return Ok(x);
-    }
-    if n.is_i64() {
-        return Err(range_error("seed", "a value >= 0".into(), v));
-    }
-    match n.as_f64() {
-        Some(x) if x.is_finite() && x >= 0.0 && x.fract() == 0.0 => Ok(x.to_bits()),
-        Some(x) if x < 0.0 => Err(range_error("seed", "a value >= 0".into(), v)),
-        _ => Err(type_error("seed", "an integer", v)),
+    match whole(n) {
+        None => Err(type_error("seed", "an integer", v)),
+        Some(x) if x < 0 => Err(range_error("seed", "a value >= 0".into(), v)),
+        Some(x) => {
+            Ok(u64::try_from(x).unwrap_or_else(|_| n.as_f64().map_or(u64::MAX, f64::to_bits)))
+        }
     }
 }
 
@@ -406,8 +436,200 @@ fn range_error(param: &str, expected: String, got: &Value) -> ApiError {
     )
 }
 
+// Request bodies as the OpenAPI document describes them. The handlers do not deserialise
+// into these types: they parse the raw JSON with `parse_chat` / `parse_completion`, which name
+// the faulty `param`. Unknown fields are accepted and ignored. tests/openapi.rs checks that
+// every field documented here is one the parser reads, and the other way round.
+
+/// The body of `POST /v1/chat/completions`.
+#[derive(Debug, Clone, ToSchema)]
+pub struct ChatCompletionRequest {
+    /// The model to use (see `GET /v1/models`).
+    pub model: String,
+    /// The conversation so far; the model's chat template is applied to it.
+    #[schema(min_items = 1)]
+    pub messages: Vec<ChatMessageParam>,
+    /// Settings shared with text completions.
+    #[serde(flatten)]
+    pub options: CompletionOptions,
+}
+
+/// The body of `POST /v1/completions`.
+#[derive(Debug, Clone, ToSchema)]
+pub struct CompletionRequest {
+    /// The model to use (see `GET /v1/models`).
+    pub model: String,
+    /// The text to continue, tokenised as is.
+    pub prompt: PromptParam,
+    /// Settings shared with chat completions.
+    #[serde(flatten)]
+    pub options: CompletionOptions,
+}
+
+/// Generation settings both completion endpoints take; `null` means not given.
+#[derive(Debug, Clone, ToSchema)]
+pub struct CompletionOptions {
+    /// Most tokens to generate (default: what the context leaves after the prompt). A value
+    /// larger than the model's context is refused with `context_length_exceeded`.
+    #[schema(minimum = 1)]
+    pub max_tokens: Option<u64>,
+    /// Takes precedence over `max_tokens`.
+    #[schema(minimum = 1)]
+    pub max_completion_tokens: Option<u64>,
+    /// Sampling temperature; 0 is greedy.
+    #[schema(minimum = 0.0, maximum = 2.0)]
+    pub temperature: Option<f64>,
+    /// Nucleus sampling: keep the smallest set of tokens whose probability reaches `top_p`.
+    #[schema(exclusive_minimum = 0.0, maximum = 1.0)]
+    pub top_p: Option<f64>,
+    /// Keep only the `top_k` most likely tokens; 0 or -1 means no limit (not OpenAI's: vLLM's).
+    #[schema(minimum = -1)]
+    pub top_k: Option<i64>,
+    /// Same seed, same parameters, same prompt: same output, also with `temperature > 0`.
+    #[schema(minimum = 0)]
+    pub seed: Option<u64>,
+    /// Number of choices; only 1 is supported.
+    #[schema(minimum = 1, maximum = 1)]
+    pub n: Option<u32>,
+    /// Answer with server-sent events (`text/event-stream`), one chunk object per `data:`
+    /// line, ending with `data: [DONE]`.
+    pub stream: Option<bool>,
+    /// Streaming options.
+    pub stream_options: Option<StreamOptions>,
+    /// Up to 4 strings; generation ends before the first one, which is not returned.
+    pub stop: Option<StopParam>,
+    /// Keep generating past the end-of-generation token until `max_tokens` (not OpenAI's:
+    /// llama.cpp's and vLLM's, for fixed-length benchmarks).
+    pub ignore_eos: Option<bool>,
+}
+
+/// `stream_options` of a completion request.
+#[derive(Debug, Clone, ToSchema)]
+pub struct StreamOptions {
+    /// Send one more chunk before `[DONE]`, with no choices and the request's `usage`; every
+    /// other chunk then carries `usage: null`.
+    pub include_usage: Option<bool>,
+}
+
+/// One or several stop strings.
+#[derive(Debug, Clone)]
+pub enum StopParam {
+    /// One stop string.
+    One(String),
+    /// Up to [`MAX_STOP`] stop strings.
+    Many(Vec<String>),
+}
+
+impl PartialSchema for StopParam {
+    fn schema() -> RefOr<Schema> {
+        string_or_array(
+            ObjectBuilder::new().description(Some("One stop string.")),
+            ArrayBuilder::new()
+                .max_items(Some(MAX_STOP))
+                .description(Some("Up to 4 stop strings.")),
+        )
+    }
+}
+
+impl ToSchema for StopParam {}
+
+/// The prompt of a text completion: a string, or an array holding one string.
+#[derive(Debug, Clone)]
+pub enum PromptParam {
+    /// The prompt.
+    Text(String),
+    /// An array of exactly one prompt (token-id prompts are not supported).
+    Batch(Vec<String>),
+}
+
+impl PartialSchema for PromptParam {
+    fn schema() -> RefOr<Schema> {
+        string_or_array(
+            ObjectBuilder::new()
+                .min_length(Some(1))
+                .description(Some("The prompt (not empty).")),
+            ArrayBuilder::new()
+                .min_items(Some(1))
+                .max_items(Some(1))
+                .description(Some(
+                    "An array of exactly one prompt (token-id prompts are not supported).",
+                )),
+        )
+    }
+}
+
+impl ToSchema for PromptParam {}
+
+/// `oneOf` a string (`one`, with its bounds) and an array of such strings (`many`, with its
+/// bounds). utoipa's derive cannot bound the array of an enum variant, hence the two
+/// hand-written schemas above.
+fn string_or_array(one: ObjectBuilder, many: ArrayBuilder) -> RefOr<Schema> {
+    let one = one.schema_type(Type::String).build();
+    let mut item = one.clone();
+    item.description = None;
+    OneOfBuilder::new().item(one).item(many.items(item)).into()
+}
+
+/// One message of a chat request.
+#[derive(Debug, Clone, ToSchema)]
+pub struct ChatMessageParam {
+    /// Who wrote it.
+    pub role: Role,
+    /// Its text, or text parts (joined with newlines). An `assistant` message may omit it.
+    pub content: MessageContent,
+}
+
+/// The author of a chat message.
+#[derive(Debug, Clone, Copy, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Instructions.
+    System,
+    /// Instructions (OpenAI's newer name for `system`; treated the same).
+    Developer,
+    /// The user.
+    User,
+    /// The model.
+    Assistant,
+    /// A tool's result.
+    Tool,
+}
+
+/// The content of a chat message.
+#[derive(Debug, Clone, ToSchema)]
+#[serde(untagged)]
+pub enum MessageContent {
+    /// Plain text.
+    Text(String),
+    /// Text parts (only `text` parts are supported).
+    Parts(Vec<ContentPart>),
+}
+
+/// One part of a message's content.
+#[derive(Debug, Clone, ToSchema)]
+pub struct ContentPart {
+    /// Always `text`.
+    #[serde(rename = "type")]
+    pub kind: ContentPartType,
+    /// The text.
+    pub text: String,
+}
+
+/// The type of a [`ContentPart`]; only `text` is supported.
+#[derive(Debug, Clone, Copy, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ContentPartType {
+    /// A text part.
+    Text,
+}
+
+/// The schema of a field that is always `null` (`logprobs`: not supported).
+fn null_schema() -> ObjectBuilder {
+    ObjectBuilder::new().schema_type(Type::Null)
+}
+
 /// Token counts of one completion.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
 pub struct Usage {
     /// Tokens in the prompt (after the chat template).
     pub prompt_tokens: usize,
@@ -429,11 +651,12 @@ impl Usage {
 }
 
 /// A `chat.completion` object.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ChatCompletion {
     /// `chatcmpl-...`.
     pub id: String,
     /// Always `chat.completion`.
+    #[schema(example = "chat.completion")]
     pub object: &'static str,
     /// Unix time (seconds).
     pub created: u64,
@@ -446,20 +669,22 @@ pub struct ChatCompletion {
 }
 
 /// One choice of a [`ChatCompletion`].
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ChatChoice {
     /// Always 0 (n = 1).
     pub index: u32,
     /// The reply.
     pub message: AssistantMessage,
     /// Always null (logprobs are not supported).
+    #[schema(schema_with = null_schema, required = true)]
     pub logprobs: Option<()>,
     /// `stop` or `length`.
+    #[schema(value_type = FinishReason)]
     pub finish_reason: &'static str,
 }
 
 /// The assistant's reply.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct AssistantMessage {
     /// Always `assistant`.
     pub role: &'static str,
@@ -468,11 +693,12 @@ pub struct AssistantMessage {
 }
 
 /// A `text_completion` object.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct TextCompletion {
     /// `cmpl-...`.
     pub id: String,
     /// Always `text_completion`.
+    #[schema(example = "text_completion")]
     pub object: &'static str,
     /// Unix time (seconds).
     pub created: u64,
@@ -486,24 +712,27 @@ pub struct TextCompletion {
 }
 
 /// One choice of a [`TextCompletion`] (also a stream chunk's choice).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct TextChoice {
     /// Always 0.
     pub index: u32,
     /// The generated text (a delta in stream chunks).
     pub text: String,
     /// Always null.
+    #[schema(schema_with = null_schema, required = true)]
     pub logprobs: Option<()>,
     /// `stop` or `length`; null in stream chunks before the last.
+    #[schema(value_type = Option<FinishReason>, required = true)]
     pub finish_reason: Option<&'static str>,
 }
 
 /// A `chat.completion.chunk` object (one server-sent event of a chat stream).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ChatChunk {
     /// Same id on every chunk of a stream.
     pub id: String,
     /// Always `chat.completion.chunk`.
+    #[schema(example = "chat.completion.chunk")]
     pub object: &'static str,
     /// Unix time (seconds), same on every chunk.
     pub created: u64,
@@ -517,20 +746,22 @@ pub struct ChatChunk {
 }
 
 /// One choice of a [`ChatChunk`].
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ChunkChoice {
     /// Always 0.
     pub index: u32,
     /// What changed.
     pub delta: Delta,
     /// Always null.
+    #[schema(schema_with = null_schema, required = true)]
     pub logprobs: Option<()>,
     /// Null until the last content chunk.
+    #[schema(value_type = Option<FinishReason>, required = true)]
     pub finish_reason: Option<&'static str>,
 }
 
 /// The change one chat chunk carries; absent fields are omitted.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, ToSchema)]
 pub struct Delta {
     /// `assistant`, in the first chunk only.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -541,11 +772,12 @@ pub struct Delta {
 }
 
 /// A model in `GET /v1/models`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ModelObject {
     /// The model's name.
     pub id: String,
     /// Always `model`.
+    #[schema(example = "model")]
     pub object: &'static str,
     /// Unix time (seconds) it was loaded.
     pub created: u64,
@@ -568,10 +800,79 @@ impl From<ModelCard> for ModelObject {
 }
 
 /// The `GET /v1/models` body.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ModelList {
     /// Always `list`.
+    #[schema(example = "list")]
     pub object: &'static str,
     /// The models.
     pub data: Vec<ModelObject>,
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn text(extra: Value) -> Result<CompletionParams, ApiError> {
+        let mut body = json!({"model": "m", "prompt": "hi"});
+        if let (Value::Object(b), Value::Object(e)) = (&mut body, extra) {
+            b.extend(e);
+        }
+        parse_completion(&body)
+    }
+
+    fn refused(extra: Value) -> Option<String> {
+        text(extra).err().and_then(|e| e.param)
+    }
+
+    // Found by schemathesis: the schema's `exclusiveMinimum: 0` admits it.
+    #[test]
+    fn a_tiny_positive_top_p_is_accepted_and_stays_positive() {
+        for p in [5e-324, 3.5e-56, 1e-40] {
+            let s = text(json!({ "top_p": p })).expect("accepted").sampling;
+            assert!(s.top_p > 0.0, "{p} -> {}", s.top_p);
+        }
+        assert_eq!(refused(json!({ "top_p": 0 })).as_deref(), Some("top_p"));
+    }
+
+    // Found by schemathesis: JSON Schema's `integer` admits `4.0`.
+    #[test]
+    fn whole_decimals_count_as_integers() {
+        let p = text(json!({ "max_tokens": 4.0, "n": 1.0, "top_k": 3.0, "seed": 7.0 }))
+            .expect("accepted");
+        assert_eq!(p.max_tokens, Some(4));
+        assert_eq!(p.sampling.top_k, 3);
+        assert_eq!(p.sampling.seed, Some(7));
+        assert_eq!(
+            text(json!({ "top_k": -1.0 })).expect("off").sampling.top_k,
+            0
+        );
+        for (extra, param) in [
+            (json!({ "max_tokens": 4.5 }), "max_tokens"),
+            (json!({ "max_tokens": 0.0 }), "max_tokens"),
+            (json!({ "max_tokens": 1e30 }), "max_tokens"),
+            (json!({ "seed": -3.0 }), "seed"),
+            (json!({ "seed": 0.5 }), "seed"),
+            (json!({ "top_k": -2.0 }), "top_k"),
+        ] {
+            assert_eq!(refused(extra.clone()).as_deref(), Some(param), "{extra}");
+        }
+        // Whole numbers past u64 still fold deterministically.
+        assert_eq!(
+            text(json!({ "seed": 1e30 })).expect("seed").sampling.seed,
+            Some(1e30f64.to_bits())
+        );
+    }
+
+    // Found by schemathesis: the decode worker refused it with its own wording, no `param`.
+    #[test]
+    fn an_empty_prompt_is_refused_naming_prompt() {
+        for prompt in [json!(""), json!([""])] {
+            let e = parse_completion(&json!({"model": "m", "prompt": prompt})).expect_err("empty");
+            assert_eq!(e.param.as_deref(), Some("prompt"));
+            assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
+        }
+    }
 }

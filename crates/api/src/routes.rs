@@ -1,7 +1,9 @@
 //! The axum [`Router`]: OpenAI endpoints over a [`Backend`], the JSON extractor whose
 //! rejections are OpenAI error bodies, server-sent-event streaming, and the `x-request-id`
-//! middleware.
+//! middleware. Each handler carries its `#[utoipa::path]` description for the OpenAPI
+//! document ([`crate::openapi`]).
 
+use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::sync::Arc;
 
@@ -18,13 +20,16 @@ use serde::Serialize;
 use serde_json::Value;
 use tokio::sync::mpsc::Receiver;
 use tracing::{Instrument, Span};
+use utoipa::openapi::{ContentBuilder, Ref, RefOr, ResponseBuilder};
+use utoipa::{IntoResponses, ToSchema};
 
 use crate::backend::{Backend, GenEvent, GenerationRequest, ModelCard};
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{ApiError, ErrorBody, ErrorKind};
 use crate::ids::{random_hex, unix_now};
 use crate::openai::{
-    self, AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChunkChoice, CompletionParams,
-    Delta, ModelList, ModelObject, TextChoice, TextCompletion, Usage,
+    self, AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChatCompletionRequest,
+    ChunkChoice, CompletionParams, CompletionRequest, Delta, ModelList, ModelObject, TextChoice,
+    TextCompletion, Usage,
 };
 
 /// Largest accepted request body; larger ones get 413.
@@ -47,8 +52,8 @@ struct AppState {
 
 /// The OpenAI-compatible HTTP API over `backend`: `POST /v1/chat/completions`,
 /// `POST /v1/completions`, `GET /v1/models`, `GET /v1/models/{id}`, `GET /health`,
-/// `GET /ready`. Every error, including unknown routes and unreadable bodies, is an OpenAI
-/// error body.
+/// `GET /ready`, and its OpenAPI document at `GET /openapi.json`. Every error, including
+/// unknown routes and unreadable bodies, is an OpenAI error body.
 pub fn router(backend: Arc<dyn Backend>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
@@ -57,6 +62,7 @@ pub fn router(backend: Arc<dyn Backend>) -> Router {
         .route("/v1/models/{*id}", get(get_model))
         .route("/health", get(health))
         .route("/ready", get(ready))
+        .route("/openapi.json", get(openapi_json))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(AppState { backend })
@@ -149,6 +155,65 @@ enum Endpoint {
     Text,
 }
 
+/// The errors a completion request may get, as OpenAPI responses; every body is an
+/// `ErrorResponse` ([`ErrorBody`]).
+struct CompletionErrors;
+
+impl IntoResponses for CompletionErrors {
+    fn responses() -> BTreeMap<String, RefOr<utoipa::openapi::Response>> {
+        [
+            (
+                StatusCode::BAD_REQUEST,
+                "Invalid body or field (`param` names it), or prompt plus `max_tokens` over the \
+                 context (`code: context_length_exceeded`).",
+            ),
+            (
+                StatusCode::NOT_FOUND,
+                "Unknown `model` (`code: model_not_found`).",
+            ),
+            (StatusCode::PAYLOAD_TOO_LARGE, "The body is over 4 MiB."),
+            (StatusCode::INTERNAL_SERVER_ERROR, "The server failed."),
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "No capacity now (`type: overloaded_error`); retry after `Retry-After` seconds.",
+            ),
+        ]
+        .into_iter()
+        .map(|(status, why)| (status.as_str().to_owned(), error_response(why)))
+        .collect()
+    }
+}
+
+/// An OpenAPI response with an `ErrorResponse` body.
+fn error_response(description: &str) -> RefOr<utoipa::openapi::Response> {
+    let body = ContentBuilder::new()
+        .schema(Some(Ref::from_schema_name(ErrorBody::name())))
+        .build();
+    ResponseBuilder::new()
+        .description(description)
+        .content("application/json", body)
+        .into()
+}
+
+/// Create a chat completion.
+///
+/// With `stream: true` the answer is `text/event-stream`: one `chat.completion.chunk` per
+/// `data:` line (the first carries `role`, the last content chunk `finish_reason`, then a
+/// usage chunk if `stream_options.include_usage`), ending with `data: [DONE]`. An error after
+/// the stream started arrives as one last `data:` line holding an error body.
+#[utoipa::path(
+    post,
+    path = "/v1/chat/completions",
+    tag = "completions",
+    request_body = ChatCompletionRequest,
+    responses(
+        (status = 200, description = "The completion (JSON), or its chunks (server-sent events).", content(
+            (ChatCompletion = "application/json"),
+            (ChatChunk = "text/event-stream"),
+        )),
+        CompletionErrors,
+    )
+)]
 async fn chat_completions(
     State(st): State<AppState>,
     Extension(rid): Extension<XRequestId>,
@@ -157,6 +222,24 @@ async fn chat_completions(
     complete(st, rid, Endpoint::Chat, openai::parse_chat(&body)?).await
 }
 
+/// Create a text completion.
+///
+/// With `stream: true` the answer is `text/event-stream`: one `text_completion` object per
+/// `data:` line (`text` is the delta), then a usage object if `stream_options.include_usage`,
+/// ending with `data: [DONE]`.
+#[utoipa::path(
+    post,
+    path = "/v1/completions",
+    tag = "completions",
+    request_body = CompletionRequest,
+    responses(
+        (status = 200, description = "The completion (JSON), or its chunks (server-sent events).", content(
+            (TextCompletion = "application/json"),
+            (TextCompletion = "text/event-stream"),
+        )),
+        CompletionErrors,
+    )
+)]
 async fn completions(
     State(st): State<AppState>,
     Extension(rid): Extension<XRequestId>,
@@ -483,6 +566,8 @@ fn data<T: Serialize>(v: &T) -> String {
     }
 }
 
+/// List the models served.
+#[utoipa::path(get, path = "/v1/models", tag = "models", responses((status = 200, body = ModelList)))]
 async fn list_models(State(st): State<AppState>) -> Json<ModelList> {
     Json(ModelList {
         object: "list",
@@ -495,6 +580,17 @@ async fn list_models(State(st): State<AppState>) -> Json<ModelList> {
     })
 }
 
+/// One model by id (ids may contain `/`).
+#[utoipa::path(
+    get,
+    path = "/v1/models/{id}",
+    tag = "models",
+    params(("id" = String, Path, description = "The model's id.")),
+    responses(
+        (status = 200, body = ModelObject),
+        (status = 404, description = "No such model (`code: model_not_found`).", body = ErrorBody),
+    )
+)]
 async fn get_model(
     State(st): State<AppState>,
     id: Result<Path<String>, PathRejection>,
@@ -507,20 +603,50 @@ async fn get_model(
     )?)))
 }
 
-async fn health() -> Json<Value> {
-    Json(serde_json::json!({ "status": "ok" }))
+/// The body of `/health` and `/ready`.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+struct Status {
+    /// `ok` (health), `ready` or `not ready`.
+    #[schema(example = "ok")]
+    status: &'static str,
 }
 
+/// Liveness: the HTTP server answers.
+#[utoipa::path(get, path = "/health", tag = "operations", responses((status = 200, body = Status)))]
+async fn health() -> Json<Status> {
+    Json(Status { status: "ok" })
+}
+
+/// Readiness: the backend can take requests now (in `serve`, workers are registered).
+#[utoipa::path(
+    get,
+    path = "/ready",
+    tag = "operations",
+    responses((status = 200, body = Status), (status = 503, description = "Not ready yet.", body = Status))
+)]
 async fn ready(State(st): State<AppState>) -> Response {
     if st.backend.ready() {
-        Json(serde_json::json!({ "status": "ready" })).into_response()
+        Json(Status { status: "ready" }).into_response()
     } else {
         (
             StatusCode::SERVICE_UNAVAILABLE,
-            Json(serde_json::json!({ "status": "not ready" })),
+            Json(Status {
+                status: "not ready",
+            }),
         )
             .into_response()
     }
+}
+
+/// This document.
+#[utoipa::path(
+    get,
+    path = "/openapi.json",
+    tag = "operations",
+    responses((status = 200, description = "The OpenAPI 3.1 document of this API.", body = Object))
+)]
+async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
+    Json(crate::openapi::document())
 }
 
 async fn not_found(method: Method, uri: Uri) -> ApiError {
