@@ -12,6 +12,7 @@ if [ -z "${BULKHEAD_BIN:-}" ]; then
     cargo build --quiet -p bulkhead
     export BULKHEAD_BIN="${CARGO_TARGET_DIR:-target}/debug/bulkhead"
 fi
+export PYTHONDONTWRITEBYTECODE=1 # no __pycache__ in the work tree
 venv=$(bash tests/python/venv.sh)
 # Every check but positive_data_acceptance: a schema-valid body is still refused (400,
 # context_length_exceeded) when prompt plus max_tokens exceed the context, a bound that

@@ -20,6 +20,7 @@ cargo test --workspace --all-targets 2>&1 | tee -a "$log"
 # makes once per machine. A failure here still prints the summary, then fails the suite.
 cargo build --quiet -p bulkhead
 export BULKHEAD_BIN="${CARGO_TARGET_DIR:-target}/debug/bulkhead"
+export PYTHONDONTWRITEBYTECODE=1 # no __pycache__ in the work tree
 venv=$(bash tests/python/venv.sh)
 status=0
 "$venv/bin/python" -m pytest -p no:cacheprovider -q -rfE tests/python 2>&1 | tee "$log.py" ||
