@@ -13,7 +13,8 @@ use crate::routes;
         title = "Bulkhead",
         description = "OpenAI-compatible completions from a disaggregated prefill/decode server \
                        whose KV cache cannot leak across requests. Every error is an OpenAI error \
-                       body (`ErrorResponse`). Unknown request fields are ignored."
+                       body (`ErrorResponse`). Unknown request fields are ignored. `bulkhead serve` \
+                       also serves Prometheus metrics at `GET /metrics` (text), not described here."
     ),
     paths(
         routes::chat_completions,
