@@ -7,6 +7,7 @@ use bulkhead_tokenizer::ChatMessage;
 use tokio::sync::mpsc::Receiver;
 
 use crate::error::ApiError;
+use crate::trace::TraceId;
 
 /// One model a backend serves, as listed by `GET /v1/models`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,6 +37,8 @@ pub enum Prompt {
 pub struct GenerationRequest {
     /// The request's id (the `x-request-id` header), for logs; not necessarily unique.
     pub request_id: String,
+    /// The W3C trace the request belongs to (continued from `traceparent` or new), for logs.
+    pub trace_id: TraceId,
     /// The model asked for.
     pub model: String,
     /// What to continue.
@@ -100,6 +103,8 @@ pub trait Backend: Send + Sync + 'static {
     /// briefly (the HTTP layer calls it off the async workers).
     fn generate(&self, req: GenerationRequest) -> Result<Receiver<GenEvent>, ApiError>;
 
-    /// Whether the backend can take requests now.
+    /// Whether the backend can take requests now: `GET /ready` (readiness) answers 200 when
+    /// true, 503 otherwise. The disaggregated gateway is ready while at least one prefill and
+    /// one decode worker are registered. (`GET /health`, liveness, does not ask.)
     fn ready(&self) -> bool;
 }

@@ -6,9 +6,14 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 static COUNTER: AtomicU64 = AtomicU64::new(0);
 
-/// 32 hex digits: a process-wide counter and the clock, mixed through two randomly keyed
-/// SipHash instances, so ids differ across requests, restarts and processes.
+/// 32 hex digits of [`random_u128`].
 pub(crate) fn random_hex() -> String {
+    format!("{:032x}", random_u128())
+}
+
+/// A process-wide counter and the clock, mixed through two randomly keyed SipHash
+/// instances, so values differ across requests, restarts and processes.
+pub(crate) fn random_u128() -> u128 {
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -21,7 +26,7 @@ pub(crate) fn random_hex() -> String {
         h.write_u64(salt);
         h.finish()
     };
-    format!("{:016x}{:016x}", word(1), word(2))
+    (u128::from(word(1)) << 64) | u128::from(word(2))
 }
 
 /// Seconds since the Unix epoch (0 if the clock is before it).

@@ -14,6 +14,7 @@
 //! - [`routes`]: [`router`], the axum endpoints (`/v1/chat/completions`, `/v1/completions`,
 //!   `/v1/models`, `/health`, `/ready`), server-sent events, the JSON extractor and the
 //!   `x-request-id` middleware.
+//! - [`trace`]: W3C `traceparent`: [`trace::TraceParent`] continued or started per request.
 //! - [`prompt`]: [`PromptEncoder`], chat template and tokenizer applied to a prompt.
 //! - [`colocated`]: [`ColocatedBackend`], the engine on a dedicated thread in this process.
 //! - `ids`: completion and request ids.
@@ -23,9 +24,10 @@ pub mod colocated;
 pub mod error;
 mod ids;
 pub mod openai;
-pub mod prompt;
 pub mod openapi;
+pub mod prompt;
 pub mod routes;
+pub mod trace;
 
 pub use backend::{Backend, FinishReason, GenEvent, GenerationRequest, ModelCard, Prompt};
 pub use colocated::{ColocatedBackend, ColocatedError};

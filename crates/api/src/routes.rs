@@ -26,6 +26,7 @@ use utoipa::{IntoResponses, ToSchema};
 use crate::backend::{Backend, GenEvent, GenerationRequest, ModelCard};
 use crate::error::{ApiError, ErrorBody, ErrorKind};
 use crate::ids::{random_hex, unix_now};
+use crate::trace::{TRACEPARENT, TraceParent};
 use crate::openai::{
     self, AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChatCompletionRequest,
     ChunkChoice, CompletionParams, CompletionRequest, Delta, ModelList, ModelObject, TextChoice,
@@ -70,8 +71,9 @@ pub fn router(backend: Arc<dyn Backend>) -> Router {
         .layer(middleware::from_fn(request_id))
 }
 
-/// Takes the client's `x-request-id` (or makes one), runs the request inside a span with
-/// field `request_id`, and echoes the id on the response.
+/// Takes the client's `x-request-id` (or makes one) and continues its W3C `traceparent` (or
+/// starts a trace), runs the request inside a span with fields `request_id` and `trace_id`,
+/// and returns both headers on the response (`traceparent` naming this request's span).
 async fn request_id(mut req: Request, next: Next) -> Response {
     let id = req
         .headers()
@@ -83,11 +85,16 @@ async fn request_id(mut req: Request, next: Next) -> Response {
                 && s.bytes().all(|b| b.is_ascii_graphic())
         })
         .map_or_else(random_hex, str::to_owned);
+    let trace = TraceParent::continue_or_start(req.headers());
     req.extensions_mut().insert(XRequestId(id.clone()));
-    let span = tracing::info_span!("request", request_id = %id, method = %req.method(), path = %req.uri().path());
+    req.extensions_mut().insert(trace);
+    let span = tracing::info_span!("request", request_id = %id, trace_id = %trace.trace_id, method = %req.method(), path = %req.uri().path());
     let mut resp = next.run(req).instrument(span).await;
     if let Ok(v) = HeaderValue::from_str(&id) {
         resp.headers_mut().insert(X_REQUEST_ID.clone(), v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&trace.to_string()) {
+        resp.headers_mut().insert(TRACEPARENT.clone(), v);
     }
     resp
 }
@@ -217,9 +224,10 @@ fn error_response(description: &str) -> RefOr<utoipa::openapi::Response> {
 async fn chat_completions(
     State(st): State<AppState>,
     Extension(rid): Extension<XRequestId>,
+    Extension(trace): Extension<TraceParent>,
     OpenAiJson(body): OpenAiJson,
 ) -> Result<Response, ApiError> {
-    complete(st, rid, Endpoint::Chat, openai::parse_chat(&body)?).await
+    complete(st, rid, trace, Endpoint::Chat, openai::parse_chat(&body)?).await
 }
 
 /// Create a text completion.
@@ -243,9 +251,10 @@ async fn chat_completions(
 async fn completions(
     State(st): State<AppState>,
     Extension(rid): Extension<XRequestId>,
+    Extension(trace): Extension<TraceParent>,
     OpenAiJson(body): OpenAiJson,
 ) -> Result<Response, ApiError> {
-    complete(st, rid, Endpoint::Text, openai::parse_completion(&body)?).await
+    complete(st, rid, trace, Endpoint::Text, openai::parse_completion(&body)?).await
 }
 
 fn find_model(backend: &dyn Backend, name: &str) -> Result<ModelCard, ApiError> {
@@ -259,6 +268,7 @@ fn find_model(backend: &dyn Backend, name: &str) -> Result<ModelCard, ApiError> 
 async fn complete(
     st: AppState,
     rid: XRequestId,
+    trace: TraceParent,
     endpoint: Endpoint,
     p: CompletionParams,
 ) -> Result<Response, ApiError> {
@@ -266,6 +276,7 @@ async fn complete(
     p.check_against(&card)?;
     let req = GenerationRequest {
         request_id: rid.0,
+        trace_id: trace.trace_id,
         model: card.id.clone(),
         prompt: p.prompt,
         max_tokens: p.max_tokens,
