@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc as std_mpsc;
 
 use bulkhead_engine::{Engine, EngineError, Event, GenRequest, LoadedModel, SamplingError};
-use bulkhead_kv::{KvError, KvPool, PoolConfig, RequestId};
+use bulkhead_kv::{KvError, KvPool, KvChecks, PoolConfig, RequestId};
 use tokio::sync::mpsc;
 
 use crate::backend::{Backend, FinishReason, GenEvent, GenerationRequest, ModelCard, Prompt};
@@ -73,7 +73,7 @@ impl std::fmt::Debug for ColocatedBackend {
 
 impl ColocatedBackend {
     /// Serve `model` under the name `model_id` with a KV pool of at least `kv_pool_tokens`
-    /// tokens in pages of `page_size` tokens, and start the engine thread.
+    /// tokens in pages of `page_size` tokens running `checks`, and start the engine thread.
     ///
     /// The served context (`max_model_len`) is the model's `context_length`, or the pool's
     /// capacity if smaller, so that a request that fits the context always fits an empty
@@ -83,6 +83,7 @@ impl ColocatedBackend {
         model_id: impl Into<String>,
         kv_pool_tokens: usize,
         page_size: usize,
+        checks: KvChecks,
     ) -> Result<Self, ColocatedError> {
         let LoadedModel {
             model,
@@ -93,7 +94,7 @@ impl ColocatedBackend {
         let pool = KvPool::new(PoolConfig {
             layout,
             pages: layout.pages_for_tokens(kv_pool_tokens),
-            poison_on_release: true,
+            checks,
         })?;
         let context_limit = model.config.context_length.min(pool.capacity_tokens());
         let tokenizer = Arc::new(tokenizer);
@@ -336,6 +337,12 @@ impl EngineLoop {
                 Event::Token { id, text, .. } => {
                     if !text.is_empty() {
                         self.send(id, GenEvent::Text(text));
+                    }
+                }
+                Event::Failed { id, error } => {
+                    if let Some(live) = self.live.remove(&id) {
+                        let err = ApiError::internal(format!("KV read check failed: {error}"));
+                        let _ = live.events.try_send(GenEvent::Failed(err));
                     }
                 }
                 Event::Finished {

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use axum::body::Body;
 use axum::http::{Request, StatusCode, header};
 use bulkhead_api::{Backend, ColocatedBackend, router};
+use bulkhead_kv::KvChecks;
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 use tower::ServiceExt;
@@ -29,7 +30,7 @@ async fn the_colocated_backend_answers_paris_and_refuses_a_prompt_longer_than_th
     let loaded = bulkhead_engine::load_model(&path, 2).expect("load the default model");
     let context = loaded.model.config.context_length;
     let backend =
-        Arc::new(ColocatedBackend::new(loaded, "smollm2", context, 16).expect("start the engine"));
+        Arc::new(ColocatedBackend::new(loaded, "smollm2", context, 16, KvChecks::all()).expect("start the engine"));
     assert!(backend.ready());
     assert_eq!(backend.models()[0].max_model_len, context);
     let app = router(backend.clone());
