@@ -837,6 +837,24 @@ async fn request_fields_reach_the_backend() {
 }
 
 #[tokio::test]
+async fn ignore_eos_reaches_the_backend_and_must_be_a_boolean() {
+    let mock = Mock::hello();
+    for (path, body) in [
+        ("/v1/chat/completions", chat(json!({ "ignore_eos": true }))),
+        ("/v1/completions", completion(json!({ "ignore_eos": true }))),
+    ] {
+        let (status, v) = send_json(app(&mock), post(path, body.to_string())).await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        assert!(mock.last_request().sampling.ignore_eos, "{path}");
+    }
+    let (status, _) = send_json(app(&mock), post("/v1/completions", completion(json!({})).to_string())).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(!mock.last_request().sampling.ignore_eos, "off unless asked");
+    let body = completion(json!({ "ignore_eos": "yes" }));
+    expect_error(&mock, "/v1/completions", body, StatusCode::BAD_REQUEST, Some("ignore_eos")).await;
+}
+
+#[tokio::test]
 async fn unknown_fields_are_ignored_and_null_means_not_given() {
     let mock = Mock::hello();
     let extra = json!({

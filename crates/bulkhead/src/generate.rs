@@ -61,7 +61,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
     }
     let layout = m.model.kv_layout(a.model.page_size as usize);
     let pool = KvPool::new(PoolConfig { layout, pages: layout.pages_for_tokens(needed), poison_on_release: true })?;
-    let sampling = SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed };
+    let sampling = SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed, ignore_eos: false };
     let mut engine = Engine::new(Arc::new(m.model), Arc::new(m.tokenizer), pool, 512, context);
     engine.add(GenRequest { prompt, max_tokens: a.max_tokens, sampling, stop: a.stop })?;
     let mut out = std::io::stdout().lock();

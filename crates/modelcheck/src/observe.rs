@@ -103,7 +103,7 @@ mod tests {
         let inbound = Inbound::reserve(&mut pool, RequestId(3), 3, 4).unwrap();
         let pages = inbound.prompt_pages(LAYOUT.page_size);
         let mut role = PrefillRole::new(PrefillConfig { max_prompt: 8, page_size: LAYOUT.page_size });
-        let sampling = Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None };
+        let sampling = Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, ignore_eos: false };
         role.handle(Message::Prefill { req: RequestId(3), tokens: vec![1, 2, 3], decode: WorkerId(1), pages, sampling });
         let refs = queued_refs(&format!("{role:?}"));
         assert_eq!(refs.iter().map(|r| (r.page, r.generation, r.req)).collect::<Vec<_>>(), [(0, 1, RequestId(3)), (1, 2, RequestId(3))]);

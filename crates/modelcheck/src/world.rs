@@ -187,7 +187,7 @@ pub struct World<'c> {
 }
 
 fn sampling() -> Sampling {
-    Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None }
+    Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, ignore_eos: false }
 }
 
 fn pool(pages: usize) -> KvPool {

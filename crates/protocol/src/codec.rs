@@ -14,8 +14,8 @@ use bulkhead_kv::{ChunkHeader, Generation, PageId, PageRef, RequestId};
 
 use crate::msg::*;
 
-/// Protocol version spoken by this build.
-pub const VERSION: u8 = 1;
+/// Protocol version spoken by this build (2: `Sampling` carries `ignore_eos`).
+pub const VERSION: u8 = 2;
 /// Default largest payload accepted (a KV chunk of one page is ~370 KB for the default model).
 pub const DEFAULT_MAX_FRAME: usize = 16 << 20;
 const MAGIC: [u8; 2] = *b"BH";
@@ -80,6 +80,7 @@ impl W<'_> {
         self.f32(s.top_p);
         self.u8(u8::from(s.seed.is_some()));
         self.u64(s.seed.unwrap_or(0));
+        self.u8(u8::from(s.ignore_eos));
     }
 }
 
@@ -142,7 +143,8 @@ impl<'a> R<'a> {
         let top_p = self.f32()?;
         let has_seed = self.u8()?;
         let seed = self.u64()?;
-        Ok(Sampling { temperature, top_k, top_p, seed: (has_seed != 0).then_some(seed) })
+        let ignore_eos = self.enum_u8("ignore_eos", |v| [false, true].get(usize::from(v)).copied())?;
+        Ok(Sampling { temperature, top_k, top_p, seed: (has_seed != 0).then_some(seed), ignore_eos })
     }
     fn enum_u8<T>(&mut self, field: &'static str, f: impl Fn(u8) -> Option<T>) -> Result<T, CodecError> {
         let v = self.u8()?;
@@ -413,7 +415,7 @@ mod tests {
     use super::*;
 
     fn samples() -> Vec<Message> {
-        let s = Sampling { temperature: 0.7, top_k: 40, top_p: 0.9, seed: Some(7) };
+        let s = Sampling { temperature: 0.7, top_k: 40, top_p: 0.9, seed: Some(7), ignore_eos: true };
         let pages = vec![PageRef { page: PageId(3), generation: Generation(9) }];
         vec![
             Message::Hello(Hello {

@@ -52,6 +52,8 @@ pub struct Sampling {
     pub top_p: f32,
     /// Seed, if reproducibility was asked for.
     pub seed: Option<u64>,
+    /// Generate past end-of-generation tokens (only max_tokens or a stop string ends).
+    pub ignore_eos: bool,
 }
 
 /// Why a request was refused before it ran (I3). Terminal.

@@ -43,7 +43,7 @@ struct Cluster {
 }
 
 fn sampling() -> Sampling {
-    Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None }
+    Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, ignore_eos: false }
 }
 
 impl Cluster {

@@ -26,8 +26,9 @@ enum In {
     PrefillClosed(WorkerId),
 }
 
-fn sampling(s: &bulkhead_protocol::Sampling) -> SamplingParams {
-    SamplingParams { temperature: s.temperature, top_k: s.top_k as usize, top_p: s.top_p, seed: s.seed }
+/// The engine's sampling settings from the wire's (the prefill worker samples the first token with the same).
+pub(crate) fn sampling(s: &bulkhead_protocol::Sampling) -> SamplingParams {
+    SamplingParams { temperature: s.temperature, top_k: s.top_k as usize, top_p: s.top_p, seed: s.seed, ignore_eos: s.ignore_eos }
 }
 
 /// Run a decode worker until its gateway goes away.

@@ -92,7 +92,7 @@ impl Backend for ClusterBackend {
         // Enough room for every token of the longest request: sends never block the actor.
         let (tx, rx) = mpsc::channel(limit.max(16) + 8);
         let p = &req.sampling;
-        let sampling = Sampling { temperature: p.temperature, top_k: p.top_k as u32, top_p: p.top_p, seed: p.seed };
+        let sampling = Sampling { temperature: p.temperature, top_k: p.top_k as u32, top_p: p.top_p, seed: p.seed, ignore_eos: p.ignore_eos };
         s.cmds
             .send(Cmd::Submit { tokens, max_tokens, sampling, stop: req.stop, events: tx })
             .map_err(|_| ApiError::internal("the gateway is shutting down"))?;

@@ -10,7 +10,7 @@ use std::net::TcpStream;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::time::Duration;
 
-use bulkhead_engine::{Sampler, SamplingParams};
+use bulkhead_engine::Sampler;
 use bulkhead_kv::transfer::{export_chunks, Manifest};
 use bulkhead_kv::{KvPool, SequenceKv};
 use bulkhead_model::{Llama, SeqInput};
@@ -183,8 +183,7 @@ impl Driver {
             }
             done = end;
         }
-        let s = &job.sampling;
-        let params = SamplingParams { temperature: s.temperature, top_k: s.top_k as usize, top_p: s.top_p, seed: s.seed };
+        let params = crate::decode_worker::sampling(&job.sampling);
         let first_token = match Sampler::new(params).and_then(|mut sm| sm.sample(&logits)) {
             Ok(t) => t,
             Err(e) => return Ok(JobOutcome::Failed(e.to_string())),
