@@ -6,11 +6,16 @@
 //! - `bench.rs`: `bulkhead bench-engine`, prefill and batched decode throughput.
 //! - `bench_transfer.rs`: `bulkhead bench-transfer`, KV handoff throughput vs memcpy.
 //! - `serve.rs`: `bulkhead serve`, the gateway and workers (one role or all three).
+//! - `loadgen.rs`: `bulkhead loadgen`, load on any OpenAI-compatible server (and the flags
+//!   naming a target server, shared with `probe`).
+//! - `probe.rs`: `bulkhead probe`, the cross-tenant isolation probe of any such server.
 #![forbid(unsafe_code)]
 
 mod bench;
 mod bench_transfer;
 mod generate;
+mod loadgen;
+mod probe;
 mod serve;
 
 use std::path::PathBuf;
@@ -35,6 +40,11 @@ enum Cmd {
     BenchEngine(bench::BenchArgs),
     /// Measure the verified KV handoff over loopback TCP against memcpy.
     BenchTransfer(bench_transfer::TransferArgs),
+    /// Load any OpenAI-compatible server: throughput, time to first token, inter-token latency.
+    Loadgen(loadgen::LoadgenArgs),
+    /// Probe any OpenAI-compatible server for cross-request leaks, accepted over-context
+    /// prompts and long inputs whose answers ignore them (exit 2 on findings).
+    Probe(probe::ProbeArgs),
 }
 
 /// Flags shared by every command that loads a model.
@@ -86,6 +96,8 @@ fn main() {
         Cmd::Generate(a) => generate::run(a),
         Cmd::BenchEngine(a) => bench::run(a),
         Cmd::BenchTransfer(a) => bench_transfer::run(a),
+        Cmd::Loadgen(a) => loadgen::run(a),
+        Cmd::Probe(a) => probe::run(a),
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");

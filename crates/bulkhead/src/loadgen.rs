@@ -1,0 +1,150 @@
+//! `bulkhead loadgen URL`: load any OpenAI-compatible server and report throughput, time to
+//! first token and inter-token latency (the work is in `bulkhead_client::loadgen`).
+
+use std::time::Duration;
+
+use anyhow::Context;
+use bulkhead_client::dist::{Dist, Rng};
+use bulkhead_client::http::{Timeouts, Url};
+use bulkhead_client::loadgen::{self, LoadgenConfig};
+use bulkhead_client::{Api, Client, ClientConfig};
+use clap::{Args, ValueEnum};
+
+/// Which endpoint to send to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ApiArg {
+    /// `/v1/completions` (the prompt as raw text).
+    Completions,
+    /// `/v1/chat/completions` (the prompt as one user message).
+    Chat,
+}
+
+impl From<ApiArg> for Api {
+    fn from(a: ApiArg) -> Api {
+        match a {
+            ApiArg::Completions => Api::Completions,
+            ApiArg::Chat => Api::Chat,
+        }
+    }
+}
+
+/// The server under test and how to reach it (shared by `loadgen` and `probe`).
+#[derive(Args, Debug, Clone)]
+pub struct TargetArgs {
+    /// Server base URL, e.g. http://127.0.0.1:8080 (a trailing /v1 is fine).
+    #[arg(env = "BULKHEAD_TARGET_URL")]
+    pub url: String,
+    /// API key, sent as `Authorization: Bearer KEY`.
+    #[arg(long, env = "BULKHEAD_API_KEY")]
+    pub api_key: Option<String>,
+    /// The `model` field of requests (default: the first model the server lists).
+    #[arg(long, env = "BULKHEAD_TARGET_MODEL")]
+    pub model: Option<String>,
+    /// Endpoint to use.
+    #[arg(long, env = "BULKHEAD_TARGET_API", value_enum, default_value_t = ApiArg::Completions)]
+    pub api: ApiArg,
+    /// Limit on connecting and sending a request (s).
+    #[arg(long, env = "BULKHEAD_CONNECT_TIMEOUT_S", default_value_t = 10)]
+    pub connect_timeout_s: u64,
+    /// Limit on any single wait for response bytes (s): a stalled server fails here.
+    #[arg(long, env = "BULKHEAD_READ_TIMEOUT_S", default_value_t = 300)]
+    pub read_timeout_s: u64,
+}
+
+impl TargetArgs {
+    /// A client for the target, with `headers` on every request.
+    pub fn client(&self, api_key: Option<String>, headers: Vec<(String, String)>) -> anyhow::Result<Client> {
+        Ok(Client::new(ClientConfig {
+            url: Url::parse(&self.url)?,
+            api_key,
+            headers,
+            timeouts: Timeouts { connect: Duration::from_secs(self.connect_timeout_s), read: Duration::from_secs(self.read_timeout_s) },
+        }))
+    }
+
+    /// The model named by the flag, else the first the server lists.
+    pub async fn model(&self, client: &Client) -> anyhow::Result<String> {
+        if let Some(m) = &self.model {
+            return Ok(m.clone());
+        }
+        let models = client.models().await.context("cannot list the server's models (pass --model)")?;
+        models.into_iter().next().map(|m| m.id).context("the server lists no models; pass --model")
+    }
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct LoadgenArgs {
+    #[command(flatten)]
+    target: TargetArgs,
+    /// Clients sending at once.
+    #[arg(long, short = 'c', env = "BULKHEAD_LOADGEN_CONCURRENCY", default_value_t = 1)]
+    concurrency: usize,
+    /// Requests to send (default 100 when no --duration-s is given).
+    #[arg(long, short = 'n', env = "BULKHEAD_LOADGEN_REQUESTS")]
+    requests: Option<u64>,
+    /// Stop starting requests after this many seconds (in-flight ones finish and count).
+    #[arg(long, env = "BULKHEAD_LOADGEN_DURATION_S")]
+    duration_s: Option<f64>,
+    /// Prompt length in words, about one token each: N, uniform:MIN:MAX or normal:MEAN:STD.
+    #[arg(long, env = "BULKHEAD_LOADGEN_PROMPT_TOKENS", default_value = "512")]
+    prompt_tokens: Dist,
+    /// max_tokens of each request: N, uniform:MIN:MAX or normal:MEAN:STD.
+    #[arg(long, env = "BULKHEAD_LOADGEN_OUTPUT_TOKENS", default_value = "128")]
+    output_tokens: Dist,
+    /// Seed of prompts and lengths (default: random; the report prints it).
+    #[arg(long, env = "BULKHEAD_LOADGEN_SEED")]
+    seed: Option<u64>,
+    /// Do not send ignore_eos: outputs may end before max_tokens.
+    #[arg(long, env = "BULKHEAD_LOADGEN_NO_IGNORE_EOS", value_parser = clap::builder::BoolishValueParser::new())]
+    no_ignore_eos: bool,
+    /// Do not stream (no TTFT or inter-token latency then).
+    #[arg(long, env = "BULKHEAD_LOADGEN_NO_STREAM", value_parser = clap::builder::BoolishValueParser::new())]
+    no_stream: bool,
+    /// Sampling temperature.
+    #[arg(long, env = "BULKHEAD_LOADGEN_TEMPERATURE", default_value_t = 0.0)]
+    temperature: f32,
+    /// Requests sent one at a time first, not measured.
+    #[arg(long, env = "BULKHEAD_LOADGEN_WARMUP", default_value_t = 0)]
+    warmup: u64,
+    /// Print the report as JSON.
+    #[arg(long, env = "BULKHEAD_LOADGEN_JSON", value_parser = clap::builder::BoolishValueParser::new())]
+    json: bool,
+}
+
+/// A small runtime for client commands: the work is waiting on sockets.
+pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?)
+}
+
+pub fn run(a: LoadgenArgs) -> anyhow::Result<()> {
+    let duration = a.duration_s.map(Duration::try_from_secs_f64).transpose().context("--duration-s must be a positive number")?;
+    let requests = match (a.requests, duration) {
+        (None, None) => Some(100),
+        (n, _) => n,
+    };
+    runtime()?.block_on(async {
+        let client = a.target.client(a.target.api_key.clone(), Vec::new())?;
+        let cfg = LoadgenConfig {
+            api: a.target.api.into(),
+            model: a.target.model(&client).await?,
+            concurrency: a.concurrency,
+            requests,
+            duration,
+            prompt_tokens: a.prompt_tokens,
+            output_tokens: a.output_tokens,
+            seed: a.seed.unwrap_or_else(Rng::entropy),
+            ignore_eos: !a.no_ignore_eos,
+            stream: !a.no_stream,
+            temperature: a.temperature,
+            warmup: a.warmup,
+        };
+        let report = loadgen::run(&client, &cfg).await?;
+        if a.json {
+            println!("{}", serde_json::to_string_pretty(&report)?);
+        } else {
+            print!("{report}");
+        }
+        anyhow::ensure!(report.ok > 0, "no request succeeded");
+        Ok(())
+    })
+}

@@ -1,0 +1,102 @@
+//! `bulkhead probe URL`: the isolation acceptance test against any OpenAI-compatible server
+//! (the work is in `bulkhead_client::probe`). Exit status: 0 no findings, 2 findings, 1 the
+//! probe could not run.
+
+use std::io::Write;
+use std::time::Duration;
+
+use anyhow::Context;
+use bulkhead_client::dist::Rng;
+use bulkhead_client::probe::{self, ProbeConfig};
+use clap::Args;
+
+use crate::loadgen::{TargetArgs, runtime};
+
+/// Exit status when the probe found something.
+pub const EXIT_FINDINGS: i32 = 2;
+
+#[derive(Args, Debug, Clone)]
+pub struct ProbeArgs {
+    #[command(flatten)]
+    target: TargetArgs,
+    /// Tenant A's API key (default: --api-key).
+    #[arg(long, env = "BULKHEAD_PROBE_TENANT_A_KEY")]
+    tenant_a_key: Option<String>,
+    /// Tenant B's API key (default: --api-key).
+    #[arg(long, env = "BULKHEAD_PROBE_TENANT_B_KEY")]
+    tenant_b_key: Option<String>,
+    /// A header on tenant A's requests, "Name: value" (repeatable; env: ';'-separated).
+    #[arg(long, env = "BULKHEAD_PROBE_TENANT_A_HEADERS", value_delimiter = ';', value_parser = parse_header)]
+    tenant_a_header: Vec<(String, String)>,
+    /// A header on tenant B's requests, "Name: value" (repeatable; env: ';'-separated).
+    #[arg(long, env = "BULKHEAD_PROBE_TENANT_B_HEADERS", value_delimiter = ';', value_parser = parse_header)]
+    tenant_b_header: Vec<(String, String)>,
+    /// The served context in tokens (default: what /v1/models or llama.cpp's /props says).
+    #[arg(long, env = "BULKHEAD_PROBE_CONTEXT_LENGTH")]
+    context_length: Option<u64>,
+    /// Rounds of the whole request mix.
+    #[arg(long, env = "BULKHEAD_PROBE_ROUNDS", default_value_t = 2)]
+    rounds: usize,
+    /// Filler words in long prompts (about 1.2 tokens each; clamped to fit the context).
+    #[arg(long, env = "BULKHEAD_PROBE_LONG_WORDS", default_value_t = 1500)]
+    long_words: usize,
+    /// Filler words in short prompts.
+    #[arg(long, env = "BULKHEAD_PROBE_SHORT_WORDS", default_value_t = 40)]
+    short_words: usize,
+    /// Requests in flight at once.
+    #[arg(long, env = "BULKHEAD_PROBE_CONCURRENCY", default_value_t = 8)]
+    concurrency: usize,
+    /// Smallest share of long prompts whose answer must repeat the code at their start.
+    #[arg(long, env = "BULKHEAD_PROBE_FACT_MIN_PASS", default_value_t = 0.5)]
+    fact_min_pass: f64,
+    /// Disconnects happen after a random delay up to this (ms).
+    #[arg(long, env = "BULKHEAD_PROBE_DISCONNECT_MAX_MS", default_value_t = 1000)]
+    disconnect_max_ms: u64,
+    /// Seed of codes, filler and timings (default: random; the report prints it).
+    #[arg(long, env = "BULKHEAD_PROBE_SEED")]
+    seed: Option<u64>,
+    /// Print the report as JSON.
+    #[arg(long, env = "BULKHEAD_PROBE_JSON", value_parser = clap::builder::BoolishValueParser::new())]
+    json: bool,
+}
+
+fn parse_header(s: &str) -> Result<(String, String), String> {
+    match s.split_once(':') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_string(), v.trim().to_string())),
+        _ => Err(format!("expected \"Name: value\", got {s:?}")),
+    }
+}
+
+pub fn run(a: ProbeArgs) -> anyhow::Result<()> {
+    anyhow::ensure!((0.0..=1.0).contains(&a.fact_min_pass), "--fact-min-pass must be in [0, 1]");
+    anyhow::ensure!(a.rounds > 0, "--rounds must be at least 1");
+    let report = runtime()?.block_on(async {
+        let key = |k: &Option<String>| k.clone().or_else(|| a.target.api_key.clone());
+        let tenant_a = a.target.client(key(&a.tenant_a_key), a.tenant_a_header.clone())?;
+        let tenant_b = a.target.client(key(&a.tenant_b_key), a.tenant_b_header.clone())?;
+        let cfg = ProbeConfig {
+            api: a.target.api.into(),
+            model: a.target.model.clone(),
+            context_length: a.context_length,
+            rounds: a.rounds,
+            long_words: a.long_words,
+            short_words: a.short_words,
+            concurrency: a.concurrency,
+            fact_min_pass: a.fact_min_pass,
+            disconnect_max: Duration::from_millis(a.disconnect_max_ms),
+            seed: a.seed.unwrap_or_else(Rng::entropy),
+        };
+        probe::run(&tenant_a, &tenant_b, &cfg).await.context("the probe could not run")
+    })?;
+    let mut out = std::io::stdout().lock();
+    if a.json {
+        writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
+    } else {
+        write!(out, "{report}")?;
+    }
+    out.flush()?;
+    if !report.passed() {
+        std::process::exit(EXIT_FINDINGS);
+    }
+    Ok(())
+}

@@ -1,0 +1,85 @@
+//! Client tools for any OpenAI-compatible server: a load generator and the isolation probe.
+//!
+//! # Layout
+//! - [`http`]: a minimal HTTP/1.1 client (one request per connection, bounded waits, no TLS).
+//! - [`sse`]: incremental server-sent-events parsing.
+//! - [`openai`]: `/v1/models` and (chat) completions, streamed or not, timed per chunk.
+//! - [`dist`]: seeded generator, length distributions, filler text and random codes.
+//! - [`stats`]: percentiles and latency summaries.
+//! - [`loadgen`]: N concurrent streaming clients; throughput, TTFT and inter-token latency.
+//! - [`probe`]: tenant A plants canaries while tenant B sends long, over-context, aborted
+//!   and disconnected requests; reports cross-over, accepted over-context prompts and long
+//!   inputs whose answers ignore their own content.
+#![forbid(unsafe_code)]
+
+pub mod dist;
+pub mod http;
+pub mod loadgen;
+pub mod openai;
+pub mod probe;
+pub mod sse;
+pub mod stats;
+
+use std::time::Duration;
+
+pub use openai::{Api, Client, ClientConfig, CompletionRequest, HangUp, Outcome};
+
+/// Why a request or a run could not be carried out. (What a server answered — a 4xx, an
+/// error event — is not an error here; it is part of an [`Outcome`].)
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The URL cannot be used.
+    #[error("invalid URL `{url}`: {why}")]
+    Url {
+        /// The URL given.
+        url: String,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// A header name or value contains a line break.
+    #[error("header `{0}` contains a line break")]
+    Header(String),
+    /// A socket operation failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// A wait ran out.
+    #[error("timed out after {after:?} {what}")]
+    Timeout {
+        /// What was being waited for.
+        what: &'static str,
+        /// The limit.
+        after: Duration,
+    },
+    /// The server's bytes are not valid HTTP, SSE or JSON where they must be.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// The server answered a request that must succeed with an error status.
+    #[error("HTTP {status}: {body}")]
+    Status {
+        /// Status code.
+        status: u16,
+        /// Body (truncated by the caller if needed).
+        body: String,
+    },
+    /// The settings cannot work (e.g. no bound on a run, a context too small for a test).
+    #[error("invalid settings: {0}")]
+    Config(String),
+}
+
+impl ClientError {
+    /// A short stable name of the error kind, for counting errors in reports.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ClientError::Url { .. } | ClientError::Header(_) | ClientError::Config(_) => "config",
+            ClientError::Io { .. } => "io",
+            ClientError::Timeout { .. } => "timeout",
+            ClientError::Protocol(_) => "protocol",
+            ClientError::Status { .. } => "status",
+        }
+    }
+}
