@@ -104,7 +104,7 @@ mod tests {
         let pages = inbound.prompt_pages(LAYOUT.page_size);
         let mut role = PrefillRole::new(PrefillConfig { max_prompt: 8, page_size: LAYOUT.page_size });
         let sampling = Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, ignore_eos: false };
-        role.handle(Message::Prefill { req: RequestId(3), tokens: vec![1, 2, 3], decode: WorkerId(1), pages, sampling });
+        role.handle(Message::Prefill { req: RequestId(3), tokens: vec![1, 2, 3], decode: WorkerId(1), pages, sampling, trace: Default::default() });
         let refs = queued_refs(&format!("{role:?}"));
         assert_eq!(refs.iter().map(|r| (r.page, r.generation, r.req)).collect::<Vec<_>>(), [(0, 1, RequestId(3)), (1, 2, RequestId(3))]);
     }

@@ -15,7 +15,7 @@ use bulkhead_kv::{KvPool, PoolConfig, RequestId, SequenceKv};
 use bulkhead_protocol::decode::{DecodeAction, DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole};
 use bulkhead_protocol::prefill::{JobOutcome, PrefillAction, PrefillConfig, PrefillJob, PrefillRole};
-use bulkhead_protocol::{AbortReason, FailReason, Message, RejectReason, Role, Sampling, WorkerId};
+use bulkhead_protocol::{AbortReason, FailReason, Message, RejectReason, Role, Sampling, TraceContext, WorkerId};
 
 use crate::config::{Config, Variant, LAYOUT, TICK_MS};
 use crate::observe;
@@ -515,7 +515,14 @@ impl<'c> World<'c> {
         let Some(r) = self.request(req) else { return };
         self.ghost(req).submitted = true;
         let tokens = (0..r.prompt).map(|t| req.0 as u32 * 10 + t).collect();
-        let acts = self.gw.handle(GatewayEvent::Submit { req, tokens, max_tokens: r.max_tokens, sampling: sampling(), stop: vec![] });
+        let acts = self.gw.handle(GatewayEvent::Submit {
+            req,
+            tokens,
+            max_tokens: r.max_tokens,
+            sampling: sampling(),
+            stop: vec![],
+            trace: TraceContext::default(),
+        });
         self.gateway_actions(acts);
     }
 
@@ -613,9 +620,16 @@ impl<'c> World<'c> {
 
     fn prefill_message(&mut self, w: WorkerId, msg: Message) {
         let keep = match &msg {
-            Message::Prefill { req, tokens, decode, pages, sampling } if self.cfg.variant == Variant::KeepRejectedJob => {
+            Message::Prefill { req, tokens, decode, pages, sampling, trace } if self.cfg.variant == Variant::KeepRejectedJob => {
                 // The incident's scheduler: a refused prompt becomes a 1-token placeholder.
-                Some(PrefillJob { req: *req, tokens: tokens[..1.min(tokens.len())].to_vec(), decode: *decode, pages: pages.clone(), sampling: sampling.clone() })
+                Some(PrefillJob {
+                    req: *req,
+                    tokens: tokens[..1.min(tokens.len())].to_vec(),
+                    decode: *decode,
+                    pages: pages.clone(),
+                    sampling: sampling.clone(),
+                    trace: trace.clone(),
+                })
             }
             _ => None,
         };

@@ -14,8 +14,9 @@ use bulkhead_kv::{ChunkHeader, Generation, PageId, PageRef, RequestId};
 
 use crate::msg::*;
 
-/// Protocol version spoken by this build (2: `Sampling` carries `ignore_eos`).
-pub const VERSION: u8 = 2;
+/// Protocol version spoken by this build (2: `Sampling` carries `ignore_eos`; 3: `Reserve`
+/// and `Prefill` carry a `TraceContext`, workers send `Metrics`).
+pub const VERSION: u8 = 3;
 /// Default largest payload accepted (a KV chunk of one page is ~370 KB for the default model).
 pub const DEFAULT_MAX_FRAME: usize = 16 << 20;
 const MAGIC: [u8; 2] = *b"BH";
@@ -57,6 +58,9 @@ impl W<'_> {
     fn f32(&mut self, v: f32) {
         self.0.extend_from_slice(&v.to_le_bytes());
     }
+    fn f64(&mut self, v: f64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
     fn bytes(&mut self, b: &[u8]) {
         self.u32(b.len() as u32);
         self.0.extend_from_slice(b);
@@ -72,6 +76,28 @@ impl W<'_> {
         for r in p {
             self.u32(r.page.0);
             self.u64(r.generation.0);
+        }
+    }
+    fn trace(&mut self, t: &TraceContext) {
+        self.0.extend_from_slice(&t.trace_id);
+        self.str(&t.request_id);
+    }
+    fn families(&mut self, fs: &[MetricFamily]) {
+        self.u32(fs.len() as u32);
+        for f in fs {
+            self.str(&f.name);
+            self.str(&f.help);
+            self.u8(f.kind as u8);
+            self.u32(f.samples.len() as u32);
+            for s in &f.samples {
+                self.str(&s.name);
+                self.u32(s.labels.len() as u32);
+                for (k, v) in &s.labels {
+                    self.str(k);
+                    self.str(v);
+                }
+                self.f64(s.value);
+            }
         }
     }
     fn sampling(&mut self, s: &Sampling) {
@@ -115,6 +141,9 @@ impl<'a> R<'a> {
     fn f32(&mut self) -> Result<f32, CodecError> {
         Ok(f32::from_le_bytes(self.arr()?))
     }
+    fn f64(&mut self) -> Result<f64, CodecError> {
+        Ok(f64::from_le_bytes(self.arr()?))
+    }
     fn bytes(&mut self) -> Result<&'a [u8], CodecError> {
         let n = self.u32()? as usize;
         self.take(n)
@@ -136,6 +165,31 @@ impl<'a> R<'a> {
     fn pages(&mut self) -> Result<Vec<PageRef>, CodecError> {
         let n = self.count(12)?;
         (0..n).map(|_| Ok(PageRef { page: PageId(self.u32()?), generation: Generation(self.u64()?) })).collect()
+    }
+    fn trace(&mut self) -> Result<TraceContext, CodecError> {
+        Ok(TraceContext { trace_id: self.arr()?, request_id: self.str("request_id")? })
+    }
+    fn families(&mut self) -> Result<Vec<MetricFamily>, CodecError> {
+        // Minimum encoded sizes: family = name, help, kind, sample count; sample = name,
+        // label count, value; label = two strings.
+        let n = self.count(13)?;
+        (0..n)
+            .map(|_| {
+                let name = self.str("metric name")?;
+                let help = self.str("metric help")?;
+                let kind = self.enum_u8("metric kind", metric_kind)?;
+                let n = self.count(16)?;
+                let samples = (0..n)
+                    .map(|_| {
+                        let name = self.str("sample name")?;
+                        let n = self.count(8)?;
+                        let labels = (0..n).map(|_| Ok((self.str("label name")?, self.str("label value")?))).collect::<Result<_, CodecError>>()?;
+                        Ok(MetricSample { name, labels, value: self.f64()? })
+                    })
+                    .collect::<Result<_, CodecError>>()?;
+                Ok(MetricFamily { name, help, kind, samples })
+            })
+            .collect()
     }
     fn sampling(&mut self) -> Result<Sampling, CodecError> {
         let temperature = self.f32()?;
@@ -170,6 +224,9 @@ fn abort(v: u8) -> Option<AbortReason> {
 fn finish(v: u8) -> Option<Finish> {
     [Finish::Stop, Finish::Length].get(usize::from(v)).copied()
 }
+fn metric_kind(v: u8) -> Option<MetricKind> {
+    [MetricKind::Counter, MetricKind::Gauge, MetricKind::Histogram].get(usize::from(v)).copied()
+}
 
 /// Append `m` as one frame to `out`.
 pub fn encode(m: &Message, out: &mut Vec<u8>) {
@@ -199,7 +256,7 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
             w.u32(prefill.0);
             4
         }
-        Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop } => {
+        Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, trace } => {
             w.req(*req);
             w.u32(*prompt_tokens);
             w.u32(*max_tokens);
@@ -207,6 +264,7 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
             w.sampling(sampling);
             w.u32(stop.len() as u32);
             stop.iter().for_each(|s| w.str(s));
+            w.trace(trace);
             5
         }
         Message::Reserved { req, pages } => {
@@ -220,13 +278,14 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
             w.str(detail);
             7
         }
-        Message::Prefill { req, tokens, decode, pages, sampling } => {
+        Message::Prefill { req, tokens, decode, pages, sampling, trace } => {
             w.req(*req);
             w.u32(tokens.len() as u32);
             tokens.iter().for_each(|t| w.u32(*t));
             w.u32(decode.0);
             w.pages(pages);
             w.sampling(sampling);
+            w.trace(trace);
             8
         }
         Message::KvChunk { req, header, data } => {
@@ -284,6 +343,10 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
             w.req(*req);
             17
         }
+        Message::Metrics { families } => {
+            w.families(families);
+            18
+        }
     };
     let len = (out.len() - start - HEADER) as u32;
     out[start + 3] = kind;
@@ -313,7 +376,7 @@ fn decode_payload(kind: u8, b: &[u8]) -> Result<Message, CodecError> {
             let sampling = r.sampling()?;
             let n = r.count(4)?;
             let stop = (0..n).map(|_| r.str("stop")).collect::<Result<_, _>>()?;
-            Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop }
+            Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, trace: r.trace()? }
         }
         6 => Message::Reserved { req: r.req()?, pages: r.pages()? },
         7 => Message::Rejected { req: r.req()?, reason: r.enum_u8("reject reason", reject)?, detail: r.str("detail")? },
@@ -321,7 +384,7 @@ fn decode_payload(kind: u8, b: &[u8]) -> Result<Message, CodecError> {
             let req = r.req()?;
             let n = r.count(4)?;
             let tokens = (0..n).map(|_| r.u32()).collect::<Result<_, _>>()?;
-            Message::Prefill { req, tokens, decode: WorkerId(r.u32()?), pages: r.pages()?, sampling: r.sampling()? }
+            Message::Prefill { req, tokens, decode: WorkerId(r.u32()?), pages: r.pages()?, sampling: r.sampling()?, trace: r.trace()? }
         }
         9 => {
             let req = r.req()?;
@@ -348,6 +411,7 @@ fn decode_payload(kind: u8, b: &[u8]) -> Result<Message, CodecError> {
         15 => Message::Abort { req: r.req()?, reason: r.enum_u8("abort reason", abort)? },
         16 => Message::DecodePeer { worker: WorkerId(r.u32()?), addr: r.str("addr")? },
         17 => Message::Cancel { req: r.req()? },
+        18 => Message::Metrics { families: r.families()? },
         k => return Err(CodecError::UnknownKind(k)),
     };
     if !r.b.is_empty() {
@@ -417,6 +481,7 @@ mod tests {
     fn samples() -> Vec<Message> {
         let s = Sampling { temperature: 0.7, top_k: 40, top_p: 0.9, seed: Some(7), ignore_eos: true };
         let pages = vec![PageRef { page: PageId(3), generation: Generation(9) }];
+        let trace = TraceContext { trace_id: *b"0123456789abcdef", request_id: "req-1".into() };
         vec![
             Message::Hello(Hello {
                 role: Role::Decode,
@@ -430,10 +495,18 @@ mod tests {
             Message::Welcome { worker: WorkerId(2) },
             Message::Refuse { reason: "model differs".into() },
             Message::KvHello { prefill: WorkerId(1) },
-            Message::Reserve { req: RequestId(5), prompt_tokens: 9, max_tokens: 3, prefill: WorkerId(1), sampling: s.clone(), stop: vec!["x".into(), "".into()] },
+            Message::Reserve {
+                req: RequestId(5),
+                prompt_tokens: 9,
+                max_tokens: 3,
+                prefill: WorkerId(1),
+                sampling: s.clone(),
+                stop: vec!["x".into(), "".into()],
+                trace: trace.clone(),
+            },
             Message::Reserved { req: RequestId(5), pages: pages.clone() },
             Message::Rejected { req: RequestId(5), reason: RejectReason::ContextLength, detail: "too long".into() },
-            Message::Prefill { req: RequestId(5), tokens: vec![1, 2, 3], decode: WorkerId(2), pages, sampling: s },
+            Message::Prefill { req: RequestId(5), tokens: vec![1, 2, 3], decode: WorkerId(2), pages, sampling: s, trace },
             Message::KvChunk {
                 req: RequestId(5),
                 header: ChunkHeader { page: PageId(3), generation: Generation(9), slot_start: 0, slot_count: 2, checksum: 77 },
@@ -447,6 +520,26 @@ mod tests {
             Message::Abort { req: RequestId(5), reason: AbortReason::ClientGone },
             Message::DecodePeer { worker: WorkerId(2), addr: "127.0.0.1:7".into() },
             Message::Cancel { req: RequestId(5) },
+            Message::Metrics { families: vec![] },
+            Message::Metrics {
+                families: vec![
+                    MetricFamily {
+                        name: "bulkhead:kv_cache_usage_perc".into(),
+                        help: "KV pages in use".into(),
+                        kind: MetricKind::Gauge,
+                        samples: vec![MetricSample { name: "bulkhead:kv_cache_usage_perc".into(), labels: vec![], value: 0.25 }],
+                    },
+                    MetricFamily {
+                        name: "x".into(),
+                        help: String::new(),
+                        kind: MetricKind::Histogram,
+                        samples: vec![
+                            MetricSample { name: "x_bucket".into(), labels: vec![("le".into(), "+Inf".into()), ("k".into(), "v\"".into())], value: 3.0 },
+                            MetricSample { name: "x_sum".into(), labels: vec![], value: f64::MAX },
+                        ],
+                    },
+                ],
+            },
         ]
     }
 
@@ -494,6 +587,37 @@ mod tests {
         let mut d = FrameDecoder::new(100);
         d.push(&[b'B', b'H', VERSION, 6, 12, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 0xff, 0x7f]);
         assert!(matches!(d.next_message(), Err(CodecError::Truncated(_))));
+    }
+
+    #[test]
+    fn metrics_frames_with_a_bad_kind_or_counts_beyond_the_payload_are_errors() {
+        let m = Message::Metrics {
+            families: vec![MetricFamily {
+                name: "a".into(),
+                help: "h".into(),
+                kind: MetricKind::Counter,
+                samples: vec![MetricSample { name: "a".into(), labels: vec![], value: 1.0 }],
+            }],
+        };
+        let mut good = Vec::new();
+        encode(&m, &mut good);
+        // Payload: family count (4), name (4 + 1), help (4 + 1), kind (1), sample count (4), ...
+        let kind_at = HEADER + 4 + 5 + 5;
+        let mut bad_kind = good.clone();
+        bad_kind[kind_at] = 3;
+        let mut many_samples = good.clone();
+        many_samples[kind_at + 1..kind_at + 5].copy_from_slice(&1000u32.to_le_bytes());
+        for (bytes, want) in [
+            (bad_kind, CodecError::Invalid { field: "metric kind", value: 3 }),
+            (many_samples, CodecError::Truncated("message")),
+        ] {
+            let mut d = FrameDecoder::new(DEFAULT_MAX_FRAME);
+            d.push(&bytes);
+            assert_eq!(d.next_message(), Err(want));
+        }
+        let mut d = FrameDecoder::new(DEFAULT_MAX_FRAME);
+        d.push(&good);
+        assert_eq!(d.next_message(), Ok(Some(m)));
     }
 
     #[test]

@@ -9,7 +9,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use bulkhead_kv::{Inbound, KvError, KvPool, Quarantined, RequestId, VerifiedSequence};
+use bulkhead_kv::{Inbound, KvError, KvPool, Quarantined, RequestId, TransferError, VerifiedSequence};
 
 use crate::msg::*;
 
@@ -80,6 +80,9 @@ pub struct DecodeStats {
     pub chunks_verified: u64,
     /// Chunks refused (wrong page, generation, order, range, checksum or sender).
     pub chunks_refused: u64,
+    /// Of those, chunks whose bytes did not match their checksum (checked only once every
+    /// earlier check passed, so chunks checksummed = `chunks_verified + checksum_failed`).
+    pub checksum_failed: u64,
     /// Completion claims verified (coverage, count, manifest).
     pub coverage_verified: u64,
     /// Completion claims refused.
@@ -218,13 +221,15 @@ impl DecodeRole {
         DecodeAction::ToGateway(Message::Rejected { req, reason, detail })
     }
 
-    fn known(&self, req: RequestId) -> bool {
+    /// Whether `req` holds anything here: a reservation, quarantined pages or a place in
+    /// the decode loop.
+    pub fn known(&self, req: RequestId) -> bool {
         self.pending.contains_key(&req) || self.fencing.contains_key(&req) || self.decoding.contains(&req)
     }
 
     fn on_gateway(&mut self, pool: &mut KvPool, m: Message, out: &mut Vec<DecodeAction>) {
         match m {
-            Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop } => {
+            Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, .. } => {
                 if self.known(req) {
                     out.push(self.reject(req, RejectReason::Duplicate, format!("request {req} is already in flight")));
                     return;
@@ -293,7 +298,12 @@ impl DecodeRole {
                 let verdict = if p.prefill != from {
                     Err(format!("chunk from {from}, the transfer was assigned to {}", p.prefill))
                 } else {
-                    p.inbound.accept(pool, &header, &data).map_err(|e| e.to_string())
+                    p.inbound.accept(pool, &header, &data).map_err(|e| {
+                        if matches!(e, TransferError::Checksum { .. }) {
+                            self.stats.checksum_failed += 1;
+                        }
+                        e.to_string()
+                    })
                 };
                 match verdict {
                     Ok(()) => self.stats.chunks_verified += 1,

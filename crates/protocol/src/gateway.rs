@@ -28,7 +28,7 @@ pub struct GatewayConfig {
 #[derive(Debug)]
 pub enum GatewayEvent {
     /// A client asked for a generation.
-    Submit { req: RequestId, tokens: Vec<u32>, max_tokens: u32, sampling: Sampling, stop: Vec<String> },
+    Submit { req: RequestId, tokens: Vec<u32>, max_tokens: u32, sampling: Sampling, stop: Vec<String>, trace: TraceContext },
     /// The client went away.
     ClientGone { req: RequestId },
     /// A worker sent a message.
@@ -86,6 +86,7 @@ struct InFlight {
     prefill: WorkerId,
     tokens: Vec<u32>,
     sampling: Sampling,
+    trace: TraceContext,
     deadline_ms: u64,
 }
 
@@ -153,7 +154,7 @@ impl GatewayRole {
     pub fn handle(&mut self, ev: GatewayEvent) -> Vec<GatewayAction> {
         let mut out = Vec::new();
         match ev {
-            GatewayEvent::Submit { req, tokens, max_tokens, sampling, stop } => {
+            GatewayEvent::Submit { req, tokens, max_tokens, sampling, stop, trace } => {
                 self.stats.submitted += 1;
                 let total = tokens.len() + max_tokens as usize;
                 if self.cfg.admission_check && total > self.cfg.max_context {
@@ -173,10 +174,10 @@ impl GatewayRole {
                 let prompt_tokens = tokens.len() as u32;
                 out.push(GatewayAction::ToWorker {
                     to: decode,
-                    msg: Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling: sampling.clone(), stop },
+                    msg: Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling: sampling.clone(), stop, trace: trace.clone() },
                 });
                 let deadline_ms = self.now_ms.saturating_add(self.cfg.request_timeout_ms);
-                self.inflight.insert(req, InFlight { phase: Phase::Reserving, decode, prefill, tokens, sampling, deadline_ms });
+                self.inflight.insert(req, InFlight { phase: Phase::Reserving, decode, prefill, tokens, sampling, trace, deadline_ms });
             }
             GatewayEvent::ClientGone { req } => {
                 if let Some(f) = self.inflight.remove(&req) {
@@ -242,7 +243,14 @@ impl GatewayRole {
                 f.phase = Phase::Prefilling;
                 out.push(GatewayAction::ToWorker {
                     to: f.prefill,
-                    msg: Message::Prefill { req, tokens: std::mem::take(&mut f.tokens), decode: f.decode, pages, sampling: f.sampling.clone() },
+                    msg: Message::Prefill {
+                        req,
+                        tokens: std::mem::take(&mut f.tokens),
+                        decode: f.decode,
+                        pages,
+                        sampling: f.sampling.clone(),
+                        trace: f.trace.clone(),
+                    },
                 });
             }
             Message::Token { text, .. } if from == f.decode => {

@@ -56,6 +56,53 @@ pub struct Sampling {
     pub ignore_eos: bool,
 }
 
+/// Where a request came from, carried to every worker so that its log lines can be found
+/// from the client's side: the W3C trace id the gateway continued or started, and the
+/// HTTP `x-request-id`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TraceContext {
+    /// W3C trace id (16 bytes; all zero when none was set, e.g. in tests).
+    pub trace_id: [u8; 16],
+    /// The HTTP request's `x-request-id` (the API keeps at most 128 printable ASCII bytes).
+    pub request_id: String,
+}
+
+/// Prometheus type of a [`MetricFamily`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MetricKind {
+    /// Only goes up (restarts at zero with the process).
+    Counter,
+    /// Goes up and down.
+    Gauge,
+    /// Cumulative buckets (`_bucket{le=..}`), `_sum` and `_count`.
+    Histogram,
+}
+
+/// One sample of a metric family.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MetricSample {
+    /// Full sample name: the family's, or for a histogram with `_bucket`, `_sum`, `_count`.
+    pub name: String,
+    /// Label names and values.
+    pub labels: Vec<(String, String)>,
+    /// Value.
+    pub value: f64,
+}
+
+/// A metric family as a worker reports it: self-describing, so a gateway renders metrics
+/// it does not know by name (a newer worker's) without a protocol change.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MetricFamily {
+    /// Family name, e.g. `bulkhead:kv_cache_usage_perc`.
+    pub name: String,
+    /// One line of help text.
+    pub help: String,
+    /// Prometheus type.
+    pub kind: MetricKind,
+    /// Its samples.
+    pub samples: Vec<MetricSample>,
+}
+
 /// Why a request was refused before it ran (I3). Terminal.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RejectReason {
@@ -118,13 +165,13 @@ pub enum Message {
     /// Prefill → decode, first message on a KV connection.
     KvHello { prefill: WorkerId },
     /// Gateway → decode: reserve pages for a prompt that `prefill` will write.
-    Reserve { req: RequestId, prompt_tokens: u32, max_tokens: u32, prefill: WorkerId, sampling: Sampling, stop: Vec<String> },
+    Reserve { req: RequestId, prompt_tokens: u32, max_tokens: u32, prefill: WorkerId, sampling: Sampling, stop: Vec<String>, trace: TraceContext },
     /// Decode → gateway: reserved; these are the prompt pages the prefill may write.
     Reserved { req: RequestId, pages: Vec<PageRef> },
     /// Worker → gateway: refused before running. Terminal for the request.
     Rejected { req: RequestId, reason: RejectReason, detail: String },
     /// Gateway → prefill: compute this prompt's KV into `decode`'s `pages`.
-    Prefill { req: RequestId, tokens: Vec<u32>, decode: WorkerId, pages: Vec<PageRef>, sampling: Sampling },
+    Prefill { req: RequestId, tokens: Vec<u32>, decode: WorkerId, pages: Vec<PageRef>, sampling: Sampling, trace: TraceContext },
     /// Prefill → decode: KV bytes for one page segment.
     KvChunk { req: RequestId, header: ChunkHeader, data: Vec<u8> },
     /// Prefill → decode: all chunks sent. The last message for `req` on this connection.
@@ -142,6 +189,9 @@ pub enum Message {
     /// Gateway → decode: end a reservation that was never dispatched to a prefill worker, so
     /// no writer can exist for its pages (they are released, not quarantined).
     Cancel { req: RequestId },
+    /// Worker → gateway, periodically and when a request ends on the worker: the worker's
+    /// current metrics, replacing what it sent before (I6: evidence leaves the worker).
+    Metrics { families: Vec<MetricFamily> },
 }
 
 impl Message {
@@ -160,7 +210,12 @@ impl Message {
             | Message::Failed { req, .. }
             | Message::Abort { req, .. }
             | Message::Cancel { req } => Some(*req),
-            Message::Hello(_) | Message::Welcome { .. } | Message::Refuse { .. } | Message::DecodePeer { .. } | Message::KvHello { .. } => None,
+            Message::Hello(_)
+            | Message::Welcome { .. }
+            | Message::Refuse { .. }
+            | Message::DecodePeer { .. }
+            | Message::KvHello { .. }
+            | Message::Metrics { .. } => None,
         }
     }
 }

@@ -34,6 +34,8 @@ pub struct PrefillJob {
     pub pages: Vec<PageRef>,
     /// How to pick the first token.
     pub sampling: Sampling,
+    /// Where the request came from, for the worker's logs.
+    pub trace: TraceContext,
 }
 
 /// How the driver's work on a job ended.
@@ -105,7 +107,7 @@ impl PrefillRole {
     pub fn handle(&mut self, m: Message) -> Vec<PrefillAction> {
         let mut out = Vec::new();
         match m {
-            Message::Prefill { req, tokens, decode, pages, sampling } => {
+            Message::Prefill { req, tokens, decode, pages, sampling, trace } => {
                 let fence = PrefillAction::ToDecode { to: decode, msg: Message::Fenced { req } };
                 let refuse = |reason, detail: String| PrefillAction::ToGateway(Message::Rejected { req, reason, detail });
                 let duplicate = self.running.is_some_and(|r| r.0 == req) || self.queue.iter().any(|j| j.req == req);
@@ -124,7 +126,7 @@ impl PrefillRole {
                     }
                 } else {
                     self.stats.admitted += 1;
-                    self.queue.push_back(PrefillJob { req, tokens, decode, pages, sampling });
+                    self.queue.push_back(PrefillJob { req, tokens, decode, pages, sampling, trace });
                 }
             }
             Message::Abort { req, .. } => {

@@ -81,7 +81,7 @@ impl Cluster {
 
     fn submit(&mut self, req: u64, prompt: u32, max_tokens: u32) {
         let tokens = (0..prompt).map(|i| i + req as u32 * 100).collect();
-        self.gateway(GatewayEvent::Submit { req: RequestId(req), tokens, max_tokens, sampling: sampling(), stop: vec![] });
+        self.gateway(GatewayEvent::Submit { req: RequestId(req), tokens, max_tokens, sampling: sampling(), stop: vec![], trace: TraceContext::default() });
     }
 
     fn decode_actions(&mut self, acts: Vec<DecodeAction>) {
@@ -350,8 +350,36 @@ fn a_corrupted_or_foreign_chunk_fails_only_its_request() {
         assert!(matches!(c.terminal(1), Some(ClientOutput::Failed { reason: FailReason::TransferRefused, .. })), "tamper {tamper}: {:?}", c.outputs);
         assert!(matches!(c.terminal(2), Some(ClientOutput::Finished { .. })), "tamper {tamper}: {:?}", c.outputs);
         assert_eq!(c.dec.stats().chunks_refused, 1);
+        // Only the flipped byte reaches the checksum check; a wrong page or generation is
+        // refused before it.
+        assert_eq!(c.dec.stats().checksum_failed, u64::from(tamper == 0), "tamper {tamper}");
         c.assert_clean(&[1, 2]);
     }
+}
+
+#[test]
+fn the_trace_context_reaches_the_decode_reservation_and_the_prefill_job() {
+    let mut c = Cluster::new(64, 128, true);
+    let trace = TraceContext { trace_id: [7; 16], request_id: "req-7".into() };
+    c.gateway(GatewayEvent::Submit { req: RequestId(1), tokens: vec![1, 2, 3], max_tokens: 2, sampling: sampling(), stop: vec![], trace: trace.clone() });
+    let (mut reserve, mut prefill, mut job) = (None, None, None);
+    for _ in 0..1000 {
+        for (_, m) in &c.net {
+            match m {
+                Message::Reserve { trace, .. } => reserve = Some(trace.clone()),
+                Message::Prefill { trace, .. } => prefill = Some(trace.clone()),
+                _ => {}
+            }
+        }
+        if let Some(j) = &c.job {
+            job = Some(j.job.trace.clone());
+        }
+        if !(c.deliver() || c.prefill_step() || c.decode_step()) {
+            break;
+        }
+    }
+    assert_eq!((reserve.as_ref(), prefill.as_ref(), job.as_ref()), (Some(&trace), Some(&trace), Some(&trace)));
+    assert!(matches!(c.terminal(1), Some(ClientOutput::Finished { .. })), "{:?}", c.outputs);
 }
 
 #[test]

@@ -1,23 +1,28 @@
 //! The gateway: OpenAI HTTP API in front, workers behind, the protocol's gateway role in
 //! the middle. One actor task owns the role, the worker connections and the client
-//! streams, so every decision about a request is made in one place, in order.
+//! streams, so every decision about a request is made in one place, in order. It also owns
+//! the request metrics and the workers' latest reported metrics, and renders `/metrics`.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bulkhead_api::{ApiError, Backend, FinishReason, GenEvent, GenerationRequest, ModelCard};
 
 use bulkhead_api::PromptEncoder;
 use bulkhead_kv::RequestId;
 use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole};
-use bulkhead_protocol::{encode, FailReason, Finish, FrameDecoder, Hello, Message, RejectReason, Role, Sampling, WorkerId, DEFAULT_MAX_FRAME};
+use bulkhead_protocol::{
+    encode, FailReason, Finish, FrameDecoder, Hello, Message, MetricFamily, RejectReason, Role, Sampling, TraceContext, WorkerId, DEFAULT_MAX_FRAME,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
+
+use crate::metrics::{self, Families, RequestMetrics};
 
 /// Settings of the gateway.
 #[derive(Clone, Debug)]
@@ -50,11 +55,30 @@ pub enum GatewayError {
 }
 
 enum Cmd {
-    Submit { tokens: Vec<u32>, max_tokens: u32, sampling: Sampling, stop: Vec<String>, events: mpsc::Sender<GenEvent> },
+    Submit {
+        tokens: Vec<u32>,
+        max_tokens: u32,
+        sampling: Sampling,
+        stop: Vec<String>,
+        trace: TraceContext,
+        arrived: Instant,
+        events: mpsc::Sender<GenEvent>,
+    },
     Register { hello: Hello, writer: mpsc::UnboundedSender<Message>, reply: oneshot::Sender<Result<WorkerId, String>> },
     Worker { from: WorkerId, msg: Message },
     Left { id: WorkerId },
     Tick { now_ms: u64 },
+    /// Render `/metrics`.
+    Metrics { reply: oneshot::Sender<String> },
+}
+
+/// Requests the gateway refused before running them, by reason (the HTTP side counts them,
+/// before anything reaches the actor).
+#[derive(Default)]
+struct Refused {
+    context_length: AtomicU64,
+    unavailable: AtomicU64,
+    invalid: AtomicU64,
 }
 
 struct Shared {
@@ -63,7 +87,12 @@ struct Shared {
     ready: AtomicBool,
     encoder: PromptEncoder,
     admission_check: bool,
+    refused: Refused,
     cmds: mpsc::UnboundedSender<Cmd>,
+}
+
+fn count(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
 }
 
 /// The [`Backend`] the HTTP layer calls: templating, tokenising and the gateway's own
@@ -78,23 +107,30 @@ impl Backend for ClusterBackend {
     }
 
     fn generate(&self, req: GenerationRequest) -> Result<mpsc::Receiver<GenEvent>, ApiError> {
+        let arrived = Instant::now();
         let s = &self.0;
         if !s.ready.load(Ordering::Acquire) {
+            count(&s.refused.unavailable);
             return Err(ApiError::overloaded("no prefill or no decode worker is registered yet"));
         }
-        let tokens = s.encoder.encode(&req.prompt)?;
+        let tokens = s.encoder.encode(&req.prompt).inspect_err(|_| count(&s.refused.invalid))?;
         let limit = s.max_context.load(Ordering::Acquire);
         let max_tokens = req.max_tokens.unwrap_or_else(|| limit.saturating_sub(tokens.len()).max(1));
+        let too_long = || {
+            count(&s.refused.context_length);
+            ApiError::context_length_exceeded(tokens.len(), max_tokens, limit)
+        };
         if s.admission_check && tokens.len().saturating_add(max_tokens) > limit {
-            return Err(ApiError::context_length_exceeded(tokens.len(), max_tokens, limit));
+            return Err(too_long());
         }
-        let max_tokens = u32::try_from(max_tokens).map_err(|_| ApiError::context_length_exceeded(tokens.len(), max_tokens, limit))?;
+        let max_tokens = u32::try_from(max_tokens).map_err(|_| too_long())?;
         // Enough room for every token of the longest request: sends never block the actor.
         let (tx, rx) = mpsc::channel(limit.max(16) + 8);
         let p = &req.sampling;
         let sampling = Sampling { temperature: p.temperature, top_k: p.top_k as u32, top_p: p.top_p, seed: p.seed, ignore_eos: p.ignore_eos };
+        let trace = TraceContext { trace_id: req.trace_id.0, request_id: req.request_id };
         s.cmds
-            .send(Cmd::Submit { tokens, max_tokens, sampling, stop: req.stop, events: tx })
+            .send(Cmd::Submit { tokens, max_tokens, sampling, stop: req.stop, trace, arrived, events: tx })
             .map_err(|_| ApiError::internal("the gateway is shutting down"))?;
         Ok(rx)
     }
@@ -139,6 +175,7 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
         ready: AtomicBool::new(false),
         encoder: PromptEncoder::new(Arc::new(tokenizer), chat),
         admission_check: opts.admission_check,
+        refused: Refused::default(),
         cmds: cmds.clone(),
     });
     let role = GatewayRole::new(GatewayConfig {
@@ -157,6 +194,8 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
         clients: BTreeMap::new(),
         next_req: 1,
         next_worker: 1,
+        registered: [0, 0],
+        requests: RequestMetrics::default(),
     };
     tokio::spawn(actor.run(inbox));
     let ticker = cmds.clone();
@@ -172,10 +211,10 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
     });
     let wl = TcpListener::bind(&opts.workers).await?;
     let worker_addr = wl.local_addr()?;
-    tokio::spawn(accept_workers(wl, cmds));
+    tokio::spawn(accept_workers(wl, cmds.clone()));
     let hl = TcpListener::bind(&opts.http).await?;
     let http_addr = hl.local_addr()?;
-    let app = bulkhead_api::router(Arc::new(ClusterBackend(shared)));
+    let app = bulkhead_api::router(Arc::new(ClusterBackend(shared))).route("/metrics", axum::routing::get(move || serve_metrics(cmds.clone())));
     let (tx, rx) = oneshot::channel::<()>();
     let server = tokio::spawn(async move {
         axum::serve(hl, app)
@@ -192,16 +231,44 @@ fn unix_now() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
+/// `GET /metrics`: the actor renders, so the figures are one consistent snapshot.
+async fn serve_metrics(cmds: mpsc::UnboundedSender<Cmd>) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let (reply, text) = oneshot::channel();
+    if cmds.send(Cmd::Metrics { reply }).is_err() {
+        return axum::http::StatusCode::SERVICE_UNAVAILABLE.into_response();
+    }
+    match text.await {
+        Ok(text) => ([(axum::http::header::CONTENT_TYPE, metrics::CONTENT_TYPE)], text).into_response(),
+        Err(_) => axum::http::StatusCode::SERVICE_UNAVAILABLE.into_response(),
+    }
+}
+
 struct Client {
     events: mpsc::Sender<GenEvent>,
     prompt_tokens: usize,
     max_tokens: usize,
+    /// When the HTTP side admitted it (before tokenising).
+    arrived: Instant,
+    /// When its last token reached the gateway; none yet = still waiting.
+    last_token: Option<Instant>,
 }
 
 struct WorkerInfo {
     role: Role,
     max_context: usize,
     kv_addr: String,
+    /// Metrics labels naming it: `worker` (`prefill-0`, `decode-1`, …) and `role`.
+    labels: Vec<(String, String)>,
+    /// The latest metrics it reported.
+    metrics: Vec<MetricFamily>,
+}
+
+fn role_name(r: Role) -> &'static str {
+    match r {
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
+    }
 }
 
 struct Actor {
@@ -216,21 +283,30 @@ struct Actor {
     clients: BTreeMap<RequestId, Client>,
     next_req: u64,
     next_worker: u32,
+    /// Workers ever registered per role (prefill, decode): the next metrics label number.
+    registered: [u32; 2],
+    requests: RequestMetrics,
 }
 
 impl Actor {
     async fn run(mut self, mut inbox: mpsc::UnboundedReceiver<Cmd>) {
         while let Some(cmd) = inbox.recv().await {
             match cmd {
-                Cmd::Submit { tokens, max_tokens, sampling, stop, events } => {
+                Cmd::Submit { tokens, max_tokens, sampling, stop, trace, arrived, events } => {
                     let req = RequestId(self.next_req);
                     self.next_req += 1;
-                    self.clients.insert(req, Client { events, prompt_tokens: tokens.len(), max_tokens: max_tokens as usize });
-                    self.apply(GatewayEvent::Submit { req, tokens, max_tokens, sampling, stop });
+                    let client = Client { events, prompt_tokens: tokens.len(), max_tokens: max_tokens as usize, arrived, last_token: None };
+                    self.clients.insert(req, client);
+                    self.apply(GatewayEvent::Submit { req, tokens, max_tokens, sampling, stop, trace });
                 }
                 Cmd::Register { hello, writer, reply } => {
                     let r = self.register(hello, writer);
                     let _ = reply.send(r);
+                }
+                Cmd::Worker { from, msg: Message::Metrics { families } } => {
+                    if let Some(w) = self.workers.get_mut(&from) {
+                        w.metrics = families;
+                    }
                 }
                 Cmd::Worker { from, msg } => self.apply(GatewayEvent::FromWorker { from, msg }),
                 Cmd::Left { id } => {
@@ -245,10 +321,12 @@ impl Actor {
                     // Clients whose stream was dropped are gone (I3: the abort reaches every role).
                     let gone: Vec<RequestId> = self.clients.iter().filter(|(_, c)| c.events.is_closed()).map(|(r, _)| *r).collect();
                     for req in gone {
-                        self.clients.remove(&req);
-                        self.apply(GatewayEvent::ClientGone { req });
+                        self.client_gone(req);
                     }
                     self.apply(GatewayEvent::Tick { now_ms });
+                }
+                Cmd::Metrics { reply } => {
+                    let _ = reply.send(self.metrics_text());
                 }
             }
         }
@@ -282,8 +360,13 @@ impl Actor {
                 }
             }
         }
-        tracing::info!(worker = %id, role = ?h.role, capacity = h.capacity_tokens, max_context = h.max_context, "worker registered");
-        self.workers.insert(id, WorkerInfo { role: h.role, max_context: h.max_context as usize, kv_addr: h.kv_addr });
+        let name = role_name(h.role);
+        let n = &mut self.registered[usize::from(h.role == Role::Decode)];
+        let label = format!("{name}-{n}");
+        *n += 1;
+        tracing::info!(worker = %id, metrics_label = %label, role = ?h.role, capacity = h.capacity_tokens, max_context = h.max_context, "worker registered");
+        let labels = vec![("worker".to_string(), label), ("role".to_string(), name.to_string())];
+        self.workers.insert(id, WorkerInfo { role: h.role, max_context: h.max_context as usize, kv_addr: h.kv_addr, labels, metrics: Vec::new() });
         self.writers.insert(id, writer);
         self.apply(GatewayEvent::WorkerJoined { id, role: h.role });
         self.update_context();
@@ -311,12 +394,47 @@ impl Actor {
         }
     }
 
+    /// The client of `req` went away: the abort reaches every role (I3).
+    fn client_gone(&mut self, req: RequestId) {
+        if self.clients.remove(&req).is_some() {
+            self.requests.failed("client_gone");
+            self.apply(GatewayEvent::ClientGone { req });
+        }
+    }
+
+    /// `/metrics`: the gateway's own families, then every registered worker's latest.
+    fn metrics_text(&self) -> String {
+        let mut f = Families::new();
+        self.requests.export(&mut f);
+        let running = self.clients.values().filter(|c| c.last_token.is_some()).count();
+        f.gauge("bulkhead:num_requests_running", "Requests generating tokens.", &[], running as f64);
+        let help = "Requests admitted and not generating yet (reserving KV, queued for or in prefill).";
+        f.gauge("bulkhead:num_requests_waiting", help, &[], (self.clients.len() - running) as f64);
+        let r = &self.shared.refused;
+        // The role's own context check only fires if the served context shrank between the
+        // HTTP side's check and the actor's.
+        let context = r.context_length.load(Ordering::Relaxed) + self.role.stats().rejected_at_gateway;
+        f.rejected("gateway", "context_length", context);
+        f.rejected("gateway", "unavailable", r.unavailable.load(Ordering::Relaxed));
+        f.rejected("gateway", "invalid", r.invalid.load(Ordering::Relaxed));
+        for role in [Role::Prefill, Role::Decode] {
+            let n = self.workers.values().filter(|w| w.role == role).count();
+            f.gauge("bulkhead:workers", "Registered workers, by role.", &[("role", role_name(role))], n as f64);
+        }
+        f.bad_connections(&[("worker", "gateway"), ("role", "gateway")]);
+        let own = f.into_vec();
+        let workers = self.workers.values().map(|w| (&w.labels[..], &w.metrics[..]));
+        metrics::render(std::iter::once((&[][..], &own[..])).chain(workers))
+    }
+
     fn deliver_to_client(&mut self, req: RequestId, out: ClientOutput) {
         let terminal = out.is_terminal();
-        let Some(c) = self.clients.get(&req) else { return };
+        let Some(c) = self.clients.get_mut(&req) else { return };
         let mut events = Vec::new();
         match out {
             ClientOutput::Token { text } => {
+                self.requests.token(c.arrived, c.last_token);
+                c.last_token = Some(Instant::now());
                 if !text.is_empty() {
                     events.push(GenEvent::Text(text));
                 }
@@ -326,6 +444,10 @@ impl Actor {
                     events.push(GenEvent::Text(text));
                 }
                 let reason = if finish == Finish::Length { FinishReason::Length } else { FinishReason::Stop };
+                if c.last_token.is_none() && completion_tokens > 0 {
+                    self.requests.token(c.arrived, None);
+                }
+                self.requests.finished(c.arrived, reason.as_str(), prompt_tokens, completion_tokens);
                 events.push(GenEvent::Finished { reason, prompt_tokens: prompt_tokens as usize, completion_tokens: completion_tokens as usize });
             }
             ClientOutput::Rejected { reason, detail } => events.push(GenEvent::Failed(match reason {
@@ -338,13 +460,20 @@ impl Actor {
                 RejectReason::Capacity => ApiError::overloaded(format!("no KV capacity for this request now: {detail}")),
                 RejectReason::Invalid | RejectReason::Duplicate => ApiError::bad_request(detail),
             })),
-            ClientOutput::Failed { reason, detail } => events.push(GenEvent::Failed(match reason {
-                FailReason::WorkerLost => ApiError::overloaded(format!("a worker serving this request went away: {detail}")),
-                FailReason::Timeout => ApiError::internal(format!("the request timed out: {detail}")),
-                FailReason::TransferRefused => ApiError::internal(format!("KV transfer failed verification: {detail}")),
-                FailReason::Internal => ApiError::internal(detail),
-            })),
-            ClientOutput::Unavailable => events.push(GenEvent::Failed(ApiError::overloaded("no worker available"))),
+            ClientOutput::Failed { reason, detail } => {
+                let (label, e) = match reason {
+                    FailReason::WorkerLost => ("worker_lost", ApiError::overloaded(format!("a worker serving this request went away: {detail}"))),
+                    FailReason::Timeout => ("timeout", ApiError::internal(format!("the request timed out: {detail}"))),
+                    FailReason::TransferRefused => ("transfer_refused", ApiError::internal(format!("KV transfer failed verification: {detail}"))),
+                    FailReason::Internal => ("internal", ApiError::internal(detail)),
+                };
+                self.requests.failed(label);
+                events.push(GenEvent::Failed(e));
+            }
+            ClientOutput::Unavailable => {
+                count(&self.shared.refused.unavailable);
+                events.push(GenEvent::Failed(ApiError::overloaded("no worker available")));
+            }
         }
         let mut closed = false;
         for e in events {
@@ -355,8 +484,7 @@ impl Actor {
         if terminal {
             self.clients.remove(&req);
         } else if closed {
-            self.clients.remove(&req);
-            self.apply(GatewayEvent::ClientGone { req });
+            self.client_gone(req);
         }
     }
 }

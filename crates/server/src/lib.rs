@@ -6,10 +6,12 @@
 //! - [`prefill_worker`], [`decode_worker`]: blocking threads around the protocol's roles.
 //! - [`worker`]: what both workers share: loading, the capacity contract (I5), registration.
 //! - [`wire`]: frames over blocking TCP.
+//! - [`metrics`]: what each process counts, the workers' reports, the `/metrics` exposition.
 #![forbid(unsafe_code)]
 
 pub mod decode_worker;
 pub mod gateway;
+pub mod metrics;
 pub mod prefill_worker;
 pub mod wire;
 pub mod worker;

@@ -4,11 +4,15 @@
 //! The protocol's prefill role decides what runs (admission, aborts); this driver only
 //! computes the job the role hands out and checks `keep_going` between chunks, so an
 //! aborted or rejected request is never computed or transferred after the decision.
+//!
+//! Each job runs inside a tracing span naming its request and trace; the worker's metrics
+//! go to the gateway every [`PUSH_INTERVAL`](crate::metrics::PUSH_INTERVAL) and at the end
+//! of each job.
 
 use std::collections::BTreeMap;
 use std::net::TcpStream;
 use std::sync::mpsc::{channel, Receiver, Sender};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bulkhead_engine::Sampler;
 use bulkhead_kv::transfer::{export_chunks, Manifest};
@@ -17,8 +21,9 @@ use bulkhead_model::{Llama, SeqInput};
 use bulkhead_protocol::prefill::{JobOutcome, PrefillAction, PrefillConfig, PrefillJob, PrefillRole};
 use bulkhead_protocol::{Message, Role, WorkerId};
 
+use crate::metrics::{self, Families, Histogram, Pusher};
 use crate::wire::{send, spawn_reader, FrameReader};
-use crate::worker::{load, register, WorkerConfig, WorkerError};
+use crate::worker::{load, register, request_span, WorkerConfig, WorkerError};
 
 enum In {
     Gateway(Message),
@@ -33,6 +38,11 @@ struct Driver {
     decodes: BTreeMap<WorkerId, TcpStream>,
     role: PrefillRole,
     tx: Sender<In>,
+    /// KV bytes sent in chunks.
+    sent_bytes: u64,
+    /// Time to send each transfer batch.
+    transfer: Histogram,
+    pusher: Pusher,
 }
 
 /// Run a prefill worker until its gateway goes away.
@@ -44,7 +54,8 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     spawn_reader(gw_reader, tx.clone(), In::Gateway, In::GatewayClosed);
     let page_size = loaded.pool.layout().page_size;
     let role = PrefillRole::new(PrefillConfig { max_prompt: loaded.context, page_size });
-    let mut d = Driver { me, gw, decodes: BTreeMap::new(), role, tx };
+    let transfer = Histogram::new(metrics::TRANSFER_BUCKETS);
+    let mut d = Driver { me, gw, decodes: BTreeMap::new(), role, tx, sent_bytes: 0, transfer, pusher: Pusher::new() };
     let crate::worker::Loaded { model, mut pool, .. } = loaded;
     let model = model.model;
     let chunk_tokens = (cfg.transfer_batch_pages.max(1) * page_size).max(1);
@@ -52,10 +63,22 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
         if !d.pump(&rx, !d.role.busy() && d.role.queued() == 0)? {
             return Ok(());
         }
+        if d.pusher.due() {
+            d.push_metrics(&pool)?;
+        }
         if let Some(job) = d.role.next_job() {
+            let span = request_span(job.req, &job.trace);
+            let _in_span = span.enter();
+            let started = Instant::now();
             let outcome = d.compute(&rx, &model, &mut pool, &job, chunk_tokens)?;
+            match &outcome {
+                JobOutcome::Done { tokens, .. } => tracing::info!(tokens, ms = started.elapsed().as_millis() as u64, "prefill done"),
+                JobOutcome::Stopped => tracing::info!(ms = started.elapsed().as_millis() as u64, "prefill stopped"),
+                JobOutcome::Failed(e) => tracing::warn!(error = %e, "prefill failed"),
+            }
             let actions = d.role.job_ended(job.req, outcome);
             d.act(actions)?;
+            d.push_metrics(&pool)?;
         }
     }
 }
@@ -77,6 +100,11 @@ impl Driver {
             match i {
                 In::Gateway(Message::DecodePeer { worker, addr }) => self.connect_decode(worker, &addr),
                 In::Gateway(m) => {
+                    let span = match &m {
+                        Message::Prefill { req, trace, .. } => request_span(*req, trace),
+                        _ => tracing::Span::none(),
+                    };
+                    let _in_span = span.enter();
                     let actions = self.role.handle(m);
                     self.act(actions)?;
                 }
@@ -121,7 +149,12 @@ impl Driver {
     fn act(&mut self, actions: Vec<PrefillAction>) -> Result<(), WorkerError> {
         for a in actions {
             match a {
-                PrefillAction::ToGateway(m) => send(&mut self.gw, &m)?,
+                PrefillAction::ToGateway(m) => {
+                    if let Message::Failed { req, detail, .. } | Message::Rejected { req, detail, .. } = &m {
+                        tracing::warn!(request = %req, %detail, "request ended by the prefill worker");
+                    }
+                    send(&mut self.gw, &m)?
+                }
                 PrefillAction::ToDecode { to, msg } => {
                     if let Some(s) = self.decodes.get_mut(&to) {
                         let _ = send(s, &msg);
@@ -129,6 +162,18 @@ impl Driver {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Send this worker's metrics to the gateway.
+    fn push_metrics(&mut self, pool: &KvPool) -> Result<(), WorkerError> {
+        let mut f = Families::new();
+        let requests = [("queued", self.role.queued()), ("running", usize::from(self.role.busy()))];
+        metrics::worker_families(&mut f, &pool.stats(), &requests, self.sent_bytes);
+        metrics::prefill_families(&self.role.stats(), &mut f);
+        metrics::transfer_seconds(&mut f, &self.transfer);
+        self.pusher.pushed();
+        send(&mut self.gw, &Message::Metrics { families: f.into_vec() })?;
         Ok(())
     }
 
@@ -176,10 +221,17 @@ impl Driver {
                 Err(e) => return Ok(JobOutcome::Failed(e.to_string())),
             };
             let Some(conn) = self.decodes.get_mut(&job.decode) else { return Ok(JobOutcome::Stopped) };
+            let sending = Instant::now();
             for (header, data) in chunks {
+                let bytes = data.len() as u64;
                 if send(conn, &Message::KvChunk { req: job.req, header, data }).is_err() {
                     return Ok(JobOutcome::Stopped);
                 }
+                self.sent_bytes += bytes;
+            }
+            self.transfer.observe_since(sending);
+            if self.pusher.due() {
+                self.push_metrics(pool)?;
             }
             done = end;
         }

@@ -6,7 +6,8 @@ use std::net::TcpStream;
 use bulkhead_protocol::{encode, CodecError, FrameDecoder, Message, DEFAULT_MAX_FRAME};
 
 /// Connections closed for bad bytes (garbage, oversize or unknown frames, a wrong first
-/// message), in this process; logged with each closure (I6 evidence until metrics export).
+/// message), in this process; logged with each closure and exported as
+/// `bulkhead:bad_connections_total` (I6).
 pub static BAD_CONNECTIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Count one connection closed for bad bytes and return the running total.

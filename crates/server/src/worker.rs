@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use bulkhead_engine::LoadedModel;
 use bulkhead_kv::{KvPool, PoolConfig};
-use bulkhead_protocol::{Hello, Message, Role, WorkerId};
+use bulkhead_api::trace::TraceId;
+use bulkhead_protocol::{Hello, Message, Role, TraceContext, WorkerId};
 
 use crate::wire::{send, FrameReader, WireError};
 
@@ -139,4 +140,11 @@ fn connect_retry(addr: &str) -> Result<TcpStream, WorkerError> {
         std::thread::sleep(Duration::from_millis(100));
     }
     Err(WorkerError::Connect { addr: addr.to_string(), source: last.unwrap_or_else(|| std::io::Error::other("no attempt")) })
+}
+
+/// The span a worker's log lines about one request run in: the request, its W3C trace id
+/// and the client's `x-request-id`. A root span, so a line logged for one request while a
+/// worker is busy with another names only the request it is about.
+pub fn request_span(req: bulkhead_kv::RequestId, trace: &TraceContext) -> tracing::Span {
+    tracing::info_span!(parent: None, "request", req = %req, trace_id = %TraceId(trace.trace_id), request_id = %trace.request_id)
 }
