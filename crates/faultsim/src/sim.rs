@@ -1,0 +1,1197 @@
+//! One schedule: the production roles and pools, drivers that do what `crates/server`'s
+//! drivers do, the transport of [`crate::net`], and a virtual clock.
+//!
+//! The loop: among everything due at the current virtual time (a delivery on some
+//! connection, a planned event, a prefill chunk or a decode step of a worker that is not
+//! busy, a role's tick), the dice pick one; when nothing is due the clock jumps to the
+//! next due time. A schedule ends when it is quiet (nothing planned, nothing in flight,
+//! every role idle) or at its deadline, which is itself a failure: something waits for
+//! ever. Then [`Sim::verdict`] checks the outcome of every request, every pool and every
+//! role.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+
+use bulkhead_kv::transfer::{export_chunks, Manifest};
+use bulkhead_kv::{Generation, KvChecks, KvPool, PageId, PoolConfig, PoolStats, RequestId, SequenceKv};
+use bulkhead_protocol::decode::{DecodeAction, DecodeConfig, DecodeEvent, DecodeRole, DecodeStats};
+use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole};
+use bulkhead_protocol::prefill::{JobOutcome, PrefillAction, PrefillConfig, PrefillJob, PrefillRole};
+use bulkhead_protocol::{AbortReason, FailReason, Hello, Message, RejectReason, Role, Sampling, TraceContext, WorkerId};
+
+use crate::dice::Dice;
+use crate::model::{DecodeModel, GenEvent, Models, PrefillModel};
+use crate::net::{Arrival, ConnId, Delivery, End, Net};
+use crate::plan::{Fault, MidTransferFault, Plan, Planned, Sabotage, WorkerPlan};
+
+/// The gateway ticks every 100 ms, decode workers every 50 ms, as in production.
+const GATEWAY_TICK_MS: u64 = 100;
+const DECODE_TICK_MS: u64 = 50;
+/// A schedule that takes more steps than this has a livelock.
+const MAX_STEPS: u64 = 200_000;
+
+/// Counts over schedules, the evidence that the faults and checks really ran (I6).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Tally {
+    /// Requests planned.
+    pub requests: u64,
+    /// Finished (each one compared with the reference).
+    pub finished: u64,
+    /// Rejected (any reason).
+    pub rejected: u64,
+    /// Failed while running (any reason).
+    pub failed: u64,
+    /// Answered "no worker available".
+    pub unavailable: u64,
+    /// The client left before an outcome.
+    pub client_gone: u64,
+    /// Faults that found a target: cuts, bad bytes, crashes.
+    pub faults: u64,
+    /// KV chunks verified by decode workers.
+    pub chunks_verified: u64,
+    /// Decode pages quarantined until their writer was fenced.
+    pub pages_quarantined: u64,
+    /// Chunks that arrived for a request no longer receiving.
+    pub late_chunks: u64,
+    /// Transfers that timed out.
+    pub transfer_timeouts: u64,
+    /// Slots checked by the KV auditor.
+    pub audited_slots: u64,
+}
+
+impl std::ops::AddAssign for Tally {
+    fn add_assign(&mut self, o: Tally) {
+        self.requests += o.requests;
+        self.finished += o.finished;
+        self.rejected += o.rejected;
+        self.failed += o.failed;
+        self.unavailable += o.unavailable;
+        self.client_gone += o.client_gone;
+        self.faults += o.faults;
+        self.chunks_verified += o.chunks_verified;
+        self.pages_quarantined += o.pages_quarantined;
+        self.late_chunks += o.late_chunks;
+        self.transfer_timeouts += o.transfer_timeouts;
+        self.audited_slots += o.audited_slots;
+    }
+}
+
+struct Gateway {
+    role: GatewayRole,
+    /// Registered workers: their connection, role and advertised context.
+    workers: BTreeMap<WorkerId, (ConnId, Role, usize)>,
+    next_tick: u64,
+}
+
+struct Job {
+    job: PrefillJob,
+    seq: SequenceKv,
+    done: usize,
+    manifest: Manifest,
+}
+
+struct PrefillWorker<P> {
+    role: PrefillRole,
+    model: P,
+    gw: ConnId,
+    /// Its KV connection to each decode worker.
+    kv: BTreeMap<WorkerId, ConnId>,
+    job: Option<Job>,
+    busy_until: u64,
+}
+
+struct DecodeWorker<D> {
+    role: DecodeRole,
+    model: D,
+    gw: ConnId,
+    /// Accepted KV connections and the prefill worker each announced (None before KvHello).
+    kv: BTreeMap<ConnId, Option<WorkerId>>,
+    /// Every prefill worker that ever announced itself here.
+    identified: BTreeSet<WorkerId>,
+    /// The prefill worker each reservation request named.
+    reserved_via: BTreeMap<RequestId, WorkerId>,
+    /// The latest generation each page was handed to a writer at (from `Reserved`).
+    handed_out: BTreeMap<PageId, Generation>,
+    busy_until: u64,
+    next_tick: u64,
+}
+
+/// What a worker left behind when it died: the counters the verdict still checks.
+struct Remains {
+    id: WorkerId,
+    pool: PoolStats,
+    read_faults: u64,
+    decode: Option<DecodeStats>,
+}
+
+#[derive(Default)]
+struct Client {
+    outputs: Vec<ClientOutput>,
+    /// Outputs received when the client left (None: it never left).
+    gone_at: Option<usize>,
+    /// The `DropFirstToken` sabotage already dropped this request's first token.
+    dropped_first: bool,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Due {
+    Deliver(ConnId, usize),
+    Planned(u64, u32),
+    PrefillWork(WorkerId),
+    DecodeWork(WorkerId),
+    GatewayTick,
+    DecodeTick(WorkerId),
+}
+
+/// What one schedule did and found.
+#[derive(Debug)]
+pub struct Outcome {
+    /// The seed.
+    pub seed: u64,
+    /// Every step, in order, with its virtual time.
+    pub log: Vec<String>,
+    /// Every broken expectation (empty: the schedule passed).
+    pub violations: Vec<String>,
+    /// Known protocol findings this schedule ran into (see [`Sim::verdict`]); reported,
+    /// not failures.
+    pub findings: Vec<String>,
+    /// Counts.
+    pub tally: Tally,
+}
+
+/// One schedule in progress.
+pub struct Sim<'m, M: Models> {
+    models: &'m M,
+    plan: Plan,
+    dice: Dice,
+    now: u64,
+    deadline: u64,
+    steps: u64,
+    net: Net,
+    gw: Gateway,
+    prefills: BTreeMap<WorkerId, PrefillWorker<M::Prefill>>,
+    decodes: BTreeMap<WorkerId, DecodeWorker<M::Decode>>,
+    dead: Vec<Remains>,
+    clients: BTreeMap<RequestId, Client>,
+    timeline: BTreeMap<(u64, u32), Planned>,
+    planned_seq: u32,
+    next_worker: u32,
+    /// KV chunks sent so far (for the mid-transfer fault).
+    chunks_sent: u64,
+    log: Vec<String>,
+    violations: Vec<String>,
+    findings: Vec<String>,
+    /// The state at the deadline, if the schedule never went quiet.
+    wedged: Option<String>,
+    tally: Tally,
+}
+
+fn sampling() -> Sampling {
+    Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, ignore_eos: false }
+}
+
+/// A short, deterministic description of a message for the event log (no error texts:
+/// they may name process-wide pool ids).
+fn brief(m: &Message) -> String {
+    match m {
+        Message::Hello(h) => format!("Hello {:?} context {}", h.role, h.max_context),
+        Message::Welcome { worker } => format!("Welcome w{}", worker.0),
+        Message::Refuse { .. } => "Refuse".into(),
+        Message::DecodePeer { worker, .. } => format!("DecodePeer w{}", worker.0),
+        Message::KvHello { prefill } => format!("KvHello w{}", prefill.0),
+        Message::Reserve { req, prompt_tokens, max_tokens, prefill, .. } => {
+            format!("Reserve r{req} prompt {prompt_tokens} max {max_tokens} via w{}", prefill.0)
+        }
+        Message::Reserved { req, pages } => {
+            let p: Vec<String> = pages.iter().map(|p| format!("{}@{}", p.page, p.generation)).collect();
+            format!("Reserved r{req} [{}]", p.join(" "))
+        }
+        Message::Rejected { req, reason, .. } => format!("Rejected r{req} {reason:?}"),
+        Message::Prefill { req, tokens, decode, .. } => format!("Prefill r{req} {} tokens to w{}", tokens.len(), decode.0),
+        Message::KvChunk { req, header, .. } => {
+            format!("KvChunk r{req} page {}@{} slots {}+{}", header.page, header.generation, header.slot_start, header.slot_count)
+        }
+        Message::Done { req, tokens, first_token, .. } => format!("Done r{req} {tokens} tokens first {first_token}"),
+        Message::Fenced { req } => format!("Fenced r{req}"),
+        Message::Token { req, token, .. } => format!("Token r{req} {token}"),
+        Message::Finished { req, finish, completion_tokens, .. } => format!("Finished r{req} {finish:?} {completion_tokens} tokens"),
+        Message::Failed { req, reason, .. } => format!("Failed r{req} {reason:?}"),
+        Message::Abort { req, reason } => format!("Abort r{req} {reason:?}"),
+        Message::Cancel { req } => format!("Cancel r{req}"),
+        Message::Metrics { .. } => "Metrics".into(),
+    }
+}
+
+fn client_brief(out: &ClientOutput) -> String {
+    match out {
+        ClientOutput::Token { text } => format!("token {text:?}"),
+        ClientOutput::Finished { finish, completion_tokens, .. } => format!("finished {finish:?} {completion_tokens} tokens"),
+        ClientOutput::Rejected { reason, .. } => format!("rejected {reason:?}"),
+        ClientOutput::Failed { reason, .. } => format!("failed {reason:?}"),
+        ClientOutput::Unavailable => "unavailable".into(),
+    }
+}
+
+/// Runs the schedule of `seed` on `models` and checks it.
+pub fn run<M: Models>(models: &M, seed: u64, options: crate::plan::Options) -> Outcome {
+    let mut dice = Dice::new(seed);
+    let plan = Plan::draw(seed, &mut dice, &models.shape(), options);
+    let mut sim = Sim::new(models, plan, dice);
+    let checked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        sim.run();
+        sim.verdict();
+    }));
+    if let Err(p) = checked {
+        let what = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+        sim.violations.push(format!("panic at t={}: {what}", sim.now));
+    }
+    Outcome { seed, log: sim.log, violations: sim.violations, findings: sim.findings, tally: sim.tally }
+}
+
+impl<'m, M: Models> Sim<'m, M> {
+    fn new(models: &'m M, plan: Plan, dice: Dice) -> Self {
+        let gw = GatewayRole::new(GatewayConfig {
+            max_context: plan.model_context,
+            admission_check: plan.gateway_check,
+            request_timeout_ms: plan.request_timeout_ms,
+        });
+        let mut timeline = BTreeMap::new();
+        for (i, (at, p)) in plan.events.iter().enumerate() {
+            timeline.insert((*at, i as u32), p.clone());
+        }
+        let last = plan.events.last().map_or(0, |(at, _)| *at);
+        let deadline = last + 400 + 2 * (plan.request_timeout_ms + plan.transfer_timeout_ms) + 4 * GATEWAY_TICK_MS;
+        let clients = plan.requests.iter().map(|r| (r.req, Client::default())).collect();
+        let tally = Tally { requests: plan.requests.len() as u64, ..Tally::default() };
+        let net = Net::new(plan.slow_links, plan.options.raw_duplicates);
+        let planned_seq = plan.events.len() as u32;
+        let mut sim = Sim {
+            models,
+            plan,
+            dice,
+            now: 0,
+            deadline,
+            steps: 0,
+            net,
+            gw: Gateway { role: gw, workers: BTreeMap::new(), next_tick: GATEWAY_TICK_MS },
+            prefills: BTreeMap::new(),
+            decodes: BTreeMap::new(),
+            dead: Vec::new(),
+            clients,
+            timeline,
+            planned_seq,
+            next_worker: 1,
+            chunks_sent: 0,
+            log: Vec::new(),
+            violations: Vec::new(),
+            findings: Vec::new(),
+            wedged: None,
+            tally,
+        };
+        let p = &sim.plan;
+        let head = format!(
+            "seed {} layout {:?} prefill {:?} decode {:?} gateway check {} timeouts {}/{} ms chunk {} pages",
+            p.seed, p.layout, p.prefill, p.decode, p.gateway_check, p.request_timeout_ms, p.transfer_timeout_ms, p.chunk_pages
+        );
+        sim.log(head);
+        for r in sim.plan.requests.clone() {
+            sim.log(format!("request r{} {:?}: prompt {} max_tokens {}", r.req, r.kind, r.tokens.len(), r.max_tokens));
+        }
+        sim
+    }
+
+    fn log(&mut self, line: impl AsRef<str>) {
+        self.log.push(format!("{:>6} {}", self.now, line.as_ref()));
+    }
+
+    fn violate(&mut self, why: String) {
+        self.log(format!("VIOLATION {why}"));
+        self.violations.push(why);
+    }
+
+    // ------------------------------------------------------------------ the loop
+
+    fn run(&mut self) {
+        loop {
+            if self.quiet() {
+                return;
+            }
+            if self.steps >= MAX_STEPS {
+                return self.violate(format!("no quiet state after {MAX_STEPS} steps (livelock)"));
+            }
+            let due = self.due();
+            let Some(&next) = self.dice.pick(&due) else {
+                let Some(at) = self.next_time() else { return };
+                if at > self.deadline {
+                    // The verdict decides whether a known finding explains it.
+                    self.log("deadline: not quiet");
+                    self.wedged = Some(self.dump());
+                    return;
+                }
+                self.now = at;
+                continue;
+            };
+            self.steps += 1;
+            self.perform(next);
+        }
+    }
+
+    fn due(&self) -> Vec<Due> {
+        let now = self.now;
+        let mut out: Vec<Due> = self.net.due(now).into_iter().map(|(c, d)| Due::Deliver(c, d)).collect();
+        // Planned events happen in their planned order (a client leaves after submitting).
+        out.extend(self.timeline.keys().next().filter(|k| k.0 <= now).map(|k| Due::Planned(k.0, k.1)));
+        for (id, p) in &self.prefills {
+            if (p.job.is_some() || p.role.queued() > 0) && p.busy_until <= now {
+                out.push(Due::PrefillWork(*id));
+            }
+        }
+        for (id, d) in &self.decodes {
+            if d.model.active() > 0 && d.busy_until <= now {
+                out.push(Due::DecodeWork(*id));
+            }
+            if d.next_tick <= now {
+                out.push(Due::DecodeTick(*id));
+            }
+        }
+        if self.gw.next_tick <= now {
+            out.push(Due::GatewayTick);
+        }
+        out
+    }
+
+    fn next_time(&self) -> Option<u64> {
+        let work = self.prefills.values().filter(|p| p.job.is_some() || p.role.queued() > 0).map(|p| p.busy_until);
+        let steps = self.decodes.values().filter(|d| d.model.active() > 0).map(|d| d.busy_until);
+        let ticks = self.decodes.values().map(|d| d.next_tick).chain([self.gw.next_tick]);
+        let planned = self.timeline.keys().next().map(|k| k.0);
+        work.chain(steps).chain(ticks).chain(planned).chain(self.net.next_due()).filter(|t| *t > self.now).min()
+    }
+
+    /// Nothing planned, nothing in flight, every role and loop idle.
+    fn quiet(&self) -> bool {
+        self.timeline.is_empty()
+            && self.net.idle()
+            && self.gw.role.in_flight() == 0
+            && self.prefills.values().all(|p| p.job.is_none() && p.role.queued() == 0 && !p.role.busy())
+            && self.decodes.values().all(|d| {
+                (d.role.pending(), d.role.fencing(), d.role.decoding(), d.model.active()) == (0, 0, 0, 0)
+            })
+    }
+
+    fn perform(&mut self, due: Due) {
+        match due {
+            Due::Deliver(conn, d) => {
+                if let Some(del) = self.net.deliver(conn, d) {
+                    self.on_delivery(del);
+                }
+            }
+            Due::Planned(at, seq) => {
+                if let Some(p) = self.timeline.remove(&(at, seq)) {
+                    self.planned(p);
+                }
+            }
+            Due::PrefillWork(w) => self.prefill_work(w),
+            Due::DecodeWork(w) => self.decode_work(w),
+            Due::GatewayTick => {
+                self.gw.next_tick += GATEWAY_TICK_MS;
+                let acts = self.gw.role.handle(GatewayEvent::Tick { now_ms: self.now });
+                if !acts.is_empty() {
+                    self.log("gw tick");
+                }
+                self.gateway_actions(acts);
+            }
+            Due::DecodeTick(w) => self.decode_tick(w),
+        }
+    }
+
+    fn schedule(&mut self, at: u64, p: Planned) {
+        self.timeline.insert((at, self.planned_seq), p);
+        self.planned_seq += 1;
+    }
+
+    fn send(&mut self, conn: ConnId, from: End, m: Message) {
+        self.net.send(conn, from, &m, self.now, &mut self.dice);
+    }
+
+    // ------------------------------------------------------------------ planned events
+
+    fn planned(&mut self, p: Planned) {
+        match p {
+            Planned::Start(wp) => self.start_worker(wp),
+            Planned::Submit(req) => {
+                let Some(r) = self.plan.request(req).cloned() else { return };
+                self.log(format!("client r{req} submits"));
+                let ev = GatewayEvent::Submit {
+                    req,
+                    tokens: r.tokens,
+                    max_tokens: r.max_tokens,
+                    sampling: sampling(),
+                    stop: Vec::new(),
+                    trace: TraceContext::default(),
+                };
+                let acts = self.gw.role.handle(ev);
+                self.gateway_actions(acts);
+            }
+            Planned::ClientGone(req) => {
+                self.log(format!("client r{req} goes away"));
+                if let Some(c) = self.clients.get_mut(&req) {
+                    c.gone_at = Some(c.outputs.len());
+                }
+                let acts = self.gw.role.handle(GatewayEvent::ClientGone { req });
+                self.gateway_actions(acts);
+            }
+            Planned::Fault(f) => self.fault(f),
+        }
+    }
+
+    fn start_worker(&mut self, wp: WorkerPlan) {
+        let id = WorkerId(self.next_worker);
+        self.next_worker += 1;
+        let pool = match KvPool::new(PoolConfig { layout: self.plan.layout, pages: wp.pool_pages, checks: KvChecks::all() }) {
+            Ok(p) => p,
+            Err(e) => return self.violate(format!("cannot make a pool for {wp:?}: {e}")),
+        };
+        let gw = self.net.connect(End::Worker(id), End::Gateway, &mut self.dice);
+        self.log(format!("start w{} {:?} pool {} pages context {}", id.0, wp.role, wp.pool_pages, wp.context));
+        let l = self.plan.layout;
+        let hello = Hello {
+            role: wp.role,
+            model_digest: 1,
+            page_size: l.page_size as u32,
+            kv_bytes_per_token: l.bytes_per_token() as u32,
+            capacity_tokens: (wp.pool_pages * l.page_size) as u64,
+            max_context: wp.context as u32,
+            kv_addr: if wp.role == Role::Decode { format!("w{}", id.0) } else { String::new() },
+        };
+        self.send(gw, End::Worker(id), Message::Hello(hello));
+        match wp.role {
+            Role::Prefill => {
+                let role = PrefillRole::new(PrefillConfig { max_prompt: wp.context, page_size: l.page_size });
+                let model = self.models.prefill(pool);
+                self.prefills.insert(id, PrefillWorker { role, model, gw, kv: BTreeMap::new(), job: None, busy_until: 0 });
+            }
+            Role::Decode => {
+                let role = DecodeRole::new(DecodeConfig { max_context: wp.context, transfer_timeout_ms: self.plan.transfer_timeout_ms });
+                let model = self.models.decode(pool, wp.context);
+                let next_tick = self.now + DECODE_TICK_MS;
+                let (kv, identified, reserved_via, handed_out) = (BTreeMap::new(), BTreeSet::new(), BTreeMap::new(), BTreeMap::new());
+                let d = DecodeWorker { role, model, gw, kv, identified, reserved_via, handed_out, busy_until: 0, next_tick };
+                self.decodes.insert(id, d);
+            }
+        }
+    }
+
+    fn fault(&mut self, f: Fault) {
+        match f {
+            Fault::CutKv => {
+                let kv: Vec<(WorkerId, WorkerId, ConnId)> = self
+                    .prefills
+                    .iter()
+                    .flat_map(|(p, w)| w.kv.iter().map(move |(d, c)| (*p, *d, *c)))
+                    .filter(|(_, _, c)| self.net.is_open(*c))
+                    .collect();
+                let Some(&(p, d, c)) = self.dice.pick(&kv) else { return self.log("fault: no KV connection to cut") };
+                self.tally.faults += 1;
+                self.log(format!("fault: cut KV connection {c} w{}-w{}", p.0, d.0));
+                self.net.cut(c, self.now, &mut self.dice);
+            }
+            Fault::CutGateway { restart_after_ms } => {
+                let workers = self.live_workers(None);
+                let Some(&(w, role, c)) = self.dice.pick(&workers) else { return self.log("fault: no gateway connection to cut") };
+                self.tally.faults += 1;
+                self.log(format!("fault: cut gateway connection {c} of w{}", w.0));
+                self.net.cut(c, self.now, &mut self.dice);
+                self.restart(role, restart_after_ms);
+            }
+            Fault::Garble => {
+                let mut conns: Vec<(ConnId, End)> = Vec::new();
+                for (w, p) in &self.prefills {
+                    conns.push((p.gw, End::Gateway));
+                    conns.push((p.gw, End::Worker(*w)));
+                    for (d, c) in &p.kv {
+                        conns.push((*c, End::Worker(*w)));
+                        conns.push((*c, End::Worker(*d)));
+                    }
+                }
+                for (w, d) in &self.decodes {
+                    conns.push((d.gw, End::Gateway));
+                    conns.push((d.gw, End::Worker(*w)));
+                }
+                conns.retain(|(c, _)| self.net.is_open(*c));
+                let Some(&(c, from)) = self.dice.pick(&conns) else { return self.log("fault: no connection to garble") };
+                self.tally.faults += 1;
+                self.log(format!("fault: bad bytes from {from} on {c}"));
+                self.net.garble(c, from, self.now, &mut self.dice);
+            }
+            Fault::Crash { role, restart_after_ms } => {
+                let workers = self.live_workers(Some(role));
+                let Some(&(w, _, _)) = self.dice.pick(&workers) else { return self.log(format!("fault: no {role:?} worker to crash")) };
+                self.tally.faults += 1;
+                self.crash(w, "crashes");
+                self.restart(role, restart_after_ms);
+            }
+        }
+    }
+
+    fn live_workers(&self, role: Option<Role>) -> Vec<(WorkerId, Role, ConnId)> {
+        let p = self.prefills.iter().map(|(w, p)| (*w, Role::Prefill, p.gw));
+        let d = self.decodes.iter().map(|(w, d)| (*w, Role::Decode, d.gw));
+        p.chain(d).filter(|(_, r, _)| role.is_none_or(|want| *r == want)).collect()
+    }
+
+    fn restart(&mut self, role: Role, after_ms: Option<u64>) {
+        if let Some(after) = after_ms {
+            let wp = if role == Role::Prefill { self.plan.prefill } else { self.plan.decode };
+            self.schedule(self.now + after, Planned::Start(wp));
+        }
+    }
+
+    /// A worker process ends: its state and pool are gone, its connections close.
+    fn crash(&mut self, w: WorkerId, why: &str) {
+        self.log(format!("w{} {why}: role state and pool lost", w.0));
+        if let Some(p) = self.prefills.remove(&w) {
+            let pool = p.model.pool().stats();
+            self.dead.push(Remains { id: w, pool, read_faults: p.model.read_faults(), decode: None });
+        } else if let Some(d) = self.decodes.remove(&w) {
+            let pool = d.model.pool().stats();
+            self.dead.push(Remains { id: w, pool, read_faults: d.model.read_faults(), decode: Some(d.role.stats()) });
+        }
+        self.net.crash(End::Worker(w), self.now, &mut self.dice);
+    }
+
+    // ------------------------------------------------------------------ deliveries
+
+    fn on_delivery(&mut self, del: Delivery) {
+        let what = match &del.arrival {
+            Arrival::Message(m) => brief(m),
+            Arrival::Partial => return,
+            Arrival::Closed => "closed".into(),
+            Arrival::Garbled(e) => format!("bad bytes ({e}): closing"),
+        };
+        self.log(format!("{}->{} {}: {what}", del.from, del.to, del.conn));
+        match del.to {
+            End::Gateway => self.gateway_delivery(del),
+            End::Worker(w) if self.prefills.contains_key(&w) => self.prefill_delivery(w, del),
+            End::Worker(w) if self.decodes.contains_key(&w) => self.decode_delivery(w, del),
+            End::Worker(w) => self.violate(format!("delivery to w{}, which is gone", w.0)),
+        }
+    }
+
+    fn gateway_delivery(&mut self, del: Delivery) {
+        let End::Worker(w) = del.from else { return };
+        match del.arrival {
+            Arrival::Message(Message::Hello(h)) => self.register(w, del.conn, h),
+            Arrival::Message(msg) => {
+                let acts = self.gw.role.handle(GatewayEvent::FromWorker { from: w, msg });
+                self.gateway_actions(acts);
+            }
+            Arrival::Closed => self.worker_left(w),
+            Arrival::Garbled(_) => {
+                self.net.close_by(del.conn, End::Gateway, self.now, &mut self.dice);
+                self.worker_left(w);
+            }
+            Arrival::Partial => {}
+        }
+    }
+
+    /// What the production gateway's actor does on `Hello`: welcome, introduce prefill and
+    /// decode workers to each other, route to it, serve the smallest context.
+    fn register(&mut self, w: WorkerId, conn: ConnId, h: Hello) {
+        let others: Vec<(WorkerId, ConnId, Role)> = self.gw.workers.iter().map(|(id, (c, r, _))| (*id, *c, *r)).collect();
+        self.gw.workers.insert(w, (conn, h.role, h.max_context as usize));
+        self.send(conn, End::Gateway, Message::Welcome { worker: w });
+        for (other, other_conn, role) in others {
+            match (h.role, role) {
+                (Role::Prefill, Role::Decode) => self.send(conn, End::Gateway, Message::DecodePeer { worker: other, addr: format!("w{}", other.0) }),
+                (Role::Decode, Role::Prefill) => self.send(other_conn, End::Gateway, Message::DecodePeer { worker: w, addr: h.kv_addr.clone() }),
+                _ => {}
+            }
+        }
+        let acts = self.gw.role.handle(GatewayEvent::WorkerJoined { id: w, role: h.role });
+        self.gateway_actions(acts);
+        self.update_context();
+    }
+
+    fn worker_left(&mut self, w: WorkerId) {
+        if self.gw.workers.remove(&w).is_some() {
+            let acts = self.gw.role.handle(GatewayEvent::WorkerLeft { id: w });
+            self.gateway_actions(acts);
+            self.update_context();
+        }
+    }
+
+    fn update_context(&mut self) {
+        let ctx = self.gw.workers.values().map(|(_, _, c)| *c).min().unwrap_or(self.plan.model_context).min(self.plan.model_context);
+        self.gw.role.set_max_context(ctx);
+    }
+
+    fn gateway_actions(&mut self, acts: Vec<GatewayAction>) {
+        for a in acts {
+            match a {
+                GatewayAction::ToWorker { to, msg } => {
+                    if let Some(&(conn, _, _)) = self.gw.workers.get(&to) {
+                        self.send(conn, End::Gateway, msg);
+                    }
+                }
+                GatewayAction::ToClient { req, out } => {
+                    let Some(c) = self.clients.get_mut(&req) else {
+                        self.violate(format!("output for r{req}, which no client sent"));
+                        continue;
+                    };
+                    if self.plan.options.sabotage == Sabotage::DropFirstToken && matches!(out, ClientOutput::Token { .. }) && !c.dropped_first {
+                        c.dropped_first = true;
+                        continue;
+                    }
+                    c.outputs.push(out);
+                    let line = format!("client r{req} <- {}", c.outputs.last().map(client_brief).unwrap_or_default());
+                    self.log(line);
+                }
+            }
+        }
+    }
+
+    // ------------------------------------------------------------------ prefill driver
+
+    fn prefill_delivery(&mut self, w: WorkerId, del: Delivery) {
+        let Some(p) = self.prefills.get(&w) else { return };
+        if del.conn == p.gw {
+            match del.arrival {
+                Arrival::Message(Message::DecodePeer { worker, .. }) => self.connect_kv(w, worker),
+                Arrival::Message(Message::Welcome { .. }) => {}
+                Arrival::Message(m) => {
+                    let acts = self.prefills.get_mut(&w).map(|p| p.role.handle(m)).unwrap_or_default();
+                    self.prefill_actions(w, acts);
+                }
+                // The production worker exits when its gateway connection ends.
+                Arrival::Closed => self.crash(w, "exits: its gateway connection closed"),
+                Arrival::Garbled(_) => {
+                    self.net.close_by(del.conn, End::Worker(w), self.now, &mut self.dice);
+                    self.crash(w, "exits: bad bytes on its gateway connection");
+                }
+                Arrival::Partial => {}
+            }
+            return;
+        }
+        let Some(decode) = p.kv.iter().find(|(_, c)| **c == del.conn).map(|(d, _)| *d) else { return };
+        match del.arrival {
+            // The decode worker asks to stop a transfer (it refused a chunk or timed out).
+            Arrival::Message(m @ Message::Abort { .. }) => {
+                let acts = self.prefills.get_mut(&w).map(|p| p.role.handle(m)).unwrap_or_default();
+                self.prefill_actions(w, acts);
+            }
+            Arrival::Message(_) | Arrival::Partial => {}
+            Arrival::Closed | Arrival::Garbled(_) => {
+                if matches!(del.arrival, Arrival::Garbled(_)) {
+                    self.net.close_by(del.conn, End::Worker(w), self.now, &mut self.dice);
+                }
+                let acts = self
+                    .prefills
+                    .get_mut(&w)
+                    .map(|p| {
+                        p.kv.remove(&decode);
+                        p.role.decode_closed(decode)
+                    })
+                    .unwrap_or_default();
+                self.prefill_actions(w, acts);
+            }
+        }
+    }
+
+    /// `DecodePeer`: open the KV connection and announce ourselves, as `connect_decode`
+    /// does. A decode worker that is gone refuses the connection (production logs it and
+    /// does not retry).
+    fn connect_kv(&mut self, w: WorkerId, decode: WorkerId) {
+        if !self.decodes.contains_key(&decode) {
+            return self.log(format!("w{} cannot connect to w{}: gone", w.0, decode.0));
+        }
+        let conn = self.net.connect(End::Worker(w), End::Worker(decode), &mut self.dice);
+        if let Some(p) = self.prefills.get_mut(&w) {
+            p.kv.insert(decode, conn);
+        }
+        self.send(conn, End::Worker(w), Message::KvHello { prefill: w });
+    }
+
+    fn prefill_actions(&mut self, w: WorkerId, acts: Vec<PrefillAction>) {
+        for a in acts {
+            let Some(p) = self.prefills.get(&w) else { return };
+            let (conn, msg) = match a {
+                PrefillAction::ToGateway(m) => (Some(p.gw), m),
+                PrefillAction::ToDecode { to, msg } => (p.kv.get(&to).copied(), msg),
+            };
+            if let Some(c) = conn {
+                self.send(c, End::Worker(w), msg);
+            }
+        }
+    }
+
+    /// One unit of `prefill_worker::compute`: take the next job and lease its pages, or
+    /// (if it may go on and its KV connection is up) compute one chunk and send its pages,
+    /// and after the last one report the outcome.
+    fn prefill_work(&mut self, w: WorkerId) {
+        let cost = self.dice.range(self.plan.prefill_cost_ms.0, self.plan.prefill_cost_ms.1);
+        let chunk_tokens = self.plan.chunk_pages * self.plan.layout.page_size;
+        let now = self.now;
+        let Some(p) = self.prefills.get_mut(&w) else { return };
+        p.busy_until = now + cost;
+        let Some(mut j) = p.job.take() else {
+            let Some(job) = p.role.next_job() else { return };
+            let mut seq = SequenceKv::new(job.req);
+            let req = job.req;
+            if let Err(e) = seq.reserve(p.model.pool_mut(), job.tokens.len()) {
+                let acts = p.role.job_ended(req, JobOutcome::Failed(format!("prefill KV pool: {e}")));
+                self.log(format!("w{} r{req}: no pages in its own pool", w.0));
+                return self.prefill_actions(w, acts);
+            }
+            p.job = Some(Job { job, seq, done: 0, manifest: Manifest::default() });
+            return self.log(format!("w{} takes r{req}", w.0));
+        };
+        let req = j.job.req;
+        let n = j.job.tokens.len();
+        let Some(conn) = p.kv.get(&j.job.decode).copied().filter(|_| p.role.keep_going(req)) else {
+            return self.end_job(w, j, JobOutcome::Stopped);
+        };
+        let end = (j.done + chunk_tokens).min(n);
+        let first = match p.model.compute(&mut j.seq, &j.job.tokens, j.done, end, &j.job.sampling) {
+            Ok(f) => f,
+            Err(e) => return self.end_job(w, j, JobOutcome::Failed(e.0)),
+        };
+        let chunks = match export_chunks(p.model.pool(), &j.seq, &j.job.pages, j.done, end, &mut j.manifest) {
+            Ok(c) => c,
+            Err(e) => return self.end_job(w, j, JobOutcome::Failed(e.to_string())),
+        };
+        self.log(format!("w{} r{req}: positions {}..{end} computed, {} chunks to w{}", w.0, j.done, chunks.len(), j.job.decode.0));
+        let decode = j.job.decode;
+        for (header, data) in chunks {
+            self.send(conn, End::Worker(w), Message::KvChunk { req, header, data });
+            self.chunks_sent += 1;
+        }
+        j.done = end;
+        if let Some(m) = self.plan.mid_transfer.filter(|m| m.after_chunks == self.chunks_sent) {
+            self.tally.faults += 1;
+            match m.what {
+                MidTransferFault::Cut => {
+                    self.log(format!("fault: cut KV connection {conn} mid-transfer of r{req}"));
+                    self.net.cut(conn, self.now, &mut self.dice);
+                }
+                MidTransferFault::CrashPrefill => {
+                    self.crash(w, "crashes mid-transfer");
+                    return self.restart(Role::Prefill, m.restart_after_ms);
+                }
+                MidTransferFault::CrashDecode if self.decodes.contains_key(&decode) => {
+                    self.crash(decode, "crashes mid-transfer");
+                    self.restart(Role::Decode, m.restart_after_ms);
+                }
+                MidTransferFault::CrashDecode => self.log(format!("fault: w{} is already gone", decode.0)),
+            }
+        }
+        if end < n {
+            if let Some(p) = self.prefills.get_mut(&w) {
+                p.job = Some(j);
+            }
+            return;
+        }
+        let outcome = match first {
+            Some(first_token) => JobOutcome::Done { tokens: n as u32, first_token, manifest: j.manifest.digest() },
+            None => JobOutcome::Failed("no first token after the last chunk".into()),
+        };
+        self.end_job(w, j, outcome);
+    }
+
+    fn end_job(&mut self, w: WorkerId, j: Job, outcome: JobOutcome) {
+        let Some(p) = self.prefills.get_mut(&w) else { return };
+        let req = j.job.req;
+        let released = j.seq.release(p.model.pool_mut());
+        let acts = p.role.job_ended(req, outcome.clone());
+        self.log(format!("w{} r{req} ends: {outcome:?}", w.0));
+        if let Err(e) = released {
+            self.violate(format!("w{} cannot release the pages of r{req}: {e}", w.0));
+        }
+        self.prefill_actions(w, acts);
+    }
+
+    // ------------------------------------------------------------------ decode driver
+
+    fn decode_delivery(&mut self, w: WorkerId, del: Delivery) {
+        let Some(d) = self.decodes.get_mut(&w) else { return };
+        if del.conn == d.gw {
+            match del.arrival {
+                Arrival::Message(Message::Welcome { .. }) => {}
+                Arrival::Message(m) => {
+                    if let Message::Reserve { req, prefill, .. } = &m {
+                        d.reserved_via.insert(*req, *prefill);
+                    }
+                    self.decode_event(w, DecodeEvent::Gateway(m));
+                }
+                Arrival::Closed => self.crash(w, "exits: its gateway connection closed"),
+                Arrival::Garbled(_) => {
+                    self.net.close_by(del.conn, End::Worker(w), self.now, &mut self.dice);
+                    self.crash(w, "exits: bad bytes on its gateway connection");
+                }
+                Arrival::Partial => {}
+            }
+            return;
+        }
+        let from = *d.kv.entry(del.conn).or_insert(None);
+        match (del.arrival, from) {
+            (Arrival::Message(Message::KvHello { prefill }), None) => {
+                d.kv.insert(del.conn, Some(prefill));
+                d.identified.insert(prefill);
+            }
+            (Arrival::Message(_), None) => {
+                // A KV connection must start with KvHello; anything else closes it.
+                d.kv.remove(&del.conn);
+                self.log(format!("w{} closes {}: no KvHello first", w.0, del.conn));
+                self.net.close_by(del.conn, End::Worker(w), self.now, &mut self.dice);
+            }
+            (Arrival::Message(msg), Some(from)) => {
+                // I4, observed: a chunk for a page the decode worker has since handed to
+                // another reservation means it released the page before the chunk's writer
+                // was fenced. Over TCP the role drops such a chunk unread; over a transport
+                // whose writes land by themselves (RDMA) it would overwrite another request.
+                if let Message::KvChunk { req, header, .. } = &msg
+                    && let Some(&later) = d.handed_out.get(&header.page).filter(|g| **g > header.generation)
+                {
+                    let (page, generation) = (header.page, header.generation);
+                    self.violate(format!(
+                        "I4: w{} got a chunk of r{req} for page {page}@{generation} after handing the page out again at generation {later}: released before its writer w{} was fenced",
+                        w.0, from.0
+                    ));
+                }
+                let fenced = matches!(msg, Message::Fenced { .. });
+                if fenced && self.plan.options.sabotage == Sabotage::DropFences {
+                    return;
+                }
+                self.decode_event(w, DecodeEvent::Prefill { from, msg });
+            }
+            (arrival @ (Arrival::Closed | Arrival::Garbled(_)), from) => {
+                d.kv.remove(&del.conn);
+                if matches!(arrival, Arrival::Garbled(_)) {
+                    self.net.close_by(del.conn, End::Worker(w), self.now, &mut self.dice);
+                }
+                if let Some(from) = from {
+                    self.decode_event(w, DecodeEvent::PrefillClosed { from });
+                }
+            }
+            (Arrival::Partial, _) => {}
+        }
+    }
+
+    fn decode_event(&mut self, w: WorkerId, ev: DecodeEvent) {
+        let Some(d) = self.decodes.get_mut(&w) else { return };
+        let acts = d.role.handle(d.model.pool_mut(), ev);
+        self.decode_actions(w, acts);
+    }
+
+    fn decode_tick(&mut self, w: WorkerId) {
+        let now = self.now;
+        let Some(d) = self.decodes.get_mut(&w) else { return };
+        d.next_tick += DECODE_TICK_MS;
+        let acts = d.role.handle(d.model.pool_mut(), DecodeEvent::Tick { now_ms: now });
+        if !acts.is_empty() {
+            self.log(format!("w{} tick", w.0));
+        }
+        let timed_out: Vec<(WorkerId, RequestId)> = acts
+            .iter()
+            .filter_map(|a| match a {
+                DecodeAction::ToPrefill { to, msg: Message::Abort { req, reason: AbortReason::Timeout } } => Some((*to, *req)),
+                _ => None,
+            })
+            .collect();
+        self.decode_actions(w, acts);
+        if self.plan.options.sabotage == Sabotage::ReleaseOnTimeout {
+            for (from, req) in timed_out {
+                self.decode_event(w, DecodeEvent::Prefill { from, msg: Message::Fenced { req } });
+            }
+        }
+    }
+
+    fn decode_actions(&mut self, w: WorkerId, acts: Vec<DecodeAction>) {
+        for a in acts {
+            let Some(d) = self.decodes.get_mut(&w) else { return };
+            match a {
+                DecodeAction::ToGateway(m) => {
+                    if let Message::Reserved { pages, .. } = &m {
+                        d.handed_out.extend(pages.iter().map(|p| (p.page, p.generation)));
+                    }
+                    let gw = d.gw;
+                    self.send(gw, End::Worker(w), m);
+                }
+                DecodeAction::ToPrefill { to, msg } => {
+                    if let Some(conn) = d.kv.iter().find(|(_, p)| **p == Some(to)).map(|(c, _)| *c) {
+                        self.send(conn, End::Worker(w), msg);
+                    }
+                }
+                DecodeAction::Start(ds) => {
+                    let req = ds.req;
+                    self.log(format!("w{} r{req}: verified, starts decoding", w.0));
+                    let Some(d) = self.decodes.get_mut(&w) else { return };
+                    match d.model.add_verified(ds) {
+                        Ok(events) => self.forward(w, events),
+                        Err(e) => {
+                            d.role.finished(req);
+                            let gw = d.gw;
+                            self.log(format!("w{} r{req}: the decode loop refuses it: {e}", w.0));
+                            self.send(gw, End::Worker(w), Message::Failed { req, reason: FailReason::Internal, detail: e.0 });
+                        }
+                    }
+                }
+                DecodeAction::Stop { req } => {
+                    d.model.abort(req);
+                    d.role.finished(req);
+                    self.log(format!("w{} r{req}: stopped", w.0));
+                }
+            }
+        }
+    }
+
+    fn decode_work(&mut self, w: WorkerId) {
+        let cost = self.dice.range(self.plan.decode_cost_ms.0, self.plan.decode_cost_ms.1);
+        let now = self.now;
+        let Some(d) = self.decodes.get_mut(&w) else { return };
+        d.busy_until = now + cost;
+        match d.model.step() {
+            Ok(events) => {
+                self.log(format!("w{} decode step", w.0));
+                self.forward(w, events);
+            }
+            Err(e) => {
+                // The production worker exits on a failed step.
+                self.violate(format!("w{} decode step failed: {e}", w.0));
+                self.crash(w, "exits: decode step failed");
+            }
+        }
+    }
+
+    fn forward(&mut self, w: WorkerId, events: Vec<GenEvent>) {
+        for ev in events {
+            let Some(d) = self.decodes.get_mut(&w) else { return };
+            let gw = d.gw;
+            let msg = match ev {
+                GenEvent::Token { req, token, text } => Message::Token { req, token, text },
+                GenEvent::Finished { req, finish, text, prompt_tokens, completion_tokens } => {
+                    d.role.finished(req);
+                    Message::Finished { req, finish, text, prompt_tokens, completion_tokens }
+                }
+                GenEvent::Failed { req, detail } => {
+                    d.role.finished(req);
+                    Message::Failed { req, reason: FailReason::Internal, detail }
+                }
+            };
+            self.send(gw, End::Worker(w), msg);
+        }
+    }
+
+    // ------------------------------------------------------------------ verdict
+
+    /// Checks the quiet end state: one terminal outcome per request, the right one, the
+    /// reference output for every finished request; every pool full with nothing
+    /// quarantined and its invariants holding; no read fault, poisoned read or audit
+    /// violation anywhere, dead workers' pools included; every role idle.
+    pub fn verdict(&mut self) {
+        let mut bad = Vec::new();
+        let served = self.plan.served_context();
+        let (pctx, dctx) = (self.plan.prefill.context, self.plan.decode.context);
+        for r in &self.plan.requests {
+            let Some(c) = self.clients.get(&r.req) else { continue };
+            let id = r.req;
+            let terminal: Vec<usize> = c.outputs.iter().enumerate().filter(|(_, o)| o.is_terminal()).map(|(i, _)| i).collect();
+            match (terminal.as_slice(), c.gone_at) {
+                ([], Some(_)) => self.tally.client_gone += 1,
+                ([], None) => bad.push(format!("r{id}: no terminal outcome (outputs {:?})", c.outputs)),
+                ([t], gone) => {
+                    if *t + 1 != c.outputs.len() {
+                        bad.push(format!("r{id}: output after its terminal outcome: {:?}", c.outputs));
+                    }
+                    if gone.is_some_and(|g| *t >= g) {
+                        bad.push(format!("r{id}: an outcome after its client left: {:?}", c.outputs));
+                    }
+                }
+                (many, _) => bad.push(format!("r{id}: {} terminal outcomes: {:?}", many.len(), c.outputs)),
+            }
+            let (prompt, max) = (r.tokens.len(), r.max_tokens as usize);
+            let total = prompt + max;
+            let workers_fit = prompt >= 1 && max >= 1 && prompt <= pctx && total <= dctx;
+            let gateway_fits = !self.plan.gateway_check || total <= served;
+            let Some(out) = terminal.first().and_then(|t| c.outputs.get(*t)) else { continue };
+            match out {
+                ClientOutput::Finished { finish, prompt_tokens, completion_tokens, .. } => {
+                    self.tally.finished += 1;
+                    if !(workers_fit && gateway_fits) {
+                        bad.push(format!("r{id} ({:?}, prompt {prompt}, max {max}) finished (HTTP 200) though it does not fit", r.kind));
+                        continue;
+                    }
+                    let text: String = c
+                        .outputs
+                        .iter()
+                        .map(|o| match o {
+                            ClientOutput::Token { text } | ClientOutput::Finished { text, .. } => text.as_str(),
+                            _ => "",
+                        })
+                        .collect();
+                    match self.models.reference(self.plan.layout, &r.tokens, r.max_tokens) {
+                        Ok(want) => {
+                            let got = (&text, *finish, *completion_tokens, *prompt_tokens as usize);
+                            if got != (&want.text, want.finish, want.completion_tokens, prompt) {
+                                bad.push(format!(
+                                    "r{id}: output differs from the reference: got {got:?}, want {:?}",
+                                    (&want.text, want.finish, want.completion_tokens, prompt)
+                                ));
+                            }
+                        }
+                        Err(e) => bad.push(format!("r{id}: no reference: {e}")),
+                    }
+                }
+                ClientOutput::Rejected { reason, .. } => {
+                    self.tally.rejected += 1;
+                    let ok = match reason {
+                        RejectReason::ContextLength => total > served || prompt > pctx,
+                        RejectReason::Capacity => total <= dctx,
+                        RejectReason::Invalid => prompt == 0 || max == 0,
+                        RejectReason::Duplicate => false,
+                    };
+                    if !ok {
+                        bad.push(format!("r{id} ({:?}, prompt {prompt}, max {max}) rejected for {reason:?}", r.kind));
+                    }
+                }
+                ClientOutput::Failed { .. } => self.tally.failed += 1,
+                ClientOutput::Unavailable => self.tally.unavailable += 1,
+                ClientOutput::Token { .. } => {}
+            }
+        }
+        if self.gw.role.in_flight() != 0 {
+            bad.push(format!("gateway: {} requests still in flight", self.gw.role.in_flight()));
+        }
+        for (w, p) in &self.prefills {
+            if p.job.is_some() || p.role.queued() > 0 || p.role.busy() {
+                bad.push(format!("w{}: prefill not idle", w.0));
+            }
+            check_pool(&mut bad, *w, p.model.pool(), p.model.read_faults(), false);
+        }
+        let mut unexplained_decode = false;
+        let mut findings = Vec::new();
+        for (w, d) in &self.decodes {
+            let busy = (d.role.pending(), d.role.fencing(), d.role.decoding(), d.model.active());
+            let finding = finding_f1(*w, d);
+            if let Some(f) = &finding {
+                findings.push(f.clone());
+            } else if busy != (0, 0, 0, 0) {
+                unexplained_decode = true;
+                bad.push(format!("w{}: decode not idle (pending, fencing, decoding, active) = {busy:?}", w.0));
+            }
+            check_pool(&mut bad, *w, d.model.pool(), d.model.read_faults(), finding.is_some());
+            check_decode(&mut bad, *w, &d.role.stats());
+            self.tally.add_decode(&d.role.stats());
+        }
+        for f in findings {
+            self.log(format!("known finding {f}"));
+            self.findings.push(f);
+        }
+        for r in &self.dead {
+            check_pool_stats(&mut bad, r.id, &r.pool, r.read_faults);
+            if let Some(s) = &r.decode {
+                check_decode(&mut bad, r.id, s);
+                self.tally.add_decode(s);
+            }
+        }
+        if let Some(state) = self.wedged.take() {
+            let others_quiet = self.timeline.is_empty()
+                && self.net.idle()
+                && self.gw.role.in_flight() == 0
+                && self.prefills.values().all(|p| p.job.is_none() && p.role.queued() == 0 && !p.role.busy());
+            if !others_quiet || unexplained_decode {
+                bad.push(format!("not quiet by t={} (something waits for ever): {state}", self.deadline));
+            }
+        }
+        self.tally.audited_slots += self.prefills.values().map(|p| p.model.pool().stats().audited_slots).sum::<u64>()
+            + self.decodes.values().map(|d| d.model.pool().stats().audited_slots).sum::<u64>()
+            + self.dead.iter().map(|r| r.pool.audited_slots).sum::<u64>();
+        for why in bad {
+            self.violate(why);
+        }
+    }
+
+    /// The state of every role and pool, for a failure report.
+    fn dump(&self) -> String {
+        let mut s = String::new();
+        let _ = write!(s, "gateway in flight {}; ", self.gw.role.in_flight());
+        for (w, p) in &self.prefills {
+            let _ = write!(s, "w{} prefill queued {} job {:?} pool {:?}; ", w.0, p.role.queued(), p.job.as_ref().map(|j| j.job.req), p.model.pool().stats());
+        }
+        for (w, d) in &self.decodes {
+            let _ = write!(
+                s,
+                "w{} decode pending {} fencing {} decoding {} pool {:?}; ",
+                w.0,
+                d.role.pending(),
+                d.role.fencing(),
+                d.role.decoding(),
+                d.model.pool().stats()
+            );
+        }
+        s
+    }
+}
+
+impl Tally {
+    fn add_decode(&mut self, s: &DecodeStats) {
+        self.chunks_verified += s.chunks_verified;
+        self.pages_quarantined += s.pages_quarantined;
+        self.late_chunks += s.late_chunks;
+        self.transfer_timeouts += s.timeouts;
+    }
+}
+
+/// A live pool at the end: back to full, nothing quarantined (unless a known finding
+/// holds pages in quarantine), invariants holding, and no faulty read, poisoned read or
+/// audit violation on the way.
+fn check_pool(bad: &mut Vec<String>, w: WorkerId, pool: &KvPool, read_faults: u64, quarantine_explained: bool) {
+    let s = pool.stats();
+    let full = (s.free_pages, s.leased_pages, s.quarantined_pages) == (s.total_pages, 0, 0);
+    let explained = quarantine_explained && s.leased_pages == 0 && s.free_pages + s.quarantined_pages == s.total_pages;
+    if !(full || explained) {
+        bad.push(format!("w{}: pool not back to full: {s:?}", w.0));
+    }
+    pool.check_invariants();
+    check_pool_stats(bad, w, &s, read_faults);
+}
+
+/// Known finding F1: a decode worker keeps a reservation quarantined for ever, waiting for
+/// a fence from a prefill worker that never announced itself on a KV connection to it
+/// (the prefill died before connecting, or its connection was lost before its `KvHello`
+/// arrived). The decode role releases quarantine when the writer's connection closes,
+/// but a connection it never identified cannot close for it, and nothing else tells it
+/// the writer is gone. Holds exactly when the decode worker is idle but for quarantined
+/// reservations, and every one of them names such a prefill worker.
+fn finding_f1<D: DecodeModel>(w: WorkerId, d: &DecodeWorker<D>) -> Option<String> {
+    if (d.role.pending(), d.role.decoding(), d.model.active()) != (0, 0, 0) || d.role.fencing() == 0 {
+        return None;
+    }
+    let stuck: Vec<(RequestId, WorkerId)> = d.reserved_via.iter().filter(|(r, _)| d.role.known(**r)).map(|(r, p)| (*r, *p)).collect();
+    if stuck.len() != d.role.fencing() || stuck.iter().any(|(_, p)| d.identified.contains(p)) {
+        return None;
+    }
+    let list: Vec<String> = stuck.iter().map(|(r, p)| format!("r{r} (prefill w{})", p.0)).collect();
+    Some(format!(
+        "F1: w{} keeps {} quarantined for ever: their prefill never opened a KV connection to it, so no fence can come",
+        w.0,
+        list.join(", ")
+    ))
+}
+
+fn check_pool_stats(bad: &mut Vec<String>, w: WorkerId, s: &PoolStats, read_faults: u64) {
+    if read_faults > 0 {
+        bad.push(format!("w{}: {read_faults} model reads refused, past a watermark or failing the pool's read checks", w.0));
+    }
+    if s.poisoned_reads > 0 || s.audit_violations > 0 {
+        bad.push(format!("w{}: {} poisoned reads, {} audit violations", w.0, s.poisoned_reads, s.audit_violations));
+    }
+}
+
+/// Over a TCP-like transport every chunk arrives intact and in order, so the verifier
+/// never has reason to refuse one; a refusal means a driver or a role misaddressed KV.
+fn check_decode(bad: &mut Vec<String>, w: WorkerId, s: &DecodeStats) {
+    if s.chunks_refused > 0 || s.coverage_failed > 0 {
+        bad.push(format!("w{}: {} chunks refused, {} completion claims refused", w.0, s.chunks_refused, s.coverage_failed));
+    }
+}
