@@ -1,0 +1,178 @@
+#!/usr/bin/env bash
+# bench-vs-llamacpp.sh - serve the same GGUF with llama.cpp's llama-server and with
+# `bulkhead serve`, and run the same `bulkhead loadgen` against both in alternation.
+#
+# Usage:
+#   scripts/bench-vs-llamacpp.sh [--model PATH] [--threads N] [--bulkhead-threads N]
+#                                [--ctx N] [--reps N] [--out DIR] [--probe]
+#
+#   --model PATH          GGUF (env MODEL; default
+#                         $BULKHEAD_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf)
+#   --threads N           llama-server -t/-tb (env THREADS; default: nproc)
+#   --bulkhead-threads N  `bulkhead serve --threads` (env BULKHEAD_THREADS_PER_WORKER;
+#                         default: --threads). NOTE: serve passes the same --threads to
+#                         its prefill AND its decode worker process, so N per worker
+#                         means up to 2N compute threads when both are busy.
+#   --ctx N               context per request/slot (env CTX; default 8192):
+#                         llama-server -np 16 -c 16*N, bulkhead --context-length N
+#                         (its KV pool defaults to 2*N tokens per worker)
+#   --reps N              alternations A B A B ... per scenario (env REPS; default 2)
+#   --out DIR             results (env OUT; default $CACHE_DIR/vs/<UTC timestamp>)
+#   --probe               afterwards, run `bulkhead probe` against both servers
+#
+# Scenarios (each a `bulkhead loadgen` run; ignore_eos keeps outputs at max_tokens):
+#   single: 1 stream,  prompt 512 words (~512 tokens), 128 output tokens, 8 requests
+#   conc16: 16 streams, prompt 512, 128 output tokens, 32 requests
+# Each rep uses its own seed (same for both servers) so no server can reuse a cached
+# prompt from an earlier rep. Ratios are Bulkhead / llama.cpp of the medians over reps.
+#
+# llama-server comes from scripts/bench-llamacpp.sh's cached build (built there on first
+# use, ~10 min on 2 cores). Needs: bash, python3, cargo, and what bench-llamacpp.sh needs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+LLAMA_CPP_PY_VERSION=0.3.36
+BULKHEAD_HOME="${BULKHEAD_HOME:-$HOME/.cache/bulkhead}"
+CACHE_DIR="$BULKHEAD_HOME/llama.cpp-$LLAMA_CPP_PY_VERSION"
+LLAMA_SERVER="$CACHE_DIR/build/bin/llama-server"
+MODEL="${MODEL:-$BULKHEAD_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
+THREADS="${THREADS:-$(nproc 2>/dev/null || echo 2)}"
+BH_THREADS="${BULKHEAD_THREADS_PER_WORKER:-}"
+CTX="${CTX:-8192}"
+REPS="${REPS:-2}"
+OUT="${OUT:-}"
+PROBE=0
+
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --model) MODEL="$2"; shift 2 ;;
+    --threads) THREADS="$2"; shift 2 ;;
+    --bulkhead-threads) BH_THREADS="$2"; shift 2 ;;
+    --ctx) CTX="$2"; shift 2 ;;
+    --reps) REPS="$2"; shift 2 ;;
+    --out) OUT="$2"; shift 2 ;;
+    --probe) PROBE=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "unknown argument: $1" >&2; usage >&2; exit 2 ;;
+  esac
+done
+BH_THREADS="${BH_THREADS:-$THREADS}"
+log() { printf '\n==> %s\n' "$*" >&2; }
+die() { printf 'error: %s\n' "$*" >&2; exit 1; }
+
+[[ -x "$LLAMA_SERVER" ]] || bash scripts/bench-llamacpp.sh --build-only
+[[ -x "$LLAMA_SERVER" ]] || die "no llama-server at $LLAMA_SERVER"
+[[ -f "$MODEL" ]] || cargo run --quiet -p bulkhead-fetch --example fetch-default-model
+[[ -f "$MODEL" ]] || die "model not found: $MODEL"
+log "building bulkhead (release)"
+cargo build --release -p bulkhead
+BULKHEAD="$PWD/target/release/bulkhead"
+
+[[ -n "$OUT" ]] || OUT="$CACHE_DIR/vs/$(date -u +%Y%m%dT%H%M%SZ)"
+mkdir -p "$OUT"
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+LPORT=$(free_port)
+BPORT=$(free_port)
+
+PIDS=()
+cleanup() {
+  local p
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM   # run the EXIT trap on signals too
+
+log "llama-server on :$LPORT (-t $THREADS -np 16 -c $((16 * CTX)))"
+"$LLAMA_SERVER" -m "$MODEL" -t "$THREADS" -tb "$THREADS" -np 16 -c $((16 * CTX)) \
+  --host 127.0.0.1 --port "$LPORT" > "$OUT/llama-server.log" 2>&1 &
+PIDS+=($!)
+log "bulkhead serve on :$BPORT (--threads $BH_THREADS per worker, --context-length $CTX)"
+BULKHEAD_LOG=warn "$BULKHEAD" serve --model "$MODEL" --threads "$BH_THREADS" --context-length "$CTX" \
+  --port "$BPORT" > "$OUT/bulkhead-serve.log" 2>&1 &
+PIDS+=($!)
+
+wait_ready() { # URL PATH
+  local i
+  for ((i = 0; i < 600; i++)); do
+    if python3 - "$1$2" <<'PY' 2>/dev/null; then return 0; fi
+import sys, urllib.request
+urllib.request.urlopen(sys.argv[1], timeout=2).read()
+PY
+    sleep 0.5
+  done
+  die "$1 did not become ready (see $OUT/*.log)"
+}
+wait_ready "http://127.0.0.1:$LPORT" /health
+wait_ready "http://127.0.0.1:$BPORT" /ready
+declare -A URL=([llamacpp]="http://127.0.0.1:$LPORT" [bulkhead]="http://127.0.0.1:$BPORT")
+
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "host: $(uname -srm); $(nproc) CPUs; $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //')"
+  echo "model: $MODEL"
+  echo "llama-server: -t $THREADS -tb $THREADS -np 16 -c $((16 * CTX)) (llama-cpp-python $LLAMA_CPP_PY_VERSION vendor)"
+  echo "bulkhead serve: --threads $BH_THREADS (each of 1 prefill + 1 decode worker) --context-length $CTX"
+  echo "bulkhead: $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo ' (dirty tree)')"
+} | tee "$OUT/setup.txt"
+
+SCENARIOS=(single conc16)
+declare -A ARGS=(
+  [single]="-c 1 -n 8 --prompt-tokens 512 --output-tokens 128 --warmup 1"
+  [conc16]="-c 16 -n 32 --prompt-tokens 512 --output-tokens 128 --warmup 1"
+)
+for sc in "${SCENARIOS[@]}"; do
+  for ((rep = 1; rep <= REPS; rep++)); do
+    for server in llamacpp bulkhead; do
+      seed=$((1000 + rep))
+      log "$sc rep $rep/$REPS: $server (seed $seed; loadavg $(cut -d' ' -f1-3 /proc/loadavg))"
+      # shellcheck disable=SC2086
+      "$BULKHEAD" loadgen "${URL[$server]}" ${ARGS[$sc]} --seed "$seed" --json \
+        > "$OUT/$sc.$server.$rep.json"
+      echo "$sc $server $rep $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/loadavg.txt"
+    done
+  done
+done
+
+python3 - "$OUT" "$REPS" <<'PY' | tee "$OUT/summary.md"
+import json, statistics, sys, os
+out, reps = sys.argv[1], int(sys.argv[2])
+def load(sc, server):
+    return [json.load(open(os.path.join(out, f"{sc}.{server}.{r}.json"))) for r in range(1, reps + 1)]
+figs = [("output tok/s", lambda r: r["output_tokens_per_s"]),
+        ("TTFT p50 ms", lambda r: r["ttft_ms"]["p50"]),
+        ("TTFT p99 ms", lambda r: r["ttft_ms"]["p99"]),
+        ("ITL p50 ms", lambda r: r["itl_ms"]["p50"]),
+        ("ITL p99 ms", lambda r: r["itl_ms"]["p99"])]
+print(open(os.path.join(out, "setup.txt")).read())
+for sc, title in (("single", "1 stream, 512-token prompt, 128 output tokens"),
+                  ("conc16", "16 concurrent streams, 512-token prompts, 128 output tokens")):
+    L, B = load(sc, "llamacpp"), load(sc, "bulkhead")
+    bad = [f"{s} rep {i+1}: {r['failed']} failed, {r['short_outputs']} short" for s, rs in (("llama.cpp", L), ("bulkhead", B))
+           for i, r in enumerate(rs) if r["failed"] or r["short_outputs"]]
+    print(f"### {title} (median of {reps} alternating reps)\n")
+    print("| figure | llama.cpp (reps) | Bulkhead (reps) | Bulkhead / llama.cpp |")
+    print("|---|---|---|---|")
+    for name, f in figs:
+        l, b = [f(r) for r in L], [f(r) for r in B]
+        ml, mb = statistics.median(l), statistics.median(b)
+        fmt = lambda xs: ", ".join(f"{x:.1f}" for x in xs)
+        print(f"| {name} | {ml:.1f} ({fmt(l)}) | {mb:.1f} ({fmt(b)}) | {mb / ml:.2f} |")
+    print(f"\nprompt tokens (server count, mean): llama.cpp {L[0]['prompt_tokens_mean']}, bulkhead {B[0]['prompt_tokens_mean']}; "
+          f"problems: {'; '.join(bad) if bad else 'none'}\n")
+print("load average (1, 5, 15 min) after each run:")
+print(open(os.path.join(out, "loadavg.txt")).read())
+PY
+
+if [[ $PROBE -eq 1 ]]; then
+  for server in bulkhead llamacpp; do
+    log "probe against $server"
+    rc=0
+    # Context: bulkhead says it in /v1/models, llama-server its per-slot n_ctx in /props.
+    "$BULKHEAD" probe "${URL[$server]}" --seed 7 > "$OUT/probe.$server.txt" || rc=$?
+    cat "$OUT/probe.$server.txt"
+    echo "exit status $rc" | tee -a "$OUT/probe.$server.txt"
+  done
+fi
+log "done; results in $OUT"
