@@ -4,10 +4,12 @@
 //! Tenant A plants unique random codes ("canaries") in short and long prompts. Tenant B, at
 //! the same time, sends long prompts, prompts over the served context, streams it hangs up
 //! on mid-way and requests it disconnects from before the answer, then short follow-ups.
-//! Every prompt that carries a code ends with the cue `The code is`, so a request that reads
-//! another's KV cache tends to *say* that request's code. Reported as findings:
+//! Every prompt ends by asking for the code (`What is the code? The code is`, plus the
+//! first digit of its own code when it has one), so a request that reads another's KV
+//! cache tends to *say* that request's code. Reported as findings:
 //!
-//! - **leak**: a code appearing in the output of any request other than its owner's;
+//! - **leak**: eight digits of a code in a row in the output of any request other than its
+//!   owner's;
 //! - **over-context not rejected**: a prompt longer than the context answered with anything
 //!   but 4xx (the incident answered 200);
 //! - **fact ignored**: long prompts whose answer does not repeat the code placed at their
@@ -16,9 +18,10 @@
 //! - **failed**: a well-formed request that fit the context failed.
 //!
 //! The content check relies on the model copying a code it saw thousands of tokens earlier
-//! (induction). SmolLM2-135M does this reliably under greedy decoding at the lengths the
-//! defaults use (see the README's probe section for the calibration); for other models the
-//! threshold (`fact_min_pass`) is a parameter.
+//! (induction). SmolLM2-135M did so in 28 of 28 calibration trials with this prompt form at
+//! 300 to 2,000 filler words (the README's probe section has the calibration); for other
+//! models the threshold (`fact_min_pass`) is a parameter. Requests the server sheds for
+//! load (429, 503) are retried with backoff before they count as failed.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
