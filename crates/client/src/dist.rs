@@ -26,10 +26,11 @@ impl Rng {
         r
     }
 
-    /// A fresh seed from the clock and the process id (for runs that ask for none).
+    /// A fresh seed from the clock and the process id (for runs that ask for none); 32 bits,
+    /// so it is short to retype and exact in any JSON reader.
     pub fn entropy() -> u64 {
         let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
-        Rng(t ^ u64::from(std::process::id()).rotate_left(32)).next_u64()
+        Rng(t ^ u64::from(std::process::id()).rotate_left(32)).next_u64() >> 32
     }
 
     /// The next 64 random bits.

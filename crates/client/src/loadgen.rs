@@ -290,7 +290,13 @@ impl std::fmt::Display for Report {
         )?;
         writeln!(f, "  requests      {} ok, {} failed in {:.2} s", self.ok, self.failed, self.duration_s)?;
         writeln!(f, "  requests/s    {:.3}", self.requests_per_s)?;
-        write!(f, "  output tok/s  {:.1}   ({} tokens, counted from {:?}", self.output_tokens_per_s, self.output_tokens, self.output_tokens_from)?;
+        let from = match self.output_tokens_from {
+            TokenSource::Usage => "usage",
+            TokenSource::Chunks => "streamed chunks",
+            TokenSource::Mixed => "usage and streamed chunks",
+            TokenSource::None => "-",
+        };
+        write!(f, "  output tok/s  {:.1}   ({} tokens, counted from {from}", self.output_tokens_per_s, self.output_tokens)?;
         if let Some(p) = self.prompt_tokens_mean {
             write!(f, "; mean prompt {p:.1} tokens")?;
         }
