@@ -79,7 +79,7 @@ pub fn queued_refs(dump: &str) -> Vec<WriteRef> {
 mod tests {
     use super::*;
     use bulkhead_kv::transfer::Inbound;
-    use bulkhead_kv::{KvPool, PoolConfig};
+    use bulkhead_kv::{KvPool, KvChecks, PoolConfig};
     use bulkhead_protocol::prefill::{PrefillConfig, PrefillRole};
     use bulkhead_protocol::{Message, Sampling, WorkerId};
 
@@ -87,7 +87,7 @@ mod tests {
 
     #[test]
     fn handles_are_read_from_the_real_debug_output() {
-        let mut pool = KvPool::new(PoolConfig { layout: LAYOUT, pages: 4, poison_on_release: true }).unwrap();
+        let mut pool = KvPool::new(PoolConfig { layout: LAYOUT, pages: 4, checks: KvChecks::all() }).unwrap();
         let inbound = Inbound::reserve(&mut pool, RequestId(7), 3, 4).unwrap();
         let found = handles(&format!("{inbound:?}"));
         assert_eq!(found.len(), 2);
@@ -99,7 +99,7 @@ mod tests {
 
     #[test]
     fn queued_jobs_are_read_from_the_real_debug_output() {
-        let mut pool = KvPool::new(PoolConfig { layout: LAYOUT, pages: 4, poison_on_release: true }).unwrap();
+        let mut pool = KvPool::new(PoolConfig { layout: LAYOUT, pages: 4, checks: KvChecks::all() }).unwrap();
         let inbound = Inbound::reserve(&mut pool, RequestId(3), 3, 4).unwrap();
         let pages = inbound.prompt_pages(LAYOUT.page_size);
         let mut role = PrefillRole::new(PrefillConfig { max_prompt: 8, page_size: LAYOUT.page_size });

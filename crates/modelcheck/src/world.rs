@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::fmt::Write as _;
 
 use bulkhead_kv::transfer::{export_chunks, Manifest};
-use bulkhead_kv::{KvPool, PoolConfig, RequestId, SequenceKv};
+use bulkhead_kv::{KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
 use bulkhead_protocol::decode::{DecodeAction, DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole};
 use bulkhead_protocol::prefill::{JobOutcome, PrefillAction, PrefillConfig, PrefillJob, PrefillRole};
@@ -191,7 +191,7 @@ fn sampling() -> Sampling {
 }
 
 fn pool(pages: usize) -> KvPool {
-    KvPool::new(PoolConfig { layout: LAYOUT, pages, poison_on_release: true }).expect("model pool")
+    KvPool::new(PoolConfig { layout: LAYOUT, pages, checks: KvChecks::all() }).expect("model pool")
 }
 
 /// The mock model: the K and V value every layer holds for `req` at `pos`. Distinct for

@@ -128,6 +128,8 @@ pub struct DecodeRole {
     /// is fenced by construction.
     closed_prefills: BTreeSet<WorkerId>,
     stats: DecodeStats,
+    #[cfg(feature = "incident-replay")]
+    incident_bug: bool,
 }
 
 fn failed(req: RequestId, reason: FailReason, detail: impl Into<String>) -> DecodeAction {
@@ -145,7 +147,16 @@ impl DecodeRole {
             decoding: BTreeSet::new(),
             closed_prefills: BTreeSet::new(),
             stats: DecodeStats::default(),
+            #[cfg(feature = "incident-replay")]
+            incident_bug: false,
         }
+    }
+
+    /// Test only: the incident's decode side, which trusts a prefill's "done" without
+    /// verifying what arrived.
+    #[cfg(feature = "incident-replay")]
+    pub fn replay_incident_bug(&mut self) {
+        self.incident_bug = true;
     }
 
     /// Counters.
@@ -322,7 +333,11 @@ impl DecodeRole {
                 if self.pending.get(&req).is_some_and(|p| p.prefill == from) {
                     let Some(p) = self.pending.remove(&req) else { return };
                     // Done is the sender's last message for req: from here it is fenced.
-                    match p.inbound.finish(pool, tokens as usize, manifest) {
+                    #[cfg(feature = "incident-replay")]
+                    let verdict = if self.incident_bug { Ok(p.inbound.finish_trusting_claim()) } else { p.inbound.finish(pool, tokens as usize, manifest) };
+                    #[cfg(not(feature = "incident-replay"))]
+                    let verdict = p.inbound.finish(pool, tokens as usize, manifest);
+                    match verdict {
                         Ok(seq) => {
                             self.stats.coverage_verified += 1;
                             self.decoding.insert(req);

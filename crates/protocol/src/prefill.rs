@@ -80,12 +80,28 @@ pub struct PrefillRole {
     queue: VecDeque<PrefillJob>,
     running: Option<(RequestId, WorkerId, bool)>,
     stats: PrefillStats,
+    #[cfg(feature = "incident-replay")]
+    incident_bug: bool,
 }
 
 impl PrefillRole {
     /// An idle prefill role.
     pub fn new(cfg: PrefillConfig) -> Self {
-        PrefillRole { cfg, queue: VecDeque::new(), running: None, stats: PrefillStats::default() }
+        PrefillRole {
+            cfg,
+            queue: VecDeque::new(),
+            running: None,
+            stats: PrefillStats::default(),
+            #[cfg(feature = "incident-replay")]
+            incident_bug: false,
+        }
+    }
+
+    /// Test only: the incident's scheduler. A prompt over the limit is not refused; it keeps
+    /// flowing as a 1-token placeholder whose "done" the decode side may trust.
+    #[cfg(feature = "incident-replay")]
+    pub fn replay_incident_bug(&mut self) {
+        self.incident_bug = true;
     }
 
     /// Counters.
@@ -111,6 +127,11 @@ impl PrefillRole {
                 let fence = PrefillAction::ToDecode { to: decode, msg: Message::Fenced { req } };
                 let refuse = |reason, detail: String| PrefillAction::ToGateway(Message::Rejected { req, reason, detail });
                 let duplicate = self.running.is_some_and(|r| r.0 == req) || self.queue.iter().any(|j| j.req == req);
+                #[cfg(feature = "incident-replay")]
+                if self.incident_bug && tokens.len() > self.cfg.max_prompt {
+                    self.queue.push_back(PrefillJob { req, tokens: tokens.iter().take(1).copied().collect(), decode, pages: pages.iter().take(1).copied().collect(), sampling, trace });
+                    return out;
+                }
                 if tokens.len() > self.cfg.max_prompt {
                     // Worker-side admission (I3, I5): terminal, before any compute or transfer.
                     self.stats.rejected_context += 1;

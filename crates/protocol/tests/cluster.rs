@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use bulkhead_kv::transfer::{export_chunks, Manifest};
-use bulkhead_kv::{KvLayout, KvPool, PoolConfig, RequestId, SequenceKv};
+use bulkhead_kv::{KvLayout, KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
 use bulkhead_protocol::decode::{DecodeAction, DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole};
 use bulkhead_protocol::prefill::{JobOutcome, PrefillAction, PrefillConfig, PrefillJob, PrefillRole};
@@ -48,7 +48,7 @@ fn sampling() -> Sampling {
 
 impl Cluster {
     fn new(prefill_pool_tokens: usize, decode_pool_tokens: usize, gateway_check: bool) -> Self {
-        let pool = |t: usize| KvPool::new(PoolConfig { layout: LAYOUT, pages: t / LAYOUT.page_size, poison_on_release: true }).unwrap();
+        let pool = |t: usize| KvPool::new(PoolConfig { layout: LAYOUT, pages: t / LAYOUT.page_size, checks: KvChecks::all() }).unwrap();
         let max_context = prefill_pool_tokens.min(decode_pool_tokens);
         let mut gw = GatewayRole::new(GatewayConfig { max_context, admission_check: gateway_check, request_timeout_ms: 10_000 });
         gw.handle(GatewayEvent::WorkerJoined { id: PREFILL, role: Role::Prefill });
@@ -254,13 +254,44 @@ fn a_prompt_longer_than_the_prefill_pool_is_rejected_with_or_without_the_gateway
         let mut c = Cluster::new(16, 128, check);
         c.submit(1, 40, 4);
         c.run();
-        assert!(matches!(c.terminal(1), Some(ClientOutput::Rejected { reason: RejectReason::ContextLength, .. })), "{:?}", c.outputs);
+        if let Err(e) = incident_outcome(&c) {
+            panic!("gateway check {check}: {e}");
+        }
         let leased = c.dpool.stats().leases_granted;
         assert_eq!(leased == 0, check, "gateway check {check}: decode leases granted {leased}");
-        assert_eq!(c.ppool.stats().leases_granted, 0, "the prefill never computes a rejected prompt");
-        assert_eq!(c.dec.stats().chunks_verified, 0);
         c.assert_clean(&[1]);
     }
+}
+
+/// What the incident test demands of request 1 (a prompt over the prefill pool): rejected
+/// for its context, never computed, nothing handed to decode.
+fn incident_outcome(c: &Cluster) -> Result<(), String> {
+    if !matches!(c.terminal(1), Some(ClientOutput::Rejected { reason: RejectReason::ContextLength, .. })) {
+        return Err(format!("the over-long request was not rejected: {:?}", c.outputs));
+    }
+    if c.ppool.stats().leases_granted != 0 {
+        return Err("the prefill computed a rejected prompt".into());
+    }
+    if c.dec.stats().chunks_verified != 0 {
+        return Err("decode accepted KV for a rejected prompt".into());
+    }
+    Ok(())
+}
+
+/// The incident's exact bug put back (test-only switches): the gateway's check off, the
+/// prefill keeps the refused prompt flowing as a 1-token placeholder, decode trusts its
+/// "done". The incident test above must catch it; if it did not, it would prove nothing.
+#[test]
+fn the_incident_bug_reintroduced_is_caught_by_the_incident_test() {
+    let mut c = Cluster::new(16, 128, false);
+    c.pre.replay_incident_bug();
+    c.dec.replay_incident_bug();
+    c.submit(1, 40, 4);
+    c.run();
+    let caught = incident_outcome(&c);
+    assert!(caught.is_err(), "the incident test let the incident's bug through: {:?}", c.outputs);
+    // And what the bug did: the request was answered as if its prompt had been read.
+    assert!(matches!(c.terminal(1), Some(ClientOutput::Finished { .. })), "{:?}", c.outputs);
 }
 
 /// A client leaving after any number of delivered messages or work steps: one terminal
