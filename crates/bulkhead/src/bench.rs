@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use bulkhead_kv::{KvPool, PoolConfig, RequestId, SequenceKv};
+use bulkhead_kv::{KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
 use bulkhead_model::{Llama, SeqInput};
 use clap::Args;
 
@@ -15,23 +15,28 @@ pub struct BenchArgs {
     #[command(flatten)]
     model: ModelArgs,
     /// Prompt length for the prefill figure.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, env = "BULKHEAD_BENCH_PROMPT_TOKENS", default_value_t = 512)]
     prompt_tokens: usize,
     /// Context already in each sequence before decode is timed.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, env = "BULKHEAD_BENCH_DECODE_CONTEXT", default_value_t = 128)]
     decode_context: usize,
     /// Decode steps timed per batch size.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, env = "BULKHEAD_BENCH_DECODE_STEPS", default_value_t = 64)]
     decode_steps: usize,
     /// Batch sizes for decode.
-    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    #[arg(long, env = "BULKHEAD_BENCH_BATCHES", value_delimiter = ',', default_value = "1,4,16")]
     batches: Vec<usize>,
     /// Repetitions (the median is reported).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, env = "BULKHEAD_BENCH_REPS", default_value_t = 3)]
     reps: usize,
     /// Print JSON instead of text.
-    #[arg(long)]
+    #[arg(long, env = "BULKHEAD_BENCH_JSON", value_parser = clap::builder::BoolishValueParser::new())]
     json: bool,
+    /// Instead of the usual figures, measure what the optional KV checks cost: decode with
+    /// production checks (canaries) and with the auditor, each against a pool with every
+    /// optional check off, in alternating repetitions; prints the throughput ratios.
+    #[arg(long, env = "BULKHEAD_BENCH_COMPARE_CHECKS", value_parser = clap::builder::BoolishValueParser::new())]
+    compare_checks: bool,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -94,13 +99,57 @@ fn decode_tps(m: &Llama, pool: &mut KvPool, batch: usize, ctx: usize, steps: usi
     Ok((batch * steps) as f64 / s)
 }
 
+/// Decode throughput with `checks` against all optional checks off, alternating so that
+/// drift on a noisy machine hits both sides: medians and the median of per-pair ratios.
+fn compare_checks(m: &Llama, a: &BenchArgs, pages: usize, checks: KvChecks) -> anyhow::Result<Vec<serde_json::Value>> {
+    let layout = m.kv_layout(a.model.page_size as usize);
+    let off = KvChecks { canaries: false, checksums: false, audit: false };
+    let mut on_pool = KvPool::new(PoolConfig { layout, pages, checks })?;
+    let mut off_pool = KvPool::new(PoolConfig { layout, pages, checks: off })?;
+    let mut out = Vec::new();
+    for &b in &a.batches {
+        let (mut on, mut offv, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..a.reps.max(1) {
+            let x = decode_tps(m, &mut on_pool, b, a.decode_context, a.decode_steps)?;
+            let y = decode_tps(m, &mut off_pool, b, a.decode_context, a.decode_steps)?;
+            on.push(x);
+            offv.push(y);
+            ratio.push(x / y);
+        }
+        out.push(serde_json::json!({
+            "batch": b, "checks_on_tok_s": median(on), "checks_off_tok_s": median(offv), "ratio": median(ratio),
+        }));
+    }
+    Ok(out)
+}
+
 pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     let m = a.model.load()?.model;
     let layout = m.kv_layout(a.model.page_size as usize);
     let max_batch = a.batches.iter().copied().max().unwrap_or(1);
     let per_seq = layout.pages_for_tokens(a.decode_context + a.decode_steps);
     let pages = (per_seq * max_batch).max(layout.pages_for_tokens(a.prompt_tokens));
-    let mut pool = KvPool::new(PoolConfig { layout, pages, poison_on_release: true })?;
+    if a.compare_checks {
+        // Warm-up, then production checks and the auditor, each against everything off.
+        decode_tps(&m, &mut KvPool::new(PoolConfig { layout, pages, checks: KvChecks::default() })?, 1, 16, 4)?;
+        let production = compare_checks(&m, &a, pages, KvChecks::default())?;
+        let audit = compare_checks(&m, &a, pages, KvChecks::all())?;
+        if a.json {
+            println!("{}", serde_json::json!({ "threads": m.threads(), "decode_context": a.decode_context, "production": production, "audit": audit }));
+        } else {
+            println!("bulkhead bench-engine --compare-checks: {} threads, ctx {}, {} steps, median of {} alternating reps", m.threads(), a.decode_context, a.decode_steps, a.reps.max(1));
+            for (name, rows) in [("production checks (canaries)", &production), ("auditor + canaries", &audit)] {
+                for r in rows {
+                    println!(
+                        "{name:<30} batch {:>3}: on {:8.1} tok/s, off {:8.1} tok/s, ratio on/off {:.3}",
+                        r["batch"], r["checks_on_tok_s"].as_f64().unwrap_or(0.0), r["checks_off_tok_s"].as_f64().unwrap_or(0.0), r["ratio"].as_f64().unwrap_or(0.0)
+                    );
+                }
+            }
+        }
+        return Ok(());
+    }
+    let mut pool = KvPool::new(PoolConfig { layout, pages, checks: KvChecks::default() })?;
     let reps = a.reps.max(1);
     // One untimed warm-up pass brings weights into cache and threads up.
     prefill_tps(&m, &mut pool, a.prompt_tokens.min(64))?;
@@ -110,8 +159,18 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         let v = median((0..reps).map(|_| decode_tps(&m, &mut pool, b, a.decode_context, a.decode_steps)).collect::<Result<_, _>>()?);
         decode.push((b, v));
     }
+    // KV footprint: what the pool stores per token against the model's f16 figure, and the
+    // slack of one decode sequence (its last page's unused slots).
+    let c = &m.config;
+    let theoretical = 2 * c.layers * c.kv_heads * c.head_dim * 2;
+    let seq_tokens = a.decode_context + a.decode_steps;
+    let slack = layout.pages_for_tokens(seq_tokens) * layout.page_size - seq_tokens;
     if a.json {
         let j = serde_json::json!({
+            "kv_bytes_per_token": layout.bytes_per_token(),
+            "kv_bytes_per_token_theoretical_f16": theoretical,
+            "kv_page_tokens": layout.page_size,
+            "kv_slack_slots_per_sequence": slack,
             "isa": m.isa().name(),
             "threads": m.threads(),
             "prompt_tokens": a.prompt_tokens,
@@ -123,6 +182,15 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         println!("{j}");
     } else {
         println!("bulkhead bench-engine: {} threads, kernels {}", m.threads(), m.isa().name());
+        println!(
+            "KV: {} bytes per token (model's f16 figure 2 x {} layers x {} kv heads x {} x 2 = {theoretical}); pages of {} tokens, \
+             a {seq_tokens}-token sequence leaves {slack} slots unused (< 1 page)",
+            layout.bytes_per_token(),
+            c.layers,
+            c.kv_heads,
+            c.head_dim,
+            layout.page_size
+        );
         println!("prefill {:>5} tokens          {prefill:8.1} tok/s", a.prompt_tokens);
         for (b, v) in decode {
             println!("decode  batch {b:>3} (ctx {:>4})   {v:8.1} tok/s aggregate", a.decode_context);

@@ -7,27 +7,27 @@ use std::net::{TcpListener, TcpStream};
 use std::time::Instant;
 
 use bulkhead_kv::transfer::{export_chunks, Manifest};
-use bulkhead_kv::{Inbound, KvLayout, KvPool, PoolConfig, RequestId, SequenceKv};
+use bulkhead_kv::{Inbound, KvLayout, KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
 use bulkhead_protocol::{encode, FrameDecoder, Message, DEFAULT_MAX_FRAME};
 use clap::Args;
 
 #[derive(Args, Debug)]
 pub struct TransferArgs {
     /// Prompt tokens per transfer.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, env = "BULKHEAD_BENCH_TRANSFER_TOKENS", default_value_t = 2000)]
     tokens: usize,
     /// Transfers timed (the median is reported).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, env = "BULKHEAD_BENCH_TRANSFER_REPS", default_value_t = 5)]
     reps: usize,
 }
 
 /// The default model's KV shape.
 const LAYOUT: KvLayout = KvLayout { layers: 30, kv_heads: 3, head_dim: 64, page_size: 16 };
 
-pub fn run(a: TransferArgs) -> anyhow::Result<()> {
-    let n = a.tokens.max(1);
+/// Seconds per verified transfer of `n` tokens between two pools running `checks`, `reps` times.
+fn transfer_times(checks: KvChecks, n: usize, reps: usize) -> anyhow::Result<Vec<f64>> {
     let pages = LAYOUT.pages_for_tokens(n);
-    let mut src = KvPool::new(PoolConfig { layout: LAYOUT, pages, poison_on_release: true })?;
+    let mut src = KvPool::new(PoolConfig { layout: LAYOUT, pages, checks })?;
     let mut seq = SequenceKv::new(RequestId(1));
     seq.reserve(&mut src, n)?;
     let row: Vec<f32> = (0..LAYOUT.row_elems()).map(|i| i as f32 * 0.01).collect();
@@ -38,12 +38,11 @@ pub fn run(a: TransferArgs) -> anyhow::Result<()> {
         }
     }
     seq.commit(&src, n)?;
-    let bytes = n * LAYOUT.bytes_per_token();
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
-    let mut dst = KvPool::new(PoolConfig { layout: LAYOUT, pages, poison_on_release: true })?;
+    let mut dst = KvPool::new(PoolConfig { layout: LAYOUT, pages, checks })?;
     let mut times = Vec::new();
-    for rep in 0..a.reps.max(1) {
+    for rep in 0..reps {
         let req = RequestId(100 + rep as u64);
         let mut inbound = Inbound::reserve(&mut dst, req, n, n)?;
         let targets = inbound.prompt_pages(LAYOUT.page_size);
@@ -84,6 +83,21 @@ pub fn run(a: TransferArgs) -> anyhow::Result<()> {
         times.push(t.elapsed().as_secs_f64());
         v.into_sequence().release(&mut dst)?;
     }
+    Ok(times)
+}
+
+pub fn run(a: TransferArgs) -> anyhow::Result<()> {
+    let n = a.tokens.max(1);
+    let bytes = n * LAYOUT.bytes_per_token();
+    // Production checks (checksums on) and checksums off, alternating, for the ratio.
+    let no_checksums = KvChecks { checksums: false, ..KvChecks::default() };
+    let (mut times, mut unchecked) = (Vec::new(), Vec::new());
+    for _ in 0..a.reps.max(1) {
+        times.extend(transfer_times(KvChecks::default(), n, 1)?);
+        unchecked.extend(transfer_times(no_checksums, n, 1)?);
+    }
+    unchecked.sort_by(f64::total_cmp);
+    let transfer_unchecked = unchecked[unchecked.len() / 2];
     times.sort_by(f64::total_cmp);
     let transfer = times[times.len() / 2];
     // memcpy of the same number of bytes, median of several copies.
@@ -101,5 +115,10 @@ pub fn run(a: TransferArgs) -> anyhow::Result<()> {
     let gb = bytes as f64 / 1e9;
     println!("KV transfer of {n} tokens ({:.1} MB): {:.3} s, {:.2} GB/s verified over loopback TCP", bytes as f64 / 1e6, transfer, gb / transfer);
     println!("memcpy of the same bytes: {:.2} GB/s; transfer / memcpy = {:.3}", gb / copy, copy / transfer);
+    println!(
+        "without checksums (measurement only): {:.2} GB/s; throughput with / without checksums = {:.3}",
+        gb / transfer_unchecked,
+        transfer_unchecked / transfer
+    );
     Ok(())
 }

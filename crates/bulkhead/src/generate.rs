@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use bulkhead_engine::{Engine, Event, GenRequest, SamplingParams};
-use bulkhead_kv::{KvPool, PoolConfig};
+use bulkhead_kv::{KvPool, KvChecks, PoolConfig};
 use bulkhead_tokenizer::ChatMessage;
 use clap::Args;
 
@@ -16,28 +16,28 @@ pub struct GenerateArgs {
     #[command(flatten)]
     model: ModelArgs,
     /// The user message.
-    #[arg(long)]
+    #[arg(long, env = "BULKHEAD_GENERATE_PROMPT")]
     prompt: String,
     /// A system message (else the chat template's default, if it has one).
-    #[arg(long)]
+    #[arg(long, env = "BULKHEAD_GENERATE_SYSTEM")]
     system: Option<String>,
     /// Most tokens to generate.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, env = "BULKHEAD_GENERATE_MAX_TOKENS", default_value_t = 256)]
     max_tokens: usize,
     /// Sampling temperature (0 = greedy).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, env = "BULKHEAD_GENERATE_TEMPERATURE", default_value_t = 0.0)]
     temperature: f32,
     /// Nucleus sampling mass (1 = off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, env = "BULKHEAD_GENERATE_TOP_P", default_value_t = 1.0)]
     top_p: f32,
     /// Keep only the k most likely tokens (0 = off).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, env = "BULKHEAD_GENERATE_TOP_K", default_value_t = 0)]
     top_k: usize,
     /// Seed for reproducible sampling.
-    #[arg(long)]
+    #[arg(long, env = "BULKHEAD_GENERATE_SEED")]
     seed: Option<u64>,
     /// Stop before this string (repeatable).
-    #[arg(long)]
+    #[arg(long, env = "BULKHEAD_GENERATE_STOP")]
     stop: Vec<String>,
 }
 
@@ -60,7 +60,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
         );
     }
     let layout = m.model.kv_layout(a.model.page_size as usize);
-    let pool = KvPool::new(PoolConfig { layout, pages: layout.pages_for_tokens(needed), poison_on_release: true })?;
+    let pool = KvPool::new(PoolConfig { layout, pages: layout.pages_for_tokens(needed), checks: KvChecks::default() })?;
     let sampling = SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed, ignore_eos: false };
     let mut engine = Engine::new(Arc::new(m.model), Arc::new(m.tokenizer), pool, 512, context);
     engine.add(GenRequest { prompt, max_tokens: a.max_tokens, sampling, stop: a.stop })?;
@@ -74,6 +74,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
                     writeln!(out)?;
                     tracing::info!(reason = reason.as_str(), prompt_tokens, completion_tokens, "finished");
                 }
+                Event::Failed { error, .. } => anyhow::bail!("generation failed a KV read check: {error}"),
             }
             out.flush()?;
         }

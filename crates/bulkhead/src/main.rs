@@ -9,10 +9,12 @@
 //! - `loadgen.rs`: `bulkhead loadgen`, load on any OpenAI-compatible server (and the flags
 //!   naming a target server, shared with `probe`).
 //! - `probe.rs`: `bulkhead probe`, the cross-tenant isolation probe of any such server.
+//! - `config.rs`: `--config FILE` (TOML) and the generated configuration reference.
 #![forbid(unsafe_code)]
 
 mod bench;
 mod bench_transfer;
+mod config;
 mod generate;
 mod loadgen;
 mod probe;
@@ -21,13 +23,17 @@ mod serve;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(name = "bulkhead", version, about = "Disaggregated LLM inference whose KV cache cannot leak across requests")]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
+    /// TOML file of flag values (keys are long flag names); the command line and the
+    /// environment win over it.
+    #[arg(long, global = true, env = "BULKHEAD_CONFIG")]
+    config: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -45,6 +51,9 @@ enum Cmd {
     /// Probe any OpenAI-compatible server for cross-request leaks, accepted over-context
     /// prompts and long inputs whose answers ignore them (exit 2 on findings).
     Probe(probe::ProbeArgs),
+    /// Print the configuration reference (docs/CONFIG.md) generated from these flags.
+    #[command(hide = true)]
+    ConfigReference,
 }
 
 /// Flags shared by every command that loads a model.
@@ -90,7 +99,13 @@ fn main() {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let cli = Cli::parse();
+    let cli = match config::apply(&Cli::command(), std::env::args_os().collect()) {
+        Ok(args) => Cli::parse_from(args),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(2);
+        }
+    };
     let r = match cli.cmd {
         Cmd::Serve(a) => serve::run(a),
         Cmd::Generate(a) => generate::run(a),
@@ -98,9 +113,46 @@ fn main() {
         Cmd::BenchTransfer(a) => bench_transfer::run(a),
         Cmd::Loadgen(a) => loadgen::run(a),
         Cmd::Probe(a) => probe::run(a),
+        Cmd::ConfigReference => {
+            print!("{}", config::reference(&Cli::command()));
+            Ok(())
+        }
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");
         std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cli_definition_is_valid() {
+        Cli::command().debug_assert();
+    }
+
+    /// docs/CONFIG.md is generated from the CLI; this fails when they differ.
+    #[test]
+    fn docs_config_md_matches_the_cli() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/CONFIG.md");
+        let generated = config::reference(&Cli::command());
+        let on_disk = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            on_disk == generated,
+            "docs/CONFIG.md differs from the CLI; regenerate it with `cargo run -p bulkhead -- config-reference > docs/CONFIG.md`"
+        );
+    }
+
+    /// Every flag of every command can come from the environment (and so from a config file).
+    #[test]
+    fn every_flag_has_an_environment_variable() {
+        let cli = Cli::command();
+        for sub in cli.get_subcommands() {
+            for a in sub.get_arguments().filter(|a| a.get_long().is_some_and(|l| l != "help" && l != "version")) {
+                assert!(a.get_env().is_some(), "`bulkhead {} --{}` has no environment variable", sub.get_name(), a.get_long().unwrap_or(""));
+            }
+        }
     }
 }

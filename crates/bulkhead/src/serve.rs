@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use bulkhead_server::gateway::{self, GatewayOptions};
+use bulkhead_kv::KvChecks;
 use bulkhead_server::worker::WorkerConfig;
 use clap::{Args, ValueEnum};
 
@@ -89,9 +90,43 @@ pub struct ServeArgs {
     /// Name of the model in the API.
     #[arg(long, env = "BULKHEAD_MODEL_ID", default_value = "bulkhead")]
     model_id: String,
+    #[command(flatten)]
+    checks: KvCheckArgs,
     /// Test only: switch the gateway's context check off to show the workers' own holds.
     #[arg(long, hide = true, env = "BULKHEAD_NO_GATEWAY_ADMISSION", value_parser = clap::builder::BoolishValueParser::new())]
     no_gateway_admission: bool,
+}
+
+/// The optional KV integrity checks (design I6). Canaries and checksums are on unless
+/// switched off, which exists to measure their cost; the auditor is off unless asked for.
+#[derive(Args, Debug, Clone)]
+pub struct KvCheckArgs {
+    /// Run the KV auditor: every slot attention is about to read is checked against a
+    /// shadow tag (owner request, page generation). 16 bytes of memory per slot and layer.
+    #[arg(long, env = "BULKHEAD_AUDIT_KV", value_parser = clap::builder::BoolishValueParser::new())]
+    pub audit_kv: bool,
+    /// Measurement only: do not poison freed pages nor check attended slots for the poison.
+    #[arg(long, env = "BULKHEAD_NO_KV_CANARIES", value_parser = clap::builder::BoolishValueParser::new())]
+    pub no_kv_canaries: bool,
+    /// Measurement only: do not checksum KV chunks on handoff. Prefill and decode workers
+    /// must agree: a decode worker that checks refuses unchecksummed chunks.
+    #[arg(long, env = "BULKHEAD_NO_KV_CHECKSUMS", value_parser = clap::builder::BoolishValueParser::new())]
+    pub no_kv_checksums: bool,
+}
+
+impl KvCheckArgs {
+    /// The pool configuration these flags ask for.
+    pub fn checks(&self) -> KvChecks {
+        KvChecks { canaries: !self.no_kv_canaries, checksums: !self.no_kv_checksums, audit: self.audit_kv }
+    }
+
+    /// The same flags for a child process.
+    fn child_args(&self) -> Vec<&'static str> {
+        [(self.audit_kv, "--audit-kv"), (self.no_kv_canaries, "--no-kv-canaries"), (self.no_kv_checksums, "--no-kv-checksums")]
+            .into_iter()
+            .filter_map(|(on, flag)| on.then_some(flag))
+            .collect()
+    }
 }
 
 /// Parse sizes like `512MiB`, `2GiB`, `1000000`.
@@ -141,6 +176,7 @@ impl ServeArgs {
             kv_advertise: self.kv_advertise.clone(),
             transfer_batch_pages: self.transfer_batch_pages,
             transfer_timeout_ms: self.transfer_timeout_ms,
+            kv_checks: self.checks.checks(),
         })
     }
 }
@@ -198,8 +234,9 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf) -> anyhow::Result<()> {
                 if a.clamp_context {
                     cmd.arg("--clamp-context");
                 }
+                cmd.args(a.checks.child_args());
                 // Workers must not bind the gateway's HTTP port or inherit its role.
-                cmd.env_remove("BULKHEAD_ROLE").env_remove("BULKHEAD_PORT");
+                cmd.env_remove("BULKHEAD_ROLE").env_remove("BULKHEAD_PORT").env_remove("BULKHEAD_CONFIG");
                 children.0.push(cmd.spawn().with_context(|| format!("cannot start a {role} worker"))?);
             }
         }

@@ -1,11 +1,13 @@
 //! `bulkhead serve` as users run it: real processes, real TCP, the OpenAI API over HTTP.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-const BIN: &str = env!("CARGO_BIN_EXE_bulkhead");
+use common::{BIN, model, rand_u64};
 
 /// A running `bulkhead serve`, killed (with its workers) on drop.
 struct Server {
@@ -21,10 +23,6 @@ impl Drop for Server {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn model() -> std::path::PathBuf {
-    bulkhead_fetch::ensure_default_model(false).expect("default model")
 }
 
 fn serve(args: &[&str], env: &[(&str, &str)]) -> Server {
@@ -59,19 +57,9 @@ fn serve(args: &[&str], env: &[(&str, &str)]) -> Server {
     panic!("server never became ready: {}", std::fs::read_to_string(&s.stderr_log).unwrap_or_default());
 }
 
-fn rand_u64() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
-}
-
 fn request(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).expect("read response");
-    let status = resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = resp.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
-    (status, body)
+    let r = common::request(addr, method, path, &[], body);
+    (r.status, r.body)
 }
 
 fn get(addr: &str, path: &str) -> (u16, String) {

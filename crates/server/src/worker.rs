@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use bulkhead_engine::LoadedModel;
-use bulkhead_kv::{KvPool, PoolConfig};
+use bulkhead_kv::{KvPool, KvChecks, PoolConfig};
 use bulkhead_api::trace::TraceId;
 use bulkhead_protocol::{Hello, Message, Role, TraceContext, WorkerId};
 
@@ -38,6 +38,8 @@ pub struct WorkerConfig {
     pub transfer_batch_pages: usize,
     /// Decode only: how long a reservation waits for its KV.
     pub transfer_timeout_ms: u64,
+    /// Optional KV integrity checks (canaries, checksums, auditor).
+    pub kv_checks: KvChecks,
 }
 
 /// Why a worker could not start or stopped.
@@ -78,6 +80,21 @@ pub fn advertised_context(model_context: usize, requested: Option<usize>, pool_t
     Err(WorkerError::Capacity { pool: pool_tokens, context })
 }
 
+/// The isolation checks a worker runs, for its start-up log line (design I6).
+pub fn active_checks(c: KvChecks) -> String {
+    let mut on = vec!["lease generation", "owner", "watermark", "coverage", "manifest", "quarantine until fenced"];
+    let optional = [(c.canaries, "poison canaries"), (c.checksums, "chunk checksum (xxh3-64)"), (c.audit, "KV auditor (shadow tags)")];
+    let mut off = Vec::new();
+    for (enabled, name) in optional {
+        if enabled { on.push(name) } else { off.push(name) }
+    }
+    if off.is_empty() {
+        format!("on: {}", on.join(", "))
+    } else {
+        format!("on: {}; OFF: {}", on.join(", "), off.join(", "))
+    }
+}
+
 /// A loaded worker: model, pool, advertised context.
 pub struct Loaded {
     /// Model, tokenizer, chat template.
@@ -95,14 +112,15 @@ pub fn load(cfg: &WorkerConfig) -> Result<Loaded, WorkerError> {
     let model = bulkhead_engine::load_model(&cfg.model, cfg.threads)?;
     let layout = model.model.kv_layout(cfg.page_size);
     let pages = layout.pages_for_tokens(cfg.pool_tokens.max(1));
-    let pool = KvPool::new(PoolConfig { layout, pages, poison_on_release: true })?;
+    let pool = KvPool::new(PoolConfig { layout, pages, checks: cfg.kv_checks })?;
     let context = advertised_context(model.model.config.context_length, cfg.context_length, pool.capacity_tokens(), cfg.clamp_context)?;
     let digest = crate::wire::model_digest(&cfg.model)?;
     tracing::info!(
         pool_tokens = pool.capacity_tokens(),
         kv_bytes_per_token = layout.bytes_per_token(),
         context,
-        "KV pool sized; checks active: lease generation, watermark, chunk checksum (xxh3-64), coverage, quarantine until fenced, poison on release"
+        checks = %active_checks(cfg.kv_checks),
+        "KV pool sized"
     );
     Ok(Loaded { model, pool, context, digest })
 }

@@ -1,0 +1,194 @@
+//! Multi-host: gateway, prefill and decode each in its own Linux network namespace, joined by
+//! veth links, real TCP between them. The prefill–decode link is cut in the middle of a KV
+//! transfer: the request fails cleanly, its decode pages stay quarantined (nothing is freed
+//! before the writer is fenced), and once the link is back later requests succeed and both
+//! pools return to full.
+//!
+//! Needs root and `ip` (iproute2); elsewhere it says why and passes without running.
+
+mod common;
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{BIN, model, request, scrape, sum};
+
+/// `ip` with arguments; Err with its stderr on failure.
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip").args(args).output().map_err(|e| format!("cannot run ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
+    }
+}
+
+/// Namespaces and links made for one test, removed on drop (processes first).
+struct Hosts {
+    tag: String,
+    namespaces: Vec<String>,
+    children: Vec<Child>,
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        for ns in &self.namespaces {
+            let _ = ip(&["netns", "del", ns]);
+        }
+        // A root-namespace end of a veth pair goes away with its peer's namespace.
+        let _ = ip(&["link", "del", &format!("{}r", self.tag)]);
+    }
+}
+
+impl Hosts {
+    fn ns(&self, name: &str) -> String {
+        format!("{}-{name}", self.tag)
+    }
+
+    /// A veth pair between namespace `a` (None: this one) and `b`, with /30 addresses.
+    fn link(&self, a: Option<&str>, a_if: &str, a_addr: &str, b: &str, b_if: &str, b_addr: &str) -> Result<(), String> {
+        let (ai, bi) = (format!("{}{a_if}", self.tag), format!("{}{b_if}", self.tag));
+        ip(&["link", "add", &ai, "type", "veth", "peer", "name", &bi])?;
+        ip(&["link", "set", &bi, "netns", &self.ns(b)])?;
+        ip(&["-n", &self.ns(b), "addr", "add", b_addr, "dev", &bi])?;
+        ip(&["-n", &self.ns(b), "link", "set", &bi, "up"])?;
+        match a {
+            Some(a) => {
+                ip(&["link", "set", &ai, "netns", &self.ns(a)])?;
+                ip(&["-n", &self.ns(a), "addr", "add", a_addr, "dev", &ai])?;
+                ip(&["-n", &self.ns(a), "link", "set", &ai, "up"])
+            }
+            None => {
+                ip(&["addr", "add", a_addr, "dev", &ai])?;
+                ip(&["link", "set", &ai, "up"])
+            }
+        }
+    }
+
+    /// `bulkhead serve` inside namespace `ns`, logging to a file.
+    fn spawn(&mut self, ns: &str, args: &[&str]) -> std::path::PathBuf {
+        let log = std::env::temp_dir().join(format!("{}-{ns}.log", self.tag));
+        let child = Command::new("ip")
+            .args(["netns", "exec", &self.ns(ns), BIN, "serve", "--threads", "1", "--context-length", "2048", "--model"])
+            .arg(model())
+            .args(args)
+            .env("BULKHEAD_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log file"))
+            .spawn()
+            .expect("spawn bulkhead serve in a namespace");
+        self.children.push(child);
+        log
+    }
+}
+
+/// Gateway (g), prefill (p) and decode (d) namespaces, linked g–root, g–p, g–d and p–d.
+fn hosts() -> Result<Hosts, String> {
+    let id = std::process::id() % 100_000;
+    let mut h = Hosts { tag: format!("bh{id}"), namespaces: Vec::new(), children: Vec::new() };
+    for n in ["g", "p", "d"] {
+        ip(&["netns", "add", &h.ns(n)])?;
+        h.namespaces.push(h.ns(n));
+        ip(&["-n", &h.ns(n), "link", "set", "lo", "up"])?;
+    }
+    h.link(None, "r", "10.231.0.1/30", "g", "gr", "10.231.0.2/30")?;
+    h.link(Some("g"), "gp", "10.231.1.1/30", "p", "pg", "10.231.1.2/30")?;
+    h.link(Some("g"), "gd", "10.231.2.1/30", "d", "dg", "10.231.2.2/30")?;
+    h.link(Some("p"), "pd", "10.231.3.1/30", "d", "dp", "10.231.3.2/30")?;
+    Ok(h)
+}
+
+const HTTP: &str = "10.231.0.2:8080";
+
+fn wait_for(what: &str, timeout: Duration, logs: &[&std::path::Path], mut ok: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !ok() {
+        if t.elapsed() > timeout {
+            let logs: Vec<String> = logs.iter().map(|l| std::fs::read_to_string(l).unwrap_or_default()).collect();
+            panic!("timed out waiting for {what}\n{}", logs.join("\n----\n"));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn chat(max_tokens: usize, user: &str) -> common::Response {
+    let body = serde_json::json!({"model": "bulkhead", "temperature": 0, "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": user}]});
+    request(HTTP, "POST", "/v1/chat/completions", &[], &body.to_string())
+}
+
+#[test]
+fn cutting_the_prefill_decode_link_mid_transfer_fails_one_request_and_frees_nothing_before_the_fence() {
+    let mut h = match hosts() {
+        Ok(h) => h,
+        Err(e) => {
+            eprintln!("SKIPPED: network namespaces are not available here (needs root and iproute2): {e}");
+            return;
+        }
+    };
+    let g = h.spawn("g", &["--role", "gateway", "--host", "10.231.0.2", "--port", "8080", "--worker-listen", "0.0.0.0:7000"]);
+    let p = h.spawn("p", &["--role", "prefill", "--gateway", "10.231.1.1:7000", "--transfer-batch-pages", "8"]);
+    let d = h.spawn(
+        "d",
+        &["--role", "decode", "--gateway", "10.231.2.1:7000", "--kv-listen", "10.231.3.2:7100", "--transfer-timeout-ms", "2000"],
+    );
+    let logs = [g.as_path(), p.as_path(), d.as_path()];
+    wait_for("all roles registered", Duration::from_secs(60), &logs, || {
+        std::net::TcpStream::connect(HTTP).is_ok() && request(HTTP, "GET", "/ready", &[], "").status == 200
+    });
+    let r = chat(8, "What is the capital of France?");
+    assert_eq!(r.status, 200, "across three hosts: {}", r.body);
+
+    // A long prompt: its KV goes to decode in batches of 8 pages (128 tokens).
+    let long = "The quick brown fox jumps over the lazy dog. ".repeat(150);
+    let victim = std::thread::spawn(move || chat(8, &long));
+    let decode = [("role", "decode")];
+    wait_for("the first KV chunks at the decode worker", Duration::from_secs(120), &logs, || {
+        sum(&scrape(HTTP), "bulkhead:isolation_checks_total", &[("role", "decode"), ("check", "chunk_verified")]) > 0.0
+    });
+    let pd = format!("{}pd", h.tag);
+    ip(&["-n", &h.ns("p"), "link", "set", &pd, "down"]).expect("cut the prefill-decode link");
+
+    let r = victim.join().expect("client thread");
+    assert!(r.status >= 500 && r.body.contains("\"error\""), "the cut request fails with an error body: {} {}", r.status, r.body);
+    // The writer is not fenced while the link is down: its pages stay quarantined.
+    wait_for("decode metrics after the timeout", Duration::from_secs(10), &logs, || {
+        sum(&scrape(HTTP), "bulkhead:kv_transfer_timeouts_total", &decode) > 0.0
+    });
+    let m = scrape(HTTP);
+    eprintln!(
+        "link down: request failed with {}; decode quarantined pages {}, chunks verified {}",
+        r.status,
+        sum(&m, "bulkhead:quarantined_pages", &decode),
+        sum(&m, "bulkhead:isolation_checks_total", &[("role", "decode"), ("check", "chunk_verified")])
+    );
+    assert!(sum(&m, "bulkhead:quarantined_pages", &decode) > 0.0, "pages freed before the writer was fenced");
+    assert_eq!(sum(&m, "bulkhead:fenced_releases_total", &decode), 0.0);
+
+    ip(&["-n", &h.ns("p"), "link", "set", &pd, "up"]).expect("restore the link");
+    // TCP delivers the rest once the link is back; the fence releases the pages.
+    wait_for("quarantine released and both pools full", Duration::from_secs(120), &logs, || {
+        let m = scrape(HTTP);
+        sum(&m, "bulkhead:quarantined_pages", &decode) == 0.0
+            && sum(&m, "bulkhead:fenced_releases_total", &decode) > 0.0
+            && sum(&m, "bulkhead:kv_free_pages", &[]) == sum(&m, "bulkhead:kv_pool_pages", &[])
+    });
+    let m = scrape(HTTP);
+    eprintln!(
+        "link up: decode fenced releases {}, late chunks {}",
+        sum(&m, "bulkhead:fenced_releases_total", &decode),
+        sum(&m, "bulkhead:late_chunks_total", &decode)
+    );
+    for q in ["Name a color.", "What is two plus two?"] {
+        let r = chat(8, q);
+        assert_eq!(r.status, 200, "after the link is back: {}", r.body);
+    }
+    wait_for("pools full after later requests", Duration::from_secs(10), &logs, || {
+        let m = scrape(HTTP);
+        sum(&m, "bulkhead:kv_free_pages", &[]) == sum(&m, "bulkhead:kv_pool_pages", &[]) && sum(&m, "bulkhead:quarantined_pages", &[]) == 0.0
+    });
+}
