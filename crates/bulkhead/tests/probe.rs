@@ -1,14 +1,15 @@
 //! `bulkhead probe` end to end: clean against `bulkhead serve` (exit 0), and exit 2 with
 //! findings against a server that answers everything with 200, as the incident's did.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use common::{BIN, model, request};
 use serde_json::Value;
-
-const BIN: &str = env!("CARGO_BIN_EXE_bulkhead");
 
 /// A running `bulkhead serve`, killed (with its workers) on drop.
 struct Server {
@@ -25,11 +26,10 @@ impl Drop for Server {
 
 /// `bulkhead serve` on a free port with a small context, ready for requests.
 fn serve(context: &str) -> Server {
-    let model = bulkhead_fetch::ensure_default_model(false).expect("default model");
     let mut child = Command::new(BIN)
         // A pool of several contexts, so eight requests at once are not shed for capacity.
         .args(["serve", "--port", "0", "--threads", "1", "--context-length", context, "--kv-pool-tokens", "6144", "--model"])
-        .arg(model)
+        .arg(model())
         .env("BULKHEAD_LOG", "warn")
         .stdout(Stdio::piped())
         .spawn()
@@ -43,13 +43,7 @@ fn serve(context: &str) -> Server {
     };
     let s = Server { child, url: format!("http://{addr}") };
     for _ in 0..300 {
-        let ready = TcpStream::connect(&addr).ok().and_then(|mut c| {
-            c.write_all(b"GET /ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").ok()?;
-            let mut r = String::new();
-            c.read_to_string(&mut r).ok()?;
-            Some(r.starts_with("HTTP/1.1 200"))
-        });
-        if ready == Some(true) {
+        if request(&addr, "GET", "/ready", &[], "").status == 200 {
             return s;
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -59,7 +53,7 @@ fn serve(context: &str) -> Server {
 
 fn probe(url: &str, extra: &[&str]) -> (Option<i32>, Value, String) {
     let out = Command::new(BIN)
-        .args(["probe", url, "--json", "--rounds", "1", "--long-words", "300", "--short-words", "12", "--seed", "7"])
+        .args(["probe", url, "--json", "--rounds", "1", "--long-words", "250", "--short-words", "12", "--seed", "7"])
         .args(["--disconnect-max-ms", "300", "--read-timeout-s", "60"])
         .args(extra)
         .env("BULKHEAD_LOG", "warn")
