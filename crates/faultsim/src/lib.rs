@@ -50,8 +50,6 @@ pub struct Summary {
     pub schedules: u64,
     /// The failed ones, in seed order.
     pub failures: Vec<Outcome>,
-    /// Seeds of schedules that ran into a known protocol finding, with the first finding.
-    pub findings: Vec<(u64, String)>,
     /// Counts over every schedule.
     pub tally: Tally,
 }
@@ -63,9 +61,6 @@ pub fn run_seeds<M: Models>(models: &M, seeds: impl IntoIterator<Item = u64>, op
         let o = run(models, seed, options);
         s.schedules += 1;
         s.tally += o.tally;
-        if let Some(f) = o.findings.first() {
-            s.findings.push((seed, f.clone()));
-        }
         if !o.violations.is_empty() {
             s.failures.push(o);
         }

@@ -152,9 +152,6 @@ pub struct Outcome {
     pub log: Vec<String>,
     /// Every broken expectation (empty: the schedule passed).
     pub violations: Vec<String>,
-    /// Known protocol findings this schedule ran into (see [`Sim::verdict`]); reported,
-    /// not failures.
-    pub findings: Vec<String>,
     /// Counts.
     pub tally: Tally,
 }
@@ -180,7 +177,6 @@ pub struct Sim<'m, M: Models> {
     chunks_sent: u64,
     log: Vec<String>,
     violations: Vec<String>,
-    findings: Vec<String>,
     /// The state at the deadline, if the schedule never went quiet.
     wedged: Option<String>,
     tally: Tally,
@@ -199,6 +195,8 @@ fn brief(m: &Message) -> String {
         Message::Refuse { .. } => "Refuse".into(),
         Message::DecodePeer { worker, .. } => format!("DecodePeer w{}", worker.0),
         Message::KvHello { prefill } => format!("KvHello w{}", prefill.0),
+        Message::PrefillUnreachable { worker } => format!("PrefillUnreachable w{}", worker.0),
+        Message::KvLost { decode } => format!("KvLost w{}", decode.0),
         Message::Reserve { req, prompt_tokens, max_tokens, prefill, .. } => {
             format!("Reserve r{req} prompt {prompt_tokens} max {max_tokens} via w{}", prefill.0)
         }
@@ -245,7 +243,7 @@ pub fn run<M: Models>(models: &M, seed: u64, options: crate::plan::Options) -> O
         let what = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
         sim.violations.push(format!("panic at t={}: {what}", sim.now));
     }
-    Outcome { seed, log: sim.log, violations: sim.violations, findings: sim.findings, tally: sim.tally }
+    Outcome { seed, log: sim.log, violations: sim.violations, tally: sim.tally }
 }
 
 impl<'m, M: Models> Sim<'m, M> {
@@ -284,7 +282,6 @@ impl<'m, M: Models> Sim<'m, M> {
             chunks_sent: 0,
             log: Vec::new(),
             violations: Vec::new(),
-            findings: Vec::new(),
             wedged: None,
             tally,
         };
@@ -582,6 +579,12 @@ impl<'m, M: Models> Sim<'m, M> {
         let End::Worker(w) = del.from else { return };
         match del.arrival {
             Arrival::Message(Message::Hello(h)) => self.register(w, del.conn, h),
+            // As the production actor: a prefill's lost KV connection is news for that decode.
+            Arrival::Message(Message::KvLost { decode }) => {
+                if let Some(&(conn, _, _)) = self.gw.workers.get(&decode) {
+                    self.send(conn, End::Gateway, Message::PrefillUnreachable { worker: w });
+                }
+            }
             Arrival::Message(msg) => {
                 let acts = self.gw.role.handle(GatewayEvent::FromWorker { from: w, msg });
                 self.gateway_actions(acts);
@@ -614,7 +617,14 @@ impl<'m, M: Models> Sim<'m, M> {
     }
 
     fn worker_left(&mut self, w: WorkerId) {
-        if self.gw.workers.remove(&w).is_some() {
+        if let Some((_, role, _)) = self.gw.workers.remove(&w) {
+            if role == Role::Prefill {
+                // As the server's gateway does: decode workers learn the prefill is gone.
+                let decodes: Vec<ConnId> = self.gw.workers.values().filter(|(_, r, _)| *r == Role::Decode).map(|(c, _, _)| *c).collect();
+                for conn in decodes {
+                    self.send(conn, End::Gateway, Message::PrefillUnreachable { worker: w });
+                }
+            }
             let acts = self.gw.role.handle(GatewayEvent::WorkerLeft { id: w });
             self.gateway_actions(acts);
             self.update_context();
@@ -693,6 +703,7 @@ impl<'m, M: Models> Sim<'m, M> {
                         p.role.decode_closed(decode)
                     })
                     .unwrap_or_default();
+                self.report_kv_lost(w, decode);
                 self.prefill_actions(w, acts);
             }
         }
@@ -703,13 +714,22 @@ impl<'m, M: Models> Sim<'m, M> {
     /// does not retry).
     fn connect_kv(&mut self, w: WorkerId, decode: WorkerId) {
         if !self.decodes.contains_key(&decode) {
-            return self.log(format!("w{} cannot connect to w{}: gone", w.0, decode.0));
+            self.log(format!("w{} cannot connect to w{}: gone", w.0, decode.0));
+            return self.report_kv_lost(w, decode);
         }
         let conn = self.net.connect(End::Worker(w), End::Worker(decode), &mut self.dice);
         if let Some(p) = self.prefills.get_mut(&w) {
             p.kv.insert(decode, conn);
         }
         self.send(conn, End::Worker(w), Message::KvHello { prefill: w });
+    }
+
+    /// As `prefill_worker` does: tell the gateway a KV connection is lost (it does not
+    /// reconnect), so the decode worker can fence this prefill if it never heard from it.
+    fn report_kv_lost(&mut self, w: WorkerId, decode: WorkerId) {
+        if let Some(gw) = self.prefills.get(&w).map(|p| p.gw) {
+            self.send(gw, End::Worker(w), Message::KvLost { decode });
+        }
     }
 
     fn prefill_actions(&mut self, w: WorkerId, acts: Vec<PrefillAction>) {
@@ -837,6 +857,7 @@ impl<'m, M: Models> Sim<'m, M> {
             (Arrival::Message(Message::KvHello { prefill }), None) => {
                 d.kv.insert(del.conn, Some(prefill));
                 d.identified.insert(prefill);
+                self.decode_event(w, DecodeEvent::PrefillConnected { from: prefill });
             }
             (Arrival::Message(_), None) => {
                 // A KV connection must start with KvHello; anything else closes it.
@@ -1069,23 +1090,15 @@ impl<'m, M: Models> Sim<'m, M> {
             check_pool(&mut bad, *w, p.model.pool(), p.model.read_faults(), false);
         }
         let mut unexplained_decode = false;
-        let mut findings = Vec::new();
         for (w, d) in &self.decodes {
             let busy = (d.role.pending(), d.role.fencing(), d.role.decoding(), d.model.active());
-            let finding = finding_f1(*w, d);
-            if let Some(f) = &finding {
-                findings.push(f.clone());
-            } else if busy != (0, 0, 0, 0) {
+            if busy != (0, 0, 0, 0) {
                 unexplained_decode = true;
                 bad.push(format!("w{}: decode not idle (pending, fencing, decoding, active) = {busy:?}", w.0));
             }
-            check_pool(&mut bad, *w, d.model.pool(), d.model.read_faults(), finding.is_some());
+            check_pool(&mut bad, *w, d.model.pool(), d.model.read_faults(), false);
             check_decode(&mut bad, *w, &d.role.stats());
             self.tally.add_decode(&d.role.stats());
-        }
-        for f in findings {
-            self.log(format!("known finding {f}"));
-            self.findings.push(f);
         }
         for r in &self.dead {
             check_pool_stats(&mut bad, r.id, &r.pool, r.read_faults);
@@ -1154,29 +1167,6 @@ fn check_pool(bad: &mut Vec<String>, w: WorkerId, pool: &KvPool, read_faults: u6
     }
     pool.check_invariants();
     check_pool_stats(bad, w, &s, read_faults);
-}
-
-/// Known finding F1: a decode worker keeps a reservation quarantined for ever, waiting for
-/// a fence from a prefill worker that never announced itself on a KV connection to it
-/// (the prefill died before connecting, or its connection was lost before its `KvHello`
-/// arrived). The decode role releases quarantine when the writer's connection closes,
-/// but a connection it never identified cannot close for it, and nothing else tells it
-/// the writer is gone. Holds exactly when the decode worker is idle but for quarantined
-/// reservations, and every one of them names such a prefill worker.
-fn finding_f1<D: DecodeModel>(w: WorkerId, d: &DecodeWorker<D>) -> Option<String> {
-    if (d.role.pending(), d.role.decoding(), d.model.active()) != (0, 0, 0) || d.role.fencing() == 0 {
-        return None;
-    }
-    let stuck: Vec<(RequestId, WorkerId)> = d.reserved_via.iter().filter(|(r, _)| d.role.known(**r)).map(|(r, p)| (*r, *p)).collect();
-    if stuck.len() != d.role.fencing() || stuck.iter().any(|(_, p)| d.identified.contains(p)) {
-        return None;
-    }
-    let list: Vec<String> = stuck.iter().map(|(r, p)| format!("r{r} (prefill w{})", p.0)).collect();
-    Some(format!(
-        "F1: w{} keeps {} quarantined for ever: their prefill never opened a KV connection to it, so no fence can come",
-        w.0,
-        list.join(", ")
-    ))
 }
 
 fn check_pool_stats(bad: &mut Vec<String>, w: WorkerId, s: &PoolStats, read_faults: u64) {

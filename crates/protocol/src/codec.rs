@@ -195,10 +195,14 @@ impl<'a> R<'a> {
         let temperature = self.f32()?;
         let top_k = self.u32()?;
         let top_p = self.f32()?;
-        let has_seed = self.u8()?;
-        let seed = self.u64()?;
-        let ignore_eos = self.enum_u8("ignore_eos", |v| [false, true].get(usize::from(v)).copied())?;
-        Ok(Sampling { temperature, top_k, top_p, seed: (has_seed != 0).then_some(seed), ignore_eos })
+        // One message, one encoding: the flag is 0 or 1 and an absent seed is sent as 0.
+        let seed = match (self.enum_u8("seed flag", flag)?, self.u64()?) {
+            (true, seed) => Some(seed),
+            (false, 0) => None,
+            (false, value) => return Err(CodecError::Invalid { field: "seed", value }),
+        };
+        let ignore_eos = self.enum_u8("ignore_eos", flag)?;
+        Ok(Sampling { temperature, top_k, top_p, seed, ignore_eos })
     }
     fn enum_u8<T>(&mut self, field: &'static str, f: impl Fn(u8) -> Option<T>) -> Result<T, CodecError> {
         let v = self.u8()?;
@@ -206,6 +210,9 @@ impl<'a> R<'a> {
     }
 }
 
+fn flag(v: u8) -> Option<bool> {
+    [false, true].get(usize::from(v)).copied()
+}
 fn role(v: u8) -> Option<Role> {
     [Role::Prefill, Role::Decode].get(usize::from(v)).copied()
 }
@@ -255,6 +262,14 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
         Message::KvHello { prefill } => {
             w.u32(prefill.0);
             4
+        }
+        Message::PrefillUnreachable { worker } => {
+            w.u32(worker.0);
+            19
+        }
+        Message::KvLost { decode } => {
+            w.u32(decode.0);
+            20
         }
         Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, trace } => {
             w.req(*req);
@@ -412,6 +427,8 @@ fn decode_payload(kind: u8, b: &[u8]) -> Result<Message, CodecError> {
         16 => Message::DecodePeer { worker: WorkerId(r.u32()?), addr: r.str("addr")? },
         17 => Message::Cancel { req: r.req()? },
         18 => Message::Metrics { families: r.families()? },
+        19 => Message::PrefillUnreachable { worker: WorkerId(r.u32()?) },
+        20 => Message::KvLost { decode: WorkerId(r.u32()?) },
         k => return Err(CodecError::UnknownKind(k)),
     };
     if !r.b.is_empty() {
@@ -495,6 +512,8 @@ mod tests {
             Message::Welcome { worker: WorkerId(2) },
             Message::Refuse { reason: "model differs".into() },
             Message::KvHello { prefill: WorkerId(1) },
+            Message::PrefillUnreachable { worker: WorkerId(4) },
+            Message::KvLost { decode: WorkerId(5) },
             Message::Reserve {
                 req: RequestId(5),
                 prompt_tokens: 9,

@@ -29,6 +29,8 @@ pub enum DecodeEvent {
     Gateway(Message),
     /// A message from a prefill worker's KV connection.
     Prefill { from: WorkerId, msg: Message },
+    /// A prefill worker opened its KV connection (its `KvHello` arrived).
+    PrefillConnected { from: WorkerId },
     /// A prefill worker's KV connection closed: nothing more can arrive from it.
     PrefillClosed { from: WorkerId },
     /// The clock moved.
@@ -127,6 +129,8 @@ pub struct DecodeRole {
     /// worker registers anew), so nothing can arrive from these again: a transfer naming one
     /// is fenced by construction.
     closed_prefills: BTreeSet<WorkerId>,
+    /// Prefill workers whose KV connection opened here.
+    connected_prefills: BTreeSet<WorkerId>,
     stats: DecodeStats,
     #[cfg(feature = "incident-replay")]
     incident_bug: bool,
@@ -146,6 +150,7 @@ impl DecodeRole {
             fencing: BTreeMap::new(),
             decoding: BTreeSet::new(),
             closed_prefills: BTreeSet::new(),
+            connected_prefills: BTreeSet::new(),
             stats: DecodeStats::default(),
             #[cfg(feature = "incident-replay")]
             incident_bug: false,
@@ -188,23 +193,18 @@ impl DecodeRole {
     pub fn handle(&mut self, pool: &mut KvPool, ev: DecodeEvent) -> Vec<DecodeAction> {
         let mut out = Vec::new();
         match ev {
+            DecodeEvent::PrefillConnected { from } => {
+                self.connected_prefills.insert(from);
+            }
+            // A prefill that can no longer reach us and never connected here can never
+            // write here: fenced. One that did connect is fenced when that connection
+            // closes, not before (chunks may still be in flight on it).
+            DecodeEvent::Gateway(Message::PrefillUnreachable { worker }) if !self.connected_prefills.contains(&worker) => {
+                self.prefill_fenced(pool, worker, &mut out);
+            }
+            DecodeEvent::PrefillClosed { from } => self.prefill_fenced(pool, from, &mut out),
             DecodeEvent::Gateway(m) => self.on_gateway(pool, m, &mut out),
             DecodeEvent::Prefill { from, msg } => self.on_prefill(pool, from, msg, &mut out),
-            DecodeEvent::PrefillClosed { from } => {
-                // Closed connection = fenced: nothing more can land from it.
-                self.closed_prefills.insert(from);
-                let reqs: Vec<RequestId> = self.pending.iter().filter(|(_, p)| p.prefill == from).map(|(r, _)| *r).collect();
-                for req in reqs {
-                    if let Some(p) = self.pending.remove(&req) {
-                        self.release_seq(pool, p.inbound.into_sequence());
-                        out.push(failed(req, FailReason::WorkerLost, "prefill worker connection closed"));
-                    }
-                }
-                let reqs: Vec<RequestId> = self.fencing.iter().filter(|(_, f)| f.prefill == from).map(|(r, _)| *r).collect();
-                for req in reqs {
-                    self.unfence(pool, req);
-                }
-            }
             DecodeEvent::Tick { now_ms } => {
                 self.now_ms = now_ms;
                 let late: Vec<RequestId> =
@@ -221,6 +221,23 @@ impl DecodeRole {
             }
         }
         out
+    }
+
+    /// Nothing more can land from prefill `from` (its KV connection closed, or it left
+    /// without ever opening one): its pending transfers fail and its quarantines end.
+    fn prefill_fenced(&mut self, pool: &mut KvPool, from: WorkerId, out: &mut Vec<DecodeAction>) {
+        self.closed_prefills.insert(from);
+        let reqs: Vec<RequestId> = self.pending.iter().filter(|(_, p)| p.prefill == from).map(|(r, _)| *r).collect();
+        for req in reqs {
+            if let Some(p) = self.pending.remove(&req) {
+                self.release_seq(pool, p.inbound.into_sequence());
+                out.push(failed(req, FailReason::WorkerLost, "prefill worker gone"));
+            }
+        }
+        let reqs: Vec<RequestId> = self.fencing.iter().filter(|(_, f)| f.prefill == from).map(|(r, _)| *r).collect();
+        for req in reqs {
+            self.unfence(pool, req);
+        }
     }
 
     fn reject(&mut self, req: RequestId, reason: RejectReason, detail: String) -> DecodeAction {

@@ -164,6 +164,12 @@ pub enum Message {
     DecodePeer { worker: WorkerId, addr: String },
     /// Prefill → decode, first message on a KV connection.
     KvHello { prefill: WorkerId },
+    /// Prefill → gateway: its KV connection to `decode` closed or could not be opened
+    /// (it does not reconnect).
+    KvLost { decode: WorkerId },
+    /// Gateway → decode: prefill `worker` has no KV connection to this decode worker and
+    /// will open none (it left, or reported `KvLost`).
+    PrefillUnreachable { worker: WorkerId },
     /// Gateway → decode: reserve pages for a prompt that `prefill` will write.
     Reserve { req: RequestId, prompt_tokens: u32, max_tokens: u32, prefill: WorkerId, sampling: Sampling, stop: Vec<String>, trace: TraceContext },
     /// Decode → gateway: reserved; these are the prompt pages the prefill may write.
@@ -215,6 +221,8 @@ impl Message {
             | Message::Refuse { .. }
             | Message::DecodePeer { .. }
             | Message::KvHello { .. }
+            | Message::KvLost { .. }
+            | Message::PrefillUnreachable { .. }
             | Message::Metrics { .. } => None,
         }
     }

@@ -96,7 +96,7 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
                 In::Prefill(from, m) => DecodeEvent::Prefill { from, msg: m },
                 In::PrefillConnected(id, s) => {
                     d.prefills.insert(id, s);
-                    continue;
+                    DecodeEvent::PrefillConnected { from: id }
                 }
                 In::PrefillClosed(from) => {
                     d.prefills.remove(&from);

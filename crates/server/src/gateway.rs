@@ -308,11 +308,26 @@ impl Actor {
                         w.metrics = families;
                     }
                 }
+                Cmd::Worker { from, msg: Message::KvLost { decode } } => {
+                    if let Some(tx) = self.writers.get(&decode) {
+                        let _ = tx.send(Message::PrefillUnreachable { worker: from });
+                    }
+                }
                 Cmd::Worker { from, msg } => self.apply(GatewayEvent::FromWorker { from, msg }),
                 Cmd::Left { id } => {
-                    if self.workers.remove(&id).is_some() {
+                    if let Some(left) = self.workers.remove(&id) {
                         tracing::warn!(worker = %id, "worker left");
                         self.writers.remove(&id);
+                        if left.role == Role::Prefill {
+                            // A decode worker it never connected to has no other way to learn
+                            // that it can no longer write (its quarantines would never end).
+                            // Found by the fault schedules (crates/faultsim).
+                            for (w, info) in &self.workers {
+                                if let (Role::Decode, Some(tx)) = (info.role, self.writers.get(w)) {
+                                    let _ = tx.send(Message::PrefillUnreachable { worker: id });
+                                }
+                            }
+                        }
                         self.apply(GatewayEvent::WorkerLeft { id });
                         self.update_context();
                     }

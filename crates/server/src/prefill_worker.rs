@@ -120,6 +120,7 @@ impl Driver {
                 In::Decode(_) => {}
                 In::DecodeClosed(w) => {
                     self.decodes.remove(&w);
+                    send(&mut self.gw, &Message::KvLost { decode: w })?;
                     let actions = self.role.decode_closed(w);
                     self.act(actions)?;
                 }
@@ -142,7 +143,13 @@ impl Driver {
                 self.decodes.insert(worker, s);
                 tracing::info!(decode = %worker, addr, "KV connection open");
             }
-            Err(e) => tracing::error!(decode = %worker, addr, error = %e, "cannot open KV connection"),
+            Err(e) => {
+                tracing::error!(decode = %worker, addr, error = %e, "cannot open KV connection");
+                // The decode worker must not wait for a fence from us for ever.
+                if let Err(e) = send(&mut self.gw, &Message::KvLost { decode: worker }) {
+                    tracing::warn!(error = %e, "cannot tell the gateway");
+                }
+            }
         }
     }
 
