@@ -1,0 +1,219 @@
+//! The decode role alone, driven message by message: admission, which prefill worker may
+//! fence which reservation, and quarantine until fenced (I3, I4, I5). Each test kills
+//! mutants `cargo mutants` found surviving the cluster tests (docs/TESTING.md).
+
+use bulkhead_kv::transfer::{Manifest, export_chunks};
+use bulkhead_kv::{KvChecks, KvLayout, KvPool, PageRef, PoolConfig, RequestId, SequenceKv};
+use bulkhead_protocol::decode::{DecodeAction, DecodeConfig, DecodeEvent, DecodeRole, DecodeStats};
+use bulkhead_protocol::*;
+
+const A: WorkerId = WorkerId(1);
+const B: WorkerId = WorkerId(3);
+const LAYOUT: KvLayout = KvLayout { layers: 2, kv_heads: 1, head_dim: 2, page_size: 4 };
+const MAX_CONTEXT: usize = 32;
+
+/// A decode role over its own pool, and a prefill pool to make real chunks from.
+struct Rig {
+    dec: DecodeRole,
+    pool: KvPool,
+    ppool: KvPool,
+}
+
+fn pool(pages: usize) -> KvPool {
+    KvPool::new(PoolConfig { layout: LAYOUT, pages, checks: KvChecks::all() }).expect("pool")
+}
+
+impl Rig {
+    fn new(decode_pages: usize) -> Rig {
+        let dec = DecodeRole::new(DecodeConfig { max_context: MAX_CONTEXT, transfer_timeout_ms: 1_000 });
+        Rig { dec, pool: pool(decode_pages), ppool: pool(64) }
+    }
+
+    fn gateway(&mut self, m: Message) -> Vec<DecodeAction> {
+        self.dec.handle(&mut self.pool, DecodeEvent::Gateway(m))
+    }
+
+    fn prefill(&mut self, from: WorkerId, msg: Message) -> Vec<DecodeAction> {
+        self.dec.handle(&mut self.pool, DecodeEvent::Prefill { from, msg })
+    }
+
+    fn reserve(&mut self, req: u64, prompt: u32, max_tokens: u32, prefill: WorkerId) -> Vec<DecodeAction> {
+        let sampling = Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, ignore_eos: false };
+        let trace = TraceContext::default();
+        self.gateway(Message::Reserve { req: RequestId(req), prompt_tokens: prompt, max_tokens, prefill, sampling, stop: vec![], trace })
+    }
+
+    /// Reserves and returns the prompt pages granted.
+    fn reserved(&mut self, req: u64, prompt: u32, prefill: WorkerId) -> Vec<PageRef> {
+        match self.reserve(req, prompt, 4, prefill).as_slice() {
+            [DecodeAction::ToGateway(Message::Reserved { pages, .. })] => pages.clone(),
+            other => panic!("request {req} not reserved: {other:?}"),
+        }
+    }
+
+    /// The prompt's chunks for `pages` (written in the prefill pool), and their `Done`.
+    fn transfer(&mut self, req: u64, prompt: usize, pages: &[PageRef]) -> (Vec<Message>, Message) {
+        let req = RequestId(req);
+        let mut seq = SequenceKv::new(req);
+        seq.reserve(&mut self.ppool, prompt).expect("prefill pages");
+        for pos in 0..prompt {
+            let (lease, slot) = seq.locate(pos).expect("locate");
+            for layer in 0..LAYOUT.layers {
+                self.ppool.write(lease, layer, slot, &[1.0, 2.0], &[3.0, 4.0]).expect("write");
+            }
+        }
+        seq.commit(&self.ppool, prompt).expect("commit");
+        let mut manifest = Manifest::default();
+        let chunks = export_chunks(&self.ppool, &seq, pages, 0, prompt, &mut manifest).expect("export");
+        seq.release(&mut self.ppool).expect("release");
+        let chunks = chunks.into_iter().map(|(header, data)| Message::KvChunk { req, header, data }).collect();
+        (chunks, Message::Done { req, tokens: prompt as u32, first_token: 7, manifest: manifest.digest() })
+    }
+
+    /// (pending, fencing, decoding) of the role; (free, leased, quarantined) pages of the pool.
+    fn state(&self) -> ((usize, usize, usize), (usize, usize, usize)) {
+        let s = self.pool.stats();
+        self.pool.check_invariants();
+        ((self.dec.pending(), self.dec.fencing(), self.dec.decoding()), (s.free_pages, s.leased_pages, s.quarantined_pages))
+    }
+}
+
+fn rejected(acts: &[DecodeAction]) -> Option<RejectReason> {
+    match acts {
+        [DecodeAction::ToGateway(Message::Rejected { reason, .. })] => Some(*reason),
+        _ => None,
+    }
+}
+
+fn started(acts: &[DecodeAction]) -> bool {
+    matches!(acts, [DecodeAction::Start(_)])
+}
+
+#[test]
+fn the_decode_worker_admits_up_to_its_context_and_refuses_duplicates_empty_requests_and_requests_beyond_its_pages() {
+    let mut r = Rig::new(10);
+    // Exactly the context fits: 28 + 4 = 32 tokens, 8 pages.
+    assert!(rejected(&r.reserve(1, 28, 4, A)).is_none());
+    assert_eq!(rejected(&r.reserve(2, 29, 4, A)), Some(RejectReason::ContextLength));
+    assert_eq!(rejected(&r.reserve(3, 0, 4, A)), Some(RejectReason::Invalid));
+    assert_eq!(rejected(&r.reserve(3, 4, 0, A)), Some(RejectReason::Invalid));
+    // Within the context but over the 2 pages left.
+    assert_eq!(rejected(&r.reserve(4, 8, 4, A)), Some(RejectReason::Capacity));
+    assert_eq!(r.state(), ((1, 0, 0), (2, 8, 0)), "refusals lease nothing");
+    // A request in flight in each state refuses a second reservation under its id.
+    assert_eq!(rejected(&r.reserve(1, 4, 4, A)), Some(RejectReason::Duplicate));
+    r.gateway(Message::Abort { req: RequestId(1), reason: AbortReason::ClientGone });
+    assert_eq!(r.state(), ((0, 1, 0), (2, 0, 8)));
+    assert_eq!(rejected(&r.reserve(1, 4, 4, A)), Some(RejectReason::Duplicate));
+    r.prefill(A, Message::Fenced { req: RequestId(1) });
+    let pages = r.reserved(5, 4, A);
+    let (chunks, done) = r.transfer(5, 4, &pages);
+    for c in chunks {
+        r.prefill(A, c);
+    }
+    assert!(started(&r.prefill(A, done)));
+    assert_eq!(rejected(&r.reserve(5, 4, 4, A)), Some(RejectReason::Duplicate));
+    let s = r.dec.stats();
+    let counts = (s.reserved, s.rejected_context, s.rejected_capacity, s.rejected_invalid, s.fenced_releases, s.pages_quarantined);
+    assert_eq!(counts, (2, 1, 1, 5, 8, 8));
+}
+
+#[test]
+fn a_gateway_abort_quarantines_a_pending_reservation_until_fenced_and_stops_a_decoding_one() {
+    let mut r = Rig::new(16);
+    let pages = r.reserved(1, 6, A);
+    let (chunks, done) = r.transfer(1, 6, &pages);
+    r.prefill(A, chunks[0].clone());
+    assert!(r.gateway(Message::Abort { req: RequestId(1), reason: AbortReason::ClientGone }).is_empty());
+    assert_eq!(r.state(), ((0, 1, 0), (13, 0, 3)), "the prefill may still write: quarantined");
+    // What was in flight lands late: dropped unread, and the Done fences without starting.
+    assert!(r.prefill(A, chunks[1].clone()).is_empty());
+    assert!(r.prefill(A, done).is_empty());
+    assert_eq!(r.state(), ((0, 0, 0), (16, 0, 0)));
+    let pages = r.reserved(2, 4, A);
+    let (chunks, done) = r.transfer(2, 4, &pages);
+    for c in chunks {
+        r.prefill(A, c);
+    }
+    assert!(started(&r.prefill(A, done)));
+    assert_eq!(r.state().0, (0, 0, 1));
+    let acts = r.gateway(Message::Abort { req: RequestId(2), reason: AbortReason::ClientGone });
+    assert!(matches!(acts.as_slice(), [DecodeAction::Stop { req: RequestId(2) }]), "{acts:?}");
+    assert_eq!(r.state().0, (0, 0, 0));
+    let s = r.dec.stats();
+    assert_eq!((s.late_chunks, s.chunks_verified, s.coverage_verified, s.fenced_releases), (1, 2, 1, 3));
+}
+
+#[test]
+fn only_the_assigned_prefill_worker_can_fence_a_quarantined_reservation() {
+    let mut r = Rig::new(16);
+    r.reserved(1, 8, A);
+    r.gateway(Message::Abort { req: RequestId(1), reason: AbortReason::ClientGone });
+    assert_eq!(r.state(), ((0, 1, 0), (13, 0, 3)));
+    // B never wrote these pages; its word says nothing about A's writes in flight.
+    let done = Message::Done { req: RequestId(1), tokens: 8, first_token: 7, manifest: 0 };
+    r.prefill(B, done.clone());
+    r.prefill(B, Message::Fenced { req: RequestId(1) });
+    assert_eq!(r.state(), ((0, 1, 0), (13, 0, 3)), "fenced by the wrong worker");
+    r.prefill(A, done);
+    assert_eq!(r.state(), ((0, 0, 0), (16, 0, 0)));
+}
+
+#[test]
+fn a_closed_prefill_connection_ends_only_the_transfers_it_was_writing() {
+    let mut r = Rig::new(16);
+    r.reserved(1, 4, A);
+    let pages = r.reserved(2, 4, B);
+    // Quarantined: 3 (A, 2 pages) and 4 (B, 3 pages).
+    r.reserved(3, 4, A);
+    r.reserved(4, 8, B);
+    for req in [3, 4] {
+        r.gateway(Message::Abort { req: RequestId(req), reason: AbortReason::ClientGone });
+    }
+    assert_eq!(r.state(), ((2, 2, 0), (7, 4, 5)));
+    let acts = r.dec.handle(&mut r.pool, DecodeEvent::PrefillClosed { from: A });
+    let failed: Vec<_> = acts
+        .iter()
+        .map(|a| match a {
+            DecodeAction::ToGateway(Message::Failed { req, reason: FailReason::WorkerLost, .. }) => *req,
+            other => panic!("unexpected {other:?}"),
+        })
+        .collect();
+    assert_eq!(failed, [RequestId(1)]);
+    // A's reservation is freed and its quarantine lifted; B's are untouched.
+    assert_eq!(r.state(), ((1, 1, 0), (11, 2, 3)));
+    let (chunks, done) = r.transfer(2, 4, &pages);
+    for c in chunks {
+        r.prefill(B, c);
+    }
+    assert!(started(&r.prefill(B, done)), "B's transfer still completes");
+}
+
+#[test]
+fn a_cancel_frees_a_quarantined_reservation_only_if_no_chunk_ever_landed() {
+    let mut r = Rig::new(16);
+    r.reserved(1, 4, A);
+    let pages = r.reserved(2, 8, A);
+    let (chunks, _) = r.transfer(2, 8, &pages);
+    r.prefill(A, chunks[0].clone());
+    for req in [1, 2] {
+        r.gateway(Message::Abort { req: RequestId(req), reason: AbortReason::Timeout });
+    }
+    assert_eq!(r.state(), ((0, 2, 0), (11, 0, 5)));
+    for req in [1, 2] {
+        r.gateway(Message::Cancel { req: RequestId(req) });
+    }
+    // Nothing was written for 1 (2 pages): no writer can exist. 2 (3 pages) has a writer:
+    // wait for its fence.
+    assert_eq!(r.state(), ((0, 1, 0), (13, 0, 3)));
+}
+
+#[test]
+fn a_timed_out_transfer_is_counted_failed_and_its_pages_stay_quarantined() {
+    let mut r = Rig::new(16);
+    r.reserved(1, 4, A);
+    let acts = r.dec.handle(&mut r.pool, DecodeEvent::Tick { now_ms: 1_000 });
+    assert!(matches!(acts.as_slice(), [DecodeAction::ToGateway(Message::Failed { reason: FailReason::Timeout, .. }), DecodeAction::ToPrefill { to: A, .. }]), "{acts:?}");
+    assert_eq!(r.state(), ((0, 1, 0), (14, 0, 2)));
+    assert_eq!(r.dec.stats(), DecodeStats { reserved: 1, timeouts: 1, pages_quarantined: 2, ..DecodeStats::default() });
+}

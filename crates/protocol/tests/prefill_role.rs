@@ -1,0 +1,126 @@
+//! The prefill role alone: worker-side admission, duplicates, and aborts that end a job in
+//! the queue or between chunks (I3), each with the fence the decode worker waits for (I4).
+//! Each test kills mutants `cargo mutants` found surviving the cluster tests
+//! (docs/TESTING.md).
+
+use bulkhead_kv::{Generation, PageId, PageRef, RequestId};
+use bulkhead_protocol::prefill::{JobOutcome, PrefillAction, PrefillConfig, PrefillRole, PrefillStats};
+use bulkhead_protocol::*;
+
+const DECODE: WorkerId = WorkerId(2);
+const PAGE: usize = 4;
+const MAX_PROMPT: usize = 8;
+
+fn role() -> PrefillRole {
+    PrefillRole::new(PrefillConfig { max_prompt: MAX_PROMPT, page_size: PAGE })
+}
+
+/// A Prefill for `req` with `tokens` prompt tokens and `pages` target pages.
+fn prefill(req: u64, tokens: usize, pages: usize) -> Message {
+    prefill_for(req, tokens, pages, DECODE)
+}
+
+fn prefill_for(req: u64, tokens: usize, pages: usize, decode: WorkerId) -> Message {
+    let pages = (0..pages).map(|i| PageRef { page: PageId(i as u32), generation: Generation(1) }).collect();
+    let sampling = Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, ignore_eos: false };
+    Message::Prefill { req: RequestId(req), tokens: vec![5; tokens], decode, pages, sampling, trace: TraceContext::default() }
+}
+
+fn abort(req: u64) -> Message {
+    Message::Abort { req: RequestId(req), reason: AbortReason::ClientGone }
+}
+
+/// The actions as (to gateway?, message) pairs, checking every decode-bound one goes to DECODE.
+fn sent(acts: Vec<PrefillAction>) -> Vec<(bool, Message)> {
+    acts.into_iter()
+        .map(|a| match a {
+            PrefillAction::ToGateway(m) => (true, m),
+            PrefillAction::ToDecode { to, msg } => {
+                assert_eq!(to, DECODE);
+                (false, msg)
+            }
+        })
+        .collect()
+}
+
+fn rejected(reason: RejectReason) -> impl Fn(&(bool, Message)) -> bool {
+    move |(to_gateway, m)| *to_gateway && matches!(m, Message::Rejected { reason: r, .. } if *r == reason)
+}
+
+fn fenced(req: u64) -> impl Fn(&(bool, Message)) -> bool {
+    move |(to_gateway, m)| !*to_gateway && *m == Message::Fenced { req: RequestId(req) }
+}
+
+#[test]
+fn a_prompt_up_to_the_limit_is_queued_and_malformed_ones_are_refused_and_fenced() {
+    let mut p = role();
+    assert!(p.handle(prefill(1, MAX_PROMPT, 2)).is_empty(), "exactly the limit is admitted");
+    let over = sent(p.handle(prefill(2, MAX_PROMPT + 1, 3)));
+    assert!(matches!(over.as_slice(), [a, b] if rejected(RejectReason::ContextLength)(a) && fenced(2)(b)), "{over:?}");
+    // No tokens; pages that do not match the prompt (one short, one over).
+    for (req, tokens, pages) in [(3, 0, 0), (4, 5, 1), (5, 4, 2)] {
+        let acts = sent(p.handle(prefill(req, tokens, pages)));
+        assert!(matches!(acts.as_slice(), [a, b] if rejected(RejectReason::Invalid)(a) && fenced(req)(b)), "{acts:?}");
+    }
+    assert_eq!((p.queued(), p.busy()), (1, false));
+    assert_eq!(p.stats(), PrefillStats { admitted: 1, rejected_context: 1, rejected_invalid: 3, ..PrefillStats::default() });
+}
+
+#[test]
+fn a_duplicate_prefill_is_refused_without_fencing_the_job_that_is_still_writing() {
+    let mut p = role();
+    p.handle(prefill(1, 4, 1));
+    p.handle(prefill(2, 4, 1));
+    let running = p.next_job().expect("a job");
+    assert_eq!((running.req, p.queued(), p.busy()), (RequestId(1), 1, true));
+    for req in [1, 2] {
+        // A fence now would let the decode worker free pages the first job still writes.
+        let acts = sent(p.handle(prefill(req, 4, 1)));
+        assert!(matches!(acts.as_slice(), [a] if rejected(RejectReason::Invalid)(a)), "{acts:?}");
+    }
+    assert_eq!(p.stats().rejected_invalid, 2);
+}
+
+#[test]
+fn an_abort_ends_a_queued_job_at_once_and_a_running_one_at_its_next_chunk_with_a_fence() {
+    let mut p = role();
+    p.handle(prefill(1, 4, 1));
+    p.handle(prefill(2, 4, 1));
+    p.handle(prefill(3, 4, 1));
+    assert_eq!(p.queued(), 3);
+    assert!(p.next_job().is_some_and(|j| j.req == RequestId(1)));
+    let acts = sent(p.handle(abort(2)));
+    assert!(matches!(acts.as_slice(), [a] if fenced(2)(a)), "{acts:?}");
+    assert_eq!(p.queued(), 1);
+    assert!(p.keep_going(RequestId(1)));
+    assert!(!p.keep_going(RequestId(3)), "only the running job goes on");
+    assert!(p.handle(abort(1)).is_empty(), "the running job is told at its next chunk");
+    assert!(!p.keep_going(RequestId(1)));
+    // It finished computing anyway: the decode worker gets a fence, never a Done.
+    let acts = sent(p.job_ended(RequestId(1), JobOutcome::Done { tokens: 4, first_token: 7, manifest: 1 }));
+    assert!(matches!(acts.as_slice(), [a] if fenced(1)(a)), "{acts:?}");
+    assert!(p.next_job().is_some_and(|j| j.req == RequestId(3)), "the aborted job never runs");
+    let acts = sent(p.job_ended(RequestId(3), JobOutcome::Done { tokens: 4, first_token: 7, manifest: 1 }));
+    assert!(matches!(acts.as_slice(), [(false, Message::Done { .. })]), "{acts:?}");
+    assert_eq!(p.stats(), PrefillStats { admitted: 3, aborted: 2, completed: 1, ..PrefillStats::default() });
+}
+
+#[test]
+fn a_closed_decode_connection_fails_the_jobs_bound_for_it_and_no_others() {
+    let mut p = role();
+    let other = WorkerId(4);
+    p.handle(prefill_for(1, 4, 1, DECODE));
+    p.handle(prefill_for(2, 4, 1, DECODE));
+    p.handle(prefill_for(3, 4, 1, other));
+    assert!(p.next_job().is_some_and(|j| j.req == RequestId(1)));
+    let failed: Vec<RequestId> = sent(p.decode_closed(DECODE))
+        .into_iter()
+        .map(|(to_gateway, m)| match m {
+            Message::Failed { req, reason: FailReason::WorkerLost, .. } if to_gateway => req,
+            m => panic!("unexpected {m:?}"),
+        })
+        .collect();
+    assert_eq!(failed, [RequestId(2)], "the queued job for the closed connection fails");
+    assert!(!p.keep_going(RequestId(1)), "the running one stops at its next chunk");
+    assert!(sent(p.decode_closed(other)).len() == 1 && p.queued() == 0);
+}
