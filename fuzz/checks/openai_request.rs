@@ -7,14 +7,20 @@
 //! router to a backend that admits everything. Properties:
 //! - the answer is 2xx, or a 4xx with an OpenAI error body; never 5xx, never a panic;
 //! - a 4xx means the backend never saw the request (refusals happen before admission);
-//! - a request the backend saw is one generation can run: the served model, `max_tokens`
-//!   within the context, sampling parameters the engine accepts, at most four non-empty
-//!   stop strings.
+//! - a request the backend saw is within what the API promises: the served model,
+//!   `max_tokens` within the context, `temperature` in `[0, 2]` (OpenAI's range; the engine
+//!   would take up to 100) and `top_p` in `(0, 1]`, which the engine accepts too, at most
+//!   four non-empty stop strings.
+//!
+//! The corpus keeps, besides what `cargo fuzz cmin` selects, hand-written `boundary-*`
+//! inputs: requests valid but for one field just out of range, so that a validation check
+//! removed turns one of them into a 2xx these properties refuse.
 
 use std::sync::{Arc, Mutex, OnceLock};
 
 use axum::body::Body;
 use axum::http::{Request, header};
+use bulkhead_api::openai::{MAX_STOP, MAX_TEMPERATURE};
 use bulkhead_api::{ApiError, Backend, FinishReason, GenEvent, GenerationRequest, ModelCard, router};
 use serde_json::Value;
 use tokio::sync::mpsc;
@@ -116,6 +122,8 @@ fn assert_runnable(r: &GenerationRequest) {
     if let Some(n) = r.max_tokens {
         assert!((1..=MAX_LEN).contains(&n), "max_tokens {n}");
     }
-    assert!(r.sampling.validate().is_ok(), "the engine refuses {:?}", r.sampling);
-    assert!(r.stop.len() <= 4 && r.stop.iter().all(|s| !s.is_empty()), "stop {:?}", r.stop);
+    let s = &r.sampling;
+    let in_range = (0.0..=MAX_TEMPERATURE as f32).contains(&s.temperature) && s.top_p > 0.0 && s.top_p <= 1.0;
+    assert!(in_range && s.validate().is_ok(), "sampling out of range: {s:?}");
+    assert!(r.stop.len() <= MAX_STOP && r.stop.iter().all(|s| !s.is_empty()), "stop {:?}", r.stop);
 }
