@@ -5,6 +5,7 @@
 //! `BULKHEAD_SCHEDULES=N` runs N schedules instead of 10,000; `BULKHEAD_SEED=S` replays
 //! only schedule S and prints its event log.
 
+use std::io::Write;
 use std::collections::BTreeSet;
 
 use bulkhead_faultsim::{env_u64, failure_report, run, run_seeds, MockModels, Options, Sabotage};
@@ -25,7 +26,8 @@ fn seeded_fault_schedules_keep_every_invariant() {
     }
     let n = env_u64("BULKHEAD_SCHEDULES").unwrap_or(10_000);
     let s = run_seeds(&MockModels, 0..n, Options::default());
-    println!("faultsim: {} schedules, {} failures", s.schedules, s.failures.len());
+    // Straight to stderr, past the test harness's capture: CI's log shows the count.
+    let _ = writeln!(std::io::stderr(), "faultsim: {} schedules, {} failures", s.schedules, s.failures.len());
     println!("faultsim: {:?}", s.tally);
     if let Some(first) = s.failures.first() {
         let seeds: Vec<u64> = s.failures.iter().map(|o| o.seed).take(20).collect();
