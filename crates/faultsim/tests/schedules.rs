@@ -5,8 +5,8 @@
 //! `BULKHEAD_SCHEDULES=N` runs N schedules instead of 10,000; `BULKHEAD_SEED=S` replays
 //! only schedule S and prints its event log.
 
-use std::io::Write;
 use std::collections::BTreeSet;
+use std::io::Write;
 
 use bulkhead_faultsim::{env_u64, failure_report, run, run_seeds, MockModels, Options, Sabotage};
 
