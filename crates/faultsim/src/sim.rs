@@ -673,12 +673,8 @@ impl<'m, M: Models> Sim<'m, M> {
                     let acts = self.prefills.get_mut(&w).map(|p| p.role.handle(m)).unwrap_or_default();
                     self.prefill_actions(w, acts);
                 }
-                // The production worker exits when its gateway connection ends.
-                Arrival::Closed => self.crash(w, "exits: its gateway connection closed"),
-                Arrival::Garbled(_) => {
-                    self.net.close_by(del.conn, End::Worker(w), self.now, &mut self.dice);
-                    self.crash(w, "exits: bad bytes on its gateway connection");
-                }
+                Arrival::Closed => self.gateway_lost(w, del.conn, false),
+                Arrival::Garbled(_) => self.gateway_lost(w, del.conn, true),
                 Arrival::Partial => {}
             }
             return;
@@ -706,6 +702,17 @@ impl<'m, M: Models> Sim<'m, M> {
                 self.report_kv_lost(w, decode);
                 self.prefill_actions(w, acts);
             }
+        }
+    }
+
+    /// A worker's gateway connection ended (or carried bad bytes, which closes it): the
+    /// production worker exits.
+    fn gateway_lost(&mut self, w: WorkerId, conn: ConnId, garbled: bool) {
+        if garbled {
+            self.net.close_by(conn, End::Worker(w), self.now, &mut self.dice);
+            self.crash(w, "exits: bad bytes on its gateway connection");
+        } else {
+            self.crash(w, "exits: its gateway connection closed");
         }
     }
 
@@ -843,11 +850,8 @@ impl<'m, M: Models> Sim<'m, M> {
                     }
                     self.decode_event(w, DecodeEvent::Gateway(m));
                 }
-                Arrival::Closed => self.crash(w, "exits: its gateway connection closed"),
-                Arrival::Garbled(_) => {
-                    self.net.close_by(del.conn, End::Worker(w), self.now, &mut self.dice);
-                    self.crash(w, "exits: bad bytes on its gateway connection");
-                }
+                Arrival::Closed => self.gateway_lost(w, del.conn, false),
+                Arrival::Garbled(_) => self.gateway_lost(w, del.conn, true),
                 Arrival::Partial => {}
             }
             return;
