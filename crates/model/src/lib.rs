@@ -91,18 +91,21 @@ impl Llama {
     /// Build from a parsed file, with `threads` compute threads (0 = one per core).
     pub fn from_gguf(f: &GgufFile, threads: usize) -> Result<Self, ModelError> {
         let config = LlamaConfig::from_gguf(f)?;
-        let weights = Weights::load(f, &config)?;
+        let mut weights = Weights::load(f, &config)?;
+        let isa = Isa::detect();
+        weights.set_layout(isa);
         let threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("bulkhead-compute-{i}"))
             .build()
             .map_err(|e| ModelError::Threads { threads, why: e.to_string() })?;
-        Ok(Llama { config, weights, isa: Isa::detect(), threads: pool })
+        Ok(Llama { config, weights, isa, threads: pool })
     }
 
     /// Use another instruction set (tests compare the portable path with the SIMD one).
     pub fn with_isa(mut self, isa: Isa) -> Self {
+        self.weights.set_layout(isa);
         self.isa = isa;
         self
     }

@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use crate::kernels::{dot_f_row, dot_q_rows, quantize_acts, Isa};
+use crate::kernels::{dot_f_row, dot_q_packed, dot_q_rows, packed::GROUP, quantize_acts, Isa};
 use crate::quant::Q8Acts;
 use crate::weights::Matrix;
 
@@ -17,10 +17,10 @@ pub struct MatmulScratch {
 }
 
 /// Output rows per parallel task: enough tasks for balance, few enough that each is worth
-/// its scheduling cost.
+/// its scheduling cost; whole packed groups.
 fn rows_per_task(total_rows: usize) -> usize {
     let tasks = rayon::current_num_threads().max(1) * 4;
-    total_rows.div_ceil(tasks).max(16)
+    total_rows.div_ceil(tasks).max(16).next_multiple_of(GROUP)
 }
 
 /// `outs[m] = x · mats[m]ᵀ`: `x` holds `n` rows of `cols` values; `outs[m]` receives `n`
@@ -73,7 +73,9 @@ pub fn matmul(isa: Isa, mats: &[&Matrix], x: &[f32], n: usize, scratch: &mut Mat
     let q8 = &scratch.q8;
     tasks.par_iter().zip(bufs.par_iter_mut()).for_each(|(&(mi, r0, r1), buf)| {
         let m = mats[mi];
-        if m.is_quantized() {
+        if let Some(p) = m.packed_rows(r0, r1) {
+            dot_q_packed(isa, m.ty, p, r1 - r0, q8, 0, n, buf);
+        } else if m.is_quantized() {
             dot_q_rows(isa, m.ty, m.rows_bytes(r0, r1), m.row_bytes(), q8, 0, n, buf);
         } else {
             for r in r0..r1 {

@@ -3,11 +3,14 @@
 use bulkhead_gguf::{GgmlType, GgufFile};
 
 use crate::config::LlamaConfig;
+use crate::kernels::{packed, Isa};
 use crate::quant::{dequantize_row, QK};
 use crate::ModelError;
 
 /// A weight matrix of `rows` output features by `cols` input features, rows stored in
-/// ggml's layout for its type (F32, F16, Q4_0, Q4_1 or Q8_0).
+/// ggml's layout for its type (F32, F16, Q4_0, Q4_1 or Q8_0), or, for the quantised types
+/// on a CPU with AVX-512 VNNI, in the packed layout of [`packed`] (or both, for an
+/// embedding that is also the output projection).
 #[derive(Debug)]
 pub struct Matrix {
     /// Element type.
@@ -17,7 +20,9 @@ pub struct Matrix {
     /// Input features.
     pub cols: usize,
     row_bytes: usize,
+    /// ggml's row layout; empty once packed without keeping rows.
     data: Vec<u8>,
+    packed: Option<Vec<u8>>,
 }
 
 impl Matrix {
@@ -28,19 +33,38 @@ impl Matrix {
             return Err(ModelError::UnsupportedTensorType { tensor: name.to_string(), ty: ty.to_string() });
         }
         if ty.block().is_some_and(|(be, _)| be == QK) && !cols.is_multiple_of(QK) {
-            return Err(ModelError::BadShape {
-                tensor: name.to_string(),
-                why: format!("{cols} columns is not a multiple of the {QK}-element block"),
-            });
+            return Err(ModelError::BadShape { tensor: name.to_string(), why: format!("{cols} columns is not a multiple of the {QK}-element block") });
         }
         let row_bytes = ty.bytes_for(cols as u64).map(|b| b as usize).unwrap_or(0);
         if data.len() != rows * row_bytes {
-            return Err(ModelError::BadShape {
-                tensor: name.to_string(),
-                why: format!("{} bytes for {rows}x{cols} {ty}", data.len()),
-            });
+            return Err(ModelError::BadShape { tensor: name.to_string(), why: format!("{} bytes for {rows}x{cols} {ty}", data.len()) });
         }
-        Ok(Matrix { ty, rows, cols, row_bytes, data })
+        Ok(Matrix { ty, rows, cols, row_bytes, data, packed: None })
+    }
+
+    /// Store a quantised matrix packed for `isa` when it multiplies packed weights, in rows
+    /// otherwise; `keep_rows` keeps the row layout as well (for embedding lookups). Lossless
+    /// both ways.
+    pub fn set_layout(&mut self, isa: Isa, keep_rows: bool) {
+        if !self.is_quantized() {
+            return;
+        }
+        if let (true, Some(p)) = (self.data.is_empty(), &self.packed) {
+            self.data = packed::unpack(self.ty, self.rows, self.row_bytes, p);
+        }
+        self.packed = isa.packs_weights().then(|| packed::pack(self.ty, self.rows, self.row_bytes, &self.data));
+        if self.packed.is_some() && !keep_rows {
+            self.data = Vec::new();
+        }
+    }
+
+    /// The packed groups holding rows `r0..r1` (`r0` a multiple of [`packed::GROUP`]), if
+    /// this matrix is packed.
+    pub fn packed_rows(&self, r0: usize, r1: usize) -> Option<&[u8]> {
+        let p = self.packed.as_deref()?;
+        let gb = packed::block_offset(self.ty, self.cols / QK, 1, 0);
+        debug_assert!(r0.is_multiple_of(packed::GROUP));
+        Some(&p[r0 / packed::GROUP * gb..r1.div_ceil(packed::GROUP) * gb])
     }
 
     fn load(f: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<Self, ModelError> {
@@ -84,9 +108,9 @@ impl Matrix {
         dequantize_row(self.ty, self.row(r), &mut out[..self.cols]);
     }
 
-    /// Bytes held.
+    /// Bytes held (both layouts).
     pub fn bytes(&self) -> usize {
-        self.data.len()
+        self.data.len() + self.packed.as_ref().map_or(0, Vec::len)
     }
 }
 
@@ -160,13 +184,26 @@ impl Weights {
         self.output.as_ref().unwrap_or(&self.embedding)
     }
 
+    /// Lay the quantised matrices out for `isa`: the layers' packed only, the embedding
+    /// also in rows (token lookups read its rows) and packed only when it is the output.
+    pub fn set_layout(&mut self, isa: Isa) {
+        for l in &mut self.layers {
+            for m in [&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.w_gate, &mut l.w_up, &mut l.w_down] {
+                m.set_layout(isa, false);
+            }
+        }
+        match &mut self.output {
+            Some(out) => {
+                out.set_layout(isa, false);
+                self.embedding.set_layout(Isa::Scalar, true);
+            }
+            None => self.embedding.set_layout(isa, true),
+        }
+    }
+
     /// Total bytes of weights held.
     pub fn bytes(&self) -> usize {
-        let l: usize = self
-            .layers
-            .iter()
-            .map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().map(|m| m.bytes()).sum::<usize>())
-            .sum();
+        let l: usize = self.layers.iter().map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().map(|m| m.bytes()).sum::<usize>()).sum();
         l + self.embedding.bytes() + self.output.as_ref().map_or(0, Matrix::bytes)
     }
 }

@@ -70,7 +70,7 @@ fn load(w: &GgufWriter) -> Result<Llama, ModelError> {
 #[test]
 fn every_supported_tensor_type_runs_and_the_paged_pass_equals_the_reference() {
     for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F16, GgmlType::F32] {
-        for isa in [Isa::Scalar, Isa::detect()] {
+        for isa in Isa::available() {
             let m = load(&synthetic(ty, "llama")).unwrap().with_isa(isa);
             let prompt: Vec<u32> = (0..37).map(|i| (i * 7 % VOCAB) as u32).collect();
             let mut st = ReferenceState::default();

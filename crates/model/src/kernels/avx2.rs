@@ -1,5 +1,6 @@
 //! AVX2 + FMA + F16C kernels. Every function here is `#[target_feature]`: callers in
-//! `kernels/mod.rs` reach them only after `Isa::detect` confirmed all three features.
+//! `kernels/mod.rs` reach them only after `Isa::detect` confirmed all three features
+//! (`Isa::Avx2`, or `Isa::Avx512Vnni`, which uses these for everything but packed weights).
 //!
 //! Integer dot products follow ggml: 4-bit weights are unpacked to bytes, multiplied with
 //! 8-bit activations by `maddubs` (u8 x i8 -> i16 pairs, no saturation: |15 * 127 * 2| and
@@ -119,8 +120,8 @@ pub(super) fn dot_q_rows(ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8Acts
             let a = unsafe {
                 ActPtrs { qs: acts.qs.as_ptr().add(base * QK), d: acts.d.as_ptr().add(base), s: acts.s.as_ptr().add(base), nb }
             };
-            // SAFETY: only reached with Isa::Avx2 (features detected); `row` holds nb blocks
-            // and `a` k rows of nb blocks, checked above.
+            // SAFETY: only reached with Isa::Avx2 or Isa::Avx512Vnni (both detect AVX2, FMA,
+            // F16C); `row` holds nb blocks and `a` k rows of nb blocks, checked above.
             unsafe {
                 match k {
                     4 => tile::<4>(ty, row.as_ptr(), a, o),
@@ -138,9 +139,10 @@ pub(super) fn dot_q_rows(ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8Acts
 /// `quantize_row_q8_1_ref`): `d = amax / 127`, `q = round(x * (1 / d))` with halves away from
 /// zero, `d` and `s = d * sum(q)` stored rounded through f16.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn quantize_impl(x: &[f32], d: &mut [f32], s: &mut [f32], qs: &mut [i8]) {
+fn quantize_impl(x: &[f32], d: &mut [f32], s: &mut [f32], qsum: &mut [i32], qs: &mut [i8]) {
     let sign = _mm256_set1_ps(-0.0);
-    for (((xb, qb), db), sb) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).zip(d.iter_mut()).zip(s.iter_mut()) {
+    let blocks = x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).zip(d.iter_mut()).zip(s.iter_mut()).zip(qsum.iter_mut());
+    for ((((xb, qb), db), sb), qsb) in blocks {
         // SAFETY: `xb` has 32 readable f32 and `qb` 32 writable i8.
         unsafe {
             let p = xb.as_ptr();
@@ -175,14 +177,15 @@ fn quantize_impl(x: &[f32], d: &mut [f32], s: &mut [f32], qs: &mut [i8]) {
             _mm256_storeu_si256(qb.as_mut_ptr().cast(), ordered);
             *db = f16::from_f32(dd).to_f32();
             *sb = f16::from_f32(isum as f32 * dd).to_f32();
+            *qsb = isum;
         }
     }
 }
 
-pub(super) fn quantize(x: &[f32], d: &mut [f32], s: &mut [f32], qs: &mut [i8]) {
-    assert!(x.len() == qs.len() && x.len() == d.len() * QK && d.len() == s.len(), "quantize shapes");
-    // SAFETY: only reached with Isa::Avx2 (features detected).
-    unsafe { quantize_impl(x, d, s, qs) }
+pub(super) fn quantize(x: &[f32], d: &mut [f32], s: &mut [f32], qsum: &mut [i32], qs: &mut [i8]) {
+    assert!(x.len() == qs.len() && x.len() == d.len() * QK && d.len() == s.len() && d.len() == qsum.len(), "quantize shapes");
+    // SAFETY: only reached with Isa::Avx2 or Isa::Avx512Vnni (both detect AVX2, FMA, F16C).
+    unsafe { quantize_impl(x, d, s, qsum, qs) }
 }
 
 /// Element types attention reads: f16 (pool storage) and f32 (a page converted once).
@@ -312,27 +315,27 @@ fn widen_impl(src: &[f16], dst: &mut [f32]) {
 
 pub(super) fn widen(src: &[f16], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len());
-    // SAFETY: only reached with Isa::Avx2 (features detected).
+    // SAFETY: only reached with Isa::Avx2 or Isa::Avx512Vnni (both detect AVX2, FMA, F16C).
     unsafe { widen_impl(src, dst) }
 }
 
 pub(super) fn dot<T: Lanes>(k: &[T], q: &[f32]) -> f32 {
-    // SAFETY: only reached with Isa::Avx2 (features detected).
+    // SAFETY: only reached with Isa::Avx2 or Isa::Avx512Vnni (both detect AVX2, FMA, F16C).
     unsafe { dot_impl(k, q) }
 }
 
 pub(super) fn axpy<T: Lanes>(acc: &mut [f32], a: f32, v: &[T]) {
-    // SAFETY: only reached with Isa::Avx2 (features detected).
+    // SAFETY: only reached with Isa::Avx2 or Isa::Avx512Vnni (both detect AVX2, FMA, F16C).
     unsafe { axpy_impl(acc, a, v) }
 }
 
 pub(super) fn dot_rows<T: Lanes>(k: &[T], q: &[f32], out: &mut [f32]) {
-    // SAFETY: only reached with Isa::Avx2 (features detected).
+    // SAFETY: only reached with Isa::Avx2 or Isa::Avx512Vnni (both detect AVX2, FMA, F16C).
     unsafe { dot_rows_impl(k, q, out) }
 }
 
 pub(super) fn weighted_sum<T: Lanes>(out: &mut [f32], w: &[f32], v: &[T]) {
-    // SAFETY: only reached with Isa::Avx2 (features detected).
+    // SAFETY: only reached with Isa::Avx2 or Isa::Avx512Vnni (both detect AVX2, FMA, F16C).
     unsafe { weighted_sum_impl(out, w, v) }
 }
 

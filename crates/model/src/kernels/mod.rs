@@ -1,6 +1,7 @@
-//! The hot loops: quantised dot products (one weight row against several activation rows)
-//! and the f16 attention helpers, with a portable implementation and an AVX2/FMA/F16C one
-//! chosen once at run time.
+//! The hot loops: quantised dot products (one weight row against several activation rows,
+//! or, with AVX-512 VNNI, eight packed weight rows against several activation rows) and the
+//! f16 attention helpers, with a portable implementation and SIMD ones chosen once at run
+//! time.
 //!
 //! Row determinism: the result for a (weight row, activation row) pair is computed by the
 //! same sequence of operations whether the activation row is alone or in a tile with
@@ -13,7 +14,10 @@ use crate::quant::{Q8Acts, QK};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+pub mod packed;
 mod scalar;
+#[cfg(target_arch = "x86_64")]
+mod vnni;
 
 /// Activation rows handled together against one weight row (weights unpacked once).
 pub const TILE: usize = 4;
@@ -25,25 +29,45 @@ pub enum Isa {
     Scalar,
     /// x86-64 with AVX2, FMA and F16C (checked at run time).
     Avx2,
+    /// AVX2 plus AVX-512F/VL/VNNI: quantised matrices are packed ([`packed`]) and multiplied
+    /// with `vpdpbusd`; everything else runs the AVX2 kernels.
+    Avx512Vnni,
 }
 
 impl Isa {
-    /// The best instruction set this CPU supports; `BULKHEAD_FORCE_SCALAR=1` forces the
-    /// portable kernels (to test them, or to rule the SIMD path out).
+    /// The best instruction set this CPU supports. `BULKHEAD_FORCE_SCALAR=1` forces the
+    /// portable kernels and `BULKHEAD_NO_VNNI=1` the AVX2 ones (to test them, to compare,
+    /// or to rule a SIMD path out).
     pub fn detect() -> Isa {
-        if std::env::var_os("BULKHEAD_FORCE_SCALAR").is_some_and(|v| v == "1") {
+        let set = |var: &str| std::env::var_os(var).is_some_and(|v| v == "1");
+        if set("BULKHEAD_FORCE_SCALAR") {
             return Isa::Scalar;
         }
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-                && std::arch::is_x86_feature_detected!("f16c")
-            {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx2") && has!("fma") && has!("f16c") {
+                if has!("avx512f") && has!("avx512vl") && has!("avx512vnni") && !set("BULKHEAD_NO_VNNI") {
+                    return Isa::Avx512Vnni;
+                }
                 return Isa::Avx2;
             }
         }
         Isa::Scalar
+    }
+
+    /// Every instruction set this CPU can run, portable first (for tests that compare them).
+    pub fn available() -> Vec<Isa> {
+        match Isa::detect() {
+            Isa::Scalar => vec![Isa::Scalar],
+            Isa::Avx2 => vec![Isa::Scalar, Isa::Avx2],
+            Isa::Avx512Vnni => vec![Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni],
+        }
+    }
+
+    /// Whether quantised matrices are multiplied in the packed layout.
+    pub fn packs_weights(self) -> bool {
+        self == Isa::Avx512Vnni
     }
 
     /// Name for logs and benchmarks.
@@ -51,6 +75,7 @@ impl Isa {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2+fma+f16c",
+            Isa::Avx512Vnni => "avx512-vnni+avx2+fma+f16c",
         }
     }
 }
@@ -65,6 +90,18 @@ fn block_bytes(ty: GgmlType) -> usize {
     }
 }
 
+/// `out[r * n + i] = dot(row r, activation row first_act + i)` for the `rows` rows of a
+/// packed matrix ([`packed::pack`]); needs [`Isa::Avx512Vnni`].
+#[allow(clippy::too_many_arguments)] // mirrors dot_q_rows
+pub fn dot_q_packed(isa: Isa, ty: GgmlType, p: &[u8], rows: usize, acts: &Q8Acts, first_act: usize, n: usize, out: &mut [f32]) {
+    assert!(first_act + n <= acts.rows, "activation rows {first_act}+{n} of {}", acts.rows);
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => vnni::dot_packed(ty, p, rows, acts, first_act, n, out),
+        other => panic!("packed weights need AVX-512 VNNI, not {}", other.name()),
+    }
+}
+
 /// `out[r * n + i] = dot(weight row r, activation row first_act + i)` for the consecutive
 /// rows in `w` (`row_bytes` each, Q4_0, Q4_1 or Q8_0 with `acts.cols` columns) and `n`
 /// activation rows.
@@ -76,7 +113,7 @@ pub fn dot_q_rows(isa: Isa, ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8A
     assert!(first_act + n <= acts.rows, "activation rows {first_act}+{n} of {}", acts.rows);
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => avx2::dot_q_rows(ty, w, row_bytes, acts, first_act, n, out),
+        Isa::Avx2 | Isa::Avx512Vnni => avx2::dot_q_rows(ty, w, row_bytes, acts, first_act, n, out),
         _ => scalar::dot_q_rows(ty, w, row_bytes, acts, first_act, n, out),
     }
 }
@@ -89,11 +126,12 @@ pub fn quantize_acts(isa: Isa, x: &[f32], rows: usize, cols: usize, acts: &mut Q
     acts.cols = cols;
     acts.d.resize(nb, 0.0);
     acts.s.resize(nb, 0.0);
+    acts.qsum.resize(nb, 0);
     acts.qs.resize(rows * cols, 0);
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => avx2::quantize(x, &mut acts.d, &mut acts.s, &mut acts.qs),
-        _ => scalar::quantize(x, &mut acts.d, &mut acts.s, &mut acts.qs),
+        Isa::Avx2 | Isa::Avx512Vnni => avx2::quantize(x, &mut acts.d, &mut acts.s, &mut acts.qsum, &mut acts.qs),
+        _ => scalar::quantize(x, &mut acts.d, &mut acts.s, &mut acts.qsum, &mut acts.qs),
     }
 }
 
@@ -109,7 +147,7 @@ pub fn dot_f_row(isa: Isa, ty: GgmlType, w_row: &[u8], x: &[f32], cols: usize, o
     for (o, xr) in out.iter_mut().zip(x.chunks_exact(cols)) {
         *o = match (isa, ty) {
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx2, GgmlType::F16) => avx2::dot_f16_bytes(w_row, xr),
+            (Isa::Avx2 | Isa::Avx512Vnni, GgmlType::F16) => avx2::dot_f16_bytes(w_row, xr),
             (_, GgmlType::F16) => scalar::dot_f16_bytes(w_row, xr),
             _ => scalar::dot_f32_bytes(w_row, xr),
         };
@@ -138,7 +176,7 @@ pub fn dot_kv<T: KvElem>(isa: Isa, k: &[T], q: &[f32]) -> f32 {
     assert_eq!(k.len(), q.len());
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => avx2::dot(k, q),
+        Isa::Avx2 | Isa::Avx512Vnni => avx2::dot(k, q),
         _ => scalar::dot(k, q),
     }
 }
@@ -149,7 +187,7 @@ pub fn axpy_kv<T: KvElem>(isa: Isa, acc: &mut [f32], a: f32, v: &[T]) {
     assert_eq!(acc.len(), v.len());
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => avx2::axpy(acc, a, v),
+        Isa::Avx2 | Isa::Avx512Vnni => avx2::axpy(acc, a, v),
         _ => scalar::axpy(acc, a, v),
     }
 }
@@ -160,7 +198,7 @@ pub fn dot_kv_rows<T: KvElem>(isa: Isa, k: &[T], q: &[f32], out: &mut [f32]) {
     assert_eq!(k.len(), q.len() * out.len(), "rows of k");
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => avx2::dot_rows(k, q, out),
+        Isa::Avx2 | Isa::Avx512Vnni => avx2::dot_rows(k, q, out),
         _ => scalar::dot_rows(k, q, out),
     }
 }
@@ -171,7 +209,7 @@ pub fn weighted_sum_kv<T: KvElem>(isa: Isa, out: &mut [f32], w: &[f32], v: &[T])
     assert_eq!(v.len(), out.len() * w.len(), "rows of v");
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => avx2::weighted_sum(out, w, v),
+        Isa::Avx2 | Isa::Avx512Vnni => avx2::weighted_sum(out, w, v),
         _ => scalar::weighted_sum(out, w, v),
     }
 }
@@ -182,7 +220,7 @@ pub fn widen_f16(isa: Isa, src: &[f16], dst: &mut Vec<f32>) {
     dst.resize(src.len(), 0.0);
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => avx2::widen(src, dst),
+        Isa::Avx2 | Isa::Avx512Vnni => avx2::widen(src, dst),
         _ => dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32()),
     }
 }
@@ -244,6 +282,46 @@ mod tests {
                     let mut one = [0.0];
                     dot_q_rows(isa, ty, &wq, wq.len(), &acts, r, 1, &mut one);
                     assert_eq!(one[0].to_bits(), v[r].to_bits(), "{ty} row {r} alone vs in a tile of {n}");
+                }
+            }
+        }
+    }
+
+    /// The packed VNNI kernel agrees with the portable row kernel for every type, for row
+    /// counts that end inside a group and for every tile size, and each activation row gives
+    /// bit-identical results alone or in a tile.
+    #[test]
+    fn packed_weights_match_the_row_kernel() {
+        if !Isa::detect().packs_weights() {
+            eprintln!("packed_weights_match_the_row_kernel: this CPU has no AVX-512 VNNI; nothing to compare");
+            return;
+        }
+        let isa = Isa::Avx512Vnni;
+        let mut seed = 7;
+        let cols = 128;
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            for rows in [1, 5, 8, 13, 24] {
+                let w: Vec<u8> = (0..rows).flat_map(|_| quantize_row(ty, &(0..cols).map(|_| rng(&mut seed)).collect::<Vec<_>>())).collect();
+                let row_bytes = w.len() / rows;
+                let p = packed::pack(ty, rows, row_bytes, &w);
+                for n in 1..=6 {
+                    let x: Vec<f32> = (0..n * cols).map(|_| rng(&mut seed) * 2.0).collect();
+                    let mut acts = Q8Acts::default();
+                    quantize_acts(isa, &x, n, cols, &mut acts);
+                    let mut want = vec![0.0; rows * n];
+                    dot_q_rows(Isa::Scalar, ty, &w, row_bytes, &acts, 0, n, &mut want);
+                    let mut got = vec![0.0; rows * n];
+                    dot_q_packed(isa, ty, &p, rows, &acts, 0, n, &mut got);
+                    for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+                        assert!((g - e).abs() < 1e-4 * (1.0 + e.abs()), "{ty} rows {rows} n {n} out {i}: {g} vs {e}");
+                    }
+                    for a in 0..n {
+                        let mut one = vec![0.0; rows];
+                        dot_q_packed(isa, ty, &p, rows, &acts, a, 1, &mut one);
+                        for r in 0..rows {
+                            assert_eq!(one[r].to_bits(), got[r * n + a].to_bits(), "{ty} row {r} act {a} alone vs in a tile of {n}");
+                        }
+                    }
                 }
             }
         }

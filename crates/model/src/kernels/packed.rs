@@ -1,0 +1,115 @@
+//! Weights regrouped for the VNNI kernel: eight matrix rows interleaved block by block, so
+//! one 256-bit `vpdpbusd` multiplies four bytes of each of eight rows with the same four
+//! activation bytes and leaves eight row sums, one per lane.
+//!
+//! Per group of eight rows and per 32-element block (`8 * block_bytes(ty)` bytes, the same
+//! size as the eight rows' blocks it replaces):
+//! - `d[8]` (f16), then for Q4_1 `m[8]` (f16);
+//! - Q4_0 and Q4_1: four 32-byte vectors; vector `k` holds bytes `4k..4k+4` of each row's
+//!   16 nibble bytes, row after row: low nibbles are elements `4k..4k+4`, high nibbles
+//!   elements `16+4k..16+4k+4`;
+//! - Q8_0: eight 32-byte vectors; vector `k` holds elements `4k..4k+4` of each row, each
+//!   stored as `q + 128` (unsigned, as `vpdpbusd` wants; the kernel subtracts `128 * Σa`).
+//!
+//! Rows past the last group boundary are zero (scale 0), and their results are discarded.
+//! Packing is a permutation of the bytes (plus the Q8_0 offset), so [`unpack`] restores the
+//! original rows exactly.
+
+use bulkhead_gguf::GgmlType;
+
+use super::block_bytes;
+
+/// Rows in a group.
+pub const GROUP: usize = 8;
+
+/// Bytes of one block's scales (`d`, and `m` for Q4_1) in the source row layout.
+fn scale_bytes(ty: GgmlType) -> usize {
+    if ty == GgmlType::Q4_1 {
+        4
+    } else {
+        2
+    }
+}
+
+/// Byte offset of group `g`'s block `b` in packed data of `nb` blocks per row.
+#[inline]
+pub fn block_offset(ty: GgmlType, nb: usize, g: usize, b: usize) -> usize {
+    (g * nb + b) * GROUP * block_bytes(ty)
+}
+
+/// Where byte `j` of row `r`'s block (source layout) lands within a packed group block.
+fn dest(ty: GgmlType, r: usize, j: usize) -> usize {
+    let sb = scale_bytes(ty);
+    if j < sb {
+        // d at 0, m at 2: d[r] then (Q4_1) m[r], each an f16 array of eight.
+        return (j / 2) * 2 * GROUP + r * 2 + j % 2;
+    }
+    let q = j - sb;
+    GROUP * sb + (q / 4) * 4 * GROUP + r * 4 + q % 4
+}
+
+/// Regroup `rows` rows of `row_bytes` bytes each (`ty` blocks) into packed groups.
+pub fn pack(ty: GgmlType, rows: usize, row_bytes: usize, data: &[u8]) -> Vec<u8> {
+    let bs = block_bytes(ty);
+    let nb = row_bytes / bs;
+    let groups = rows.div_ceil(GROUP);
+    let mut out = vec![0u8; groups * GROUP * row_bytes];
+    for (r, row) in data.chunks_exact(row_bytes).enumerate().take(rows) {
+        let (g, lane) = (r / GROUP, r % GROUP);
+        for (b, blk) in row.chunks_exact(bs).enumerate() {
+            let base = block_offset(ty, nb, g, b);
+            for (j, &byte) in blk.iter().enumerate() {
+                let v = if ty == GgmlType::Q8_0 && j >= 2 { byte ^ 0x80 } else { byte };
+                out[base + dest(ty, lane, j)] = v;
+            }
+        }
+    }
+    // Padding rows of Q8_0 hold q = -128 with d = 0: still a zero result.
+    out
+}
+
+/// The inverse of [`pack`]: `rows` rows in ggml's row layout.
+pub fn unpack(ty: GgmlType, rows: usize, row_bytes: usize, packed: &[u8]) -> Vec<u8> {
+    let bs = block_bytes(ty);
+    let nb = row_bytes / bs;
+    let mut out = vec![0u8; rows * row_bytes];
+    for (r, row) in out.chunks_exact_mut(row_bytes).enumerate() {
+        let (g, lane) = (r / GROUP, r % GROUP);
+        for (b, blk) in row.chunks_exact_mut(bs).enumerate() {
+            let base = block_offset(ty, nb, g, b);
+            for (j, byte) in blk.iter_mut().enumerate() {
+                let v = packed[base + dest(ty, lane, j)];
+                *byte = if ty == GgmlType::Q8_0 && j >= 2 { v ^ 0x80 } else { v };
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packing_is_a_lossless_permutation() {
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            let bs = block_bytes(ty);
+            for rows in [1, 7, 8, 9, 24] {
+                let row_bytes = 3 * bs;
+                let data: Vec<u8> = (0..rows * row_bytes).map(|i| (i * 131 % 251) as u8).collect();
+                let p = pack(ty, rows, row_bytes, &data);
+                assert_eq!(p.len(), rows.div_ceil(GROUP) * GROUP * row_bytes);
+                assert_eq!(unpack(ty, rows, row_bytes, &p), data, "{ty} rows {rows}");
+            }
+            // Every destination within a block is hit once.
+            let mut seen = vec![false; GROUP * bs];
+            for r in 0..GROUP {
+                for j in 0..bs {
+                    let d = dest(ty, r, j);
+                    assert!(!seen[d], "{ty}: ({r}, {j}) collides");
+                    seen[d] = true;
+                }
+            }
+        }
+    }
+}
