@@ -69,7 +69,7 @@ pub struct ServeArgs {
     /// Pages per KV transfer batch (also the prefill chunk).
     #[arg(long, env = "BULKHEAD_TRANSFER_BATCH_PAGES", default_value_t = 32)]
     transfer_batch_pages: usize,
-    /// How long a decode reservation waits for its KV (ms).
+    /// How long a started KV transfer may go without a chunk before the decode worker fails it (ms); the wait for the first chunk (prefill queue) is bounded by --request-timeout-ms.
     #[arg(long, env = "BULKHEAD_TRANSFER_TIMEOUT_MS", default_value_t = 60_000)]
     transfer_timeout_ms: u64,
     /// A request not finished after this long fails (ms).

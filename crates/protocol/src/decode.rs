@@ -6,6 +6,12 @@
 //! a chunk for them may still arrive (I4). A page under transfer is released only when its
 //! writer is fenced: its `Done` or `Fenced` for the request arrived, or its connection
 //! closed. A timeout fails the request but never frees its pages.
+//!
+//! The transfer timeout is a stall timer: it is armed by the first verified chunk and re-armed
+//! by every later one, so it fails a transfer that started and then stopped making progress.
+//! A reservation waiting for its first chunk never times out here: its prompt may still be
+//! queued at the prefill worker, and that wait is bounded by the gateway's request timeout
+//! (which aborts both sides) and, for a prefill worker that goes away, by its fence.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -18,7 +24,8 @@ use crate::msg::*;
 pub struct DecodeConfig {
     /// Longest request (prompt + generation) admitted.
     pub max_context: usize,
-    /// How long a reservation waits for its transfer to complete.
+    /// How long a started transfer may go without a verified chunk before it fails (the
+    /// wait for its first chunk is not counted: see the module docs).
     pub transfer_timeout_ms: u64,
 }
 
@@ -95,7 +102,7 @@ pub struct DecodeStats {
     pub fenced_releases: u64,
     /// Chunks for requests no longer receiving (dropped unread).
     pub late_chunks: u64,
-    /// Transfers that timed out.
+    /// Transfers that timed out: no verified chunk within the transfer timeout of the last.
     pub timeouts: u64,
 }
 
@@ -106,7 +113,9 @@ struct Pending {
     max_tokens: u32,
     sampling: Sampling,
     stop: Vec<String>,
-    deadline_ms: u64,
+    /// `transfer_timeout_ms` after the last verified chunk; `None` until the first one lands,
+    /// since the prompt may be queued at the prefill and that wait is the gateway's to bound.
+    deadline_ms: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -208,13 +217,14 @@ impl DecodeRole {
             DecodeEvent::Tick { now_ms } => {
                 self.now_ms = now_ms;
                 let late: Vec<RequestId> =
-                    self.pending.iter().filter(|(_, p)| p.deadline_ms <= now_ms).map(|(r, _)| *r).collect();
+                    self.pending.iter().filter(|(_, p)| p.deadline_ms.is_some_and(|d| d <= now_ms)).map(|(r, _)| *r).collect();
                 for req in late {
                     self.stats.timeouts += 1;
                     if let Some(p) = self.pending.remove(&req) {
                         let prefill = p.prefill;
                         self.quarantine(pool, req, p);
-                        out.push(failed(req, FailReason::Timeout, "KV transfer did not complete in time"));
+                        let why = format!("KV transfer stalled: no chunk for {} ms", self.cfg.transfer_timeout_ms);
+                        out.push(failed(req, FailReason::Timeout, why));
                         out.push(DecodeAction::ToPrefill { to: prefill, msg: Message::Abort { req, reason: AbortReason::Timeout } });
                     }
                 }
@@ -277,8 +287,8 @@ impl DecodeRole {
                     Ok(inbound) => {
                         self.stats.reserved += 1;
                         let pages = inbound.prompt_pages(pool.layout().page_size);
-                        let deadline_ms = self.now_ms.saturating_add(self.cfg.transfer_timeout_ms);
-                        self.pending.insert(req, Pending { inbound, prefill, max_tokens, sampling, stop, deadline_ms });
+                        // No deadline yet: the stall timer starts with the first chunk.
+                        self.pending.insert(req, Pending { inbound, prefill, max_tokens, sampling, stop, deadline_ms: None });
                         out.push(DecodeAction::ToGateway(Message::Reserved { req, pages }));
                     }
                     Err(KvError::Exhausted { requested, free }) => {
@@ -334,7 +344,11 @@ impl DecodeRole {
                     })
                 };
                 match verdict {
-                    Ok(()) => self.stats.chunks_verified += 1,
+                    Ok(()) => {
+                        self.stats.chunks_verified += 1;
+                        // The transfer is making progress: (re-)arm its stall timer.
+                        p.deadline_ms = Some(self.now_ms.saturating_add(self.cfg.transfer_timeout_ms));
+                    }
                     Err(why) => {
                         self.stats.chunks_refused += 1;
                         if let Some(p) = self.pending.remove(&req) {

@@ -324,17 +324,39 @@ fn a_client_abort_at_every_protocol_step_leaves_clean_pools() {
 fn a_transfer_that_times_out_fails_once_and_its_pages_stay_quarantined_until_the_prefill_is_fenced() {
     let mut c = Cluster::new(64, 128, true);
     c.submit(1, 10, 3);
-    // Reserve, Reserved, Prefill delivered; one page computed and sent, not delivered.
+    // Reserve, Reserved, Prefill delivered; one page computed, sent and verified at decode
+    // (which arms the stall timer); the prefill then stalls.
     while c.job.is_none() {
         assert!(c.deliver() || c.prefill_step());
     }
     c.prefill_step();
+    while c.dec.stats().chunks_verified == 0 {
+        assert!(c.deliver());
+    }
     c.tick(2_000);
     assert!(c.dpool.stats().quarantined_pages > 0, "a timeout alone frees nothing");
     c.run();
     assert!(matches!(c.terminal(1), Some(ClientOutput::Failed { reason: FailReason::Timeout, .. })), "{:?}", c.outputs);
     c.assert_clean(&[1]);
     assert!(c.dec.stats().late_chunks > 0 || c.dec.stats().fenced_releases > 0);
+}
+
+#[test]
+fn prompts_queued_at_the_prefill_past_the_transfer_timeout_still_finish() {
+    let mut c = Cluster::new(64, 128, true);
+    c.submit(1, 10, 3);
+    c.submit(2, 6, 2);
+    // Both reserved at decode and queued at the prefill; no chunk computed yet.
+    while c.deliver() {}
+    assert_eq!((c.dec.pending(), c.dec.stats().chunks_verified), (2, 0));
+    // Five transfer timeouts pass in the queue (within the gateway's request timeout).
+    c.tick(5_000);
+    c.run();
+    for req in [1, 2] {
+        assert!(matches!(c.terminal(req), Some(ClientOutput::Finished { .. })), "request {req}: {:?}", c.outputs);
+    }
+    c.assert_clean(&[1, 2]);
+    assert_eq!(c.dec.stats().timeouts, 0);
 }
 
 #[test]

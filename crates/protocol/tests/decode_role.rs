@@ -37,6 +37,10 @@ impl Rig {
         self.dec.handle(&mut self.pool, DecodeEvent::Prefill { from, msg })
     }
 
+    fn tick(&mut self, now_ms: u64) -> Vec<DecodeAction> {
+        self.dec.handle(&mut self.pool, DecodeEvent::Tick { now_ms })
+    }
+
     fn reserve(&mut self, req: u64, prompt: u32, max_tokens: u32, prefill: WorkerId) -> Vec<DecodeAction> {
         let sampling = Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, ignore_eos: false };
         let trace = TraceContext::default();
@@ -211,9 +215,80 @@ fn a_cancel_frees_a_quarantined_reservation_only_if_no_chunk_ever_landed() {
 #[test]
 fn a_timed_out_transfer_is_counted_failed_and_its_pages_stay_quarantined() {
     let mut r = Rig::new(16);
-    r.reserved(1, 4, A);
-    let acts = r.dec.handle(&mut r.pool, DecodeEvent::Tick { now_ms: 1_000 });
+    let pages = r.reserved(1, 4, A);
+    // Its one chunk lands (arming the stall timer); its Done never comes.
+    let (chunks, _) = r.transfer(1, 4, &pages);
+    r.prefill(A, chunks[0].clone());
+    let acts = r.tick(1_000);
     assert!(matches!(acts.as_slice(), [DecodeAction::ToGateway(Message::Failed { reason: FailReason::Timeout, .. }), DecodeAction::ToPrefill { to: A, .. }]), "{acts:?}");
     assert_eq!(r.state(), ((0, 1, 0), (14, 0, 2)));
-    assert_eq!(r.dec.stats(), DecodeStats { reserved: 1, timeouts: 1, pages_quarantined: 2, ..DecodeStats::default() });
+    assert_eq!(r.dec.stats(), DecodeStats { reserved: 1, chunks_verified: 1, timeouts: 1, pages_quarantined: 2, ..DecodeStats::default() });
+}
+
+// The transfer timeout is a stall timer: the wait for the first chunk (the prompt may be
+// queued behind others at the prefill worker) is the gateway's request timeout to bound.
+
+#[test]
+fn a_reservation_waiting_for_its_first_chunk_never_times_out_at_the_decode_worker() {
+    let mut r = Rig::new(16);
+    let pages = r.reserved(1, 8, A);
+    for now_ms in [999, 1_000, 60_000, 10_000_000] {
+        let acts = r.tick(now_ms);
+        assert!(acts.is_empty(), "tick {now_ms}: {acts:?}");
+    }
+    assert_eq!(r.state(), ((1, 0, 0), (13, 3, 0)), "still reserved, nothing quarantined");
+    // Its prompt reaches the front of the prefill queue at last: the transfer completes.
+    let (chunks, done) = r.transfer(1, 8, &pages);
+    for c in chunks {
+        assert!(r.prefill(A, c).is_empty());
+    }
+    assert!(started(&r.prefill(A, done)));
+    assert_eq!(r.state().0, (0, 0, 1));
+    assert_eq!(r.dec.stats().timeouts, 0);
+}
+
+#[test]
+fn a_transfer_that_stalls_for_the_transfer_timeout_after_a_chunk_fails_and_its_pages_stay_quarantined() {
+    let mut r = Rig::new(16);
+    let pages = r.reserved(1, 8, A);
+    let (chunks, done) = r.transfer(1, 8, &pages);
+    assert!(r.tick(5_000).is_empty(), "queued at the prefill");
+    // The first chunk lands at 5,000 ms; the second never follows.
+    r.prefill(A, chunks[0].clone());
+    assert!(r.tick(5_999).is_empty(), "one millisecond short of the stall timeout");
+    let acts = r.tick(6_000);
+    match acts.as_slice() {
+        [
+            DecodeAction::ToGateway(Message::Failed { req: RequestId(1), reason: FailReason::Timeout, .. }),
+            DecodeAction::ToPrefill { to: A, msg: Message::Abort { req: RequestId(1), reason: AbortReason::Timeout } },
+        ] => {}
+        other => panic!("expected Failed(Timeout) and an Abort to the prefill: {other:?}"),
+    }
+    assert_eq!(r.state(), ((0, 1, 0), (13, 0, 3)), "a timeout frees nothing: quarantined until the writer is fenced");
+    assert!(r.tick(100_000).is_empty(), "fails once");
+    // The prefill was still writing: its late chunk is dropped, its Done fences the pages.
+    assert!(r.prefill(A, chunks[1].clone()).is_empty());
+    assert_eq!(r.state(), ((0, 1, 0), (13, 0, 3)));
+    assert!(r.prefill(A, done).is_empty());
+    assert_eq!(r.state(), ((0, 0, 0), (16, 0, 0)));
+    let s = r.dec.stats();
+    assert_eq!((s.chunks_verified, s.late_chunks, s.timeouts, s.pages_quarantined, s.fenced_releases), (1, 1, 1, 3, 3));
+}
+
+#[test]
+fn every_verified_chunk_re_arms_the_stall_timer() {
+    let mut r = Rig::new(16);
+    let pages = r.reserved(1, 8, A);
+    let (chunks, done) = r.transfer(1, 8, &pages);
+    r.tick(500);
+    r.prefill(A, chunks[0].clone());
+    assert!(r.tick(1_400).is_empty());
+    // The second chunk at 1,400 ms moves the deadline from 1,500 to 2,400 ms.
+    r.prefill(A, chunks[1].clone());
+    assert!(r.tick(1_500).is_empty(), "the first chunk's deadline no longer holds");
+    assert!(r.tick(2_399).is_empty());
+    assert!(started(&r.prefill(A, done)));
+    assert!(r.tick(100_000).is_empty(), "a started request has no transfer timer");
+    assert_eq!(r.state().0, (0, 0, 1));
+    assert_eq!(r.dec.stats().timeouts, 0);
 }

@@ -190,7 +190,7 @@ pub fn decode_families(s: &DecodeStats, checksums: bool, f: &mut Families) {
     f.check("coverage", s.coverage_verified + s.coverage_failed, Some(s.coverage_failed));
     f.counter("bulkhead:fenced_releases_total", "Quarantined KV pages released because their writer was fenced (I4).", &[], s.fenced_releases);
     f.counter("bulkhead:late_chunks_total", "KV chunks for requests no longer receiving, dropped unread.", &[], s.late_chunks);
-    f.counter("bulkhead:kv_transfer_timeouts_total", "KV transfers that did not complete in time.", &[], s.timeouts);
+    f.counter("bulkhead:kv_transfer_timeouts_total", "KV transfers that stalled: no chunk within the transfer timeout of the previous one.", &[], s.timeouts);
     f.counter("bulkhead:kv_reservations_total", "KV reservations granted to requests.", &[], s.reserved);
     f.rejected("decode", "context_length", s.rejected_context);
     f.rejected("decode", "capacity", s.rejected_capacity);

@@ -36,7 +36,8 @@ pub struct WorkerConfig {
     pub kv_advertise: Option<String>,
     /// Prefill only: pages per transfer batch (also the prefill compute chunk).
     pub transfer_batch_pages: usize,
-    /// Decode only: how long a reservation waits for its KV.
+    /// Decode only: how long a started KV transfer may go without a chunk before it fails
+    /// (a stall timer: the wait for the first chunk is the gateway's request timeout's).
     pub transfer_timeout_ms: u64,
     /// Optional KV integrity checks (canaries, checksums, auditor).
     pub kv_checks: KvChecks,
