@@ -86,16 +86,28 @@ pub fn matmul(isa: Isa, mats: &[&Matrix], x: &[f32], n: usize, scratch: &mut Mat
     if direct {
         return;
     }
-    // Results are [row][batch]; outputs are [batch][row], one parallel task per batch row.
+    // Row-kernel results are [row][batch] per task, packed-kernel results [batch][row]; outputs
+    // are [batch][row], one parallel task per batch row.
     let tmp = &scratch.tmp;
-    let mut base = 0;
-    for (m, out) in mats.iter().zip(outs.iter_mut()) {
-        let rows = m.rows;
+    let mut at = 0;
+    let mut spans = Vec::with_capacity(tasks.len());
+    for &(mi, r0, r1) in &tasks {
+        spans.push((mi, r0, r1, at, mats[mi].packed_rows(r0, r1).is_some()));
+        at += (r1 - r0) * n;
+    }
+    for (mi, out) in outs.iter_mut().enumerate() {
+        let rows = mats[mi].rows;
         out.par_chunks_mut(rows).enumerate().for_each(|(b, o)| {
-            for (r, v) in o.iter_mut().enumerate() {
-                *v = tmp[(base + r) * n + b];
+            for &(_, r0, r1, at, packed) in spans.iter().filter(|s| s.0 == mi) {
+                let len = r1 - r0;
+                if packed {
+                    o[r0..r1].copy_from_slice(&tmp[at + b * len..at + (b + 1) * len]);
+                } else {
+                    for (r, v) in o[r0..r1].iter_mut().enumerate() {
+                        *v = tmp[at + r * n + b];
+                    }
+                }
             }
         });
-        base += rows;
     }
 }

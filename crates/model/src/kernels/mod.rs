@@ -90,8 +90,9 @@ fn block_bytes(ty: GgmlType) -> usize {
     }
 }
 
-/// `out[r * n + i] = dot(row r, activation row first_act + i)` for the `rows` rows of a
-/// packed matrix ([`packed::pack`]); needs [`Isa::Avx512Vnni`].
+/// `out[i * rows + r] = dot(row r, activation row first_act + i)` for the `rows` rows of a
+/// packed matrix ([`packed::pack`]), activation-major (unlike [`dot_q_rows`]); needs
+/// [`Isa::Avx512Vnni`].
 #[allow(clippy::too_many_arguments)] // mirrors dot_q_rows
 pub fn dot_q_packed(isa: Isa, ty: GgmlType, p: &[u8], rows: usize, acts: &Q8Acts, first_act: usize, n: usize, out: &mut [f32]) {
     assert!(first_act + n <= acts.rows, "activation rows {first_act}+{n} of {}", acts.rows);
@@ -312,15 +313,16 @@ mod tests {
                     dot_q_rows(Isa::Scalar, ty, &w, row_bytes, &acts, 0, n, &mut want);
                     let mut got = vec![0.0; rows * n];
                     dot_q_packed(isa, ty, &p, rows, &acts, 0, n, &mut got);
-                    for (i, (g, e)) in got.iter().zip(&want).enumerate() {
-                        assert!((g - e).abs() < 1e-4 * (1.0 + e.abs()), "{ty} rows {rows} n {n} out {i}: {g} vs {e}");
+                    for r in 0..rows {
+                        for a in 0..n {
+                            let (g, e) = (got[a * rows + r], want[r * n + a]);
+                            assert!((g - e).abs() < 1e-4 * (1.0 + e.abs()), "{ty} rows {rows} n {n} row {r} act {a}: {g} vs {e}");
+                        }
                     }
                     for a in 0..n {
                         let mut one = vec![0.0; rows];
                         dot_q_packed(isa, ty, &p, rows, &acts, a, 1, &mut one);
-                        for r in 0..rows {
-                            assert_eq!(one[r].to_bits(), got[r * n + a].to_bits(), "{ty} row {r} act {a} alone vs in a tile of {n}");
-                        }
+                        assert_eq!(one, got[a * rows..(a + 1) * rows], "{ty} act {a} alone vs in a tile of {n}");
                     }
                 }
             }

@@ -85,8 +85,9 @@ unsafe fn group<const N: usize>(ty: GgmlType, g: *const u8, nb: usize, acts: &Q8
     }
 }
 
-/// `out[r * n + i] = dot(row r, activation row first + i)` for the `rows` rows held by the
-/// packed groups in `p` (`rows` may end inside the last group).
+/// `out[i * rows + r] = dot(row r, activation row first + i)` for the `rows` rows held by
+/// the packed groups in `p` (`rows` may end inside the last group): activation-major, so each
+/// group's eight results are contiguous.
 pub(super) fn dot_packed(ty: GgmlType, p: &[u8], rows: usize, acts: &Q8Acts, first: usize, n: usize, out: &mut [f32]) {
     let nb = acts.blocks_per_row();
     let group_bytes = block_offset(ty, nb, 1, 0);
@@ -113,9 +114,8 @@ pub(super) fn dot_packed(ty: GgmlType, p: &[u8], rows: usize, acts: &Q8Acts, fir
                 }
             }
             for (j, r) in res.iter().enumerate().take(k) {
-                for (lane, v) in r.iter().enumerate().take(lanes) {
-                    out[(gi * GROUP + lane) * n + i + j] = *v;
-                }
+                let at = (i + j) * rows + gi * GROUP;
+                out[at..at + lanes].copy_from_slice(&r[..lanes]);
             }
             i += k;
         }
