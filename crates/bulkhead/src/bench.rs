@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use bulkhead_kv::{KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
-use bulkhead_model::{Llama, SeqInput};
+use bulkhead_model::{Isa, Llama, SeqInput};
 use clap::Args;
 
 use crate::ModelArgs;
@@ -37,6 +37,24 @@ pub struct BenchArgs {
     /// optional check off, in alternating repetitions; prints the throughput ratios.
     #[arg(long, env = "BULKHEAD_BENCH_COMPARE_CHECKS", value_parser = clap::builder::BoolishValueParser::new())]
     compare_checks: bool,
+    /// Instead of the usual figures, measure the AVX-512 VNNI kernels against the AVX2 ones
+    /// (the same model loaded twice, one per layout), prefill and decode in alternating
+    /// repetitions; prints the throughput ratios. Needs a CPU with AVX-512 VNNI.
+    #[arg(long, env = "BULKHEAD_BENCH_COMPARE_KERNELS", value_parser = clap::builder::BoolishValueParser::new())]
+    compare_kernels: bool,
+}
+
+/// Runs `a` and `b` alternately `reps` times, so that drift on a noisy machine hits both
+/// sides: the medians of each and the median of the per-pair ratios a / b.
+fn alternate(reps: usize, mut a: impl FnMut() -> anyhow::Result<f64>, mut b: impl FnMut() -> anyhow::Result<f64>) -> anyhow::Result<(f64, f64, f64)> {
+    let (mut av, mut bv, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..reps.max(1) {
+        let (x, y) = (a()?, b()?);
+        av.push(x);
+        bv.push(y);
+        ratio.push(x / y);
+    }
+    Ok((median(av), median(bv), median(ratio)))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -108,19 +126,50 @@ fn compare_checks(m: &Llama, a: &BenchArgs, pages: usize, checks: KvChecks) -> a
     let mut off_pool = KvPool::new(PoolConfig { layout, pages, checks: off })?;
     let mut out = Vec::new();
     for &b in &a.batches {
-        let (mut on, mut offv, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..a.reps.max(1) {
-            let x = decode_tps(m, &mut on_pool, b, a.decode_context, a.decode_steps)?;
-            let y = decode_tps(m, &mut off_pool, b, a.decode_context, a.decode_steps)?;
-            on.push(x);
-            offv.push(y);
-            ratio.push(x / y);
-        }
-        out.push(serde_json::json!({
-            "batch": b, "checks_on_tok_s": median(on), "checks_off_tok_s": median(offv), "ratio": median(ratio),
-        }));
+        let (on, off, ratio) = alternate(
+            a.reps,
+            || decode_tps(m, &mut on_pool, b, a.decode_context, a.decode_steps),
+            || decode_tps(m, &mut off_pool, b, a.decode_context, a.decode_steps),
+        )?;
+        out.push(serde_json::json!({ "batch": b, "checks_on_tok_s": on, "checks_off_tok_s": off, "ratio": ratio }));
     }
     Ok(out)
+}
+
+/// `--compare-kernels`: the detected VNNI kernels against the AVX2 ones, prefill and each
+/// decode batch size in alternating repetitions.
+fn compare_kernels(vnni: &Llama, a: &BenchArgs, pages: usize) -> anyhow::Result<()> {
+    if vnni.isa() != Isa::Avx512Vnni {
+        println!("bulkhead bench-engine --compare-kernels: this CPU runs {}, not AVX-512 VNNI: nothing to compare", vnni.isa().name());
+        return Ok(());
+    }
+    let avx2 = a.model.load()?.model.with_isa(Isa::Avx2);
+    let layout = vnni.kv_layout(a.model.page_size as usize);
+    let mut pool = KvPool::new(PoolConfig { layout, pages, checks: KvChecks::default() })?;
+    prefill_tps(vnni, &mut pool, a.prompt_tokens.min(64))?;
+    prefill_tps(&avx2, &mut pool, a.prompt_tokens.min(64))?;
+    let mut pool2 = KvPool::new(PoolConfig { layout, pages, checks: KvChecks::default() })?;
+    let mut rows = vec![(format!("prefill {:>5} tokens", a.prompt_tokens), {
+        alternate(a.reps, || prefill_tps(vnni, &mut pool, a.prompt_tokens), || prefill_tps(&avx2, &mut pool2, a.prompt_tokens))?
+    })];
+    for &b in &a.batches {
+        let r = alternate(
+            a.reps,
+            || decode_tps(vnni, &mut pool, b, a.decode_context, a.decode_steps),
+            || decode_tps(&avx2, &mut pool2, b, a.decode_context, a.decode_steps),
+        )?;
+        rows.push((format!("decode  batch {b:>3} (ctx {:>4})", a.decode_context), r));
+    }
+    if a.json {
+        let j: Vec<_> = rows.iter().map(|(n, (x, y, r))| serde_json::json!({ "figure": n, "vnni_tok_s": x, "avx2_tok_s": y, "ratio": r })).collect();
+        println!("{}", serde_json::json!({ "threads": vnni.threads(), "kernels": j }));
+    } else {
+        println!("bulkhead bench-engine --compare-kernels: {} threads, median of {} alternating reps", vnni.threads(), a.reps.max(1));
+        for (name, (x, y, r)) in rows {
+            println!("{name:<30} vnni {x:8.1} tok/s, avx2 {y:8.1} tok/s, ratio vnni/avx2 {r:.2}");
+        }
+    }
+    Ok(())
 }
 
 pub fn run(a: BenchArgs) -> anyhow::Result<()> {
@@ -129,6 +178,9 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     let max_batch = a.batches.iter().copied().max().unwrap_or(1);
     let per_seq = layout.pages_for_tokens(a.decode_context + a.decode_steps);
     let pages = (per_seq * max_batch).max(layout.pages_for_tokens(a.prompt_tokens));
+    if a.compare_kernels {
+        return compare_kernels(&m, &a, pages);
+    }
     if a.compare_checks {
         // Warm-up, then production checks and the auditor, each against everything off.
         decode_tps(&m, &mut KvPool::new(PoolConfig { layout, pages, checks: KvChecks::default() })?, 1, 16, 4)?;

@@ -25,16 +25,26 @@ pub struct SeqInput<'a> {
     pub want_logits: bool,
 }
 
+/// Rows per parallel task in the row-wise steps (norms, RoPE, SiLU, residuals): below this a
+/// split costs more than it saves, so a decode step of a few rows stays on one thread.
+/// Each row is computed the same way whichever task it lands in.
+const ROWS_PER_TASK: usize = 32;
+
 /// Row-wise RMS norm (sum of squares in f64, as ggml does), then scale by `w`.
 pub(crate) fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let n = w.len();
-    for (xr, or) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
+    x.par_chunks_exact(n).zip(out.par_chunks_exact_mut(n)).with_min_len(ROWS_PER_TASK).for_each(|(xr, or)| {
         let ss: f64 = xr.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
         let scale = 1.0 / ((ss / n as f64) as f32 + eps).sqrt();
         for ((o, &v), &g) in or.iter_mut().zip(xr).zip(w) {
             *o = (v * scale) * g;
         }
-    }
+    });
+}
+
+/// `x += y`, row by row in parallel.
+fn add_rows(x: &mut [f32], y: &[f32], width: usize) {
+    x.par_chunks_mut(width).zip(y.par_chunks(width)).with_min_len(ROWS_PER_TASK).for_each(|(a, b)| a.iter_mut().zip(b).for_each(|(a, b)| *a += b));
 }
 
 /// Rotate adjacent pairs of each head by position (llama's "normal" RoPE; GGUF stores Q and
@@ -242,10 +252,10 @@ impl Llama {
         for (li, l) in self.weights.layers.iter().enumerate() {
             rms_norm(&x, &l.attn_norm, c.norm_eps, &mut xn);
             matmul(isa, &[&l.wq, &l.wk, &l.wv], &xn, t, &mut scratch, &mut [&mut q, &mut k, &mut v]);
-            for (r, &(_, pos)) in rows.iter().enumerate() {
-                rope(&mut q[r * q_dim..(r + 1) * q_dim], hd, pos, c.rope_base);
-                rope(&mut k[r * kv_dim..(r + 1) * kv_dim], hd, pos, c.rope_base);
-            }
+            q.par_chunks_mut(q_dim).zip(k.par_chunks_mut(kv_dim)).zip(&rows).with_min_len(ROWS_PER_TASK).for_each(|((qr, kr), &(_, pos))| {
+                rope(qr, hd, pos, c.rope_base);
+                rope(kr, hd, pos, c.rope_base);
+            });
             for (r, &(s, pos)) in rows.iter().enumerate() {
                 let (lease, slot) = seqs[s].kv.locate(pos)?;
                 pool.write(lease, li, slot, &k[r * kv_dim..(r + 1) * kv_dim], &v[r * kv_dim..(r + 1) * kv_dim])?;
@@ -283,12 +293,12 @@ impl Llama {
                 }
             }
             matmul(isa, &[&l.wo], &att, t, &mut scratch, &mut [&mut o]);
-            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            add_rows(&mut x, &o, c.hidden);
             rms_norm(&x, &l.ffn_norm, c.norm_eps, &mut xn);
             matmul(isa, &[&l.w_gate, &l.w_up], &xn, t, &mut scratch, &mut [&mut gate, &mut up]);
-            silu_mul(&mut gate, &up);
+            gate.par_chunks_mut(c.ffn).zip(up.par_chunks(c.ffn)).with_min_len(ROWS_PER_TASK).for_each(|(g, u)| silu_mul(g, u));
             matmul(isa, &[&l.w_down], &gate, t, &mut scratch, &mut [&mut o]);
-            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            add_rows(&mut x, &o, c.hidden);
         }
 
         // Logits only for the last token of the sequences that asked.

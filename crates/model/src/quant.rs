@@ -26,8 +26,6 @@ pub struct Q8Acts {
     pub d: Vec<f32>,
     /// Per block `d * sum(q)` (rounded through f16), for Q4_1's offset.
     pub s: Vec<f32>,
-    /// Per block `sum(q)`, exact (for the packed kernel's zero-point correction).
-    pub qsum: Vec<i32>,
     /// Quantised values, `rows * cols`.
     pub qs: Vec<i8>,
 }

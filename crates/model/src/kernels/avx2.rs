@@ -139,10 +139,9 @@ pub(super) fn dot_q_rows(ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8Acts
 /// `quantize_row_q8_1_ref`): `d = amax / 127`, `q = round(x * (1 / d))` with halves away from
 /// zero, `d` and `s = d * sum(q)` stored rounded through f16.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn quantize_impl(x: &[f32], d: &mut [f32], s: &mut [f32], qsum: &mut [i32], qs: &mut [i8]) {
+fn quantize_impl(x: &[f32], d: &mut [f32], s: &mut [f32], qs: &mut [i8]) {
     let sign = _mm256_set1_ps(-0.0);
-    let blocks = x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).zip(d.iter_mut()).zip(s.iter_mut()).zip(qsum.iter_mut());
-    for ((((xb, qb), db), sb), qsb) in blocks {
+    for (((xb, qb), db), sb) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).zip(d.iter_mut()).zip(s.iter_mut()) {
         // SAFETY: `xb` has 32 readable f32 and `qb` 32 writable i8.
         unsafe {
             let p = xb.as_ptr();
@@ -177,15 +176,14 @@ fn quantize_impl(x: &[f32], d: &mut [f32], s: &mut [f32], qsum: &mut [i32], qs: 
             _mm256_storeu_si256(qb.as_mut_ptr().cast(), ordered);
             *db = f16::from_f32(dd).to_f32();
             *sb = f16::from_f32(isum as f32 * dd).to_f32();
-            *qsb = isum;
         }
     }
 }
 
-pub(super) fn quantize(x: &[f32], d: &mut [f32], s: &mut [f32], qsum: &mut [i32], qs: &mut [i8]) {
-    assert!(x.len() == qs.len() && x.len() == d.len() * QK && d.len() == s.len() && d.len() == qsum.len(), "quantize shapes");
+pub(super) fn quantize(x: &[f32], d: &mut [f32], s: &mut [f32], qs: &mut [i8]) {
+    assert!(x.len() == qs.len() && x.len() == d.len() * QK && d.len() == s.len(), "quantize shapes");
     // SAFETY: only reached with Isa::Avx2 or Isa::Avx512Vnni (both detect AVX2, FMA, F16C).
-    unsafe { quantize_impl(x, d, s, qsum, qs) }
+    unsafe { quantize_impl(x, d, s, qs) }
 }
 
 /// Element types attention reads: f16 (pool storage) and f32 (a page converted once).

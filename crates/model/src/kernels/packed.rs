@@ -8,12 +8,13 @@
 //! - Q4_0 and Q4_1: four 32-byte vectors; vector `k` holds bytes `4k..4k+4` of each row's
 //!   16 nibble bytes, row after row: low nibbles are elements `4k..4k+4`, high nibbles
 //!   elements `16+4k..16+4k+4`;
-//! - Q8_0: eight 32-byte vectors; vector `k` holds elements `4k..4k+4` of each row, each
-//!   stored as `q + 128` (unsigned, as `vpdpbusd` wants; the kernel subtracts `128 * Σa`).
+//! - Q8_0: eight 32-byte vectors; vector `k` holds elements `4k..4k+4` of each row.
+//!
+//! Either way lane `k` of the kernel's integer dot product covers the same elements as lane
+//! `k` of the AVX2 row kernel's, which is what keeps the two bit-identical.
 //!
 //! Rows past the last group boundary are zero (scale 0), and their results are discarded.
-//! Packing is a permutation of the bytes (plus the Q8_0 offset), so [`unpack`] restores the
-//! original rows exactly.
+//! Packing is a permutation of the bytes, so [`unpack`] restores the original rows exactly.
 
 use bulkhead_gguf::GgmlType;
 
@@ -59,12 +60,10 @@ pub fn pack(ty: GgmlType, rows: usize, row_bytes: usize, data: &[u8]) -> Vec<u8>
         for (b, blk) in row.chunks_exact(bs).enumerate() {
             let base = block_offset(ty, nb, g, b);
             for (j, &byte) in blk.iter().enumerate() {
-                let v = if ty == GgmlType::Q8_0 && j >= 2 { byte ^ 0x80 } else { byte };
-                out[base + dest(ty, lane, j)] = v;
+                out[base + dest(ty, lane, j)] = byte;
             }
         }
     }
-    // Padding rows of Q8_0 hold q = -128 with d = 0: still a zero result.
     out
 }
 
@@ -78,8 +77,7 @@ pub fn unpack(ty: GgmlType, rows: usize, row_bytes: usize, packed: &[u8]) -> Vec
         for (b, blk) in row.chunks_exact_mut(bs).enumerate() {
             let base = block_offset(ty, nb, g, b);
             for (j, byte) in blk.iter_mut().enumerate() {
-                let v = packed[base + dest(ty, lane, j)];
-                *byte = if ty == GgmlType::Q8_0 && j >= 2 { v ^ 0x80 } else { v };
+                *byte = packed[base + dest(ty, lane, j)];
             }
         }
     }

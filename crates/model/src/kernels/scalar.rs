@@ -13,9 +13,8 @@ pub(super) fn dot_q_rows(ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8Acts
 
 /// Quantise blocks of 32 floats to 8 bits as ggml's reference `quantize_row_q8_1_ref` does;
 /// the AVX2 path gives identical results.
-pub(super) fn quantize(x: &[f32], d: &mut [f32], s: &mut [f32], qsum: &mut [i32], qs: &mut [i8]) {
-    let blocks = x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).zip(d.iter_mut()).zip(s.iter_mut()).zip(qsum.iter_mut());
-    for ((((xb, qb), db), sb), qsb) in blocks {
+pub(super) fn quantize(x: &[f32], d: &mut [f32], s: &mut [f32], qs: &mut [i8]) {
+    for (((xb, qb), db), sb) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).zip(d.iter_mut()).zip(s.iter_mut()) {
         let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let dd = amax / 127.0;
         let id = if dd != 0.0 { 1.0 / dd } else { 0.0 };
@@ -27,7 +26,6 @@ pub(super) fn quantize(x: &[f32], d: &mut [f32], s: &mut [f32], qsum: &mut [i32]
         }
         *db = f16::from_f32(dd).to_f32();
         *sb = f16::from_f32(sum as f32 * dd).to_f32();
-        *qsb = sum;
     }
 }
 

@@ -1,38 +1,41 @@
 //! AVX-512 VNNI kernel over packed weights ([`super::packed`]): eight weight rows against up
-//! to four activation rows per call, one `vpdpbusd` (256-bit, AVX-512VL encoding) per four
-//! bytes of eight rows. Every function here is `#[target_feature]`; `kernels/mod.rs` reaches
-//! them only after `Isa::detect` confirmed the features.
+//! to [`PACKED_TILE`] activation rows per call, one 256-bit `vpdpbusd` (AVX-512VL encoding)
+//! per four bytes of eight rows. Every function here is `#[target_feature]`;
+//! `kernels/mod.rs` reaches them only after `Isa::detect` confirmed the features.
 //!
-//! Integer sums are exact (u8 × i8 products summed in i32 cannot overflow for 32-element
-//! blocks). Per (weight row, activation row) pair the float operations are the same whatever
-//! else shares the call: per block `acc = fma(d_w * d_a, sum, acc)`, then for Q4_1
-//! `acc = fma(m_w, s_a, acc)`, blocks in order.
+//! Same numbers as the AVX2 row kernel (and ggml), bit for bit: lane `k` of a block's
+//! integer dot product is the sum over its bytes `4k..4k+4` (exact in i32), each lane keeps
+//! its own f32 accumulator (`fma(d_w * d_a, lane, acc)`, blocks in order), the eight lanes
+//! are summed in `hsum`'s order at the end, and Q4_1's `m_w * s_a` terms are summed apart
+//! and added last. So results do not depend on which kernel the CPU gets, nor on what else
+//! shares the call.
 
 use std::arch::x86_64::*;
 
 use bulkhead_gguf::GgmlType;
 
 use super::packed::{block_offset, GROUP};
-use super::TILE;
 use crate::quant::{Q8Acts, QK};
 
-/// Eight weight rows (one packed group) against `N` activation rows starting at `first`.
+/// Activation rows handled together against one packed group (eight lane accumulators
+/// each; two rows keep everything in the 32 vector registers).
+pub const PACKED_TILE: usize = 2;
+
+/// Eight weight rows (one packed group) against `N` activation rows starting at `first`;
+/// `res[n][r]` receives row `r`'s dot product with activation row `first + n`.
 ///
 /// # Safety
 /// The CPU has AVX2, FMA, F16C, AVX-512F/VL/VNNI; `g` points to `nb` packed blocks of `ty`;
-/// `acts` holds rows `first..first + N` of `nb` blocks (`qs`, `d`, `s`, `qsum`).
+/// `acts` holds rows `first..first + N` of `nb` blocks.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-unsafe fn group<const N: usize>(ty: GgmlType, g: *const u8, nb: usize, acts: &Q8Acts, first: usize, res: &mut [[f32; GROUP]; TILE]) {
-    let mut acc = [_mm256_setzero_ps(); N];
-    let mask = _mm256_set1_epi8(0x0F);
+unsafe fn group<const N: usize>(ty: GgmlType, g: *const u8, nb: usize, acts: &Q8Acts, first: usize, res: &mut [[f32; GROUP]; PACKED_TILE]) {
     let zero = _mm256_setzero_si256();
+    let mut acc = [[_mm256_setzero_ps(); 8]; N];
+    let mut summ = [_mm256_setzero_ps(); N];
+    let mask = _mm256_set1_epi8(0x0F);
     let gb = block_offset(ty, nb, 0, 1);
-    // Activation bias of the weights' zero point: Q4_0 stores q = w + 8, Q8_0 w + 128.
-    let bias = match ty {
-        GgmlType::Q4_0 => 8,
-        GgmlType::Q8_0 => 128,
-        _ => 0,
-    };
+    // Q4_0 and Q8_0 weights are signed: multiply |w| by a * sign(w), as the AVX2 kernel does.
+    let signed = ty != GgmlType::Q4_1;
     // SAFETY (whole body): offsets stay within nb blocks of the group and N rows of nb
     // activation blocks, as the caller guarantees; loads are unaligned.
     unsafe {
@@ -43,44 +46,46 @@ unsafe fn group<const N: usize>(ty: GgmlType, g: *const u8, nb: usize, acts: &Q8
                 GgmlType::Q4_1 => (_mm256_cvtph_ps(_mm_loadu_si128(blk.add(16).cast())), blk.add(32)),
                 _ => (_mm256_setzero_ps(), blk.add(16)),
             };
-            let mut v = [zero; 8];
+            // w: the weights of lane k (bytes 4k..4k+4 of each row), u: what vpdpbusd takes
+            // unsigned (w itself for Q4_1, |w| otherwise).
+            let (mut w, mut u) = ([zero; 8], [zero; 8]);
             if ty == GgmlType::Q8_0 {
-                for (k, vk) in v.iter_mut().enumerate() {
-                    *vk = _mm256_loadu_si256(quants.add(32 * k).cast());
+                for (k, wk) in w.iter_mut().enumerate() {
+                    *wk = _mm256_loadu_si256(quants.add(32 * k).cast());
                 }
             } else {
                 for k in 0..4 {
                     let p = _mm256_loadu_si256(quants.add(32 * k).cast());
-                    v[k] = _mm256_and_si256(p, mask);
-                    v[k + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), mask);
+                    w[k] = _mm256_and_si256(p, mask);
+                    w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), mask);
+                }
+                if ty == GgmlType::Q4_0 {
+                    w.iter_mut().for_each(|x| *x = _mm256_sub_epi8(*x, _mm256_set1_epi8(8)));
                 }
             }
-            for (n, a) in acc.iter_mut().enumerate() {
+            for k in 0..8 {
+                u[k] = if signed { _mm256_abs_epi8(w[k]) } else { w[k] };
+            }
+            for n in 0..N {
                 let ab = (first + n) * nb + b;
                 let q = acts.qs.as_ptr().add(ab * QK);
-                let bc = |o: usize| _mm256_set1_epi32(std::ptr::read_unaligned(q.add(o).cast::<i32>()));
-                // Two chains halve the dependency depth; integer adds are exact.
-                let mut i0 = _mm256_dpbusd_epi32(zero, v[0], bc(0));
-                let mut i1 = _mm256_dpbusd_epi32(zero, v[1], bc(4));
-                i0 = _mm256_dpbusd_epi32(i0, v[2], bc(8));
-                i1 = _mm256_dpbusd_epi32(i1, v[3], bc(12));
-                i0 = _mm256_dpbusd_epi32(i0, v[4], bc(16));
-                i1 = _mm256_dpbusd_epi32(i1, v[5], bc(20));
-                i0 = _mm256_dpbusd_epi32(i0, v[6], bc(24));
-                i1 = _mm256_dpbusd_epi32(i1, v[7], bc(28));
-                let mut sum = _mm256_add_epi32(i0, i1);
-                if bias != 0 {
-                    sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(bias * *acts.qsum.get_unchecked(ab)));
-                }
                 let scale = _mm256_mul_ps(dw, _mm256_set1_ps(*acts.d.get_unchecked(ab)));
-                *a = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sum), *a);
+                for k in 0..8 {
+                    let a = _mm256_set1_epi32(std::ptr::read_unaligned(q.add(4 * k).cast::<i32>()));
+                    let a = if signed { _mm256_sign_epi8(a, w[k]) } else { a };
+                    let lane = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(zero, u[k], a));
+                    acc[n][k] = _mm256_fmadd_ps(scale, lane, acc[n][k]);
+                }
                 if ty == GgmlType::Q4_1 {
-                    *a = _mm256_fmadd_ps(mw, _mm256_set1_ps(*acts.s.get_unchecked(ab)), *a);
+                    summ[n] = _mm256_add_ps(summ[n], _mm256_mul_ps(mw, _mm256_set1_ps(*acts.s.get_unchecked(ab))));
                 }
             }
         }
-        for (r, a) in res.iter_mut().zip(&acc) {
-            _mm256_storeu_ps(r.as_mut_ptr(), *a);
+        for (r, (a, sm)) in res.iter_mut().zip(acc.iter().zip(&summ)) {
+            // hsum's order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
+            let (s0, s1, s2, s3) = (_mm256_add_ps(a[0], a[4]), _mm256_add_ps(a[1], a[5]), _mm256_add_ps(a[2], a[6]), _mm256_add_ps(a[3], a[7]));
+            let total = _mm256_add_ps(_mm256_add_ps(s0, s2), _mm256_add_ps(s1, s3));
+            _mm256_storeu_ps(r.as_mut_ptr(), _mm256_add_ps(total, *sm));
         }
     }
 }
@@ -95,20 +100,18 @@ pub(super) fn dot_packed(ty: GgmlType, p: &[u8], rows: usize, acts: &Q8Acts, fir
     // These bounds are what `group` relies on.
     assert!(p.len() == rows.div_ceil(GROUP) * group_bytes, "packed groups for {rows} rows");
     assert!(out.len() == rows * n, "output shape");
-    assert!(acts.qs.len() >= end * QK && acts.d.len() >= end && acts.s.len() >= end && acts.qsum.len() >= end, "activations too short");
+    assert!(acts.qs.len() >= end * QK && acts.d.len() >= end && acts.s.len() >= end, "activations too short");
     for (gi, g) in p.chunks_exact(group_bytes).enumerate() {
         let lanes = (rows - gi * GROUP).min(GROUP);
         let mut i = 0;
         while i < n {
-            let k = (n - i).min(TILE);
-            let mut res = [[0.0f32; GROUP]; TILE];
+            let k = (n - i).min(PACKED_TILE);
+            let mut res = [[0.0f32; GROUP]; PACKED_TILE];
             // SAFETY: only reached with Isa::Avx512Vnni (features detected); `g` holds nb
-            // packed blocks and rows first+i..first+i+k < first+n are within the asserted
+            // packed blocks and rows first+i..first+i+k <= first+n are within the asserted
             // activation lengths.
             unsafe {
                 match k {
-                    4 => group::<4>(ty, g.as_ptr(), nb, acts, first + i, &mut res),
-                    3 => group::<3>(ty, g.as_ptr(), nb, acts, first + i, &mut res),
                     2 => group::<2>(ty, g.as_ptr(), nb, acts, first + i, &mut res),
                     _ => group::<1>(ty, g.as_ptr(), nb, acts, first + i, &mut res),
                 }
