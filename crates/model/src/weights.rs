@@ -81,7 +81,8 @@ impl Matrix {
         Matrix::new(name, info.ty, rows, cols, bytes.to_vec())
     }
 
-    /// Raw bytes of row `r`.
+    /// Raw bytes of row `r` (ggml's layout; panics on a matrix packed without keeping rows,
+    /// which only the layers' quantised matrices are, and only the matrix products read).
     #[inline]
     pub fn row(&self, r: usize) -> &[u8] {
         &self.data[r * self.row_bytes..(r + 1) * self.row_bytes]
