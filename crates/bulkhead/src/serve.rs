@@ -69,7 +69,7 @@ pub struct ServeArgs {
     /// Pages per KV transfer batch (also the prefill chunk).
     #[arg(long, env = "BULKHEAD_TRANSFER_BATCH_PAGES", default_value_t = 32)]
     transfer_batch_pages: usize,
-    /// How long a started KV transfer may go without a chunk before the decode worker fails it (ms); the wait for the first chunk (prefill queue) is bounded by --request-timeout-ms.
+    /// How long a decode worker waits for a reservation's prefill worker to send anything (a chunk for any request, or a keepalive) before it fails the transfer (ms); a prefill worker sends keepalives every quarter of this, at most every second, so give both the same value. Queueing at a busy prefill is bounded by --request-timeout-ms.
     #[arg(long, env = "BULKHEAD_TRANSFER_TIMEOUT_MS", default_value_t = 60_000)]
     transfer_timeout_ms: u64,
     /// A request not finished after this long fails (ms).

@@ -197,6 +197,7 @@ fn brief(m: &Message) -> String {
         Message::KvHello { prefill } => format!("KvHello w{}", prefill.0),
         Message::PrefillUnreachable { worker } => format!("PrefillUnreachable w{}", worker.0),
         Message::KvLost { decode } => format!("KvLost w{}", decode.0),
+        Message::KvKeepalive => "KvKeepalive".into(),
         Message::Reserve { req, prompt_tokens, max_tokens, prefill, .. } => {
             format!("Reserve r{req} prompt {prompt_tokens} max {max_tokens} via w{}", prefill.0)
         }

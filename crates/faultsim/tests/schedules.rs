@@ -79,9 +79,9 @@ fn dropped_fences_are_caught_as_pages_that_never_come_back() {
 /// The decode driver takes a transfer timeout for a fence: a page is handed to another
 /// request while its first writer still sends chunks for it. Over TCP the late chunk is
 /// dropped unread, so no output changes; the harness sees it arrive for a page handed out
-/// again (I4). The transfer timeout is a stall timer (it starts with the first chunk), so
-/// it takes a transfer that stalls and then resumes: about one schedule in 3,000 (3 of
-/// these 10,000).
+/// again (I4). The transfer timeout is a silence timer (any frame from the prefill re-arms
+/// it), so it takes a prefill that falls silent and then resumes writing: 23 of these
+/// 10,000 schedules, none of the first 1,000.
 #[test]
 fn releasing_quarantine_on_a_timeout_is_caught_as_a_late_write() {
     let s = run_seeds(&MockModels, 0..10_000, Options { sabotage: Sabotage::ReleaseOnTimeout, ..Options::default() });

@@ -9,9 +9,7 @@ use bulkhead_kv::KvLayout;
 pub const LAYOUT: KvLayout = KvLayout { layers: 1, kv_heads: 1, head_dim: 2, page_size: 2 };
 
 /// Milliseconds a decode tick or a gateway tick moves that role's clock; equal to both
-/// timeouts, so one gateway tick times out every request in flight before it, and one decode
-/// tick every transfer whose last chunk landed before it (the decode timeout is a stall
-/// timer: a transfer still waiting for its first chunk does not time out).
+/// timeouts, so one tick times out everything that was waiting before it.
 pub const TICK_MS: u64 = 1_000;
 
 /// One client request.

@@ -16,7 +16,7 @@ use crate::msg::*;
 
 /// Protocol version spoken by this build (2: `Sampling` carries `ignore_eos`; 3: `Reserve`
 /// and `Prefill` carry a `TraceContext`, workers send `Metrics`).
-pub const VERSION: u8 = 3;
+pub const VERSION: u8 = 4;
 /// Default largest payload accepted (a KV chunk of one page is ~370 KB for the default model).
 pub const DEFAULT_MAX_FRAME: usize = 16 << 20;
 const MAGIC: [u8; 2] = *b"BH";
@@ -271,6 +271,7 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
             w.u32(decode.0);
             20
         }
+        Message::KvKeepalive => 21,
         Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, trace } => {
             w.req(*req);
             w.u32(*prompt_tokens);
@@ -429,6 +430,7 @@ fn decode_payload(kind: u8, b: &[u8]) -> Result<Message, CodecError> {
         18 => Message::Metrics { families: r.families()? },
         19 => Message::PrefillUnreachable { worker: WorkerId(r.u32()?) },
         20 => Message::KvLost { decode: WorkerId(r.u32()?) },
+        21 => Message::KvKeepalive,
         k => return Err(CodecError::UnknownKind(k)),
     };
     if !r.b.is_empty() {
@@ -514,6 +516,7 @@ mod tests {
             Message::KvHello { prefill: WorkerId(1) },
             Message::PrefillUnreachable { worker: WorkerId(4) },
             Message::KvLost { decode: WorkerId(5) },
+            Message::KvKeepalive,
             Message::Reserve {
                 req: RequestId(5),
                 prompt_tokens: 9,

@@ -7,11 +7,12 @@
 //! writer is fenced: its `Done` or `Fenced` for the request arrived, or its connection
 //! closed. A timeout fails the request but never frees its pages.
 //!
-//! The transfer timeout is a stall timer: it is armed by the first verified chunk and re-armed
-//! by every later one, so it fails a transfer that started and then stopped making progress.
-//! A reservation waiting for its first chunk never times out here: its prompt may still be
-//! queued at the prefill worker, and that wait is bounded by the gateway's request timeout
-//! (which aborts both sides) and, for a prefill worker that goes away, by its fence.
+//! The transfer timeout is a silence timer: a reservation fails when its prefill worker has
+//! sent nothing on its KV connection for `transfer_timeout_ms` (since the reservation, or
+//! since its last frame: a chunk for any request, `Done`, `Fenced` or a `KvKeepalive`). A
+//! prompt queued behind others at a busy prefill therefore waits as long as it must (the
+//! gateway's request timeout bounds that), while a cut link or a hung prefill is noticed
+//! within the timeout.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -24,8 +25,8 @@ use crate::msg::*;
 pub struct DecodeConfig {
     /// Longest request (prompt + generation) admitted.
     pub max_context: usize,
-    /// How long a started transfer may go without a verified chunk before it fails (the
-    /// wait for its first chunk is not counted: see the module docs).
+    /// How long a reservation may go without any frame from its prefill worker before it
+    /// fails (see the module docs).
     pub transfer_timeout_ms: u64,
 }
 
@@ -102,7 +103,7 @@ pub struct DecodeStats {
     pub fenced_releases: u64,
     /// Chunks for requests no longer receiving (dropped unread).
     pub late_chunks: u64,
-    /// Transfers that timed out: no verified chunk within the transfer timeout of the last.
+    /// Transfers that timed out: nothing from their prefill worker for the transfer timeout.
     pub timeouts: u64,
 }
 
@@ -113,9 +114,10 @@ struct Pending {
     max_tokens: u32,
     sampling: Sampling,
     stop: Vec<String>,
-    /// `transfer_timeout_ms` after the last verified chunk; `None` until the first one lands,
-    /// since the prompt may be queued at the prefill and that wait is the gateway's to bound.
-    deadline_ms: Option<u64>,
+    /// `transfer_timeout_ms` after the reservation or the last frame from its prefill worker,
+    /// whichever is later: a prefill that keeps talking (chunks for any request, keepalives)
+    /// may have this prompt queued behind others; one silent that long is cut off or hung.
+    deadline_ms: u64,
 }
 
 #[derive(Debug)]
@@ -203,6 +205,7 @@ impl DecodeRole {
         let mut out = Vec::new();
         match ev {
             DecodeEvent::PrefillConnected { from } => {
+                self.heard_from(from);
                 self.connected_prefills.insert(from);
             }
             // A prefill that can no longer reach us and never connected here can never
@@ -213,17 +216,20 @@ impl DecodeRole {
             }
             DecodeEvent::PrefillClosed { from } => self.prefill_fenced(pool, from, &mut out),
             DecodeEvent::Gateway(m) => self.on_gateway(pool, m, &mut out),
-            DecodeEvent::Prefill { from, msg } => self.on_prefill(pool, from, msg, &mut out),
+            DecodeEvent::Prefill { from, msg } => {
+                self.heard_from(from);
+                self.on_prefill(pool, from, msg, &mut out);
+            }
             DecodeEvent::Tick { now_ms } => {
                 self.now_ms = now_ms;
                 let late: Vec<RequestId> =
-                    self.pending.iter().filter(|(_, p)| p.deadline_ms.is_some_and(|d| d <= now_ms)).map(|(r, _)| *r).collect();
+                    self.pending.iter().filter(|(_, p)| p.deadline_ms <= now_ms).map(|(r, _)| *r).collect();
                 for req in late {
                     self.stats.timeouts += 1;
                     if let Some(p) = self.pending.remove(&req) {
                         let prefill = p.prefill;
                         self.quarantine(pool, req, p);
-                        let why = format!("KV transfer stalled: no chunk for {} ms", self.cfg.transfer_timeout_ms);
+                        let why = format!("KV transfer stalled: nothing from the prefill worker for {} ms", self.cfg.transfer_timeout_ms);
                         out.push(failed(req, FailReason::Timeout, why));
                         out.push(DecodeAction::ToPrefill { to: prefill, msg: Message::Abort { req, reason: AbortReason::Timeout } });
                     }
@@ -231,6 +237,12 @@ impl DecodeRole {
             }
         }
         out
+    }
+
+    /// Prefill `from` is alive and its link carries frames: re-arm its reservations' timers.
+    fn heard_from(&mut self, from: WorkerId) {
+        let deadline_ms = self.now_ms.saturating_add(self.cfg.transfer_timeout_ms);
+        self.pending.values_mut().filter(|p| p.prefill == from).for_each(|p| p.deadline_ms = deadline_ms);
     }
 
     /// Nothing more can land from prefill `from` (its KV connection closed, or it left
@@ -287,8 +299,8 @@ impl DecodeRole {
                     Ok(inbound) => {
                         self.stats.reserved += 1;
                         let pages = inbound.prompt_pages(pool.layout().page_size);
-                        // No deadline yet: the stall timer starts with the first chunk.
-                        self.pending.insert(req, Pending { inbound, prefill, max_tokens, sampling, stop, deadline_ms: None });
+                        let deadline_ms = self.now_ms.saturating_add(self.cfg.transfer_timeout_ms);
+                        self.pending.insert(req, Pending { inbound, prefill, max_tokens, sampling, stop, deadline_ms });
                         out.push(DecodeAction::ToGateway(Message::Reserved { req, pages }));
                     }
                     Err(KvError::Exhausted { requested, free }) => {
@@ -344,11 +356,7 @@ impl DecodeRole {
                     })
                 };
                 match verdict {
-                    Ok(()) => {
-                        self.stats.chunks_verified += 1;
-                        // The transfer is making progress: (re-)arm its stall timer.
-                        p.deadline_ms = Some(self.now_ms.saturating_add(self.cfg.transfer_timeout_ms));
-                    }
+                    Ok(()) => self.stats.chunks_verified += 1,
                     Err(why) => {
                         self.stats.chunks_refused += 1;
                         if let Some(p) = self.pending.remove(&req) {

@@ -164,6 +164,11 @@ pub enum Message {
     DecodePeer { worker: WorkerId, addr: String },
     /// Prefill → decode, first message on a KV connection.
     KvHello { prefill: WorkerId },
+    /// Prefill → decode, about every second on each KV connection: the prefill worker is
+    /// alive and the link carries its frames. Like every frame from it, it re-arms the
+    /// transfer timer of the reservations assigned to it, so prompts queued behind others
+    /// do not time out while a silent (cut or hung) prefill still does.
+    KvKeepalive,
     /// Prefill → gateway: its KV connection to `decode` closed or could not be opened
     /// (it does not reconnect).
     KvLost { decode: WorkerId },
@@ -221,6 +226,7 @@ impl Message {
             | Message::Refuse { .. }
             | Message::DecodePeer { .. }
             | Message::KvHello { .. }
+            | Message::KvKeepalive
             | Message::KvLost { .. }
             | Message::PrefillUnreachable { .. }
             | Message::Metrics { .. } => None,

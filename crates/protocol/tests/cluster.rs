@@ -325,7 +325,7 @@ fn a_transfer_that_times_out_fails_once_and_its_pages_stay_quarantined_until_the
     let mut c = Cluster::new(64, 128, true);
     c.submit(1, 10, 3);
     // Reserve, Reserved, Prefill delivered; one page computed, sent and verified at decode
-    // (which arms the stall timer); the prefill then stalls.
+    // (re-arming the timer); the prefill then falls silent.
     while c.job.is_none() {
         assert!(c.deliver() || c.prefill_step());
     }
@@ -342,21 +342,42 @@ fn a_transfer_that_times_out_fails_once_and_its_pages_stay_quarantined_until_the
 }
 
 #[test]
-fn prompts_queued_at_the_prefill_past_the_transfer_timeout_still_finish() {
+fn prompts_queued_at_a_prefill_that_keeps_talking_still_finish_past_the_transfer_timeout() {
     let mut c = Cluster::new(64, 128, true);
     c.submit(1, 10, 3);
     c.submit(2, 6, 2);
     // Both reserved at decode and queued at the prefill; no chunk computed yet.
     while c.deliver() {}
     assert_eq!((c.dec.pending(), c.dec.stats().chunks_verified), (2, 0));
-    // Five transfer timeouts pass in the queue (within the gateway's request timeout).
-    c.tick(5_000);
+    // Five transfer timeouts pass in the queue, the prefill's keepalives arriving meanwhile.
+    for _ in 0..10 {
+        c.tick(500);
+        c.net.push_back((To::Decode { from_prefill: true }, Message::KvKeepalive));
+        while c.deliver() {}
+    }
     c.run();
     for req in [1, 2] {
         assert!(matches!(c.terminal(req), Some(ClientOutput::Finished { .. })), "request {req}: {:?}", c.outputs);
     }
     c.assert_clean(&[1, 2]);
     assert_eq!(c.dec.stats().timeouts, 0);
+}
+
+#[test]
+fn reservations_of_a_silent_prefill_time_out_and_stay_quarantined_until_it_is_fenced() {
+    let mut c = Cluster::new(64, 128, true);
+    c.submit(1, 10, 3);
+    while c.deliver() {}
+    assert_eq!(c.dec.pending(), 1);
+    // Nothing from the prefill (a cut link, a hung worker) for the transfer timeout.
+    c.tick(999);
+    assert_eq!((c.dec.pending(), c.dec.stats().timeouts), (1, 0), "one millisecond short");
+    c.tick(1);
+    assert_eq!((c.dec.pending(), c.dec.stats().timeouts), (0, 1));
+    assert!(c.dpool.stats().quarantined_pages > 0, "a timeout alone frees nothing");
+    c.run();
+    assert!(matches!(c.terminal(1), Some(ClientOutput::Failed { .. })), "{:?}", c.outputs);
+    c.assert_clean(&[1]);
 }
 
 #[test]

@@ -216,7 +216,7 @@ fn a_cancel_frees_a_quarantined_reservation_only_if_no_chunk_ever_landed() {
 fn a_timed_out_transfer_is_counted_failed_and_its_pages_stay_quarantined() {
     let mut r = Rig::new(16);
     let pages = r.reserved(1, 4, A);
-    // Its one chunk lands (arming the stall timer); its Done never comes.
+    // Its one chunk lands (re-arming the timer); its Done never comes.
     let (chunks, _) = r.transfer(1, 4, &pages);
     r.prefill(A, chunks[0].clone());
     let acts = r.tick(1_000);
@@ -225,26 +225,34 @@ fn a_timed_out_transfer_is_counted_failed_and_its_pages_stay_quarantined() {
     assert_eq!(r.dec.stats(), DecodeStats { reserved: 1, chunks_verified: 1, timeouts: 1, pages_quarantined: 2, ..DecodeStats::default() });
 }
 
-// The transfer timeout is a stall timer: the wait for the first chunk (the prompt may be
-// queued behind others at the prefill worker) is the gateway's request timeout to bound.
+// The transfer timeout is a silence timer: any frame from the assigned prefill worker (a
+// chunk for any request, a keepalive) re-arms it, so a prompt queued behind others at a busy
+// prefill waits, while a prefill silent for the timeout (cut off, hung) fails the transfer.
 
 #[test]
-fn a_reservation_waiting_for_its_first_chunk_never_times_out_at_the_decode_worker() {
+fn a_reservation_whose_prefill_keeps_talking_waits_past_the_timeout_and_one_whose_prefill_is_silent_fails() {
     let mut r = Rig::new(16);
     let pages = r.reserved(1, 8, A);
-    for now_ms in [999, 1_000, 60_000, 10_000_000] {
-        let acts = r.tick(now_ms);
-        assert!(acts.is_empty(), "tick {now_ms}: {acts:?}");
+    r.reserved(2, 4, B);
+    // A sends keepalives every 600 ms for ten seconds; B says nothing.
+    let mut timed_out = Vec::new();
+    for now_ms in (600..=10_200).step_by(600) {
+        for a in r.tick(now_ms) {
+            if let DecodeAction::ToGateway(Message::Failed { req, reason: FailReason::Timeout, .. }) = a {
+                timed_out.push((req.0, now_ms));
+            }
+        }
+        assert!(r.prefill(A, Message::KvKeepalive).is_empty());
     }
-    assert_eq!(r.state(), ((1, 0, 0), (13, 3, 0)), "still reserved, nothing quarantined");
-    // Its prompt reaches the front of the prefill queue at last: the transfer completes.
+    assert_eq!(timed_out, vec![(2, 1_200)], "only the silent prefill's reservation fails, once its silence reaches 1,000 ms");
+    assert_eq!(r.dec.pending(), 1);
+    // A's prompt reaches the front of its queue at last: the transfer completes.
     let (chunks, done) = r.transfer(1, 8, &pages);
     for c in chunks {
         assert!(r.prefill(A, c).is_empty());
     }
     assert!(started(&r.prefill(A, done)));
-    assert_eq!(r.state().0, (0, 0, 1));
-    assert_eq!(r.dec.stats().timeouts, 0);
+    assert_eq!(r.dec.stats().timeouts, 1);
 }
 
 #[test]
@@ -252,8 +260,11 @@ fn a_transfer_that_stalls_for_the_transfer_timeout_after_a_chunk_fails_and_its_p
     let mut r = Rig::new(16);
     let pages = r.reserved(1, 8, A);
     let (chunks, done) = r.transfer(1, 8, &pages);
-    assert!(r.tick(5_000).is_empty(), "queued at the prefill");
-    // The first chunk lands at 5,000 ms; the second never follows.
+    for now_ms in (500..=5_000).step_by(500) {
+        assert!(r.tick(now_ms).is_empty(), "queued at a prefill that keeps talking");
+        r.prefill(A, Message::KvKeepalive);
+    }
+    // The first chunk lands at 5,000 ms; nothing follows.
     r.prefill(A, chunks[0].clone());
     assert!(r.tick(5_999).is_empty(), "one millisecond short of the stall timeout");
     let acts = r.tick(6_000);
@@ -276,7 +287,7 @@ fn a_transfer_that_stalls_for_the_transfer_timeout_after_a_chunk_fails_and_its_p
 }
 
 #[test]
-fn every_verified_chunk_re_arms_the_stall_timer() {
+fn every_chunk_re_arms_the_transfer_timer() {
     let mut r = Rig::new(16);
     let pages = r.reserved(1, 8, A);
     let (chunks, done) = r.transfer(1, 8, &pages);

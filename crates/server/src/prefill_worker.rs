@@ -43,6 +43,10 @@ struct Driver {
     /// Time to send each transfer batch.
     transfer: Histogram,
     pusher: Pusher,
+    /// How often every KV connection gets a `KvKeepalive`, and when they last did: decode
+    /// workers fail reservations whose prefill stays silent for `--transfer-timeout-ms`.
+    keepalive: Duration,
+    last_keepalive: Instant,
 }
 
 /// Run a prefill worker until its gateway goes away.
@@ -55,7 +59,20 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     let page_size = loaded.pool.layout().page_size;
     let role = PrefillRole::new(PrefillConfig { max_prompt: loaded.context, page_size });
     let transfer = Histogram::new(metrics::TRANSFER_BUCKETS);
-    let mut d = Driver { me, gw, decodes: BTreeMap::new(), role, tx, sent_bytes: 0, transfer, pusher: Pusher::new() };
+    // Several keepalives per decode timeout, and no more than one a second.
+    let keepalive = Duration::from_millis((cfg.transfer_timeout_ms / 4).clamp(10, 1_000));
+    let mut d = Driver {
+        me,
+        gw,
+        decodes: BTreeMap::new(),
+        role,
+        tx,
+        sent_bytes: 0,
+        transfer,
+        pusher: Pusher::new(),
+        keepalive,
+        last_keepalive: Instant::now(),
+    };
     let crate::worker::Loaded { model, mut pool, .. } = loaded;
     let model = model.model;
     let chunk_tokens = (cfg.transfer_batch_pages.max(1) * page_size).max(1);
@@ -124,6 +141,14 @@ impl Driver {
                     let actions = self.role.decode_closed(w);
                     self.act(actions)?;
                 }
+            }
+        }
+        // Also reached between the chunks of a long prompt, so a busy prefill keeps talking.
+        if self.last_keepalive.elapsed() >= self.keepalive {
+            self.last_keepalive = Instant::now();
+            for conn in self.decodes.values_mut() {
+                // A failed send shows up as that connection's close, handled above next time.
+                let _ = send(conn, &Message::KvKeepalive);
             }
         }
         Ok(true)

@@ -36,8 +36,9 @@ pub struct WorkerConfig {
     pub kv_advertise: Option<String>,
     /// Prefill only: pages per transfer batch (also the prefill compute chunk).
     pub transfer_batch_pages: usize,
-    /// Decode only: how long a started KV transfer may go without a chunk before it fails
-    /// (a stall timer: the wait for the first chunk is the gateway's request timeout's).
+    /// Decode: how long a reservation may go without any frame from its prefill worker
+    /// before it fails. Prefill: sets how often it sends `KvKeepalive` (a quarter of this,
+    /// at most every second).
     pub transfer_timeout_ms: u64,
     /// Optional KV integrity checks (canaries, checksums, auditor).
     pub kv_checks: KvChecks,
