@@ -17,7 +17,7 @@ use bulkhead_kv::{Generation, KvChecks, KvPool, PageId, PoolConfig, PoolStats, R
 use bulkhead_protocol::decode::{DecodeAction, DecodeConfig, DecodeEvent, DecodeRole, DecodeStats};
 use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole};
 use bulkhead_protocol::prefill::{JobOutcome, PrefillAction, PrefillConfig, PrefillJob, PrefillRole};
-use bulkhead_protocol::{AbortReason, FailReason, Hello, Message, RejectReason, Role, Sampling, TraceContext, WorkerId};
+use bulkhead_protocol::{FailReason, Hello, Message, RejectReason, Role, Sampling, TraceContext, WorkerId};
 
 use crate::dice::Dice;
 use crate::model::{DecodeModel, GenEvent, Models, PrefillModel};
@@ -917,13 +917,7 @@ impl<'m, M: Models> Sim<'m, M> {
         if !acts.is_empty() {
             self.log(format!("w{} tick", w.0));
         }
-        let timed_out: Vec<(WorkerId, RequestId)> = acts
-            .iter()
-            .filter_map(|a| match a {
-                DecodeAction::ToPrefill { to, msg: Message::Abort { req, reason: AbortReason::Timeout } } => Some((*to, *req)),
-                _ => None,
-            })
-            .collect();
+        let timed_out: Vec<(WorkerId, RequestId)> = acts.iter().filter_map(DecodeAction::timeout_abort).collect();
         self.decode_actions(w, acts);
         if self.plan.options.sabotage == Sabotage::ReleaseOnTimeout {
             for (from, req) in timed_out {

@@ -92,7 +92,7 @@ pub fn matmul(isa: Isa, mats: &[&Matrix], x: &[f32], n: usize, scratch: &mut Mat
     let mut at = 0;
     let mut spans = Vec::with_capacity(tasks.len());
     for &(mi, r0, r1) in &tasks {
-        spans.push((mi, r0, r1, at, mats[mi].packed_rows(r0, r1).is_some()));
+        spans.push((mi, r0, r1, at, mats[mi].is_packed()));
         at += (r1 - r0) * n;
     }
     for (mi, out) in outs.iter_mut().enumerate() {

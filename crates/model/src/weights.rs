@@ -58,6 +58,11 @@ impl Matrix {
         }
     }
 
+    /// Whether the matrix is held in the packed layout.
+    pub fn is_packed(&self) -> bool {
+        self.packed.is_some()
+    }
+
     /// The packed groups holding rows `r0..r1` (`r0` a multiple of [`packed::GROUP`]), if
     /// this matrix is packed.
     pub fn packed_rows(&self, r0: usize, r1: usize) -> Option<&[u8]> {

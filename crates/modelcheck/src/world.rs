@@ -15,7 +15,7 @@ use bulkhead_kv::{KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
 use bulkhead_protocol::decode::{DecodeAction, DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole};
 use bulkhead_protocol::prefill::{JobOutcome, PrefillAction, PrefillConfig, PrefillJob, PrefillRole};
-use bulkhead_protocol::{AbortReason, FailReason, Message, RejectReason, Role, Sampling, TraceContext, WorkerId};
+use bulkhead_protocol::{FailReason, Message, RejectReason, Role, Sampling, TraceContext, WorkerId};
 
 use crate::config::{Config, Variant, LAYOUT, TICK_MS};
 use crate::observe;
@@ -476,13 +476,7 @@ impl<'c> World<'c> {
                 if self.cfg.variant == Variant::ReleaseQuarantineOnTick {
                     // Broken: a timeout is taken for a fence, so the quarantined pages of
                     // every timed-out transfer are released while its prefill may still write.
-                    let timed_out: Vec<(WorkerId, RequestId)> = acts
-                        .iter()
-                        .filter_map(|a| match a {
-                            DecodeAction::ToPrefill { to, msg: Message::Abort { req, reason: AbortReason::Timeout } } => Some((*to, *req)),
-                            _ => None,
-                        })
-                        .collect();
+                    let timed_out: Vec<(WorkerId, RequestId)> = acts.iter().filter_map(DecodeAction::timeout_abort).collect();
                     self.decode_actions(acts);
                     for (from, req) in timed_out {
                         let more = self.dec.role.handle(&mut self.dec.pool, DecodeEvent::Prefill { from, msg: Message::Fenced { req } });

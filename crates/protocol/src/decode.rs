@@ -75,6 +75,17 @@ pub enum DecodeAction {
     Stop { req: RequestId },
 }
 
+impl DecodeAction {
+    /// The prefill worker and request of a transfer this action gives up on timeout (the
+    /// `Abort { reason: Timeout }` a silent prefill gets), if it is one.
+    pub fn timeout_abort(&self) -> Option<(WorkerId, RequestId)> {
+        match self {
+            DecodeAction::ToPrefill { to, msg: Message::Abort { req, reason: AbortReason::Timeout } } => Some((*to, *req)),
+            _ => None,
+        }
+    }
+}
+
 /// Evidence (I6): every check that ran and every one that failed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DecodeStats {
