@@ -124,6 +124,6 @@ fn assert_runnable(r: &GenerationRequest) {
     }
     let s = &r.sampling;
     let in_range = (0.0..=MAX_TEMPERATURE as f32).contains(&s.temperature) && s.top_p > 0.0 && s.top_p <= 1.0;
-    assert!(in_range && s.validate().is_ok(), "sampling out of range: {s:?}");
+    assert!(in_range && bulkhead_engine::sampling::validate(s).is_ok(), "sampling out of range: {s:?}");
     assert!(r.stop.len() <= MAX_STOP && r.stop.iter().all(|s| !s.is_empty()), "stop {:?}", r.stop);
 }

@@ -2,7 +2,8 @@
 //! engine ([`ColocatedBackend`](crate::ColocatedBackend)) or, later, the disaggregated
 //! gateway.
 
-use bulkhead_engine::SamplingParams;
+pub use bulkhead_protocol::FinishReason;
+use bulkhead_protocol::Sampling;
 use bulkhead_tokenizer::ChatMessage;
 use tokio::sync::mpsc::Receiver;
 
@@ -46,30 +47,9 @@ pub struct GenerationRequest {
     /// Most tokens to generate; `None` means whatever context remains after the prompt.
     pub max_tokens: Option<usize>,
     /// Sampling settings (already range-checked).
-    pub sampling: SamplingParams,
+    pub sampling: Sampling,
     /// Stop strings: generation ends before the first one, which is not returned.
     pub stop: Vec<String>,
-}
-
-/// Why a generation ended.
-// The schema's names must be `as_str`'s: tests/openapi.rs checks that they agree.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, utoipa::ToSchema)]
-#[schema(rename_all = "lowercase")]
-pub enum FinishReason {
-    /// End-of-generation token or a stop string.
-    Stop,
-    /// `max_tokens` (or the context) reached.
-    Length,
-}
-
-impl FinishReason {
-    /// The OpenAI `finish_reason` string.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-        }
-    }
 }
 
 /// What a backend streams for one request. The stream ends after `Finished` or `Failed`.

@@ -13,17 +13,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc as std_mpsc;
 
-use bulkhead_engine::{Engine, EngineError, Event, GenRequest, LoadedModel, SamplingError};
+use bulkhead_engine::{Engine, EngineConfig, EngineError, Event, GenRequest, LoadedModel, SamplingError};
+use bulkhead_protocol::admission::{admit, default_max_tokens, Generate};
 use bulkhead_kv::{KvError, KvPool, KvChecks, PoolConfig, RequestId};
 use tokio::sync::mpsc;
 
-use crate::backend::{Backend, FinishReason, GenEvent, GenerationRequest, ModelCard, Prompt};
+use crate::backend::{Backend, GenEvent, GenerationRequest, ModelCard, Prompt};
 use crate::error::ApiError;
 use crate::prompt::PromptEncoder;
 use crate::ids::unix_now;
-
-/// Most prompt tokens fed to the model in one step (across all prefilling requests).
-pub const PREFILL_CHUNK: usize = 512;
 
 /// Why a [`ColocatedBackend`] could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -102,8 +100,7 @@ impl ColocatedBackend {
             Arc::new(model),
             Arc::clone(&tokenizer),
             pool,
-            PREFILL_CHUNK,
-            context_limit,
+            EngineConfig::for_context(context_limit),
         );
         let (commands, inbox) = std_mpsc::channel();
         let alive = Arc::new(AtomicBool::new(true));
@@ -165,27 +162,11 @@ impl Backend for ColocatedBackend {
             return Err(ApiError::model_not_found(&req.model));
         }
         let prompt = self.encoder.encode(&req.prompt)?;
-        if prompt.is_empty() {
-            let param = if matches!(req.prompt, Prompt::Chat(_)) {
-                "messages"
-            } else {
-                "prompt"
-            };
-            return Err(ApiError::invalid_request(param, "The prompt is empty."));
-        }
         // Refuse what cannot fit before the engine reserves anything.
         let limit = self.context_limit;
-        let max_tokens = match req.max_tokens {
-            Some(n) => n,
-            None => limit.saturating_sub(prompt.len()),
-        };
-        if max_tokens == 0 || prompt.len().saturating_add(max_tokens) > limit {
-            return Err(ApiError::context_length_exceeded(
-                prompt.len(),
-                max_tokens.max(1),
-                limit,
-            ));
-        }
+        let max_tokens = req.max_tokens.unwrap_or_else(|| default_max_tokens(prompt.len(), limit));
+        let prompt_param = if matches!(req.prompt, Prompt::Chat(_)) { "messages" } else { "prompt" };
+        admit(prompt.len(), Generate::Tokens(max_tokens), limit).map_err(|r| ApiError::refused(&r, prompt_param))?;
         // Every step sends at most one event per request, plus the final text and Finished:
         // this capacity means the engine thread never finds the channel full.
         let (events, rx) = mpsc::channel(max_tokens.saturating_add(4));
@@ -334,44 +315,39 @@ impl EngineLoop {
     fn route(&mut self, events: Vec<Event>) {
         for ev in events {
             match ev {
-                Event::Token { id, text, .. } => {
+                Event::Token { req, text, .. } => {
                     if !text.is_empty() {
-                        self.send(id, GenEvent::Text(text));
+                        self.send(req, GenEvent::Text(text));
                     }
                 }
-                Event::Failed { id, error } => {
-                    if let Some(live) = self.live.remove(&id) {
+                Event::Failed { req, error } => {
+                    if let Some(live) = self.live.remove(&req) {
                         let err = ApiError::internal(format!("KV read check failed: {error}"));
                         let _ = live.events.try_send(GenEvent::Failed(err));
                     }
                 }
                 Event::Finished {
-                    id,
-                    reason,
+                    req,
+                    finish,
                     text,
                     prompt_tokens,
                     completion_tokens,
                 } => {
                     if !text.is_empty() {
-                        self.send(id, GenEvent::Text(text));
+                        self.send(req, GenEvent::Text(text));
                     }
-                    let reason = match reason {
-                        bulkhead_engine::FinishReason::Length => FinishReason::Length,
-                        bulkhead_engine::FinishReason::Stop
-                        | bulkhead_engine::FinishReason::Abort => FinishReason::Stop,
-                    };
-                    if let Some(live) = self.live.remove(&id) {
+                    if let Some(live) = self.live.remove(&req) {
                         tracing::debug!(
                             request_id = %live.request_id,
                             prompt_tokens,
                             completion_tokens,
-                            reason = reason.as_str(),
+                            reason = finish.as_str(),
                             "finished"
                         );
                         let _ = live.events.try_send(GenEvent::Finished {
-                            reason,
-                            prompt_tokens,
-                            completion_tokens,
+                            reason: finish,
+                            prompt_tokens: prompt_tokens as usize,
+                            completion_tokens: completion_tokens as usize,
                         });
                     }
                 }
@@ -396,19 +372,10 @@ impl EngineLoop {
 /// The API error for a refused admission.
 fn admission_error(e: EngineError) -> ApiError {
     match e {
-        EngineError::ContextLength {
-            prompt,
-            max_tokens,
-            limit,
-            ..
-        } => ApiError::context_length_exceeded(prompt, max_tokens, limit),
+        EngineError::Refused(r) => ApiError::refused(&r, "messages"),
         EngineError::PoolFull(e) => ApiError::overloaded(format!(
             "The server is at capacity (KV cache full: {e}). Please retry later."
         )),
-        EngineError::EmptyPrompt => ApiError::invalid_request("messages", "The prompt is empty."),
-        EngineError::ZeroMaxTokens => {
-            ApiError::invalid_request("max_tokens", "max_tokens must be at least 1.")
-        }
         EngineError::Sampling(e @ SamplingError::InvalidTemperature { .. }) => {
             ApiError::invalid_request("temperature", e.to_string())
         }

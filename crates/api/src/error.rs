@@ -1,6 +1,7 @@
 //! [`ApiError`]: every refusal or failure the API reports, rendered as an OpenAI error body
 //! `{"error": {"message", "type", "param", "code"}}` with the matching HTTP status.
 
+use bulkhead_protocol::admission::Refusal;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
@@ -14,18 +15,21 @@ pub enum ErrorKind {
     NotFound,
     /// The server is at capacity; retrying later may succeed (503).
     Overloaded,
+    /// Too many requests are waiting; retrying later may succeed (429).
+    RateLimited,
     /// The server failed (500).
     Server,
 }
 
 impl ErrorKind {
     /// The OpenAI `type` string: `invalid_request_error`, `not_found_error`,
-    /// `overloaded_error` or `server_error`.
+    /// `overloaded_error`, `rate_limit_error` or `server_error`.
     pub fn as_str(self) -> &'static str {
         match self {
             ErrorKind::InvalidRequest => "invalid_request_error",
             ErrorKind::NotFound => "not_found_error",
             ErrorKind::Overloaded => "overloaded_error",
+            ErrorKind::RateLimited => "rate_limit_error",
             ErrorKind::Server => "server_error",
         }
     }
@@ -93,6 +97,18 @@ impl ApiError {
         .with_param("messages")
     }
 
+    /// The 400 for a request the admission decision refused ([`Refusal`]): over the
+    /// context, an empty prompt (`prompt_param` names the field that held it), or zero
+    /// `max_tokens`.
+    pub fn refused(r: &Refusal, prompt_param: &str) -> Self {
+        match *r {
+            Refusal::ContextLength { prompt, max_tokens, limit, .. } => ApiError::context_length_exceeded(prompt, max_tokens, limit),
+            Refusal::PromptTooLong { prompt, limit } => ApiError::context_length_exceeded(prompt, 0, limit),
+            Refusal::EmptyPrompt => ApiError::invalid_request(prompt_param, "The prompt is empty."),
+            Refusal::ZeroMaxTokens => ApiError::invalid_request("max_tokens", "max_tokens must be at least 1."),
+        }
+    }
+
     /// 400 `invalid_request_error` about the request field `param`.
     pub fn invalid_request(param: impl Into<String>, message: impl Into<String>) -> Self {
         ApiError::new(StatusCode::BAD_REQUEST, ErrorKind::InvalidRequest, message).with_param(param)
@@ -145,6 +161,12 @@ impl ApiError {
         .with_code("overloaded")
     }
 
+    /// 429 `rate_limit_error`: the server has too much waiting to take this request now;
+    /// `code` says why (`queue_full`, `queue_timeout`). Answered with `Retry-After`.
+    pub fn too_many_requests(code: &'static str, message: impl Into<String>) -> Self {
+        ApiError::new(StatusCode::TOO_MANY_REQUESTS, ErrorKind::RateLimited, message).with_code(code)
+    }
+
     /// 500 `server_error`.
     pub fn internal(message: impl Into<String>) -> Self {
         ApiError::new(
@@ -192,7 +214,8 @@ pub(crate) struct ErrorBody<'a> {
 struct ErrorDetail<'a> {
     /// For people.
     message: &'a str,
-    /// `invalid_request_error`, `not_found_error`, `overloaded_error` or `server_error`.
+    /// `invalid_request_error`, `not_found_error`, `overloaded_error`, `rate_limit_error` or
+    /// `server_error`.
     #[serde(rename = "type")]
     #[schema(example = "invalid_request_error")]
     kind: &'a str,
@@ -224,7 +247,7 @@ impl IntoResponse for ApiError {
             );
         }
         let mut resp = (self.status, axum::Json(self.body())).into_response();
-        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+        if matches!(self.status, StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS) {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }

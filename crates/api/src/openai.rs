@@ -2,7 +2,7 @@
 //! `param`, and unknown fields are ignored as OpenAI clients send extras) and the response
 //! and stream-chunk objects.
 
-use bulkhead_engine::SamplingParams;
+use bulkhead_protocol::Sampling;
 use bulkhead_tokenizer::ChatMessage;
 use serde::Serialize;
 use serde_json::{Map, Number, Value};
@@ -28,7 +28,7 @@ pub struct CompletionParams {
     /// `max_completion_tokens`, else `max_tokens`; at least 1 when given.
     pub max_tokens: Option<usize>,
     /// temperature, top_p, top_k, seed.
-    pub sampling: SamplingParams,
+    pub sampling: Sampling,
     /// Stop strings (empty ones dropped).
     pub stop: Vec<String>,
     /// Whether to answer with server-sent events.
@@ -130,7 +130,7 @@ fn common(obj: &Map<String, Value>, prompt: Prompt) -> Result<CompletionParams, 
             .map(|v| positive_int(v, "max_tokens"))
             .transpose()?,
     };
-    let mut sampling = SamplingParams::default();
+    let mut sampling = Sampling::default();
     if let Some(v) = field(obj, "temperature") {
         let t = number(v, "temperature")?;
         if !(0.0..=MAX_TEMPERATURE).contains(&t) {
@@ -154,7 +154,7 @@ fn common(obj: &Map<String, Value>, prompt: Prompt) -> Result<CompletionParams, 
     if let Some(v) = field(obj, "top_k") {
         sampling.top_k = match v.as_f64() {
             Some(-1.0) => 0, // vLLM's "off"
-            _ => usize::try_from(int(v, "top_k", 0)?).unwrap_or(usize::MAX),
+            _ => u32::try_from(int(v, "top_k", 0)?).unwrap_or(u32::MAX),
         };
     }
     if let Some(v) = field(obj, "seed") {

@@ -179,6 +179,11 @@ impl IntoResponses for CompletionErrors {
                 "Unknown `model` (`code: model_not_found`).",
             ),
             (StatusCode::PAYLOAD_TOO_LARGE, "The body is over 4 MiB."),
+            (
+                StatusCode::TOO_MANY_REQUESTS,
+                "Too much is waiting to take this request now (`type: rate_limit_error`); retry \
+                 after `Retry-After` seconds.",
+            ),
             (StatusCode::INTERNAL_SERVER_ERROR, "The server failed."),
             (
                 StatusCode::SERVICE_UNAVAILABLE,

@@ -267,7 +267,7 @@ async fn a_chat_completion_returns_the_backend_text_with_usage() {
         Prompt::Chat(vec![ChatMessage::new("user", "Hi")])
     );
     assert_eq!(req.max_tokens, None);
-    assert_eq!(req.sampling, bulkhead_engine::SamplingParams::default());
+    assert_eq!(req.sampling, bulkhead_engine::Sampling::default());
 }
 
 #[tokio::test]
@@ -870,7 +870,7 @@ async fn unknown_fields_are_ignored_and_null_means_not_given() {
     assert_eq!(status, StatusCode::OK, "{v}");
     let r = mock.last_request();
     assert_eq!(r.max_tokens, None);
-    assert_eq!(r.sampling, bulkhead_engine::SamplingParams::default());
+    assert_eq!(r.sampling, bulkhead_engine::Sampling::default());
     assert!(r.stop.is_empty());
 }
 

@@ -177,7 +177,7 @@ fn every_field_the_parser_reads_is_documented() {
 #[test]
 fn finish_reason_schema_names_are_the_wire_names() {
     let names = &doc()["components"]["schemas"]["FinishReason"]["enum"];
-    let want: Vec<&str> = [FinishReason::Stop, FinishReason::Length]
+    let want: Vec<&str> = [FinishReason::Stop, FinishReason::Length, FinishReason::Abort]
         .iter()
         .map(|r| r.as_str())
         .collect();

@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use bulkhead_kv::{KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
-use bulkhead_model::{Isa, Llama, SeqInput};
+use bulkhead_model::{Isa, IsaLevel, Llama, SeqInput};
 use clap::Args;
 
 use crate::ModelArgs;
@@ -139,11 +139,11 @@ fn compare_checks(m: &Llama, a: &BenchArgs, pages: usize, checks: KvChecks) -> a
 /// `--compare-kernels`: the detected VNNI kernels against the AVX2 ones, prefill and each
 /// decode batch size in alternating repetitions.
 fn compare_kernels(vnni: &Llama, a: &BenchArgs, pages: usize) -> anyhow::Result<()> {
-    if vnni.isa() != Isa::Avx512Vnni {
+    let Some(avx2) = Isa::get(IsaLevel::Avx2).filter(|_| vnni.isa().level() == IsaLevel::Avx512Vnni) else {
         println!("bulkhead bench-engine --compare-kernels: this CPU runs {}, not AVX-512 VNNI: nothing to compare", vnni.isa().name());
         return Ok(());
-    }
-    let avx2 = a.model.load()?.model.with_isa(Isa::Avx2);
+    };
+    let avx2 = a.model.load()?.model.with_isa(avx2);
     let layout = vnni.kv_layout(a.model.page_size as usize);
     let mut pool = KvPool::new(PoolConfig { layout, pages, checks: KvChecks::default() })?;
     prefill_tps(vnni, &mut pool, a.prompt_tokens.min(64))?;

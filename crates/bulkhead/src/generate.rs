@@ -4,7 +4,8 @@ use std::io::Write;
 use std::sync::Arc;
 
 use anyhow::Context;
-use bulkhead_engine::{Engine, Event, GenRequest, SamplingParams};
+use bulkhead_engine::{Engine, EngineConfig, Event, GenRequest, Sampling};
+use bulkhead_protocol::admission::{admit, Generate};
 use bulkhead_kv::{KvPool, KvChecks, PoolConfig};
 use bulkhead_tokenizer::ChatMessage;
 use clap::Args;
@@ -32,7 +33,7 @@ pub struct GenerateArgs {
     top_p: f32,
     /// Keep only the k most likely tokens (0 = off).
     #[arg(long, env = "BULKHEAD_GENERATE_TOP_K", default_value_t = 0)]
-    top_k: usize,
+    top_k: u32,
     /// Seed for reproducible sampling.
     #[arg(long, env = "BULKHEAD_GENERATE_SEED")]
     seed: Option<u64>,
@@ -50,29 +51,22 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
     messages.push(ChatMessage::new("user", a.prompt.clone()));
     let text = m.chat.render(&messages, true).context("chat template")?;
     let prompt = m.tokenizer.encode(&text, true);
-    let needed = prompt.len().saturating_add(a.max_tokens);
     let context = m.model.config.context_length;
-    if needed > context {
-        anyhow::bail!(
-            "prompt ({} tokens) + --max-tokens ({}) = {needed} exceeds the model's context of {context} tokens",
-            prompt.len(),
-            a.max_tokens
-        );
-    }
+    let needed = admit(prompt.len(), Generate::Tokens(a.max_tokens), context).context("--prompt with --max-tokens")?;
     let layout = m.model.kv_layout(a.model.page_size as usize);
     let pool = KvPool::new(PoolConfig { layout, pages: layout.pages_for_tokens(needed), checks: KvChecks::default() })?;
-    let sampling = SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed, ignore_eos: false };
-    let mut engine = Engine::new(Arc::new(m.model), Arc::new(m.tokenizer), pool, 512, context);
+    let sampling = Sampling { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed, ignore_eos: false };
+    let mut engine = Engine::new(Arc::new(m.model), Arc::new(m.tokenizer), pool, EngineConfig::for_context(context));
     engine.add(GenRequest { prompt, max_tokens: a.max_tokens, sampling, stop: a.stop })?;
     let mut out = std::io::stdout().lock();
     while engine.active() > 0 {
         for ev in engine.step()? {
             match ev {
                 Event::Token { text, .. } => out.write_all(text.as_bytes())?,
-                Event::Finished { text, reason, prompt_tokens, completion_tokens, .. } => {
+                Event::Finished { text, finish, prompt_tokens, completion_tokens, .. } => {
                     out.write_all(text.as_bytes())?;
                     writeln!(out)?;
-                    tracing::info!(reason = reason.as_str(), prompt_tokens, completion_tokens, "finished");
+                    tracing::info!(reason = finish.as_str(), prompt_tokens, completion_tokens, "finished");
                 }
                 Event::Failed { error, .. } => anyhow::bail!("generation failed a KV read check: {error}"),
             }

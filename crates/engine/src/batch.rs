@@ -9,13 +9,41 @@
 
 use std::sync::Arc;
 
-use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv};
+use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv, Unreleased};
 use bulkhead_model::{Llama, ModelError, SeqInput};
+use bulkhead_protocol::admission::{admit, Generate, Refusal};
+use bulkhead_protocol::driver::decode::GenEvent;
+use bulkhead_protocol::{FinishReason, Sampling};
 use bulkhead_tokenizer::Tokenizer;
 
 use crate::detok::Utf8Stream;
-use crate::sampling::{Sampler, SamplingError, SamplingParams};
+use crate::sampling::{Sampler, SamplingError};
 use crate::stop::StopMatcher;
+
+/// What one step produced for one request: the protocol's [`GenEvent`], so the engine's
+/// events travel to the gateway unchanged.
+pub type Event = GenEvent;
+
+/// Prompt tokens a step feeds when nothing else is said: enough to keep both cores busy
+/// on a chunk of a long prompt, few enough that decode steps are not held up for long.
+pub const DEFAULT_PREFILL_CHUNK: usize = 512;
+
+/// How an [`Engine`] batches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Most prompt tokens fed per step, over all prefilling sequences (at least one
+    /// sequence always makes progress). Irrelevant where every sequence arrives prefilled.
+    pub prefill_chunk: usize,
+    /// Longest request admitted (prompt + `max_tokens`); capped at the model's context.
+    pub context_limit: usize,
+}
+
+impl EngineConfig {
+    /// The default chunk, and requests up to `context_limit` tokens.
+    pub fn for_context(context_limit: usize) -> Self {
+        EngineConfig { prefill_chunk: DEFAULT_PREFILL_CHUNK, context_limit }
+    }
+}
 
 /// What one generation asks for.
 #[derive(Debug, Clone)]
@@ -25,57 +53,18 @@ pub struct GenRequest {
     /// Most tokens to generate.
     pub max_tokens: usize,
     /// Sampling settings.
-    pub sampling: SamplingParams,
+    pub sampling: Sampling,
     /// Stop strings: generation ends before the first one, which is not returned.
     pub stop: Vec<String>,
-}
-
-/// Why a sequence ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
-    /// End-of-generation token or a stop string.
-    Stop,
-    /// `max_tokens` reached.
-    Length,
-    /// Aborted by the caller.
-    Abort,
-}
-
-impl FinishReason {
-    /// The OpenAI `finish_reason` string.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-            FinishReason::Abort => "abort",
-        }
-    }
-}
-
-/// Something a step produced for one request.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Event {
-    /// A token was sampled; `text` is what may be shown now (possibly empty while a UTF-8
-    /// character or a possible stop string is incomplete).
-    Token { id: RequestId, token: u32, text: String },
-    /// The request ended; `text` is any text released at the end.
-    Finished { id: RequestId, reason: FinishReason, text: String, prompt_tokens: usize, completion_tokens: usize },
-    /// The request failed a KV read check (a stale lease, the poison canary or the
-    /// auditor) and was removed before its step ran; its pages are given back.
-    Failed { id: RequestId, error: KvError },
 }
 
 /// Why a request was not admitted or a step failed.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
-    #[error("prompt is empty")]
-    EmptyPrompt,
-    #[error(
-        "this request needs {needed} tokens of context (prompt {prompt} + max_tokens {max_tokens}), the limit is {limit}"
-    )]
-    ContextLength { needed: usize, prompt: usize, max_tokens: usize, limit: usize },
-    #[error("max_tokens must be at least 1")]
-    ZeroMaxTokens,
+    #[error(transparent)]
+    Refused(#[from] Refusal),
+    #[error("a verified sequence of {prompt} prompt tokens has room for {reserved} tokens, not {max_tokens} more")]
+    NoRoom { prompt: usize, max_tokens: usize, reserved: usize },
     #[error("KV pool has too few free pages for this request: {0}")]
     PoolFull(KvError),
     #[error(transparent)]
@@ -84,6 +73,8 @@ pub enum EngineError {
     Model(#[from] ModelError),
     #[error(transparent)]
     Kv(#[from] KvError),
+    #[error("pages could not be given back: {0}")]
+    Unreleased(#[from] Unreleased),
 }
 
 struct Seq {
@@ -113,12 +104,10 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// An engine over `pool`; each step feeds at most `prefill_chunk` prompt tokens (at
-    /// least one sequence always makes progress). Requests longer than `context_limit`
-    /// tokens (prompt + max_tokens) are refused.
-    pub fn new(model: Arc<Llama>, tokenizer: Arc<Tokenizer>, pool: KvPool, prefill_chunk: usize, context_limit: usize) -> Self {
-        let context_limit = context_limit.min(model.config.context_length);
-        Engine { model, tokenizer, pool, seqs: Vec::new(), next_id: 1, prefill_chunk: prefill_chunk.max(1), context_limit }
+    /// An engine over `pool`, batching as `cfg` says.
+    pub fn new(model: Arc<Llama>, tokenizer: Arc<Tokenizer>, pool: KvPool, cfg: EngineConfig) -> Self {
+        let context_limit = cfg.context_limit.min(model.config.context_length);
+        Engine { model, tokenizer, pool, seqs: Vec::new(), next_id: 1, prefill_chunk: cfg.prefill_chunk.max(1), context_limit }
     }
 
     /// The pool, for statistics.
@@ -136,23 +125,10 @@ impl Engine {
         self.seqs.len()
     }
 
-    /// Admit a request: check it, reserve all its pages, queue it for the next step.
+    /// Admit a request: check it ([`admit`], the decision every role shares), reserve all
+    /// its pages, queue it for the next step.
     pub fn add(&mut self, req: GenRequest) -> Result<RequestId, EngineError> {
-        if req.prompt.is_empty() {
-            return Err(EngineError::EmptyPrompt);
-        }
-        if req.max_tokens == 0 {
-            return Err(EngineError::ZeroMaxTokens);
-        }
-        let needed = req.prompt.len().saturating_add(req.max_tokens);
-        if needed > self.context_limit {
-            return Err(EngineError::ContextLength {
-                needed,
-                prompt: req.prompt.len(),
-                max_tokens: req.max_tokens,
-                limit: self.context_limit,
-            });
-        }
+        let needed = admit(req.prompt.len(), Generate::Tokens(req.max_tokens), self.context_limit)?;
         let sampler = Sampler::new(req.sampling)?;
         let id = RequestId(self.next_id);
         self.next_id += 1;
@@ -196,7 +172,7 @@ impl Engine {
         let bytes = if eog { &[][..] } else { self.tokenizer.token_bytes(tok).unwrap_or(&[]) };
         let piece = s.utf8.push(bytes);
         let out = s.stop.push(&piece);
-        events.push(Event::Token { id: s.id, token: tok, text: out.emit });
+        events.push(Event::Token { req: s.id, token: tok, text: out.emit });
         if out.stopped {
             Some((FinishReason::Stop, String::new()))
         } else if s.generated >= s.max_tokens {
@@ -217,7 +193,7 @@ impl Engine {
         seq: bulkhead_kv::VerifiedSequence,
         first_token: u32,
         max_tokens: usize,
-        sampling: SamplingParams,
+        sampling: Sampling,
         stop: Vec<String>,
     ) -> Result<(RequestId, Vec<Event>), EngineError> {
         let prompt_tokens = seq.prompt_tokens();
@@ -232,8 +208,9 @@ impl Engine {
         let kv = seq.into_sequence();
         let id = kv.owner();
         if max_tokens == 0 || prompt_tokens + max_tokens > kv.reserved_tokens() {
+            let reserved = kv.reserved_tokens();
             kv.release(&mut self.pool)?;
-            return Err(EngineError::ZeroMaxTokens);
+            return Err(EngineError::NoRoom { prompt: prompt_tokens, max_tokens, reserved });
         }
         self.seqs.push(Seq {
             id,
@@ -257,9 +234,9 @@ impl Engine {
 
     fn finish(&mut self, i: usize, reason: FinishReason, text: String, events: &mut Vec<Event>) -> Result<(), EngineError> {
         let s = self.seqs.swap_remove(i);
-        let (id, prompt_tokens, completion_tokens) = (s.id, s.prompt_len, s.generated);
+        let (req, prompt_tokens, completion_tokens) = (s.id, s.prompt_len as u32, s.generated as u32);
         s.kv.release(&mut self.pool)?;
-        events.push(Event::Finished { id, reason, text, prompt_tokens, completion_tokens });
+        events.push(Event::Finished { req, finish: reason, text, prompt_tokens, completion_tokens });
         Ok(())
     }
 
@@ -280,14 +257,12 @@ impl Engine {
                     let pages: Vec<u32> = s.kv.leases().iter().map(|l| l.page().0).collect();
                     tracing::error!(request = s.id.0, ?pages, error = %source, "KV read check failed; request failed");
                     let owner = s.id;
-                    if let Err(e) = s.kv.release(&mut self.pool) {
+                    if let Err(u) = s.kv.release(&mut self.pool) {
                         // Its leases are stale: recover whatever is still leased to it.
-                        tracing::error!(request = owner.0, error = %e, "releasing a failed sequence");
-                        for q in self.pool.revoke_owner(owner) {
-                            self.pool.release_quarantined(q)?;
-                        }
+                        tracing::error!(request = owner.0, error = %u, "releasing a failed sequence");
+                        u.reclaim(&mut self.pool);
                     }
-                    failed.push(Event::Failed { id: owner, error: source });
+                    failed.push(Event::Failed { req: owner, error: source });
                 }
                 Ok(mut events) => {
                     failed.append(&mut events);

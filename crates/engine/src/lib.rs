@@ -6,23 +6,28 @@
 //!
 //! - [`rng`]: a small seeded PRNG (xoshiro256\*\* seeded through SplitMix64);
 //!   no external `rand` dependency.
-//! - [`sampling`]: [`SamplingParams`] and the per-sequence [`Sampler`]
+//! - [`sampling`]: the per-sequence [`Sampler`] over the protocol's `Sampling`
 //!   (greedy, temperature, top-k, top-p).
 //! - [`stop`]: [`StopMatcher`], stop-string matching over streamed text.
 //! - [`detok`]: [`Utf8Stream`], incremental UTF-8 assembly of token byte pieces.
 //! - [`batch`]: [`Engine`], continuous batching of requests over one model and KV pool.
+//! - [`disagg`]: the engine behind the protocol's driver core: [`Engine`] as a decode
+//!   worker's loop, [`Prefiller`] as a prefill worker's compute.
 //! - [`load`]: model, tokenizer and chat template from one GGUF file.
 
 pub mod batch;
 pub mod detok;
+pub mod disagg;
 pub mod load;
 pub mod rng;
 pub mod sampling;
 pub mod stop;
 
-pub use batch::{Engine, EngineError, Event, FinishReason, GenRequest};
+pub use batch::{Engine, EngineConfig, EngineError, Event, GenRequest, DEFAULT_PREFILL_CHUNK};
+pub use bulkhead_protocol::{FinishReason, Sampling};
+pub use disagg::Prefiller;
 pub use detok::Utf8Stream;
 pub use load::{load_model, LoadError, LoadedModel};
 pub use rng::Rng;
-pub use sampling::{Sampler, SamplingError, SamplingParams};
+pub use sampling::{Sampler, SamplingError};
 pub use stop::{StopMatcher, StopOutcome};

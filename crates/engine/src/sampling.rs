@@ -15,6 +15,7 @@
 
 use std::cmp::Ordering;
 
+use bulkhead_protocol::Sampling;
 use thiserror::Error;
 
 use crate::rng::{Rng, entropy_seed};
@@ -57,60 +58,18 @@ pub enum SamplingError {
     NoFiniteLogits,
 }
 
-/// Per-request sampling parameters.
-///
-/// The default is greedy decoding: `temperature = 0`, `top_k = 0` (off),
-/// `top_p = 1` (off), no seed.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct SamplingParams {
-    /// Softmax temperature. `0` means greedy (argmax); otherwise must be
-    /// finite and in `(0, MAX_TEMPERATURE]`.
-    pub temperature: f32,
-    /// Keep only the `top_k` most likely tokens; `0` disables the filter.
-    pub top_k: usize,
-    /// Nucleus sampling: keep the smallest set of most likely tokens whose
-    /// probability mass reaches `top_p`; must be in `(0, 1]`, `1` disables it.
-    pub top_p: f32,
-    /// RNG seed. `Some` makes the token sequence reproducible for identical
-    /// logits; `None` seeds from [`entropy_seed`] (not reproducible).
-    pub seed: Option<u64>,
-    /// Keep generating past end-of-generation tokens (they count, show no
-    /// text), so only `max_tokens` or a stop string ends the sequence; for
-    /// fixed-length benchmarks (llama.cpp's and vLLM's `ignore_eos`).
-    pub ignore_eos: bool,
-}
-
-impl Default for SamplingParams {
-    fn default() -> Self {
-        Self {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            seed: None,
-            ignore_eos: false,
-        }
+/// Checks sampling settings, returning a typed error naming the first bad field and its
+/// value. [`Sampler::new`] calls it; the API checks its own, narrower ranges first.
+pub fn validate(params: &Sampling) -> Result<(), SamplingError> {
+    let t = params.temperature;
+    if !(t.is_finite() && (0.0..=MAX_TEMPERATURE).contains(&t)) {
+        return Err(SamplingError::InvalidTemperature { value: t });
     }
-}
-
-impl SamplingParams {
-    /// Checks the parameters, returning a typed error naming the first bad
-    /// field and its value.
-    pub fn validate(&self) -> Result<(), SamplingError> {
-        let t = self.temperature;
-        if !(t.is_finite() && (0.0..=MAX_TEMPERATURE).contains(&t)) {
-            return Err(SamplingError::InvalidTemperature { value: t });
-        }
-        let p = self.top_p;
-        if !(p > 0.0 && p <= 1.0) {
-            return Err(SamplingError::InvalidTopP { value: p });
-        }
-        Ok(())
+    let p = params.top_p;
+    if !(p > 0.0 && p <= 1.0) {
+        return Err(SamplingError::InvalidTopP { value: p });
     }
-
-    /// Whether these parameters select greedy decoding (argmax).
-    pub fn is_greedy(&self) -> bool {
-        self.temperature == 0.0
-    }
+    Ok(())
 }
 
 /// Candidate token: a logit or weight, and its id.
@@ -136,7 +95,7 @@ fn by_value_desc(a: &Cand, b: &Cand) -> Ordering {
 /// reused, so steady-state sampling does not allocate.
 #[derive(Debug, Clone)]
 pub struct Sampler {
-    params: SamplingParams,
+    params: Sampling,
     rng: Rng,
     /// Per-id unnormalised probabilities (full-vocabulary path).
     weights: Vec<f32>,
@@ -148,8 +107,8 @@ pub struct Sampler {
 
 impl Sampler {
     /// Validates `params` and creates a sampler.
-    pub fn new(params: SamplingParams) -> Result<Self, SamplingError> {
-        params.validate()?;
+    pub fn new(params: Sampling) -> Result<Self, SamplingError> {
+        validate(&params)?;
         let seed = match params.seed {
             Some(seed) => seed,
             None => {
@@ -168,7 +127,7 @@ impl Sampler {
     }
 
     /// The parameters this sampler was created with.
-    pub fn params(&self) -> &SamplingParams {
+    pub fn params(&self) -> &Sampling {
         &self.params
     }
 
@@ -216,7 +175,7 @@ impl Sampler {
         if max == f32::INFINITY {
             return Ok(self.sample_infinite(logits, u));
         }
-        let k = self.params.top_k;
+        let k = self.params.top_k as usize;
         Ok(if k > 0 && k < logits.len() {
             self.sample_top_k(logits, max, best, u)
         } else {
@@ -281,7 +240,7 @@ impl Sampler {
     /// vocabulary, then weight, nucleus-filter and draw among them only.
     fn sample_top_k(&mut self, logits: &[f32], max: f32, best: u32, u: f64) -> u32 {
         let cands = &mut self.cands;
-        top_k_into(logits, self.params.top_k, cands);
+        top_k_into(logits, self.params.top_k as usize, cands);
         let t = self.params.temperature;
         for c in cands.iter_mut() {
             c.0 = weight(c.0, max, t);
@@ -307,7 +266,7 @@ impl Sampler {
         let is_inf = |&(_, &l): &(u32, &f32)| l == f32::INFINITY;
         let mut m = logits.iter().filter(|&&l| l == f32::INFINITY).count();
         if self.params.top_k > 0 {
-            m = m.min(self.params.top_k);
+            m = m.min(self.params.top_k as usize);
         }
         if self.params.top_p < 1.0 {
             let kept = (f64::from(self.params.top_p) * m as f64).ceil() as usize;
@@ -529,9 +488,9 @@ mod tests {
     use proptest::prelude::*;
 
     fn sampler(temperature: f32, top_k: usize, top_p: f32, seed: u64) -> Sampler {
-        Sampler::new(SamplingParams {
+        Sampler::new(Sampling {
             temperature,
-            top_k,
+            top_k: top_k as u32,
             top_p,
             seed: Some(seed),
             ignore_eos: false,
@@ -540,39 +499,39 @@ mod tests {
     }
 
     fn greedy() -> Sampler {
-        Sampler::new(SamplingParams::default()).unwrap()
+        Sampler::new(Sampling::default()).unwrap()
     }
 
     #[test]
     fn default_is_greedy_and_valid() {
-        let p = SamplingParams::default();
+        let p = Sampling::default();
         assert!(p.is_greedy());
         assert_eq!((p.top_k, p.top_p, p.seed), (0, 1.0, None));
-        p.validate().unwrap();
+        validate(&p).unwrap();
     }
 
     #[test]
     fn validate_rejects_bad_values_naming_field() {
         let bad_t = [-0.1, f32::NAN, f32::INFINITY, MAX_TEMPERATURE + 1.0];
         for t in bad_t {
-            let p = SamplingParams {
+            let p = Sampling {
                 temperature: t,
                 ..Default::default()
             };
-            let err = p.validate().unwrap_err();
+            let err = validate(&p).unwrap_err();
             assert!(matches!(err, SamplingError::InvalidTemperature { .. }));
             assert!(err.to_string().contains("temperature"));
         }
         for top_p in [0.0, -0.5, 1.01, f32::NAN, f32::INFINITY] {
-            let p = SamplingParams {
+            let p = Sampling {
                 top_p,
                 ..Default::default()
             };
-            let err = p.validate().unwrap_err();
+            let err = validate(&p).unwrap_err();
             assert!(matches!(err, SamplingError::InvalidTopP { .. }));
             assert!(err.to_string().contains("top_p"));
         }
-        let err = Sampler::new(SamplingParams {
+        let err = Sampler::new(Sampling {
             temperature: 3.5,
             top_p: 2.0,
             ..Default::default()
@@ -581,12 +540,11 @@ mod tests {
         assert_eq!(err, SamplingError::InvalidTopP { value: 2.0 });
         assert!(err.to_string().contains('2'));
         for t in [0.0, 0.5, 2.0, MAX_TEMPERATURE] {
-            SamplingParams {
+            validate(&Sampling {
                 temperature: t,
                 top_p: 0.01,
                 ..Default::default()
-            }
-            .validate()
+            })
             .unwrap();
         }
     }
@@ -678,11 +636,11 @@ mod tests {
         // Independent uniform draws over 100 ids agree ~1% of the time.
         assert!(same < 40, "{same} of 1000 draws agree");
         // Unseeded samplers also differ from each other.
-        let params = SamplingParams {
+        let params = Sampling {
             temperature: 1.0,
             ..Default::default()
         };
-        let c = draws(&mut Sampler::new(params).unwrap(), &logits, 1000);
+        let c = draws(&mut Sampler::new(params.clone()).unwrap(), &logits, 1000);
         let d = draws(&mut Sampler::new(params).unwrap(), &logits, 1000);
         let same = c.iter().zip(&d).filter(|(x, y)| x == y).count();
         assert!(same < 40, "{same} of 1000 draws agree");

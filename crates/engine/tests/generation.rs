@@ -4,7 +4,8 @@
 
 use std::sync::{Arc, OnceLock};
 
-use bulkhead_engine::{load_model, Engine, EngineError, Event, FinishReason, GenRequest, SamplingParams};
+use bulkhead_engine::{load_model, Engine, EngineConfig, EngineError, Event, FinishReason, GenRequest, Sampling};
+use bulkhead_protocol::admission::Refusal;
 use bulkhead_kv::{KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
 use bulkhead_model::{Llama, SeqInput};
 use bulkhead_tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
@@ -27,11 +28,11 @@ fn shared() -> &'static Shared {
 fn engine(pages: usize) -> Engine {
     let s = shared();
     let pool = KvPool::new(PoolConfig { layout: s.model.kv_layout(16), pages, checks: KvChecks::all() }).unwrap();
-    Engine::new(s.model.clone(), s.tok.clone(), pool, 512, 8192)
+    Engine::new(s.model.clone(), s.tok.clone(), pool, EngineConfig::for_context(8192))
 }
 
 fn greedy(prompt: Vec<u32>, max_tokens: usize) -> GenRequest {
-    GenRequest { prompt, max_tokens, sampling: SamplingParams::default(), stop: Vec::new() }
+    GenRequest { prompt, max_tokens, sampling: Sampling::default(), stop: Vec::new() }
 }
 
 /// Runs until every request ends; returns (text, finish reason, completion tokens) per id.
@@ -40,14 +41,14 @@ fn run(e: &mut Engine, ids: &[RequestId]) -> Vec<(String, FinishReason, usize)> 
     while e.active() > 0 {
         for ev in e.step().unwrap() {
             match ev {
-                Event::Token { id, text, .. } => out[ids.iter().position(|&i| i == id).unwrap()].0.push_str(&text),
-                Event::Finished { id, reason, text, completion_tokens, .. } => {
-                    let o = &mut out[ids.iter().position(|&i| i == id).unwrap()];
+                Event::Token { req, text, .. } => out[ids.iter().position(|&i| i == req).unwrap()].0.push_str(&text),
+                Event::Finished { req, finish, text, completion_tokens, .. } => {
+                    let o = &mut out[ids.iter().position(|&i| i == req).unwrap()];
                     o.0.push_str(&text);
-                    o.1 = Some(reason);
-                    o.2 = completion_tokens;
+                    o.1 = Some(finish);
+                    o.2 = completion_tokens as usize;
                 }
-                Event::Failed { id, error } => panic!("request {id:?} failed a KV read check: {error}"),
+                Event::Failed { req, error } => panic!("request {req:?} failed a KV read check: {error}"),
             }
         }
     }
@@ -222,7 +223,7 @@ fn a_seed_makes_sampling_reproducible() {
     let (p, _, _) = &cases()[2];
     let sampled = |seed| {
         let mut e = engine(16);
-        let sampling = SamplingParams { temperature: 1.0, top_k: 40, top_p: 0.95, seed: Some(seed), ignore_eos: false };
+        let sampling = Sampling { temperature: 1.0, top_k: 40, top_p: 0.95, seed: Some(seed), ignore_eos: false };
         let id = e.add(GenRequest { prompt: tok.encode(p, true), max_tokens: 16, sampling, stop: vec![] }).unwrap();
         run(&mut e, &[id]).remove(0).0
     };
@@ -236,9 +237,9 @@ fn admission_refuses_what_cannot_fit_and_abort_returns_every_page() {
     let mut e = engine(8); // 128 tokens
     let prompt = tok.encode(&cases()[0].0, true);
     let too_long = e.add(greedy(prompt.clone(), 8192)).unwrap_err();
-    assert!(matches!(too_long, EngineError::ContextLength { limit: 8192, .. }), "{too_long}");
+    assert!(matches!(too_long, EngineError::Refused(Refusal::ContextLength { limit: 8192, .. })), "{too_long}");
     assert!(matches!(e.add(greedy(prompt.clone(), 110)), Err(EngineError::PoolFull(_))));
-    assert!(matches!(e.add(greedy(Vec::new(), 4)), Err(EngineError::EmptyPrompt)));
+    assert!(matches!(e.add(greedy(Vec::new(), 4)), Err(EngineError::Refused(Refusal::EmptyPrompt))));
     assert_eq!(e.pool().stats().free_pages, 8, "a refused request holds no page");
     let id = e.add(greedy(prompt, 64)).unwrap();
     e.step().unwrap();
@@ -273,9 +274,9 @@ fn a_sequence_failing_its_read_check_is_failed_alone_and_the_batch_goes_on() {
     while e.active() > 0 {
         for ev in e.step().unwrap() {
             match ev {
-                Event::Failed { id, error } => failed.push((id, error)),
-                Event::Token { id, text: t, .. } if id == other => text.push_str(&t),
-                Event::Finished { id, text: t, .. } if id == other => text.push_str(&t),
+                Event::Failed { req, error } => failed.push((req, error)),
+                Event::Token { req, text: t, .. } if req == other => text.push_str(&t),
+                Event::Finished { req, text: t, .. } if req == other => text.push_str(&t),
                 ev => panic!("the victim produced {ev:?} after its pages were revoked"),
             }
         }

@@ -21,10 +21,12 @@ use std::collections::BTreeMap;
 
 use bulkhead_kv::{KvChecks, KvError, KvLayout, KvPool, PoolConfig, RequestId, SequenceKv};
 use bulkhead_protocol::decode::DecodeStart;
-use bulkhead_protocol::{Finish, Sampling};
+use bulkhead_protocol::driver::decode::{DecodeEngine, GenEvent};
+use bulkhead_protocol::driver::prefill::PrefillCompute;
+use bulkhead_protocol::{FinishReason, Sampling};
 use half::f16;
 
-use crate::model::{DecodeModel, Expected, GenEvent, ModelFault, Models, PrefillModel, Shape};
+use crate::model::{DecodeModel, Expected, ModelFault, Models, PrefillModel, Shape};
 
 /// Token ids of the mock: `0..VOCAB`.
 pub const VOCAB: u32 = 50_000;
@@ -174,10 +176,10 @@ impl Gen {
         let req = self.kv.owner();
         self.generated += 1;
         let finish = if is_eog(token) {
-            Some(Finish::Stop)
+            Some(FinishReason::Stop)
         } else {
             events.push(GenEvent::Token { req, token, text: format!("{token} ") });
-            (self.generated >= self.max_tokens).then_some(Finish::Length)
+            (self.generated >= self.max_tokens).then_some(FinishReason::Length)
         };
         match finish {
             Some(finish) => {
@@ -217,7 +219,8 @@ pub struct MockPrefill {
     faults: u64,
 }
 
-impl PrefillModel for MockPrefill {
+impl PrefillCompute for MockPrefill {
+    type Error = ModelFault;
     fn pool(&self) -> &KvPool {
         &self.pool
     }
@@ -227,6 +230,9 @@ impl PrefillModel for MockPrefill {
     fn compute(&mut self, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: &Sampling) -> Result<Option<u32>, ModelFault> {
         Ok(prefill(&mut self.pool, seq, tokens, from, to, &mut self.faults)?)
     }
+}
+
+impl PrefillModel for MockPrefill {
     fn read_faults(&self) -> u64 {
         self.faults
     }
@@ -240,7 +246,8 @@ pub struct MockDecode {
     faults: u64,
 }
 
-impl DecodeModel for MockDecode {
+impl DecodeEngine for MockDecode {
+    type Error = ModelFault;
     fn pool(&self) -> &KvPool {
         &self.pool
     }
@@ -251,13 +258,13 @@ impl DecodeModel for MockDecode {
         let kv = start.seq.into_sequence();
         // As the engine: the reservation must hold every token the request may generate.
         if start.max_tokens == 0 || kv.len() + start.max_tokens as usize > kv.reserved_tokens() {
-            kv.release(&mut self.pool)?;
+            kv.release(&mut self.pool).map_err(|u| u.error)?;
             return Err(ModelFault(format!("{} max tokens do not fit the reservation", start.max_tokens)));
         }
         let mut g = Gen::new(kv, start.max_tokens);
         let mut events = Vec::new();
         if g.on_token(start.first_token, &mut events) {
-            g.kv.release(&mut self.pool)?;
+            g.kv.release(&mut self.pool).map_err(|u| u.error)?;
         } else {
             self.seqs.insert(start.req, g);
         }
@@ -274,7 +281,7 @@ impl DecodeModel for MockDecode {
         }
         for req in done {
             if let Some(g) = self.seqs.remove(&req) {
-                g.kv.release(&mut self.pool)?;
+                g.kv.release(&mut self.pool).map_err(|u| u.error)?;
             }
         }
         Ok(events)
@@ -291,7 +298,9 @@ impl DecodeModel for MockDecode {
     fn active(&self) -> usize {
         self.seqs.len()
     }
+}
 
+impl DecodeModel for MockDecode {
     fn read_faults(&self) -> u64 {
         self.faults
     }

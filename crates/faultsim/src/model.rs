@@ -1,22 +1,12 @@
-//! What a schedule needs of a model: a prefill side that computes prompt KV into its own
-//! pool, a decode side shaped like [`bulkhead_engine::Engine`] (verified sequences in,
-//! token events out), and a reference output for a prompt. [`crate::mock`] and
+//! What a schedule needs of a model: the production driver core's model traits (a prefill
+//! side that computes prompt KV into its own pool, a decode loop of verified sequences),
+//! the evidence a mock keeps, and a reference output for a prompt. [`crate::mock`] and
 //! [`crate::real`] implement it.
 
-use bulkhead_kv::{KvLayout, KvPool, RequestId, SequenceKv};
-use bulkhead_protocol::decode::DecodeStart;
-use bulkhead_protocol::{Finish, Sampling};
-
-/// What the decode loop produced for one request, as the engine reports it.
-#[derive(Clone, Debug, PartialEq)]
-pub enum GenEvent {
-    /// A token was generated; `text` is what may be shown now.
-    Token { req: RequestId, token: u32, text: String },
-    /// The request ended.
-    Finished { req: RequestId, finish: Finish, text: String, prompt_tokens: u32, completion_tokens: u32 },
-    /// The request failed a KV read check and left the loop (its pages are given back).
-    Failed { req: RequestId, detail: String },
-}
+use bulkhead_kv::{KvLayout, KvPool};
+use bulkhead_protocol::driver::decode::{DecodeEngine, GenEvent};
+use bulkhead_protocol::driver::prefill::PrefillCompute;
+use bulkhead_protocol::FinishReason;
 
 /// A model step failed (a refused KV access, an engine error).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -36,7 +26,7 @@ pub struct Expected {
     /// Every token's text and the final text, concatenated.
     pub text: String,
     /// How it ended.
-    pub finish: Finish,
+    pub finish: FinishReason,
     /// Tokens generated.
     pub completion_tokens: u32,
 }
@@ -81,35 +71,15 @@ pub struct Shape {
 }
 
 /// The compute of a prefill worker, over its own pool.
-pub trait PrefillModel {
-    /// Its KV pool.
-    fn pool(&self) -> &KvPool;
-    /// Its KV pool, to lease and release the job's pages.
-    fn pool_mut(&mut self) -> &mut KvPool;
-    /// Compute and commit the KV of prompt positions `from..to` into `seq` (reserved for
-    /// the whole prompt, `from` tokens committed). After the last position, the first
-    /// generated token, sampled with `sampling`.
-    fn compute(&mut self, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, sampling: &Sampling) -> Result<Option<u32>, ModelFault>;
+pub trait PrefillModel: PrefillCompute {
     /// Reads that were refused or found a slot missing (a mock's evidence; 0 otherwise).
     fn read_faults(&self) -> u64 {
         0
     }
 }
 
-/// The decode loop of a decode worker, shaped like [`bulkhead_engine::Engine`].
-pub trait DecodeModel {
-    /// Its KV pool.
-    fn pool(&self) -> &KvPool;
-    /// Its KV pool, for the decode role's reservations.
-    fn pool_mut(&mut self) -> &mut KvPool;
-    /// Take a verified request and its first token; the events of that token.
-    fn add_verified(&mut self, start: DecodeStart) -> Result<Vec<GenEvent>, ModelFault>;
-    /// One step of every active request.
-    fn step(&mut self) -> Result<Vec<GenEvent>, ModelFault>;
-    /// End a request now and release its pages.
-    fn abort(&mut self, req: RequestId);
-    /// Requests in the loop.
-    fn active(&self) -> usize;
+/// The decode loop of a decode worker.
+pub trait DecodeModel: DecodeEngine {
     /// Reads that were refused or found a slot missing (a mock's evidence; 0 otherwise).
     fn read_faults(&self) -> u64 {
         0

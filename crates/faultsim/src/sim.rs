@@ -1,5 +1,7 @@
-//! One schedule: the production roles and pools, drivers that do what `crates/server`'s
-//! drivers do, the transport of [`crate::net`], and a virtual clock.
+//! One schedule: the production roles and the production driver core
+//! ([`bulkhead_protocol::driver`]) over real pools, the transport of [`crate::net`], and a
+//! virtual clock. The transports here only move frames; the prefill job loop and the
+//! decode action dispatch are the server's own code.
 //!
 //! The loop: among everything due at the current virtual time (a delivery on some
 //! connection, a planned event, a prefill chunk or a decode step of a worker that is not
@@ -12,21 +14,24 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
-use bulkhead_kv::transfer::{export_chunks, Manifest};
-use bulkhead_kv::{Generation, KvChecks, KvPool, PageId, PoolConfig, PoolStats, RequestId, SequenceKv};
+use bulkhead_kv::{Generation, KvChecks, KvPool, PageId, PoolConfig, PoolStats, RequestId};
 use bulkhead_protocol::decode::{DecodeAction, DecodeConfig, DecodeEvent, DecodeRole, DecodeStats};
+use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeEngine, DecodeLink, DecodePolicy};
+use bulkhead_protocol::driver::prefill::{LinkDown, PrefillCompute, PrefillDriver, PrefillLink, Step};
 use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole};
-use bulkhead_protocol::prefill::{JobOutcome, PrefillAction, PrefillConfig, PrefillJob, PrefillRole};
-use bulkhead_protocol::{FailReason, Hello, Message, RejectReason, Role, Sampling, TraceContext, WorkerId};
+use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillRole};
+use bulkhead_protocol::{Hello, Message, RejectReason, Role, Sampling, TraceContext, WorkerId};
 
 use crate::dice::Dice;
-use crate::model::{DecodeModel, GenEvent, Models, PrefillModel};
+use crate::model::{DecodeModel, Models, PrefillModel};
 use crate::net::{Arrival, ConnId, Delivery, End, Net};
-use crate::plan::{Fault, MidTransferFault, Plan, Planned, Sabotage, WorkerPlan};
+use crate::plan::{Fault, MidTransfer, MidTransferFault, Plan, Planned, Sabotage, WorkerPlan};
 
-/// The gateway ticks every 100 ms, decode workers every 50 ms, as in production.
+/// The gateway ticks every 100 ms, workers every 50 ms, as in production.
 const GATEWAY_TICK_MS: u64 = 100;
-const DECODE_TICK_MS: u64 = 50;
+const WORKER_TICK_MS: u64 = 50;
+/// The model digest every worker announces.
+const DIGEST: u64 = 1;
 /// A schedule that takes more steps than this has a livelock.
 const MAX_STEPS: u64 = 200_000;
 
@@ -57,6 +62,8 @@ pub struct Tally {
     pub transfer_timeouts: u64,
     /// Slots checked by the KV auditor.
     pub audited_slots: u64,
+    /// Keepalives prefill roles sent.
+    pub keepalives: u64,
 }
 
 impl std::ops::AddAssign for Tally {
@@ -73,36 +80,29 @@ impl std::ops::AddAssign for Tally {
         self.late_chunks += o.late_chunks;
         self.transfer_timeouts += o.transfer_timeouts;
         self.audited_slots += o.audited_slots;
+        self.keepalives += o.keepalives;
     }
 }
 
 struct Gateway {
     role: GatewayRole,
-    /// Registered workers: their connection, role and advertised context.
-    workers: BTreeMap<WorkerId, (ConnId, Role, usize)>,
+    /// Registered workers' connections (the role keeps who they are).
+    workers: BTreeMap<WorkerId, ConnId>,
     next_tick: u64,
 }
 
-struct Job {
-    job: PrefillJob,
-    seq: SequenceKv,
-    done: usize,
-    manifest: Manifest,
-}
-
 struct PrefillWorker<P> {
-    role: PrefillRole,
+    driver: PrefillDriver,
     model: P,
     gw: ConnId,
     /// Its KV connection to each decode worker.
     kv: BTreeMap<WorkerId, ConnId>,
-    job: Option<Job>,
     busy_until: u64,
+    next_tick: u64,
 }
 
 struct DecodeWorker<D> {
-    role: DecodeRole,
-    model: D,
+    driver: DecodeDriver<D, SabotagedDecode>,
     gw: ConnId,
     /// Accepted KV connections and the prefill worker each announced (None before KvHello).
     kv: BTreeMap<ConnId, Option<WorkerId>>,
@@ -122,6 +122,7 @@ struct Remains {
     pool: PoolStats,
     read_faults: u64,
     decode: Option<DecodeStats>,
+    keepalives: u64,
 }
 
 #[derive(Default)]
@@ -141,6 +142,138 @@ enum Due {
     DecodeWork(WorkerId),
     GatewayTick,
     DecodeTick(WorkerId),
+    PrefillTick(WorkerId),
+}
+
+/// The decode driver's policy in a schedule: the production one, or one of the sabotages
+/// that show the checks bite.
+struct SabotagedDecode(Sabotage);
+
+impl DecodePolicy for SabotagedDecode {
+    fn inbound(&mut self, ev: DecodeEvent) -> Option<DecodeEvent> {
+        match ev {
+            DecodeEvent::Prefill { msg: Message::Fenced { .. }, .. } if self.0 == Sabotage::DropFences => None,
+            ev => Some(ev),
+        }
+    }
+
+    fn outbound(&mut self, acts: Vec<DecodeAction>, feedback: &mut Vec<DecodeEvent>) -> Vec<DecodeAction> {
+        if self.0 == Sabotage::ReleaseOnTimeout {
+            let fences = acts.iter().filter_map(DecodeAction::timeout_abort);
+            feedback.extend(fences.map(|(from, req)| DecodeEvent::Prefill { from, msg: Message::Fenced { req } }));
+        }
+        acts
+    }
+}
+
+/// What a prefill worker's chunks set off (the plan's mid-transfer fault), for the loop to
+/// carry out once the step is over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Aftermath {
+    CrashPrefill(Option<u64>),
+    CrashDecode(WorkerId, Option<u64>),
+}
+
+/// A prefill worker's transport over the simulated network.
+struct PrefillWire<'a, 'n> {
+    me: WorkerId,
+    now: u64,
+    net: &'a mut Net,
+    dice: &'a mut Dice,
+    gw: ConnId,
+    kv: &'a mut BTreeMap<WorkerId, ConnId>,
+    /// Decode workers alive now (a connection to one that is gone is refused).
+    decodes: &'n BTreeSet<WorkerId>,
+    log: &'a mut Vec<String>,
+    chunks_sent: &'a mut u64,
+    mid_transfer: Option<MidTransfer>,
+    faults: &'a mut u64,
+    /// Events about connections this transport opened, for the driver after its call.
+    events: Vec<PrefillEvent>,
+    /// The worker died mid-step: it sends nothing more.
+    dead: bool,
+    aftermath: Option<Aftermath>,
+}
+
+impl PrefillWire<'_, '_> {
+    fn log(&mut self, line: String) {
+        self.log.push(format!("{:>6} {line}", self.now));
+    }
+}
+
+impl PrefillLink for PrefillWire<'_, '_> {
+    fn to_gateway(&mut self, msg: Message) {
+        if !self.dead {
+            self.net.send(self.gw, End::Worker(self.me), &msg, self.now, self.dice);
+        }
+    }
+
+    fn to_decode(&mut self, to: WorkerId, msg: Message) -> Result<(), LinkDown> {
+        let Some(&conn) = self.kv.get(&to) else { return Err(LinkDown(to)) };
+        if self.dead {
+            return Err(LinkDown(to));
+        }
+        let chunk = matches!(msg, Message::KvChunk { .. });
+        self.net.send(conn, End::Worker(self.me), &msg, self.now, self.dice);
+        if !chunk {
+            return Ok(());
+        }
+        *self.chunks_sent += 1;
+        let Some(m) = self.mid_transfer.filter(|m| m.after_chunks == *self.chunks_sent) else { return Ok(()) };
+        *self.faults += 1;
+        match m.what {
+            MidTransferFault::Cut => {
+                self.log(format!("fault: cut KV connection {conn} mid-transfer"));
+                self.net.cut(conn, self.now, self.dice);
+            }
+            MidTransferFault::CrashPrefill => {
+                self.dead = true;
+                self.aftermath = Some(Aftermath::CrashPrefill(m.restart_after_ms));
+                return Err(LinkDown(to));
+            }
+            MidTransferFault::CrashDecode => self.aftermath = Some(Aftermath::CrashDecode(to, m.restart_after_ms)),
+        }
+        Ok(())
+    }
+
+    /// Opens the KV connection and announces this worker, as the server's does. A decode
+    /// worker that is gone refuses the connection.
+    fn connect(&mut self, decode: WorkerId, _: &str) {
+        if !self.decodes.contains(&decode) {
+            self.log(format!("w{} cannot connect to w{}: gone", self.me.0, decode.0));
+            return self.events.push(PrefillEvent::DecodeLost { decode });
+        }
+        let conn = self.net.connect(End::Worker(self.me), End::Worker(decode), self.dice);
+        self.kv.insert(decode, conn);
+        self.net.send(conn, End::Worker(self.me), &Message::KvHello { prefill: self.me }, self.now, self.dice);
+        self.events.push(PrefillEvent::DecodeConnected { decode });
+    }
+}
+
+/// A decode worker's transport over the simulated network.
+struct DecodeWire<'a> {
+    me: WorkerId,
+    now: u64,
+    net: &'a mut Net,
+    dice: &'a mut Dice,
+    gw: ConnId,
+    kv: &'a BTreeMap<ConnId, Option<WorkerId>>,
+    handed_out: &'a mut BTreeMap<PageId, Generation>,
+}
+
+impl DecodeLink for DecodeWire<'_> {
+    fn to_gateway(&mut self, msg: Message) {
+        if let Message::Reserved { pages, .. } = &msg {
+            self.handed_out.extend(pages.iter().map(|p| (p.page, p.generation)));
+        }
+        self.net.send(self.gw, End::Worker(self.me), &msg, self.now, self.dice);
+    }
+
+    fn to_prefill(&mut self, to: WorkerId, msg: Message) {
+        if let Some(conn) = self.kv.iter().find(|(_, p)| **p == Some(to)).map(|(c, _)| *c) {
+            self.net.send(conn, End::Worker(self.me), &msg, self.now, self.dice);
+        }
+    }
 }
 
 /// What one schedule did and found.
@@ -180,10 +313,6 @@ pub struct Sim<'m, M: Models> {
     /// The state at the deadline, if the schedule never went quiet.
     wedged: Option<String>,
     tally: Tally,
-}
-
-fn sampling() -> Sampling {
-    Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, ignore_eos: false }
 }
 
 /// A short, deterministic description of a message for the event log (no error texts:
@@ -250,7 +379,8 @@ pub fn run<M: Models>(models: &M, seed: u64, options: crate::plan::Options) -> O
 impl<'m, M: Models> Sim<'m, M> {
     fn new(models: &'m M, plan: Plan, dice: Dice) -> Self {
         let gw = GatewayRole::new(GatewayConfig {
-            max_context: plan.model_context,
+            model_context: plan.model_context,
+            model_digest: DIGEST,
             admission_check: plan.gateway_check,
             request_timeout_ms: plan.request_timeout_ms,
         });
@@ -340,12 +470,15 @@ impl<'m, M: Models> Sim<'m, M> {
         // Planned events happen in their planned order (a client leaves after submitting).
         out.extend(self.timeline.keys().next().filter(|k| k.0 <= now).map(|k| Due::Planned(k.0, k.1)));
         for (id, p) in &self.prefills {
-            if (p.job.is_some() || p.role.queued() > 0) && p.busy_until <= now {
+            if p.driver.has_work() && p.busy_until <= now {
                 out.push(Due::PrefillWork(*id));
+            }
+            if p.next_tick <= now && self.awaited(*id) {
+                out.push(Due::PrefillTick(*id));
             }
         }
         for (id, d) in &self.decodes {
-            if d.model.active() > 0 && d.busy_until <= now {
+            if d.driver.engine().active() > 0 && d.busy_until <= now {
                 out.push(Due::DecodeWork(*id));
             }
             if d.next_tick <= now {
@@ -359,11 +492,19 @@ impl<'m, M: Models> Sim<'m, M> {
     }
 
     fn next_time(&self) -> Option<u64> {
-        let work = self.prefills.values().filter(|p| p.job.is_some() || p.role.queued() > 0).map(|p| p.busy_until);
-        let steps = self.decodes.values().filter(|d| d.model.active() > 0).map(|d| d.busy_until);
-        let ticks = self.decodes.values().map(|d| d.next_tick).chain([self.gw.next_tick]);
+        let work = self.prefills.values().filter(|p| p.driver.has_work()).map(|p| p.busy_until);
+        let steps = self.decodes.values().filter(|d| d.driver.engine().active() > 0).map(|d| d.busy_until);
+        let prefill_ticks = self.prefills.iter().filter(|(id, _)| self.awaited(**id)).map(|(_, p)| p.next_tick);
+        let ticks = self.decodes.values().map(|d| d.next_tick).chain(prefill_ticks).chain([self.gw.next_tick]);
         let planned = self.timeline.keys().next().map(|k| k.0);
         work.chain(steps).chain(ticks).chain(planned).chain(self.net.next_due()).filter(|t| *t > self.now).min()
+    }
+
+    /// Whether a decode worker awaits a transfer from prefill `w`. Its ticks (and so its
+    /// keepalives) run only then: a keepalive re-arms only such reservations, and a
+    /// schedule must be able to go quiet.
+    fn awaited(&self, w: WorkerId) -> bool {
+        self.decodes.values().any(|d| d.driver.role().awaits(w))
     }
 
     /// Nothing planned, nothing in flight, every role and loop idle.
@@ -371,10 +512,8 @@ impl<'m, M: Models> Sim<'m, M> {
         self.timeline.is_empty()
             && self.net.idle()
             && self.gw.role.in_flight() == 0
-            && self.prefills.values().all(|p| p.job.is_none() && p.role.queued() == 0 && !p.role.busy())
-            && self.decodes.values().all(|d| {
-                (d.role.pending(), d.role.fencing(), d.role.decoding(), d.model.active()) == (0, 0, 0, 0)
-            })
+            && self.prefills.values().all(|p| p.driver.is_idle())
+            && self.decodes.values().all(|d| d.driver.is_idle())
     }
 
     fn perform(&mut self, due: Due) {
@@ -400,6 +539,13 @@ impl<'m, M: Models> Sim<'m, M> {
                 self.gateway_actions(acts);
             }
             Due::DecodeTick(w) => self.decode_tick(w),
+            Due::PrefillTick(w) => {
+                let now_ms = self.now;
+                let Some(p) = self.prefills.get_mut(&w) else { return };
+                // Ticks skipped while nothing awaited this worker are not caught up.
+                p.next_tick = p.next_tick.max(now_ms.saturating_sub(WORKER_TICK_MS)) + WORKER_TICK_MS;
+                self.prefill_event(w, PrefillEvent::Tick { now_ms });
+            }
         }
     }
 
@@ -424,7 +570,7 @@ impl<'m, M: Models> Sim<'m, M> {
                     req,
                     tokens: r.tokens,
                     max_tokens: r.max_tokens,
-                    sampling: sampling(),
+                    sampling: Sampling::default(),
                     stop: Vec::new(),
                     trace: TraceContext::default(),
                 };
@@ -455,7 +601,7 @@ impl<'m, M: Models> Sim<'m, M> {
         let l = self.plan.layout;
         let hello = Hello {
             role: wp.role,
-            model_digest: 1,
+            model_digest: DIGEST,
             page_size: l.page_size as u32,
             kv_bytes_per_token: l.bytes_per_token() as u32,
             capacity_tokens: (wp.pool_pages * l.page_size) as u64,
@@ -463,18 +609,21 @@ impl<'m, M: Models> Sim<'m, M> {
             kv_addr: if wp.role == Role::Decode { format!("w{}", id.0) } else { String::new() },
         };
         self.send(gw, End::Worker(id), Message::Hello(hello));
+        let next_tick = self.now + WORKER_TICK_MS;
         match wp.role {
             Role::Prefill => {
-                let role = PrefillRole::new(PrefillConfig { max_prompt: wp.context, page_size: l.page_size });
+                let keepalive_ms = PrefillConfig::keepalive_for(self.plan.transfer_timeout_ms);
+                let role = PrefillRole::new(PrefillConfig { max_prompt: wp.context, page_size: l.page_size, keepalive_ms });
+                let driver = PrefillDriver::new(role, self.plan.chunk_pages * l.page_size);
                 let model = self.models.prefill(pool);
-                self.prefills.insert(id, PrefillWorker { role, model, gw, kv: BTreeMap::new(), job: None, busy_until: 0 });
+                self.prefills.insert(id, PrefillWorker { driver, model, gw, kv: BTreeMap::new(), busy_until: 0, next_tick });
             }
             Role::Decode => {
                 let role = DecodeRole::new(DecodeConfig { max_context: wp.context, transfer_timeout_ms: self.plan.transfer_timeout_ms });
                 let model = self.models.decode(pool, wp.context);
-                let next_tick = self.now + DECODE_TICK_MS;
+                let driver = DecodeDriver::with_policy(role, model, SabotagedDecode(self.plan.options.sabotage));
                 let (kv, identified, reserved_via, handed_out) = (BTreeMap::new(), BTreeSet::new(), BTreeMap::new(), BTreeMap::new());
-                let d = DecodeWorker { role, model, gw, kv, identified, reserved_via, handed_out, busy_until: 0, next_tick };
+                let d = DecodeWorker { driver, gw, kv, identified, reserved_via, handed_out, busy_until: 0, next_tick };
                 self.decodes.insert(id, d);
             }
         }
@@ -550,10 +699,11 @@ impl<'m, M: Models> Sim<'m, M> {
         self.log(format!("w{} {why}: role state and pool lost", w.0));
         if let Some(p) = self.prefills.remove(&w) {
             let pool = p.model.pool().stats();
-            self.dead.push(Remains { id: w, pool, read_faults: p.model.read_faults(), decode: None });
+            let keepalives = p.driver.role().stats().keepalives;
+            self.dead.push(Remains { id: w, pool, read_faults: p.model.read_faults(), decode: None, keepalives });
         } else if let Some(d) = self.decodes.remove(&w) {
-            let pool = d.model.pool().stats();
-            self.dead.push(Remains { id: w, pool, read_faults: d.model.read_faults(), decode: Some(d.role.stats()) });
+            let pool = d.driver.engine().pool().stats();
+            self.dead.push(Remains { id: w, pool, read_faults: d.driver.engine().read_faults(), decode: Some(d.driver.role().stats()), keepalives: 0 });
         }
         self.net.crash(End::Worker(w), self.now, &mut self.dice);
     }
@@ -580,12 +730,6 @@ impl<'m, M: Models> Sim<'m, M> {
         let End::Worker(w) = del.from else { return };
         match del.arrival {
             Arrival::Message(Message::Hello(h)) => self.register(w, del.conn, h),
-            // As the production actor: a prefill's lost KV connection is news for that decode.
-            Arrival::Message(Message::KvLost { decode }) => {
-                if let Some(&(conn, _, _)) = self.gw.workers.get(&decode) {
-                    self.send(conn, End::Gateway, Message::PrefillUnreachable { worker: w });
-                }
-            }
             Arrival::Message(msg) => {
                 let acts = self.gw.role.handle(GatewayEvent::FromWorker { from: w, msg });
                 self.gateway_actions(acts);
@@ -599,49 +743,33 @@ impl<'m, M: Models> Sim<'m, M> {
         }
     }
 
-    /// What the production gateway's actor does on `Hello`: welcome, introduce prefill and
-    /// decode workers to each other, route to it, serve the smallest context.
+    /// What the production gateway's actor does on `Hello`: the role decides (welcome and
+    /// introductions, or a refusal), the connection is remembered.
     fn register(&mut self, w: WorkerId, conn: ConnId, h: Hello) {
-        let others: Vec<(WorkerId, ConnId, Role)> = self.gw.workers.iter().map(|(id, (c, r, _))| (*id, *c, *r)).collect();
-        self.gw.workers.insert(w, (conn, h.role, h.max_context as usize));
-        self.send(conn, End::Gateway, Message::Welcome { worker: w });
-        for (other, other_conn, role) in others {
-            match (h.role, role) {
-                (Role::Prefill, Role::Decode) => self.send(conn, End::Gateway, Message::DecodePeer { worker: other, addr: format!("w{}", other.0) }),
-                (Role::Decode, Role::Prefill) => self.send(other_conn, End::Gateway, Message::DecodePeer { worker: w, addr: h.kv_addr.clone() }),
-                _ => {}
+        match self.gw.role.join(w, &h) {
+            Ok(acts) => {
+                self.gw.workers.insert(w, conn);
+                self.gateway_actions(acts);
+            }
+            Err(e) => {
+                self.violate(format!("w{} refused at registration: {e}", w.0));
+                self.send(conn, End::Gateway, Message::Refuse { reason: e.to_string() });
             }
         }
-        let acts = self.gw.role.handle(GatewayEvent::WorkerJoined { id: w, role: h.role });
-        self.gateway_actions(acts);
-        self.update_context();
     }
 
     fn worker_left(&mut self, w: WorkerId) {
-        if let Some((_, role, _)) = self.gw.workers.remove(&w) {
-            if role == Role::Prefill {
-                // As the server's gateway does: decode workers learn the prefill is gone.
-                let decodes: Vec<ConnId> = self.gw.workers.values().filter(|(_, r, _)| *r == Role::Decode).map(|(c, _, _)| *c).collect();
-                for conn in decodes {
-                    self.send(conn, End::Gateway, Message::PrefillUnreachable { worker: w });
-                }
-            }
+        if self.gw.workers.remove(&w).is_some() {
             let acts = self.gw.role.handle(GatewayEvent::WorkerLeft { id: w });
             self.gateway_actions(acts);
-            self.update_context();
         }
-    }
-
-    fn update_context(&mut self) {
-        let ctx = self.gw.workers.values().map(|(_, _, c)| *c).min().unwrap_or(self.plan.model_context).min(self.plan.model_context);
-        self.gw.role.set_max_context(ctx);
     }
 
     fn gateway_actions(&mut self, acts: Vec<GatewayAction>) {
         for a in acts {
             match a {
                 GatewayAction::ToWorker { to, msg } => {
-                    if let Some(&(conn, _, _)) = self.gw.workers.get(&to) {
+                    if let Some(&conn) = self.gw.workers.get(&to) {
                         self.send(conn, End::Gateway, msg);
                     }
                 }
@@ -668,12 +796,7 @@ impl<'m, M: Models> Sim<'m, M> {
         let Some(p) = self.prefills.get(&w) else { return };
         if del.conn == p.gw {
             match del.arrival {
-                Arrival::Message(Message::DecodePeer { worker, .. }) => self.connect_kv(w, worker),
-                Arrival::Message(Message::Welcome { .. }) => {}
-                Arrival::Message(m) => {
-                    let acts = self.prefills.get_mut(&w).map(|p| p.role.handle(m)).unwrap_or_default();
-                    self.prefill_actions(w, acts);
-                }
+                Arrival::Message(m) => self.prefill_event(w, PrefillEvent::Gateway(m)),
                 Arrival::Closed => self.gateway_lost(w, del.conn, false),
                 Arrival::Garbled(_) => self.gateway_lost(w, del.conn, true),
                 Arrival::Partial => {}
@@ -682,26 +805,16 @@ impl<'m, M: Models> Sim<'m, M> {
         }
         let Some(decode) = p.kv.iter().find(|(_, c)| **c == del.conn).map(|(d, _)| *d) else { return };
         match del.arrival {
-            // The decode worker asks to stop a transfer (it refused a chunk or timed out).
-            Arrival::Message(m @ Message::Abort { .. }) => {
-                let acts = self.prefills.get_mut(&w).map(|p| p.role.handle(m)).unwrap_or_default();
-                self.prefill_actions(w, acts);
-            }
-            Arrival::Message(_) | Arrival::Partial => {}
+            Arrival::Message(msg) => self.prefill_event(w, PrefillEvent::Decode { from: decode, msg }),
+            Arrival::Partial => {}
             Arrival::Closed | Arrival::Garbled(_) => {
                 if matches!(del.arrival, Arrival::Garbled(_)) {
                     self.net.close_by(del.conn, End::Worker(w), self.now, &mut self.dice);
                 }
-                let acts = self
-                    .prefills
-                    .get_mut(&w)
-                    .map(|p| {
-                        p.kv.remove(&decode);
-                        p.role.decode_closed(decode)
-                    })
-                    .unwrap_or_default();
-                self.report_kv_lost(w, decode);
-                self.prefill_actions(w, acts);
+                if let Some(p) = self.prefills.get_mut(&w) {
+                    p.kv.remove(&decode);
+                }
+                self.prefill_event(w, PrefillEvent::DecodeLost { decode });
             }
         }
     }
@@ -717,125 +830,93 @@ impl<'m, M: Models> Sim<'m, M> {
         }
     }
 
-    /// `DecodePeer`: open the KV connection and announce ourselves, as `connect_decode`
-    /// does. A decode worker that is gone refuses the connection (production logs it and
-    /// does not retry).
-    fn connect_kv(&mut self, w: WorkerId, decode: WorkerId) {
-        if !self.decodes.contains_key(&decode) {
-            self.log(format!("w{} cannot connect to w{}: gone", w.0, decode.0));
-            return self.report_kv_lost(w, decode);
-        }
-        let conn = self.net.connect(End::Worker(w), End::Worker(decode), &mut self.dice);
-        if let Some(p) = self.prefills.get_mut(&w) {
-            p.kv.insert(decode, conn);
-        }
-        self.send(conn, End::Worker(w), Message::KvHello { prefill: w });
+    /// The transport of prefill worker `w` over this schedule's network, and the rest.
+    fn prefill_wire<'a>(
+        w: WorkerId,
+        p: &'a mut PrefillWorker<M::Prefill>,
+        net: &'a mut Net,
+        dice: &'a mut Dice,
+        log: &'a mut Vec<String>,
+        chunks_sent: &'a mut u64,
+        faults: &'a mut u64,
+        decodes: &'a BTreeSet<WorkerId>,
+        now: u64,
+        mid_transfer: Option<MidTransfer>,
+    ) -> (&'a mut PrefillDriver, &'a mut M::Prefill, PrefillWire<'a, 'a>) {
+        let PrefillWorker { driver, model, gw, kv, .. } = p;
+        let wire = PrefillWire { me: w, now, net, dice, gw: *gw, kv, decodes, log, chunks_sent, mid_transfer, faults, events: Vec::new(), dead: false, aftermath: None };
+        (driver, model, wire)
     }
 
-    /// As `prefill_worker` does: tell the gateway a KV connection is lost (it does not
-    /// reconnect), so the decode worker can fence this prefill if it never heard from it.
-    fn report_kv_lost(&mut self, w: WorkerId, decode: WorkerId) {
-        if let Some(gw) = self.prefills.get(&w).map(|p| p.gw) {
-            self.send(gw, End::Worker(w), Message::KvLost { decode });
-        }
-    }
-
-    fn prefill_actions(&mut self, w: WorkerId, acts: Vec<PrefillAction>) {
-        for a in acts {
-            let Some(p) = self.prefills.get(&w) else { return };
-            let (conn, msg) = match a {
-                PrefillAction::ToGateway(m) => (Some(p.gw), m),
-                PrefillAction::ToDecode { to, msg } => (p.kv.get(&to).copied(), msg),
-            };
-            if let Some(c) = conn {
-                self.send(c, End::Worker(w), msg);
+    /// Feed one event to prefill worker `w`'s driver, then the events its transport caused.
+    fn prefill_event(&mut self, w: WorkerId, ev: PrefillEvent) {
+        let decodes: BTreeSet<WorkerId> = self.decodes.keys().copied().collect();
+        let Some(p) = self.prefills.get_mut(&w) else { return };
+        let (driver, _, mut wire) = Self::prefill_wire(
+            w,
+            p,
+            &mut self.net,
+            &mut self.dice,
+            &mut self.log,
+            &mut self.chunks_sent,
+            &mut self.tally.faults,
+            &decodes,
+            self.now,
+            self.plan.mid_transfer,
+        );
+        let mut pending = vec![ev];
+        while !pending.is_empty() {
+            for ev in std::mem::take(&mut pending) {
+                driver.handle(ev, &mut wire);
             }
+            pending = std::mem::take(&mut wire.events);
         }
     }
 
-    /// One unit of `prefill_worker::compute`: take the next job and lease its pages, or
-    /// (if it may go on and its KV connection is up) compute one chunk and send its pages,
-    /// and after the last one report the outcome.
+    /// One step of `prefill_worker`'s loop, through the production driver: take the next
+    /// job and compute its first chunk, or compute and send the next chunk, or end the job.
     fn prefill_work(&mut self, w: WorkerId) {
         let cost = self.dice.range(self.plan.prefill_cost_ms.0, self.plan.prefill_cost_ms.1);
-        let chunk_tokens = self.plan.chunk_pages * self.plan.layout.page_size;
+        let decodes: BTreeSet<WorkerId> = self.decodes.keys().copied().collect();
         let now = self.now;
         let Some(p) = self.prefills.get_mut(&w) else { return };
         p.busy_until = now + cost;
-        let Some(mut j) = p.job.take() else {
-            let Some(job) = p.role.next_job() else { return };
-            let mut seq = SequenceKv::new(job.req);
-            let req = job.req;
-            if let Err(e) = seq.reserve(p.model.pool_mut(), job.tokens.len()) {
-                let acts = p.role.job_ended(req, JobOutcome::Failed(format!("prefill KV pool: {e}")));
-                self.log(format!("w{} r{req}: no pages in its own pool", w.0));
-                return self.prefill_actions(w, acts);
-            }
-            p.job = Some(Job { job, seq, done: 0, manifest: Manifest::default() });
-            return self.log(format!("w{} takes r{req}", w.0));
-        };
-        let req = j.job.req;
-        let n = j.job.tokens.len();
-        let Some(conn) = p.kv.get(&j.job.decode).copied().filter(|_| p.role.keep_going(req)) else {
-            return self.end_job(w, j, JobOutcome::Stopped);
-        };
-        let end = (j.done + chunk_tokens).min(n);
-        let first = match p.model.compute(&mut j.seq, &j.job.tokens, j.done, end, &j.job.sampling) {
-            Ok(f) => f,
-            Err(e) => return self.end_job(w, j, JobOutcome::Failed(e.0)),
-        };
-        let chunks = match export_chunks(p.model.pool(), &j.seq, &j.job.pages, j.done, end, &mut j.manifest) {
-            Ok(c) => c,
-            Err(e) => return self.end_job(w, j, JobOutcome::Failed(e.to_string())),
-        };
-        self.log(format!("w{} r{req}: positions {}..{end} computed, {} chunks to w{}", w.0, j.done, chunks.len(), j.job.decode.0));
-        let decode = j.job.decode;
-        for (header, data) in chunks {
-            self.send(conn, End::Worker(w), Message::KvChunk { req, header, data });
-            self.chunks_sent += 1;
-        }
-        j.done = end;
-        if let Some(m) = self.plan.mid_transfer.filter(|m| m.after_chunks == self.chunks_sent) {
-            self.tally.faults += 1;
-            match m.what {
-                MidTransferFault::Cut => {
-                    self.log(format!("fault: cut KV connection {conn} mid-transfer of r{req}"));
-                    self.net.cut(conn, self.now, &mut self.dice);
+        let (driver, model, mut wire) = Self::prefill_wire(
+            w,
+            p,
+            &mut self.net,
+            &mut self.dice,
+            &mut self.log,
+            &mut self.chunks_sent,
+            &mut self.tally.faults,
+            &decodes,
+            now,
+            self.plan.mid_transfer,
+        );
+        let step = driver.step(model, &mut wire);
+        let aftermath = wire.aftermath;
+        match &step {
+            Step::Idle => {}
+            Step::Computed { req, from, to, chunks } => self.log(format!("w{} r{req}: positions {from}..{to} computed, {chunks} chunks sent", w.0)),
+            Step::Ended { req, outcome, unreleased } => {
+                self.log(format!("w{} r{req} ends: {outcome:?}", w.0));
+                if let Some(e) = unreleased {
+                    self.violate(format!("w{} cannot release the pages of r{req}: {e}", w.0));
                 }
-                MidTransferFault::CrashPrefill => {
-                    self.crash(w, "crashes mid-transfer");
-                    return self.restart(Role::Prefill, m.restart_after_ms);
-                }
-                MidTransferFault::CrashDecode if self.decodes.contains_key(&decode) => {
-                    self.crash(decode, "crashes mid-transfer");
-                    self.restart(Role::Decode, m.restart_after_ms);
-                }
-                MidTransferFault::CrashDecode => self.log(format!("fault: w{} is already gone", decode.0)),
             }
         }
-        if end < n {
-            if let Some(p) = self.prefills.get_mut(&w) {
-                p.job = Some(j);
+        match aftermath {
+            None => {}
+            Some(Aftermath::CrashPrefill(restart)) => {
+                self.crash(w, "crashes mid-transfer");
+                self.restart(Role::Prefill, restart);
             }
-            return;
+            Some(Aftermath::CrashDecode(decode, restart)) if self.decodes.contains_key(&decode) => {
+                self.crash(decode, "crashes mid-transfer");
+                self.restart(Role::Decode, restart);
+            }
+            Some(Aftermath::CrashDecode(decode, _)) => self.log(format!("fault: w{} is already gone", decode.0)),
         }
-        let outcome = match first {
-            Some(first_token) => JobOutcome::Done { tokens: n as u32, first_token, manifest: j.manifest.digest() },
-            None => JobOutcome::Failed("no first token after the last chunk".into()),
-        };
-        self.end_job(w, j, outcome);
-    }
-
-    fn end_job(&mut self, w: WorkerId, j: Job, outcome: JobOutcome) {
-        let Some(p) = self.prefills.get_mut(&w) else { return };
-        let req = j.job.req;
-        let released = j.seq.release(p.model.pool_mut());
-        let acts = p.role.job_ended(req, outcome.clone());
-        self.log(format!("w{} r{req} ends: {outcome:?}", w.0));
-        if let Err(e) = released {
-            self.violate(format!("w{} cannot release the pages of r{req}: {e}", w.0));
-        }
-        self.prefill_actions(w, acts);
     }
 
     // ------------------------------------------------------------------ decode driver
@@ -884,10 +965,6 @@ impl<'m, M: Models> Sim<'m, M> {
                         w.0, from.0
                     ));
                 }
-                let fenced = matches!(msg, Message::Fenced { .. });
-                if fenced && self.plan.options.sabotage == Sabotage::DropFences {
-                    return;
-                }
                 self.decode_event(w, DecodeEvent::Prefill { from, msg });
             }
             (arrival @ (Arrival::Closed | Arrival::Garbled(_)), from) => {
@@ -903,65 +980,22 @@ impl<'m, M: Models> Sim<'m, M> {
         }
     }
 
+    /// Feed one event to decode worker `w`'s driver.
     fn decode_event(&mut self, w: WorkerId, ev: DecodeEvent) {
         let Some(d) = self.decodes.get_mut(&w) else { return };
-        let acts = d.role.handle(d.model.pool_mut(), ev);
-        self.decode_actions(w, acts);
+        let DecodeWorker { driver, gw, kv, handed_out, .. } = d;
+        let mut wire = DecodeWire { me: w, now: self.now, net: &mut self.net, dice: &mut self.dice, gw: *gw, kv, handed_out };
+        driver.handle(ev, &mut wire);
     }
 
     fn decode_tick(&mut self, w: WorkerId) {
         let now = self.now;
         let Some(d) = self.decodes.get_mut(&w) else { return };
-        d.next_tick += DECODE_TICK_MS;
-        let acts = d.role.handle(d.model.pool_mut(), DecodeEvent::Tick { now_ms: now });
-        if !acts.is_empty() {
-            self.log(format!("w{} tick", w.0));
-        }
-        let timed_out: Vec<(WorkerId, RequestId)> = acts.iter().filter_map(DecodeAction::timeout_abort).collect();
-        self.decode_actions(w, acts);
-        if self.plan.options.sabotage == Sabotage::ReleaseOnTimeout {
-            for (from, req) in timed_out {
-                self.decode_event(w, DecodeEvent::Prefill { from, msg: Message::Fenced { req } });
-            }
-        }
-    }
-
-    fn decode_actions(&mut self, w: WorkerId, acts: Vec<DecodeAction>) {
-        for a in acts {
-            let Some(d) = self.decodes.get_mut(&w) else { return };
-            match a {
-                DecodeAction::ToGateway(m) => {
-                    if let Message::Reserved { pages, .. } = &m {
-                        d.handed_out.extend(pages.iter().map(|p| (p.page, p.generation)));
-                    }
-                    let gw = d.gw;
-                    self.send(gw, End::Worker(w), m);
-                }
-                DecodeAction::ToPrefill { to, msg } => {
-                    if let Some(conn) = d.kv.iter().find(|(_, p)| **p == Some(to)).map(|(c, _)| *c) {
-                        self.send(conn, End::Worker(w), msg);
-                    }
-                }
-                DecodeAction::Start(ds) => {
-                    let req = ds.req;
-                    self.log(format!("w{} r{req}: verified, starts decoding", w.0));
-                    let Some(d) = self.decodes.get_mut(&w) else { return };
-                    match d.model.add_verified(ds) {
-                        Ok(events) => self.forward(w, events),
-                        Err(e) => {
-                            d.role.finished(req);
-                            let gw = d.gw;
-                            self.log(format!("w{} r{req}: the decode loop refuses it: {e}", w.0));
-                            self.send(gw, End::Worker(w), Message::Failed { req, reason: FailReason::Internal, detail: e.0 });
-                        }
-                    }
-                }
-                DecodeAction::Stop { req } => {
-                    d.model.abort(req);
-                    d.role.finished(req);
-                    self.log(format!("w{} r{req}: stopped", w.0));
-                }
-            }
+        d.next_tick += WORKER_TICK_MS;
+        let timeouts = d.driver.role().stats().timeouts;
+        self.decode_event(w, DecodeEvent::Tick { now_ms: now });
+        if self.decodes.get(&w).is_some_and(|d| d.driver.role().stats().timeouts > timeouts) {
+            self.log(format!("w{} tick: transfers timed out", w.0));
         }
     }
 
@@ -970,35 +1004,15 @@ impl<'m, M: Models> Sim<'m, M> {
         let now = self.now;
         let Some(d) = self.decodes.get_mut(&w) else { return };
         d.busy_until = now + cost;
-        match d.model.step() {
-            Ok(events) => {
-                self.log(format!("w{} decode step", w.0));
-                self.forward(w, events);
-            }
+        let DecodeWorker { driver, gw, kv, handed_out, .. } = d;
+        let mut wire = DecodeWire { me: w, now, net: &mut self.net, dice: &mut self.dice, gw: *gw, kv, handed_out };
+        match driver.step(&mut wire) {
+            Ok(()) => self.log(format!("w{} decode step", w.0)),
             Err(e) => {
                 // The production worker exits on a failed step.
                 self.violate(format!("w{} decode step failed: {e}", w.0));
                 self.crash(w, "exits: decode step failed");
             }
-        }
-    }
-
-    fn forward(&mut self, w: WorkerId, events: Vec<GenEvent>) {
-        for ev in events {
-            let Some(d) = self.decodes.get_mut(&w) else { return };
-            let gw = d.gw;
-            let msg = match ev {
-                GenEvent::Token { req, token, text } => Message::Token { req, token, text },
-                GenEvent::Finished { req, finish, text, prompt_tokens, completion_tokens } => {
-                    d.role.finished(req);
-                    Message::Finished { req, finish, text, prompt_tokens, completion_tokens }
-                }
-                GenEvent::Failed { req, detail } => {
-                    d.role.finished(req);
-                    Message::Failed { req, reason: FailReason::Internal, detail }
-                }
-            };
-            self.send(gw, End::Worker(w), msg);
         }
     }
 
@@ -1083,21 +1097,22 @@ impl<'m, M: Models> Sim<'m, M> {
             bad.push(format!("gateway: {} requests still in flight", self.gw.role.in_flight()));
         }
         for (w, p) in &self.prefills {
-            if p.job.is_some() || p.role.queued() > 0 || p.role.busy() {
+            if !p.driver.is_idle() {
                 bad.push(format!("w{}: prefill not idle", w.0));
             }
             check_pool(&mut bad, *w, p.model.pool(), p.model.read_faults(), false);
         }
         let mut unexplained_decode = false;
         for (w, d) in &self.decodes {
-            let busy = (d.role.pending(), d.role.fencing(), d.role.decoding(), d.model.active());
+            let r = d.driver.role();
+            let busy = (r.pending(), r.fencing(), r.decoding(), d.driver.engine().active());
             if busy != (0, 0, 0, 0) {
                 unexplained_decode = true;
                 bad.push(format!("w{}: decode not idle (pending, fencing, decoding, active) = {busy:?}", w.0));
             }
-            check_pool(&mut bad, *w, d.model.pool(), d.model.read_faults(), false);
-            check_decode(&mut bad, *w, &d.role.stats());
-            self.tally.add_decode(&d.role.stats());
+            check_pool(&mut bad, *w, d.driver.engine().pool(), d.driver.engine().read_faults(), false);
+            check_decode(&mut bad, *w, &d.driver.role().stats());
+            self.tally.add_decode(&d.driver.role().stats());
         }
         for r in &self.dead {
             check_pool_stats(&mut bad, r.id, &r.pool, r.read_faults);
@@ -1110,14 +1125,16 @@ impl<'m, M: Models> Sim<'m, M> {
             let others_quiet = self.timeline.is_empty()
                 && self.net.idle()
                 && self.gw.role.in_flight() == 0
-                && self.prefills.values().all(|p| p.job.is_none() && p.role.queued() == 0 && !p.role.busy());
+                && self.prefills.values().all(|p| p.driver.is_idle());
             if !others_quiet || unexplained_decode {
                 bad.push(format!("not quiet by t={} (something waits for ever): {state}", self.deadline));
             }
         }
         self.tally.audited_slots += self.prefills.values().map(|p| p.model.pool().stats().audited_slots).sum::<u64>()
-            + self.decodes.values().map(|d| d.model.pool().stats().audited_slots).sum::<u64>()
+            + self.decodes.values().map(|d| d.driver.engine().pool().stats().audited_slots).sum::<u64>()
             + self.dead.iter().map(|r| r.pool.audited_slots).sum::<u64>();
+        self.tally.keepalives += self.prefills.values().map(|p| p.driver.role().stats().keepalives).sum::<u64>()
+            + self.dead.iter().map(|r| r.keepalives).sum::<u64>();
         for why in bad {
             self.violate(why);
         }
@@ -1128,17 +1145,18 @@ impl<'m, M: Models> Sim<'m, M> {
         let mut s = String::new();
         let _ = write!(s, "gateway in flight {}; ", self.gw.role.in_flight());
         for (w, p) in &self.prefills {
-            let _ = write!(s, "w{} prefill queued {} job {:?} pool {:?}; ", w.0, p.role.queued(), p.job.as_ref().map(|j| j.job.req), p.model.pool().stats());
+            let _ = write!(s, "w{} prefill queued {} job {:?} pool {:?}; ", w.0, p.driver.role().queued(), p.driver.current(), p.model.pool().stats());
         }
         for (w, d) in &self.decodes {
+            let r = d.driver.role();
             let _ = write!(
                 s,
                 "w{} decode pending {} fencing {} decoding {} pool {:?}; ",
                 w.0,
-                d.role.pending(),
-                d.role.fencing(),
-                d.role.decoding(),
-                d.model.pool().stats()
+                r.pending(),
+                r.fencing(),
+                r.decoding(),
+                d.driver.engine().pool().stats()
             );
         }
         s

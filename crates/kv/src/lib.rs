@@ -23,7 +23,7 @@
 //! let read = pool.read(&seq.leases()[0], 0)?;
 //! assert_eq!(read.len(), 3); // only written slots, never the whole page
 //! assert_eq!(read.k_head(0).len(), 3 * 2);
-//! assert_eq!(seq.release(&mut pool)?, 1);
+//! assert_eq!(seq.release(&mut pool).map_err(|u| u.error)?, 1);
 //! # Ok::<(), bulkhead_kv::KvError>(())
 //! ```
 //!
@@ -48,6 +48,6 @@ pub mod transfer;
 pub use error::KvError;
 pub use ids::{Generation, PageId, PoolId, RequestId};
 pub use layout::{KvChecks, KvLayout, PoolConfig};
-pub use pool::{KvPool, Lease, POISON, PageRead, PoolStats, Quarantined};
-pub use sequence::SequenceKv;
+pub use pool::{KvPool, Lease, POISON, PageRead, PageTag, PoolStats, Quarantined};
+pub use sequence::{SequenceKv, Unreleased};
 pub use transfer::{ChunkHeader, Inbound, Manifest, PageRef, TransferError, VerifiedSequence};

@@ -13,13 +13,34 @@ use crate::{Generation, KvChecks, KvError, KvLayout, PageId, PoolConfig, PoolId,
 /// `to_bits()`, since NaN != NaN.
 pub const POISON: f16 = f16::from_bits(0x7EAD);
 
-/// What a handle claims about its page; shared by [`Lease`] and [`Quarantined`].
+/// What a handle claims about its page: the pool, page, generation and owner. [`Lease`] and
+/// [`Quarantined`] are each a tag plus what the holder may do with it, and both dereference
+/// to their tag for these accessors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Tag {
+pub struct PageTag {
     pool: PoolId,
     page: PageId,
     generation: Generation,
     owner: RequestId,
+}
+
+impl PageTag {
+    /// The page.
+    pub fn page(&self) -> PageId {
+        self.page
+    }
+    /// The page's generation when the lease was granted.
+    pub fn generation(&self) -> Generation {
+        self.generation
+    }
+    /// The request holding the page.
+    pub fn owner(&self) -> RequestId {
+        self.owner
+    }
+    /// The pool the page belongs to.
+    pub fn pool(&self) -> PoolId {
+        self.pool
+    }
 }
 
 /// Lease of one page to one request at one generation.
@@ -32,25 +53,13 @@ struct Tag {
 #[must_use = "a dropped lease keeps its page leased; release or quarantine it"]
 #[derive(Debug)]
 pub struct Lease {
-    tag: Tag,
+    tag: PageTag,
 }
 
-impl Lease {
-    /// The leased page.
-    pub fn page(&self) -> PageId {
-        self.tag.page
-    }
-    /// The page's generation when this lease was granted.
-    pub fn generation(&self) -> Generation {
-        self.tag.generation
-    }
-    /// The request the page is leased to.
-    pub fn owner(&self) -> RequestId {
-        self.tag.owner
-    }
-    /// The pool that granted this lease.
-    pub fn pool(&self) -> PoolId {
-        self.tag.pool
+impl std::ops::Deref for Lease {
+    type Target = PageTag;
+    fn deref(&self) -> &PageTag {
+        &self.tag
     }
 }
 
@@ -59,25 +68,13 @@ impl Lease {
 #[must_use = "a dropped quarantine handle keeps its page out of service forever"]
 #[derive(Debug)]
 pub struct Quarantined {
-    tag: Tag,
+    tag: PageTag,
 }
 
-impl Quarantined {
-    /// The quarantined page.
-    pub fn page(&self) -> PageId {
-        self.tag.page
-    }
-    /// The generation of the lease that was quarantined.
-    pub fn generation(&self) -> Generation {
-        self.tag.generation
-    }
-    /// The request that held the page.
-    pub fn owner(&self) -> RequestId {
-        self.tag.owner
-    }
-    /// The pool holding the page.
-    pub fn pool(&self) -> PoolId {
-        self.tag.pool
+impl std::ops::Deref for Quarantined {
+    type Target = PageTag;
+    fn deref(&self) -> &PageTag {
+        &self.tag
     }
 }
 
@@ -423,7 +420,7 @@ impl KvPool {
         self.leased += 1;
         self.leases_granted += 1;
         Lease {
-            tag: Tag {
+            tag: PageTag {
                 pool: self.id,
                 page,
                 generation,
@@ -440,7 +437,7 @@ impl KvPool {
 
     /// The isolation check (I1) shared by every handle. Each condition is separate so that a
     /// test bites each one.
-    fn verify(&self, tag: &Tag, want: Want) -> Result<(), KvError> {
+    fn verify(&self, tag: &PageTag, want: Want) -> Result<(), KvError> {
         if tag.pool != self.id {
             return Err(KvError::ForeignLease {
                 lease_pool: tag.pool,
@@ -533,7 +530,7 @@ impl KvPool {
         Ok(self.quarantine_page(lease.tag))
     }
 
-    fn quarantine_page(&mut self, tag: Tag) -> Quarantined {
+    fn quarantine_page(&mut self, tag: PageTag) -> Quarantined {
         // Nothing may read this generation any more; zeroed watermarks make that visible.
         self.reset_watermarks(tag.page);
         self.meta[tag.page.index()].state = PageState::Quarantined(tag.owner);
@@ -560,7 +557,7 @@ impl KvPool {
             let meta = self.meta[i];
             if meta.state == PageState::Leased(owner) {
                 let page = PageId(i as u32); // i < pages <= 2^32, checked in new
-                let tag = Tag {
+                let tag = PageTag {
                     pool: self.id,
                     page,
                     generation: meta.generation,
@@ -683,7 +680,7 @@ impl KvPool {
     }
 
     /// Records the writer of slots `start..start + count` of `layer` for the auditor.
-    fn tag_slots(&mut self, tag: &Tag, layer: usize, start: usize, count: usize) {
+    fn tag_slots(&mut self, tag: &PageTag, layer: usize, start: usize, count: usize) {
         if self.checks.audit {
             let at = self.wm_index(tag.page, layer) * self.layout.page_size + start;
             self.shadow[at..at + count].fill(SlotTag { owner: tag.owner, generation: tag.generation });
@@ -992,7 +989,7 @@ mod tests {
         let mut p = pool();
         let real = p.lease(RequestId(1)).unwrap();
         let forged = Lease {
-            tag: Tag {
+            tag: PageTag {
                 owner: RequestId(2),
                 ..real.tag
             },
@@ -1013,7 +1010,7 @@ mod tests {
         p.write(&real, 0, 0, &row, &row).unwrap();
         assert_eq!(
             p.quarantine(Lease {
-                tag: Tag {
+                tag: PageTag {
                     owner: RequestId(2),
                     ..real.tag
                 }
@@ -1031,7 +1028,7 @@ mod tests {
         let l = p_lease(&mut p);
         let q = p.quarantine(l).unwrap();
         let forged = Quarantined {
-            tag: Tag {
+            tag: PageTag {
                 owner: RequestId(9),
                 ..q.tag
             },
@@ -1069,7 +1066,7 @@ mod tests {
         let mut p = pool();
         let real = p_lease(&mut p);
         let forged = Lease {
-            tag: Tag {
+            tag: PageTag {
                 page: PageId(7),
                 ..real.tag
             },

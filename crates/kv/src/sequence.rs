@@ -154,28 +154,67 @@ impl SequenceKv {
     }
 
     /// Gives every page back to the free list; returns how many. All leases are checked
-    /// first, so on error nothing was released (the pages stay leased to this owner;
-    /// [`KvPool::revoke_owner`] recovers them).
-    pub fn release(self, pool: &mut KvPool) -> Result<usize, KvError> {
-        for lease in &self.leases {
-            pool.check(lease)?;
+    /// first, so on error nothing was released and the sequence comes back inside the
+    /// error, its pages still leased to this owner (see [`Unreleased::reclaim`]).
+    pub fn release(self, pool: &mut KvPool) -> Result<usize, Unreleased> {
+        if let Err(error) = self.check_all(pool) {
+            return Err(Unreleased { error, seq: self });
         }
         let n = self.leases.len();
         for lease in self.leases {
-            pool.release(lease)?;
+            // Checked above, and nothing changed the pool since: cannot fail.
+            let released = pool.release(lease);
+            assert!(released.is_ok(), "a checked lease is released: {released:?}");
         }
         Ok(n)
     }
 
     /// Quarantines every page instead of freeing it (I4: a writer may still be in flight).
-    /// All leases are checked first, so on error nothing was quarantined.
-    pub fn quarantine(self, pool: &mut KvPool) -> Result<Vec<Quarantined>, KvError> {
-        for lease in &self.leases {
-            pool.check(lease)?;
+    /// All leases are checked first, so on error nothing was quarantined and the sequence
+    /// comes back inside the error.
+    pub fn quarantine(self, pool: &mut KvPool) -> Result<Vec<Quarantined>, Unreleased> {
+        if let Err(error) = self.check_all(pool) {
+            return Err(Unreleased { error, seq: self });
         }
-        self.leases
-            .into_iter()
-            .map(|lease| pool.quarantine(lease))
-            .collect()
+        let mut out = Vec::with_capacity(self.leases.len());
+        for lease in self.leases {
+            match pool.quarantine(lease) {
+                Ok(q) => out.push(q),
+                Err(e) => unreachable!("a checked lease is quarantined: {e}"),
+            }
+        }
+        Ok(out)
+    }
+
+    fn check_all(&self, pool: &KvPool) -> Result<(), KvError> {
+        self.leases.iter().try_for_each(|lease| pool.check(lease))
+    }
+}
+
+/// A sequence whose pages could not be given back (a lease no longer matches its page),
+/// returned with the reason so that its pages cannot leak unnoticed.
+#[derive(Debug, thiserror::Error)]
+#[error("{error}")]
+pub struct Unreleased {
+    /// Why.
+    pub error: KvError,
+    /// The sequence, untouched: every page it still holds is leased to its owner.
+    pub seq: SequenceKv,
+}
+
+impl Unreleased {
+    /// Takes back every page still leased to the sequence's owner, whatever its handles
+    /// say ([`KvPool::revoke_owner`]), and frees them: for callers that know no writer can
+    /// still reach those pages. Returns the pages freed.
+    pub fn reclaim(self, pool: &mut KvPool) -> usize {
+        let owner = self.seq.owner();
+        drop(self.seq);
+        let mut n = 0;
+        for q in pool.revoke_owner(owner) {
+            if pool.release_quarantined(q).is_ok() {
+                n += 1;
+            }
+        }
+        n
     }
 }

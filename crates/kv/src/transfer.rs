@@ -74,7 +74,7 @@ impl Manifest {
 }
 
 /// Why a chunk or a completion was refused. Any of these fails the request.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 #[allow(missing_docs)] // each variant's `#[error]` message is its documentation
 pub enum TransferError {
     #[error("chunk for page {page} generation {generation}, which is not a prompt page of this reservation")]
@@ -154,6 +154,11 @@ impl Inbound {
         self.seq.owner()
     }
 
+    /// The reservation's leases, in position order (prompt pages first).
+    pub fn leases(&self) -> &[crate::Lease] {
+        self.seq.leases()
+    }
+
     /// Prompt tokens written so far.
     pub fn received_tokens(&self) -> usize {
         self.received
@@ -218,13 +223,6 @@ impl Inbound {
             Ok(()) => Ok(VerifiedSequence { seq: self.seq, prompt_tokens: self.prompt_tokens }),
             Err(e) => Err((e.into(), self.seq)),
         }
-    }
-
-    /// The incident's bug, for tests that prove the suite catches it: believe the sender's
-    /// "done" without checking coverage, token count or manifest. Never built in production.
-    #[cfg(feature = "incident-replay")]
-    pub fn finish_trusting_claim(self) -> VerifiedSequence {
-        VerifiedSequence { seq: self.seq, prompt_tokens: self.prompt_tokens }
     }
 
     /// Give up on the transfer; the caller quarantines or releases the pages.

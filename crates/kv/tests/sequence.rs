@@ -65,7 +65,7 @@ fn reserve_leases_just_enough_pages_in_order_and_never_shrinks() {
     s.reserve(&mut p, 9).unwrap();
     assert_eq!(s.leases().len(), 3);
     assert_eq!(p.stats().leased_pages, 3);
-    assert_eq!(s.release(&mut p), Ok(3));
+    assert_eq!(s.release(&mut p).ok(), Some(3));
     p.check_invariants();
 }
 
@@ -83,7 +83,7 @@ fn reserve_is_all_or_nothing_when_the_pool_is_short() {
     );
     assert_eq!(s.leases().len(), 1);
     assert_eq!(p.stats().free_pages, 2);
-    assert_eq!(s.release(&mut p), Ok(1));
+    assert_eq!(s.release(&mut p).ok(), Some(1));
     assert_eq!(p.stats().free_pages, 3);
 }
 
@@ -219,7 +219,7 @@ fn release_gives_every_page_back_and_quarantine_holds_them_out() {
         p.read(&s.leases()[0], 0).unwrap().is_empty(),
         "the new sequence sees nothing of the old one"
     );
-    assert_eq!(s.release(&mut p), Ok(4));
+    assert_eq!(s.release(&mut p).ok(), Some(4));
     assert_eq!(p.stats().free_pages, 4);
     p.check_invariants();
 }
@@ -239,12 +239,11 @@ fn a_sequence_refuses_a_second_pool() {
     assert_eq!(s.commit(&p2, 0), Ok(()));
     write(&mut p1, &s, 0, 0..2);
     assert_eq!(s.commit(&p2, 1).err(), Some(foreign.clone()));
-    assert_eq!(s.release(&mut p2).err(), Some(foreign));
-    // The pages stayed leased in p1; revoke recovers them.
-    assert_eq!(p1.stats().leased_pages, 1);
-    for q in p1.revoke_owner(A) {
-        p1.release_quarantined(q).unwrap();
-    }
+    let u = s.release(&mut p2).unwrap_err();
+    assert_eq!(u.error, foreign);
+    // The sequence came back with its pages still leased in p1; reclaim frees them.
+    assert_eq!((u.seq.leases().len(), p1.stats().leased_pages), (1, 1));
+    assert_eq!(u.reclaim(&mut p1), 1);
     assert_eq!(p1.stats().free_pages, 2);
     p1.check_invariants();
 }
@@ -256,7 +255,12 @@ fn releasing_a_revoked_sequence_is_refused_and_releases_nothing() {
     s.reserve(&mut p, 8).unwrap();
     let qs = p.revoke_owner(A);
     assert!(matches!(s.commit(&p, 0), Ok(())));
-    assert!(matches!(s.release(&mut p), Err(KvError::StaleLease { .. })));
+    let u = s.release(&mut p).unwrap_err();
+    assert!(matches!(u.error, KvError::StaleLease { .. }));
+    assert_eq!(u.seq.leases().len(), 2, "the sequence comes back whole");
+    assert_eq!(p.stats().quarantined_pages, 2);
+    let u = u.seq.quarantine(&mut p).unwrap_err();
+    assert!(matches!(u.error, KvError::StaleLease { .. }), "quarantine refuses it too");
     assert_eq!(p.stats().quarantined_pages, 2);
     let mut s = SequenceKv::new(A);
     s.reserve(&mut p, 8).unwrap();

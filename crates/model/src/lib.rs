@@ -4,12 +4,14 @@
 //! - [`config`]: hyperparameters from GGUF metadata.
 //! - [`weights`]: weight tensors, checked for shape and type (F32, F16, Q4_0, Q4_1, Q8_0).
 //! - [`quant`]: ggml block formats; 8-bit activation quantisation.
-//! - [`kernels`]: dot products and attention helpers, portable and AVX2 (detected at run time).
+//! - [`kernels`]: dot products and attention helpers, portable, AVX2 and AVX-512 VNNI
+//!   (detected at run time; an [`Isa`] can only be made by detection).
 //! - [`matmul`]: batched, multi-threaded matrix products.
 //! - [`forward`]: the forward pass for a batch of sequences over leased KV pages.
 //! - [`reference`]: a plain contiguous forward pass, the oracle the paged one is tested against.
 //!
-//! The only `unsafe` is in `kernels/avx2.rs` (SIMD loads), each with its `SAFETY:` argument.
+//! The only `unsafe` is in `kernels/avx2.rs` and `kernels/vnni.rs` (SIMD intrinsics), each
+//! block with its `SAFETY:` argument, reached only through an [`Isa`] that detection made.
 
 pub mod config;
 pub mod forward;
@@ -26,7 +28,7 @@ use bulkhead_kv::{KvError, KvLayout};
 
 pub use config::LlamaConfig;
 pub use forward::SeqInput;
-pub use kernels::Isa;
+pub use kernels::{Isa, IsaLevel};
 pub use weights::Weights;
 
 /// Why a model could not be loaded or run.

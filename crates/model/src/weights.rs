@@ -201,7 +201,7 @@ impl Weights {
         match &mut self.output {
             Some(out) => {
                 out.set_layout(isa, false);
-                self.embedding.set_layout(Isa::Scalar, true);
+                self.embedding.set_layout(Isa::scalar(), true);
             }
             None => self.embedding.set_layout(isa, true),
         }

@@ -8,9 +8,12 @@ use bulkhead_kv::KvLayout;
 /// after a few requests.
 pub const LAYOUT: KvLayout = KvLayout { layers: 1, kv_heads: 1, head_dim: 2, page_size: 2 };
 
-/// Milliseconds a decode tick or a gateway tick moves that role's clock; equal to both
-/// timeouts, so one tick times out everything that was waiting before it.
+/// The transfer and request timeouts, and the keepalive interval, in milliseconds. A
+/// gateway or prefill tick moves that role's clock by this much; a decode tick by
+/// [`Config::decode_tick_ms`], which is this too unless a configuration says otherwise, so
+/// one tick times out everything that was waiting before it.
 pub const TICK_MS: u64 = 1_000;
+
 
 /// One client request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,6 +44,8 @@ pub struct Faults {
     pub decode_ticks: u8,
     /// Gateway clock steps past the request timeout.
     pub gateway_ticks: u8,
+    /// Prefill clock steps past the keepalive interval (each sends a `KvKeepalive`).
+    pub prefill_ticks: u8,
 }
 
 /// Which driver wraps the production state machines. Everything but [`Variant::Production`]
@@ -94,6 +99,10 @@ pub struct Config {
     pub gateway_max_context: usize,
     /// Fault budgets.
     pub faults: Faults,
+    /// Milliseconds one decode tick moves the decode worker's clock: [`TICK_MS`] (a tick
+    /// times out every waiting transfer), or less to let a keepalive that arrives between
+    /// two ticks keep a transfer alive.
+    pub decode_tick_ms: u64,
     /// Also check that an over-capacity request the workers refuse is answered with that
     /// refusal (HTTP 400) rather than a failure. Off in the pinned configurations: the
     /// production protocol does not hold it (see `docs/PROTOCOL.md`, findings).
@@ -124,6 +133,7 @@ impl Config {
             gateway_admission: false,
             gateway_max_context: 3,
             faults: Faults { client_aborts: 1, decode_ticks: 1, ..Faults::default() },
+            decode_tick_ms: TICK_MS,
             check_original_error: false,
             variant: Variant::Production,
         }
@@ -151,7 +161,9 @@ impl Config {
                 prefill_crashes: 1,
                 decode_ticks: 1,
                 gateway_ticks: 1,
+                prefill_ticks: 1,
             },
+            decode_tick_ms: TICK_MS,
             check_original_error: false,
             variant: Variant::Production,
         }
@@ -187,6 +199,21 @@ impl Config {
             requests: vec![Request { prompt: 1, max_tokens: 1 }, Request { prompt: 1, max_tokens: 1 }],
             prefill_workers: 1,
             faults: Faults { prefill_crashes: 1, ..Faults::default() },
+            ..Self::faulty_network()
+        }
+    }
+
+    /// One request of two chunks, one prefill worker, no fault but time: two decode ticks
+    /// of half the transfer timeout and one prefill tick, so a keepalive that arrives
+    /// between the two decode ticks keeps the transfer alive and one that does not arrive
+    /// lets it time out (and either way every property holds).
+    pub fn keepalive() -> Self {
+        Config {
+            name: "keepalive",
+            requests: vec![Request { prompt: 3, max_tokens: 1 }],
+            prefill_workers: 1,
+            faults: Faults { decode_ticks: 2, prefill_ticks: 1, ..Faults::default() },
+            decode_tick_ms: TICK_MS / 2,
             ..Self::faulty_network()
         }
     }

@@ -1,8 +1,10 @@
 //! A stateright model of Bulkhead's KV handoff protocol that runs the production code.
 //!
-//! The model's actors are the real [`GatewayRole`], [`PrefillRole`] and [`DecodeRole`] and
-//! a real [`KvPool`] per worker, wired by a driver that does what the server's drivers do
-//! ([`world`]). The checker chooses every interleaving of message deliveries, client
+//! The model's actors are the real [`GatewayRole`] and the production prefill and decode
+//! drivers ([`bulkhead_protocol::driver`], which run the real [`PrefillRole`] and
+//! [`DecodeRole`]), with a real [`KvPool`] per worker. The model supplies only the
+//! transports ([`world`]), a mock model and the broken variants as driver policies
+//! ([`drivers`]): the job loop and the action dispatch are the server's own code. The checker chooses every interleaving of message deliveries, client
 //! aborts, prefill steps, decode steps, timeouts, message loss, duplication and reordering,
 //! and prefill worker crashes, within the budgets of a [`Config`]. A state is the history of
 //! choices; its production state is rebuilt by replaying that history, and states are
@@ -10,8 +12,8 @@
 //!
 //! The properties ([`model::names`]) are named after the isolation contract's invariants
 //! (I1–I4) and are observed on the real pools and roles: reads go through `KvPool::read`,
-//! handles are the roles' own, counts are the pool's. [`Variant`]s are deliberately
-//! broken drivers that prove each property can fail.
+//! handles are the roles' own (through typed accessors), counts are the pool's.
+//! [`Variant`]s are deliberately broken driver policies that prove each property can fail.
 //!
 //! See `docs/PROTOCOL.md` for the message sequence, the role state diagrams, the
 //! properties in words, and how to run the checker and its web explorer.
@@ -23,9 +25,9 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod drivers;
 pub mod fingerprint;
 pub mod model;
-pub mod observe;
 pub mod world;
 
 use std::collections::BTreeMap;

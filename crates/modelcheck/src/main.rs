@@ -5,7 +5,7 @@
 //! - `explore`: serve stateright's web explorer (default `localhost:3000`).
 //!
 //! CONFIG: `three-requests` (default), `faulty-network`, `duplicating-network`,
-//! `reordering-network`, `prefill-restart`. VARIANT: `production` (default), `trust-done`,
+//! `reordering-network`, `prefill-restart`, `keepalive`. VARIANT: `production` (default), `trust-done`,
 //! `read-past-watermark`, `keep-rejected-job`, `release-quarantine-on-tick`,
 //! `retry-after-reject`, `drop-fence`.
 
@@ -23,8 +23,9 @@ fn main() -> ExitCode {
         "duplicating-network" => Config::duplicating_network(),
         "reordering-network" => Config::reordering_network(),
         "prefill-restart" => Config::prefill_restart(),
+        "keepalive" => Config::keepalive(),
         other => {
-            eprintln!("unknown configuration {other:?}: three-requests | faulty-network | duplicating-network | reordering-network | prefill-restart");
+            eprintln!("unknown configuration {other:?}: three-requests | faulty-network | duplicating-network | reordering-network | prefill-restart | keepalive");
             return ExitCode::FAILURE;
         }
     };

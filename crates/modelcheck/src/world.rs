@@ -1,32 +1,36 @@
-//! The world the checker explores: the production gateway, prefill and decode roles and
-//! their real KV pools, wired by a driver that moves messages between them the way the
-//! server's drivers do, plus per-request bookkeeping that the properties read.
+//! The world the checker explores: the production gateway role and the production
+//! prefill and decode drivers ([`bulkhead_protocol::driver`]) over real KV pools, with a
+//! network between them and per-request bookkeeping that the properties read.
 //!
-//! Nothing here decides anything the production code decides. The driver moves messages,
-//! runs the mock model (KV values are a function of request and position), reads KV back
-//! through `KvPool::read` and records what it saw. The broken [`Variant`]s change only the
-//! driver.
+//! Nothing here decides anything the production code decides. The transports below move
+//! messages onto the network; the mock model ([`crate::drivers`]) computes KV values that
+//! are a function of request and position, reads KV back through `KvPool::read` and
+//! records what it saw. The broken [`Variant`]s are driver policies ([`crate::drivers`])
+//! or changes to the gateway's driver here; the roles and the driver core are the
+//! production ones in every variant.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt::Write as _;
 
-use bulkhead_kv::transfer::{export_chunks, Manifest};
-use bulkhead_kv::{KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
-use bulkhead_protocol::decode::{DecodeAction, DecodeConfig, DecodeEvent, DecodeRole};
-use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole};
-use bulkhead_protocol::prefill::{JobOutcome, PrefillAction, PrefillConfig, PrefillJob, PrefillRole};
-use bulkhead_protocol::{FailReason, Message, RejectReason, Role, Sampling, TraceContext, WorkerId};
+use bulkhead_kv::{KvChecks, KvPool, PoolConfig, RequestId};
+use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole};
+use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeLink};
+use bulkhead_protocol::driver::prefill::{LinkDown, PrefillDriver, PrefillLink, Step};
+use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, Phase};
+use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillRole};
+use bulkhead_protocol::{FailReason, Hello, Message, RejectReason, Role, Sampling, TraceContext, WorkerId};
 
 use crate::config::{Config, Variant, LAYOUT, TICK_MS};
-use crate::observe;
+use crate::drivers::{DecodeVariant, MockDecode, MockPrefill, PrefillVariant};
 
 /// The decode worker's id.
 pub const DECODE: WorkerId = WorkerId(1);
 /// First prefill worker id; the others and restarted workers follow.
 const FIRST_PREFILL: u32 = 2;
 /// The first token the mock prefill samples.
-const FIRST_TOKEN: u32 = 7;
-
+pub const FIRST_TOKEN: u32 = 7;
+/// The model digest every worker of the model announces.
+const DIGEST: u64 = 1;
 /// An end of a connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Node {
@@ -65,6 +69,8 @@ pub enum Action {
     GatewayTick,
     /// A prefill worker crashes and a fresh one registers under a new id.
     CrashPrefill(WorkerId),
+    /// A prefill worker's clock passes its keepalive interval.
+    PrefillTick(WorkerId),
 }
 
 /// What travels on a connection.
@@ -129,35 +135,32 @@ pub struct Ghost {
     pub retried: bool,
 }
 
-struct Job {
-    job: PrefillJob,
-    seq: SequenceKv,
-    done: usize,
-    manifest: Manifest,
-    /// Run by the broken `KeepRejectedJob` driver behind the role's back.
-    zombie: bool,
+/// A live handle on a decode page: a lease or a quarantine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Handle {
+    page: u32,
+    generation: u64,
+    owner: RequestId,
+    quarantined: bool,
+}
+
+/// A way a chunk for a decode page may still arrive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct WriteRef {
+    page: u32,
+    generation: u64,
+    req: RequestId,
+    via: &'static str,
 }
 
 struct PrefillWorker {
     id: WorkerId,
-    role: PrefillRole,
-    pool: KvPool,
-    job: Option<Job>,
-    /// Jobs the role rejected that the `KeepRejectedJob` driver keeps anyway.
-    zombies: VecDeque<PrefillJob>,
+    driver: PrefillDriver<PrefillVariant>,
+    compute: MockPrefill,
+    now: u64,
 }
 
-struct Running {
-    seq: SequenceKv,
-    max_tokens: u32,
-    generated: u32,
-}
-
-struct DecodeWorker {
-    role: DecodeRole,
-    pool: KvPool,
-    running: BTreeMap<RequestId, Running>,
-}
+type Decode = DecodeDriver<MockDecode, DecodeVariant>;
 
 /// Remaining fault budgets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -169,25 +172,25 @@ struct Budget {
     prefill_crashes: u8,
     decode_ticks: u8,
     gateway_ticks: u8,
+    prefill_ticks: u8,
 }
 
-/// The production roles and pools, the network between them, and what the driver saw.
+type Net = BTreeMap<(Node, Node), VecDeque<Envelope>>;
+
+/// The production roles and drivers and their pools, the network between them, and what
+/// the driver saw.
 pub struct World<'c> {
     cfg: &'c Config,
     gw: GatewayRole,
     gw_now: u64,
     prefills: Vec<PrefillWorker>,
     next_worker: u32,
-    dec: DecodeWorker,
+    dec: Decode,
     dec_now: u64,
-    net: BTreeMap<(Node, Node), VecDeque<Envelope>>,
+    net: Net,
     ghosts: BTreeMap<RequestId, Ghost>,
     budget: Budget,
     violations: BTreeMap<Prop, String>,
-}
-
-fn sampling() -> Sampling {
-    Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, ignore_eos: false }
 }
 
 fn pool(pages: usize) -> KvPool {
@@ -205,21 +208,137 @@ pub fn request_id(index: usize) -> RequestId {
     RequestId(index as u64 + 1)
 }
 
+fn hello(role: Role, max_context: usize) -> Hello {
+    Hello {
+        role,
+        model_digest: DIGEST,
+        page_size: LAYOUT.page_size as u32,
+        kv_bytes_per_token: LAYOUT.bytes_per_token() as u32,
+        capacity_tokens: max_context as u64,
+        max_context: max_context as u32,
+        kv_addr: String::new(),
+    }
+}
+
+/// Puts `m` on the connection `from → to`, unless `to` is a prefill worker that is gone (a
+/// write to a closed socket).
+fn put(net: &mut Net, alive: &BTreeSet<WorkerId>, from: Node, to: Node, m: Message) {
+    if let Node::Prefill(id) = to
+        && !alive.contains(&id)
+    {
+        return;
+    }
+    net.entry((from, to)).or_default().push_back(Envelope::Msg(m));
+}
+
+/// A prefill worker's transport: onto the network, watching for chunks of requests that
+/// were rejected (I3). Its KV connection to the decode worker is open from its start.
+struct PrefillWire<'a> {
+    me: WorkerId,
+    net: &'a mut Net,
+    alive: &'a BTreeSet<WorkerId>,
+    ghosts: &'a BTreeMap<RequestId, Ghost>,
+    seen: Vec<(Prop, String)>,
+}
+
+impl PrefillLink for PrefillWire<'_> {
+    fn to_gateway(&mut self, msg: Message) {
+        put(self.net, self.alive, Node::Prefill(self.me), Node::Gateway, msg);
+    }
+
+    fn to_decode(&mut self, to: WorkerId, msg: Message) -> Result<(), LinkDown> {
+        if to != DECODE {
+            return Err(LinkDown(to));
+        }
+        if let Message::KvChunk { req, .. } = &msg
+            && self.ghosts.get(req).is_some_and(|g| g.rejected)
+        {
+            self.seen.push((Prop::RejectionTerminal, format!("chunk for {req} sent after it was rejected")));
+        }
+        put(self.net, self.alive, Node::Prefill(self.me), Node::Decode, msg);
+        Ok(())
+    }
+
+    /// Registration is atomic in the model: a worker's KV connection is open from its
+    /// start, so no introduction ever arrives.
+    fn connect(&mut self, _: WorkerId, _: &str) {}
+}
+
+/// The decode worker's transport: onto the network, keeping the ghost state of
+/// reservations and refusals.
+struct DecodeWire<'a> {
+    cfg: &'a Config,
+    net: &'a mut Net,
+    alive: &'a BTreeSet<WorkerId>,
+    ghosts: &'a mut BTreeMap<RequestId, Ghost>,
+    seen: Vec<(Prop, String)>,
+}
+
+impl DecodeLink for DecodeWire<'_> {
+    fn to_gateway(&mut self, msg: Message) {
+        match &msg {
+            Message::Rejected { req, reason, .. } => worker_rejected(self.ghosts, *req, *reason),
+            Message::Reserved { req, .. } => {
+                let g = self.ghosts.entry(*req).or_default();
+                if g.rejected {
+                    self.seen.push((Prop::RejectionTerminal, format!("decode reserved pages for {req} after it was rejected")));
+                }
+                g.reserved_prompt = request(self.cfg, *req).map(|r| r.prompt as usize);
+            }
+            _ => {}
+        }
+        put(self.net, self.alive, Node::Decode, Node::Gateway, msg);
+    }
+
+    fn to_prefill(&mut self, to: WorkerId, msg: Message) {
+        put(self.net, self.alive, Node::Decode, Node::Prefill(to), msg);
+    }
+}
+
+/// A worker refused a request. Refusing it for context or capacity decides the request's
+/// fate (I3); a refusal of a duplicate message is about the message, and becomes the
+/// request's fate only if the gateway passes it to the client.
+fn worker_rejected(ghosts: &mut BTreeMap<RequestId, Ghost>, req: RequestId, reason: RejectReason) {
+    if matches!(reason, RejectReason::ContextLength | RejectReason::Capacity) {
+        ghosts.entry(req).or_default().rejected = true;
+    }
+}
+
+/// Where the decode driver's actions go when it is told of a connection (none come).
+struct Nowhere;
+
+impl DecodeLink for Nowhere {
+    fn to_gateway(&mut self, _: Message) {}
+    fn to_prefill(&mut self, _: WorkerId, _: Message) {}
+}
+
+fn request(cfg: &Config, req: RequestId) -> Option<crate::config::Request> {
+    cfg.requests.get((req.0 as usize).checked_sub(1)?).copied()
+}
+
 impl<'c> World<'c> {
-    /// The initial world: every worker registered, nothing submitted.
+    /// The initial world: every worker registered, every KV connection open, nothing
+    /// submitted.
     pub fn new(cfg: &'c Config) -> Self {
         let mut gw = GatewayRole::new(GatewayConfig {
-            max_context: cfg.gateway_max_context,
+            model_context: cfg.gateway_max_context,
+            model_digest: DIGEST,
             admission_check: cfg.gateway_admission,
             request_timeout_ms: TICK_MS,
         });
+        let mut dec = DecodeDriver::with_policy(
+            DecodeRole::new(DecodeConfig { max_context: cfg.decode_max_context, transfer_timeout_ms: TICK_MS }),
+            MockDecode::new(pool(cfg.decode_pool_pages), cfg.variant),
+            DecodeVariant(cfg.variant),
+        );
+        // Registration is atomic here: its welcomes and introductions are not modelled.
+        let registered = gw.join(DECODE, &hello(Role::Decode, cfg.decode_max_context));
+        assert!(registered.is_ok(), "the decode worker registers: {registered:?}");
         let mut prefills = Vec::new();
         for i in 0..cfg.prefill_workers {
             let id = WorkerId(FIRST_PREFILL + i as u32);
-            prefills.push(Self::prefill_worker(cfg, id));
-            gw.handle(GatewayEvent::WorkerJoined { id, role: Role::Prefill });
+            prefills.push(Self::start_prefill(cfg, &mut gw, &mut dec, id));
         }
-        gw.handle(GatewayEvent::WorkerJoined { id: DECODE, role: Role::Decode });
         let f = cfg.faults;
         World {
             cfg,
@@ -227,11 +346,7 @@ impl<'c> World<'c> {
             gw_now: 0,
             next_worker: FIRST_PREFILL + cfg.prefill_workers as u32,
             prefills,
-            dec: DecodeWorker {
-                role: DecodeRole::new(DecodeConfig { max_context: cfg.decode_max_context, transfer_timeout_ms: TICK_MS }),
-                pool: pool(cfg.decode_pool_pages),
-                running: BTreeMap::new(),
-            },
+            dec,
             dec_now: 0,
             net: BTreeMap::new(),
             ghosts: (0..cfg.requests.len()).map(|i| (request_id(i), Ghost::default())).collect(),
@@ -243,18 +358,25 @@ impl<'c> World<'c> {
                 prefill_crashes: f.prefill_crashes,
                 decode_ticks: f.decode_ticks,
                 gateway_ticks: f.gateway_ticks,
+                prefill_ticks: f.prefill_ticks,
             },
             violations: BTreeMap::new(),
         }
     }
 
-    fn prefill_worker(cfg: &Config, id: WorkerId) -> PrefillWorker {
+    /// A prefill worker that registered with the gateway and opened its KV connection to
+    /// the decode worker (atomically: nothing can happen in between in the model).
+    fn start_prefill(cfg: &Config, gw: &mut GatewayRole, dec: &mut Decode, id: WorkerId) -> PrefillWorker {
+        let registered = gw.join(id, &hello(Role::Prefill, cfg.prefill_max_prompt));
+        assert!(registered.is_ok(), "a prefill worker registers: {registered:?}");
+        let mut role = PrefillRole::new(PrefillConfig { max_prompt: cfg.prefill_max_prompt, page_size: LAYOUT.page_size, keepalive_ms: TICK_MS });
+        role.handle(PrefillEvent::DecodeConnected { decode: DECODE });
+        dec.handle(DecodeEvent::PrefillConnected { from: id }, &mut Nowhere);
         PrefillWorker {
             id,
-            role: PrefillRole::new(PrefillConfig { max_prompt: cfg.prefill_max_prompt, page_size: LAYOUT.page_size }),
-            pool: pool(cfg.prefill_pool_pages),
-            job: None,
-            zombies: VecDeque::new(),
+            driver: PrefillDriver::with_policy(role, LAYOUT.page_size, PrefillVariant::new(cfg.variant)),
+            compute: MockPrefill { pool: pool(cfg.prefill_pool_pages) },
+            now: 0,
         }
     }
 
@@ -283,27 +405,23 @@ impl<'c> World<'c> {
         self.violations.entry(p).or_insert(why);
     }
 
+    fn violate_all(&mut self, seen: Vec<(Prop, String)>) {
+        for (p, why) in seen {
+            self.violate(p, why);
+        }
+    }
+
     fn ghost(&mut self, req: RequestId) -> &mut Ghost {
         self.ghosts.entry(req).or_default()
     }
 
-    fn request(&self, req: RequestId) -> Option<crate::config::Request> {
-        self.cfg.requests.get((req.0 as usize).checked_sub(1)?).copied()
-    }
-
-    fn prefill_alive(&self, id: WorkerId) -> bool {
-        self.prefills.iter().any(|p| p.id == id)
+    fn alive(&self) -> BTreeSet<WorkerId> {
+        self.prefills.iter().map(|p| p.id).collect()
     }
 
     fn send(&mut self, from: Node, to: Node, m: Message) {
-        let alive = match to {
-            Node::Prefill(id) => self.prefill_alive(id),
-            Node::Gateway | Node::Decode => true,
-        };
-        // A message to a worker that is gone is dropped, as a write to a closed socket is.
-        if alive {
-            self.net.entry((from, to)).or_default().push_back(Envelope::Msg(m));
-        }
+        let alive = self.alive();
+        put(&mut self.net, &alive, from, to, m);
     }
 
     // ---------------------------------------------------------------- enabled actions
@@ -339,25 +457,34 @@ impl<'c> World<'c> {
             }
         }
         for p in &self.prefills {
-            if p.job.is_some() || p.role.queued() > 0 || !p.zombies.is_empty() {
+            if p.driver.has_work() {
                 out.push(Action::PrefillStep(p.id));
             }
         }
-        for &req in self.dec.running.keys() {
+        for &req in self.dec.engine().running.keys() {
             out.push(Action::DecodeStep(req));
         }
         // A tick with nothing waiting only moves the clock; leaving it out loses no
         // behaviour (a later useful tick is the same choice).
-        if self.budget.decode_ticks > 0 && self.dec.role.pending() > 0 {
+        if self.budget.decode_ticks > 0 && self.dec.role().pending() > 0 {
             out.push(Action::DecodeTick);
         }
         if self.budget.gateway_ticks > 0 && self.gw.in_flight() > 0 {
             out.push(Action::GatewayTick);
         }
+        // A keepalive re-arms only reservations waiting for that prefill; one sent while
+        // none waits changes nothing the properties see but the network.
+        if self.budget.prefill_ticks > 0 {
+            for p in &self.prefills {
+                if self.dec.role().awaits(p.id) {
+                    out.push(Action::PrefillTick(p.id));
+                }
+            }
+        }
         if self.budget.prefill_crashes > 0 {
             for p in &self.prefills {
-                let involved = p.job.is_some()
-                    || p.role.queued() > 0
+                let involved = p.driver.has_work()
+                    || p.driver.role().busy()
                     || self.net.keys().any(|(a, b)| *a == Node::Prefill(p.id) || *b == Node::Prefill(p.id));
                 if involved {
                     out.push(Action::CrashPrefill(p.id));
@@ -384,45 +511,44 @@ impl<'c> World<'c> {
     ///   delivering one is visible to them;
     /// - to the decode worker from the gateway: an `Abort`/`Cancel` for a request neither
     ///   pending, fencing nor decoding (its `Reserve` came before it on the same connection);
+    /// - to the decode worker from the gateway: `PrefillUnreachable` for a prefill worker
+    ///   that connected to it (see `DecodeRole`: such a prefill is fenced by its close);
     /// - to a prefill worker: an `Abort` for a request it has no job for, with no `Prefill`
     ///   for it on the wire to it and none to come (the gateway sends `Prefill` only from
     ///   `Reserving`).
-    ///
-    /// The receivers' state is read from their `Debug` output.
     fn ignorable(&self) -> Option<Action> {
+        use bulkhead_protocol::decode::RequestState;
         if self.cfg.variant == Variant::RetryAfterReject {
             return None;
         }
         let exactly_once = self.cfg.faults.duplicate == 0 && self.cfg.faults.reorder == 0;
-        let gw = format!("{:?}", self.gw);
-        let dec = format!("{:?}", self.dec.role);
-        let decoding = dec.find("decoding: {").map_or("", |i| &dec[i..i + dec[i..].find('}').unwrap_or(0)]);
         for (&(from, to), q) in &self.net {
             let Some(Envelope::Msg(m)) = q.front() else { continue };
+            // A prefill that connected here is fenced by its connection's close, never by
+            // the gateway's word: the decode role ignores the news for good.
+            if let Message::PrefillUnreachable { worker } = m
+                && self.dec.role().has_connected(*worker)
+            {
+                return Some(Action::Deliver(from, to));
+            }
             let Some(req) = m.req() else { continue };
             if !self.ghosts.get(&req).is_some_and(|g| g.submitted) {
                 continue;
             }
-            let pending = dec.contains(&format!("{req:?}: Pending"));
-            let fencing = dec.contains(&format!("{req:?}: Fencing"));
+            let at_decode = self.dec.role().state_of(req);
+            let pending_or_fencing = matches!(at_decode, Some(RequestState::Pending | RequestState::Fencing));
             let ignored = match (from, to, m) {
-                (_, Node::Gateway, _) => !gw.contains(&format!("{req:?}: InFlight")),
-                (Node::Prefill(_), Node::Decode, Message::Done { .. } | Message::Fenced { .. }) => exactly_once && !pending && !fencing,
-                (Node::Gateway, Node::Decode, Message::Abort { .. } | Message::Cancel { .. }) => {
-                    !pending && !fencing && !decoding.contains(&format!("{req:?}"))
-                }
+                (_, Node::Gateway, _) => self.gw.phase_of(req).is_none(),
+                (Node::Prefill(_), Node::Decode, Message::Done { .. } | Message::Fenced { .. }) => exactly_once && !pending_or_fencing,
+                (Node::Gateway, Node::Decode, Message::Abort { .. } | Message::Cancel { .. }) => at_decode.is_none(),
                 (_, Node::Prefill(w), Message::Abort { .. }) => {
                     let Some(p) = self.prefills.iter().find(|p| p.id == w) else { continue };
-                    let role = format!("{:?}", p.role);
-                    let has_job = role.contains(&format!("PrefillJob {{ req: {req:?}"))
-                        || role.contains(&format!("running: Some(({req:?}"))
-                        || p.job.as_ref().is_some_and(|j| j.job.req == req)
-                        || p.zombies.iter().any(|j| j.req == req);
+                    let has_job = p.driver.role().has_job(req) || p.driver.targets().any(|j| j.req == req);
                     let prefill_on_wire = self
                         .net
                         .get(&(Node::Gateway, Node::Prefill(w)))
                         .is_some_and(|q| q.iter().any(|e| matches!(e, Envelope::Msg(Message::Prefill { req: r, .. }) if *r == req)));
-                    let prefill_to_come = gw.contains(&format!("{req:?}: InFlight {{ phase: Reserving"));
+                    let prefill_to_come = self.gw.phase_of(req) == Some(Phase::Reserving);
                     !has_job && !prefill_on_wire && !prefill_to_come
                 }
                 _ => false,
@@ -468,23 +594,22 @@ impl<'c> World<'c> {
                 }
             }
             Action::PrefillStep(id) => self.prefill_step(id),
-            Action::DecodeStep(req) => self.decode_step(req),
+            Action::DecodeStep(req) => {
+                self.dec.engine_mut().focus = Some(req);
+                let alive = self.alive();
+                let mut link = DecodeWire { cfg: self.cfg, net: &mut self.net, alive: &alive, ghosts: &mut self.ghosts, seen: Vec::new() };
+                let stepped = self.dec.step(&mut link);
+                let seen = link.seen;
+                self.violate_all(seen);
+                if let Err(e) = stepped {
+                    self.violate(Prop::ReadIsolation, format!("decode step of {req} failed: {e}"));
+                }
+                self.drain_engine();
+            }
             Action::DecodeTick => {
                 self.budget.decode_ticks -= 1;
-                self.dec_now += TICK_MS;
-                let acts = self.dec.role.handle(&mut self.dec.pool, DecodeEvent::Tick { now_ms: self.dec_now });
-                if self.cfg.variant == Variant::ReleaseQuarantineOnTick {
-                    // Broken: a timeout is taken for a fence, so the quarantined pages of
-                    // every timed-out transfer are released while its prefill may still write.
-                    let timed_out: Vec<(WorkerId, RequestId)> = acts.iter().filter_map(DecodeAction::timeout_abort).collect();
-                    self.decode_actions(acts);
-                    for (from, req) in timed_out {
-                        let more = self.dec.role.handle(&mut self.dec.pool, DecodeEvent::Prefill { from, msg: Message::Fenced { req } });
-                        self.decode_actions(more);
-                    }
-                } else {
-                    self.decode_actions(acts);
-                }
+                self.dec_now += self.cfg.decode_tick_ms;
+                self.decode_event(DecodeEvent::Tick { now_ms: self.dec_now });
             }
             Action::GatewayTick => {
                 self.budget.gateway_ticks -= 1;
@@ -493,6 +618,13 @@ impl<'c> World<'c> {
                 self.gateway_actions(acts);
             }
             Action::CrashPrefill(id) => self.crash_prefill(id),
+            Action::PrefillTick(id) => {
+                self.budget.prefill_ticks -= 1;
+                let Some(p) = self.prefills.iter_mut().find(|p| p.id == id) else { return };
+                p.now += TICK_MS;
+                let now_ms = p.now;
+                self.prefill_event(id, PrefillEvent::Tick { now_ms });
+            }
         }
     }
 
@@ -506,14 +638,14 @@ impl<'c> World<'c> {
     }
 
     fn submit(&mut self, req: RequestId) {
-        let Some(r) = self.request(req) else { return };
+        let Some(r) = request(self.cfg, req) else { return };
         self.ghost(req).submitted = true;
         let tokens = (0..r.prompt).map(|t| req.0 as u32 * 10 + t).collect();
         let acts = self.gw.handle(GatewayEvent::Submit {
             req,
             tokens,
             max_tokens: r.max_tokens,
-            sampling: sampling(),
+            sampling: Sampling::default(),
             stop: vec![],
             trace: TraceContext::default(),
         });
@@ -523,11 +655,11 @@ impl<'c> World<'c> {
     fn deliver(&mut self, from: Node, to: Node, env: Envelope) {
         match (to, env) {
             (Node::Gateway, Envelope::Msg(msg)) => {
-                let Node::Prefill(w) = from else {
-                    let acts = self.gw.handle(GatewayEvent::FromWorker { from: DECODE, msg });
-                    return self.gateway_actions(acts);
+                let from = match from {
+                    Node::Prefill(w) => w,
+                    Node::Gateway | Node::Decode => DECODE,
                 };
-                let acts = self.gw.handle(GatewayEvent::FromWorker { from: w, msg });
+                let acts = self.gw.handle(GatewayEvent::FromWorker { from, msg });
                 self.gateway_actions(acts);
             }
             (Node::Gateway, Envelope::Closed) => {
@@ -538,8 +670,6 @@ impl<'c> World<'c> {
             }
             (Node::Decode, env) => {
                 let ev = match (from, env) {
-                    // Broken: the driver takes `Fenced` for information and drops it.
-                    (Node::Prefill(_), Envelope::Msg(Message::Fenced { .. })) if self.cfg.variant == Variant::DropFence => return,
                     (Node::Prefill(w), Envelope::Msg(msg)) => DecodeEvent::Prefill { from: w, msg },
                     (Node::Prefill(w), Envelope::Closed) => DecodeEvent::PrefillClosed { from: w },
                     (_, Envelope::Msg(msg)) => DecodeEvent::Gateway(msg),
@@ -547,12 +677,11 @@ impl<'c> World<'c> {
                 };
                 self.decode_event(ev);
             }
-            (Node::Prefill(w), Envelope::Msg(msg)) => self.prefill_message(w, msg),
-            (Node::Prefill(w), Envelope::Closed) => {
-                let Some(p) = self.prefills.iter_mut().find(|p| p.id == w) else { return };
-                let acts = p.role.decode_closed(DECODE);
-                self.prefill_actions(w, acts);
+            (Node::Prefill(w), Envelope::Msg(msg)) => {
+                let ev = if from == Node::Decode { PrefillEvent::Decode { from: DECODE, msg } } else { PrefillEvent::Gateway(msg) };
+                self.prefill_event(w, ev);
             }
+            (Node::Prefill(w), Envelope::Closed) => self.prefill_event(w, PrefillEvent::DecodeLost { decode: DECODE }),
         }
     }
 
@@ -583,7 +712,7 @@ impl<'c> World<'c> {
             ClientOutput::Failed { reason, .. } => Outcome::Failed(reason),
             ClientOutput::Unavailable => Outcome::Unavailable,
         };
-        let over = self.request(req).is_some_and(|r| self.cfg.over_capacity(r));
+        let over = request(self.cfg, req).is_some_and(|r| self.cfg.over_capacity(r));
         let retry_variant = self.cfg.variant == Variant::RetryAfterReject;
         let g = self.ghost(req);
         g.outcomes.push(outcome);
@@ -612,171 +741,90 @@ impl<'c> World<'c> {
 
     // ---------------------------------------------------------------- prefill driver
 
-    fn prefill_message(&mut self, w: WorkerId, msg: Message) {
-        let keep = match &msg {
-            Message::Prefill { req, tokens, decode, pages, sampling, trace } if self.cfg.variant == Variant::KeepRejectedJob => {
-                // The incident's scheduler: a refused prompt becomes a 1-token placeholder.
-                Some(PrefillJob {
-                    req: *req,
-                    tokens: tokens[..1.min(tokens.len())].to_vec(),
-                    decode: *decode,
-                    pages: pages.clone(),
-                    sampling: sampling.clone(),
-                    trace: trace.clone(),
-                })
-            }
-            _ => None,
-        };
+    /// Feed one event to a prefill worker's driver; its actions go onto the network.
+    fn prefill_event(&mut self, w: WorkerId, ev: PrefillEvent) {
+        let alive = self.alive();
         let Some(p) = self.prefills.iter_mut().find(|p| p.id == w) else { return };
-        let acts = p.role.handle(msg);
-        if let Some(job) = keep {
-            let rejected = acts.iter().any(|a| matches!(a, PrefillAction::ToGateway(Message::Rejected { req, reason: RejectReason::ContextLength, .. }) if *req == job.req));
-            if rejected {
-                p.zombies.push_back(job);
-            }
-        }
-        self.prefill_actions(w, acts);
+        let mut link = PrefillWire { me: w, net: &mut self.net, alive: &alive, ghosts: &self.ghosts, seen: Vec::new() };
+        p.driver.handle(ev, &mut link);
+        let seen = link.seen;
+        self.violate_all(seen);
+        self.note_refusals(w);
     }
 
-    /// A worker refused a request. Refusing it for context or capacity decides the
-    /// request's fate (I3); a refusal of a duplicate message is about the message, and
-    /// becomes the request's fate only if the gateway passes it to the client.
-    fn worker_rejected(&mut self, req: RequestId, reason: RejectReason) {
-        if matches!(reason, RejectReason::ContextLength | RejectReason::Capacity) {
-            self.ghost(req).rejected = true;
-        }
-    }
-
-    fn prefill_actions(&mut self, w: WorkerId, acts: Vec<PrefillAction>) {
-        for a in acts {
-            match a {
-                PrefillAction::ToGateway(m) => {
-                    if let Message::Rejected { req, reason, .. } = &m {
-                        self.worker_rejected(*req, *reason);
-                    }
-                    self.send(Node::Prefill(w), Node::Gateway, m);
-                }
-                PrefillAction::ToDecode { to, msg } => {
-                    if to == DECODE {
-                        self.send(Node::Prefill(w), Node::Decode, msg);
-                    }
-                }
+    /// The requests a prefill role refused are rejected from then on (I3), whatever the
+    /// driver's policy made of the refusal.
+    fn note_refusals(&mut self, w: WorkerId) {
+        let Some(p) = self.prefills.iter_mut().find(|p| p.id == w) else { return };
+        let refused: Vec<RequestId> = p.driver.policy_mut().refused.drain(..).collect();
+        for req in refused {
+            if let Some(reason) = self.refusal_of(req) {
+                worker_rejected(&mut self.ghosts, req, reason);
             }
         }
     }
 
-    /// One unit of prefill work, as `prefill_worker::compute` does it: take the next job and
-    /// lease its pages if none is running; check `keep_going`, compute one page and send its
-    /// chunks, and after the last page report the outcome (no message is handled between
-    /// the last chunk and `Done`, as in the server). Taking a job and computing its first
-    /// page are one step: an abort that would arrive between them has the same effect on
-    /// every other role as one arriving just before (`Fenced`, no chunk).
+    /// Why a prefill worker refuses `req`: over its prompt limit, or nothing (a duplicate).
+    fn refusal_of(&self, req: RequestId) -> Option<RejectReason> {
+        let r = request(self.cfg, req)?;
+        (r.prompt as usize > self.cfg.prefill_max_prompt).then_some(RejectReason::ContextLength)
+    }
+
+    /// One unit of prefill work, through the production driver: take the next job and
+    /// compute its first page, or compute and send the next page, or end the job (no
+    /// message is handled between the last chunk and `Done`, as in the server). Taking a
+    /// job and computing its first page are one step: an abort that would arrive between
+    /// them has the same effect on every other role as one arriving just before (`Fenced`,
+    /// no chunk).
     fn prefill_step(&mut self, w: WorkerId) {
-        let Some(i) = self.prefills.iter().position(|p| p.id == w) else { return };
-        if self.prefills[i].job.is_none() {
-            self.start_job(i);
+        let alive = self.alive();
+        let Some(p) = self.prefills.iter_mut().find(|p| p.id == w) else { return };
+        let mut link = PrefillWire { me: w, net: &mut self.net, alive: &alive, ghosts: &self.ghosts, seen: Vec::new() };
+        let step = p.driver.step(&mut p.compute, &mut link);
+        let mut seen = link.seen;
+        if let Step::Computed { req, .. } | Step::Ended { req, .. } = step
+            && self.ghosts.get(&req).is_some_and(|g| g.rejected)
+            && !matches!(step, Step::Ended { outcome: bulkhead_protocol::prefill::JobOutcome::Stopped, .. })
+        {
+            seen.push((Prop::RejectionTerminal, format!("prefill computes {req} after it was rejected")));
         }
-        let Some(mut j) = self.prefills[i].job.take() else { return };
-        let p = &mut self.prefills[i];
-        let req = j.job.req;
-        let n = j.job.tokens.len();
-        if !j.zombie && !p.role.keep_going(req) {
-            let _ = j.seq.release(&mut p.pool);
-            let acts = p.role.job_ended(req, JobOutcome::Stopped);
-            return self.prefill_actions(w, acts);
+        if let Step::Ended { req, unreleased: Some(e), .. } = &step {
+            seen.push((Prop::SingleLease, format!("the prefill could not release the pages of {req}: {e}")));
         }
-        let end = (j.done + LAYOUT.page_size).min(n);
-        for pos in j.done..end {
-            let v = kv_value(req, pos);
-            let row = [v; LAYOUT.kv_heads * LAYOUT.head_dim];
-            let (lease, slot) = j.seq.locate(pos).expect("prefill reserved its prompt");
-            for layer in 0..LAYOUT.layers {
-                p.pool.write(lease, layer, slot, &row, &row).expect("prefill writes its own pages");
-            }
-        }
-        j.seq.commit(&p.pool, end - j.done).expect("prefill commits what it wrote");
-        let chunks = export_chunks(&p.pool, &j.seq, &j.job.pages, j.done, end, &mut j.manifest);
-        j.done = end;
-        match chunks {
-            Ok(chunks) => {
-                for (header, data) in chunks {
-                    if self.ghosts.get(&req).is_some_and(|g| g.rejected) {
-                        self.violate(Prop::RejectionTerminal, format!("chunk for {req} sent after it was rejected"));
-                    }
-                    self.send(Node::Prefill(w), Node::Decode, Message::KvChunk { req, header, data });
-                }
-            }
-            Err(e) => {
-                let p = &mut self.prefills[i];
-                let _ = j.seq.release(&mut p.pool);
-                let acts = if j.zombie { Vec::new() } else { p.role.job_ended(req, JobOutcome::Failed(e.to_string())) };
-                return self.prefill_actions(w, acts);
-            }
-        }
-        let p = &mut self.prefills[i];
-        if j.done < n {
-            p.job = Some(j);
-            return;
-        }
-        let _ = j.seq.release(&mut p.pool);
-        let (tokens, first_token, manifest) = (n as u32, FIRST_TOKEN, j.manifest.digest());
-        if j.zombie {
-            self.send(Node::Prefill(w), Node::Decode, Message::Done { req, tokens, first_token, manifest });
-        } else {
-            let acts = p.role.job_ended(req, JobOutcome::Done { tokens, first_token, manifest });
-            self.prefill_actions(w, acts);
-        }
-    }
-
-    fn start_job(&mut self, i: usize) {
-        let w = self.prefills[i].id;
-        let p = &mut self.prefills[i];
-        let (job, zombie) = match p.role.next_job() {
-            Some(job) => (job, false),
-            None => match p.zombies.pop_front() {
-                Some(job) => (job, true),
-                None => return,
-            },
-        };
-        let req = job.req;
-        let mut seq = SequenceKv::new(req);
-        if let Err(e) = seq.reserve(&mut p.pool, job.tokens.len()) {
-            let acts = if zombie { Vec::new() } else { p.role.job_ended(req, JobOutcome::Failed(format!("prefill KV pool: {e}"))) };
-            return self.prefill_actions(w, acts);
-        }
-        p.job = Some(Job { job, seq, done: 0, manifest: Manifest::default(), zombie });
-        if self.ghosts.get(&req).is_some_and(|g| g.rejected) {
-            self.violate(Prop::RejectionTerminal, format!("prefill computes {req} after it was rejected"));
-        }
+        self.violate_all(seen);
     }
 
     fn crash_prefill(&mut self, id: WorkerId) {
         let Some(i) = self.prefills.iter().position(|p| p.id == id) else { return };
         self.budget.prefill_crashes -= 1;
         // Its process, pool, queue and job are gone; what it sent is still on the wire and
-        // its connections close after it; what was on its way to it is lost.
+        // its connections close after it; what was on its way to it is lost. A fresh
+        // worker registers under a new id.
         let fresh = WorkerId(self.next_worker);
         self.next_worker += 1;
-        self.prefills[i] = Self::prefill_worker(self.cfg, fresh);
+        self.prefills[i] = Self::start_prefill(self.cfg, &mut self.gw, &mut self.dec, fresh);
         self.net.retain(|(_, to), _| *to != Node::Prefill(id));
         for to in [Node::Gateway, Node::Decode] {
             self.net.entry((Node::Prefill(id), to)).or_default().push_back(Envelope::Closed);
         }
-        let acts = self.gw.handle(GatewayEvent::WorkerJoined { id: fresh, role: Role::Prefill });
-        self.gateway_actions(acts);
     }
 
     // ---------------------------------------------------------------- decode driver
 
+    /// Feed one event to the decode driver and record what it did to the ghost state.
     fn decode_event(&mut self, ev: DecodeEvent) {
-        let before = self.dec.role.stats();
+        let before = self.dec.role().stats();
         let (chunk, done) = match &ev {
             DecodeEvent::Prefill { msg: Message::KvChunk { req, header, .. }, .. } => (Some((*req, header.slot_count as usize)), None),
             DecodeEvent::Prefill { msg: Message::Done { req, .. }, .. } => (None, Some(*req)),
             _ => (None, None),
         };
-        let acts = self.dec.role.handle(&mut self.dec.pool, ev);
-        let after = self.dec.role.stats();
+        let alive = self.alive();
+        let mut link = DecodeWire { cfg: self.cfg, net: &mut self.net, alive: &alive, ghosts: &mut self.ghosts, seen: Vec::new() };
+        self.dec.handle(ev, &mut link);
+        let seen = link.seen;
+        self.violate_all(seen);
+        let after = self.dec.role().stats();
         if let Some((req, slots)) = chunk
             && after.chunks_verified > before.chunks_verified
         {
@@ -794,7 +842,21 @@ impl<'c> World<'c> {
             let landed = self.ghosts.get(&req).map_or(0, |g| g.landed);
             self.check_start(req, landed);
         }
-        self.decode_actions(acts);
+        self.drain_engine();
+    }
+
+    /// What the mock decode loop saw: requests it started (checked against their
+    /// reservations) and property violations of its reads.
+    fn drain_engine(&mut self) {
+        let started: Vec<(RequestId, usize, usize)> = self.dec.engine_mut().started.drain(..).collect();
+        for (req, verified, committed) in started {
+            self.check_start(req, verified);
+            if committed != self.ghosts.get(&req).and_then(|g| g.reserved_prompt).unwrap_or(usize::MAX) {
+                self.violate(Prop::VerifiedCoverage, format!("{req} started with {committed} committed prompt tokens"));
+            }
+        }
+        let seen: Vec<(Prop, String)> = self.dec.engine_mut().seen.drain(..).collect();
+        self.violate_all(seen);
     }
 
     /// I2 at the moment decode starts `req` with `coverage` prompt tokens in place; I3: a
@@ -812,101 +874,6 @@ impl<'c> World<'c> {
         }
     }
 
-    fn decode_actions(&mut self, acts: Vec<DecodeAction>) {
-        for a in acts {
-            match a {
-                DecodeAction::ToGateway(m) => {
-                    match &m {
-                        Message::Rejected { req, reason, .. } => self.worker_rejected(*req, *reason),
-                        Message::Reserved { req, .. } => {
-                            if self.ghosts.get(req).is_some_and(|g| g.rejected) {
-                                self.violate(Prop::RejectionTerminal, format!("decode reserved pages for {req} after it was rejected"));
-                            }
-                            let prompt = self.request(*req).map(|r| r.prompt as usize);
-                            self.ghost(*req).reserved_prompt = prompt;
-                        }
-                        _ => {}
-                    }
-                    self.send(Node::Decode, Node::Gateway, m);
-                }
-                DecodeAction::ToPrefill { to, msg } => self.send(Node::Decode, Node::Prefill(to), msg),
-                DecodeAction::Start(ds) => {
-                    let req = ds.req;
-                    self.check_start(req, ds.seq.prompt_tokens());
-                    let seq = ds.seq.into_sequence();
-                    if seq.len() != self.ghosts.get(&req).and_then(|g| g.reserved_prompt).unwrap_or(usize::MAX) {
-                        self.violate(Prop::VerifiedCoverage, format!("{req} started with {} committed prompt tokens", seq.len()));
-                    }
-                    self.read_all(req, &seq);
-                    // The first token came with `Done`; the engine ends a one-token request
-                    // at once, without a decode step.
-                    let r = Running { seq, max_tokens: ds.max_tokens, generated: 1 };
-                    if r.generated < r.max_tokens {
-                        self.dec.running.insert(req, r);
-                    } else {
-                        self.finish(req, r);
-                    }
-                }
-                DecodeAction::Stop { req } => {
-                    if let Some(r) = self.dec.running.remove(&req)
-                        && let Err(e) = r.seq.release(&mut self.dec.pool)
-                    {
-                        self.violate(Prop::SingleLease, format!("releasing stopped {req}: {e}"));
-                    }
-                    self.dec.role.finished(req);
-                }
-            }
-        }
-    }
-
-    /// Attention, as the engine does it: every position of the sequence, every layer, read
-    /// through `KvPool::read` with the sequence's own lease; the value must be the mock
-    /// model's for this request and position.
-    fn read_all(&mut self, req: RequestId, seq: &SequenceKv) {
-        let positions = if self.cfg.variant == Variant::ReadPastWatermark { seq.reserved_tokens() } else { seq.len() };
-        if let Err(why) = read_positions(&self.dec.pool, req, seq, positions) {
-            self.violate(Prop::ReadIsolation, why);
-        }
-    }
-
-    fn decode_step(&mut self, req: RequestId) {
-        let Some(mut r) = self.dec.running.remove(&req) else { return };
-        // Feed the last token: write its KV at the next position, commit it, attend.
-        let pos = r.seq.len();
-        let v = kv_value(req, pos);
-        let row = [v; LAYOUT.kv_heads * LAYOUT.head_dim];
-        let written = r.seq.locate(pos).and_then(|(lease, slot)| {
-            (0..LAYOUT.layers).try_for_each(|layer| self.dec.pool.write(lease, layer, slot, &row, &row))
-        });
-        if let Err(e) = written.and_then(|()| r.seq.commit(&self.dec.pool, 1)) {
-            self.violate(Prop::ReadIsolation, format!("{req} cannot write its own position {pos}: {e}"));
-        }
-        self.read_all(req, &r.seq);
-        r.generated += 1;
-        if r.generated < r.max_tokens {
-            self.dec.running.insert(req, r);
-        } else {
-            self.finish(req, r);
-        }
-    }
-
-    /// The decode loop ends a sequence: its pages go back, the gateway hears `Finished`.
-    fn finish(&mut self, req: RequestId, r: Running) {
-        let prompt = self.request(req).map_or(0, |q| q.prompt);
-        if let Err(e) = r.seq.release(&mut self.dec.pool) {
-            self.violate(Prop::SingleLease, format!("releasing finished {req}: {e}"));
-        }
-        self.dec.role.finished(req);
-        let done = Message::Finished {
-            req,
-            finish: bulkhead_protocol::Finish::Length,
-            text: String::new(),
-            prompt_tokens: prompt,
-            completion_tokens: r.generated,
-        };
-        self.send(Node::Decode, Node::Gateway, done);
-    }
-
     // ---------------------------------------------------------------- state checks
 
     /// Checks on the state as it stands (I1 single lease, I4 no late writes), recorded
@@ -914,9 +881,9 @@ impl<'c> World<'c> {
     pub fn check_state(&mut self) {
         let handles = self.handles();
         let refs = self.write_refs();
-        let stats = self.dec.pool.stats();
+        let stats = self.dec.engine().pool.stats();
         let mut problems: Vec<(Prop, String)> = Vec::new();
-        let mut by_page: BTreeMap<u32, &observe::Handle> = BTreeMap::new();
+        let mut by_page: BTreeMap<u32, &Handle> = BTreeMap::new();
         for h in &handles {
             if let Some(other) = by_page.insert(h.page, h) {
                 problems.push((Prop::SingleLease, format!("page {} held twice: {other:?} and {h:?}", h.page)));
@@ -948,22 +915,19 @@ impl<'c> World<'c> {
         }
     }
 
-    /// Every live handle on a decode page: the decode role's reservations and quarantines
-    /// (read from its `Debug` output, the only view of its private state) and the decode
-    /// loop's sequences.
-    fn handles(&self) -> Vec<observe::Handle> {
-        let mut out = observe::handles(&format!("{:?}", self.dec.role));
-        for r in self.dec.running.values() {
-            for l in r.seq.leases() {
-                out.push(observe::Handle { page: l.page().0, generation: l.generation().0, owner: l.owner(), quarantined: false });
-            }
-        }
-        out
+    /// Every live handle on a decode page: the decode role's reservations and quarantines,
+    /// and the decode loop's sequences.
+    fn handles(&self) -> Vec<Handle> {
+        let role = self.dec.role().held_pages().into_iter().map(|h| (h.tag, h.quarantined));
+        let running = self.dec.engine().running.values().flat_map(|r| r.seq.leases()).map(|l| (**l, false));
+        role.chain(running)
+            .map(|(tag, quarantined)| Handle { page: tag.page().0, generation: tag.generation().0, owner: tag.owner(), quarantined })
+            .collect()
     }
 
     /// Every way a chunk for a decode page may still arrive: a `Prefill` on its way to a
     /// live prefill worker, a job in a prefill queue or running, a chunk on the wire.
-    fn write_refs(&self) -> Vec<observe::WriteRef> {
+    fn write_refs(&self) -> Vec<WriteRef> {
         let mut out = Vec::new();
         for (&(from, to), q) in &self.net {
             for env in q {
@@ -971,25 +935,20 @@ impl<'c> World<'c> {
                 match (m, from, to) {
                     (Message::Prefill { req, pages, .. }, _, Node::Prefill(_)) => {
                         for p in pages {
-                            out.push(observe::WriteRef { page: p.page.0, generation: p.generation.0, req: *req, via: "Prefill on the wire" });
+                            out.push(WriteRef { page: p.page.0, generation: p.generation.0, req: *req, via: "Prefill on the wire" });
                         }
                     }
-                    (Message::KvChunk { req, header, .. }, _, Node::Decode) => out.push(observe::WriteRef {
-                        page: header.page.0,
-                        generation: header.generation.0,
-                        req: *req,
-                        via: "chunk on the wire",
-                    }),
+                    (Message::KvChunk { req, header, .. }, _, Node::Decode) => {
+                        out.push(WriteRef { page: header.page.0, generation: header.generation.0, req: *req, via: "chunk on the wire" });
+                    }
                     _ => {}
                 }
             }
         }
         for p in &self.prefills {
-            out.extend(observe::queued_refs(&format!("{:?}", p.role)));
-            let jobs = p.job.iter().map(|j| &j.job).chain(p.zombies.iter());
-            for j in jobs {
+            for j in p.driver.targets() {
                 for r in &j.pages {
-                    out.push(observe::WriteRef { page: r.page.0, generation: r.generation.0, req: j.req, via: "prefill job" });
+                    out.push(WriteRef { page: r.page.0, generation: r.generation.0, req: j.req, via: "prefill job" });
                 }
             }
         }
@@ -1003,11 +962,10 @@ impl<'c> World<'c> {
         self.requests_ended()
             && self.net.is_empty()
             && self.gw.in_flight() == 0
-            && (self.dec.role.pending(), self.dec.role.fencing(), self.dec.role.decoding()) == (0, 0, 0)
-            && self.dec.running.is_empty()
-            && self.prefills.iter().all(|p| p.job.is_none() && p.zombies.is_empty() && p.role.queued() == 0 && !p.role.busy())
-            && full(&self.dec.pool)
-            && self.prefills.iter().all(|p| full(&p.pool))
+            && self.dec.is_idle()
+            && self.prefills.iter().all(|p| p.driver.is_idle())
+            && full(&self.dec.engine().pool)
+            && self.prefills.iter().all(|p| full(&p.compute.pool))
     }
 
     /// Every request submitted and ended for its client.
@@ -1018,7 +976,7 @@ impl<'c> World<'c> {
     /// Every request that fits finished, every one that does not was rejected.
     pub fn all_served(&self) -> bool {
         self.ghosts.iter().all(|(req, g)| {
-            let over = self.request(*req).is_some_and(|r| self.cfg.over_capacity(r));
+            let over = request(self.cfg, *req).is_some_and(|r| self.cfg.over_capacity(r));
             g.outcomes == [if over { Outcome::Rejected(RejectReason::ContextLength) } else { Outcome::Finished }]
         })
     }
@@ -1026,8 +984,8 @@ impl<'c> World<'c> {
     // ---------------------------------------------------------------- fingerprint
 
     /// The canonical description of the state the checker deduplicates on (see
-    /// [`crate::fingerprint`]): every role's and pool's `Debug` output, the driver's jobs
-    /// and sequences, the network, the budgets and the ghost state.
+    /// [`crate::fingerprint`]): every driver's, role's and pool's `Debug` output, the
+    /// network, the budgets and the ghost state.
     pub fn describe(&self) -> String {
         let mut s = String::with_capacity(4096);
         // Clocks and deadlines are read only by the next tick; once a role can tick no more,
@@ -1042,20 +1000,20 @@ impl<'c> World<'c> {
         }
         let _ = write!(s, "gw {gw} | ");
         for p in &self.prefills {
-            let _ = write!(s, "prefill {:?} {:?} zombies {:?} ", p.id, p.role, p.zombies);
-            if let Some(j) = &p.job {
-                let _ = write!(s, "job {:?} done {} zombie {} Manifest({}) ", j.job.req, j.done, j.zombie, j.manifest.digest());
+            let mut driver = format!("{:?}", p.driver);
+            if self.budget.prefill_ticks == 0 {
+                driver = blank_numbers(&driver, &["now_ms: ", "last_keepalive_ms: "]);
             }
-            let _ = write!(s, "free {} | ", p.pool.stats().free_pages);
+            let _ = write!(s, "prefill {:?} {driver} free {} | ", p.id, p.compute.pool.stats().free_pages);
         }
-        let d = self.dec.pool.stats();
-        let mut role = format!("{:?}", self.dec.role);
+        let d = self.dec.engine().pool.stats();
+        let mut role = format!("{:?}", self.dec.role());
         if self.budget.decode_ticks == 0 {
             role = blank_numbers(&role, &["now_ms: ", "deadline_ms: "]);
         }
         let _ = write!(s, "decode {role} pool {} {} {} running [", d.free_pages, d.leased_pages, d.quarantined_pages);
-        for (req, r) in &self.dec.running {
-            let _ = write!(s, "{req:?} {:?} {} ", r.seq, r.generated);
+        for (req, r) in &self.dec.engine().running {
+            let _ = write!(s, "{req:?} {r:?} ");
         }
         let _ = write!(s, "] | net ");
         for ((from, to), q) in &self.net {
@@ -1070,16 +1028,13 @@ impl<'c> World<'c> {
         let mut s = String::new();
         let _ = writeln!(s, "gateway: {:?}", self.gw);
         for p in &self.prefills {
-            let _ = writeln!(s, "prefill {}: {:?}", p.id, p.role);
-            if let Some(j) = &p.job {
-                let _ = writeln!(s, "  job {} done {}/{} zombie {}", j.job.req, j.done, j.job.tokens.len(), j.zombie);
-            }
-            let _ = writeln!(s, "  pool {:?}", p.pool.stats());
+            let _ = writeln!(s, "prefill {}: {:?}", p.id, p.driver);
+            let _ = writeln!(s, "  pool {:?}", p.compute.pool.stats());
         }
-        let _ = writeln!(s, "decode: {:?}", self.dec.role);
-        let _ = writeln!(s, "  pool {:?}", self.dec.pool.stats());
-        for (req, r) in &self.dec.running {
-            let _ = writeln!(s, "  running {req}: {} tokens, {} generated", r.seq.len(), r.generated);
+        let _ = writeln!(s, "decode: {:?}", self.dec.role());
+        let _ = writeln!(s, "  pool {:?}", self.dec.engine().pool.stats());
+        for (req, r) in &self.dec.engine().running {
+            let _ = writeln!(s, "  running {req}: {} tokens", r.seq.len());
         }
         for ((from, to), q) in &self.net {
             let _ = writeln!(s, "wire {from:?} -> {to:?}:");
@@ -1118,26 +1073,3 @@ fn full(pool: &KvPool) -> bool {
     s.free_pages == s.total_pages
 }
 
-/// Reads positions `0..positions` of `seq` through the pool and checks each holds the mock
-/// model's value for `req`.
-fn read_positions(pool: &KvPool, req: RequestId, seq: &SequenceKv, positions: usize) -> Result<(), String> {
-    let hd = LAYOUT.head_dim;
-    for pos in 0..positions {
-        let (lease, slot) = seq.locate(pos).map_err(|e| format!("{req} position {pos}: {e}"))?;
-        for layer in 0..LAYOUT.layers {
-            let r = pool.read(lease, layer).map_err(|e| format!("{req} read of page {} refused: {e}", lease.page()))?;
-            if slot >= r.len() {
-                return Err(format!("{req} read position {pos} (page {} slot {slot}) past the watermark {}", lease.page(), r.len()));
-            }
-            let want = kv_value(req, pos);
-            for head in 0..LAYOUT.kv_heads {
-                for x in [&r.k_head(head)[slot * hd..(slot + 1) * hd], &r.v_head(head)[slot * hd..(slot + 1) * hd]] {
-                    if x.iter().any(|v| v.to_f32() != want) {
-                        return Err(format!("{req} position {pos} holds {:?}, not its own KV {want}", x.iter().map(|v| v.to_f32()).collect::<Vec<_>>()));
-                    }
-                }
-            }
-        }
-    }
-    Ok(())
-}

@@ -32,6 +32,12 @@ fn assert_holds(report: &Report, model: &HandoffModel) {
     assert!(report.discoveries.contains_key(names::SERVED), "the happy path is reachable: {report}");
 }
 
+/// The pinned counts since the driver core (issue 12), which the model now runs: this
+/// configuration is unchanged at 64,506 (no prefill tick here: with one decode tick of a
+/// whole timeout a keepalive can delay nothing, see the keepalive configuration). The
+/// faulty network grew from 88,866 to 109,102 because the gateway role now reports a
+/// departed prefill as `PrefillUnreachable`, and to 394,958 with one prefill tick (a
+/// keepalive sent in any state where the decode worker awaits that prefill).
 #[test]
 fn three_requests_two_prefill_workers_one_decode_worker_hold_every_property() {
     let (report, model) = check_all(Config::three_requests());
@@ -43,7 +49,7 @@ fn three_requests_two_prefill_workers_one_decode_worker_hold_every_property() {
 fn lost_messages_crashes_aborts_and_timeouts_break_no_safety_property() {
     let (report, model) = check_all(Config::faulty_network());
     assert_holds(&report, &model);
-    assert_eq!(report.unique_states, 88_866, "the model changed: {report}");
+    assert_eq!(report.unique_states, 394_958, "the model changed: {report}");
 }
 
 /// Runs one request of the three-request configuration to its end, taking every action but
@@ -75,9 +81,9 @@ fn one_request() -> Config {
     cfg
 }
 
-/// The decode timeout is a silence timer (any frame from the prefill re-arms it; the model's
-/// prefill sends no keepalives): a transfer that started and then stalled times out in the
-/// model, and its pages come back only through the fence...
+/// The decode timeout is a silence timer (any frame from the prefill re-arms it; this walk
+/// takes no prefill tick, so no keepalive): a transfer that started and then stalled times
+/// out in the model, and its pages come back only through the fence...
 #[test]
 fn a_transfer_that_stalls_after_a_chunk_times_out_in_the_model() {
     use bulkhead_modelcheck::world::Outcome;
@@ -97,6 +103,58 @@ fn a_reservation_whose_prefill_stays_silent_times_out_in_the_model() {
     let w = walk_with_one_decode_tick(&cfg, |w| w.ghosts().values().all(|g| g.reserved_prompt.is_some() && g.landed == 0));
     let outcomes: Vec<_> = w.ghosts().values().map(|g| g.outcomes.clone()).collect();
     assert_eq!(outcomes, [vec![Outcome::Failed(FailReason::Timeout)]]);
+}
+
+/// With half-timeout decode ticks, a keepalive from the prefill role's tick (the
+/// production driver's) that arrives between the two decode ticks keeps a waiting
+/// reservation alive, and the request finishes; without it the same two ticks time it out.
+#[test]
+fn a_keepalive_between_two_decode_ticks_keeps_a_waiting_reservation_alive() {
+    use bulkhead_modelcheck::world::{Node, Outcome};
+    use bulkhead_protocol::FailReason;
+    let cfg = Config::keepalive();
+    for keepalive in [true, false] {
+        let mut w = World::new(&cfg);
+        let (mut ticks, mut kept_alive) = (0, false);
+        for _ in 0..200 {
+            let enabled = w.enabled();
+            let waiting = w.ghosts().values().all(|g| g.reserved_prompt.is_some() && g.landed == 0);
+            let pick = if waiting && ticks == 0 && enabled.contains(&Action::DecodeTick) {
+                Action::DecodeTick
+            } else if waiting && ticks == 1 && keepalive && !kept_alive {
+                let tick = enabled.iter().find(|a| matches!(a, Action::PrefillTick(_))).cloned();
+                let Some(tick) = tick else { panic!("no prefill tick while a reservation waits: {enabled:?}") };
+                kept_alive = true;
+                tick
+            } else if waiting && ticks == 1 && enabled.contains(&Action::Deliver(Node::Prefill(bulkhead_protocol::WorkerId(2)), Node::Decode)) {
+                Action::Deliver(Node::Prefill(bulkhead_protocol::WorkerId(2)), Node::Decode)
+            } else if waiting && ticks == 1 && enabled.contains(&Action::DecodeTick) {
+                Action::DecodeTick
+            } else {
+                let next = enabled.into_iter().find(|a| matches!(a, Action::Submit(_) | Action::Deliver(..) | Action::PrefillStep(_) | Action::DecodeStep(_)));
+                let Some(a) = next else { break };
+                a
+            };
+            if pick == Action::DecodeTick {
+                ticks += 1;
+            }
+            w.apply(&pick);
+        }
+        assert_eq!((ticks, kept_alive), (2, keepalive), "{}", w.dump());
+        w.check_state();
+        assert!(w.violations().is_empty(), "{:?}", w.violations());
+        let outcomes: Vec<_> = w.ghosts().values().map(|g| g.outcomes.clone()).collect();
+        let want = if keepalive { Outcome::Finished } else { Outcome::Failed(FailReason::Timeout) };
+        assert_eq!(outcomes, [vec![want]], "keepalive {keepalive}: {}", w.dump());
+        assert!(w.is_clean(), "{}", w.dump());
+    }
+}
+
+#[test]
+fn keepalives_and_half_timeout_ticks_hold_every_property() {
+    let (report, model) = check_all(Config::keepalive());
+    assert_holds(&report, &model);
+    assert_eq!(report.unique_states, 374, "the model changed: {report}");
 }
 
 // ------------------------------------------------------------------ broken variants

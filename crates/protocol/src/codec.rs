@@ -15,8 +15,9 @@ use bulkhead_kv::{ChunkHeader, Generation, PageId, PageRef, RequestId};
 use crate::msg::*;
 
 /// Protocol version spoken by this build (2: `Sampling` carries `ignore_eos`; 3: `Reserve`
-/// and `Prefill` carry a `TraceContext`, workers send `Metrics`).
-pub const VERSION: u8 = 4;
+/// and `Prefill` carry a `TraceContext`, workers send `Metrics`; 4: `KvKeepalive`;
+/// 5: `Finished` may say `abort`).
+pub const VERSION: u8 = 5;
 /// Default largest payload accepted (a KV chunk of one page is ~370 KB for the default model).
 pub const DEFAULT_MAX_FRAME: usize = 16 << 20;
 const MAGIC: [u8; 2] = *b"BH";
@@ -228,8 +229,9 @@ fn abort(v: u8) -> Option<AbortReason> {
     use AbortReason::*;
     [ClientGone, Timeout, Failed, Shutdown].get(usize::from(v)).copied()
 }
-fn finish(v: u8) -> Option<Finish> {
-    [Finish::Stop, Finish::Length].get(usize::from(v)).copied()
+fn finish(v: u8) -> Option<FinishReason> {
+    use FinishReason::*;
+    [Stop, Length, Abort].get(usize::from(v)).copied()
 }
 fn metric_kind(v: u8) -> Option<MetricKind> {
     [MetricKind::Counter, MetricKind::Gauge, MetricKind::Histogram].get(usize::from(v)).copied()
@@ -537,7 +539,7 @@ mod tests {
             Message::Done { req: RequestId(5), tokens: 3, first_token: 11, manifest: 99 },
             Message::Fenced { req: RequestId(5) },
             Message::Token { req: RequestId(5), token: 4, text: "héllo".into() },
-            Message::Finished { req: RequestId(5), finish: Finish::Length, text: String::new(), prompt_tokens: 3, completion_tokens: 1 },
+            Message::Finished { req: RequestId(5), finish: FinishReason::Length, text: String::new(), prompt_tokens: 3, completion_tokens: 1 },
             Message::Failed { req: RequestId(5), reason: FailReason::TransferRefused, detail: "checksum".into() },
             Message::Abort { req: RequestId(5), reason: AbortReason::ClientGone },
             Message::DecodePeer { worker: WorkerId(2), addr: "127.0.0.1:7".into() },

@@ -16,8 +16,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use bulkhead_kv::{Inbound, KvError, KvPool, Quarantined, RequestId, TransferError, VerifiedSequence};
+use bulkhead_kv::{Inbound, KvError, KvPool, PageTag, Quarantined, RequestId, SequenceKv, TransferError, VerifiedSequence};
 
+use crate::admission::{admit, Generate};
 use crate::msg::*;
 
 /// Limits of a decode worker.
@@ -84,6 +85,38 @@ impl DecodeAction {
             _ => None,
         }
     }
+}
+
+/// Why a KV chunk was refused. Any of these fails the request (I1, I2).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ChunkRefusal {
+    /// It came on the KV connection of another prefill worker than the one the
+    /// reservation names (the pool's verifier knows no workers, so this check is here).
+    #[error("chunk from {from}, the transfer was assigned to {assigned}")]
+    WrongSender { from: WorkerId, assigned: WorkerId },
+    /// The verifier refused it.
+    #[error(transparent)]
+    Transfer(#[from] TransferError),
+}
+
+/// Where a request stands on a decode worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestState {
+    /// Reserved, its KV transfer not yet verified.
+    Pending,
+    /// Its transfer was given up; its pages wait in quarantine for the writer's fence.
+    Fencing,
+    /// Verified and handed to the decode loop.
+    Decoding,
+}
+
+/// A page the role holds: a reservation's lease, or a quarantined page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeldPage {
+    /// Which page, at which generation, for whom.
+    pub tag: PageTag,
+    /// Quarantined (awaiting a fence) rather than leased.
+    pub quarantined: bool,
 }
 
 /// Evidence (I6): every check that ran and every one that failed.
@@ -154,8 +187,6 @@ pub struct DecodeRole {
     /// Prefill workers whose KV connection opened here.
     connected_prefills: BTreeSet<WorkerId>,
     stats: DecodeStats,
-    #[cfg(feature = "incident-replay")]
-    incident_bug: bool,
 }
 
 fn failed(req: RequestId, reason: FailReason, detail: impl Into<String>) -> DecodeAction {
@@ -174,16 +205,7 @@ impl DecodeRole {
             closed_prefills: BTreeSet::new(),
             connected_prefills: BTreeSet::new(),
             stats: DecodeStats::default(),
-            #[cfg(feature = "incident-replay")]
-            incident_bug: false,
         }
-    }
-
-    /// Test only: the incident's decode side, which trusts a prefill's "done" without
-    /// verifying what arrived.
-    #[cfg(feature = "incident-replay")]
-    pub fn replay_incident_bug(&mut self) {
-        self.incident_bug = true;
     }
 
     /// Counters.
@@ -204,6 +226,41 @@ impl DecodeRole {
     /// Requests handed to the decode loop and not yet reported finished.
     pub fn decoding(&self) -> usize {
         self.decoding.len()
+    }
+
+    /// Whether any request holds anything here.
+    pub fn busy(&self) -> bool {
+        !(self.pending.is_empty() && self.fencing.is_empty() && self.decoding.is_empty())
+    }
+
+    /// Where `req` stands here, if it holds anything.
+    pub fn state_of(&self, req: RequestId) -> Option<RequestState> {
+        if self.pending.contains_key(&req) {
+            Some(RequestState::Pending)
+        } else if self.fencing.contains_key(&req) {
+            Some(RequestState::Fencing)
+        } else if self.decoding.contains(&req) {
+            Some(RequestState::Decoding)
+        } else {
+            None
+        }
+    }
+
+    /// Every page the role holds (reservations and quarantines; not the decode loop's).
+    pub fn held_pages(&self) -> Vec<HeldPage> {
+        let leased = self.pending.values().flat_map(|p| p.inbound.leases()).map(|l| HeldPage { tag: **l, quarantined: false });
+        let quarantined = self.fencing.values().flat_map(|f| &f.pages).map(|q| HeldPage { tag: **q, quarantined: true });
+        leased.chain(quarantined).collect()
+    }
+
+    /// Whether prefill worker `prefill` ever opened its KV connection here.
+    pub fn has_connected(&self, prefill: WorkerId) -> bool {
+        self.connected_prefills.contains(&prefill)
+    }
+
+    /// Whether a reservation waits for a transfer from prefill worker `prefill`.
+    pub fn awaits(&self, prefill: WorkerId) -> bool {
+        self.pending.values().any(|p| p.prefill == prefill)
     }
 
     /// The decode loop finished `req` (and released its pages).
@@ -285,7 +342,7 @@ impl DecodeRole {
     /// Whether `req` holds anything here: a reservation, quarantined pages or a place in
     /// the decode loop.
     pub fn known(&self, req: RequestId) -> bool {
-        self.pending.contains_key(&req) || self.fencing.contains_key(&req) || self.decoding.contains(&req)
+        self.state_of(req).is_some()
     }
 
     fn on_gateway(&mut self, pool: &mut KvPool, m: Message, out: &mut Vec<DecodeAction>) {
@@ -295,17 +352,14 @@ impl DecodeRole {
                     out.push(self.reject(req, RejectReason::Duplicate, format!("request {req} is already in flight")));
                     return;
                 }
-                if prompt_tokens == 0 || max_tokens == 0 {
-                    out.push(self.reject(req, RejectReason::Invalid, "empty prompt or zero max_tokens".into()));
-                    return;
-                }
-                let total = prompt_tokens as usize + max_tokens as usize;
                 // Worker-side admission (I3, I5): holds even if the gateway's check is off.
-                if total > self.cfg.max_context {
-                    let why = format!("{prompt_tokens} prompt + {max_tokens} max tokens = {total} exceeds this decode worker's {}", self.cfg.max_context);
-                    out.push(self.reject(req, RejectReason::ContextLength, why));
-                    return;
-                }
+                let total = match admit(prompt_tokens as usize, Generate::Tokens(max_tokens as usize), self.cfg.max_context) {
+                    Ok(total) => total,
+                    Err(refusal) => {
+                        out.push(self.reject(req, refusal.reason(), format!("{refusal} (decode worker)")));
+                        return;
+                    }
+                };
                 match Inbound::reserve(pool, req, prompt_tokens as usize, total) {
                     Ok(inbound) => {
                         self.stats.reserved += 1;
@@ -357,15 +411,13 @@ impl DecodeRole {
                     return;
                 };
                 let verdict = if p.prefill != from {
-                    Err(format!("chunk from {from}, the transfer was assigned to {}", p.prefill))
+                    Err(ChunkRefusal::WrongSender { from, assigned: p.prefill })
                 } else {
-                    p.inbound.accept(pool, &header, &data).map_err(|e| {
-                        if matches!(e, TransferError::Checksum { .. }) {
-                            self.stats.checksum_failed += 1;
-                        }
-                        e.to_string()
-                    })
+                    p.inbound.accept(pool, &header, &data).map_err(ChunkRefusal::from)
                 };
+                if let Err(ChunkRefusal::Transfer(TransferError::Checksum { .. })) = &verdict {
+                    self.stats.checksum_failed += 1;
+                }
                 match verdict {
                     Ok(()) => self.stats.chunks_verified += 1,
                     Err(why) => {
@@ -373,7 +425,7 @@ impl DecodeRole {
                         if let Some(p) = self.pending.remove(&req) {
                             let prefill = p.prefill;
                             self.quarantine(pool, req, p);
-                            out.push(failed(req, FailReason::TransferRefused, why));
+                            out.push(failed(req, FailReason::TransferRefused, why.to_string()));
                             out.push(DecodeAction::ToPrefill { to: prefill, msg: Message::Abort { req, reason: AbortReason::Failed } });
                         }
                     }
@@ -383,11 +435,7 @@ impl DecodeRole {
                 if self.pending.get(&req).is_some_and(|p| p.prefill == from) {
                     let Some(p) = self.pending.remove(&req) else { return };
                     // Done is the sender's last message for req: from here it is fenced.
-                    #[cfg(feature = "incident-replay")]
-                    let verdict = if self.incident_bug { Ok(p.inbound.finish_trusting_claim()) } else { p.inbound.finish(pool, tokens as usize, manifest) };
-                    #[cfg(not(feature = "incident-replay"))]
-                    let verdict = p.inbound.finish(pool, tokens as usize, manifest);
-                    match verdict {
+                    match p.inbound.finish(pool, tokens as usize, manifest) {
                         Ok(seq) => {
                             self.stats.coverage_verified += 1;
                             self.decoding.insert(req);
@@ -435,20 +483,14 @@ impl DecodeRole {
             return;
         }
         let received = p.inbound.received_tokens();
-        let seq = p.inbound.into_sequence();
-        match seq.quarantine(pool) {
-            Ok(pages) => {
-                self.stats.pages_quarantined += pages.len() as u64;
-                self.fencing.insert(req, Fencing { pages, prefill: p.prefill, received });
-            }
+        let pages = match p.inbound.into_sequence().quarantine(pool) {
+            Ok(pages) => pages,
             // Leases this role made are live unless the pool was tampered with; keep them
             // out of circulation rather than free anything we cannot account for.
-            Err(_) => {
-                let pages = pool.revoke_owner(req);
-                self.stats.pages_quarantined += pages.len() as u64;
-                self.fencing.insert(req, Fencing { pages, prefill: p.prefill, received });
-            }
-        }
+            Err(u) => pool.revoke_owner(u.seq.owner()),
+        };
+        self.stats.pages_quarantined += pages.len() as u64;
+        self.fencing.insert(req, Fencing { pages, prefill: p.prefill, received });
     }
 
     fn unfence(&mut self, pool: &mut KvPool, req: RequestId) {
@@ -461,13 +503,10 @@ impl DecodeRole {
         }
     }
 
-    fn release_seq(&mut self, pool: &mut KvPool, seq: bulkhead_kv::SequenceKv) {
-        let owner = seq.owner();
-        if seq.release(pool).is_err() {
+    fn release_seq(&mut self, pool: &mut KvPool, seq: SequenceKv) {
+        if let Err(u) = seq.release(pool) {
             // Unreachable with live leases; never leave pages leased to a dead request.
-            for q in pool.revoke_owner(owner) {
-                let _ = pool.release_quarantined(q);
-            }
+            u.reclaim(pool);
         }
     }
 }

@@ -10,13 +10,17 @@ use std::collections::BTreeMap;
 
 use bulkhead_kv::RequestId;
 
+use crate::admission::{admit, Generate};
 use crate::msg::*;
 
 /// Limits of the gateway.
 #[derive(Clone, Debug)]
 pub struct GatewayConfig {
-    /// Longest request (prompt + generation) the system serves: the smallest worker limit.
-    pub max_context: usize,
+    /// The model's context. The served context is this or the smallest any registered
+    /// worker accepts, whichever is smaller (I5).
+    pub model_context: usize,
+    /// Digest of the model file; a worker serving another model is refused.
+    pub model_digest: u64,
     /// Whether the gateway checks the context limit itself (tests turn it off to show the
     /// workers' own admission holds).
     pub admission_check: bool,
@@ -33,8 +37,6 @@ pub enum GatewayEvent {
     ClientGone { req: RequestId },
     /// A worker sent a message.
     FromWorker { from: WorkerId, msg: Message },
-    /// A worker registered.
-    WorkerJoined { id: WorkerId, role: Role },
     /// A worker's connection closed.
     WorkerLeft { id: WorkerId },
     /// The clock moved.
@@ -47,7 +49,7 @@ pub enum ClientOutput {
     /// Text released by one generated token.
     Token { text: String },
     /// Ended normally.
-    Finished { finish: Finish, text: String, prompt_tokens: u32, completion_tokens: u32 },
+    Finished { finish: FinishReason, text: String, prompt_tokens: u32, completion_tokens: u32 },
     /// Refused before running (over-context: HTTP 400).
     Rejected { reason: RejectReason, detail: String },
     /// Failed while running.
@@ -72,11 +74,49 @@ pub enum GatewayAction {
     ToClient { req: RequestId, out: ClientOutput },
 }
 
+/// Where a request stands at the gateway.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Phase {
+pub enum Phase {
+    /// `Reserve` sent to the decode worker; no `Prefill` sent yet.
     Reserving,
+    /// `Prefill` sent; no token yet.
     Prefilling,
+    /// Tokens flowing.
     Decoding,
+}
+
+/// The KV layout every worker of one gateway must share.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvShape {
+    /// Tokens per page.
+    pub page_size: u32,
+    /// KV bytes per token.
+    pub kv_bytes_per_token: u32,
+}
+
+/// Why a worker was refused at registration.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RegisterError {
+    /// It serves another model file.
+    #[error("model digest {worker:#x} differs from the gateway's {gateway:#x}")]
+    Model { worker: u64, gateway: u64 },
+    /// Its KV layout differs from the workers already registered.
+    #[error(
+        "KV layout (page size {}, {} bytes/token) differs from the registered workers' ({}, {})",
+        worker.page_size, worker.kv_bytes_per_token, registered.page_size, registered.kv_bytes_per_token
+    )]
+    Layout { worker: KvShape, registered: KvShape },
+    /// The id is taken.
+    #[error("{0} is already registered")]
+    Duplicate(WorkerId),
+}
+
+/// A registered worker.
+#[derive(Clone, Debug)]
+struct Member {
+    role: Role,
+    max_context: usize,
+    kv_addr: String,
 }
 
 #[derive(Debug)]
@@ -112,6 +152,11 @@ pub struct GatewayStats {
 pub struct GatewayRole {
     cfg: GatewayConfig,
     now_ms: u64,
+    /// The served context (see [`GatewayConfig::model_context`]).
+    max_context: usize,
+    /// The layout of the first registered worker, which every later one must share.
+    shape: Option<KvShape>,
+    members: BTreeMap<WorkerId, Member>,
     prefills: Vec<WorkerId>,
     decodes: Vec<WorkerId>,
     next_pick: usize,
@@ -122,7 +167,18 @@ pub struct GatewayRole {
 impl GatewayRole {
     /// A gateway with no workers.
     pub fn new(cfg: GatewayConfig) -> Self {
-        GatewayRole { cfg, now_ms: 0, prefills: Vec::new(), decodes: Vec::new(), next_pick: 0, inflight: BTreeMap::new(), stats: GatewayStats::default() }
+        GatewayRole {
+            max_context: cfg.model_context,
+            cfg,
+            now_ms: 0,
+            shape: None,
+            members: BTreeMap::new(),
+            prefills: Vec::new(),
+            decodes: Vec::new(),
+            next_pick: 0,
+            inflight: BTreeMap::new(),
+            stats: GatewayStats::default(),
+        }
     }
 
     /// Counters.
@@ -130,14 +186,65 @@ impl GatewayRole {
         self.stats
     }
 
-    /// Change the served context (workers registered or left).
-    pub fn set_max_context(&mut self, max_context: usize) {
-        self.cfg.max_context = max_context;
+    /// The served context: the model's, or the smallest any registered worker accepts.
+    pub fn max_context(&self) -> usize {
+        self.max_context
     }
 
-    /// The served context.
-    pub fn max_context(&self) -> usize {
-        self.cfg.max_context
+    /// Where `req` stands, if it is in flight.
+    pub fn phase_of(&self, req: RequestId) -> Option<Phase> {
+        self.inflight.get(&req).map(|f| f.phase)
+    }
+
+    /// Registered workers of `role`, in the order they joined.
+    pub fn workers(&self, role: Role) -> &[WorkerId] {
+        match role {
+            Role::Prefill => &self.prefills,
+            Role::Decode => &self.decodes,
+        }
+    }
+
+    /// Register worker `id` (the driver names it) from its `Hello`: refused if it serves
+    /// another model or KV layout. On success: its `Welcome`, and the introductions that
+    /// let prefill workers open KV connections to decode workers (`DecodePeer`).
+    pub fn join(&mut self, id: WorkerId, hello: &Hello) -> Result<Vec<GatewayAction>, RegisterError> {
+        if hello.model_digest != self.cfg.model_digest {
+            return Err(RegisterError::Model { worker: hello.model_digest, gateway: self.cfg.model_digest });
+        }
+        let worker = KvShape { page_size: hello.page_size, kv_bytes_per_token: hello.kv_bytes_per_token };
+        match self.shape {
+            Some(registered) if registered != worker => return Err(RegisterError::Layout { worker, registered }),
+            _ => {}
+        }
+        if self.members.contains_key(&id) {
+            return Err(RegisterError::Duplicate(id));
+        }
+        self.shape = Some(worker);
+        let mut out = vec![GatewayAction::ToWorker { to: id, msg: Message::Welcome { worker: id } }];
+        match hello.role {
+            Role::Prefill => {
+                for (&d, m) in self.members.iter().filter(|(_, m)| m.role == Role::Decode) {
+                    out.push(GatewayAction::ToWorker { to: id, msg: Message::DecodePeer { worker: d, addr: m.kv_addr.clone() } });
+                }
+                self.prefills.push(id);
+            }
+            Role::Decode => {
+                for &p in &self.prefills {
+                    out.push(GatewayAction::ToWorker { to: p, msg: Message::DecodePeer { worker: id, addr: hello.kv_addr.clone() } });
+                }
+                self.decodes.push(id);
+            }
+        }
+        let member = Member { role: hello.role, max_context: hello.max_context as usize, kv_addr: hello.kv_addr.clone() };
+        self.members.insert(id, member);
+        self.update_context();
+        Ok(out)
+    }
+
+    /// The served context is the smallest any worker accepts (I5).
+    fn update_context(&mut self) {
+        let workers = self.members.values().map(|m| m.max_context).min();
+        self.max_context = workers.unwrap_or(self.cfg.model_context).min(self.cfg.model_context);
     }
 
     /// Requests not yet terminal.
@@ -156,13 +263,12 @@ impl GatewayRole {
         match ev {
             GatewayEvent::Submit { req, tokens, max_tokens, sampling, stop, trace } => {
                 self.stats.submitted += 1;
-                let total = tokens.len() + max_tokens as usize;
-                if self.cfg.admission_check && total > self.cfg.max_context {
+                if self.cfg.admission_check
+                    && let Err(refusal) = admit(tokens.len(), Generate::Tokens(max_tokens as usize), self.max_context)
+                {
                     // Rejected before any Reserve (I3, I5).
                     self.stats.rejected_at_gateway += 1;
-                    let detail = format!("{} prompt + {max_tokens} max tokens = {total} exceeds the served context of {}", tokens.len(), self.cfg.max_context);
-                    out.push(GatewayAction::ToClient { req, out: ClientOutput::Rejected { reason: RejectReason::ContextLength, detail } });
-                    return out;
+                    return vec![Self::reject(req, refusal.reason(), refusal.to_string())];
                 }
                 if !self.ready() || self.inflight.contains_key(&req) {
                     out.push(GatewayAction::ToClient { req, out: ClientOutput::Unavailable });
@@ -186,13 +292,19 @@ impl GatewayRole {
                 }
             }
             GatewayEvent::FromWorker { from, msg } => self.on_worker(from, msg, &mut out),
-            GatewayEvent::WorkerJoined { id, role } => match role {
-                Role::Prefill => self.prefills.push(id),
-                Role::Decode => self.decodes.push(id),
-            },
             GatewayEvent::WorkerLeft { id } => {
+                let Some(left) = self.members.remove(&id) else { return out };
                 self.prefills.retain(|w| *w != id);
                 self.decodes.retain(|w| *w != id);
+                self.update_context();
+                if left.role == Role::Prefill {
+                    // A decode worker it never connected to has no other way to learn that
+                    // it can no longer write there (its quarantines would never end).
+                    // Found by the fault schedules.
+                    for &to in &self.decodes {
+                        out.push(GatewayAction::ToWorker { to, msg: Message::PrefillUnreachable { worker: id } });
+                    }
+                }
                 let lost: Vec<RequestId> = self.inflight.iter().filter(|(_, f)| f.decode == id || f.prefill == id).map(|(r, _)| *r).collect();
                 for req in lost {
                     self.fail(req, FailReason::WorkerLost, format!("{id} went away"), Some(id), &mut out);
@@ -207,6 +319,11 @@ impl GatewayRole {
             }
         }
         out
+    }
+
+    /// Refuse `req` before anything was reserved for it (I3).
+    fn reject(req: RequestId, reason: RejectReason, detail: String) -> GatewayAction {
+        GatewayAction::ToClient { req, out: ClientOutput::Rejected { reason, detail } }
     }
 
     fn abort_workers(req: RequestId, f: &InFlight, reason: AbortReason, except: Option<WorkerId>, out: &mut Vec<GatewayAction>) {
@@ -232,6 +349,14 @@ impl GatewayRole {
     }
 
     fn on_worker(&mut self, from: WorkerId, msg: Message, out: &mut Vec<GatewayAction>) {
+        // A prefill lost its KV connection to `decode` (or never had one): the decode worker
+        // must not wait for fences from it.
+        if let Message::KvLost { decode } = msg {
+            if self.decodes.contains(&decode) {
+                out.push(GatewayAction::ToWorker { to: decode, msg: Message::PrefillUnreachable { worker: from } });
+            }
+            return;
+        }
         let Some(req) = msg.req() else { return };
         let Some(f) = self.inflight.get_mut(&req) else { return };
         // Only the workers assigned to a request speak for it.
@@ -269,7 +394,7 @@ impl GatewayRole {
                     if from == f.prefill {
                         out.push(GatewayAction::ToWorker { to: f.decode, msg: Message::Abort { req, reason: AbortReason::Failed } });
                     }
-                    out.push(GatewayAction::ToClient { req, out: ClientOutput::Rejected { reason, detail } });
+                    out.push(Self::reject(req, reason, detail));
                 }
             }
             Message::Failed { reason, detail, .. } => self.fail(req, reason, detail, Some(from), out),

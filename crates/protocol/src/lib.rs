@@ -1,21 +1,28 @@
 //! Bulkhead's protocol between the gateway, prefill and decode workers.
 //!
 //! # Layout
-//! - [`msg`]: the messages and their fields.
+//! - [`msg`]: the messages and their fields, and the request vocabulary every crate shares
+//!   ([`Sampling`], [`FinishReason`]).
+//! - [`admission`]: the one admission decision (I3, I5) every role and the engine call.
 //! - [`codec`]: the versioned, length-prefixed, size-bounded wire format (sans-IO decoder).
 //! - [`decode`]: the decode worker's state machine: reservations, chunk verification,
 //!   fencing and quarantine (I1, I2, I4), admission (I3, I5).
 //! - [`prefill`]: the prefill worker's state machine: its queue, rejection and abort (I3).
-//! - [`gateway`]: the gateway's per-request state machine: routing, exactly one terminal
-//!   outcome per request (I3).
+//! - [`gateway`]: the gateway's state machine: worker membership, routing, exactly one
+//!   terminal outcome per request (I3).
+//! - [`driver`]: the drivers' core: the prefill job loop and the decode action dispatch,
+//!   over transport, model and policy traits, run by the server, the fault schedules and
+//!   the model checker alike.
 //!
 //! Every state machine is sans-IO: events in, actions out, no sockets, threads or clocks
 //! (time arrives as an event), so the same code runs in production, in deterministic fault
 //! schedules and under the model checker.
 #![forbid(unsafe_code)]
 
+pub mod admission;
 pub mod codec;
 pub mod decode;
+pub mod driver;
 pub mod gateway;
 pub mod msg;
 pub mod prefill;

@@ -41,19 +41,34 @@ pub struct Hello {
     pub kv_addr: String,
 }
 
-/// Sampling settings carried to the workers.
+/// How to pick each token: the one sampling vocabulary of the gateway, the workers and the
+/// engine. The default is greedy.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Sampling {
-    /// 0 = greedy.
+    /// Softmax temperature; 0 = greedy (argmax).
     pub temperature: f32,
-    /// 0 = off.
+    /// Keep only the `top_k` most likely tokens; 0 = off.
     pub top_k: u32,
-    /// 1 = off.
+    /// Nucleus sampling: keep the smallest set of most likely tokens whose mass reaches
+    /// `top_p`; 1 = off.
     pub top_p: f32,
     /// Seed, if reproducibility was asked for.
     pub seed: Option<u64>,
     /// Generate past end-of-generation tokens (only max_tokens or a stop string ends).
     pub ignore_eos: bool,
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, ignore_eos: false }
+    }
+}
+
+impl Sampling {
+    /// Whether these settings select greedy decoding (argmax).
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
 }
 
 /// Where a request came from, carried to every worker so that its log lines can be found
@@ -142,13 +157,29 @@ pub enum AbortReason {
     Shutdown,
 }
 
-/// How a generation ended.
+/// Why a generation ended: the one vocabulary of the engine, the wire and the API.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Finish {
-    /// End-of-generation token or stop string.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema), schema(rename_all = "lowercase"))]
+pub enum FinishReason {
+    /// End-of-generation token or a stop string.
     Stop,
-    /// Token limit.
+    /// `max_tokens` (or the context) reached.
     Length,
+    /// Ended early on purpose (a server shutting down, a caller's abort), with what was
+    /// generated so far. Never folded into `Stop`: a client must be able to tell.
+    Abort,
+}
+
+impl FinishReason {
+    /// The OpenAI (and vLLM, for `abort`) `finish_reason` string. The schema's names are
+    /// these (`api/tests/openapi.rs` checks it).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
 }
 
 /// Every message of protocol version [`crate::codec::VERSION`].
@@ -192,7 +223,7 @@ pub enum Message {
     /// Decode → gateway: one generated token and the text it released.
     Token { req: RequestId, token: u32, text: String },
     /// Decode → gateway: the request ended normally. Terminal.
-    Finished { req: RequestId, finish: Finish, text: String, prompt_tokens: u32, completion_tokens: u32 },
+    Finished { req: RequestId, finish: FinishReason, text: String, prompt_tokens: u32, completion_tokens: u32 },
     /// Worker → gateway: the request failed. Terminal.
     Failed { req: RequestId, reason: FailReason, detail: String },
     /// Any direction: end the request.

@@ -1,14 +1,20 @@
-//! The prefill worker's protocol state machine: its queue of jobs and what ends them.
+//! The prefill worker's protocol state machine: its queue of jobs, its KV connections to
+//! decode workers, and what ends a job.
 //!
 //! I3: a job refused at admission or aborted is answered (to the gateway and, with
 //! `Fenced`, to the decode worker waiting for it) and never computed or transferred
 //! afterwards; a running job stops at the next chunk boundary. Every job ends with exactly
 //! one final message to its decode worker: `Done` or `Fenced`.
+//!
+//! Link liveness is part of the protocol: on every [`PrefillEvent::Tick`] past the
+//! keepalive interval the role sends `KvKeepalive` on each open KV connection, because a
+//! decode worker fails a reservation whose prefill stays silent for its transfer timeout.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 
-use bulkhead_kv::{PageRef, RequestId};
+use bulkhead_kv::{KvError, PageRef, RequestId};
 
+use crate::admission::{admit, Generate};
 use crate::msg::*;
 
 /// Limits of a prefill worker.
@@ -19,6 +25,16 @@ pub struct PrefillConfig {
     pub max_prompt: usize,
     /// Tokens per KV page (the decode worker's must match).
     pub page_size: usize,
+    /// How often each open KV connection carries a frame, a `KvKeepalive` if nothing else.
+    pub keepalive_ms: u64,
+}
+
+impl PrefillConfig {
+    /// The keepalive interval for decode workers whose transfer timeout is
+    /// `transfer_timeout_ms`: several keepalives per timeout, at most one a second.
+    pub fn keepalive_for(transfer_timeout_ms: u64) -> u64 {
+        (transfer_timeout_ms / 4).clamp(10, 1_000)
+    }
 }
 
 /// A prompt to compute and send.
@@ -38,6 +54,23 @@ pub struct PrefillJob {
     pub trace: TraceContext,
 }
 
+/// Why the driver could not finish a job.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PrefillFailure {
+    /// The prefill worker's own pool had no room for the prompt.
+    #[error("no room in the prefill KV pool: {0}")]
+    NoPages(KvError),
+    /// The computed KV could not be exported.
+    #[error("exporting KV chunks: {0}")]
+    Export(KvError),
+    /// The model failed.
+    #[error("model: {0}")]
+    Compute(String),
+    /// The model computed the last chunk without producing a first token.
+    #[error("no first token after the last chunk")]
+    NoFirstToken,
+}
+
 /// How the driver's work on a job ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum JobOutcome {
@@ -45,17 +78,35 @@ pub enum JobOutcome {
     Done { tokens: u32, first_token: u32, manifest: u64 },
     /// Stopped early because [`PrefillRole::keep_going`] said so.
     Stopped,
-    /// Compute failed.
-    Failed(String),
+    /// The job could not be finished.
+    Failed(PrefillFailure),
 }
 
-/// What the driver must send.
+/// Something that happened to the prefill worker.
+#[derive(Debug)]
+pub enum PrefillEvent {
+    /// A message from the gateway.
+    Gateway(Message),
+    /// A message on the KV connection from decode worker `from` (it asks to stop a transfer).
+    Decode { from: WorkerId, msg: Message },
+    /// The KV connection to `decode` is open (its `KvHello` went out).
+    DecodeConnected { decode: WorkerId },
+    /// The KV connection to `decode` closed, or could not be opened: nothing more reaches it.
+    DecodeLost { decode: WorkerId },
+    /// The clock moved.
+    Tick { now_ms: u64 },
+}
+
+/// What the driver must do.
 #[derive(Debug, PartialEq)]
 pub enum PrefillAction {
     /// Send to the gateway.
     ToGateway(Message),
-    /// Send on the KV connection to a decode worker.
+    /// Send on the KV connection to a decode worker (dropped if there is none).
     ToDecode { to: WorkerId, msg: Message },
+    /// Open a KV connection to decode worker `decode` at `addr`, send `KvHello` first, and
+    /// report [`PrefillEvent::DecodeConnected`] or [`PrefillEvent::DecodeLost`].
+    Connect { decode: WorkerId, addr: String },
 }
 
 /// Evidence counters.
@@ -71,37 +122,44 @@ pub struct PrefillStats {
     pub aborted: u64,
     /// Jobs completed.
     pub completed: u64,
+    /// Keepalives sent.
+    pub keepalives: u64,
+}
+
+/// The job being computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Running {
+    req: RequestId,
+    decode: WorkerId,
+    /// Aborted (or its decode worker lost) while computing: it stops at the next chunk.
+    aborted: bool,
 }
 
 /// The prefill worker's protocol state.
 #[derive(Debug)]
 pub struct PrefillRole {
     cfg: PrefillConfig,
+    now_ms: u64,
+    last_keepalive_ms: u64,
     queue: VecDeque<PrefillJob>,
-    running: Option<(RequestId, WorkerId, bool)>,
+    running: Option<Running>,
+    /// Decode workers whose KV connection is open.
+    decodes: BTreeSet<WorkerId>,
     stats: PrefillStats,
-    #[cfg(feature = "incident-replay")]
-    incident_bug: bool,
 }
 
 impl PrefillRole {
-    /// An idle prefill role.
+    /// An idle prefill role with no KV connection.
     pub fn new(cfg: PrefillConfig) -> Self {
         PrefillRole {
             cfg,
+            now_ms: 0,
+            last_keepalive_ms: 0,
             queue: VecDeque::new(),
             running: None,
+            decodes: BTreeSet::new(),
             stats: PrefillStats::default(),
-            #[cfg(feature = "incident-replay")]
-            incident_bug: false,
         }
-    }
-
-    /// Test only: the incident's scheduler. A prompt over the limit is not refused; it keeps
-    /// flowing as a 1-token placeholder whose "done" the decode side may trust.
-    #[cfg(feature = "incident-replay")]
-    pub fn replay_incident_bug(&mut self) {
-        self.incident_bug = true;
     }
 
     /// Counters.
@@ -114,55 +172,124 @@ impl PrefillRole {
         self.queue.len()
     }
 
+    /// The jobs waiting, in order.
+    pub fn queued_jobs(&self) -> impl Iterator<Item = &PrefillJob> {
+        self.queue.iter()
+    }
+
+    /// The request being computed, if any.
+    pub fn running(&self) -> Option<RequestId> {
+        self.running.map(|r| r.req)
+    }
+
     /// Whether a job is being computed.
     pub fn busy(&self) -> bool {
         self.running.is_some()
     }
 
-    /// A message from the gateway.
-    pub fn handle(&mut self, m: Message) -> Vec<PrefillAction> {
+    /// Whether `req` is queued or running here.
+    pub fn has_job(&self, req: RequestId) -> bool {
+        self.running() == Some(req) || self.queue.iter().any(|j| j.req == req)
+    }
+
+    /// Whether the KV connection to `decode` is open.
+    pub fn connected(&self, decode: WorkerId) -> bool {
+        self.decodes.contains(&decode)
+    }
+
+    /// Process one event.
+    pub fn handle(&mut self, ev: PrefillEvent) -> Vec<PrefillAction> {
         let mut out = Vec::new();
-        match m {
-            Message::Prefill { req, tokens, decode, pages, sampling, trace } => {
-                let fence = PrefillAction::ToDecode { to: decode, msg: Message::Fenced { req } };
-                let refuse = |reason, detail: String| PrefillAction::ToGateway(Message::Rejected { req, reason, detail });
-                let duplicate = self.running.is_some_and(|r| r.0 == req) || self.queue.iter().any(|j| j.req == req);
-                #[cfg(feature = "incident-replay")]
-                if self.incident_bug && tokens.len() > self.cfg.max_prompt {
-                    self.queue.push_back(PrefillJob { req, tokens: tokens.iter().take(1).copied().collect(), decode, pages: pages.iter().take(1).copied().collect(), sampling, trace });
-                    return out;
-                }
-                if tokens.len() > self.cfg.max_prompt {
-                    // Worker-side admission (I3, I5): terminal, before any compute or transfer.
-                    self.stats.rejected_context += 1;
-                    let why = format!("prompt of {} tokens exceeds this prefill worker's {}", tokens.len(), self.cfg.max_prompt);
-                    out.push(refuse(RejectReason::ContextLength, why));
-                    out.push(fence);
-                } else if tokens.is_empty() || pages.len() != tokens.len().div_ceil(self.cfg.page_size) || duplicate {
-                    self.stats.rejected_invalid += 1;
-                    let why = format!("{} tokens with {} target pages (duplicate: {duplicate})", tokens.len(), pages.len());
-                    out.push(refuse(RejectReason::Invalid, why));
-                    if !duplicate {
-                        out.push(fence);
+        match ev {
+            PrefillEvent::Gateway(Message::DecodePeer { worker, addr }) => out.push(PrefillAction::Connect { decode: worker, addr }),
+            PrefillEvent::Gateway(Message::Prefill { req, tokens, decode, pages, sampling, trace }) => {
+                self.admit(PrefillJob { req, tokens, decode, pages, sampling, trace }, &mut out);
+            }
+            // The gateway ends a request, or a decode worker asks to stop a transfer (it
+            // refused a chunk or timed out).
+            PrefillEvent::Gateway(Message::Abort { req, .. }) | PrefillEvent::Decode { msg: Message::Abort { req, .. }, .. } => {
+                self.abort(req, &mut out);
+            }
+            PrefillEvent::Gateway(_) | PrefillEvent::Decode { .. } => {}
+            PrefillEvent::DecodeConnected { decode } => {
+                self.decodes.insert(decode);
+            }
+            PrefillEvent::DecodeLost { decode } => self.decode_lost(decode, &mut out),
+            PrefillEvent::Tick { now_ms } => {
+                self.now_ms = self.now_ms.max(now_ms);
+                if self.now_ms >= self.last_keepalive_ms.saturating_add(self.cfg.keepalive_ms) {
+                    self.last_keepalive_ms = self.now_ms;
+                    for &to in &self.decodes {
+                        self.stats.keepalives += 1;
+                        out.push(PrefillAction::ToDecode { to, msg: Message::KvKeepalive });
                     }
-                } else {
-                    self.stats.admitted += 1;
-                    self.queue.push_back(PrefillJob { req, tokens, decode, pages, sampling, trace });
                 }
             }
-            Message::Abort { req, .. } => {
-                if let Some(i) = self.queue.iter().position(|j| j.req == req) {
-                    if let Some(j) = self.queue.remove(i) {
-                        self.stats.aborted += 1;
-                        out.push(PrefillAction::ToDecode { to: j.decode, msg: Message::Fenced { req } });
-                    }
-                } else if let Some(r) = self.running.as_mut().filter(|r| r.0 == req) {
-                    r.2 = true;
-                }
-            }
-            _ => {}
         }
         out
+    }
+
+    /// Worker-side admission (I3, I5): terminal, before any compute or transfer.
+    fn admit(&mut self, job: PrefillJob, out: &mut Vec<PrefillAction>) {
+        let (req, decode) = (job.req, job.decode);
+        if self.has_job(req) {
+            // About the message, not the request: the original job goes on, so no fence.
+            let why = format!("request {req} is already queued or running here");
+            return self.reject(req, RejectReason::Duplicate, why, None, out);
+        }
+        if let Err(refusal) = admit(job.tokens.len(), Generate::Elsewhere, self.cfg.max_prompt) {
+            return self.reject(req, refusal.reason(), format!("{refusal} (prefill worker)"), Some(decode), out);
+        }
+        let want = job.tokens.len().div_ceil(self.cfg.page_size);
+        if job.pages.len() != want {
+            let why = format!("{} tokens need {want} target pages, {} were given", job.tokens.len(), job.pages.len());
+            return self.reject(req, RejectReason::Invalid, why, Some(decode), out);
+        }
+        self.stats.admitted += 1;
+        self.queue.push_back(job);
+    }
+
+    /// Refuse `req`: the gateway hears why, and the decode worker holding its reservation
+    /// (if the refusal is about the request) gets its fence, since nothing will be written.
+    fn reject(&mut self, req: RequestId, reason: RejectReason, detail: String, fence: Option<WorkerId>, out: &mut Vec<PrefillAction>) {
+        match reason {
+            RejectReason::ContextLength => self.stats.rejected_context += 1,
+            RejectReason::Capacity | RejectReason::Duplicate | RejectReason::Invalid => self.stats.rejected_invalid += 1,
+        }
+        out.push(PrefillAction::ToGateway(Message::Rejected { req, reason, detail }));
+        if let Some(to) = fence {
+            out.push(PrefillAction::ToDecode { to, msg: Message::Fenced { req } });
+        }
+    }
+
+    fn abort(&mut self, req: RequestId, out: &mut Vec<PrefillAction>) {
+        if let Some(i) = self.queue.iter().position(|j| j.req == req) {
+            if let Some(j) = self.queue.remove(i) {
+                self.stats.aborted += 1;
+                out.push(PrefillAction::ToDecode { to: j.decode, msg: Message::Fenced { req } });
+            }
+        } else if let Some(r) = self.running.as_mut().filter(|r| r.req == req) {
+            r.aborted = true;
+        }
+    }
+
+    /// Nothing reaches `decode` any more: its queued jobs fail, a running one stops, and
+    /// the gateway hears of it (the decode worker may wait for a fence from this worker
+    /// that it must now get from the gateway, as `PrefillUnreachable`).
+    fn decode_lost(&mut self, decode: WorkerId, out: &mut Vec<PrefillAction>) {
+        self.decodes.remove(&decode);
+        out.push(PrefillAction::ToGateway(Message::KvLost { decode }));
+        self.queue.retain(|j| {
+            if j.decode != decode {
+                return true;
+            }
+            let detail = "decode worker connection closed".into();
+            out.push(PrefillAction::ToGateway(Message::Failed { req: j.req, reason: FailReason::WorkerLost, detail }));
+            false
+        });
+        if let Some(r) = self.running.as_mut().filter(|r| r.decode == decode) {
+            r.aborted = true;
+        }
     }
 
     /// Take the next job to compute. One runs at a time.
@@ -171,56 +298,34 @@ impl PrefillRole {
             return None;
         }
         let j = self.queue.pop_front()?;
-        self.running = Some((j.req, j.decode, false));
+        self.running = Some(Running { req: j.req, decode: j.decode, aborted: false });
         Some(j)
     }
 
-    /// Between chunks: whether the running job `req` should go on (false once aborted).
+    /// Between chunks: whether the running job `req` should go on (false once aborted, or
+    /// once its decode worker's KV connection is gone).
     pub fn keep_going(&self, req: RequestId) -> bool {
-        self.running.is_some_and(|r| r.0 == req && !r.2)
+        self.running.is_some_and(|r| r.req == req && !r.aborted && self.decodes.contains(&r.decode))
     }
 
     /// The driver ended the running job; returns the final message(s) for it.
     pub fn job_ended(&mut self, req: RequestId, outcome: JobOutcome) -> Vec<PrefillAction> {
-        let Some((r, decode, aborted)) = self.running.take() else { return Vec::new() };
-        if r != req {
-            self.running = Some((r, decode, aborted));
-            return Vec::new();
-        }
+        let Some(r) = self.running.filter(|r| r.req == req) else { return Vec::new() };
+        self.running = None;
+        let to = r.decode;
         match outcome {
-            JobOutcome::Done { tokens, first_token, manifest } if !aborted => {
+            JobOutcome::Done { tokens, first_token, manifest } if !r.aborted => {
                 self.stats.completed += 1;
-                vec![PrefillAction::ToDecode { to: decode, msg: Message::Done { req, tokens, first_token, manifest } }]
+                vec![PrefillAction::ToDecode { to, msg: Message::Done { req, tokens, first_token, manifest } }]
             }
             JobOutcome::Done { .. } | JobOutcome::Stopped => {
                 self.stats.aborted += 1;
-                vec![PrefillAction::ToDecode { to: decode, msg: Message::Fenced { req } }]
+                vec![PrefillAction::ToDecode { to, msg: Message::Fenced { req } }]
             }
-            JobOutcome::Failed(detail) => vec![
-                PrefillAction::ToDecode { to: decode, msg: Message::Fenced { req } },
-                PrefillAction::ToGateway(Message::Failed { req, reason: FailReason::Internal, detail }),
+            JobOutcome::Failed(why) => vec![
+                PrefillAction::ToDecode { to, msg: Message::Fenced { req } },
+                PrefillAction::ToGateway(Message::Failed { req, reason: FailReason::Internal, detail: why.to_string() }),
             ],
         }
-    }
-
-    /// The KV connection to `decode` closed: its jobs cannot be delivered; drop them.
-    pub fn decode_closed(&mut self, decode: WorkerId) -> Vec<PrefillAction> {
-        let mut out = Vec::new();
-        self.queue.retain(|j| {
-            if j.decode == decode {
-                out.push(PrefillAction::ToGateway(Message::Failed {
-                    req: j.req,
-                    reason: FailReason::WorkerLost,
-                    detail: "decode worker connection closed".into(),
-                }));
-                false
-            } else {
-                true
-            }
-        });
-        if let Some(r) = self.running.as_mut().filter(|r| r.1 == decode) {
-            r.2 = true;
-        }
-        out
     }
 }

@@ -1,19 +1,23 @@
-//! The three role state machines wired together in process, with real KV pools, a mock
-//! model (KV values are a function of request and position) and a network that delivers
-//! messages one at a time, so every protocol step can be interrupted.
+//! The three role state machines wired together in process through the production driver
+//! core ([`bulkhead_protocol::driver`]), with real KV pools, a mock model (KV values are a
+//! function of request and position) and a network that delivers messages one at a time,
+//! so every protocol step can be interrupted.
 
 use std::collections::{BTreeMap, VecDeque};
 
-use bulkhead_kv::transfer::{export_chunks, Manifest};
-use bulkhead_kv::{KvLayout, KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
-use bulkhead_protocol::decode::{DecodeAction, DecodeConfig, DecodeEvent, DecodeRole};
+use bulkhead_kv::{KvError, KvLayout, KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
+use bulkhead_protocol::decode::{DecodeAction, DecodeConfig, DecodeEvent, DecodeRole, DecodeStart};
+use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeEngine, DecodeLink, DecodePolicy, GenEvent};
+use bulkhead_protocol::driver::prefill::{LinkDown, PrefillCompute, PrefillDriver, PrefillLink, PrefillPolicy, Step};
+use bulkhead_protocol::driver::Honest;
 use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole};
-use bulkhead_protocol::prefill::{JobOutcome, PrefillAction, PrefillConfig, PrefillJob, PrefillRole};
+use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillJob, PrefillRole};
 use bulkhead_protocol::*;
 
 const PREFILL: WorkerId = WorkerId(1);
 const DECODE: WorkerId = WorkerId(2);
 const LAYOUT: KvLayout = KvLayout { layers: 2, kv_heads: 1, head_dim: 2, page_size: 4 };
+const DIGEST: u64 = 1;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum To {
@@ -22,49 +26,166 @@ enum To {
     Prefill,
 }
 
-struct Job {
-    job: PrefillJob,
-    seq: SequenceKv,
-    done: usize,
-    manifest: Manifest,
+type Wire = VecDeque<(To, Message)>;
+
+/// The mock prefill model: position `p` of request `r` holds `kv_value(r, p)`; the first
+/// token is always 7.
+struct MockCompute {
+    pool: KvPool,
 }
 
-struct Cluster {
-    gw: GatewayRole,
-    dec: DecodeRole,
-    dpool: KvPool,
-    pre: PrefillRole,
-    ppool: KvPool,
-    net: VecDeque<(To, Message)>,
-    outputs: BTreeMap<RequestId, Vec<ClientOutput>>,
+impl PrefillCompute for MockCompute {
+    type Error = KvError;
+    fn pool(&self) -> &KvPool {
+        &self.pool
+    }
+    fn pool_mut(&mut self) -> &mut KvPool {
+        &mut self.pool
+    }
+    fn compute(&mut self, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: &Sampling) -> Result<Option<u32>, KvError> {
+        for pos in from..to {
+            let (lease, slot) = seq.locate(pos)?;
+            let v = kv_value(seq.owner(), pos);
+            for layer in 0..LAYOUT.layers {
+                self.pool.write(lease, layer, slot, &[v, v], &[v, v])?;
+            }
+        }
+        seq.commit(&self.pool, to - from)?;
+        Ok((to == tokens.len()).then_some(7))
+    }
+}
+
+/// The mock decode loop: every prompt position must read back the mock model's value;
+/// each step emits a token "x", and "!" with `Finished` once `max_tokens` are out.
+struct MockEngine {
+    pool: KvPool,
     decoding: BTreeMap<RequestId, (SequenceKv, u32)>,
-    job: Option<Job>,
+}
+
+impl DecodeEngine for MockEngine {
+    type Error = KvError;
+    fn pool(&self) -> &KvPool {
+        &self.pool
+    }
+    fn pool_mut(&mut self) -> &mut KvPool {
+        &mut self.pool
+    }
+    fn add_verified(&mut self, ds: DecodeStart) -> Result<Vec<GenEvent>, KvError> {
+        let seq = ds.seq.into_sequence();
+        for pos in 0..seq.len() {
+            let (lease, slot) = seq.locate(pos)?;
+            let r = self.pool.read(lease, 0)?;
+            assert_eq!(r.k_head(0)[slot * 2].to_f32(), kv_value(ds.req, pos), "decode reads its own prompt KV");
+        }
+        self.decoding.insert(ds.req, (seq, ds.max_tokens));
+        Ok(Vec::new())
+    }
+    fn step(&mut self) -> Result<Vec<GenEvent>, KvError> {
+        let mut out = Vec::new();
+        let reqs: Vec<RequestId> = self.decoding.keys().copied().collect();
+        for req in reqs {
+            let Some((_, left)) = self.decoding.get_mut(&req) else { continue };
+            *left -= 1;
+            if *left > 0 {
+                out.push(GenEvent::Token { req, token: 9, text: "x".into() });
+                continue;
+            }
+            let Some((seq, _)) = self.decoding.remove(&req) else { continue };
+            let prompt_tokens = seq.len() as u32;
+            seq.release(&mut self.pool).map_err(|u| u.error)?;
+            out.push(GenEvent::Finished { req, finish: FinishReason::Length, text: "!".into(), prompt_tokens, completion_tokens: 1 });
+        }
+        Ok(out)
+    }
+    fn abort(&mut self, req: RequestId) {
+        if let Some((seq, _)) = self.decoding.remove(&req) {
+            seq.release(&mut self.pool).unwrap();
+        }
+    }
+    fn active(&self) -> usize {
+        self.decoding.len()
+    }
+}
+
+/// The prefill worker's transport: onto the wire.
+struct PrefillWire<'a>(&'a mut Wire);
+
+impl PrefillLink for PrefillWire<'_> {
+    fn to_gateway(&mut self, msg: Message) {
+        self.0.push_back((To::Gateway(PREFILL), msg));
+    }
+    fn to_decode(&mut self, _: WorkerId, msg: Message) -> Result<(), LinkDown> {
+        self.0.push_back((To::Decode { from_prefill: true }, msg));
+        Ok(())
+    }
+    fn connect(&mut self, _: WorkerId, _: &str) {}
+}
+
+/// The decode worker's transport: onto the wire.
+struct DecodeWire<'a>(&'a mut Wire);
+
+impl DecodeLink for DecodeWire<'_> {
+    fn to_gateway(&mut self, msg: Message) {
+        self.0.push_back((To::Gateway(DECODE), msg));
+    }
+    fn to_prefill(&mut self, _: WorkerId, msg: Message) {
+        self.0.push_back((To::Prefill, msg));
+    }
+}
+
+struct Cluster<PP: PrefillPolicy = Honest, DP: DecodePolicy = Honest> {
+    gw: GatewayRole,
+    dec: DecodeDriver<MockEngine, DP>,
+    pre: PrefillDriver<PP>,
+    compute: MockCompute,
+    net: Wire,
+    outputs: BTreeMap<RequestId, Vec<ClientOutput>>,
     now: u64,
 }
 
-fn sampling() -> Sampling {
-    Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, ignore_eos: false }
+fn hello(role: Role, max_context: usize) -> Hello {
+    Hello {
+        role,
+        model_digest: DIGEST,
+        page_size: LAYOUT.page_size as u32,
+        kv_bytes_per_token: LAYOUT.bytes_per_token() as u32,
+        capacity_tokens: max_context as u64,
+        max_context: max_context as u32,
+        kv_addr: String::new(),
+    }
 }
 
 impl Cluster {
     fn new(prefill_pool_tokens: usize, decode_pool_tokens: usize, gateway_check: bool) -> Self {
+        Cluster::with_policies(prefill_pool_tokens, decode_pool_tokens, gateway_check, Honest, Honest)
+    }
+}
+
+impl<PP: PrefillPolicy, DP: DecodePolicy> Cluster<PP, DP> {
+    fn with_policies(prefill_pool_tokens: usize, decode_pool_tokens: usize, gateway_check: bool, pp: PP, dp: DP) -> Self {
         let pool = |t: usize| KvPool::new(PoolConfig { layout: LAYOUT, pages: t / LAYOUT.page_size, checks: KvChecks::all() }).unwrap();
-        let max_context = prefill_pool_tokens.min(decode_pool_tokens);
-        let mut gw = GatewayRole::new(GatewayConfig { max_context, admission_check: gateway_check, request_timeout_ms: 10_000 });
-        gw.handle(GatewayEvent::WorkerJoined { id: PREFILL, role: Role::Prefill });
-        gw.handle(GatewayEvent::WorkerJoined { id: DECODE, role: Role::Decode });
+        let model_context = prefill_pool_tokens.max(decode_pool_tokens);
+        let mut gw = GatewayRole::new(GatewayConfig { model_context, model_digest: DIGEST, admission_check: gateway_check, request_timeout_ms: 10_000 });
+        // Registration's introductions are the transports' business here: the KV
+        // connection is simply open.
+        gw.join(PREFILL, &hello(Role::Prefill, prefill_pool_tokens)).unwrap();
+        gw.join(DECODE, &hello(Role::Decode, decode_pool_tokens)).unwrap();
+        let mut role = PrefillRole::new(PrefillConfig { max_prompt: prefill_pool_tokens, page_size: LAYOUT.page_size, keepalive_ms: 250 });
+        role.handle(PrefillEvent::DecodeConnected { decode: DECODE });
+        let engine = MockEngine { pool: pool(decode_pool_tokens), decoding: BTreeMap::new() };
         Cluster {
             gw,
-            dec: DecodeRole::new(DecodeConfig { max_context: decode_pool_tokens, transfer_timeout_ms: 1_000 }),
-            dpool: pool(decode_pool_tokens),
-            pre: PrefillRole::new(PrefillConfig { max_prompt: prefill_pool_tokens, page_size: LAYOUT.page_size }),
-            ppool: pool(prefill_pool_tokens),
+            dec: DecodeDriver::with_policy(DecodeRole::new(DecodeConfig { max_context: decode_pool_tokens, transfer_timeout_ms: 1_000 }), engine, dp),
+            pre: PrefillDriver::with_policy(role, LAYOUT.page_size, pp),
+            compute: MockCompute { pool: pool(prefill_pool_tokens) },
             net: VecDeque::new(),
             outputs: BTreeMap::new(),
-            decoding: BTreeMap::new(),
-            job: None,
             now: 0,
         }
+    }
+
+    fn dpool(&self) -> &KvPool {
+        &self.dec.engine().pool
     }
 
     fn gateway(&mut self, ev: GatewayEvent) {
@@ -81,40 +202,11 @@ impl Cluster {
 
     fn submit(&mut self, req: u64, prompt: u32, max_tokens: u32) {
         let tokens = (0..prompt).map(|i| i + req as u32 * 100).collect();
-        self.gateway(GatewayEvent::Submit { req: RequestId(req), tokens, max_tokens, sampling: sampling(), stop: vec![], trace: TraceContext::default() });
+        self.gateway(GatewayEvent::Submit { req: RequestId(req), tokens, max_tokens, sampling: Sampling::default(), stop: vec![], trace: TraceContext::default() });
     }
 
-    fn decode_actions(&mut self, acts: Vec<DecodeAction>) {
-        for a in acts {
-            match a {
-                DecodeAction::ToGateway(m) => self.net.push_back((To::Gateway(DECODE), m)),
-                DecodeAction::ToPrefill { msg, .. } => self.net.push_back((To::Prefill, msg)),
-                DecodeAction::Start(ds) => {
-                    // Every prompt position reads back the mock model's value for (req, pos).
-                    let seq = ds.seq.into_sequence();
-                    for pos in 0..seq.len() {
-                        let (lease, slot) = seq.locate(pos).unwrap();
-                        let r = self.dpool.read(lease, 0).unwrap();
-                        assert_eq!(r.k_head(0)[slot * 2].to_f32(), kv_value(ds.req, pos), "decode reads its own prompt KV");
-                    }
-                    self.decoding.insert(ds.req, (seq, ds.max_tokens));
-                }
-                DecodeAction::Stop { req } => {
-                    if let Some((seq, _)) = self.decoding.remove(&req) {
-                        seq.release(&mut self.dpool).unwrap();
-                    }
-                }
-            }
-        }
-    }
-
-    fn prefill_actions(&mut self, acts: Vec<PrefillAction>) {
-        for a in acts {
-            match a {
-                PrefillAction::ToGateway(m) => self.net.push_back((To::Gateway(PREFILL), m)),
-                PrefillAction::ToDecode { msg, .. } => self.net.push_back((To::Decode { from_prefill: true }, msg)),
-            }
-        }
+    fn decode_event(&mut self, ev: DecodeEvent) {
+        self.dec.handle(ev, &mut DecodeWire(&mut self.net));
     }
 
     /// Deliver the next message; false if none.
@@ -122,81 +214,29 @@ impl Cluster {
         let Some((to, m)) = self.net.pop_front() else { return false };
         match to {
             To::Gateway(from) => self.gateway(GatewayEvent::FromWorker { from, msg: m }),
-            To::Decode { from_prefill } => {
-                let ev = if from_prefill { DecodeEvent::Prefill { from: PREFILL, msg: m } } else { DecodeEvent::Gateway(m) };
-                let acts = self.dec.handle(&mut self.dpool, ev);
-                self.decode_actions(acts);
-            }
-            To::Prefill => {
-                let acts = self.pre.handle(m);
-                self.prefill_actions(acts);
-            }
+            To::Decode { from_prefill: true } => self.decode_event(DecodeEvent::Prefill { from: PREFILL, msg: m }),
+            To::Decode { from_prefill: false } => self.decode_event(DecodeEvent::Gateway(m)),
+            To::Prefill => self.pre.handle(PrefillEvent::Gateway(m), &mut PrefillWire(&mut self.net)),
         }
         true
     }
 
-    /// One unit of prefill work: start a job, or compute and send one page of it, or end it.
+    /// One unit of prefill work: start a job and compute its first page, or compute and
+    /// send the next page, or end it.
     fn prefill_step(&mut self) -> bool {
-        if self.job.is_none() {
-            let Some(job) = self.pre.next_job() else { return false };
-            let mut seq = SequenceKv::new(job.req);
-            seq.reserve(&mut self.ppool, job.tokens.len()).unwrap();
-            self.job = Some(Job { job, seq, done: 0, manifest: Manifest::default() });
-            return true;
-        }
-        let Some(mut j) = self.job.take() else { return false };
-        let n = j.job.tokens.len();
-        if !self.pre.keep_going(j.job.req) || j.done == n {
-            let outcome = if j.done == n {
-                JobOutcome::Done { tokens: n as u32, first_token: 7, manifest: j.manifest.digest() }
-            } else {
-                JobOutcome::Stopped
-            };
-            j.seq.release(&mut self.ppool).unwrap();
-            let acts = self.pre.job_ended(j.job.req, outcome);
-            self.prefill_actions(acts);
-            return true;
-        }
-        let end = (j.done + LAYOUT.page_size).min(n);
-        for pos in j.done..end {
-            let (lease, slot) = j.seq.locate(pos).unwrap();
-            for layer in 0..LAYOUT.layers {
-                let v = kv_value(j.job.req, pos);
-                self.ppool.write(lease, layer, slot, &[v, v], &[v, v]).unwrap();
-            }
-        }
-        j.seq.commit(&self.ppool, end - j.done).unwrap();
-        for (header, data) in export_chunks(&self.ppool, &j.seq, &j.job.pages, j.done, end, &mut j.manifest).unwrap() {
-            self.net.push_back((To::Decode { from_prefill: true }, Message::KvChunk { req: j.job.req, header, data }));
-        }
-        j.done = end;
-        self.job = Some(j);
-        true
+        self.pre.step(&mut self.compute, &mut PrefillWire(&mut self.net)) != Step::Idle
     }
 
     /// One decode step for every running sequence: a token, or the end.
     fn decode_step(&mut self) -> bool {
-        let reqs: Vec<RequestId> = self.decoding.keys().copied().collect();
-        for req in &reqs {
-            let Some((_, left)) = self.decoding.get_mut(req) else { continue };
-            *left -= 1;
-            if *left == 0 {
-                let Some((seq, _)) = self.decoding.remove(req) else { continue };
-                let prompt = seq.len() as u32;
-                seq.release(&mut self.dpool).unwrap();
-                self.dec.finished(*req);
-                self.net.push_back((To::Gateway(DECODE), Message::Finished { req: *req, finish: Finish::Length, text: "!".into(), prompt_tokens: prompt, completion_tokens: 1 }));
-            } else {
-                self.net.push_back((To::Gateway(DECODE), Message::Token { req: *req, token: 9, text: "x".into() }));
-            }
-        }
-        !reqs.is_empty()
+        let busy = self.dec.engine().active() > 0;
+        self.dec.step(&mut DecodeWire(&mut self.net)).unwrap();
+        busy
     }
 
     fn tick(&mut self, ms: u64) {
         self.now += ms;
-        let acts = self.dec.handle(&mut self.dpool, DecodeEvent::Tick { now_ms: self.now });
-        self.decode_actions(acts);
+        self.decode_event(DecodeEvent::Tick { now_ms: self.now });
         self.gateway(GatewayEvent::Tick { now_ms: self.now });
     }
 
@@ -216,12 +256,12 @@ impl Cluster {
             let terminal = outs.iter().filter(|o| o.is_terminal()).count();
             assert!(terminal <= 1, "request {r}: {outs:?}");
         }
-        for (name, p) in [("decode", &self.dpool), ("prefill", &self.ppool)] {
+        for (name, p) in [("decode", self.dpool()), ("prefill", &self.compute.pool)] {
             let s = p.stats();
             assert_eq!((s.free_pages, s.quarantined_pages), (s.total_pages, 0), "{name} pool not back to full: {s:?}");
             p.check_invariants();
         }
-        assert_eq!((self.dec.pending(), self.dec.fencing(), self.dec.decoding()), (0, 0, 0));
+        assert!(self.dec.is_idle() && self.pre.is_idle());
         assert_eq!(self.gw.in_flight(), 0);
     }
 
@@ -240,8 +280,8 @@ fn a_request_flows_through_reserve_prefill_transfer_and_decode() {
     c.submit(1, 10, 3);
     c.run();
     assert!(matches!(c.terminal(1), Some(ClientOutput::Finished { prompt_tokens: 10, .. })), "{:?}", c.outputs);
-    assert_eq!(c.dec.stats().coverage_verified, 1);
-    assert_eq!(c.dec.stats().chunks_verified, 3);
+    assert_eq!(c.dec.role().stats().coverage_verified, 1);
+    assert_eq!(c.dec.role().stats().chunks_verified, 3);
     c.assert_clean(&[1]);
 }
 
@@ -257,7 +297,7 @@ fn a_prompt_longer_than_the_prefill_pool_is_rejected_with_or_without_the_gateway
         if let Err(e) = incident_outcome(&c) {
             panic!("gateway check {check}: {e}");
         }
-        let leased = c.dpool.stats().leases_granted;
+        let leased = c.dpool().stats().leases_granted;
         assert_eq!(leased == 0, check, "gateway check {check}: decode leases granted {leased}");
         c.assert_clean(&[1]);
     }
@@ -265,27 +305,57 @@ fn a_prompt_longer_than_the_prefill_pool_is_rejected_with_or_without_the_gateway
 
 /// What the incident test demands of request 1 (a prompt over the prefill pool): rejected
 /// for its context, never computed, nothing handed to decode.
-fn incident_outcome(c: &Cluster) -> Result<(), String> {
+fn incident_outcome<PP: PrefillPolicy, DP: DecodePolicy>(c: &Cluster<PP, DP>) -> Result<(), String> {
     if !matches!(c.terminal(1), Some(ClientOutput::Rejected { reason: RejectReason::ContextLength, .. })) {
         return Err(format!("the over-long request was not rejected: {:?}", c.outputs));
     }
-    if c.ppool.stats().leases_granted != 0 {
+    if c.compute.pool.stats().leases_granted != 0 {
         return Err("the prefill computed a rejected prompt".into());
     }
-    if c.dec.stats().chunks_verified != 0 {
+    if c.dec.role().stats().chunks_verified != 0 {
         return Err("decode accepted KV for a rejected prompt".into());
     }
     Ok(())
 }
 
-/// The incident's exact bug put back (test-only switches): the gateway's check off, the
-/// prefill keeps the refused prompt flowing as a 1-token placeholder, decode trusts its
-/// "done". The incident test above must catch it; if it did not, it would prove nothing.
+/// The incident's scheduler: a prompt the role refused keeps flowing as a 1-token
+/// placeholder, behind the role's back.
+struct PlaceholderScheduler;
+
+impl PrefillPolicy for PlaceholderScheduler {
+    fn refused(&mut self, job: &PrefillJob) -> Option<PrefillJob> {
+        let mut keep = job.clone();
+        keep.tokens.truncate(1);
+        keep.pages.truncate(1);
+        Some(keep)
+    }
+}
+
+/// The incident's decode side: "transfer complete" is trusted, so a completion claim the
+/// verifier refuses is answered as if the prompt had been read.
+struct TrustsDone;
+
+impl DecodePolicy for TrustsDone {
+    fn outbound(&mut self, acts: Vec<DecodeAction>, _: &mut Vec<DecodeEvent>) -> Vec<DecodeAction> {
+        acts.into_iter()
+            .map(|a| match a {
+                DecodeAction::ToGateway(Message::Failed { req, reason: FailReason::TransferRefused, .. }) => {
+                    let done = Message::Finished { req, finish: FinishReason::Stop, text: "fluent".into(), prompt_tokens: 40, completion_tokens: 1 };
+                    DecodeAction::ToGateway(done)
+                }
+                a => a,
+            })
+            .collect()
+    }
+}
+
+/// The incident's exact bug put back, in test drivers only (the production roles and
+/// verifier have no switch for it): the gateway's check off, the prefill driver keeps the
+/// refused prompt flowing as a 1-token placeholder, the decode driver trusts its "done".
+/// The incident test above must catch it; if it did not, it would prove nothing.
 #[test]
 fn the_incident_bug_reintroduced_is_caught_by_the_incident_test() {
-    let mut c = Cluster::new(16, 128, false);
-    c.pre.replay_incident_bug();
-    c.dec.replay_incident_bug();
+    let mut c = Cluster::with_policies(16, 128, false, PlaceholderScheduler, TrustsDone);
     c.submit(1, 40, 4);
     c.run();
     let caught = incident_outcome(&c);
@@ -326,19 +396,19 @@ fn a_transfer_that_times_out_fails_once_and_its_pages_stay_quarantined_until_the
     c.submit(1, 10, 3);
     // Reserve, Reserved, Prefill delivered; one page computed, sent and verified at decode
     // (re-arming the timer); the prefill then falls silent.
-    while c.job.is_none() {
+    while c.pre.current().is_none() {
         assert!(c.deliver() || c.prefill_step());
     }
     c.prefill_step();
-    while c.dec.stats().chunks_verified == 0 {
+    while c.dec.role().stats().chunks_verified == 0 {
         assert!(c.deliver());
     }
     c.tick(2_000);
-    assert!(c.dpool.stats().quarantined_pages > 0, "a timeout alone frees nothing");
+    assert!(c.dpool().stats().quarantined_pages > 0, "a timeout alone frees nothing");
     c.run();
     assert!(matches!(c.terminal(1), Some(ClientOutput::Failed { reason: FailReason::Timeout, .. })), "{:?}", c.outputs);
     c.assert_clean(&[1]);
-    assert!(c.dec.stats().late_chunks > 0 || c.dec.stats().fenced_releases > 0);
+    assert!(c.dec.role().stats().late_chunks > 0 || c.dec.role().stats().fenced_releases > 0);
 }
 
 #[test]
@@ -348,7 +418,7 @@ fn prompts_queued_at_a_prefill_that_keeps_talking_still_finish_past_the_transfer
     c.submit(2, 6, 2);
     // Both reserved at decode and queued at the prefill; no chunk computed yet.
     while c.deliver() {}
-    assert_eq!((c.dec.pending(), c.dec.stats().chunks_verified), (2, 0));
+    assert_eq!((c.dec.role().pending(), c.dec.role().stats().chunks_verified), (2, 0));
     // Five transfer timeouts pass in the queue, the prefill's keepalives arriving meanwhile.
     for _ in 0..10 {
         c.tick(500);
@@ -360,7 +430,7 @@ fn prompts_queued_at_a_prefill_that_keeps_talking_still_finish_past_the_transfer
         assert!(matches!(c.terminal(req), Some(ClientOutput::Finished { .. })), "request {req}: {:?}", c.outputs);
     }
     c.assert_clean(&[1, 2]);
-    assert_eq!(c.dec.stats().timeouts, 0);
+    assert_eq!(c.dec.role().stats().timeouts, 0);
 }
 
 #[test]
@@ -368,13 +438,13 @@ fn reservations_of_a_silent_prefill_time_out_and_stay_quarantined_until_it_is_fe
     let mut c = Cluster::new(64, 128, true);
     c.submit(1, 10, 3);
     while c.deliver() {}
-    assert_eq!(c.dec.pending(), 1);
+    assert_eq!(c.dec.role().pending(), 1);
     // Nothing from the prefill (a cut link, a hung worker) for the transfer timeout.
     c.tick(999);
-    assert_eq!((c.dec.pending(), c.dec.stats().timeouts), (1, 0), "one millisecond short");
+    assert_eq!((c.dec.role().pending(), c.dec.role().stats().timeouts), (1, 0), "one millisecond short");
     c.tick(1);
-    assert_eq!((c.dec.pending(), c.dec.stats().timeouts), (0, 1));
-    assert!(c.dpool.stats().quarantined_pages > 0, "a timeout alone frees nothing");
+    assert_eq!((c.dec.role().pending(), c.dec.role().stats().timeouts), (0, 1));
+    assert!(c.dpool().stats().quarantined_pages > 0, "a timeout alone frees nothing");
     c.run();
     assert!(matches!(c.terminal(1), Some(ClientOutput::Failed { .. })), "{:?}", c.outputs);
     c.assert_clean(&[1]);
@@ -384,18 +454,17 @@ fn reservations_of_a_silent_prefill_time_out_and_stay_quarantined_until_it_is_fe
 fn a_prefill_worker_lost_mid_transfer_fails_its_request_and_the_closed_connection_fences_its_pages() {
     let mut c = Cluster::new(64, 128, true);
     c.submit(1, 12, 3);
-    while c.dec.stats().chunks_verified == 0 {
+    while c.dec.role().stats().chunks_verified == 0 {
         assert!(c.deliver() || c.prefill_step());
     }
     // The prefill process dies: its queue and job vanish, its connections close.
-    c.job = None;
+    c.pre = PrefillDriver::new(PrefillRole::new(PrefillConfig { max_prompt: 64, page_size: LAYOUT.page_size, keepalive_ms: 250 }), LAYOUT.page_size);
     c.net.retain(|(to, _)| !matches!(to, To::Decode { from_prefill: true } | To::Prefill));
-    let acts = c.dec.handle(&mut c.dpool, DecodeEvent::PrefillClosed { from: PREFILL });
-    c.decode_actions(acts);
+    c.decode_event(DecodeEvent::PrefillClosed { from: PREFILL });
     c.gateway(GatewayEvent::WorkerLeft { id: PREFILL });
     c.run();
     assert!(matches!(c.terminal(1), Some(ClientOutput::Failed { .. })), "{:?}", c.outputs);
-    let s = c.dpool.stats();
+    let s = c.dpool().stats();
     assert_eq!((s.free_pages, s.quarantined_pages), (s.total_pages, 0));
 }
 
@@ -423,10 +492,10 @@ fn a_corrupted_or_foreign_chunk_fails_only_its_request() {
         }
         assert!(matches!(c.terminal(1), Some(ClientOutput::Failed { reason: FailReason::TransferRefused, .. })), "tamper {tamper}: {:?}", c.outputs);
         assert!(matches!(c.terminal(2), Some(ClientOutput::Finished { .. })), "tamper {tamper}: {:?}", c.outputs);
-        assert_eq!(c.dec.stats().chunks_refused, 1);
+        assert_eq!(c.dec.role().stats().chunks_refused, 1);
         // Only the flipped byte reaches the checksum check; a wrong page or generation is
         // refused before it.
-        assert_eq!(c.dec.stats().checksum_failed, u64::from(tamper == 0), "tamper {tamper}");
+        assert_eq!(c.dec.role().stats().checksum_failed, u64::from(tamper == 0), "tamper {tamper}");
         c.assert_clean(&[1, 2]);
     }
 }
@@ -435,7 +504,7 @@ fn a_corrupted_or_foreign_chunk_fails_only_its_request() {
 fn the_trace_context_reaches_the_decode_reservation_and_the_prefill_job() {
     let mut c = Cluster::new(64, 128, true);
     let trace = TraceContext { trace_id: [7; 16], request_id: "req-7".into() };
-    c.gateway(GatewayEvent::Submit { req: RequestId(1), tokens: vec![1, 2, 3], max_tokens: 2, sampling: sampling(), stop: vec![], trace: trace.clone() });
+    c.gateway(GatewayEvent::Submit { req: RequestId(1), tokens: vec![1, 2, 3], max_tokens: 2, sampling: Sampling::default(), stop: vec![], trace: trace.clone() });
     let (mut reserve, mut prefill, mut job) = (None, None, None);
     for _ in 0..1000 {
         for (_, m) in &c.net {
@@ -445,8 +514,8 @@ fn the_trace_context_reaches_the_decode_reservation_and_the_prefill_job() {
                 _ => {}
             }
         }
-        if let Some(j) = &c.job {
-            job = Some(j.job.trace.clone());
+        if let Some(j) = c.pre.targets().next() {
+            job = Some(j.trace.clone());
         }
         if !(c.deliver() || c.prefill_step() || c.decode_step()) {
             break;
@@ -470,8 +539,8 @@ fn a_short_transfer_claimed_done_is_refused_before_any_decode_step() {
         }
     }
     assert!(matches!(c.terminal(1), Some(ClientOutput::Failed { reason: FailReason::TransferRefused, .. })), "{:?}", c.outputs);
-    assert_eq!(c.dec.stats().coverage_failed, 1);
-    assert!(c.decoding.is_empty());
+    assert_eq!(c.dec.role().stats().coverage_failed, 1);
+    assert_eq!(c.dec.engine().active(), 0);
     c.assert_clean(&[1]);
 }
 
@@ -488,12 +557,11 @@ fn a_chunk_from_a_prefill_worker_other_than_the_assigned_one_is_refused() {
         assert!(c.deliver() || c.prefill_step());
     };
     let (_, chunk) = c.net.remove(i).unwrap();
-    let acts = c.dec.handle(&mut c.dpool, DecodeEvent::Prefill { from: WorkerId(9), msg: chunk });
-    c.decode_actions(acts);
+    c.decode_event(DecodeEvent::Prefill { from: WorkerId(9), msg: chunk });
     c.run();
     assert!(matches!(c.terminal(1), Some(ClientOutput::Failed { reason: FailReason::TransferRefused, .. })), "{:?}", c.outputs);
-    assert_eq!(c.dec.stats().chunks_refused, 1);
-    assert_eq!(c.dec.stats().chunks_verified, 0, "nothing from the impostor was written");
+    assert_eq!(c.dec.role().stats().chunks_refused, 1);
+    assert_eq!(c.dec.role().stats().chunks_verified, 0, "nothing from the impostor was written");
     c.assert_clean(&[1]);
 }
 
@@ -503,7 +571,7 @@ fn the_decode_worker_refuses_a_request_over_its_context_before_leasing_anything(
     c.submit(1, 10, 10);
     c.run();
     assert!(matches!(c.terminal(1), Some(ClientOutput::Rejected { reason: RejectReason::ContextLength, .. })), "{:?}", c.outputs);
-    assert_eq!((c.dpool.stats().leases_granted, c.ppool.stats().leases_granted), (0, 0));
-    assert_eq!(c.dec.stats().rejected_context, 1);
+    assert_eq!((c.dpool().stats().leases_granted, c.compute.pool.stats().leases_granted), (0, 0));
+    assert_eq!(c.dec.role().stats().rejected_context, 1);
     c.assert_clean(&[1]);
 }

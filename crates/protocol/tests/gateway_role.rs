@@ -4,7 +4,7 @@
 //! (docs/TESTING.md).
 
 use bulkhead_kv::{Generation, PageId, PageRef, RequestId};
-use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, GatewayStats};
+use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, GatewayStats, KvShape, RegisterError};
 use bulkhead_protocol::*;
 
 const P1: WorkerId = WorkerId(1);
@@ -13,18 +13,27 @@ const P3: WorkerId = WorkerId(3);
 const D4: WorkerId = WorkerId(4);
 const TIMEOUT_MS: u64 = 100;
 
+const DIGEST: u64 = 0xb0;
+
+fn hello(role: Role, max_context: u32) -> Hello {
+    let kv_addr = if role == Role::Decode { "decode:9".to_string() } else { String::new() };
+    Hello { role, model_digest: DIGEST, page_size: 4, kv_bytes_per_token: 16, capacity_tokens: 64, max_context, kv_addr }
+}
+
+fn join(g: &mut GatewayRole, id: WorkerId, role: Role) -> Vec<GatewayAction> {
+    g.join(id, &hello(role, 8)).expect("a matching worker registers")
+}
+
 fn gateway(workers: &[(WorkerId, Role)]) -> GatewayRole {
-    let mut g = GatewayRole::new(GatewayConfig { max_context: 0, admission_check: true, request_timeout_ms: TIMEOUT_MS });
-    g.set_max_context(8);
+    let mut g = GatewayRole::new(GatewayConfig { model_context: 8, model_digest: DIGEST, admission_check: true, request_timeout_ms: TIMEOUT_MS });
     for &(id, role) in workers {
-        g.handle(GatewayEvent::WorkerJoined { id, role });
+        join(&mut g, id, role);
     }
     g
 }
 
 fn submit(g: &mut GatewayRole, req: u64, prompt: usize, max_tokens: u32) -> Vec<GatewayAction> {
-    let sampling = Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, ignore_eos: false };
-    let ev = GatewayEvent::Submit { req: RequestId(req), tokens: vec![5; prompt], max_tokens, sampling, stop: vec![], trace: TraceContext::default() };
+    let ev = GatewayEvent::Submit { req: RequestId(req), tokens: vec![5; prompt], max_tokens, sampling: Sampling::default(), stop: vec![], trace: TraceContext::default() };
     g.handle(ev)
 }
 
@@ -68,7 +77,7 @@ fn the_gateway_admits_exactly_the_served_context_and_refuses_when_it_cannot_rout
     assert_eq!(g.max_context(), 8);
     assert!(!g.ready(), "no decode worker yet");
     assert_eq!(to_client(&submit(&mut g, 1, 4, 4)), [&ClientOutput::Unavailable]);
-    g.handle(GatewayEvent::WorkerJoined { id: D2, role: Role::Decode });
+    join(&mut g, D2, Role::Decode);
     assert!(g.ready());
     assert_eq!(routed(&submit(&mut g, 2, 4, 4)), (D2, P1), "4 + 4 = the context: admitted");
     let over = submit(&mut g, 3, 5, 4);
@@ -89,7 +98,7 @@ fn only_the_assigned_decode_worker_moves_a_request_on_and_speaks_to_the_client()
     assert!(from(&mut g, D2, reserved(1)).is_empty(), "a second Reserved sends no second Prefill");
     assert!(from(&mut g, P1, token(1)).is_empty());
     assert_eq!(to_client(&from(&mut g, D2, token(1))), [&ClientOutput::Token { text: "x".into() }]);
-    let finished = Message::Finished { req: RequestId(1), finish: Finish::Stop, text: String::new(), prompt_tokens: 4, completion_tokens: 1 };
+    let finished = Message::Finished { req: RequestId(1), finish: FinishReason::Stop, text: String::new(), prompt_tokens: 4, completion_tokens: 1 };
     assert!(from(&mut g, P1, finished.clone()).is_empty());
     assert_eq!(g.in_flight(), 1);
     assert_eq!(to_client(&from(&mut g, D2, finished)).len(), 1);
@@ -153,4 +162,50 @@ fn a_request_times_out_at_its_deadline_and_not_before() {
     assert!(g.handle(GatewayEvent::Tick { now_ms: TIMEOUT_MS - 1 }).is_empty());
     let acts = g.handle(GatewayEvent::Tick { now_ms: TIMEOUT_MS });
     assert!(matches!(to_client(&acts).as_slice(), [ClientOutput::Failed { reason: FailReason::Timeout, .. }]), "{acts:?}");
+}
+
+/// Worker messages of `acts` as (to, message).
+fn to_workers(acts: &[GatewayAction]) -> Vec<(WorkerId, &Message)> {
+    acts.iter().filter_map(|a| if let GatewayAction::ToWorker { to, msg } = a { Some((*to, msg)) } else { None }).collect()
+}
+
+#[test]
+fn registration_welcomes_a_matching_worker_introduces_prefills_to_decodes_and_refuses_the_rest() {
+    let mut g = gateway(&[]);
+    let acts = join(&mut g, P1, Role::Prefill);
+    assert_eq!(to_workers(&acts), [(P1, &Message::Welcome { worker: P1 })]);
+    let peer = Message::DecodePeer { worker: D2, addr: "decode:9".into() };
+    let acts = join(&mut g, D2, Role::Decode);
+    assert_eq!(to_workers(&acts), [(D2, &Message::Welcome { worker: D2 }), (P1, &peer)], "the prefill hears of the new decode worker");
+    let acts = join(&mut g, P3, Role::Prefill);
+    assert_eq!(to_workers(&acts), [(P3, &Message::Welcome { worker: P3 }), (P3, &peer)], "a new prefill hears of every decode worker");
+    let other_model = Hello { model_digest: DIGEST + 1, ..hello(Role::Decode, 8) };
+    assert_eq!(g.join(D4, &other_model).unwrap_err(), RegisterError::Model { worker: DIGEST + 1, gateway: DIGEST });
+    let other_layout = Hello { page_size: 8, ..hello(Role::Decode, 8) };
+    let err = g.join(D4, &other_layout).unwrap_err();
+    assert_eq!(err, RegisterError::Layout { worker: KvShape { page_size: 8, kv_bytes_per_token: 16 }, registered: KvShape { page_size: 4, kv_bytes_per_token: 16 } });
+    assert_eq!(g.join(D2, &hello(Role::Decode, 8)).unwrap_err(), RegisterError::Duplicate(D2));
+    assert_eq!(g.workers(Role::Decode), [D2], "refused workers are not routed to");
+}
+
+#[test]
+fn the_served_context_is_the_smallest_a_registered_worker_accepts_and_grows_back_when_it_leaves() {
+    let mut g = gateway(&[(P1, Role::Prefill)]);
+    g.join(D2, &hello(Role::Decode, 6)).unwrap();
+    assert_eq!(g.max_context(), 6);
+    g.join(D4, &hello(Role::Decode, 100)).unwrap();
+    assert_eq!(g.max_context(), 6, "never more than the model's context nor the smallest worker's");
+    g.handle(GatewayEvent::WorkerLeft { id: D2 });
+    assert_eq!(g.max_context(), 8, "the model's context caps a bigger worker");
+}
+
+#[test]
+fn a_prefill_that_leaves_or_loses_a_kv_connection_is_reported_unreachable_to_decode_workers() {
+    let mut g = gateway(&[(P1, Role::Prefill), (D2, Role::Decode), (D4, Role::Decode)]);
+    let acts = from(&mut g, P1, Message::KvLost { decode: D4 });
+    assert_eq!(to_workers(&acts), [(D4, &Message::PrefillUnreachable { worker: P1 })]);
+    let acts = g.handle(GatewayEvent::WorkerLeft { id: P1 });
+    let unreachable = Message::PrefillUnreachable { worker: P1 };
+    assert_eq!(to_workers(&acts), [(D2, &unreachable), (D4, &unreachable)]);
+    assert!(to_workers(&g.handle(GatewayEvent::WorkerLeft { id: D2 })).is_empty(), "a decode worker's leaving tells no one");
 }

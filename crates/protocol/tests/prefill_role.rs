@@ -4,30 +4,35 @@
 //! (docs/TESTING.md).
 
 use bulkhead_kv::{Generation, PageId, PageRef, RequestId};
-use bulkhead_protocol::prefill::{JobOutcome, PrefillAction, PrefillConfig, PrefillRole, PrefillStats};
+use bulkhead_protocol::prefill::{JobOutcome, PrefillAction, PrefillConfig, PrefillEvent, PrefillRole, PrefillStats};
 use bulkhead_protocol::*;
 
 const DECODE: WorkerId = WorkerId(2);
 const PAGE: usize = 4;
 const MAX_PROMPT: usize = 8;
 
+const KEEPALIVE_MS: u64 = 250;
+
+/// A role with an open KV connection to DECODE.
 fn role() -> PrefillRole {
-    PrefillRole::new(PrefillConfig { max_prompt: MAX_PROMPT, page_size: PAGE })
+    let mut p = PrefillRole::new(PrefillConfig { max_prompt: MAX_PROMPT, page_size: PAGE, keepalive_ms: KEEPALIVE_MS });
+    assert!(p.handle(PrefillEvent::DecodeConnected { decode: DECODE }).is_empty());
+    p
 }
 
 /// A Prefill for `req` with `tokens` prompt tokens and `pages` target pages.
-fn prefill(req: u64, tokens: usize, pages: usize) -> Message {
+fn prefill(req: u64, tokens: usize, pages: usize) -> PrefillEvent {
     prefill_for(req, tokens, pages, DECODE)
 }
 
-fn prefill_for(req: u64, tokens: usize, pages: usize, decode: WorkerId) -> Message {
+fn prefill_for(req: u64, tokens: usize, pages: usize, decode: WorkerId) -> PrefillEvent {
     let pages = (0..pages).map(|i| PageRef { page: PageId(i as u32), generation: Generation(1) }).collect();
-    let sampling = Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, ignore_eos: false };
-    Message::Prefill { req: RequestId(req), tokens: vec![5; tokens], decode, pages, sampling, trace: TraceContext::default() }
+    let m = Message::Prefill { req: RequestId(req), tokens: vec![5; tokens], decode, pages, sampling: Sampling::default(), trace: TraceContext::default() };
+    PrefillEvent::Gateway(m)
 }
 
-fn abort(req: u64) -> Message {
-    Message::Abort { req: RequestId(req), reason: AbortReason::ClientGone }
+fn abort(req: u64) -> PrefillEvent {
+    PrefillEvent::Gateway(Message::Abort { req: RequestId(req), reason: AbortReason::ClientGone })
 }
 
 /// The actions as (to gateway?, message) pairs, checking every decode-bound one goes to DECODE.
@@ -39,6 +44,7 @@ fn sent(acts: Vec<PrefillAction>) -> Vec<(bool, Message)> {
                 assert_eq!(to, DECODE);
                 (false, msg)
             }
+            PrefillAction::Connect { decode, addr } => panic!("unexpected connect to {decode} at {addr}"),
         })
         .collect()
 }
@@ -76,9 +82,12 @@ fn a_duplicate_prefill_is_refused_without_fencing_the_job_that_is_still_writing(
     for req in [1, 2] {
         // A fence now would let the decode worker free pages the first job still writes.
         let acts = sent(p.handle(prefill(req, 4, 1)));
-        assert!(matches!(acts.as_slice(), [a] if rejected(RejectReason::Invalid)(a)), "{acts:?}");
+        assert!(matches!(acts.as_slice(), [a] if rejected(RejectReason::Duplicate)(a)), "{acts:?}");
     }
-    assert_eq!(p.stats().rejected_invalid, 2);
+    // Even one over the limit: the refusal is about the message, the job goes on.
+    let acts = sent(p.handle(prefill(1, MAX_PROMPT + 1, 3)));
+    assert!(matches!(acts.as_slice(), [a] if rejected(RejectReason::Duplicate)(a)), "{acts:?}");
+    assert_eq!(p.stats().rejected_invalid, 3);
 }
 
 #[test]
@@ -106,21 +115,58 @@ fn an_abort_ends_a_queued_job_at_once_and_a_running_one_at_its_next_chunk_with_a
 }
 
 #[test]
-fn a_closed_decode_connection_fails_the_jobs_bound_for_it_and_no_others() {
+fn a_lost_decode_connection_fails_the_jobs_bound_for_it_and_no_others_and_the_gateway_hears() {
     let mut p = role();
     let other = WorkerId(4);
+    p.handle(PrefillEvent::DecodeConnected { decode: other });
     p.handle(prefill_for(1, 4, 1, DECODE));
     p.handle(prefill_for(2, 4, 1, DECODE));
     p.handle(prefill_for(3, 4, 1, other));
     assert!(p.next_job().is_some_and(|j| j.req == RequestId(1)));
-    let failed: Vec<RequestId> = sent(p.decode_closed(DECODE))
-        .into_iter()
+    let acts = sent(p.handle(PrefillEvent::DecodeLost { decode: DECODE }));
+    assert!(matches!(&acts[0], (true, Message::KvLost { decode }) if *decode == DECODE), "{acts:?}");
+    let failed: Vec<RequestId> = acts[1..]
+        .iter()
         .map(|(to_gateway, m)| match m {
-            Message::Failed { req, reason: FailReason::WorkerLost, .. } if to_gateway => req,
+            Message::Failed { req, reason: FailReason::WorkerLost, .. } if *to_gateway => *req,
             m => panic!("unexpected {m:?}"),
         })
         .collect();
     assert_eq!(failed, [RequestId(2)], "the queued job for the closed connection fails");
     assert!(!p.keep_going(RequestId(1)), "the running one stops at its next chunk");
-    assert!(sent(p.decode_closed(other)).len() == 1 && p.queued() == 0);
+    assert!(!p.connected(DECODE) && p.connected(other));
+}
+
+#[test]
+fn a_job_whose_decode_worker_never_connected_does_not_go_on() {
+    let mut p = PrefillRole::new(PrefillConfig { max_prompt: MAX_PROMPT, page_size: PAGE, keepalive_ms: KEEPALIVE_MS });
+    p.handle(prefill(1, 4, 1));
+    assert!(p.next_job().is_some());
+    assert!(!p.keep_going(RequestId(1)));
+    p.handle(PrefillEvent::DecodeConnected { decode: DECODE });
+    assert!(p.keep_going(RequestId(1)));
+}
+
+#[test]
+fn ticks_send_a_keepalive_on_every_open_kv_connection_once_per_interval() {
+    let mut p = role();
+    let keepalives = |acts: Vec<PrefillAction>| acts.iter().filter(|a| matches!(a, PrefillAction::ToDecode { msg: Message::KvKeepalive, .. })).count();
+    assert_eq!(keepalives(p.handle(PrefillEvent::Tick { now_ms: KEEPALIVE_MS - 1 })), 0);
+    assert_eq!(keepalives(p.handle(PrefillEvent::Tick { now_ms: KEEPALIVE_MS })), 1);
+    assert_eq!(keepalives(p.handle(PrefillEvent::Tick { now_ms: 2 * KEEPALIVE_MS - 1 })), 0);
+    p.handle(PrefillEvent::DecodeConnected { decode: WorkerId(9) });
+    let acts = p.handle(PrefillEvent::Tick { now_ms: 2 * KEEPALIVE_MS });
+    let to: Vec<WorkerId> = acts.iter().filter_map(|a| if let PrefillAction::ToDecode { to, .. } = a { Some(*to) } else { None }).collect();
+    assert_eq!(to, [DECODE, WorkerId(9)]);
+    p.handle(PrefillEvent::DecodeLost { decode: WorkerId(9) });
+    assert_eq!(keepalives(p.handle(PrefillEvent::Tick { now_ms: 3 * KEEPALIVE_MS })), 1, "none on a lost connection");
+    assert_eq!(p.stats().keepalives, 4);
+}
+
+#[test]
+fn a_decode_peer_from_the_gateway_asks_the_driver_to_connect() {
+    let mut p = role();
+    let acts = p.handle(PrefillEvent::Gateway(Message::DecodePeer { worker: WorkerId(5), addr: "h:1".into() }));
+    assert_eq!(acts, [PrefillAction::Connect { decode: WorkerId(5), addr: "h:1".into() }]);
+    assert!(!p.connected(WorkerId(5)), "connected only once the driver says so");
 }

@@ -10,13 +10,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bulkhead_api::{ApiError, Backend, FinishReason, GenEvent, GenerationRequest, ModelCard};
+use bulkhead_api::{ApiError, Backend, GenEvent, GenerationRequest, ModelCard, Prompt};
 
 use bulkhead_api::PromptEncoder;
 use bulkhead_kv::RequestId;
-use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole};
+use bulkhead_protocol::admission::{admit, default_max_tokens, Generate};
+use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, RegisterError};
 use bulkhead_protocol::{
-    encode, FailReason, Finish, FrameDecoder, Hello, Message, MetricFamily, RejectReason, Role, Sampling, TraceContext, WorkerId, DEFAULT_MAX_FRAME,
+    encode, FailReason, FrameDecoder, Hello, Message, MetricFamily, RejectReason, Role, Sampling, TraceContext, WorkerId, DEFAULT_MAX_FRAME,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -64,13 +65,24 @@ enum Cmd {
         arrived: Instant,
         events: mpsc::Sender<GenEvent>,
     },
-    Register { hello: Hello, writer: mpsc::UnboundedSender<Message>, reply: oneshot::Sender<Result<WorkerId, String>> },
+    Register { hello: Hello, writer: mpsc::Sender<Message>, reply: oneshot::Sender<Result<WorkerId, RegisterError>> },
     Worker { from: WorkerId, msg: Message },
     Left { id: WorkerId },
     Tick { now_ms: u64 },
     /// Render `/metrics`.
     Metrics { reply: oneshot::Sender<String> },
 }
+
+/// Commands that may wait for the actor. Beyond this, HTTP requests get 429 with
+/// `Retry-After` (the actor is behind: nothing is lost, the client retries), and worker
+/// readers and the ticker wait (backpressure on their connections).
+pub const ACTOR_INBOX: usize = 4096;
+
+/// Messages that may wait for one worker's connection. A worker that falls this far
+/// behind is disconnected and counted as lost (its requests fail, its pages are fenced by
+/// the usual paths), rather than letting the gateway's memory grow without bound or one
+/// slow worker stall every other.
+pub const WORKER_OUTBOX: usize = 8192;
 
 /// Requests the gateway refused before running them, by reason (the HTTP side counts them,
 /// before anything reaches the actor).
@@ -79,6 +91,7 @@ struct Refused {
     context_length: AtomicU64,
     unavailable: AtomicU64,
     invalid: AtomicU64,
+    busy: AtomicU64,
 }
 
 struct Shared {
@@ -88,7 +101,7 @@ struct Shared {
     encoder: PromptEncoder,
     admission_check: bool,
     refused: Refused,
-    cmds: mpsc::UnboundedSender<Cmd>,
+    cmds: mpsc::Sender<Cmd>,
 }
 
 fn count(c: &AtomicU64) {
@@ -115,24 +128,30 @@ impl Backend for ClusterBackend {
         }
         let tokens = s.encoder.encode(&req.prompt).inspect_err(|_| count(&s.refused.invalid))?;
         let limit = s.max_context.load(Ordering::Acquire);
-        let max_tokens = req.max_tokens.unwrap_or_else(|| limit.saturating_sub(tokens.len()).max(1));
-        let too_long = || {
+        let max_tokens = req.max_tokens.unwrap_or_else(|| default_max_tokens(tokens.len(), limit));
+        let prompt_param = if matches!(req.prompt, Prompt::Chat(_)) { "messages" } else { "prompt" };
+        if s.admission_check
+            && let Err(r) = admit(tokens.len(), Generate::Tokens(max_tokens), limit)
+        {
+            count(if r.reason() == RejectReason::ContextLength { &s.refused.context_length } else { &s.refused.invalid });
+            return Err(ApiError::refused(&r, prompt_param));
+        }
+        let max_tokens = u32::try_from(max_tokens).map_err(|_| {
             count(&s.refused.context_length);
             ApiError::context_length_exceeded(tokens.len(), max_tokens, limit)
-        };
-        if s.admission_check && tokens.len().saturating_add(max_tokens) > limit {
-            return Err(too_long());
-        }
-        let max_tokens = u32::try_from(max_tokens).map_err(|_| too_long())?;
+        })?;
         // Enough room for every token of the longest request: sends never block the actor.
         let (tx, rx) = mpsc::channel(limit.max(16) + 8);
-        let p = &req.sampling;
-        let sampling = Sampling { temperature: p.temperature, top_k: p.top_k as u32, top_p: p.top_p, seed: p.seed, ignore_eos: p.ignore_eos };
         let trace = TraceContext { trace_id: req.trace_id.0, request_id: req.request_id };
-        s.cmds
-            .send(Cmd::Submit { tokens, max_tokens, sampling, stop: req.stop, trace, arrived, events: tx })
-            .map_err(|_| ApiError::internal("the gateway is shutting down"))?;
-        Ok(rx)
+        let sampling = req.sampling;
+        match s.cmds.try_send(Cmd::Submit { tokens, max_tokens, sampling, stop: req.stop, trace, arrived, events: tx }) {
+            Ok(()) => Ok(rx),
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                count(&s.refused.busy);
+                Err(ApiError::too_many_requests("gateway_busy", format!("the gateway has {ACTOR_INBOX} commands waiting; retry shortly")))
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(ApiError::internal("the gateway is shutting down")),
+        }
     }
 
     fn ready(&self) -> bool {
@@ -168,7 +187,7 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
     let chat = bulkhead_tokenizer::ChatTemplate::from_gguf(&f)?;
     drop(f);
     let digest = crate::wire::model_digest(&opts.model)?;
-    let (cmds, inbox) = mpsc::unbounded_channel();
+    let (cmds, inbox) = mpsc::channel(ACTOR_INBOX);
     let shared = Arc::new(Shared {
         card: ModelCard { id: opts.model_id.clone(), max_model_len: config.context_length, created: unix_now(), owned_by: "bulkhead".into() },
         max_context: AtomicUsize::new(config.context_length),
@@ -179,16 +198,14 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
         cmds: cmds.clone(),
     });
     let role = GatewayRole::new(GatewayConfig {
-        max_context: config.context_length,
+        model_context: config.context_length,
+        model_digest: digest,
         admission_check: opts.admission_check,
         request_timeout_ms: opts.request_timeout_ms,
     });
     let actor = Actor {
         role,
         shared: shared.clone(),
-        digest,
-        model_context: config.context_length,
-        layout: None,
         writers: BTreeMap::new(),
         workers: BTreeMap::new(),
         clients: BTreeMap::new(),
@@ -204,7 +221,7 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
         let mut iv = tokio::time::interval(Duration::from_millis(100));
         loop {
             iv.tick().await;
-            if ticker.send(Cmd::Tick { now_ms: start.elapsed().as_millis() as u64 }).is_err() {
+            if ticker.send(Cmd::Tick { now_ms: start.elapsed().as_millis() as u64 }).await.is_err() {
                 return;
             }
         }
@@ -232,10 +249,10 @@ fn unix_now() -> u64 {
 }
 
 /// `GET /metrics`: the actor renders, so the figures are one consistent snapshot.
-async fn serve_metrics(cmds: mpsc::UnboundedSender<Cmd>) -> axum::response::Response {
+async fn serve_metrics(cmds: mpsc::Sender<Cmd>) -> axum::response::Response {
     use axum::response::IntoResponse;
     let (reply, text) = oneshot::channel();
-    if cmds.send(Cmd::Metrics { reply }).is_err() {
+    if cmds.send(Cmd::Metrics { reply }).await.is_err() {
         return axum::http::StatusCode::SERVICE_UNAVAILABLE.into_response();
     }
     match text.await {
@@ -256,8 +273,6 @@ struct Client {
 
 struct WorkerInfo {
     role: Role,
-    max_context: usize,
-    kv_addr: String,
     /// Metrics labels naming it: `worker` (`prefill-0`, `decode-1`, …) and `role`.
     labels: Vec<(String, String)>,
     /// The latest metrics it reported.
@@ -274,11 +289,7 @@ fn role_name(r: Role) -> &'static str {
 struct Actor {
     role: GatewayRole,
     shared: Arc<Shared>,
-    digest: u64,
-    model_context: usize,
-    /// (page size, KV bytes per token) every worker must share.
-    layout: Option<(u32, u32)>,
-    writers: BTreeMap<WorkerId, mpsc::UnboundedSender<Message>>,
+    writers: BTreeMap<WorkerId, mpsc::Sender<Message>>,
     workers: BTreeMap<WorkerId, WorkerInfo>,
     clients: BTreeMap<RequestId, Client>,
     next_req: u64,
@@ -289,7 +300,7 @@ struct Actor {
 }
 
 impl Actor {
-    async fn run(mut self, mut inbox: mpsc::UnboundedReceiver<Cmd>) {
+    async fn run(mut self, mut inbox: mpsc::Receiver<Cmd>) {
         while let Some(cmd) = inbox.recv().await {
             match cmd {
                 Cmd::Submit { tokens, max_tokens, sampling, stop, trace, arrived, events } => {
@@ -308,26 +319,11 @@ impl Actor {
                         w.metrics = families;
                     }
                 }
-                Cmd::Worker { from, msg: Message::KvLost { decode } } => {
-                    if let Some(tx) = self.writers.get(&decode) {
-                        let _ = tx.send(Message::PrefillUnreachable { worker: from });
-                    }
-                }
                 Cmd::Worker { from, msg } => self.apply(GatewayEvent::FromWorker { from, msg }),
                 Cmd::Left { id } => {
-                    if let Some(left) = self.workers.remove(&id) {
+                    if self.workers.remove(&id).is_some() {
                         tracing::warn!(worker = %id, "worker left");
                         self.writers.remove(&id);
-                        if left.role == Role::Prefill {
-                            // A decode worker it never connected to has no other way to learn
-                            // that it can no longer write (its quarantines would never end).
-                            // Found by the fault schedules (crates/faultsim).
-                            for (w, info) in &self.workers {
-                                if let (Role::Decode, Some(tx)) = (info.role, self.writers.get(w)) {
-                                    let _ = tx.send(Message::PrefillUnreachable { worker: id });
-                                }
-                            }
-                        }
                         self.apply(GatewayEvent::WorkerLeft { id });
                         self.update_context();
                     }
@@ -347,65 +343,51 @@ impl Actor {
         }
     }
 
-    fn register(&mut self, h: Hello, writer: mpsc::UnboundedSender<Message>) -> Result<WorkerId, String> {
-        if h.model_digest != self.digest {
-            return Err(format!("model digest {:#x} differs from the gateway's {:#x}", h.model_digest, self.digest));
-        }
-        let layout = (h.page_size, h.kv_bytes_per_token);
-        match self.layout {
-            Some(l) if l != layout => {
-                return Err(format!("KV layout (page size {}, {} bytes/token) differs from the registered workers' ({}, {})", layout.0, layout.1, l.0, l.1));
-            }
-            _ => self.layout = Some(layout),
-        }
+    fn register(&mut self, h: Hello, writer: mpsc::Sender<Message>) -> Result<WorkerId, RegisterError> {
         let id = WorkerId(self.next_worker);
+        let actions = self.role.join(id, &h)?;
         self.next_worker += 1;
-        let _ = writer.send(Message::Welcome { worker: id });
-        match h.role {
-            Role::Prefill => {
-                for (w, info) in self.workers.iter().filter(|(_, i)| i.role == Role::Decode) {
-                    let _ = writer.send(Message::DecodePeer { worker: *w, addr: info.kv_addr.clone() });
-                }
-            }
-            Role::Decode => {
-                for (w, _) in self.workers.iter().filter(|(_, i)| i.role == Role::Prefill) {
-                    if let Some(pw) = self.writers.get(w) {
-                        let _ = pw.send(Message::DecodePeer { worker: id, addr: h.kv_addr.clone() });
-                    }
-                }
-            }
-        }
         let name = role_name(h.role);
         let n = &mut self.registered[usize::from(h.role == Role::Decode)];
         let label = format!("{name}-{n}");
         *n += 1;
         tracing::info!(worker = %id, metrics_label = %label, role = ?h.role, capacity = h.capacity_tokens, max_context = h.max_context, "worker registered");
         let labels = vec![("worker".to_string(), label), ("role".to_string(), name.to_string())];
-        self.workers.insert(id, WorkerInfo { role: h.role, max_context: h.max_context as usize, kv_addr: h.kv_addr, labels, metrics: Vec::new() });
+        self.workers.insert(id, WorkerInfo { role: h.role, labels, metrics: Vec::new() });
         self.writers.insert(id, writer);
-        self.apply(GatewayEvent::WorkerJoined { id, role: h.role });
+        self.carry_out(actions);
         self.update_context();
         Ok(id)
     }
 
-    /// The served context is the smallest any worker accepts (I5): `/v1/models` shows it.
+    /// Publish the served context (the role's: the smallest any worker accepts, I5) for
+    /// `/v1/models` and the HTTP side's admission, and readiness.
     fn update_context(&mut self) {
-        let ctx = self.workers.values().map(|w| w.max_context).min().unwrap_or(self.model_context).min(self.model_context);
-        self.role.set_max_context(ctx);
-        self.shared.max_context.store(ctx, Ordering::Release);
+        self.shared.max_context.store(self.role.max_context(), Ordering::Release);
         self.shared.ready.store(self.role.ready(), Ordering::Release);
     }
 
     fn apply(&mut self, ev: GatewayEvent) {
-        for a in self.role.handle(ev) {
+        let actions = self.role.handle(ev);
+        self.carry_out(actions);
+    }
+
+    fn carry_out(&mut self, actions: Vec<GatewayAction>) {
+        for a in actions {
             match a {
-                GatewayAction::ToWorker { to, msg } => {
-                    if let Some(w) = self.writers.get(&to) {
-                        let _ = w.send(msg);
-                    }
-                }
+                GatewayAction::ToWorker { to, msg } => self.to_worker(to, msg),
                 GatewayAction::ToClient { req, out } => self.deliver_to_client(req, out),
             }
+        }
+    }
+
+    /// Queue `msg` for worker `to`. A worker whose queue is full is cut off: dropping its
+    /// writer closes its connection, and its reader's end reports it as having left.
+    fn to_worker(&mut self, to: WorkerId, msg: Message) {
+        let Some(w) = self.writers.get(&to) else { return };
+        if let Err(mpsc::error::TrySendError::Full(_)) = w.try_send(msg) {
+            tracing::error!(worker = %to, queued = WORKER_OUTBOX, "worker too far behind; disconnecting it");
+            self.writers.remove(&to);
         }
     }
 
@@ -432,6 +414,7 @@ impl Actor {
         f.rejected("gateway", "context_length", context);
         f.rejected("gateway", "unavailable", r.unavailable.load(Ordering::Relaxed));
         f.rejected("gateway", "invalid", r.invalid.load(Ordering::Relaxed));
+        f.rejected("gateway", "busy", r.busy.load(Ordering::Relaxed));
         for role in [Role::Prefill, Role::Decode] {
             let n = self.workers.values().filter(|w| w.role == role).count();
             f.gauge("bulkhead:workers", "Registered workers, by role.", &[("role", role_name(role))], n as f64);
@@ -458,12 +441,11 @@ impl Actor {
                 if !text.is_empty() {
                     events.push(GenEvent::Text(text));
                 }
-                let reason = if finish == Finish::Length { FinishReason::Length } else { FinishReason::Stop };
                 if c.last_token.is_none() && completion_tokens > 0 {
                     self.requests.token(c.arrived, None);
                 }
-                self.requests.finished(c.arrived, reason.as_str(), prompt_tokens, completion_tokens);
-                events.push(GenEvent::Finished { reason, prompt_tokens: prompt_tokens as usize, completion_tokens: completion_tokens as usize });
+                self.requests.finished(c.arrived, finish.as_str(), prompt_tokens, completion_tokens);
+                events.push(GenEvent::Finished { reason: finish, prompt_tokens: prompt_tokens as usize, completion_tokens: completion_tokens as usize });
             }
             ClientOutput::Rejected { reason, detail } => events.push(GenEvent::Failed(match reason {
                 RejectReason::ContextLength => {
@@ -504,7 +486,7 @@ impl Actor {
     }
 }
 
-async fn accept_workers(l: TcpListener, cmds: mpsc::UnboundedSender<Cmd>) {
+async fn accept_workers(l: TcpListener, cmds: mpsc::Sender<Cmd>) {
     loop {
         let Ok((s, peer)) = l.accept().await else { continue };
         let cmds = cmds.clone();
@@ -534,19 +516,20 @@ async fn read_msg(r: &mut tokio::net::tcp::OwnedReadHalf, d: &mut FrameDecoder, 
     }
 }
 
-async fn serve_worker(s: TcpStream, cmds: mpsc::UnboundedSender<Cmd>) -> std::io::Result<()> {
+async fn serve_worker(s: TcpStream, cmds: mpsc::Sender<Cmd>) -> std::io::Result<()> {
     s.set_nodelay(true)?;
     let (mut r, mut w) = s.into_split();
     let mut d = FrameDecoder::new(DEFAULT_MAX_FRAME);
     let mut buf = vec![0u8; 64 << 10];
     let first = tokio::time::timeout(Duration::from_secs(10), read_msg(&mut r, &mut d, &mut buf)).await.map_err(|_| std::io::Error::other("no Hello within 10 s"))??;
     let Message::Hello(hello) = first else { return Err(std::io::Error::other("first message was not Hello")) };
-    let (wtx, mut wrx) = mpsc::unbounded_channel::<Message>();
+    let (wtx, mut wrx) = mpsc::channel::<Message>(WORKER_OUTBOX);
     let (reply, answer) = oneshot::channel();
-    cmds.send(Cmd::Register { hello, writer: wtx, reply }).map_err(|_| std::io::Error::other("gateway stopped"))?;
+    cmds.send(Cmd::Register { hello, writer: wtx, reply }).await.map_err(|_| std::io::Error::other("gateway stopped"))?;
     let id = match answer.await {
         Ok(Ok(id)) => id,
-        Ok(Err(reason)) => {
+        Ok(Err(why)) => {
+            let reason = why.to_string();
             let mut b = Vec::new();
             encode(&Message::Refuse { reason: reason.clone() }, &mut b);
             w.write_all(&b).await?;
@@ -567,13 +550,13 @@ async fn serve_worker(s: TcpStream, cmds: mpsc::UnboundedSender<Cmd>) -> std::io
     let result = loop {
         match read_msg(&mut r, &mut d, &mut buf).await {
             Ok(msg) => {
-                if cmds.send(Cmd::Worker { from: id, msg }).is_err() {
+                if cmds.send(Cmd::Worker { from: id, msg }).await.is_err() {
                     break Ok(());
                 }
             }
             Err(e) => break Err(e),
         }
     };
-    let _ = cmds.send(Cmd::Left { id });
+    let _ = cmds.send(Cmd::Left { id }).await;
     result
 }

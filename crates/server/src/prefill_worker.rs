@@ -1,52 +1,115 @@
-//! The prefill worker process: computes prompt KV in its own pool, chunk by chunk, and
-//! streams it to the decode worker that reserved pages for it.
+//! The prefill worker process: the protocol's prefill driver
+//! ([`bulkhead_protocol::driver::prefill`]) over blocking TCP and the real model.
 //!
-//! The protocol's prefill role decides what runs (admission, aborts); this driver only
-//! computes the job the role hands out and checks `keep_going` between chunks, so an
-//! aborted or rejected request is never computed or transferred after the decision.
+//! The driver decides and computes; this file only moves frames, keeps the clock, and
+//! logs. Threads: one reader per connection (gateway, each decode worker) feeding one
+//! bounded channel; the main thread owns the driver, the model and the pool, and handles
+//! its inputs between chunks, so an aborted request stops at the next chunk boundary.
 //!
-//! Each job runs inside a tracing span naming its request and trace; the worker's metrics
+//! Each job's log lines run in a span naming its request and trace; the worker's metrics
 //! go to the gateway every [`PUSH_INTERVAL`](crate::metrics::PUSH_INTERVAL) and at the end
 //! of each job.
 
-use std::collections::BTreeMap;
-use std::net::TcpStream;
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::collections::{BTreeMap, VecDeque};
+use std::net::{Shutdown, TcpStream};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bulkhead_engine::Sampler;
-use bulkhead_kv::transfer::{export_chunks, Manifest};
-use bulkhead_kv::{KvPool, SequenceKv};
-use bulkhead_model::{Llama, SeqInput};
-use bulkhead_protocol::prefill::{JobOutcome, PrefillAction, PrefillConfig, PrefillJob, PrefillRole};
+use bulkhead_engine::Prefiller;
+use bulkhead_kv::RequestId;
+use bulkhead_protocol::driver::prefill::{LinkDown, PrefillDriver, PrefillLink, Step};
+use bulkhead_protocol::prefill::{JobOutcome, PrefillConfig, PrefillEvent, PrefillRole};
 use bulkhead_protocol::{Message, Role, WorkerId};
 
 use crate::metrics::{self, Families, Histogram, Pusher};
-use crate::wire::{send, spawn_reader, FrameReader};
-use crate::worker::{load, register, request_span, WorkerConfig, WorkerError};
+use crate::wire::{send, spawn_reader, FrameReader, WireError};
+use crate::worker::{load, register, request_span, WorkerConfig, WorkerError, INBOX};
 
 enum In {
     Gateway(Message),
     GatewayClosed,
-    Decode(Message),
+    Decode(WorkerId, Message),
     DecodeClosed(WorkerId),
 }
 
-struct Driver {
+/// The prefill worker's transport: the gateway connection and one KV connection per
+/// decode worker.
+struct Link {
     me: WorkerId,
     gw: TcpStream,
+    /// The first failed write to the gateway: the worker exits with it.
+    gw_error: Option<WireError>,
     decodes: BTreeMap<WorkerId, TcpStream>,
-    role: PrefillRole,
-    tx: Sender<In>,
+    inbox: SyncSender<In>,
+    /// Events about the connections this thread opened, for the driver after its call.
+    events: Vec<PrefillEvent>,
     /// KV bytes sent in chunks.
     sent_bytes: u64,
-    /// Time to send each transfer batch.
+    /// When the chunks of the current step started going out.
+    sending: Option<Instant>,
+}
+
+impl PrefillLink for Link {
+    fn to_gateway(&mut self, msg: Message) {
+        if let Message::Failed { req, detail, .. } | Message::Rejected { req, detail, .. } = &msg {
+            tracing::warn!(request = %req, %detail, "request ended by the prefill worker");
+        }
+        if self.gw_error.is_none()
+            && let Err(e) = send(&mut self.gw, &msg)
+        {
+            self.gw_error = Some(e);
+        }
+    }
+
+    fn to_decode(&mut self, to: WorkerId, msg: Message) -> Result<(), LinkDown> {
+        let Some(conn) = self.decodes.get_mut(&to) else { return Err(LinkDown(to)) };
+        if let Message::KvChunk { data, .. } = &msg {
+            self.sending.get_or_insert_with(Instant::now);
+            self.sent_bytes += data.len() as u64;
+        }
+        if send(conn, &msg).is_err() {
+            // Its reader sees the close and reports it once, as `DecodeClosed`.
+            let _ = conn.shutdown(Shutdown::Both);
+            self.decodes.remove(&to);
+            return Err(LinkDown(to));
+        }
+        Ok(())
+    }
+
+    fn connect(&mut self, decode: WorkerId, addr: &str) {
+        let conn = TcpStream::connect(addr).and_then(|mut s| {
+            s.set_nodelay(true)?;
+            send(&mut s, &Message::KvHello { prefill: self.me }).map_err(std::io::Error::other)?;
+            Ok(s)
+        });
+        match conn.and_then(|s| Ok((s.try_clone()?, s))) {
+            Ok((reader, writer)) => {
+                spawn_reader(FrameReader::new(reader), self.inbox.clone(), move |m| In::Decode(decode, m), In::DecodeClosed(decode));
+                self.decodes.insert(decode, writer);
+                tracing::info!(%decode, addr, "KV connection open");
+                self.events.push(PrefillEvent::DecodeConnected { decode });
+            }
+            Err(e) => {
+                tracing::error!(%decode, addr, error = %e, "cannot open KV connection");
+                // The decode worker must not wait for a fence from us for ever.
+                self.events.push(PrefillEvent::DecodeLost { decode });
+            }
+        }
+    }
+}
+
+/// The main thread's state.
+struct Worker {
+    driver: PrefillDriver,
+    link: Link,
+    compute: Prefiller,
+    /// Time to send each step's chunks.
     transfer: Histogram,
     pusher: Pusher,
-    /// How often every KV connection gets a `KvKeepalive`, and when they last did: decode
-    /// workers fail reservations whose prefill stays silent for `--transfer-timeout-ms`.
-    keepalive: Duration,
-    last_keepalive: Instant,
+    /// The job being computed and when it was taken, for its log line.
+    job_started: Option<(RequestId, Instant)>,
+    started: Instant,
 }
 
 /// Run a prefill worker until its gateway goes away.
@@ -54,224 +117,135 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     let loaded = load(&cfg)?;
     let (gw, gw_reader, me) = register(&cfg, &loaded, Role::Prefill, String::new())?;
     tracing::info!(worker = %me, pid = std::process::id(), "prefill worker registered");
-    let (tx, rx) = channel::<In>();
-    spawn_reader(gw_reader, tx.clone(), In::Gateway, In::GatewayClosed);
+    let (inbox, rx) = sync_channel::<In>(INBOX);
+    spawn_reader(gw_reader, inbox.clone(), In::Gateway, In::GatewayClosed);
     let page_size = loaded.pool.layout().page_size;
-    let role = PrefillRole::new(PrefillConfig { max_prompt: loaded.context, page_size });
-    let transfer = Histogram::new(metrics::TRANSFER_BUCKETS);
-    // Several keepalives per decode timeout, and no more than one a second.
-    let keepalive = Duration::from_millis((cfg.transfer_timeout_ms / 4).clamp(10, 1_000));
-    let mut d = Driver {
-        me,
-        gw,
-        decodes: BTreeMap::new(),
-        role,
-        tx,
-        sent_bytes: 0,
-        transfer,
+    let role = PrefillRole::new(PrefillConfig {
+        max_prompt: loaded.context,
+        page_size,
+        keepalive_ms: PrefillConfig::keepalive_for(cfg.transfer_timeout_ms),
+    });
+    let chunk_tokens = cfg.transfer_batch_pages.max(1) * page_size;
+    let crate::worker::Loaded { model, pool, .. } = loaded;
+    let link = Link { me, gw, gw_error: None, decodes: BTreeMap::new(), inbox, events: Vec::new(), sent_bytes: 0, sending: None };
+    let mut w = Worker {
+        driver: PrefillDriver::new(role, chunk_tokens),
+        link,
+        compute: Prefiller::new(Arc::new(model.model), pool),
+        transfer: Histogram::new(metrics::TRANSFER_BUCKETS),
         pusher: Pusher::new(),
-        keepalive,
-        last_keepalive: Instant::now(),
+        job_started: None,
+        started: Instant::now(),
     };
-    let crate::worker::Loaded { model, mut pool, .. } = loaded;
-    let model = model.model;
-    let chunk_tokens = (cfg.transfer_batch_pages.max(1) * page_size).max(1);
     loop {
-        if !d.pump(&rx, !d.role.busy() && d.role.queued() == 0)? {
+        if !w.pump(&rx)? {
             return Ok(());
         }
-        if d.pusher.due() {
-            d.push_metrics(&pool)?;
+        if w.pusher.due() {
+            w.push_metrics()?;
         }
-        if let Some(job) = d.role.next_job() {
-            let span = request_span(job.req, &job.trace);
-            let _in_span = span.enter();
-            let started = Instant::now();
-            let outcome = d.compute(&rx, &model, &mut pool, &job, chunk_tokens)?;
-            match &outcome {
-                JobOutcome::Done { tokens, .. } => tracing::info!(tokens, ms = started.elapsed().as_millis() as u64, "prefill done"),
-                JobOutcome::Stopped => tracing::info!(ms = started.elapsed().as_millis() as u64, "prefill stopped"),
-                JobOutcome::Failed(e) => tracing::warn!(error = %e, "prefill failed"),
-            }
-            let actions = d.role.job_ended(job.req, outcome);
-            d.act(actions)?;
-            d.push_metrics(&pool)?;
+        if w.driver.has_work() {
+            w.step()?;
         }
     }
 }
 
-impl Driver {
-    /// Handle pending inputs; blocks briefly for one if `wait`. Returns false when the
-    /// gateway is gone.
-    fn pump(&mut self, rx: &Receiver<In>, wait: bool) -> Result<bool, WorkerError> {
+impl Worker {
+    /// Handle pending inputs (blocking briefly for one when idle) and the clock. Returns
+    /// false when the gateway is gone.
+    fn pump(&mut self, rx: &Receiver<In>) -> Result<bool, WorkerError> {
         let mut inputs = Vec::new();
-        if wait {
+        if !self.driver.has_work() {
             match rx.recv_timeout(Duration::from_millis(50)) {
                 Ok(m) => inputs.push(m),
-                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
-                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Ok(false),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return Ok(false),
             }
         }
         inputs.extend(rx.try_iter());
-        for i in inputs {
-            match i {
-                In::Gateway(Message::DecodePeer { worker, addr }) => self.connect_decode(worker, &addr),
+        for input in inputs {
+            let ev = match input {
                 In::Gateway(m) => {
                     let span = match &m {
                         Message::Prefill { req, trace, .. } => request_span(*req, trace),
                         _ => tracing::Span::none(),
                     };
                     let _in_span = span.enter();
-                    let actions = self.role.handle(m);
-                    self.act(actions)?;
+                    self.handle(PrefillEvent::Gateway(m));
+                    continue;
                 }
                 In::GatewayClosed => {
                     tracing::info!("gateway connection closed; prefill worker exiting");
                     return Ok(false);
                 }
-                // Decode asks us to stop a transfer (it refused a chunk or timed out).
-                In::Decode(m @ Message::Abort { .. }) => {
-                    let actions = self.role.handle(m);
-                    self.act(actions)?;
+                In::Decode(from, msg) => PrefillEvent::Decode { from, msg },
+                In::DecodeClosed(decode) => {
+                    tracing::info!(%decode, "KV connection closed");
+                    self.link.decodes.remove(&decode);
+                    PrefillEvent::DecodeLost { decode }
                 }
-                In::Decode(_) => {}
-                In::DecodeClosed(w) => {
-                    self.decodes.remove(&w);
-                    send(&mut self.gw, &Message::KvLost { decode: w })?;
-                    let actions = self.role.decode_closed(w);
-                    self.act(actions)?;
-                }
-            }
+            };
+            self.handle(ev);
         }
         // Also reached between the chunks of a long prompt, so a busy prefill keeps talking.
-        if self.last_keepalive.elapsed() >= self.keepalive {
-            self.last_keepalive = Instant::now();
-            for conn in self.decodes.values_mut() {
-                // A failed send shows up as that connection's close, handled above next time.
-                let _ = send(conn, &Message::KvKeepalive);
-            }
-        }
-        Ok(true)
-    }
-
-    fn connect_decode(&mut self, worker: WorkerId, addr: &str) {
-        let conn = TcpStream::connect(addr).and_then(|mut s| {
-            s.set_nodelay(true)?;
-            send(&mut s, &Message::KvHello { prefill: self.me }).map_err(std::io::Error::other)?;
-            Ok(s)
-        });
-        match conn {
-            Ok(s) => {
-                if let Ok(r) = s.try_clone() {
-                    spawn_reader(FrameReader::new(r), self.tx.clone(), In::Decode, In::DecodeClosed(worker));
-                }
-                self.decodes.insert(worker, s);
-                tracing::info!(decode = %worker, addr, "KV connection open");
-            }
-            Err(e) => {
-                tracing::error!(decode = %worker, addr, error = %e, "cannot open KV connection");
-                // The decode worker must not wait for a fence from us for ever.
-                if let Err(e) = send(&mut self.gw, &Message::KvLost { decode: worker }) {
-                    tracing::warn!(error = %e, "cannot tell the gateway");
-                }
-            }
+        let now_ms = self.started.elapsed().as_millis() as u64;
+        self.handle(PrefillEvent::Tick { now_ms });
+        match self.link.gw_error.take() {
+            Some(e) => Err(e.into()),
+            None => Ok(true),
         }
     }
 
-    fn act(&mut self, actions: Vec<PrefillAction>) -> Result<(), WorkerError> {
-        for a in actions {
-            match a {
-                PrefillAction::ToGateway(m) => {
-                    if let Message::Failed { req, detail, .. } | Message::Rejected { req, detail, .. } = &m {
-                        tracing::warn!(request = %req, %detail, "request ended by the prefill worker");
-                    }
-                    send(&mut self.gw, &m)?
-                }
-                PrefillAction::ToDecode { to, msg } => {
-                    if let Some(s) = self.decodes.get_mut(&to) {
-                        let _ = send(s, &msg);
-                    }
-                }
-            }
+    /// Feed one event to the driver, then the events its actions caused here.
+    fn handle(&mut self, ev: PrefillEvent) {
+        let mut pending = VecDeque::from([ev]);
+        while let Some(ev) = pending.pop_front() {
+            self.driver.handle(ev, &mut self.link);
+            pending.extend(self.link.events.drain(..));
         }
-        Ok(())
+    }
+
+    /// One unit of prefill work, in the span of the job it is for.
+    fn step(&mut self) -> Result<(), WorkerError> {
+        let job = self.driver.current_job().or_else(|| self.driver.role().queued_jobs().next());
+        let span = job.map_or_else(tracing::Span::none, |j| request_span(j.req, &j.trace));
+        let _in_span = span.enter();
+        if self.driver.current().is_none() {
+            self.job_started = job.map(|j| (j.req, Instant::now()));
+        }
+        let step = self.driver.step(&mut self.compute, &mut self.link);
+        if let Some(sending) = self.link.sending.take() {
+            self.transfer.observe_since(sending);
+        }
+        if let Step::Ended { req, outcome, unreleased } = step {
+            let ms = self.job_started.take().filter(|(r, _)| *r == req).map_or(0, |(_, t)| t.elapsed().as_millis() as u64);
+            match outcome {
+                JobOutcome::Done { tokens, .. } => tracing::info!(tokens, ms, "prefill done"),
+                JobOutcome::Stopped => tracing::info!(ms, "prefill stopped"),
+                JobOutcome::Failed(e) => tracing::warn!(error = %e, "prefill failed"),
+            }
+            if let Some(e) = unreleased {
+                tracing::error!(error = %e, "releasing prefill pages");
+            }
+            self.push_metrics()?;
+        }
+        match self.link.gw_error.take() {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
     }
 
     /// Send this worker's metrics to the gateway.
-    fn push_metrics(&mut self, pool: &KvPool) -> Result<(), WorkerError> {
+    fn push_metrics(&mut self) -> Result<(), WorkerError> {
         let mut f = Families::new();
-        let requests = [("queued", self.role.queued()), ("running", usize::from(self.role.busy()))];
-        metrics::worker_families(&mut f, &pool.stats(), &requests, self.sent_bytes);
-        metrics::prefill_families(&self.role.stats(), &mut f);
+        let role = self.driver.role();
+        let requests = [("queued", role.queued()), ("running", usize::from(role.busy()))];
+        let pool = bulkhead_protocol::driver::prefill::PrefillCompute::pool(&self.compute);
+        metrics::worker_families(&mut f, &pool.stats(), &requests, self.link.sent_bytes);
+        metrics::prefill_families(&role.stats(), &mut f);
         metrics::transfer_seconds(&mut f, &self.transfer);
         self.pusher.pushed();
-        send(&mut self.gw, &Message::Metrics { families: f.into_vec() })?;
+        send(&mut self.link.gw, &Message::Metrics { families: f.into_vec() })?;
         Ok(())
-    }
-
-    /// Compute the job chunk by chunk, sending each chunk's pages as soon as they exist.
-    fn compute(&mut self, rx: &Receiver<In>, model: &Llama, pool: &mut KvPool, job: &PrefillJob, chunk: usize) -> Result<JobOutcome, WorkerError> {
-        let mut seq = SequenceKv::new(job.req);
-        if let Err(e) = seq.reserve(pool, job.tokens.len()) {
-            return Ok(JobOutcome::Failed(format!("prefill KV pool: {e}")));
-        }
-        let result = self.compute_into(rx, model, pool, job, chunk, &mut seq);
-        if let Err(e) = seq.release(pool) {
-            tracing::error!(error = %e, "releasing prefill pages");
-        }
-        result
-    }
-
-    fn compute_into(
-        &mut self,
-        rx: &Receiver<In>,
-        model: &Llama,
-        pool: &mut KvPool,
-        job: &PrefillJob,
-        chunk: usize,
-        seq: &mut SequenceKv,
-    ) -> Result<JobOutcome, WorkerError> {
-        let mut manifest = Manifest::default();
-        let mut logits = Vec::new();
-        let n = job.tokens.len();
-        let mut done = 0;
-        while done < n {
-            // Aborts that arrived while computing take effect here, before more work.
-            if !self.pump(rx, false)? {
-                return Ok(JobOutcome::Stopped);
-            }
-            if !self.role.keep_going(job.req) || !self.decodes.contains_key(&job.decode) {
-                return Ok(JobOutcome::Stopped);
-            }
-            let end = (done + chunk).min(n);
-            logits = match model.forward(pool, &mut [SeqInput { kv: seq, tokens: &job.tokens[done..end], want_logits: end == n }]) {
-                Ok(l) => l,
-                Err(e) => return Ok(JobOutcome::Failed(e.to_string())),
-            };
-            let chunks = match export_chunks(pool, seq, &job.pages, done, end, &mut manifest) {
-                Ok(c) => c,
-                Err(e) => return Ok(JobOutcome::Failed(e.to_string())),
-            };
-            let Some(conn) = self.decodes.get_mut(&job.decode) else { return Ok(JobOutcome::Stopped) };
-            let sending = Instant::now();
-            for (header, data) in chunks {
-                let bytes = data.len() as u64;
-                if send(conn, &Message::KvChunk { req: job.req, header, data }).is_err() {
-                    return Ok(JobOutcome::Stopped);
-                }
-                self.sent_bytes += bytes;
-            }
-            self.transfer.observe_since(sending);
-            if self.pusher.due() {
-                self.push_metrics(pool)?;
-            }
-            done = end;
-        }
-        let params = crate::decode_worker::sampling(&job.sampling);
-        let first_token = match Sampler::new(params).and_then(|mut sm| sm.sample(&logits)) {
-            Ok(t) => t,
-            Err(e) => return Ok(JobOutcome::Failed(e.to_string())),
-        };
-        Ok(JobOutcome::Done { tokens: n as u32, first_token, manifest: manifest.digest() })
     }
 }

@@ -56,9 +56,10 @@ impl FrameReader {
 
 /// Forward every message read from `r` into `tx` as `wrap(message)` on a new thread, then
 /// `closed` once the connection ends (EOF, I/O or codec error) or the receiver is gone.
+/// A full channel blocks the reader, and TCP carries that back to the sender.
 pub fn spawn_reader<T: Send + 'static>(
     mut r: FrameReader,
-    tx: std::sync::mpsc::Sender<T>,
+    tx: std::sync::mpsc::SyncSender<T>,
     wrap: impl Fn(Message) -> T + Send + 'static,
     closed: T,
 ) {

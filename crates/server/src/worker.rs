@@ -12,6 +12,12 @@ use bulkhead_protocol::{Hello, Message, Role, TraceContext, WorkerId};
 
 use crate::wire::{send, FrameReader, WireError};
 
+/// Messages a worker's connection readers may queue for its main thread before they
+/// block: a bound on its memory (frames are at most 16 MiB, KV chunks of the default model
+/// ~370 KB) and backpressure on whoever sends faster than the worker handles. Its main
+/// thread never sends into this channel, so it cannot block itself.
+pub const INBOX: usize = 256;
+
 /// Settings of a worker process.
 #[derive(Clone, Debug)]
 pub struct WorkerConfig {

@@ -1,6 +1,7 @@
 //! AVX2 + FMA + F16C kernels. Every function here is `#[target_feature]`: callers in
-//! `kernels/mod.rs` reach them only after `Isa::detect` confirmed all three features
-//! (`Isa::Avx2`, or `Isa::Avx512Vnni`, which uses these for everything but packed weights).
+//! `kernels/mod.rs` reach them only through an `Isa` at level `Avx2` or `Avx512Vnni` (which
+//! uses these for everything but packed weights), and only detection of all three features
+//! makes one.
 //!
 //! Integer dot products follow ggml: 4-bit weights are unpacked to bytes, multiplied with
 //! 8-bit activations by `maddubs` (u8 x i8 -> i16 pairs, no saturation: |15 * 127 * 2| and
@@ -120,7 +121,7 @@ pub(super) fn dot_q_rows(ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8Acts
             let a = unsafe {
                 ActPtrs { qs: acts.qs.as_ptr().add(base * QK), d: acts.d.as_ptr().add(base), s: acts.s.as_ptr().add(base), nb }
             };
-            // SAFETY: only reached with Isa::Avx2 or Isa::Avx512Vnni (both detect AVX2, FMA,
+            // SAFETY: only reached through an Isa at level Avx2 or Avx512Vnni (detection made it: AVX2, FMA,
             // F16C); `row` holds nb blocks and `a` k rows of nb blocks, checked above.
             unsafe {
                 match k {
@@ -182,7 +183,7 @@ fn quantize_impl(x: &[f32], d: &mut [f32], s: &mut [f32], qs: &mut [i8]) {
 
 pub(super) fn quantize(x: &[f32], d: &mut [f32], s: &mut [f32], qs: &mut [i8]) {
     assert!(x.len() == qs.len() && x.len() == d.len() * QK && d.len() == s.len(), "quantize shapes");
-    // SAFETY: only reached with Isa::Avx2 or Isa::Avx512Vnni (both detect AVX2, FMA, F16C).
+    // SAFETY: only reached through an Isa at level Avx2 or Avx512Vnni, which only detection of AVX2, FMA and F16C makes.
     unsafe { quantize_impl(x, d, s, qs) }
 }
 
@@ -313,27 +314,27 @@ fn widen_impl(src: &[f16], dst: &mut [f32]) {
 
 pub(super) fn widen(src: &[f16], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len());
-    // SAFETY: only reached with Isa::Avx2 or Isa::Avx512Vnni (both detect AVX2, FMA, F16C).
+    // SAFETY: only reached through an Isa at level Avx2 or Avx512Vnni, which only detection of AVX2, FMA and F16C makes.
     unsafe { widen_impl(src, dst) }
 }
 
 pub(super) fn dot<T: Lanes>(k: &[T], q: &[f32]) -> f32 {
-    // SAFETY: only reached with Isa::Avx2 or Isa::Avx512Vnni (both detect AVX2, FMA, F16C).
+    // SAFETY: only reached through an Isa at level Avx2 or Avx512Vnni, which only detection of AVX2, FMA and F16C makes.
     unsafe { dot_impl(k, q) }
 }
 
 pub(super) fn axpy<T: Lanes>(acc: &mut [f32], a: f32, v: &[T]) {
-    // SAFETY: only reached with Isa::Avx2 or Isa::Avx512Vnni (both detect AVX2, FMA, F16C).
+    // SAFETY: only reached through an Isa at level Avx2 or Avx512Vnni, which only detection of AVX2, FMA and F16C makes.
     unsafe { axpy_impl(acc, a, v) }
 }
 
 pub(super) fn dot_rows<T: Lanes>(k: &[T], q: &[f32], out: &mut [f32]) {
-    // SAFETY: only reached with Isa::Avx2 or Isa::Avx512Vnni (both detect AVX2, FMA, F16C).
+    // SAFETY: only reached through an Isa at level Avx2 or Avx512Vnni, which only detection of AVX2, FMA and F16C makes.
     unsafe { dot_rows_impl(k, q, out) }
 }
 
 pub(super) fn weighted_sum<T: Lanes>(out: &mut [f32], w: &[f32], v: &[T]) {
-    // SAFETY: only reached with Isa::Avx2 or Isa::Avx512Vnni (both detect AVX2, FMA, F16C).
+    // SAFETY: only reached through an Isa at level Avx2 or Avx512Vnni, which only detection of AVX2, FMA and F16C makes.
     unsafe { weighted_sum_impl(out, w, v) }
 }
 

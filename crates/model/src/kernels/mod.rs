@@ -23,61 +23,95 @@ mod vnni;
 /// Activation rows handled together against one weight row (weights unpacked once).
 pub const TILE: usize = 4;
 
-/// Instruction set the kernels run on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Isa {
+/// The instruction-set levels the kernels have code for, for matching and names. An
+/// [`Isa`] is a level this CPU was found to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum IsaLevel {
     /// Portable Rust, any CPU.
     Scalar,
-    /// x86-64 with AVX2, FMA and F16C (checked at run time).
+    /// x86-64 with AVX2, FMA and F16C.
     Avx2,
     /// AVX2 plus AVX-512F/VL/VNNI: quantised matrices are packed ([`packed`]) and multiplied
     /// with `vpdpbusd`, bit-identical to the AVX2 kernels; everything else runs those.
     Avx512Vnni,
 }
 
+impl IsaLevel {
+    /// Name for logs and benchmarks.
+    pub fn name(self) -> &'static str {
+        match self {
+            IsaLevel::Scalar => "scalar",
+            IsaLevel::Avx2 => "avx2+fma+f16c",
+            IsaLevel::Avx512Vnni => "avx512-vnni+avx2+fma+f16c",
+        }
+    }
+}
+
+/// An instruction set the kernels run on, proven available: only detection makes one
+/// ([`Isa::detect`], [`Isa::available`], [`Isa::get`]) besides the portable
+/// [`Isa::scalar`], so safe code cannot select SIMD kernels this CPU lacks. The SIMD
+/// kernels' `SAFETY` arguments rest on that.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Isa(IsaLevel);
+
 impl Isa {
+    /// The portable kernels, on any CPU.
+    pub fn scalar() -> Isa {
+        Isa(IsaLevel::Scalar)
+    }
+
+    /// The best level this CPU runs, ignoring the environment.
+    fn best_supported() -> IsaLevel {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx2") && has!("fma") && has!("f16c") {
+                if has!("avx512f") && has!("avx512vl") && has!("avx512vnni") {
+                    return IsaLevel::Avx512Vnni;
+                }
+                return IsaLevel::Avx2;
+            }
+        }
+        IsaLevel::Scalar
+    }
+
     /// The best instruction set this CPU supports. `BULKHEAD_FORCE_SCALAR=1` forces the
     /// portable kernels and `BULKHEAD_NO_VNNI=1` the AVX2 ones (to test them, to compare,
     /// or to rule a SIMD path out).
     pub fn detect() -> Isa {
         let set = |var: &str| std::env::var_os(var).is_some_and(|v| v == "1");
         if set("BULKHEAD_FORCE_SCALAR") {
-            return Isa::Scalar;
+            return Isa::scalar();
         }
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::is_x86_feature_detected as has;
-            if has!("avx2") && has!("fma") && has!("f16c") {
-                if has!("avx512f") && has!("avx512vl") && has!("avx512vnni") && !set("BULKHEAD_NO_VNNI") {
-                    return Isa::Avx512Vnni;
-                }
-                return Isa::Avx2;
-            }
+        match Isa::best_supported() {
+            IsaLevel::Avx512Vnni if set("BULKHEAD_NO_VNNI") => Isa(IsaLevel::Avx2),
+            level => Isa(level),
         }
-        Isa::Scalar
+    }
+
+    /// `level`, if this CPU runs it.
+    pub fn get(level: IsaLevel) -> Option<Isa> {
+        (level <= Isa::best_supported()).then_some(Isa(level))
     }
 
     /// Every instruction set this CPU can run, portable first (for tests that compare them).
     pub fn available() -> Vec<Isa> {
-        match Isa::detect() {
-            Isa::Scalar => vec![Isa::Scalar],
-            Isa::Avx2 => vec![Isa::Scalar, Isa::Avx2],
-            Isa::Avx512Vnni => vec![Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni],
-        }
+        [IsaLevel::Scalar, IsaLevel::Avx2, IsaLevel::Avx512Vnni].into_iter().filter_map(Isa::get).collect()
+    }
+
+    /// Its level.
+    pub fn level(self) -> IsaLevel {
+        self.0
     }
 
     /// Whether quantised matrices are multiplied in the packed layout.
     pub fn packs_weights(self) -> bool {
-        self == Isa::Avx512Vnni
+        self.0 == IsaLevel::Avx512Vnni
     }
 
     /// Name for logs and benchmarks.
     pub fn name(self) -> &'static str {
-        match self {
-            Isa::Scalar => "scalar",
-            Isa::Avx2 => "avx2+fma+f16c",
-            Isa::Avx512Vnni => "avx512-vnni+avx2+fma+f16c",
-        }
+        self.0.name()
     }
 }
 
@@ -93,13 +127,13 @@ fn block_bytes(ty: GgmlType) -> usize {
 
 /// `out[i * rows + r] = dot(row r, activation row first_act + i)` for the `rows` rows of a
 /// packed matrix ([`packed::pack`]), activation-major (unlike [`dot_q_rows`]); needs
-/// [`Isa::Avx512Vnni`].
+/// an [`Isa`] at [`IsaLevel::Avx512Vnni`].
 #[allow(clippy::too_many_arguments)] // mirrors dot_q_rows
 pub fn dot_q_packed(isa: Isa, ty: GgmlType, p: &[u8], rows: usize, acts: &Q8Acts, first_act: usize, n: usize, out: &mut [f32]) {
     assert!(first_act + n <= acts.rows, "activation rows {first_act}+{n} of {}", acts.rows);
-    match isa {
+    match isa.level() {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Vnni => vnni::dot_packed(ty, p, rows, acts, first_act, n, out),
+        IsaLevel::Avx512Vnni => vnni::dot_packed(ty, p, rows, acts, first_act, n, out),
         other => panic!("packed weights need AVX-512 VNNI, not {}", other.name()),
     }
 }
@@ -113,9 +147,9 @@ pub fn dot_q_rows(isa: Isa, ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8A
     assert!(row_bytes == nb * block_bytes(ty) && w.len().is_multiple_of(row_bytes), "weight rows of {row_bytes} bytes for {nb} blocks of {ty}");
     assert!(out.len() == w.len() / row_bytes * n, "output of {} for {} rows x {n}", out.len(), w.len() / row_bytes);
     assert!(first_act + n <= acts.rows, "activation rows {first_act}+{n} of {}", acts.rows);
-    match isa {
+    match isa.level() {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512Vnni => avx2::dot_q_rows(ty, w, row_bytes, acts, first_act, n, out),
+        IsaLevel::Avx2 | IsaLevel::Avx512Vnni => avx2::dot_q_rows(ty, w, row_bytes, acts, first_act, n, out),
         _ => scalar::dot_q_rows(ty, w, row_bytes, acts, first_act, n, out),
     }
 }
@@ -133,9 +167,9 @@ pub fn quantize_acts(isa: Isa, x: &[f32], rows: usize, cols: usize, acts: &mut Q
     let (rows_per_task, blocks) = (32, cols / QK);
     let (xs, qs) = (x.par_chunks(rows_per_task * cols), acts.qs.par_chunks_mut(rows_per_task * cols));
     let (d, s) = (acts.d.par_chunks_mut(rows_per_task * blocks), acts.s.par_chunks_mut(rows_per_task * blocks));
-    xs.zip(d).zip(s).zip(qs).for_each(|(((x, d), s), qs)| match isa {
+    xs.zip(d).zip(s).zip(qs).for_each(|(((x, d), s), qs)| match isa.level() {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512Vnni => avx2::quantize(x, d, s, qs),
+        IsaLevel::Avx2 | IsaLevel::Avx512Vnni => avx2::quantize(x, d, s, qs),
         _ => scalar::quantize(x, d, s, qs),
     });
 }
@@ -150,9 +184,9 @@ pub fn dot_f_row(isa: Isa, ty: GgmlType, w_row: &[u8], x: &[f32], cols: usize, o
     };
     assert!(w_row.len() == cols * eb && x.len() == out.len() * cols, "float row shapes");
     for (o, xr) in out.iter_mut().zip(x.chunks_exact(cols)) {
-        *o = match (isa, ty) {
+        *o = match (isa.level(), ty) {
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx2 | Isa::Avx512Vnni, GgmlType::F16) => avx2::dot_f16_bytes(w_row, xr),
+            (IsaLevel::Avx2 | IsaLevel::Avx512Vnni, GgmlType::F16) => avx2::dot_f16_bytes(w_row, xr),
             (_, GgmlType::F16) => scalar::dot_f16_bytes(w_row, xr),
             _ => scalar::dot_f32_bytes(w_row, xr),
         };
@@ -179,9 +213,9 @@ mod private {
 #[inline]
 pub fn dot_kv<T: KvElem>(isa: Isa, k: &[T], q: &[f32]) -> f32 {
     assert_eq!(k.len(), q.len());
-    match isa {
+    match isa.level() {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512Vnni => avx2::dot(k, q),
+        IsaLevel::Avx2 | IsaLevel::Avx512Vnni => avx2::dot(k, q),
         _ => scalar::dot(k, q),
     }
 }
@@ -190,9 +224,9 @@ pub fn dot_kv<T: KvElem>(isa: Isa, k: &[T], q: &[f32]) -> f32 {
 #[inline]
 pub fn axpy_kv<T: KvElem>(isa: Isa, acc: &mut [f32], a: f32, v: &[T]) {
     assert_eq!(acc.len(), v.len());
-    match isa {
+    match isa.level() {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512Vnni => avx2::axpy(acc, a, v),
+        IsaLevel::Avx2 | IsaLevel::Avx512Vnni => avx2::axpy(acc, a, v),
         _ => scalar::axpy(acc, a, v),
     }
 }
@@ -201,9 +235,9 @@ pub fn axpy_kv<T: KvElem>(isa: Isa, acc: &mut [f32], a: f32, v: &[T]) {
 /// to calling [`dot_kv`] per row.
 pub fn dot_kv_rows<T: KvElem>(isa: Isa, k: &[T], q: &[f32], out: &mut [f32]) {
     assert_eq!(k.len(), q.len() * out.len(), "rows of k");
-    match isa {
+    match isa.level() {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512Vnni => avx2::dot_rows(k, q, out),
+        IsaLevel::Avx2 | IsaLevel::Avx512Vnni => avx2::dot_rows(k, q, out),
         _ => scalar::dot_rows(k, q, out),
     }
 }
@@ -212,9 +246,9 @@ pub fn dot_kv_rows<T: KvElem>(isa: Isa, k: &[T], q: &[f32], out: &mut [f32]) {
 /// calling [`axpy_kv`] per row, in order.
 pub fn weighted_sum_kv<T: KvElem>(isa: Isa, out: &mut [f32], w: &[f32], v: &[T]) {
     assert_eq!(v.len(), out.len() * w.len(), "rows of v");
-    match isa {
+    match isa.level() {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512Vnni => avx2::weighted_sum(out, w, v),
+        IsaLevel::Avx2 | IsaLevel::Avx512Vnni => avx2::weighted_sum(out, w, v),
         _ => scalar::weighted_sum(out, w, v),
     }
 }
@@ -223,9 +257,9 @@ pub fn weighted_sum_kv<T: KvElem>(isa: Isa, out: &mut [f32], w: &[f32], v: &[T])
 pub fn widen_f16(isa: Isa, src: &[f16], dst: &mut Vec<f32>) {
     dst.clear();
     dst.resize(src.len(), 0.0);
-    match isa {
+    match isa.level() {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512Vnni => avx2::widen(src, dst),
+        IsaLevel::Avx2 | IsaLevel::Avx512Vnni => avx2::widen(src, dst),
         _ => dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32()),
     }
 }
@@ -257,7 +291,7 @@ mod tests {
             for n in 1..=7 {
                 let x: Vec<f32> = (0..n * cols).map(|_| rng(&mut seed) * 3.0).collect();
                 let mut acts = Q8Acts::default();
-                quantize_acts(Isa::Scalar, &x, n, cols, &mut acts);
+                quantize_acts(Isa::scalar(), &x, n, cols, &mut acts);
                 let mut simd = Q8Acts::default();
                 quantize_acts(Isa::detect(), &x, n, cols, &mut simd);
                 assert_eq!((&simd.d, &simd.s, &simd.qs), (&acts.d, &acts.s, &acts.qs), "quantisation differs across ISAs");
@@ -271,7 +305,7 @@ mod tests {
                     }
                 }
                 let mut s = vec![0.0; n];
-                dot_q_rows(Isa::Scalar, ty, &wq, wq.len(), &acts, 0, n, &mut s);
+                dot_q_rows(Isa::scalar(), ty, &wq, wq.len(), &acts, 0, n, &mut s);
                 for r in 0..n {
                     let want: f32 = wd.iter().zip(&xd[r * cols..(r + 1) * cols]).map(|(a, b)| a * b).sum();
                     assert!((s[r] - want).abs() < 1e-2 * (1.0 + want.abs()), "{ty} scalar row {r}: {} vs {want}", s[r]);
@@ -297,10 +331,10 @@ mod tests {
     /// activation row is also the same alone or in a tile).
     #[test]
     fn packed_weights_give_the_row_kernels_bits() {
-        if !Isa::detect().packs_weights() {
+        let (Some(avx2_isa), Some(vnni_isa)) = (Isa::get(IsaLevel::Avx2), Isa::get(IsaLevel::Avx512Vnni)) else {
             eprintln!("packed_weights_give_the_row_kernels_bits: this CPU has no AVX-512 VNNI; nothing to compare");
             return;
-        }
+        };
         let mut seed = 7;
         let cols = 128;
         for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
@@ -314,11 +348,11 @@ mod tests {
                 for n in 1..=5 {
                     let x: Vec<f32> = (0..n * cols).map(|_| rng(&mut seed) * 2.0).collect();
                     let mut acts = Q8Acts::default();
-                    quantize_acts(Isa::Avx2, &x, n, cols, &mut acts);
+                    quantize_acts(avx2_isa, &x, n, cols, &mut acts);
                     let mut want = vec![0.0; rows * n];
-                    dot_q_rows(Isa::Avx2, ty, &w, row_bytes, &acts, 0, n, &mut want);
+                    dot_q_rows(avx2_isa, ty, &w, row_bytes, &acts, 0, n, &mut want);
                     let mut got = vec![0.0; rows * n];
-                    dot_q_packed(Isa::Avx512Vnni, ty, &p, rows, &acts, 0, n, &mut got);
+                    dot_q_packed(vnni_isa, ty, &p, rows, &acts, 0, n, &mut got);
                     for r in 0..rows {
                         for a in 0..n {
                             assert_eq!(got[a * rows + r].to_bits(), want[r * n + a].to_bits(), "{ty} rows {rows} n {n} row {r} act {a}");
@@ -341,7 +375,7 @@ mod tests {
             dequantize_row(ty, &wb, &mut wd);
             let mut a = [0.0; 2];
             let mut b = [0.0; 2];
-            dot_f_row(Isa::Scalar, ty, &wb, &x, cols, &mut a);
+            dot_f_row(Isa::scalar(), ty, &wb, &x, cols, &mut a);
             dot_f_row(Isa::detect(), ty, &wb, &x, cols, &mut b);
             for r in 0..2 {
                 let want: f32 = wd.iter().zip(&x[r * cols..]).map(|(p, q)| p * q).sum();
@@ -352,9 +386,9 @@ mod tests {
         let q = &x[..cols];
         let want: f32 = k.iter().zip(q).map(|(a, b)| a.to_f32() * b).sum();
         assert!((dot_kv(Isa::detect(), &k, q) - want).abs() < 1e-4);
-        assert!((dot_kv(Isa::Scalar, &k, q) - want).abs() < 1e-4);
+        assert!((dot_kv(Isa::scalar(), &k, q) - want).abs() < 1e-4);
         let rows: Vec<f16> = x.iter().map(|&v| f16::from_f32(v)).collect();
-        for isa in [Isa::Scalar, Isa::detect()] {
+        for isa in [Isa::scalar(), Isa::detect()] {
             let mut one_by_one = vec![0.0; 2];
             for (j, o) in one_by_one.iter_mut().enumerate() {
                 *o = dot_kv(isa, &rows[j * cols..(j + 1) * cols], &w);
@@ -371,7 +405,7 @@ mod tests {
         }
         let mut acc1 = x[cols..].to_vec();
         let mut acc2 = acc1.clone();
-        axpy_kv(Isa::Scalar, &mut acc1, 0.37, &k);
+        axpy_kv(Isa::scalar(), &mut acc1, 0.37, &k);
         axpy_kv(Isa::detect(), &mut acc2, 0.37, &k);
         for (a, b) in acc1.iter().zip(&acc2) {
             assert!((a - b).abs() < 1e-5);

@@ -1,7 +1,8 @@
 //! AVX-512 VNNI kernel over packed weights ([`super::packed`]): eight weight rows against up
 //! to [`PACKED_TILE`] activation rows per call, one 256-bit `vpdpbusd` (AVX-512VL encoding)
 //! per four bytes of eight rows. Every function here is `#[target_feature]`;
-//! `kernels/mod.rs` reaches them only after `Isa::detect` confirmed the features.
+//! `kernels/mod.rs` reaches them only through an `Isa` at level `Avx512Vnni`, which only
+//! detection makes.
 //!
 //! Same numbers as the AVX2 row kernel (and ggml), bit for bit: lane `k` of a block's
 //! integer dot product is the sum over its bytes `4k..4k+4` (exact in i32), each lane keeps
@@ -107,7 +108,7 @@ pub(super) fn dot_packed(ty: GgmlType, p: &[u8], rows: usize, acts: &Q8Acts, fir
         while i < n {
             let k = (n - i).min(PACKED_TILE);
             let mut res = [[0.0f32; GROUP]; PACKED_TILE];
-            // SAFETY: only reached with Isa::Avx512Vnni (features detected); `g` holds nb
+            // SAFETY: only reached through an Isa at level Avx512Vnni (only detection makes one); `g` holds nb
             // packed blocks and rows first+i..first+i+k <= first+n are within the asserted
             // activation lengths.
             unsafe {

@@ -1,0 +1,240 @@
+//! What the model checker plugs into the production driver core
+//! ([`bulkhead_protocol::driver`]): the mock model on both sides, and the broken
+//! [`Variant`]s as driver policies. The transports are in [`crate::world`].
+
+use std::collections::BTreeMap;
+
+use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv};
+use bulkhead_protocol::decode::{DecodeAction, DecodeEvent, DecodeStart};
+use bulkhead_protocol::driver::decode::{DecodeEngine, DecodePolicy, GenEvent};
+use bulkhead_protocol::driver::prefill::{PrefillCompute, PrefillPolicy};
+use bulkhead_protocol::prefill::PrefillJob;
+use bulkhead_protocol::{FinishReason, Message, Sampling};
+
+use crate::config::{Variant, LAYOUT};
+use crate::world::{kv_value, Prop, FIRST_TOKEN};
+
+/// The mock prefill model: position `p` of request `r` holds [`kv_value`]`(r, p)` in every
+/// layer, head and element; the first token is [`FIRST_TOKEN`].
+#[derive(Debug)]
+pub struct MockPrefill {
+    /// The worker's pool.
+    pub pool: KvPool,
+}
+
+impl PrefillCompute for MockPrefill {
+    type Error = KvError;
+    fn pool(&self) -> &KvPool {
+        &self.pool
+    }
+    fn pool_mut(&mut self) -> &mut KvPool {
+        &mut self.pool
+    }
+    fn compute(&mut self, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: &Sampling) -> Result<Option<u32>, KvError> {
+        for pos in from..to {
+            let row = [kv_value(seq.owner(), pos); LAYOUT.kv_heads * LAYOUT.head_dim];
+            let (lease, slot) = seq.locate(pos)?;
+            for layer in 0..LAYOUT.layers {
+                self.pool.write(lease, layer, slot, &row, &row)?;
+            }
+        }
+        seq.commit(&self.pool, to - from)?;
+        Ok((to == tokens.len()).then_some(FIRST_TOKEN))
+    }
+}
+
+/// One sequence in the mock decode loop.
+#[derive(Debug)]
+pub struct Running {
+    /// Its pages.
+    pub seq: SequenceKv,
+    max_tokens: u32,
+    generated: u32,
+}
+
+/// The mock decode loop. It steps one request at a time (the checker chooses which, by
+/// setting [`MockDecode::focus`]): write the KV of its last token at the next position,
+/// commit it, and attend over every position through `KvPool::read`, checking each holds
+/// the request's own value. What it sees goes into [`MockDecode::seen`] for the properties.
+#[derive(Debug)]
+pub struct MockDecode {
+    /// The worker's pool.
+    pub pool: KvPool,
+    /// Sequences in the loop.
+    pub running: BTreeMap<RequestId, Running>,
+    /// The request the next step is for.
+    pub focus: Option<RequestId>,
+    /// Requests started, with their verified prompt tokens and committed length.
+    pub started: Vec<(RequestId, usize, usize)>,
+    /// Property violations observed by reads and releases.
+    pub seen: Vec<(Prop, String)>,
+    /// Attend over every reserved slot instead of the written ones (the broken
+    /// [`Variant::ReadPastWatermark`]).
+    pub read_past_watermark: bool,
+}
+
+impl MockDecode {
+    /// An empty loop over `pool`.
+    pub fn new(pool: KvPool, variant: Variant) -> Self {
+        MockDecode {
+            pool,
+            running: BTreeMap::new(),
+            focus: None,
+            started: Vec::new(),
+            seen: Vec::new(),
+            read_past_watermark: variant == Variant::ReadPastWatermark,
+        }
+    }
+
+    /// Attention, as the engine does it: every position, every layer, read through
+    /// `KvPool::read` with the sequence's own lease.
+    fn read_all(&mut self, req: RequestId, seq: &SequenceKv) {
+        let positions = if self.read_past_watermark { seq.reserved_tokens() } else { seq.len() };
+        if let Err(why) = read_positions(&self.pool, req, seq, positions) {
+            self.seen.push((Prop::ReadIsolation, why));
+        }
+    }
+
+    /// The request is done: its pages go back, and the gateway hears `Finished`.
+    fn finish(&mut self, req: RequestId, r: Running) -> GenEvent {
+        let prompt_tokens = (r.seq.len() as u32).saturating_sub(r.generated - 1);
+        if let Err(u) = r.seq.release(&mut self.pool) {
+            self.seen.push((Prop::SingleLease, format!("releasing finished {req}: {u}")));
+        }
+        GenEvent::Finished { req, finish: FinishReason::Length, text: String::new(), prompt_tokens, completion_tokens: r.generated }
+    }
+}
+
+impl DecodeEngine for MockDecode {
+    type Error = KvError;
+
+    fn pool(&self) -> &KvPool {
+        &self.pool
+    }
+
+    fn pool_mut(&mut self) -> &mut KvPool {
+        &mut self.pool
+    }
+
+    fn add_verified(&mut self, ds: DecodeStart) -> Result<Vec<GenEvent>, KvError> {
+        let req = ds.req;
+        let verified = ds.seq.prompt_tokens();
+        let seq = ds.seq.into_sequence();
+        self.started.push((req, verified, seq.len()));
+        self.read_all(req, &seq);
+        // The first token came with `Done`; a one-token request ends at once.
+        let r = Running { seq, max_tokens: ds.max_tokens, generated: 1 };
+        if r.generated < r.max_tokens {
+            self.running.insert(req, r);
+            return Ok(Vec::new());
+        }
+        Ok(vec![self.finish(req, r)])
+    }
+
+    fn step(&mut self) -> Result<Vec<GenEvent>, KvError> {
+        let Some(req) = self.focus.take() else { return Ok(Vec::new()) };
+        let Some(mut r) = self.running.remove(&req) else { return Ok(Vec::new()) };
+        // Feed the last token: write its KV at the next position, commit it, attend.
+        let pos = r.seq.len();
+        let row = [kv_value(req, pos); LAYOUT.kv_heads * LAYOUT.head_dim];
+        let written = r.seq.locate(pos).and_then(|(lease, slot)| {
+            (0..LAYOUT.layers).try_for_each(|layer| self.pool.write(lease, layer, slot, &row, &row))
+        });
+        if let Err(e) = written.and_then(|()| r.seq.commit(&self.pool, 1)) {
+            self.seen.push((Prop::ReadIsolation, format!("{req} cannot write its own position {pos}: {e}")));
+        }
+        self.read_all(req, &r.seq);
+        r.generated += 1;
+        if r.generated < r.max_tokens {
+            self.running.insert(req, r);
+            return Ok(Vec::new());
+        }
+        Ok(vec![self.finish(req, r)])
+    }
+
+    fn abort(&mut self, req: RequestId) {
+        if let Some(r) = self.running.remove(&req)
+            && let Err(u) = r.seq.release(&mut self.pool)
+        {
+            self.seen.push((Prop::SingleLease, format!("releasing stopped {req}: {u}")));
+        }
+    }
+
+    fn active(&self) -> usize {
+        self.running.len()
+    }
+}
+
+/// Reads positions `0..positions` of `seq` through the pool and checks each holds the mock
+/// model's value for `req`.
+fn read_positions(pool: &KvPool, req: RequestId, seq: &SequenceKv, positions: usize) -> Result<(), String> {
+    let hd = LAYOUT.head_dim;
+    for pos in 0..positions {
+        let (lease, slot) = seq.locate(pos).map_err(|e| format!("{req} position {pos}: {e}"))?;
+        for layer in 0..LAYOUT.layers {
+            let r = pool.read(lease, layer).map_err(|e| format!("{req} read of page {} refused: {e}", lease.page()))?;
+            if slot >= r.len() {
+                return Err(format!("{req} read position {pos} (page {} slot {slot}) past the watermark {}", lease.page(), r.len()));
+            }
+            let want = kv_value(req, pos);
+            for head in 0..LAYOUT.kv_heads {
+                for x in [&r.k_head(head)[slot * hd..(slot + 1) * hd], &r.v_head(head)[slot * hd..(slot + 1) * hd]] {
+                    if x.iter().any(|v| v.to_f32() != want) {
+                        return Err(format!("{req} position {pos} holds {:?}, not its own KV {want}", x.iter().map(|v| v.to_f32()).collect::<Vec<_>>()));
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The prefill side of a [`Variant`]: honest, except under [`Variant::KeepRejectedJob`],
+/// the incident's scheduler, which swallows a refusal and runs a 1-token placeholder of
+/// the refused prompt behind the role's back.
+#[derive(Debug)]
+pub struct PrefillVariant {
+    keeps_rejected: bool,
+    /// Requests the role refused, whatever the policy did with the refusal (for the ghost
+    /// state: from then on they must not reach transfer or decode).
+    pub refused: Vec<RequestId>,
+}
+
+impl PrefillVariant {
+    /// The policy of `variant`.
+    pub fn new(variant: Variant) -> Self {
+        PrefillVariant { keeps_rejected: variant == Variant::KeepRejectedJob, refused: Vec::new() }
+    }
+}
+
+impl PrefillPolicy for PrefillVariant {
+    fn refused(&mut self, job: &PrefillJob) -> Option<PrefillJob> {
+        self.refused.push(job.req);
+        self.keeps_rejected.then(|| PrefillJob { tokens: job.tokens[..1.min(job.tokens.len())].to_vec(), ..job.clone() })
+    }
+}
+
+/// The decode side of a [`Variant`]: honest, except under [`Variant::DropFence`] (a
+/// `Fenced` from a prefill worker is taken for information and dropped) and
+/// [`Variant::ReleaseQuarantineOnTick`] (a transfer timeout is taken for a fence: the
+/// quarantined pages of every timed-out transfer are released while its prefill may still
+/// write).
+#[derive(Debug)]
+pub struct DecodeVariant(pub Variant);
+
+impl DecodePolicy for DecodeVariant {
+    fn inbound(&mut self, ev: DecodeEvent) -> Option<DecodeEvent> {
+        match ev {
+            DecodeEvent::Prefill { msg: Message::Fenced { .. }, .. } if self.0 == Variant::DropFence => None,
+            ev => Some(ev),
+        }
+    }
+
+    fn outbound(&mut self, acts: Vec<DecodeAction>, feedback: &mut Vec<DecodeEvent>) -> Vec<DecodeAction> {
+        if self.0 == Variant::ReleaseQuarantineOnTick {
+            let fences = acts.iter().filter_map(DecodeAction::timeout_abort);
+            feedback.extend(fences.map(|(from, req)| DecodeEvent::Prefill { from, msg: Message::Fenced { req } }));
+        }
+        acts
+    }
+}

@@ -1,0 +1,205 @@
+//! The decode action dispatch, over any transport and any decode loop.
+//!
+//! [`DecodeDriver::handle`] feeds an event to the decode role and carries out its actions:
+//! messages go to the transport, a verified sequence goes to the decode loop, a stopped
+//! request leaves it. [`DecodeDriver::step`] runs one step of the decode loop and turns
+//! what it produced into messages, telling the role which requests ended.
+
+use bulkhead_kv::{KvError, KvPool, RequestId};
+
+use crate::decode::{DecodeAction, DecodeEvent, DecodeRole, DecodeStart};
+use crate::driver::Honest;
+use crate::msg::{FailReason, FinishReason, Message, WorkerId};
+
+/// What a decode loop produced for one request.
+#[derive(Clone, Debug, PartialEq)]
+pub enum GenEvent {
+    /// A token was generated; `text` is what may be shown now (possibly empty while a
+    /// UTF-8 character or a possible stop string is incomplete).
+    Token { req: RequestId, token: u32, text: String },
+    /// The request ended; `text` is any text released at the end.
+    Finished { req: RequestId, finish: FinishReason, text: String, prompt_tokens: u32, completion_tokens: u32 },
+    /// The request failed a KV read check (a stale lease, the poison canary or the
+    /// auditor) and left the loop before its step ran; its pages are given back.
+    Failed { req: RequestId, error: KvError },
+}
+
+impl GenEvent {
+    /// The request it is about.
+    pub fn req(&self) -> RequestId {
+        match self {
+            GenEvent::Token { req, .. } | GenEvent::Finished { req, .. } | GenEvent::Failed { req, .. } => *req,
+        }
+    }
+
+    /// Whether the request ends with it.
+    pub fn is_terminal(&self) -> bool {
+        !matches!(self, GenEvent::Token { .. })
+    }
+
+    /// The message that carries it to the gateway.
+    pub fn into_message(self) -> Message {
+        match self {
+            GenEvent::Token { req, token, text } => Message::Token { req, token, text },
+            GenEvent::Finished { req, finish, text, prompt_tokens, completion_tokens } => {
+                Message::Finished { req, finish, text, prompt_tokens, completion_tokens }
+            }
+            GenEvent::Failed { req, error } => {
+                Message::Failed { req, reason: FailReason::Internal, detail: format!("KV read check failed: {error}") }
+            }
+        }
+    }
+}
+
+/// The decode loop: continuous batching over verified sequences in the worker's pool.
+pub trait DecodeEngine {
+    /// The loop's error; a failed step ends the worker.
+    type Error: std::fmt::Display;
+    /// The worker's KV pool.
+    fn pool(&self) -> &KvPool;
+    /// The worker's KV pool, for the role's reservations.
+    fn pool_mut(&mut self) -> &mut KvPool;
+    /// Take a verified request with the first token its prefill sampled; the events of
+    /// that token. On error the request's pages are given back.
+    fn add_verified(&mut self, start: DecodeStart) -> Result<Vec<GenEvent>, Self::Error>;
+    /// One step of every active request.
+    fn step(&mut self) -> Result<Vec<GenEvent>, Self::Error>;
+    /// End a request now and give its pages back.
+    fn abort(&mut self, req: RequestId);
+    /// Requests in the loop.
+    fn active(&self) -> usize;
+}
+
+/// Where a decode worker's messages go.
+pub trait DecodeLink {
+    /// Send to the gateway.
+    fn to_gateway(&mut self, msg: Message);
+    /// Send on the KV connection of prefill worker `to` (dropped if it is gone: its close
+    /// reaches the role as [`DecodeEvent::PrefillClosed`]).
+    fn to_prefill(&mut self, to: WorkerId, msg: Message);
+    /// Requests are about to end, their last messages next: the place to send evidence
+    /// that must arrive before them (the server pushes its metrics here).
+    fn ending(&mut self, role: &DecodeRole, pool: &KvPool) {
+        let _ = (role, pool);
+    }
+}
+
+/// Where a driver may depart from the role's decisions. Production uses [`Honest`]; the
+/// broken implementations live in the checkers' crates.
+pub trait DecodePolicy {
+    /// An event on its way to the role; `None` drops it.
+    fn inbound(&mut self, ev: DecodeEvent) -> Option<DecodeEvent> {
+        Some(ev)
+    }
+    /// The role's actions on their way out. May change them, and may name events to feed
+    /// the role once they are carried out.
+    fn outbound(&mut self, acts: Vec<DecodeAction>, feedback: &mut Vec<DecodeEvent>) -> Vec<DecodeAction> {
+        let _ = feedback;
+        acts
+    }
+}
+
+impl DecodePolicy for Honest {}
+
+/// The decode driver: the role and the decode loop, so that protocol decisions and decode
+/// steps never race.
+#[derive(Debug)]
+pub struct DecodeDriver<E, P: DecodePolicy = Honest> {
+    role: DecodeRole,
+    engine: E,
+    policy: P,
+}
+
+impl<E: DecodeEngine> DecodeDriver<E, Honest> {
+    /// The production driver.
+    pub fn new(role: DecodeRole, engine: E) -> Self {
+        Self::with_policy(role, engine, Honest)
+    }
+}
+
+impl<E: DecodeEngine, P: DecodePolicy> DecodeDriver<E, P> {
+    /// A driver that departs from the role where `policy` says so.
+    pub fn with_policy(role: DecodeRole, engine: E, policy: P) -> Self {
+        DecodeDriver { role, engine, policy }
+    }
+
+    /// The role.
+    pub fn role(&self) -> &DecodeRole {
+        &self.role
+    }
+
+    /// The decode loop.
+    pub fn engine(&self) -> &E {
+        &self.engine
+    }
+
+    /// The decode loop, for what only its owner does (statistics, test hooks).
+    pub fn engine_mut(&mut self) -> &mut E {
+        &mut self.engine
+    }
+
+    /// Whether nothing is reserved, quarantined or decoding.
+    pub fn is_idle(&self) -> bool {
+        !self.role.busy() && self.engine.active() == 0
+    }
+
+    /// Process one event and carry out the role's actions.
+    pub fn handle(&mut self, ev: DecodeEvent, link: &mut impl DecodeLink) {
+        let Some(ev) = self.policy.inbound(ev) else { return };
+        let acts = self.role.handle(self.engine.pool_mut(), ev);
+        let mut feedback = Vec::new();
+        let acts = self.policy.outbound(acts, &mut feedback);
+        for a in acts {
+            self.dispatch(a, link);
+        }
+        for ev in feedback {
+            self.handle(ev, link);
+        }
+    }
+
+    fn dispatch(&mut self, a: DecodeAction, link: &mut impl DecodeLink) {
+        match a {
+            DecodeAction::ToGateway(m) => link.to_gateway(m),
+            DecodeAction::ToPrefill { to, msg } => link.to_prefill(to, msg),
+            DecodeAction::Start(start) => {
+                let req = start.req;
+                match self.engine.add_verified(start) {
+                    Ok(events) => self.emit(events, link),
+                    Err(e) => {
+                        self.role.finished(req);
+                        link.ending(&self.role, self.engine.pool());
+                        link.to_gateway(Message::Failed { req, reason: FailReason::Internal, detail: e.to_string() });
+                    }
+                }
+            }
+            DecodeAction::Stop { req } => {
+                self.engine.abort(req);
+                self.role.finished(req);
+            }
+        }
+    }
+
+    /// Run one step of the decode loop and send what it produced. An error leaves the
+    /// loop's sequences in an unknown state: the caller ends the worker.
+    pub fn step(&mut self, link: &mut impl DecodeLink) -> Result<(), E::Error> {
+        let events = self.engine.step()?;
+        self.emit(events, link);
+        Ok(())
+    }
+
+    /// Send the loop's events. The role learns first which requests left the loop, and the
+    /// transport gets its chance to send evidence before their last messages.
+    fn emit(&mut self, events: Vec<GenEvent>, link: &mut impl DecodeLink) {
+        let mut ended = false;
+        for e in events.iter().filter(|e| e.is_terminal()) {
+            self.role.finished(e.req());
+            ended = true;
+        }
+        if ended {
+            link.ending(&self.role, self.engine.pool());
+        }
+        for e in events {
+            link.to_gateway(e.into_message());
+        }
+    }
+}
