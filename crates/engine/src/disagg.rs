@@ -18,10 +18,6 @@ use crate::sampling::Sampler;
 impl DecodeEngine for Engine {
     type Error = EngineError;
 
-    fn pool(&self) -> &KvPool {
-        Engine::pool(self)
-    }
-
     fn pool_mut(&mut self) -> &mut KvPool {
         Engine::pool_mut(self)
     }
@@ -50,32 +46,14 @@ impl DecodeEngine for Engine {
 
 /// A prefill worker's compute: the model's paged forward pass over the worker's own pool,
 /// and the first token sampled from the last position's logits.
-pub struct Prefiller {
-    model: Arc<Llama>,
-    pool: KvPool,
-}
-
-impl Prefiller {
-    /// Compute with `model` into `pool`.
-    pub fn new(model: Arc<Llama>, pool: KvPool) -> Self {
-        Prefiller { model, pool }
-    }
-}
+pub struct Prefiller(pub Arc<Llama>);
 
 impl PrefillCompute for Prefiller {
     type Error = EngineError;
 
-    fn pool(&self) -> &KvPool {
-        &self.pool
-    }
-
-    fn pool_mut(&mut self) -> &mut KvPool {
-        &mut self.pool
-    }
-
-    fn compute(&mut self, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, sampling: &Sampling) -> Result<Option<u32>, EngineError> {
+    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, sampling: &Sampling) -> Result<Option<u32>, EngineError> {
         let last = to == tokens.len();
-        let logits = self.model.forward(&mut self.pool, &mut [SeqInput { kv: seq, tokens: &tokens[from..to], want_logits: last }])?;
+        let logits = self.0.forward(pool, &mut [SeqInput { kv: seq, tokens: &tokens[from..to], want_logits: last }])?;
         if !last {
             return Ok(None);
         }

@@ -215,20 +215,13 @@ impl Gen {
 /// The mock's prefill compute.
 #[derive(Debug)]
 pub struct MockPrefill {
-    pool: KvPool,
     faults: u64,
 }
 
 impl PrefillCompute for MockPrefill {
     type Error = ModelFault;
-    fn pool(&self) -> &KvPool {
-        &self.pool
-    }
-    fn pool_mut(&mut self) -> &mut KvPool {
-        &mut self.pool
-    }
-    fn compute(&mut self, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: &Sampling) -> Result<Option<u32>, ModelFault> {
-        Ok(prefill(&mut self.pool, seq, tokens, from, to, &mut self.faults)?)
+    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: &Sampling) -> Result<Option<u32>, ModelFault> {
+        Ok(prefill(pool, seq, tokens, from, to, &mut self.faults)?)
     }
 }
 
@@ -248,9 +241,6 @@ pub struct MockDecode {
 
 impl DecodeEngine for MockDecode {
     type Error = ModelFault;
-    fn pool(&self) -> &KvPool {
-        &self.pool
-    }
     fn pool_mut(&mut self) -> &mut KvPool {
         &mut self.pool
     }
@@ -301,6 +291,9 @@ impl DecodeEngine for MockDecode {
 }
 
 impl DecodeModel for MockDecode {
+    fn pool(&self) -> &KvPool {
+        &self.pool
+    }
     fn read_faults(&self) -> u64 {
         self.faults
     }
@@ -352,8 +345,8 @@ impl Models for MockModels {
         }
     }
 
-    fn prefill(&self, pool: KvPool) -> MockPrefill {
-        MockPrefill { pool, faults: 0 }
+    fn prefill(&self) -> MockPrefill {
+        MockPrefill { faults: 0 }
     }
 
     fn decode(&self, pool: KvPool, _max_context: usize) -> MockDecode {

@@ -80,6 +80,8 @@ pub trait PrefillModel: PrefillCompute {
 
 /// The decode loop of a decode worker.
 pub trait DecodeModel: DecodeEngine {
+    /// Its KV pool, for the verdict.
+    fn pool(&self) -> &KvPool;
     /// Reads that were refused or found a slot missing (a mock's evidence; 0 otherwise).
     fn read_faults(&self) -> u64 {
         0
@@ -94,8 +96,8 @@ pub trait Models {
     type Decode: DecodeModel;
     /// The limits schedules are drawn within.
     fn shape(&self) -> Shape;
-    /// A prefill worker's compute over `pool`.
-    fn prefill(&self, pool: KvPool) -> Self::Prefill;
+    /// A prefill worker's compute.
+    fn prefill(&self) -> Self::Prefill;
     /// A decode worker's loop over `pool`, admitting requests up to `max_context`.
     fn decode(&self, pool: KvPool, max_context: usize) -> Self::Decode;
     /// What `prompt` with `max_tokens` must produce, computed alone on a fresh pool.

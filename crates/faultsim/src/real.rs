@@ -26,7 +26,11 @@ fn fault(e: impl std::fmt::Display) -> ModelFault {
 impl PrefillModel for Prefiller {}
 
 /// A decode worker's loop on the real model: the server's own engine.
-impl DecodeModel for Engine {}
+impl DecodeModel for Engine {
+    fn pool(&self) -> &KvPool {
+        Engine::pool(self)
+    }
+}
 
 /// The real model family: one layout (the model's), prompts of real token ids.
 pub struct RealModels {
@@ -62,8 +66,8 @@ impl Models for RealModels {
         }
     }
 
-    fn prefill(&self, pool: KvPool) -> Prefiller {
-        Prefiller::new(self.model.clone(), pool)
+    fn prefill(&self) -> Prefiller {
+        Prefiller(self.model.clone())
     }
 
     fn decode(&self, pool: KvPool, max_context: usize) -> Engine {

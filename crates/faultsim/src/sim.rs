@@ -15,9 +15,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
 use bulkhead_kv::{Generation, KvChecks, KvPool, PageId, PoolConfig, PoolStats, RequestId};
-use bulkhead_protocol::decode::{DecodeAction, DecodeConfig, DecodeEvent, DecodeRole, DecodeStats};
-use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeEngine, DecodeLink, DecodePolicy};
-use bulkhead_protocol::driver::prefill::{LinkDown, PrefillCompute, PrefillDriver, PrefillLink, Step};
+use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole, DecodeStats};
+use bulkhead_modelcheck::drivers::DecodeVariant;
+use bulkhead_modelcheck::Variant;
+use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeEngine, DecodeLink};
+use bulkhead_protocol::driver::prefill::{LinkDown, PrefillDriver, PrefillLink, Step};
 use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole};
 use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillRole};
 use bulkhead_protocol::{Hello, Message, RejectReason, Role, Sampling, TraceContext, WorkerId};
@@ -94,6 +96,7 @@ struct Gateway {
 struct PrefillWorker<P> {
     driver: PrefillDriver,
     model: P,
+    pool: KvPool,
     gw: ConnId,
     /// Its KV connection to each decode worker.
     kv: BTreeMap<WorkerId, ConnId>,
@@ -102,7 +105,7 @@ struct PrefillWorker<P> {
 }
 
 struct DecodeWorker<D> {
-    driver: DecodeDriver<D, SabotagedDecode>,
+    driver: DecodeDriver<D, DecodeVariant>,
     gw: ConnId,
     /// Accepted KV connections and the prefill worker each announced (None before KvHello).
     kv: BTreeMap<ConnId, Option<WorkerId>>,
@@ -146,24 +149,14 @@ enum Due {
 }
 
 /// The decode driver's policy in a schedule: the production one, or one of the sabotages
-/// that show the checks bite.
-struct SabotagedDecode(Sabotage);
-
-impl DecodePolicy for SabotagedDecode {
-    fn inbound(&mut self, ev: DecodeEvent) -> Option<DecodeEvent> {
-        match ev {
-            DecodeEvent::Prefill { msg: Message::Fenced { .. }, .. } if self.0 == Sabotage::DropFences => None,
-            ev => Some(ev),
-        }
-    }
-
-    fn outbound(&mut self, acts: Vec<DecodeAction>, feedback: &mut Vec<DecodeEvent>) -> Vec<DecodeAction> {
-        if self.0 == Sabotage::ReleaseOnTimeout {
-            let fences = acts.iter().filter_map(DecodeAction::timeout_abort);
-            feedback.extend(fences.map(|(from, req)| DecodeEvent::Prefill { from, msg: Message::Fenced { req } }));
-        }
-        acts
-    }
+/// that show the checks bite. The broken decode drivers are the model checker's own
+/// ([`DecodeVariant`]): one set, caught by both checkers.
+fn decode_policy(s: Sabotage) -> DecodeVariant {
+    DecodeVariant(match s {
+        Sabotage::DropFences => Variant::DropFence,
+        Sabotage::ReleaseOnTimeout => Variant::ReleaseQuarantineOnTick,
+        Sabotage::None | Sabotage::DropFirstToken => Variant::Production,
+    })
 }
 
 /// What a prefill worker's chunks set off (the plan's mid-transfer fault), for the loop to
@@ -174,13 +167,25 @@ enum Aftermath {
     CrashDecode(WorkerId, Option<u64>),
 }
 
-/// A prefill worker's transport over the simulated network.
-struct PrefillWire<'a, 'n> {
+/// One worker's end of the simulated network, for the length of one call into its driver.
+struct Port<'a> {
     me: WorkerId,
     now: u64,
     net: &'a mut Net,
     dice: &'a mut Dice,
+    /// Its gateway connection.
     gw: ConnId,
+}
+
+impl Port<'_> {
+    fn send(&mut self, conn: ConnId, msg: &Message) {
+        self.net.send(conn, End::Worker(self.me), msg, self.now, self.dice);
+    }
+}
+
+/// A prefill worker's transport over the simulated network.
+struct PrefillWire<'a, 'n> {
+    port: Port<'a>,
     kv: &'a mut BTreeMap<WorkerId, ConnId>,
     /// Decode workers alive now (a connection to one that is gone is refused).
     decodes: &'n BTreeSet<WorkerId>,
@@ -197,14 +202,15 @@ struct PrefillWire<'a, 'n> {
 
 impl PrefillWire<'_, '_> {
     fn log(&mut self, line: String) {
-        self.log.push(format!("{:>6} {line}", self.now));
+        self.log.push(format!("{:>6} {line}", self.port.now));
     }
 }
 
 impl PrefillLink for PrefillWire<'_, '_> {
     fn to_gateway(&mut self, msg: Message) {
         if !self.dead {
-            self.net.send(self.gw, End::Worker(self.me), &msg, self.now, self.dice);
+            let gw = self.port.gw;
+            self.port.send(gw, &msg);
         }
     }
 
@@ -214,7 +220,7 @@ impl PrefillLink for PrefillWire<'_, '_> {
             return Err(LinkDown(to));
         }
         let chunk = matches!(msg, Message::KvChunk { .. });
-        self.net.send(conn, End::Worker(self.me), &msg, self.now, self.dice);
+        self.port.send(conn, &msg);
         if !chunk {
             return Ok(());
         }
@@ -224,7 +230,7 @@ impl PrefillLink for PrefillWire<'_, '_> {
         match m.what {
             MidTransferFault::Cut => {
                 self.log(format!("fault: cut KV connection {conn} mid-transfer"));
-                self.net.cut(conn, self.now, self.dice);
+                self.port.net.cut(conn, self.port.now, self.port.dice);
             }
             MidTransferFault::CrashPrefill => {
                 self.dead = true;
@@ -239,24 +245,21 @@ impl PrefillLink for PrefillWire<'_, '_> {
     /// Opens the KV connection and announces this worker, as the server's does. A decode
     /// worker that is gone refuses the connection.
     fn connect(&mut self, decode: WorkerId, _: &str) {
+        let me = self.port.me;
         if !self.decodes.contains(&decode) {
-            self.log(format!("w{} cannot connect to w{}: gone", self.me.0, decode.0));
+            self.log(format!("w{} cannot connect to w{}: gone", me.0, decode.0));
             return self.events.push(PrefillEvent::DecodeLost { decode });
         }
-        let conn = self.net.connect(End::Worker(self.me), End::Worker(decode), self.dice);
+        let conn = self.port.net.connect(End::Worker(me), End::Worker(decode), self.port.dice);
         self.kv.insert(decode, conn);
-        self.net.send(conn, End::Worker(self.me), &Message::KvHello { prefill: self.me }, self.now, self.dice);
+        self.port.send(conn, &Message::KvHello { prefill: me });
         self.events.push(PrefillEvent::DecodeConnected { decode });
     }
 }
 
 /// A decode worker's transport over the simulated network.
 struct DecodeWire<'a> {
-    me: WorkerId,
-    now: u64,
-    net: &'a mut Net,
-    dice: &'a mut Dice,
-    gw: ConnId,
+    port: Port<'a>,
     kv: &'a BTreeMap<ConnId, Option<WorkerId>>,
     handed_out: &'a mut BTreeMap<PageId, Generation>,
 }
@@ -266,12 +269,13 @@ impl DecodeLink for DecodeWire<'_> {
         if let Message::Reserved { pages, .. } = &msg {
             self.handed_out.extend(pages.iter().map(|p| (p.page, p.generation)));
         }
-        self.net.send(self.gw, End::Worker(self.me), &msg, self.now, self.dice);
+        let gw = self.port.gw;
+        self.port.send(gw, &msg);
     }
 
     fn to_prefill(&mut self, to: WorkerId, msg: Message) {
         if let Some(conn) = self.kv.iter().find(|(_, p)| **p == Some(to)).map(|(c, _)| *c) {
-            self.net.send(conn, End::Worker(self.me), &msg, self.now, self.dice);
+            self.port.send(conn, &msg);
         }
     }
 }
@@ -599,15 +603,8 @@ impl<'m, M: Models> Sim<'m, M> {
         let gw = self.net.connect(End::Worker(id), End::Gateway, &mut self.dice);
         self.log(format!("start w{} {:?} pool {} pages context {}", id.0, wp.role, wp.pool_pages, wp.context));
         let l = self.plan.layout;
-        let hello = Hello {
-            role: wp.role,
-            model_digest: DIGEST,
-            page_size: l.page_size as u32,
-            kv_bytes_per_token: l.bytes_per_token() as u32,
-            capacity_tokens: (wp.pool_pages * l.page_size) as u64,
-            max_context: wp.context as u32,
-            kv_addr: if wp.role == Role::Decode { format!("w{}", id.0) } else { String::new() },
-        };
+        let kv_addr = if wp.role == Role::Decode { format!("w{}", id.0) } else { String::new() };
+        let hello = Hello::for_pool(wp.role, DIGEST, &pool, wp.context, kv_addr);
         self.send(gw, End::Worker(id), Message::Hello(hello));
         let next_tick = self.now + WORKER_TICK_MS;
         match wp.role {
@@ -615,13 +612,13 @@ impl<'m, M: Models> Sim<'m, M> {
                 let keepalive_ms = PrefillConfig::keepalive_for(self.plan.transfer_timeout_ms);
                 let role = PrefillRole::new(PrefillConfig { max_prompt: wp.context, page_size: l.page_size, keepalive_ms });
                 let driver = PrefillDriver::new(role, self.plan.chunk_pages * l.page_size);
-                let model = self.models.prefill(pool);
-                self.prefills.insert(id, PrefillWorker { driver, model, gw, kv: BTreeMap::new(), busy_until: 0, next_tick });
+                let model = self.models.prefill();
+                self.prefills.insert(id, PrefillWorker { driver, model, pool, gw, kv: BTreeMap::new(), busy_until: 0, next_tick });
             }
             Role::Decode => {
                 let role = DecodeRole::new(DecodeConfig { max_context: wp.context, transfer_timeout_ms: self.plan.transfer_timeout_ms });
                 let model = self.models.decode(pool, wp.context);
-                let driver = DecodeDriver::with_policy(role, model, SabotagedDecode(self.plan.options.sabotage));
+                let driver = DecodeDriver::with_policy(role, model, decode_policy(self.plan.options.sabotage));
                 let (kv, identified, reserved_via, handed_out) = (BTreeMap::new(), BTreeSet::new(), BTreeMap::new(), BTreeMap::new());
                 let d = DecodeWorker { driver, gw, kv, identified, reserved_via, handed_out, busy_until: 0, next_tick };
                 self.decodes.insert(id, d);
@@ -698,7 +695,7 @@ impl<'m, M: Models> Sim<'m, M> {
     fn crash(&mut self, w: WorkerId, why: &str) {
         self.log(format!("w{} {why}: role state and pool lost", w.0));
         if let Some(p) = self.prefills.remove(&w) {
-            let pool = p.model.pool().stats();
+            let pool = p.pool.stats();
             let keepalives = p.driver.role().stats().keepalives;
             self.dead.push(Remains { id: w, pool, read_faults: p.model.read_faults(), decode: None, keepalives });
         } else if let Some(d) = self.decodes.remove(&w) {
@@ -830,71 +827,53 @@ impl<'m, M: Models> Sim<'m, M> {
         }
     }
 
-    /// The transport of prefill worker `w` over this schedule's network, and the rest.
-    fn prefill_wire<'a>(
+    /// Runs `f` on prefill worker `w`'s driver, model and pool, with its transport over
+    /// this schedule's network; what the transport set off comes back with `f`'s result.
+    fn with_prefill<R>(
+        &mut self,
         w: WorkerId,
-        p: &'a mut PrefillWorker<M::Prefill>,
-        net: &'a mut Net,
-        dice: &'a mut Dice,
-        log: &'a mut Vec<String>,
-        chunks_sent: &'a mut u64,
-        faults: &'a mut u64,
-        decodes: &'a BTreeSet<WorkerId>,
-        now: u64,
-        mid_transfer: Option<MidTransfer>,
-    ) -> (&'a mut PrefillDriver, &'a mut M::Prefill, PrefillWire<'a, 'a>) {
-        let PrefillWorker { driver, model, gw, kv, .. } = p;
-        let wire = PrefillWire { me: w, now, net, dice, gw: *gw, kv, decodes, log, chunks_sent, mid_transfer, faults, events: Vec::new(), dead: false, aftermath: None };
-        (driver, model, wire)
+        f: impl FnOnce(&mut PrefillDriver, &mut M::Prefill, &mut KvPool, &mut PrefillWire<'_, '_>) -> R,
+    ) -> Option<(R, Option<Aftermath>)> {
+        let decodes: BTreeSet<WorkerId> = self.decodes.keys().copied().collect();
+        let PrefillWorker { driver, model, pool, gw, kv, .. } = self.prefills.get_mut(&w)?;
+        let mut wire = PrefillWire {
+            port: Port { me: w, now: self.now, net: &mut self.net, dice: &mut self.dice, gw: *gw },
+            kv,
+            decodes: &decodes,
+            log: &mut self.log,
+            chunks_sent: &mut self.chunks_sent,
+            mid_transfer: self.plan.mid_transfer,
+            faults: &mut self.tally.faults,
+            events: Vec::new(),
+            dead: false,
+            aftermath: None,
+        };
+        let r = f(driver, model, pool, &mut wire);
+        Some((r, wire.aftermath))
     }
 
     /// Feed one event to prefill worker `w`'s driver, then the events its transport caused.
     fn prefill_event(&mut self, w: WorkerId, ev: PrefillEvent) {
-        let decodes: BTreeSet<WorkerId> = self.decodes.keys().copied().collect();
-        let Some(p) = self.prefills.get_mut(&w) else { return };
-        let (driver, _, mut wire) = Self::prefill_wire(
-            w,
-            p,
-            &mut self.net,
-            &mut self.dice,
-            &mut self.log,
-            &mut self.chunks_sent,
-            &mut self.tally.faults,
-            &decodes,
-            self.now,
-            self.plan.mid_transfer,
-        );
-        let mut pending = vec![ev];
-        while !pending.is_empty() {
-            for ev in std::mem::take(&mut pending) {
-                driver.handle(ev, &mut wire);
+        self.with_prefill(w, |driver, _, _, wire| {
+            let mut pending = vec![ev];
+            while !pending.is_empty() {
+                for ev in std::mem::take(&mut pending) {
+                    driver.handle(ev, wire);
+                }
+                pending = std::mem::take(&mut wire.events);
             }
-            pending = std::mem::take(&mut wire.events);
-        }
+        });
     }
 
     /// One step of `prefill_worker`'s loop, through the production driver: take the next
     /// job and compute its first chunk, or compute and send the next chunk, or end the job.
     fn prefill_work(&mut self, w: WorkerId) {
         let cost = self.dice.range(self.plan.prefill_cost_ms.0, self.plan.prefill_cost_ms.1);
-        let decodes: BTreeSet<WorkerId> = self.decodes.keys().copied().collect();
-        let now = self.now;
-        let Some(p) = self.prefills.get_mut(&w) else { return };
-        p.busy_until = now + cost;
-        let (driver, model, mut wire) = Self::prefill_wire(
-            w,
-            p,
-            &mut self.net,
-            &mut self.dice,
-            &mut self.log,
-            &mut self.chunks_sent,
-            &mut self.tally.faults,
-            &decodes,
-            now,
-            self.plan.mid_transfer,
-        );
-        let step = driver.step(model, &mut wire);
-        let aftermath = wire.aftermath;
+        let busy_until = self.now + cost;
+        let Some((step, aftermath)) = self.with_prefill(w, |driver, model, pool, wire| driver.step(model, pool, wire)) else { return };
+        if let Some(p) = self.prefills.get_mut(&w) {
+            p.busy_until = busy_until;
+        }
         match &step {
             Step::Idle => {}
             Step::Computed { req, from, to, chunks } => self.log(format!("w{} r{req}: positions {from}..{to} computed, {chunks} chunks sent", w.0)),
@@ -984,7 +963,7 @@ impl<'m, M: Models> Sim<'m, M> {
     fn decode_event(&mut self, w: WorkerId, ev: DecodeEvent) {
         let Some(d) = self.decodes.get_mut(&w) else { return };
         let DecodeWorker { driver, gw, kv, handed_out, .. } = d;
-        let mut wire = DecodeWire { me: w, now: self.now, net: &mut self.net, dice: &mut self.dice, gw: *gw, kv, handed_out };
+        let mut wire = DecodeWire { port: Port { me: w, now: self.now, net: &mut self.net, dice: &mut self.dice, gw: *gw }, kv, handed_out };
         driver.handle(ev, &mut wire);
     }
 
@@ -1005,7 +984,7 @@ impl<'m, M: Models> Sim<'m, M> {
         let Some(d) = self.decodes.get_mut(&w) else { return };
         d.busy_until = now + cost;
         let DecodeWorker { driver, gw, kv, handed_out, .. } = d;
-        let mut wire = DecodeWire { me: w, now, net: &mut self.net, dice: &mut self.dice, gw: *gw, kv, handed_out };
+        let mut wire = DecodeWire { port: Port { me: w, now, net: &mut self.net, dice: &mut self.dice, gw: *gw }, kv, handed_out };
         match driver.step(&mut wire) {
             Ok(()) => self.log(format!("w{} decode step", w.0)),
             Err(e) => {
@@ -1100,7 +1079,7 @@ impl<'m, M: Models> Sim<'m, M> {
             if !p.driver.is_idle() {
                 bad.push(format!("w{}: prefill not idle", w.0));
             }
-            check_pool(&mut bad, *w, p.model.pool(), p.model.read_faults(), false);
+            check_pool(&mut bad, *w, &p.pool, p.model.read_faults(), false);
         }
         let mut unexplained_decode = false;
         for (w, d) in &self.decodes {
@@ -1130,7 +1109,7 @@ impl<'m, M: Models> Sim<'m, M> {
                 bad.push(format!("not quiet by t={} (something waits for ever): {state}", self.deadline));
             }
         }
-        self.tally.audited_slots += self.prefills.values().map(|p| p.model.pool().stats().audited_slots).sum::<u64>()
+        self.tally.audited_slots += self.prefills.values().map(|p| p.pool.stats().audited_slots).sum::<u64>()
             + self.decodes.values().map(|d| d.driver.engine().pool().stats().audited_slots).sum::<u64>()
             + self.dead.iter().map(|r| r.pool.audited_slots).sum::<u64>();
         self.tally.keepalives += self.prefills.values().map(|p| p.driver.role().stats().keepalives).sum::<u64>()
@@ -1145,7 +1124,7 @@ impl<'m, M: Models> Sim<'m, M> {
         let mut s = String::new();
         let _ = write!(s, "gateway in flight {}; ", self.gw.role.in_flight());
         for (w, p) in &self.prefills {
-            let _ = write!(s, "w{} prefill queued {} job {:?} pool {:?}; ", w.0, p.driver.role().queued(), p.driver.current(), p.model.pool().stats());
+            let _ = write!(s, "w{} prefill queued {} job {:?} pool {:?}; ", w.0, p.driver.role().queued(), p.driver.current(), p.pool.stats());
         }
         for (w, d) in &self.decodes {
             let r = d.driver.role();

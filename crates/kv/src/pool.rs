@@ -56,12 +56,6 @@ pub struct Lease {
     tag: PageTag,
 }
 
-impl std::ops::Deref for Lease {
-    type Target = PageTag;
-    fn deref(&self) -> &PageTag {
-        &self.tag
-    }
-}
 
 /// A page taken out of service until its writer is fenced (design I4): neither free nor
 /// readable nor writable. Not `Clone`; [`KvPool::release_quarantined`] consumes it.
@@ -71,12 +65,18 @@ pub struct Quarantined {
     tag: PageTag,
 }
 
-impl std::ops::Deref for Quarantined {
-    type Target = PageTag;
-    fn deref(&self) -> &PageTag {
-        &self.tag
-    }
+/// Both handles are a tag plus a right: reading the tag goes through to it.
+macro_rules! tag_of {
+    ($($handle:ty),*) => {$(
+        impl std::ops::Deref for $handle {
+            type Target = PageTag;
+            fn deref(&self) -> &PageTag {
+                &self.tag
+            }
+        }
+    )*};
 }
+tag_of!(Lease, Quarantined);
 
 /// Borrowed view of K and V of one page for one layer, holding only the written slots.
 #[derive(Clone, Copy, Debug)]

@@ -17,28 +17,19 @@ use crate::world::{kv_value, Prop, FIRST_TOKEN};
 /// The mock prefill model: position `p` of request `r` holds [`kv_value`]`(r, p)` in every
 /// layer, head and element; the first token is [`FIRST_TOKEN`].
 #[derive(Debug)]
-pub struct MockPrefill {
-    /// The worker's pool.
-    pub pool: KvPool,
-}
+pub struct MockPrefill;
 
 impl PrefillCompute for MockPrefill {
     type Error = KvError;
-    fn pool(&self) -> &KvPool {
-        &self.pool
-    }
-    fn pool_mut(&mut self) -> &mut KvPool {
-        &mut self.pool
-    }
-    fn compute(&mut self, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: &Sampling) -> Result<Option<u32>, KvError> {
+    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: &Sampling) -> Result<Option<u32>, KvError> {
         for pos in from..to {
             let row = [kv_value(seq.owner(), pos); LAYOUT.kv_heads * LAYOUT.head_dim];
             let (lease, slot) = seq.locate(pos)?;
             for layer in 0..LAYOUT.layers {
-                self.pool.write(lease, layer, slot, &row, &row)?;
+                pool.write(lease, layer, slot, &row, &row)?;
             }
         }
-        seq.commit(&self.pool, to - from)?;
+        seq.commit(pool, to - from)?;
         Ok((to == tokens.len()).then_some(FIRST_TOKEN))
     }
 }
@@ -107,10 +98,6 @@ impl MockDecode {
 
 impl DecodeEngine for MockDecode {
     type Error = KvError;
-
-    fn pool(&self) -> &KvPool {
-        &self.pool
-    }
 
     fn pool_mut(&mut self) -> &mut KvPool {
         &mut self.pool

@@ -156,7 +156,7 @@ struct WriteRef {
 struct PrefillWorker {
     id: WorkerId,
     driver: PrefillDriver<PrefillVariant>,
-    compute: MockPrefill,
+    pool: KvPool,
     now: u64,
 }
 
@@ -206,18 +206,6 @@ pub fn kv_value(req: RequestId, pos: usize) -> f32 {
 /// Request ids of a configuration: 1, 2, ...
 pub fn request_id(index: usize) -> RequestId {
     RequestId(index as u64 + 1)
-}
-
-fn hello(role: Role, max_context: usize) -> Hello {
-    Hello {
-        role,
-        model_digest: DIGEST,
-        page_size: LAYOUT.page_size as u32,
-        kv_bytes_per_token: LAYOUT.bytes_per_token() as u32,
-        capacity_tokens: max_context as u64,
-        max_context: max_context as u32,
-        kv_addr: String::new(),
-    }
 }
 
 /// Puts `m` on the connection `from → to`, unless `to` is a prefill worker that is gone (a
@@ -326,14 +314,15 @@ impl<'c> World<'c> {
             admission_check: cfg.gateway_admission,
             request_timeout_ms: TICK_MS,
         });
+        let dpool = pool(cfg.decode_pool_pages);
+        // Registration is atomic here: its welcomes and introductions are not modelled.
+        let registered = gw.join(DECODE, &Hello::for_pool(Role::Decode, DIGEST, &dpool, cfg.decode_max_context, String::new()));
+        assert!(registered.is_ok(), "the decode worker registers: {registered:?}");
         let mut dec = DecodeDriver::with_policy(
             DecodeRole::new(DecodeConfig { max_context: cfg.decode_max_context, transfer_timeout_ms: TICK_MS }),
-            MockDecode::new(pool(cfg.decode_pool_pages), cfg.variant),
+            MockDecode::new(dpool, cfg.variant),
             DecodeVariant(cfg.variant),
         );
-        // Registration is atomic here: its welcomes and introductions are not modelled.
-        let registered = gw.join(DECODE, &hello(Role::Decode, cfg.decode_max_context));
-        assert!(registered.is_ok(), "the decode worker registers: {registered:?}");
         let mut prefills = Vec::new();
         for i in 0..cfg.prefill_workers {
             let id = WorkerId(FIRST_PREFILL + i as u32);
@@ -367,7 +356,8 @@ impl<'c> World<'c> {
     /// A prefill worker that registered with the gateway and opened its KV connection to
     /// the decode worker (atomically: nothing can happen in between in the model).
     fn start_prefill(cfg: &Config, gw: &mut GatewayRole, dec: &mut Decode, id: WorkerId) -> PrefillWorker {
-        let registered = gw.join(id, &hello(Role::Prefill, cfg.prefill_max_prompt));
+        let ppool = pool(cfg.prefill_pool_pages);
+        let registered = gw.join(id, &Hello::for_pool(Role::Prefill, DIGEST, &ppool, cfg.prefill_max_prompt, String::new()));
         assert!(registered.is_ok(), "a prefill worker registers: {registered:?}");
         let mut role = PrefillRole::new(PrefillConfig { max_prompt: cfg.prefill_max_prompt, page_size: LAYOUT.page_size, keepalive_ms: TICK_MS });
         role.handle(PrefillEvent::DecodeConnected { decode: DECODE });
@@ -375,7 +365,7 @@ impl<'c> World<'c> {
         PrefillWorker {
             id,
             driver: PrefillDriver::with_policy(role, LAYOUT.page_size, PrefillVariant::new(cfg.variant)),
-            compute: MockPrefill { pool: pool(cfg.prefill_pool_pages) },
+            pool: ppool,
             now: 0,
         }
     }
@@ -780,7 +770,7 @@ impl<'c> World<'c> {
         let alive = self.alive();
         let Some(p) = self.prefills.iter_mut().find(|p| p.id == w) else { return };
         let mut link = PrefillWire { me: w, net: &mut self.net, alive: &alive, ghosts: &self.ghosts, seen: Vec::new() };
-        let step = p.driver.step(&mut p.compute, &mut link);
+        let step = p.driver.step(&mut MockPrefill, &mut p.pool, &mut link);
         let mut seen = link.seen;
         if let Step::Computed { req, .. } | Step::Ended { req, .. } = step
             && self.ghosts.get(&req).is_some_and(|g| g.rejected)
@@ -965,7 +955,7 @@ impl<'c> World<'c> {
             && self.dec.is_idle()
             && self.prefills.iter().all(|p| p.driver.is_idle())
             && full(&self.dec.engine().pool)
-            && self.prefills.iter().all(|p| full(&p.compute.pool))
+            && self.prefills.iter().all(|p| full(&p.pool))
     }
 
     /// Every request submitted and ended for its client.
@@ -1004,7 +994,7 @@ impl<'c> World<'c> {
             if self.budget.prefill_ticks == 0 {
                 driver = blank_numbers(&driver, &["now_ms: ", "last_keepalive_ms: "]);
             }
-            let _ = write!(s, "prefill {:?} {driver} free {} | ", p.id, p.compute.pool.stats().free_pages);
+            let _ = write!(s, "prefill {:?} {driver} free {} | ", p.id, p.pool.stats().free_pages);
         }
         let d = self.dec.engine().pool.stats();
         let mut role = format!("{:?}", self.dec.role());
@@ -1029,7 +1019,7 @@ impl<'c> World<'c> {
         let _ = writeln!(s, "gateway: {:?}", self.gw);
         for p in &self.prefills {
             let _ = writeln!(s, "prefill {}: {:?}", p.id, p.driver);
-            let _ = writeln!(s, "  pool {:?}", p.compute.pool.stats());
+            let _ = writeln!(s, "  pool {:?}", p.pool.stats());
         }
         let _ = writeln!(s, "decode: {:?}", self.dec.role());
         let _ = writeln!(s, "  pool {:?}", self.dec.engine().pool.stats());

@@ -1,7 +1,7 @@
 //! Messages between the roles. Every request is named by the gateway's [`RequestId`], which
 //! is also the owner of the KV leases taken for it on every worker.
 
-use bulkhead_kv::{ChunkHeader, PageRef, RequestId};
+use bulkhead_kv::{ChunkHeader, KvPool, PageRef, RequestId};
 
 /// A worker's identity within one gateway (assigned at registration).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -39,6 +39,23 @@ pub struct Hello {
     pub max_context: u32,
     /// Where prefill workers reach this (decode) worker, `host:port`; empty for prefill.
     pub kv_addr: String,
+}
+
+impl Hello {
+    /// What a worker of `role` serving the model with digest `model_digest` from `pool`
+    /// announces: the pool's layout and capacity, and the context it accepts.
+    pub fn for_pool(role: Role, model_digest: u64, pool: &KvPool, max_context: usize, kv_addr: String) -> Self {
+        let layout = pool.layout();
+        Hello {
+            role,
+            model_digest,
+            page_size: layout.page_size as u32,
+            kv_bytes_per_token: layout.bytes_per_token() as u32,
+            capacity_tokens: pool.capacity_tokens() as u64,
+            max_context: max_context as u32,
+            kv_addr,
+        }
+    }
 }
 
 /// How to pick each token: the one sampling vocabulary of the gateway, the workers and the

@@ -30,27 +30,19 @@ type Wire = VecDeque<(To, Message)>;
 
 /// The mock prefill model: position `p` of request `r` holds `kv_value(r, p)`; the first
 /// token is always 7.
-struct MockCompute {
-    pool: KvPool,
-}
+struct MockCompute;
 
 impl PrefillCompute for MockCompute {
     type Error = KvError;
-    fn pool(&self) -> &KvPool {
-        &self.pool
-    }
-    fn pool_mut(&mut self) -> &mut KvPool {
-        &mut self.pool
-    }
-    fn compute(&mut self, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: &Sampling) -> Result<Option<u32>, KvError> {
+    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: &Sampling) -> Result<Option<u32>, KvError> {
         for pos in from..to {
             let (lease, slot) = seq.locate(pos)?;
             let v = kv_value(seq.owner(), pos);
             for layer in 0..LAYOUT.layers {
-                self.pool.write(lease, layer, slot, &[v, v], &[v, v])?;
+                pool.write(lease, layer, slot, &[v, v], &[v, v])?;
             }
         }
-        seq.commit(&self.pool, to - from)?;
+        seq.commit(pool, to - from)?;
         Ok((to == tokens.len()).then_some(7))
     }
 }
@@ -64,9 +56,6 @@ struct MockEngine {
 
 impl DecodeEngine for MockEngine {
     type Error = KvError;
-    fn pool(&self) -> &KvPool {
-        &self.pool
-    }
     fn pool_mut(&mut self) -> &mut KvPool {
         &mut self.pool
     }
@@ -137,22 +126,10 @@ struct Cluster<PP: PrefillPolicy = Honest, DP: DecodePolicy = Honest> {
     gw: GatewayRole,
     dec: DecodeDriver<MockEngine, DP>,
     pre: PrefillDriver<PP>,
-    compute: MockCompute,
+    ppool: KvPool,
     net: Wire,
     outputs: BTreeMap<RequestId, Vec<ClientOutput>>,
     now: u64,
-}
-
-fn hello(role: Role, max_context: usize) -> Hello {
-    Hello {
-        role,
-        model_digest: DIGEST,
-        page_size: LAYOUT.page_size as u32,
-        kv_bytes_per_token: LAYOUT.bytes_per_token() as u32,
-        capacity_tokens: max_context as u64,
-        max_context: max_context as u32,
-        kv_addr: String::new(),
-    }
 }
 
 impl Cluster {
@@ -166,18 +143,19 @@ impl<PP: PrefillPolicy, DP: DecodePolicy> Cluster<PP, DP> {
         let pool = |t: usize| KvPool::new(PoolConfig { layout: LAYOUT, pages: t / LAYOUT.page_size, checks: KvChecks::all() }).unwrap();
         let model_context = prefill_pool_tokens.max(decode_pool_tokens);
         let mut gw = GatewayRole::new(GatewayConfig { model_context, model_digest: DIGEST, admission_check: gateway_check, request_timeout_ms: 10_000 });
+        let (ppool, dpool) = (pool(prefill_pool_tokens), pool(decode_pool_tokens));
         // Registration's introductions are the transports' business here: the KV
         // connection is simply open.
-        gw.join(PREFILL, &hello(Role::Prefill, prefill_pool_tokens)).unwrap();
-        gw.join(DECODE, &hello(Role::Decode, decode_pool_tokens)).unwrap();
+        gw.join(PREFILL, &Hello::for_pool(Role::Prefill, DIGEST, &ppool, prefill_pool_tokens, String::new())).unwrap();
+        gw.join(DECODE, &Hello::for_pool(Role::Decode, DIGEST, &dpool, decode_pool_tokens, String::new())).unwrap();
         let mut role = PrefillRole::new(PrefillConfig { max_prompt: prefill_pool_tokens, page_size: LAYOUT.page_size, keepalive_ms: 250 });
         role.handle(PrefillEvent::DecodeConnected { decode: DECODE });
-        let engine = MockEngine { pool: pool(decode_pool_tokens), decoding: BTreeMap::new() };
+        let engine = MockEngine { pool: dpool, decoding: BTreeMap::new() };
         Cluster {
             gw,
             dec: DecodeDriver::with_policy(DecodeRole::new(DecodeConfig { max_context: decode_pool_tokens, transfer_timeout_ms: 1_000 }), engine, dp),
             pre: PrefillDriver::with_policy(role, LAYOUT.page_size, pp),
-            compute: MockCompute { pool: pool(prefill_pool_tokens) },
+            ppool,
             net: VecDeque::new(),
             outputs: BTreeMap::new(),
             now: 0,
@@ -224,7 +202,7 @@ impl<PP: PrefillPolicy, DP: DecodePolicy> Cluster<PP, DP> {
     /// One unit of prefill work: start a job and compute its first page, or compute and
     /// send the next page, or end it.
     fn prefill_step(&mut self) -> bool {
-        self.pre.step(&mut self.compute, &mut PrefillWire(&mut self.net)) != Step::Idle
+        self.pre.step(&mut MockCompute, &mut self.ppool, &mut PrefillWire(&mut self.net)) != Step::Idle
     }
 
     /// One decode step for every running sequence: a token, or the end.
@@ -256,7 +234,7 @@ impl<PP: PrefillPolicy, DP: DecodePolicy> Cluster<PP, DP> {
             let terminal = outs.iter().filter(|o| o.is_terminal()).count();
             assert!(terminal <= 1, "request {r}: {outs:?}");
         }
-        for (name, p) in [("decode", self.dpool()), ("prefill", &self.compute.pool)] {
+        for (name, p) in [("decode", self.dpool()), ("prefill", &self.ppool)] {
             let s = p.stats();
             assert_eq!((s.free_pages, s.quarantined_pages), (s.total_pages, 0), "{name} pool not back to full: {s:?}");
             p.check_invariants();
@@ -309,7 +287,7 @@ fn incident_outcome<PP: PrefillPolicy, DP: DecodePolicy>(c: &Cluster<PP, DP>) ->
     if !matches!(c.terminal(1), Some(ClientOutput::Rejected { reason: RejectReason::ContextLength, .. })) {
         return Err(format!("the over-long request was not rejected: {:?}", c.outputs));
     }
-    if c.compute.pool.stats().leases_granted != 0 {
+    if c.ppool.stats().leases_granted != 0 {
         return Err("the prefill computed a rejected prompt".into());
     }
     if c.dec.role().stats().chunks_verified != 0 {
@@ -571,7 +549,7 @@ fn the_decode_worker_refuses_a_request_over_its_context_before_leasing_anything(
     c.submit(1, 10, 10);
     c.run();
     assert!(matches!(c.terminal(1), Some(ClientOutput::Rejected { reason: RejectReason::ContextLength, .. })), "{:?}", c.outputs);
-    assert_eq!((c.dpool().stats().leases_granted, c.compute.pool.stats().leases_granted), (0, 0));
+    assert_eq!((c.dpool().stats().leases_granted, c.ppool.stats().leases_granted), (0, 0));
     assert_eq!(c.dec.role().stats().rejected_context, 1);
     c.assert_clean(&[1]);
 }

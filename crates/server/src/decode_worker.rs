@@ -125,7 +125,7 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
             return Err(WorkerError::Io(std::io::Error::other(e.to_string())));
         }
         if link.pusher.due() {
-            link.push_metrics(driver.role(), bulkhead_protocol::driver::decode::DecodeEngine::pool(driver.engine()));
+            link.push_metrics(driver.role(), driver.engine().pool());
         }
         if let Some(e) = link.gw_error.take() {
             return Err(e.into());

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bulkhead_engine::Prefiller;
-use bulkhead_kv::RequestId;
+use bulkhead_kv::{KvPool, RequestId};
 use bulkhead_protocol::driver::prefill::{LinkDown, PrefillDriver, PrefillLink, Step};
 use bulkhead_protocol::prefill::{JobOutcome, PrefillConfig, PrefillEvent, PrefillRole};
 use bulkhead_protocol::{Message, Role, WorkerId};
@@ -104,6 +104,7 @@ struct Worker {
     driver: PrefillDriver,
     link: Link,
     compute: Prefiller,
+    pool: KvPool,
     /// Time to send each step's chunks.
     transfer: Histogram,
     pusher: Pusher,
@@ -131,7 +132,8 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     let mut w = Worker {
         driver: PrefillDriver::new(role, chunk_tokens),
         link,
-        compute: Prefiller::new(Arc::new(model.model), pool),
+        compute: Prefiller(Arc::new(model.model)),
+        pool,
         transfer: Histogram::new(metrics::TRANSFER_BUCKETS),
         pusher: Pusher::new(),
         job_started: None,
@@ -213,7 +215,7 @@ impl Worker {
         if self.driver.current().is_none() {
             self.job_started = job.map(|j| (j.req, Instant::now()));
         }
-        let step = self.driver.step(&mut self.compute, &mut self.link);
+        let step = self.driver.step(&mut self.compute, &mut self.pool, &mut self.link);
         if let Some(sending) = self.link.sending.take() {
             self.transfer.observe_since(sending);
         }
@@ -240,8 +242,7 @@ impl Worker {
         let mut f = Families::new();
         let role = self.driver.role();
         let requests = [("queued", role.queued()), ("running", usize::from(role.busy()))];
-        let pool = bulkhead_protocol::driver::prefill::PrefillCompute::pool(&self.compute);
-        metrics::worker_families(&mut f, &pool.stats(), &requests, self.link.sent_bytes);
+        metrics::worker_families(&mut f, &self.pool.stats(), &requests, self.link.sent_bytes);
         metrics::prefill_families(&role.stats(), &mut f);
         metrics::transfer_seconds(&mut f, &self.transfer);
         self.pusher.pushed();

@@ -137,15 +137,7 @@ pub fn load(cfg: &WorkerConfig) -> Result<Loaded, WorkerError> {
 pub fn register(cfg: &WorkerConfig, loaded: &Loaded, role: Role, kv_addr: String) -> Result<(TcpStream, FrameReader, WorkerId), WorkerError> {
     let mut stream = connect_retry(&cfg.gateway)?;
     stream.set_nodelay(true)?;
-    let hello = Hello {
-        role,
-        model_digest: loaded.digest,
-        page_size: loaded.pool.layout().page_size as u32,
-        kv_bytes_per_token: loaded.pool.layout().bytes_per_token() as u32,
-        capacity_tokens: loaded.pool.capacity_tokens() as u64,
-        max_context: loaded.context as u32,
-        kv_addr,
-    };
+    let hello = Hello::for_pool(role, loaded.digest, &loaded.pool, loaded.context, kv_addr);
     send(&mut stream, &Message::Hello(hello))?;
     let mut reader = FrameReader::new(stream.try_clone()?);
     match reader.recv()? {

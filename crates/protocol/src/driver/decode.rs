@@ -55,8 +55,6 @@ impl GenEvent {
 pub trait DecodeEngine {
     /// The loop's error; a failed step ends the worker.
     type Error: std::fmt::Display;
-    /// The worker's KV pool.
-    fn pool(&self) -> &KvPool;
     /// The worker's KV pool, for the role's reservations.
     fn pool_mut(&mut self) -> &mut KvPool;
     /// Take a verified request with the first token its prefill sampled; the events of
@@ -167,7 +165,7 @@ impl<E: DecodeEngine, P: DecodePolicy> DecodeDriver<E, P> {
                     Ok(events) => self.emit(events, link),
                     Err(e) => {
                         self.role.finished(req);
-                        link.ending(&self.role, self.engine.pool());
+                        link.ending(&self.role, self.engine.pool_mut());
                         link.to_gateway(Message::Failed { req, reason: FailReason::Internal, detail: e.to_string() });
                     }
                 }
@@ -196,7 +194,7 @@ impl<E: DecodeEngine, P: DecodePolicy> DecodeDriver<E, P> {
             ended = true;
         }
         if ended {
-            link.ending(&self.role, self.engine.pool());
+            link.ending(&self.role, self.engine.pool_mut());
         }
         for e in events {
             link.to_gateway(e.into_message());

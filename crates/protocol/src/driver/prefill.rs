@@ -16,18 +16,14 @@ use crate::driver::Honest;
 use crate::msg::{Message, Sampling, WorkerId};
 use crate::prefill::{JobOutcome, PrefillAction, PrefillEvent, PrefillFailure, PrefillJob, PrefillRole};
 
-/// What computes prompt KV: a model over the worker's own pool.
+/// What computes prompt KV: a model, over the worker's own pool.
 pub trait PrefillCompute {
     /// The model's error.
     type Error: std::fmt::Display;
-    /// The worker's KV pool.
-    fn pool(&self) -> &KvPool;
-    /// The worker's KV pool, to lease and release a job's pages.
-    fn pool_mut(&mut self) -> &mut KvPool;
-    /// Compute and commit the KV of prompt positions `from..to` into `seq` (reserved for
-    /// the whole prompt, `from` positions committed). After the last position, the first
-    /// generated token, sampled with `sampling`.
-    fn compute(&mut self, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, sampling: &Sampling) -> Result<Option<u32>, Self::Error>;
+    /// Compute and commit the KV of prompt positions `from..to` into `seq` (in `pool`,
+    /// reserved for the whole prompt, `from` positions committed). After the last
+    /// position, the first generated token, sampled with `sampling`.
+    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, sampling: &Sampling) -> Result<Option<u32>, Self::Error>;
 }
 
 /// The KV connection to the target decode worker is gone: the job stops.
@@ -170,8 +166,9 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
         act(acts, link);
     }
 
-    /// One unit of work (see the module docs).
-    pub fn step(&mut self, model: &mut impl PrefillCompute, link: &mut impl PrefillLink) -> Step {
+    /// One unit of work (see the module docs), computing with `model` into the worker's
+    /// own `pool`.
+    pub fn step(&mut self, model: &mut impl PrefillCompute, pool: &mut KvPool, link: &mut impl PrefillLink) -> Step {
         if self.job.is_none() {
             let (job, rogue) = match self.role.next_job() {
                 Some(job) => (job, false),
@@ -181,32 +178,32 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
                 },
             };
             let mut seq = SequenceKv::new(job.req);
-            if let Err(e) = seq.reserve(model.pool_mut(), job.tokens.len()) {
+            if let Err(e) = seq.reserve(pool, job.tokens.len()) {
                 // Reserve is all or nothing: nothing is leased.
                 let outcome = JobOutcome::Failed(PrefillFailure::NoPages(e));
-                return self.finish(Job { job, seq, done: 0, manifest: Manifest::default(), rogue }, outcome, model, link);
+                return self.finish(Job { job, seq, done: 0, manifest: Manifest::default(), rogue }, outcome, pool, link);
             }
             self.job = Some(Job { job, seq, done: 0, manifest: Manifest::default(), rogue });
         }
         let Some(mut j) = self.job.take() else { return Step::Idle };
         let req = j.job.req;
         if !j.rogue && !self.role.keep_going(req) {
-            return self.finish(j, JobOutcome::Stopped, model, link);
+            return self.finish(j, JobOutcome::Stopped, pool, link);
         }
         let n = j.job.tokens.len();
         let (from, to) = (j.done, (j.done + self.chunk_tokens).min(n));
-        let first = match model.compute(&mut j.seq, &j.job.tokens, from, to, &j.job.sampling) {
+        let first = match model.compute(pool, &mut j.seq, &j.job.tokens, from, to, &j.job.sampling) {
             Ok(first) => first,
-            Err(e) => return self.finish(j, JobOutcome::Failed(PrefillFailure::Compute(e.to_string())), model, link),
+            Err(e) => return self.finish(j, JobOutcome::Failed(PrefillFailure::Compute(e.to_string())), pool, link),
         };
-        let chunks = match export_chunks(model.pool(), &j.seq, &j.job.pages, from, to, &mut j.manifest) {
+        let chunks = match export_chunks(pool, &j.seq, &j.job.pages, from, to, &mut j.manifest) {
             Ok(chunks) => chunks,
-            Err(e) => return self.finish(j, JobOutcome::Failed(PrefillFailure::Export(e)), model, link),
+            Err(e) => return self.finish(j, JobOutcome::Failed(PrefillFailure::Export(e)), pool, link),
         };
         let sent = chunks.len();
         for (header, data) in chunks {
             if link.to_decode(j.job.decode, Message::KvChunk { req, header, data }).is_err() {
-                return self.finish(j, JobOutcome::Stopped, model, link);
+                return self.finish(j, JobOutcome::Stopped, pool, link);
             }
         }
         j.done = to;
@@ -218,18 +215,18 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
             Some(first_token) => JobOutcome::Done { tokens: n as u32, first_token, manifest: j.manifest.digest() },
             None => JobOutcome::Failed(PrefillFailure::NoFirstToken),
         };
-        self.finish(j, outcome, model, link)
+        self.finish(j, outcome, pool, link)
     }
 
     /// End a job: its own pages go back, the role sends its final messages.
-    fn finish(&mut self, j: Job, outcome: JobOutcome, model: &mut impl PrefillCompute, link: &mut impl PrefillLink) -> Step {
+    fn finish(&mut self, j: Job, outcome: JobOutcome, pool: &mut KvPool, link: &mut impl PrefillLink) -> Step {
         let req = j.job.req;
-        let unreleased = match j.seq.release(model.pool_mut()) {
+        let unreleased = match j.seq.release(pool) {
             Ok(_) => None,
             Err(u) => {
                 // Only a stale lease fails here, and nothing else can reach these pages.
                 let why = u.error.clone();
-                u.reclaim(model.pool_mut());
+                u.reclaim(pool);
                 Some(why)
             }
         };
