@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Puts deliberate bugs into the driver core (crates/protocol/src/driver), one at a time,
-# and checks that both checkers catch each: the model checker (the faulty-network and
-# three-requests configurations, through its CLI) and the fault schedules (2,000 seeds on
+# and checks that both checkers catch each: the model checker (the three-requests and
+# faulty-network configurations, through its CLI) and the fault schedules (2,000 seeds on
 # the mock model). Shows that the checkers verify the code the servers run, not a copy
 # of it. Restores the sources at the end, whatever happens. Not in CI (about 4 minutes a
 # bug on 2 cores); docs/TESTING.md records a run.
@@ -31,12 +31,17 @@ open(path, "w").write(s.replace(old, new))
 EOF
   echo "== bug: $name"
   cargo build --quiet --release -p bulkhead-modelcheck
-  mc=caught
-  for cfg in faulty-network three-requests; do
+  # Caught if a configuration finds a property failing (faulty-network checks "every
+  # request ends" rather than "ends with every pool full", since a lost fence keeps pages
+  # quarantined by design; three-requests checks both).
+  mc=MISSED
+  for cfg in three-requests faulty-network; do
     if target/release/bulkhead-modelcheck check "$cfg" >/tmp/driver-core-bug.log 2>&1; then
-      mc="MISSED ($cfg)"; break
+      echo "   modelcheck $cfg: every property holds"
+    else
+      mc=caught
+      echo "   modelcheck $cfg: $(grep -E '^FAILED' /tmp/driver-core-bug.log | head -1)"
     fi
-    echo "   modelcheck $cfg: $(grep -E '^FAILED' /tmp/driver-core-bug.log | head -1)"
   done
   fs=caught
   if BULKHEAD_SCHEDULES=2000 cargo test --quiet -p bulkhead-faultsim --test schedules seeded_fault_schedules \
