@@ -87,4 +87,10 @@ pub trait Backend: Send + Sync + 'static {
     /// true, 503 otherwise. The disaggregated gateway is ready while at least one prefill and
     /// one decode worker are registered. (`GET /health`, liveness, does not ask.)
     fn ready(&self) -> bool;
+
+    /// Whether the backend can serve, or will again by itself: `GET /health` (liveness)
+    /// answers 503 when false, so that a supervisor restarts the process.
+    fn healthy(&self) -> bool {
+        true
+    }
 }

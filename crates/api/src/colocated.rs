@@ -197,6 +197,11 @@ impl Backend for ColocatedBackend {
     fn ready(&self) -> bool {
         self.alive.load(Ordering::Acquire)
     }
+
+    /// The engine thread is the whole backend: once it is gone nothing brings it back.
+    fn healthy(&self) -> bool {
+        self.alive.load(Ordering::Acquire)
+    }
 }
 
 /// Clears the `alive` flag when the engine thread ends, however it ends.
@@ -323,6 +328,14 @@ impl EngineLoop {
                 Event::Failed { req, error } => {
                     if let Some(live) = self.live.remove(&req) {
                         let err = ApiError::internal(format!("KV read check failed: {error}"));
+                        let _ = live.events.try_send(GenEvent::Failed(err));
+                    }
+                }
+                // The engine recomputes requests admitted here itself; only sequences that
+                // arrived verified from a prefill worker leave it retracted.
+                Event::Retracted { req, .. } => {
+                    if let Some(live) = self.live.remove(&req) {
+                        let err = ApiError::internal("the engine retracted a request it cannot resume");
                         let _ = live.events.try_send(GenEvent::Failed(err));
                     }
                 }

@@ -212,7 +212,7 @@ fn error_response(description: &str) -> RefOr<utoipa::openapi::Response> {
 /// With `stream: true` the answer is `text/event-stream`: one `chat.completion.chunk` per
 /// `data:` line (the first carries `role`, the last content chunk `finish_reason`, then a
 /// usage chunk if `stream_options.include_usage`), ending with `data: [DONE]`. An error after
-/// the stream started arrives as one last `data:` line holding an error body.
+/// the stream started arrives as a `data:` line holding an error body, then `data: [DONE]`.
 #[utoipa::path(
     post,
     path = "/v1/chat/completions",
@@ -512,16 +512,22 @@ async fn next_frames(st: &mut StreamState) -> String {
                     "generation failed mid-stream: {}",
                     e.message
                 );
-                return data(&e.body());
+                return error_end(&e);
             }
             None => {
                 st.done = true;
                 let e = ApiError::internal("The generation ended without a result.");
                 tracing::warn!("{}", e.message);
-                return data(&e.body());
+                return error_end(&e);
             }
         }
     }
+}
+
+/// The end of a stream that failed: an error body, then `[DONE]` so that clients which wait
+/// for it (as the OpenAI ones do) stop reading.
+fn error_end(e: &ApiError) -> String {
+    data(&e.body()) + "data: [DONE]\n\n"
 }
 
 /// A chat chunk: with one choice carrying `delta` (and `finish_reason`), or with no choices
@@ -622,15 +628,25 @@ async fn get_model(
 /// The body of `/health` and `/ready`.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 struct Status {
-    /// `ok` (health), `ready` or `not ready`.
+    /// `ok` or `failed` (health), `ready` or `not ready`.
     #[schema(example = "ok")]
     status: &'static str,
 }
 
-/// Liveness: the HTTP server answers.
-#[utoipa::path(get, path = "/health", tag = "operations", responses((status = 200, body = Status)))]
-async fn health() -> Json<Status> {
-    Json(Status { status: "ok" })
+/// Liveness: the server answers and can serve, or recover by itself. 503 when it cannot
+/// (for a supervisor to restart it).
+#[utoipa::path(
+    get,
+    path = "/health",
+    tag = "operations",
+    responses((status = 200, body = Status), (status = 503, description = "Cannot serve and cannot recover by itself.", body = Status))
+)]
+async fn health(State(st): State<AppState>) -> Response {
+    if st.backend.healthy() {
+        Json(Status { status: "ok" }).into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, Json(Status { status: "failed" })).into_response()
+    }
 }
 
 /// Readiness: the backend can take requests now (in `serve`, workers are registered).

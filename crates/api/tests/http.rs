@@ -395,7 +395,7 @@ async fn a_text_completion_stream_sends_text_chunks_then_usage_then_done() {
 }
 
 #[tokio::test]
-async fn a_backend_failure_mid_stream_sends_an_error_chunk_and_no_done() {
+async fn a_backend_failure_mid_stream_sends_an_error_chunk_then_done() {
     let mock = Mock::new(vec![
         GenEvent::Text("partial".into()),
         GenEvent::Failed(ApiError::internal("engine fell over")),
@@ -410,8 +410,8 @@ async fn a_backend_failure_mid_stream_sends_an_error_chunk_and_no_done() {
     .await;
     assert_eq!(status, StatusCode::OK);
     let payloads = sse_payloads(&raw);
-    assert_eq!(payloads.len(), 3, "{payloads:?}");
-    assert!(!payloads.iter().any(|p| p == "[DONE]"));
+    assert_eq!(payloads.len(), 4, "{payloads:?}");
+    assert_eq!(payloads[3], "[DONE]", "clients stop reading at [DONE]; the error chunk says it failed");
     let err = parse(&payloads[2]);
     assert_error(&err, "server_error", None);
     assert_eq!(err["error"]["message"], "engine fell over");

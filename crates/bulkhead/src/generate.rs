@@ -55,7 +55,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
     let needed = admit(prompt.len(), Generate::Tokens(a.max_tokens), context).context("--prompt with --max-tokens")?;
     let layout = m.model.kv_layout(a.model.page_size as usize);
     let pool = KvPool::new(PoolConfig { layout, pages: layout.pages_for_tokens(needed), checks: KvChecks::default() })?;
-    let sampling = Sampling { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed, ignore_eos: false };
+    let sampling = Sampling { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed, ..Sampling::default() };
     let mut engine = Engine::new(Arc::new(m.model), Arc::new(m.tokenizer), pool, EngineConfig::for_context(context));
     engine.add(GenRequest { prompt, max_tokens: a.max_tokens, sampling, stop: a.stop })?;
     let mut out = std::io::stdout().lock();
@@ -69,6 +69,8 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
                     tracing::info!(reason = finish.as_str(), prompt_tokens, completion_tokens, "finished");
                 }
                 Event::Failed { error, .. } => anyhow::bail!("generation failed a KV read check: {error}"),
+                // Only sequences verified from a prefill worker leave the engine retracted.
+                Event::Retracted { .. } => anyhow::bail!("the engine retracted the request"),
             }
             out.flush()?;
         }

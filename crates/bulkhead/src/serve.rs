@@ -4,8 +4,9 @@
 //! they never outlive this process.
 
 use std::path::PathBuf;
+use std::collections::VecDeque;
 use std::process::{Child, Command};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use bulkhead_server::gateway::{self, GatewayOptions};
@@ -75,6 +76,12 @@ pub struct ServeArgs {
     /// A request not finished after this long fails (ms).
     #[arg(long, env = "BULKHEAD_REQUEST_TIMEOUT_MS", default_value_t = 600_000)]
     request_timeout_ms: u64,
+    /// Requests that may wait at the gateway for KV capacity or workers; one more gets 429 with Retry-After.
+    #[arg(long, env = "BULKHEAD_MAX_QUEUED_REQUESTS", default_value_t = 1024)]
+    max_queued_requests: usize,
+    /// How long a request may wait at the gateway for KV capacity or workers before it gets 429 (ms).
+    #[arg(long, env = "BULKHEAD_QUEUE_TIMEOUT_MS", default_value_t = 120_000)]
+    queue_timeout_ms: u64,
     /// How long shutdown waits for in-flight requests (s).
     #[arg(long, env = "BULKHEAD_DRAIN_TIMEOUT_S", default_value_t = 30)]
     drain_timeout_s: u64,
@@ -209,9 +216,11 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf) -> anyhow::Result<()> {
         model_id: a.model_id.clone(),
         admission_check: !a.no_gateway_admission,
         request_timeout_ms: a.request_timeout_ms,
+        max_queued: a.max_queued_requests,
+        queue_timeout_ms: a.queue_timeout_ms,
     };
     let mut gw = gateway::start(opts).await.with_context(|| format!("cannot start the gateway on {}:{}", a.host, a.port))?;
-    let mut children = Children(Vec::new());
+    let mut workers = Supervisor::default();
     if a.role == ServeRole::All {
         let exe = std::env::current_exe()?;
         let gw_addr = gw.worker_addr.to_string();
@@ -237,23 +246,29 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf) -> anyhow::Result<()> {
                 cmd.args(a.checks.child_args());
                 // Workers must not bind the gateway's HTTP port or inherit its role.
                 cmd.env_remove("BULKHEAD_ROLE").env_remove("BULKHEAD_PORT").env_remove("BULKHEAD_CONFIG");
-                children.0.push(cmd.spawn().with_context(|| format!("cannot start a {role} worker"))?);
+                workers.add(role, cmd).with_context(|| format!("cannot start a {role} worker"))?;
             }
         }
     }
     println!("bulkhead: serving on http://{} (workers register at {})", gw.http_addr, gw.worker_addr);
-    shutdown_signal(&mut children).await;
+    let outcome = tokio::select! {
+        () = shutdown_signal() => Ok(()),
+        e = workers.supervise() => Err(e),
+    };
+    if outcome.is_err() {
+        // Nothing here can bring the workers back: say so to probes while draining.
+        gw.mark_failed();
+    }
     tracing::info!("shutting down: draining in-flight requests");
     gw.shutdown();
     if tokio::time::timeout(Duration::from_secs(a.drain_timeout_s), &mut gw.server).await.is_err() {
         tracing::warn!(drain_timeout_s = a.drain_timeout_s, "drain timed out; exiting with requests in flight");
     }
-    Ok(())
+    outcome
 }
 
-/// Wait for SIGINT/SIGTERM, or for a child worker to die (then serve on without it only if
-/// others remain; the gateway fails its requests cleanly either way).
-async fn shutdown_signal(children: &mut Children) {
+/// Wait for SIGINT or SIGTERM.
+async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     let term = async {
@@ -266,34 +281,107 @@ async fn shutdown_signal(children: &mut Children) {
     };
     #[cfg(not(unix))]
     let term = std::future::pending::<()>();
-    let watch = async {
-        loop {
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            if !children.0.is_empty() && children.all_exited() {
-                tracing::error!("every worker process exited");
-                return;
-            }
-        }
-    };
     tokio::select! {
         _ = ctrl_c => {}
         _ = term => {}
-        _ = watch => {}
     }
 }
 
-/// Worker processes, killed when this is dropped.
-struct Children(Vec<Child>);
+/// Exits of one worker within [`CRASH_LOOP_WINDOW`] that end the server: restarting it
+/// again would only hide the fault from an outer supervisor (Kubernetes, systemd).
+const CRASH_LOOP_EXITS: usize = 5;
+const CRASH_LOOP_WINDOW: Duration = Duration::from_secs(60);
+/// Restart delay after the first exit; doubles with each recent exit, up to the maximum.
+const RESTART_BACKOFF: Duration = Duration::from_millis(100);
+const RESTART_BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// How often children are checked for exits (which also reaps them).
+const SUPERVISE_EVERY: Duration = Duration::from_millis(100);
 
-impl Children {
-    fn all_exited(&mut self) -> bool {
-        self.0.iter_mut().all(|c| matches!(c.try_wait(), Ok(Some(_))))
+/// One worker process of `serve --role all` and its restarts.
+struct Slot {
+    role: &'static str,
+    cmd: Command,
+    child: Option<Child>,
+    /// Recent exits, oldest first, within the crash-loop window.
+    exits: VecDeque<Instant>,
+    restart_at: Option<Instant>,
+}
+
+/// The worker processes: each restarted with backoff when it exits (it registers again
+/// under a new id; the pages its old incarnation held are fenced by the protocol), reaped
+/// as it exits, and killed when this is dropped.
+#[derive(Default)]
+struct Supervisor(Vec<Slot>);
+
+impl Supervisor {
+    fn add(&mut self, role: &'static str, mut cmd: Command) -> std::io::Result<()> {
+        let child = cmd.spawn()?;
+        self.0.push(Slot { role, cmd, child: Some(child), exits: VecDeque::new(), restart_at: None });
+        Ok(())
+    }
+
+    /// Restart workers as they exit; returns only when one crash-loops.
+    async fn supervise(&mut self) -> anyhow::Error {
+        loop {
+            tokio::time::sleep(SUPERVISE_EVERY).await;
+            if let Err(e) = self.poll(Instant::now()) {
+                tracing::error!(error = %e, "worker crash loop");
+                return e;
+            }
+        }
+    }
+
+    fn poll(&mut self, now: Instant) -> anyhow::Result<()> {
+        for slot in &mut self.0 {
+            let exited = match slot.child.as_mut().map(Child::try_wait) {
+                Some(Ok(Some(status))) => Some(status.to_string()),
+                Some(Err(e)) => Some(format!("cannot wait for it: {e}")),
+                Some(Ok(None)) | None => None,
+            };
+            if let Some(how) = exited {
+                slot.child = None;
+                slot.exited(now, &how)?;
+            }
+            if slot.child.is_none() && slot.restart_at.is_some_and(|t| t <= now) {
+                slot.restart_at = None;
+                match slot.cmd.spawn() {
+                    Ok(c) => {
+                        tracing::info!(role = slot.role, pid = c.id(), "worker restarted");
+                        slot.child = Some(c);
+                    }
+                    // A worker that cannot even be started crash-loops too.
+                    Err(e) => slot.exited(now, &format!("cannot start it: {e}"))?,
+                }
+            }
+        }
+        Ok(())
     }
 }
 
-impl Drop for Children {
+impl Slot {
+    /// Its process is gone: schedule a restart, or give up if it keeps exiting.
+    fn exited(&mut self, now: Instant, how: &str) -> anyhow::Result<()> {
+        self.exits.push_back(now);
+        while self.exits.front().is_some_and(|t| now.duration_since(*t) > CRASH_LOOP_WINDOW) {
+            self.exits.pop_front();
+        }
+        let n = self.exits.len();
+        anyhow::ensure!(
+            n < CRASH_LOOP_EXITS,
+            "the {} worker exited {n} times within {} s (last: {how}); giving up so that an outer supervisor can take over",
+            self.role,
+            CRASH_LOOP_WINDOW.as_secs()
+        );
+        let backoff = RESTART_BACKOFF.saturating_mul(1 << (n - 1)).min(RESTART_BACKOFF_MAX);
+        tracing::warn!(role = self.role, status = how, backoff_ms = backoff.as_millis() as u64, "worker exited; restarting it");
+        self.restart_at = Some(now + backoff);
+        Ok(())
+    }
+}
+
+impl Drop for Supervisor {
     fn drop(&mut self) {
-        for c in &mut self.0 {
+        for c in self.0.iter_mut().filter_map(|s| s.child.as_mut()) {
             let _ = c.kill();
             let _ = c.wait();
         }

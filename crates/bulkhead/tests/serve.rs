@@ -209,10 +209,11 @@ fn worker_pid(s: &Server, role: &str) -> u32 {
         .expect("worker logs its pid")
 }
 
-/// A decode worker killed mid-stream: the client's stream ends with an error (no hang, no
-/// 200 claiming success), and the gateway reports itself not ready.
+/// A decode worker killed mid-stream: the client's stream ends with an error chunk and
+/// `[DONE]` (no hang, no finish claiming success); `serve` reaps the dead worker and starts
+/// another, which registers, and the server serves again.
 #[test]
-fn a_decode_worker_killed_mid_stream_ends_the_request_with_an_error() {
+fn a_decode_worker_killed_mid_stream_ends_the_request_with_an_error_and_is_replaced() {
     let s = serve(&[], &[]);
     let body = serde_json::json!({"model": "bulkhead", "stream": true, "max_tokens": 2000,
         "messages": [{"role": "user", "content": "Tell me a very long story."}]})
@@ -227,9 +228,41 @@ fn a_decode_worker_killed_mid_stream_ends_the_request_with_an_error() {
     assert!(Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap().success());
     let mut rest = String::new();
     c.read_to_string(&mut rest).expect("the stream ends instead of hanging");
-    assert!(rest.contains("\"error\""), "the stream ends with an error chunk: {}", &rest[rest.len().saturating_sub(400)..]);
-    assert!(!rest.contains("[DONE]"), "no success marker after a lost worker");
-    assert_eq!(get(&s.http, "/ready").0, 503);
+    let tail = &rest[rest.len().saturating_sub(600)..];
+    let (error, done) = (rest.find("\"error\"").unwrap_or(usize::MAX), rest.find("data: [DONE]").unwrap_or(0));
+    assert!(error < done && rest.contains("was lost"), "the stream ends with an error chunk, then [DONE]: {tail}");
+    assert!(!rest.contains("\"finish_reason\":\"stop\"") && !rest.contains("\"finish_reason\":\"length\""), "no finish claims success: {tail}");
+    // Replaced: a second decode registration, the old process reaped (not a zombie).
+    let registered = || std::fs::read_to_string(&s.stderr_log).unwrap().matches("decode worker registered").count();
+    for _ in 0..300 {
+        if registered() == 2 && get(&s.http, "/ready").0 == 200 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!((registered(), get(&s.http, "/ready").0), (2, 200), "{}", std::fs::read_to_string(&s.stderr_log).unwrap());
+    let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    assert!(state.is_empty(), "the killed worker was not reaped: {state}");
+    assert_eq!(get(&s.http, "/health").0, 200);
+    let (status, v) = chat(&s.http, SYSTEM, "Hi", 4);
+    assert_eq!(status, 200, "{v}");
+}
+
+/// A worker that cannot start is restarted with backoff, and after five exits within a
+/// minute `serve` exits non-zero and says why, so that an outer supervisor takes over.
+#[test]
+fn a_crash_looping_worker_makes_serve_exit_non_zero_with_the_reason() {
+    let start = std::time::Instant::now();
+    let out = Command::new(BIN)
+        .args(["serve", "--port", "0", "--kv-pool-tokens", "1000", "--threads", "1", "--model"])
+        .arg(model())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("exited 5 times within 60 s"), "{err}");
+    assert!(err.contains("--kv-pool-tokens"), "the worker's own reason is in the log: {err}");
+    assert!(start.elapsed() < Duration::from_secs(60), "{:?}", start.elapsed());
 }
 
 #[test]

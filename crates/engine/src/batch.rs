@@ -1,20 +1,31 @@
-//! Continuous batching over one model and one KV pool.
+//! Continuous batching over one model and one KV pool, with KV on demand.
 //!
-//! Admission reserves every page a request can ever need (prompt + `max_tokens`) at once, all
-//! or nothing, so a running sequence can never stall for memory and nothing is preempted.
+//! A sequence holds pages for what it has computed and grows page by page as it generates
+//! (admission reserves the prompt; a verified sequence arrives with its prompt and a first
+//! page of output). When the pool cannot grow a decoding sequence, the newest sequence is
+//! retracted: its pages go back through the pool's release path (each page gets a new
+//! generation, so nothing of the retracted sequence can be read through them again). A
+//! request admitted here ([`Engine::add`]) is then recomputed here, over its prompt and
+//! what it generated, when pages are free; one that arrived verified from a prefill
+//! worker ([`Engine::add_verified`]) leaves the loop with [`Event::Retracted`] and its
+//! generated tokens, for the gateway to queue again. Either way the client sees one
+//! uninterrupted answer: the detokeniser, the stop matcher and the sampler carry on where
+//! they were, and the forward pass is row-deterministic, so greedy output does not change.
+//!
 //! Each [`Engine::step`] runs one forward call over every active sequence: decode sequences
 //! feed their last sampled token, sequences still prefilling feed a chunk of their prompt
-//! (bounded by `prefill_chunk` tokens per step in total), and new requests join between
-//! steps. Finished or aborted sequences leave and release their pages in the same step.
+//! (bounded by `prefill_chunk` tokens per step in total, and by the free pages: a chunk
+//! that does not fit waits), and new requests join between steps. Finished or aborted
+//! sequences leave and release their pages in the same step.
 
 use std::sync::Arc;
 
-use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv, Unreleased};
+use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv, Unreleased, VerifiedSequence};
 use bulkhead_model::{Llama, ModelError, SeqInput};
 use bulkhead_protocol::admission::{admit, Generate, Refusal};
-use bulkhead_protocol::driver::decode::GenEvent;
+use bulkhead_protocol::driver::decode::{make_room, GenEvent, Growing};
 use bulkhead_protocol::{FinishReason, Sampling};
-use bulkhead_tokenizer::Tokenizer;
+use bulkhead_tokenizer::{TokenType, Tokenizer};
 
 use crate::detok::Utf8Stream;
 use crate::sampling::{Sampler, SamplingError};
@@ -63,8 +74,8 @@ pub struct GenRequest {
 pub enum EngineError {
     #[error(transparent)]
     Refused(#[from] Refusal),
-    #[error("a verified sequence of {prompt} prompt tokens has room for {reserved} tokens, not {max_tokens} more")]
-    NoRoom { prompt: usize, max_tokens: usize, reserved: usize },
+    #[error("{resumed} resumed tokens in a verified prompt of {prompt}")]
+    BadResume { prompt: usize, resumed: usize },
     #[error("KV pool has too few free pages for this request: {0}")]
     PoolFull(KvError),
     #[error(transparent)]
@@ -79,17 +90,41 @@ pub enum EngineError {
 
 struct Seq {
     id: RequestId,
+    /// Admission order: the newest sequence is retracted first.
+    order: u64,
     kv: SequenceKv,
-    /// Prompt tokens still to prefill here (empty for a verified, prefilled sequence).
-    prompt: Vec<u32>,
+    /// Tokens whose KV this sequence holds or must compute, in position order; positions
+    /// `kv.len()..` are still to prefill here (none for a verified sequence).
+    feed: Vec<u32>,
+    /// The prompt, for a request admitted here: after a retraction it is recomputed over
+    /// this and `history`. `None` for a verified sequence (its prompt is the gateway's).
+    prompt: Option<Vec<u32>>,
+    /// Prompt tokens the client sent (what `usage` reports).
     prompt_len: usize,
+    /// Every token generated, in order (the last one not yet fed while decoding).
+    history: Vec<u32>,
     /// Token sampled last step, not yet fed (None while prefilling).
     next: Option<u32>,
-    generated: usize,
+    /// Most tokens to generate, in all.
     max_tokens: usize,
     sampler: Sampler,
     utf8: Utf8Stream,
     stop: StopMatcher,
+}
+
+impl Growing for Seq {
+    fn kv(&mut self) -> &mut SequenceKv {
+        &mut self.kv
+    }
+    fn kv_ref(&self) -> &SequenceKv {
+        &self.kv
+    }
+    fn decoding(&self) -> bool {
+        self.next.is_some()
+    }
+    fn order(&self) -> u64 {
+        self.order
+    }
 }
 
 /// Batches requests over one model and pool.
@@ -99,20 +134,50 @@ pub struct Engine {
     pool: KvPool,
     seqs: Vec<Seq>,
     next_id: u64,
+    next_order: u64,
     prefill_chunk: usize,
     context_limit: usize,
+    retractions: u64,
 }
 
 impl Engine {
     /// An engine over `pool`, batching as `cfg` says.
     pub fn new(model: Arc<Llama>, tokenizer: Arc<Tokenizer>, pool: KvPool, cfg: EngineConfig) -> Self {
-        let context_limit = cfg.context_limit.min(model.config.context_length);
-        Engine { model, tokenizer, pool, seqs: Vec::new(), next_id: 1, prefill_chunk: cfg.prefill_chunk.max(1), context_limit }
+        // A sequence must fit the pool alone: KV on demand retracts others to let it grow,
+        // but one larger than the pool would retract itself for ever.
+        let pool_tokens = pool.stats().total_pages * pool.layout().page_size;
+        let context_limit = cfg.context_limit.min(model.config.context_length).min(pool_tokens);
+        Engine {
+            model,
+            tokenizer,
+            pool,
+            seqs: Vec::new(),
+            next_id: 1,
+            next_order: 0,
+            prefill_chunk: cfg.prefill_chunk.max(1),
+            context_limit,
+            retractions: 0,
+        }
+    }
+
+    /// Sequences retracted so far to let others grow.
+    pub fn retractions(&self) -> u64 {
+        self.retractions
+    }
+
+    fn order(&mut self) -> u64 {
+        self.next_order += 1;
+        self.next_order
     }
 
     /// The pool, for statistics.
     pub fn pool(&self) -> &KvPool {
         &self.pool
+    }
+
+    /// The pool, for the protocol state machine that reserves and fills pages in it.
+    pub fn pool_mut(&mut self) -> &mut KvPool {
+        &mut self.pool
     }
 
     /// The tokenizer.
@@ -125,22 +190,26 @@ impl Engine {
         self.seqs.len()
     }
 
-    /// Admit a request: check it ([`admit`], the decision every role shares), reserve all
-    /// its pages, queue it for the next step.
+    /// Admit a request: check it ([`admit`], the decision every role shares), reserve the
+    /// pages of its prompt, queue it for the next step. Its output pages are leased as it
+    /// generates.
     pub fn add(&mut self, req: GenRequest) -> Result<RequestId, EngineError> {
-        let needed = admit(req.prompt.len(), Generate::Tokens(req.max_tokens), self.context_limit)?;
+        admit(req.prompt.len(), Generate::Tokens(req.max_tokens), self.context_limit)?;
         let sampler = Sampler::new(req.sampling)?;
         let id = RequestId(self.next_id);
         self.next_id += 1;
         let mut kv = SequenceKv::new(id);
-        kv.reserve(&mut self.pool, needed).map_err(EngineError::PoolFull)?;
+        kv.reserve(&mut self.pool, req.prompt.len()).map_err(EngineError::PoolFull)?;
+        let order = self.order();
         self.seqs.push(Seq {
             id,
+            order,
             kv,
+            feed: req.prompt.clone(),
             prompt_len: req.prompt.len(),
-            prompt: req.prompt,
+            prompt: Some(req.prompt),
+            history: Vec::new(),
             next: None,
-            generated: 0,
             max_tokens: req.max_tokens,
             sampler,
             utf8: Utf8Stream::new(),
@@ -153,29 +222,44 @@ impl Engine {
     pub fn abort(&mut self, id: RequestId) -> Result<bool, EngineError> {
         let Some(i) = self.seqs.iter().position(|s| s.id == id) else { return Ok(false) };
         let s = self.seqs.swap_remove(i);
-        s.kv.release(&mut self.pool)?;
+        self.give_back(s.kv);
         Ok(true)
     }
 
-    /// Take the first token of `i` (sampled here or by a prefill worker): emit its text, and
+    /// A sequence's pages go back to the pool; stale ones (a bug) are reclaimed all the same.
+    fn give_back(&mut self, kv: SequenceKv) {
+        if let Err(u) = kv.release(&mut self.pool) {
+            tracing::error!(request = u.seq.owner().0, error = %u, "releasing a sequence");
+            u.reclaim(&mut self.pool);
+        }
+    }
+
+    /// Whether `tok` shows no text: an end-of-generation token, or a special (control)
+    /// token unless the request asked to see them.
+    fn hidden(&self, s: &Seq, tok: u32) -> bool {
+        self.tokenizer.is_eog(tok) || (s.sampler.params().skip_special_tokens && self.tokenizer.token_type(tok) == Some(TokenType::Control))
+    }
+
+    /// Take the next token of `i` (sampled here or by a prefill worker): emit its text, and
     /// return why the sequence ends if it does.
     fn on_token(&mut self, i: usize, tok: u32, events: &mut Vec<Event>) -> Option<(FinishReason, String)> {
+        let hidden = self.hidden(&self.seqs[i], tok);
         let s = &mut self.seqs[i];
-        s.generated += 1;
-        let eog = self.tokenizer.is_eog(tok);
-        if eog && !s.sampler.params().ignore_eos {
+        s.history.push(tok);
+        if self.tokenizer.is_eog(tok) && !s.sampler.params().ignore_eos {
             let mut text = s.stop.push(&s.utf8.finish()).emit;
             text.push_str(&s.stop.finish());
             return Some((FinishReason::Stop, text));
         }
-        // Under ignore_eos an end-of-generation token counts but, being special, shows no text.
-        let bytes = if eog { &[][..] } else { self.tokenizer.token_bytes(tok).unwrap_or(&[]) };
+        // Under ignore_eos an end-of-generation token counts but shows no text; nor does a
+        // special token, unless `skip_special_tokens` is off.
+        let bytes = if hidden { &[][..] } else { self.tokenizer.token_bytes(tok).unwrap_or(&[]) };
         let piece = s.utf8.push(bytes);
         let out = s.stop.push(&piece);
         events.push(Event::Token { req: s.id, token: tok, text: out.emit });
         if out.stopped {
             Some((FinishReason::Stop, String::new()))
-        } else if s.generated >= s.max_tokens {
+        } else if s.history.len() >= s.max_tokens {
             let mut text = s.stop.push(&s.utf8.finish()).emit;
             text.push_str(&s.stop.finish());
             Some((FinishReason::Length, text))
@@ -186,70 +270,104 @@ impl Engine {
     }
 
     /// Admit a request whose prompt KV arrived from a prefill worker and was verified, with
-    /// the first token that worker sampled. Returns the events of that first token (its
-    /// text, and `Finished` if it already ends the request).
+    /// the first token that worker sampled. `resume` holds the tokens an earlier attempt
+    /// generated (the client has them; they end the verified prompt): the detokeniser, the
+    /// stop matcher and the sampler replay them silently, so the answer carries on where it
+    /// was. `max_tokens` counts what is left to generate. Returns the events of the first
+    /// token (its text, and `Finished` if it already ends the request).
     pub fn add_verified(
         &mut self,
-        seq: bulkhead_kv::VerifiedSequence,
+        seq: VerifiedSequence,
         first_token: u32,
         max_tokens: usize,
         sampling: Sampling,
         stop: Vec<String>,
+        resume: &[u32],
     ) -> Result<(RequestId, Vec<Event>), EngineError> {
-        let prompt_tokens = seq.prompt_tokens();
-        let mut sampler = match Sampler::new(sampling) {
+        let verified = seq.prompt_tokens();
+        let kv = seq.into_sequence();
+        let checked = if resume.len() >= verified {
+            Err(EngineError::BadResume { prompt: verified, resumed: resume.len() })
+        } else {
+            admit(verified, Generate::Tokens(max_tokens), self.context_limit).map_err(EngineError::from).and_then(|_| Ok(Sampler::new(sampling)?))
+        };
+        let mut sampler = match checked {
             Ok(s) => s,
             Err(e) => {
-                seq.into_sequence().release(&mut self.pool)?;
-                return Err(e.into());
+                self.give_back(kv);
+                return Err(e);
             }
         };
-        sampler.skip_draw();
-        let kv = seq.into_sequence();
-        let id = kv.owner();
-        if max_tokens == 0 || prompt_tokens + max_tokens > kv.reserved_tokens() {
-            let reserved = kv.reserved_tokens();
-            kv.release(&mut self.pool)?;
-            return Err(EngineError::NoRoom { prompt: prompt_tokens, max_tokens, reserved });
+        // The draws of every token made so far: the resumed ones and the prefill's.
+        for _ in 0..=resume.len() {
+            sampler.skip_draw();
         }
-        self.seqs.push(Seq {
+        let id = kv.owner();
+        let order = self.order();
+        let mut s = Seq {
             id,
+            order,
             kv,
-            prompt: Vec::new(),
-            prompt_len: prompt_tokens,
+            feed: Vec::new(),
+            prompt: None,
+            prompt_len: verified - resume.len(),
+            history: Vec::new(),
             next: None,
-            generated: 0,
-            max_tokens,
+            max_tokens: max_tokens + resume.len(),
             sampler,
             utf8: Utf8Stream::new(),
             stop: StopMatcher::new(stop),
-        });
+        };
+        for &tok in resume {
+            // Already shown to the client: only the state that follows from it matters.
+            let hidden = self.hidden(&s, tok);
+            let bytes = if hidden { &[][..] } else { self.tokenizer.token_bytes(tok).unwrap_or(&[]) };
+            let piece = s.utf8.push(bytes);
+            s.stop.push(&piece);
+            s.history.push(tok);
+        }
+        self.seqs.push(s);
         let i = self.seqs.len() - 1;
         let mut events = Vec::new();
         if let Some((reason, text)) = self.on_token(i, first_token, &mut events) {
-            self.finish(i, reason, text, &mut events)?;
+            self.finish(i, reason, text, &mut events);
         }
         Ok((id, events))
     }
 
-    fn finish(&mut self, i: usize, reason: FinishReason, text: String, events: &mut Vec<Event>) -> Result<(), EngineError> {
+    fn finish(&mut self, i: usize, reason: FinishReason, text: String, events: &mut Vec<Event>) {
         let s = self.seqs.swap_remove(i);
-        let (req, prompt_tokens, completion_tokens) = (s.id, s.prompt_len as u32, s.generated as u32);
-        s.kv.release(&mut self.pool)?;
+        let (req, prompt_tokens, completion_tokens) = (s.id, s.prompt_len as u32, s.history.len() as u32);
+        self.give_back(s.kv);
         events.push(Event::Finished { req, finish: reason, text, prompt_tokens, completion_tokens });
-        Ok(())
     }
 
-    /// The pool, for the protocol state machine that reserves and fills pages in it.
-    pub fn pool_mut(&mut self) -> &mut KvPool {
-        &mut self.pool
+    /// KV on demand ([`make_room`]): grow every decoding sequence by the page its next
+    /// token needs, retracting the newest when the pool is out. A retracted sequence
+    /// admitted here starts over from its prompt and what it generated; a verified one
+    /// leaves with [`Event::Retracted`].
+    fn make_room(&mut self, events: &mut Vec<Event>) -> Result<(), EngineError> {
+        for mut s in make_room(&mut self.pool, &mut self.seqs)? {
+            self.retractions += 1;
+            tracing::info!(request = s.id.0, generated = s.history.len(), "retracted a sequence to let others grow");
+            match &s.prompt {
+                Some(prompt) => {
+                    s.feed = prompt.iter().chain(&s.history).copied().collect();
+                    s.next = None;
+                    self.seqs.push(s);
+                }
+                None => events.push(Event::Retracted { req: s.id, tokens: s.history }),
+            }
+        }
+        Ok(())
     }
 
     /// Run one forward call over all active sequences and return what it produced. A
     /// sequence that fails a KV read check is failed alone (nothing of the step was computed
     /// yet) and the step runs without it.
     pub fn step(&mut self) -> Result<Vec<Event>, EngineError> {
-        let mut failed = Vec::new();
+        let mut events = Vec::new();
+        self.make_room(&mut events)?;
         loop {
             match self.step_once() {
                 Err(EngineError::Model(ModelError::ReadCheck { seq, source })) => {
@@ -257,42 +375,48 @@ impl Engine {
                     let pages: Vec<u32> = s.kv.leases().iter().map(|l| l.page().0).collect();
                     tracing::error!(request = s.id.0, ?pages, error = %source, "KV read check failed; request failed");
                     let owner = s.id;
-                    if let Err(u) = s.kv.release(&mut self.pool) {
-                        // Its leases are stale: recover whatever is still leased to it.
-                        tracing::error!(request = owner.0, error = %u, "releasing a failed sequence");
-                        u.reclaim(&mut self.pool);
-                    }
-                    failed.push(Event::Failed { req: owner, error: source });
+                    self.give_back(s.kv);
+                    events.push(Event::Failed { req: owner, error: source });
                 }
-                Ok(mut events) => {
-                    failed.append(&mut events);
-                    return Ok(failed);
+                Ok(mut more) => {
+                    events.append(&mut more);
+                    return Ok(events);
                 }
                 Err(e) => return Err(e),
             }
         }
     }
 
+    /// What each sequence feeds this step: (index, tokens, wants logits). A decoding
+    /// sequence feeds its last token (`make_room` gave it a slot, or it waits); a
+    /// prefilling one a chunk within the step's budget whose pages it can lease now.
+    fn feeds(&mut self) -> Vec<(usize, Vec<u32>, bool)> {
+        let mut budget = self.prefill_chunk;
+        let mut feeds = Vec::new();
+        for (i, s) in self.seqs.iter_mut().enumerate() {
+            if let Some(t) = s.next {
+                if s.kv.reserved_tokens() > s.kv.len() {
+                    feeds.push((i, vec![t], true));
+                }
+                continue;
+            }
+            let done = s.kv.len();
+            let n = s.feed.len().saturating_sub(done).min(budget);
+            if n == 0 || s.kv.reserve(&mut self.pool, done + n).is_err() {
+                continue;
+            }
+            budget -= n;
+            feeds.push((i, s.feed[done..done + n].to_vec(), done + n == s.feed.len()));
+        }
+        feeds
+    }
+
     /// One forward call; inputs are in `self.seqs` order, so a `ReadCheck` error's index is a
     /// `self.seqs` index.
     fn step_once(&mut self) -> Result<Vec<Event>, EngineError> {
-        if self.seqs.is_empty() {
+        let feeds = self.feeds();
+        if feeds.is_empty() {
             return Ok(Vec::new());
-        }
-        let mut budget = self.prefill_chunk;
-        let mut feeds: Vec<(usize, Vec<u32>, bool)> = Vec::new();
-        for (i, s) in self.seqs.iter().enumerate() {
-            if let Some(t) = s.next {
-                feeds.push((i, vec![t], true));
-            } else {
-                let done = s.kv.len();
-                let n = (s.prompt.len().saturating_sub(done)).min(budget);
-                if n == 0 {
-                    continue;
-                }
-                budget -= n;
-                feeds.push((i, s.prompt[done..done + n].to_vec(), done + n == s.prompt.len()));
-            }
         }
         let logits = {
             let mut inputs: Vec<SeqInput<'_>> = Vec::with_capacity(feeds.len());
@@ -328,7 +452,7 @@ impl Engine {
         // Remove from the back so indices stay valid.
         finished.sort_by_key(|f| std::cmp::Reverse(f.0));
         for (i, reason, text) in finished {
-            self.finish(i, reason, text, &mut events)?;
+            self.finish(i, reason, text, &mut events);
         }
         Ok(events)
     }

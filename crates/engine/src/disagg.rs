@@ -9,8 +9,7 @@ use bulkhead_kv::{KvPool, RequestId, SequenceKv};
 use bulkhead_model::{Llama, SeqInput};
 use bulkhead_protocol::decode::DecodeStart;
 use bulkhead_protocol::driver::decode::{DecodeEngine, GenEvent};
-use bulkhead_protocol::driver::prefill::PrefillCompute;
-use bulkhead_protocol::Sampling;
+use bulkhead_protocol::driver::prefill::{FirstToken, PrefillCompute};
 
 use crate::batch::{Engine, EngineError};
 use crate::sampling::Sampler;
@@ -23,7 +22,7 @@ impl DecodeEngine for Engine {
     }
 
     fn add_verified(&mut self, s: DecodeStart) -> Result<Vec<GenEvent>, EngineError> {
-        let (_, events) = Engine::add_verified(self, s.seq, s.first_token, s.max_tokens as usize, s.sampling, s.stop)?;
+        let (_, events) = Engine::add_verified(self, s.seq, s.first_token, s.max_tokens as usize, s.sampling, s.stop, &s.resume)?;
         Ok(events)
     }
 
@@ -46,17 +45,22 @@ impl DecodeEngine for Engine {
 
 /// A prefill worker's compute: the model's paged forward pass over the worker's own pool,
 /// and the first token sampled from the last position's logits.
+#[derive(Clone)]
 pub struct Prefiller(pub Arc<Llama>);
 
 impl PrefillCompute for Prefiller {
     type Error = EngineError;
 
-    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, sampling: &Sampling) -> Result<Option<u32>, EngineError> {
+    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, first: FirstToken<'_>) -> Result<Option<u32>, EngineError> {
         let last = to == tokens.len();
         let logits = self.0.forward(pool, &mut [SeqInput { kv: seq, tokens: &tokens[from..to], want_logits: last }])?;
         if !last {
             return Ok(None);
         }
-        Ok(Some(Sampler::new(sampling.clone())?.sample(&logits)?))
+        let mut sampler = Sampler::new(first.sampling.clone())?;
+        for _ in 0..first.skip_draws {
+            sampler.skip_draw();
+        }
+        Ok(Some(sampler.sample(&logits)?))
     }
 }

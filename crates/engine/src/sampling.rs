@@ -493,7 +493,7 @@ mod tests {
             top_k: top_k as u32,
             top_p,
             seed: Some(seed),
-            ignore_eos: false,
+            ..Sampling::default()
         })
         .unwrap()
     }

@@ -49,6 +49,7 @@ fn run(e: &mut Engine, ids: &[RequestId]) -> Vec<(String, FinishReason, usize)> 
                     o.2 = completion_tokens as usize;
                 }
                 Event::Failed { req, error } => panic!("request {req:?} failed a KV read check: {error}"),
+                Event::Retracted { req, .. } => panic!("request {req:?} was retracted, which only verified sequences are"),
             }
         }
     }
@@ -223,7 +224,7 @@ fn a_seed_makes_sampling_reproducible() {
     let (p, _, _) = &cases()[2];
     let sampled = |seed| {
         let mut e = engine(16);
-        let sampling = Sampling { temperature: 1.0, top_k: 40, top_p: 0.95, seed: Some(seed), ignore_eos: false };
+        let sampling = Sampling { temperature: 1.0, top_k: 40, top_p: 0.95, seed: Some(seed), ..Sampling::default() };
         let id = e.add(GenRequest { prompt: tok.encode(p, true), max_tokens: 16, sampling, stop: vec![] }).unwrap();
         run(&mut e, &[id]).remove(0).0
     };
@@ -236,9 +237,9 @@ fn admission_refuses_what_cannot_fit_and_abort_returns_every_page() {
     let tok = &shared().tok;
     let mut e = engine(8); // 128 tokens
     let prompt = tok.encode(&cases()[0].0, true);
-    let too_long = e.add(greedy(prompt.clone(), 8192)).unwrap_err();
-    assert!(matches!(too_long, EngineError::Refused(Refusal::ContextLength { limit: 8192, .. })), "{too_long}");
-    assert!(matches!(e.add(greedy(prompt.clone(), 110)), Err(EngineError::PoolFull(_))));
+    // KV on demand: a request is admitted if it fits the pool alone, and must.
+    let over_pool = e.add(greedy(prompt.clone(), 128 - prompt.len() + 1)).unwrap_err();
+    assert!(matches!(over_pool, EngineError::Refused(Refusal::ContextLength { limit: 128, .. })), "{over_pool}");
     assert!(matches!(e.add(greedy(Vec::new(), 4)), Err(EngineError::Refused(Refusal::EmptyPrompt))));
     assert_eq!(e.pool().stats().free_pages, 8, "a refused request holds no page");
     let id = e.add(greedy(prompt, 64)).unwrap();
@@ -288,4 +289,29 @@ fn a_sequence_failing_its_read_check_is_failed_alone_and_the_batch_goes_on() {
     assert_eq!(e.pool().stats().free_pages, e.pool().stats().total_pages, "every page is back");
     // The survivor's first token came from the shared first step.
     assert!(expected.ends_with(&text) && !text.is_empty(), "{expected:?} vs {text:?}");
+}
+
+/// KV on demand: two requests that each fit the pool alone but not together. The newer one
+/// is retracted when the older needs a page (its pages go back through the release path),
+/// recomputed from its prompt and what it generated when room comes back, and both end
+/// with exactly the text each makes alone.
+#[test]
+fn a_sequence_retracted_for_room_resumes_and_ends_with_the_text_it_makes_alone() {
+    let s = shared();
+    let text = s.chat.render(&[ChatMessage::new("user", "What is the capital of France?")], true).unwrap();
+    let prompt = s.tok.encode(&text, true);
+    let long = |prompt: Vec<u32>| GenRequest { prompt, max_tokens: 40, sampling: Sampling { ignore_eos: true, ..Sampling::default() }, stop: Vec::new() };
+    let pages = (prompt.len() + 40).div_ceil(16) + 1;
+    let mut alone = engine(pages);
+    let id = alone.add(long(prompt.clone())).unwrap();
+    let expected = run(&mut alone, &[id]).remove(0);
+    assert_eq!(alone.retractions(), 0);
+
+    let mut e = engine(pages);
+    let a = e.add(long(prompt.clone())).unwrap();
+    let b = e.add(long(prompt)).unwrap();
+    let both = run(&mut e, &[a, b]);
+    assert!(e.retractions() > 0, "the pool was big enough for both: the test shows nothing");
+    assert_eq!(both, vec![expected.clone(), expected]);
+    assert_eq!((e.active(), e.pool().stats().free_pages), (0, pages));
 }

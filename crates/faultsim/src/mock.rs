@@ -17,13 +17,12 @@
 //! same state as one computed whole. Values are integers in `-1023..=1023`, exact in f16,
 //! never the poison NaN.
 
-use std::collections::BTreeMap;
 
 use bulkhead_kv::{KvChecks, KvError, KvLayout, KvPool, PoolConfig, RequestId, SequenceKv};
 use bulkhead_protocol::decode::DecodeStart;
-use bulkhead_protocol::driver::decode::{DecodeEngine, GenEvent};
-use bulkhead_protocol::driver::prefill::PrefillCompute;
-use bulkhead_protocol::{FinishReason, Sampling};
+use bulkhead_protocol::driver::decode::{make_room, DecodeEngine, GenEvent, Growing};
+use bulkhead_protocol::driver::prefill::{FirstToken, PrefillCompute};
+use bulkhead_protocol::FinishReason;
 use half::f16;
 
 use crate::model::{DecodeModel, Expected, ModelFault, Models, PrefillModel, Shape};
@@ -156,17 +155,39 @@ fn prefill(pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize,
 #[derive(Debug)]
 struct Gen {
     kv: SequenceKv,
+    /// When it joined the loop (the newest is retracted first).
+    order: u64,
+    /// Prompt tokens the client sent (the verified prompt ends with `resumed` generated
+    /// tokens).
     prompt_tokens: u32,
-    generated: u32,
+    /// Every token generated, an earlier attempt's included.
+    history: Vec<u32>,
     max_tokens: u32,
     /// The last token, to be fed at the next step; None once finished.
     next: Option<u32>,
 }
 
+impl Growing for Gen {
+    fn kv(&mut self) -> &mut SequenceKv {
+        &mut self.kv
+    }
+    fn kv_ref(&self) -> &SequenceKv {
+        &self.kv
+    }
+    fn decoding(&self) -> bool {
+        self.next.is_some()
+    }
+    fn order(&self) -> u64 {
+        self.order
+    }
+}
+
 impl Gen {
-    fn new(kv: SequenceKv, max_tokens: u32) -> Self {
-        let prompt_tokens = kv.len() as u32;
-        Gen { kv, prompt_tokens, generated: 0, max_tokens, next: None }
+    /// A sequence over `kv` whose prompt ends with `resume` (tokens an earlier attempt
+    /// generated), with `max_tokens` left to generate.
+    fn new(kv: SequenceKv, order: u64, max_tokens: u32, resume: &[u32]) -> Self {
+        let prompt_tokens = (kv.len() - resume.len()) as u32;
+        Gen { kv, order, prompt_tokens, history: resume.to_vec(), max_tokens: max_tokens + resume.len() as u32, next: None }
     }
 
     /// Takes a generated token as the engine does (`Engine::on_token`): an
@@ -174,12 +195,12 @@ impl Gen {
     /// request ends at `max_tokens`. Pushes the events; true when finished.
     fn on_token(&mut self, token: u32, events: &mut Vec<GenEvent>) -> bool {
         let req = self.kv.owner();
-        self.generated += 1;
+        self.history.push(token);
         let finish = if is_eog(token) {
             Some(FinishReason::Stop)
         } else {
             events.push(GenEvent::Token { req, token, text: format!("{token} ") });
-            (self.generated >= self.max_tokens).then_some(FinishReason::Length)
+            (self.history.len() as u32 >= self.max_tokens).then_some(FinishReason::Length)
         };
         match finish {
             Some(finish) => {
@@ -188,7 +209,7 @@ impl Gen {
                     finish,
                     text: String::new(),
                     prompt_tokens: self.prompt_tokens,
-                    completion_tokens: self.generated,
+                    completion_tokens: self.history.len() as u32,
                 });
                 true
             }
@@ -200,9 +221,13 @@ impl Gen {
     }
 
     /// Feeds the last token at the next position and takes the token read off every slot.
+    /// A sequence with no slot for it (the pool is held elsewhere) waits.
     fn step(&mut self, pool: &mut KvPool, faults: &mut u64, events: &mut Vec<GenEvent>) -> Result<bool, KvError> {
-        let Some(token) = self.next.take() else { return Ok(true) };
         let pos = self.kv.len();
+        if self.kv.reserved_tokens() <= pos {
+            return Ok(false);
+        }
+        let Some(token) = self.next.take() else { return Ok(true) };
         let acc = fold(pool, &self.kv, 0, pos, START, faults);
         write_position(pool, &self.kv, pos, mix(acc, token_word(token, pos)))?;
         self.kv.commit(pool, 1)?;
@@ -220,7 +245,7 @@ pub struct MockPrefill {
 
 impl PrefillCompute for MockPrefill {
     type Error = ModelFault;
-    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: &Sampling) -> Result<Option<u32>, ModelFault> {
+    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: FirstToken<'_>) -> Result<Option<u32>, ModelFault> {
         Ok(prefill(pool, seq, tokens, from, to, &mut self.faults)?)
     }
 }
@@ -231,12 +256,14 @@ impl PrefillModel for MockPrefill {
     }
 }
 
-/// The mock's decode loop.
+/// The mock's decode loop, with KV on demand ([`make_room`]).
 #[derive(Debug)]
 pub struct MockDecode {
     pool: KvPool,
-    seqs: BTreeMap<RequestId, Gen>,
+    seqs: Vec<Gen>,
+    next_order: u64,
     faults: u64,
+    retractions: u64,
 }
 
 impl DecodeEngine for MockDecode {
@@ -246,39 +273,45 @@ impl DecodeEngine for MockDecode {
     }
     fn add_verified(&mut self, start: DecodeStart) -> Result<Vec<GenEvent>, ModelFault> {
         let kv = start.seq.into_sequence();
-        // As the engine: the reservation must hold every token the request may generate.
-        if start.max_tokens == 0 || kv.len() + start.max_tokens as usize > kv.reserved_tokens() {
+        // As the engine: something to generate, and a prompt longer than what it resumes.
+        if start.max_tokens == 0 || start.resume.len() >= kv.len() {
+            let why = format!("{} max tokens, {} resumed of {} prompt tokens", start.max_tokens, start.resume.len(), kv.len());
             kv.release(&mut self.pool).map_err(|u| u.error)?;
-            return Err(ModelFault(format!("{} max tokens do not fit the reservation", start.max_tokens)));
+            return Err(ModelFault(why));
         }
-        let mut g = Gen::new(kv, start.max_tokens);
+        self.next_order += 1;
+        let mut g = Gen::new(kv, self.next_order, start.max_tokens, &start.resume);
         let mut events = Vec::new();
         if g.on_token(start.first_token, &mut events) {
             g.kv.release(&mut self.pool).map_err(|u| u.error)?;
         } else {
-            self.seqs.insert(start.req, g);
+            self.seqs.push(g);
         }
         Ok(events)
     }
 
     fn step(&mut self) -> Result<Vec<GenEvent>, ModelFault> {
         let mut events = Vec::new();
+        for g in make_room(&mut self.pool, &mut self.seqs)? {
+            self.retractions += 1;
+            events.push(GenEvent::Retracted { req: g.kv.owner(), tokens: g.history });
+        }
         let mut done = Vec::new();
-        for (req, g) in &mut self.seqs {
+        for (i, g) in self.seqs.iter_mut().enumerate() {
             if g.step(&mut self.pool, &mut self.faults, &mut events)? {
-                done.push(*req);
+                done.push(i);
             }
         }
-        for req in done {
-            if let Some(g) = self.seqs.remove(&req) {
-                g.kv.release(&mut self.pool).map_err(|u| u.error)?;
-            }
+        for i in done.into_iter().rev() {
+            let g = self.seqs.remove(i);
+            g.kv.release(&mut self.pool).map_err(|u| u.error)?;
         }
         Ok(events)
     }
 
     fn abort(&mut self, req: RequestId) {
-        if let Some(g) = self.seqs.remove(&req) {
+        if let Some(i) = self.seqs.iter().position(|g| g.kv.owner() == req) {
+            let g = self.seqs.remove(i);
             // A live sequence's leases are valid; if not, they stay leased and the
             // end-of-schedule pool check reports them.
             let _ = g.kv.release(&mut self.pool);
@@ -293,6 +326,9 @@ impl DecodeEngine for MockDecode {
 impl DecodeModel for MockDecode {
     fn pool(&self) -> &KvPool {
         &self.pool
+    }
+    fn retractions(&self) -> u64 {
+        self.retractions
     }
     fn read_faults(&self) -> u64 {
         self.faults
@@ -309,7 +345,7 @@ pub fn reference(layout: KvLayout, prompt: &[u32], max_tokens: u32) -> Result<Ex
     let Some(first) = prefill(&mut pool, &mut kv, prompt, 0, prompt.len(), &mut faults)? else {
         return Err(ModelFault("an empty prompt has no reference".into()));
     };
-    let mut g = Gen::new(kv, max_tokens);
+    let mut g = Gen::new(kv, 0, max_tokens, &[]);
     let mut events = Vec::new();
     let mut done = g.on_token(first, &mut events);
     while !done {
@@ -350,7 +386,7 @@ impl Models for MockModels {
     }
 
     fn decode(&self, pool: KvPool, _max_context: usize) -> MockDecode {
-        MockDecode { pool, seqs: BTreeMap::new(), faults: 0 }
+        MockDecode { pool, seqs: Vec::new(), next_order: 0, faults: 0, retractions: 0 }
     }
 
     fn reference(&self, layout: KvLayout, prompt: &[u32], max_tokens: u32) -> Result<Expected, ModelFault> {

@@ -42,7 +42,7 @@ impl Expected {
                     text.push_str(t);
                     return Some(Expected { text, finish: *finish, completion_tokens: *completion_tokens });
                 }
-                GenEvent::Failed { .. } => return None,
+                GenEvent::Failed { .. } | GenEvent::Retracted { .. } => return None,
             }
         }
         None
@@ -82,6 +82,8 @@ pub trait PrefillModel: PrefillCompute {
 pub trait DecodeModel: DecodeEngine {
     /// Its KV pool, for the verdict.
     fn pool(&self) -> &KvPool;
+    /// Sequences it retracted to let others grow.
+    fn retractions(&self) -> u64;
     /// Reads that were refused or found a slot missing (a mock's evidence; 0 otherwise).
     fn read_faults(&self) -> u64 {
         0

@@ -30,6 +30,9 @@ impl DecodeModel for Engine {
     fn pool(&self) -> &KvPool {
         Engine::pool(self)
     }
+    fn retractions(&self) -> u64 {
+        Engine::retractions(self)
+    }
 }
 
 /// The real model family: one layout (the model's), prompts of real token ids.

@@ -34,6 +34,8 @@ const GATEWAY_TICK_MS: u64 = 100;
 const WORKER_TICK_MS: u64 = 50;
 /// The model digest every worker announces.
 const DIGEST: u64 = 1;
+/// How long after its role asks to rejoin a prefill worker registers again.
+const REJOIN_DELAY_MS: u64 = 10;
 /// A schedule that takes more steps than this has a livelock.
 const MAX_STEPS: u64 = 200_000;
 
@@ -50,6 +52,14 @@ pub struct Tally {
     pub failed: u64,
     /// Answered "no worker available".
     pub unavailable: u64,
+    /// Turned away for now (HTTP 429): the gateway's queue was full or they waited too long.
+    pub busy: u64,
+    /// Sequences a decode loop retracted to let others grow (resumed or not).
+    pub retractions: u64,
+    /// Requests the gateway sent again after losing their prefill worker.
+    pub retried: u64,
+    /// Prefill workers that rejoined under a new id after losing a KV connection.
+    pub rejoins: u64,
     /// The client left before an outcome.
     pub client_gone: u64,
     /// Faults that found a target: cuts, bad bytes, crashes.
@@ -75,6 +85,10 @@ impl std::ops::AddAssign for Tally {
         self.rejected += o.rejected;
         self.failed += o.failed;
         self.unavailable += o.unavailable;
+        self.busy += o.busy;
+        self.retractions += o.retractions;
+        self.retried += o.retried;
+        self.rejoins += o.rejoins;
         self.client_gone += o.client_gone;
         self.faults += o.faults;
         self.chunks_verified += o.chunks_verified;
@@ -126,6 +140,7 @@ struct Remains {
     read_faults: u64,
     decode: Option<DecodeStats>,
     keepalives: u64,
+    retractions: u64,
 }
 
 #[derive(Default)]
@@ -165,6 +180,8 @@ fn decode_policy(s: Sabotage) -> DecodeVariant {
 enum Aftermath {
     CrashPrefill(Option<u64>),
     CrashDecode(WorkerId, Option<u64>),
+    /// The prefill role asked to rejoin the cluster under a new id.
+    Rejoin,
 }
 
 /// One worker's end of the simulated network, for the length of one call into its driver.
@@ -242,6 +259,10 @@ impl PrefillLink for PrefillWire<'_, '_> {
         Ok(())
     }
 
+    fn rejoin(&mut self) {
+        self.aftermath = Some(Aftermath::Rejoin);
+    }
+
     /// Opens the KV connection and announces this worker, as the server's does. A decode
     /// worker that is gone refuses the connection.
     fn connect(&mut self, decode: WorkerId, _: &str) {
@@ -276,6 +297,12 @@ impl DecodeLink for DecodeWire<'_> {
     fn to_prefill(&mut self, to: WorkerId, msg: Message) {
         if let Some(conn) = self.kv.iter().find(|(_, p)| **p == Some(to)).map(|(c, _)| *c) {
             self.port.send(conn, &msg);
+        }
+    }
+
+    fn disconnect(&mut self, prefill: WorkerId) {
+        if let Some(conn) = self.kv.iter().find(|(_, p)| **p == Some(prefill)).map(|(c, _)| *c) {
+            self.port.net.close_by(conn, End::Worker(self.port.me), self.port.now, self.port.dice);
         }
     }
 }
@@ -331,6 +358,8 @@ fn brief(m: &Message) -> String {
         Message::PrefillUnreachable { worker } => format!("PrefillUnreachable w{}", worker.0),
         Message::KvLost { decode } => format!("KvLost w{}", decode.0),
         Message::KvKeepalive => "KvKeepalive".into(),
+        Message::PeerLeft { worker } => format!("PeerLeft w{}", worker.0),
+        Message::Retracted { req, tokens } => format!("Retracted r{req} after {} tokens", tokens.len()),
         Message::Reserve { req, prompt_tokens, max_tokens, prefill, .. } => {
             format!("Reserve r{req} prompt {prompt_tokens} max {max_tokens} via w{}", prefill.0)
         }
@@ -351,6 +380,7 @@ fn brief(m: &Message) -> String {
         Message::Abort { req, reason } => format!("Abort r{req} {reason:?}"),
         Message::Cancel { req } => format!("Cancel r{req}"),
         Message::Metrics { .. } => "Metrics".into(),
+        Message::Room => "Room".into(),
     }
 }
 
@@ -360,7 +390,8 @@ fn client_brief(out: &ClientOutput) -> String {
         ClientOutput::Finished { finish, completion_tokens, .. } => format!("finished {finish:?} {completion_tokens} tokens"),
         ClientOutput::Rejected { reason, .. } => format!("rejected {reason:?}"),
         ClientOutput::Failed { reason, .. } => format!("failed {reason:?}"),
-        ClientOutput::Unavailable => "unavailable".into(),
+        ClientOutput::Unavailable { .. } => "unavailable".into(),
+        ClientOutput::Busy { reason, .. } => format!("busy {reason:?}"),
     }
 }
 
@@ -387,6 +418,8 @@ impl<'m, M: Models> Sim<'m, M> {
             model_digest: DIGEST,
             admission_check: plan.gateway_check,
             request_timeout_ms: plan.request_timeout_ms,
+            max_queued: plan.requests.len(),
+            queue_timeout_ms: plan.request_timeout_ms,
         });
         let mut timeline = BTreeMap::new();
         for (i, (at, p)) in plan.events.iter().enumerate() {
@@ -477,7 +510,7 @@ impl<'m, M: Models> Sim<'m, M> {
             if p.driver.has_work() && p.busy_until <= now {
                 out.push(Due::PrefillWork(*id));
             }
-            if p.next_tick <= now && self.awaited(*id) {
+            if p.next_tick <= now && (self.awaited(*id) || p.driver.role().rejoin_pending()) {
                 out.push(Due::PrefillTick(*id));
             }
         }
@@ -498,15 +531,15 @@ impl<'m, M: Models> Sim<'m, M> {
     fn next_time(&self) -> Option<u64> {
         let work = self.prefills.values().filter(|p| p.driver.has_work()).map(|p| p.busy_until);
         let steps = self.decodes.values().filter(|d| d.driver.engine().active() > 0).map(|d| d.busy_until);
-        let prefill_ticks = self.prefills.iter().filter(|(id, _)| self.awaited(**id)).map(|(_, p)| p.next_tick);
+        let prefill_ticks = self.prefills.iter().filter(|(id, p)| self.awaited(**id) || p.driver.role().rejoin_pending()).map(|(_, p)| p.next_tick);
         let ticks = self.decodes.values().map(|d| d.next_tick).chain(prefill_ticks).chain([self.gw.next_tick]);
         let planned = self.timeline.keys().next().map(|k| k.0);
         work.chain(steps).chain(ticks).chain(planned).chain(self.net.next_due()).filter(|t| *t > self.now).min()
     }
 
     /// Whether a decode worker awaits a transfer from prefill `w`. Its ticks (and so its
-    /// keepalives) run only then: a keepalive re-arms only such reservations, and a
-    /// schedule must be able to go quiet.
+    /// keepalives) run only then, or while it has a lost KV connection to open again: a
+    /// keepalive re-arms only such reservations, and a schedule must be able to go quiet.
     fn awaited(&self, w: WorkerId) -> bool {
         self.decodes.values().any(|d| d.driver.role().awaits(w))
     }
@@ -697,10 +730,11 @@ impl<'m, M: Models> Sim<'m, M> {
         if let Some(p) = self.prefills.remove(&w) {
             let pool = p.pool.stats();
             let keepalives = p.driver.role().stats().keepalives;
-            self.dead.push(Remains { id: w, pool, read_faults: p.model.read_faults(), decode: None, keepalives });
+            self.dead.push(Remains { id: w, pool, read_faults: p.model.read_faults(), decode: None, keepalives, retractions: 0 });
         } else if let Some(d) = self.decodes.remove(&w) {
             let pool = d.driver.engine().pool().stats();
-            self.dead.push(Remains { id: w, pool, read_faults: d.driver.engine().read_faults(), decode: Some(d.driver.role().stats()), keepalives: 0 });
+            let (read_faults, retractions) = (d.driver.engine().read_faults(), d.driver.engine().retractions());
+            self.dead.push(Remains { id: w, pool, read_faults, decode: Some(d.driver.role().stats()), keepalives: 0, retractions });
         }
         self.net.crash(End::Worker(w), self.now, &mut self.dice);
     }
@@ -854,7 +888,7 @@ impl<'m, M: Models> Sim<'m, M> {
 
     /// Feed one event to prefill worker `w`'s driver, then the events its transport caused.
     fn prefill_event(&mut self, w: WorkerId, ev: PrefillEvent) {
-        self.with_prefill(w, |driver, _, _, wire| {
+        let done = self.with_prefill(w, |driver, _, _, wire| {
             let mut pending = vec![ev];
             while !pending.is_empty() {
                 for ev in std::mem::take(&mut pending) {
@@ -863,6 +897,25 @@ impl<'m, M: Models> Sim<'m, M> {
                 pending = std::mem::take(&mut wire.events);
             }
         });
+        if let Some(((), Some(Aftermath::Rejoin))) = done {
+            self.rejoin(w);
+        }
+    }
+
+    /// What `prefill_worker` does when its role asks to rejoin: close every connection
+    /// (cleanly: what it sent still arrives) and register again, under a new id.
+    fn rejoin(&mut self, w: WorkerId) {
+        let Some(p) = self.prefills.remove(&w) else { return };
+        self.log(format!("w{} lost a KV connection: rejoins under a new id", w.0));
+        for conn in std::iter::once(p.gw).chain(p.kv.values().copied()) {
+            self.net.close_by(conn, End::Worker(w), self.now, &mut self.dice);
+        }
+        let keepalives = p.driver.role().stats().keepalives;
+        let mut pool = p.pool;
+        p.driver.abandon(&mut pool);
+        self.dead.push(Remains { id: w, pool: pool.stats(), read_faults: p.model.read_faults(), decode: None, keepalives, retractions: 0 });
+        self.tally.rejoins += 1;
+        self.schedule(self.now + REJOIN_DELAY_MS, Planned::Start(self.plan.prefill));
     }
 
     /// One step of `prefill_worker`'s loop, through the production driver: take the next
@@ -895,6 +948,7 @@ impl<'m, M: Models> Sim<'m, M> {
                 self.restart(Role::Decode, restart);
             }
             Some(Aftermath::CrashDecode(decode, _)) => self.log(format!("fault: w{} is already gone", decode.0)),
+            Some(Aftermath::Rejoin) => self.rejoin(w),
         }
     }
 
@@ -1068,7 +1122,8 @@ impl<'m, M: Models> Sim<'m, M> {
                     }
                 }
                 ClientOutput::Failed { .. } => self.tally.failed += 1,
-                ClientOutput::Unavailable => self.tally.unavailable += 1,
+                ClientOutput::Unavailable { .. } => self.tally.unavailable += 1,
+                ClientOutput::Busy { .. } => self.tally.busy += 1,
                 ClientOutput::Token { .. } => {}
             }
         }
@@ -1114,6 +1169,9 @@ impl<'m, M: Models> Sim<'m, M> {
             + self.dead.iter().map(|r| r.pool.audited_slots).sum::<u64>();
         self.tally.keepalives += self.prefills.values().map(|p| p.driver.role().stats().keepalives).sum::<u64>()
             + self.dead.iter().map(|r| r.keepalives).sum::<u64>();
+        self.tally.retractions += self.decodes.values().map(|d| d.driver.engine().retractions()).sum::<u64>()
+            + self.dead.iter().map(|r| r.retractions).sum::<u64>();
+        self.tally.retried += self.gw.role.stats().retried;
         for why in bad {
             self.violate(why);
         }

@@ -67,8 +67,8 @@ pub enum Variant {
     /// The decode driver treats a transfer timeout as a fence: it hands the role a
     /// `Fenced` for every request that timed out, releasing its quarantined pages.
     ReleaseQuarantineOnTick,
-    /// The gateway driver retries a request refused for capacity under the same id after
-    /// the client already got the refusal.
+    /// The gateway driver retries a refused request under the same id after the client
+    /// already got the refusal.
     RetryAfterReject,
     /// The decode driver drops `Fenced` from prefill workers (as if it were informational),
     /// so quarantined pages wait for a fence that never comes.

@@ -7,9 +7,9 @@ use std::collections::BTreeMap;
 use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv};
 use bulkhead_protocol::decode::{DecodeAction, DecodeEvent, DecodeStart};
 use bulkhead_protocol::driver::decode::{DecodeEngine, DecodePolicy, GenEvent};
-use bulkhead_protocol::driver::prefill::{PrefillCompute, PrefillPolicy};
+use bulkhead_protocol::driver::prefill::{FirstToken, PrefillCompute, PrefillPolicy};
 use bulkhead_protocol::prefill::PrefillJob;
-use bulkhead_protocol::{FinishReason, Message, Sampling};
+use bulkhead_protocol::{FinishReason, Message};
 
 use crate::config::{Variant, LAYOUT};
 use crate::world::{kv_value, Prop, FIRST_TOKEN};
@@ -21,7 +21,7 @@ pub struct MockPrefill;
 
 impl PrefillCompute for MockPrefill {
     type Error = KvError;
-    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: &Sampling) -> Result<Option<u32>, KvError> {
+    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: FirstToken<'_>) -> Result<Option<u32>, KvError> {
         for pos in from..to {
             let row = [kv_value(seq.owner(), pos); LAYOUT.kv_heads * LAYOUT.head_dim];
             let (lease, slot) = seq.locate(pos)?;

@@ -16,7 +16,7 @@ use bulkhead_kv::{KvChecks, KvPool, PoolConfig, RequestId};
 use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeLink};
 use bulkhead_protocol::driver::prefill::{LinkDown, PrefillDriver, PrefillLink, Step};
-use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, Phase};
+use bulkhead_protocol::gateway::{client_of, BusyReason, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, Phase};
 use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillRole};
 use bulkhead_protocol::{FailReason, Hello, Message, RejectReason, Role, Sampling, TraceContext, WorkerId};
 
@@ -113,6 +113,8 @@ pub enum Outcome {
     Failed(FailReason),
     /// No worker available.
     Unavailable,
+    /// Turned away for now (HTTP 429).
+    Busy(BusyReason),
 }
 
 /// What the driver has seen of one request (ghost state for the properties).
@@ -197,10 +199,12 @@ fn pool(pages: usize) -> KvPool {
     KvPool::new(PoolConfig { layout: LAYOUT, pages, checks: KvChecks::all() }).expect("model pool")
 }
 
-/// The mock model: the K and V value every layer holds for `req` at `pos`. Distinct for
-/// every (request, position) of the model and exact in f16.
+/// The mock model: the K and V value every layer holds for attempt `req` at `pos`.
+/// Distinct for every (request, attempt, position) of the model and exact in f16 (below
+/// 2048), so a read of another attempt's KV is caught too.
 pub fn kv_value(req: RequestId, pos: usize) -> f32 {
-    (req.0 * 16 + pos as u64) as f32
+    let attempt = req.0 / bulkhead_protocol::gateway::CLIENT_ID_LIMIT;
+    ((bulkhead_protocol::gateway::client_of(req).0 * 8 + attempt) * 16 + pos as u64) as f32
 }
 
 /// Request ids of a configuration: 1, 2, ...
@@ -239,7 +243,7 @@ impl PrefillLink for PrefillWire<'_> {
             return Err(LinkDown(to));
         }
         if let Message::KvChunk { req, .. } = &msg
-            && self.ghosts.get(req).is_some_and(|g| g.rejected)
+            && self.ghosts.get(&client_of(*req)).is_some_and(|g| g.rejected)
         {
             self.seen.push((Prop::RejectionTerminal, format!("chunk for {req} sent after it was rejected")));
         }
@@ -250,6 +254,9 @@ impl PrefillLink for PrefillWire<'_> {
     /// Registration is atomic in the model: a worker's KV connection is open from its
     /// start, so no introduction ever arrives.
     fn connect(&mut self, _: WorkerId, _: &str) {}
+
+    /// KV connections are never cut in the model, so no worker rejoins.
+    fn rejoin(&mut self) {}
 }
 
 /// The decode worker's transport: onto the network, keeping the ghost state of
@@ -265,13 +272,14 @@ struct DecodeWire<'a> {
 impl DecodeLink for DecodeWire<'_> {
     fn to_gateway(&mut self, msg: Message) {
         match &msg {
-            Message::Rejected { req, reason, .. } => worker_rejected(self.ghosts, *req, *reason),
+            Message::Rejected { req, reason, .. } => worker_rejected(self.ghosts, client_of(*req), *reason),
             Message::Reserved { req, .. } => {
-                let g = self.ghosts.entry(*req).or_default();
+                let req = client_of(*req);
+                let g = self.ghosts.entry(req).or_default();
                 if g.rejected {
                     self.seen.push((Prop::RejectionTerminal, format!("decode reserved pages for {req} after it was rejected")));
                 }
-                g.reserved_prompt = request(self.cfg, *req).map(|r| r.prompt as usize);
+                g.reserved_prompt = request(self.cfg, req).map(|r| r.prompt as usize);
             }
             _ => {}
         }
@@ -281,13 +289,17 @@ impl DecodeLink for DecodeWire<'_> {
     fn to_prefill(&mut self, to: WorkerId, msg: Message) {
         put(self.net, self.alive, Node::Decode, Node::Prefill(to), msg);
     }
+
+    /// Connections are open from a worker's start in the model, never refused.
+    fn disconnect(&mut self, _: WorkerId) {}
 }
 
-/// A worker refused a request. Refusing it for context or capacity decides the request's
-/// fate (I3); a refusal of a duplicate message is about the message, and becomes the
-/// request's fate only if the gateway passes it to the client.
+/// A worker refused a request. Refusing it for its context decides the request's fate
+/// (I3); a refusal for capacity means "not now" (the gateway queues it again), and one of
+/// a duplicate message is about the message: those become the request's fate only if the
+/// gateway passes them to the client.
 fn worker_rejected(ghosts: &mut BTreeMap<RequestId, Ghost>, req: RequestId, reason: RejectReason) {
-    if matches!(reason, RejectReason::ContextLength | RejectReason::Capacity) {
+    if reason == RejectReason::ContextLength {
         ghosts.entry(req).or_default().rejected = true;
     }
 }
@@ -298,6 +310,7 @@ struct Nowhere;
 impl DecodeLink for Nowhere {
     fn to_gateway(&mut self, _: Message) {}
     fn to_prefill(&mut self, _: WorkerId, _: Message) {}
+    fn disconnect(&mut self, _: WorkerId) {}
 }
 
 fn request(cfg: &Config, req: RequestId) -> Option<crate::config::Request> {
@@ -313,6 +326,8 @@ impl<'c> World<'c> {
             model_digest: DIGEST,
             admission_check: cfg.gateway_admission,
             request_timeout_ms: TICK_MS,
+            max_queued: cfg.requests.len(),
+            queue_timeout_ms: TICK_MS,
         });
         let dpool = pool(cfg.decode_pool_pages);
         // Registration is atomic here: its welcomes and introductions are not modelled.
@@ -516,13 +531,14 @@ impl<'c> World<'c> {
             let Some(Envelope::Msg(m)) = q.front() else { continue };
             // A prefill that connected here is fenced by its connection's close, never by
             // the gateway's word: the decode role ignores the news for good.
-            if let Message::PrefillUnreachable { worker } = m
+            if let Message::PrefillUnreachable { worker } | Message::PeerLeft { worker } = m
+                && to == Node::Decode
                 && self.dec.role().has_connected(*worker)
             {
                 return Some(Action::Deliver(from, to));
             }
             let Some(req) = m.req() else { continue };
-            if !self.ghosts.get(&req).is_some_and(|g| g.submitted) {
+            if !self.ghosts.get(&client_of(req)).is_some_and(|g| g.submitted) {
                 continue;
             }
             let at_decode = self.dec.role().state_of(req);
@@ -682,7 +698,7 @@ impl<'c> World<'c> {
             match a {
                 GatewayAction::ToWorker { to, msg } => {
                     if let Message::Reserve { req, .. } = &msg
-                        && self.ghosts.get(req).is_some_and(|g| g.rejected)
+                        && self.ghosts.get(&client_of(*req)).is_some_and(|g| g.rejected)
                     {
                         self.violate(Prop::RejectionTerminal, format!("Reserve sent for {req} after it was rejected"));
                     }
@@ -700,7 +716,8 @@ impl<'c> World<'c> {
             ClientOutput::Finished { .. } => Outcome::Finished,
             ClientOutput::Rejected { reason, .. } => Outcome::Rejected(reason),
             ClientOutput::Failed { reason, .. } => Outcome::Failed(reason),
-            ClientOutput::Unavailable => Outcome::Unavailable,
+            ClientOutput::Unavailable { .. } => Outcome::Unavailable,
+            ClientOutput::Busy { reason, .. } => Outcome::Busy(reason),
         };
         let over = request(self.cfg, req).is_some_and(|r| self.cfg.over_capacity(r));
         let retry_variant = self.cfg.variant == Variant::RetryAfterReject;
@@ -710,7 +727,7 @@ impl<'c> World<'c> {
             g.rejected = true;
         }
         let outcomes = g.outcomes.clone();
-        let retry = retry_variant && outcome == Outcome::Rejected(RejectReason::Capacity) && !g.retried;
+        let retry = retry_variant && matches!(outcome, Outcome::Rejected(_)) && !g.retried;
         if retry {
             g.retried = true;
         }
@@ -747,7 +764,7 @@ impl<'c> World<'c> {
     fn note_refusals(&mut self, w: WorkerId) {
         let Some(p) = self.prefills.iter_mut().find(|p| p.id == w) else { return };
         let refused: Vec<RequestId> = p.driver.policy_mut().refused.drain(..).collect();
-        for req in refused {
+        for req in refused.into_iter().map(client_of) {
             if let Some(reason) = self.refusal_of(req) {
                 worker_rejected(&mut self.ghosts, req, reason);
             }
@@ -773,7 +790,7 @@ impl<'c> World<'c> {
         let step = p.driver.step(&mut MockPrefill, &mut p.pool, &mut link);
         let mut seen = link.seen;
         if let Step::Computed { req, .. } | Step::Ended { req, .. } = step
-            && self.ghosts.get(&req).is_some_and(|g| g.rejected)
+            && self.ghosts.get(&client_of(req)).is_some_and(|g| g.rejected)
             && !matches!(step, Step::Ended { outcome: bulkhead_protocol::prefill::JobOutcome::Stopped, .. })
         {
             seen.push((Prop::RejectionTerminal, format!("prefill computes {req} after it was rejected")));
@@ -805,8 +822,8 @@ impl<'c> World<'c> {
     fn decode_event(&mut self, ev: DecodeEvent) {
         let before = self.dec.role().stats();
         let (chunk, done) = match &ev {
-            DecodeEvent::Prefill { msg: Message::KvChunk { req, header, .. }, .. } => (Some((*req, header.slot_count as usize)), None),
-            DecodeEvent::Prefill { msg: Message::Done { req, .. }, .. } => (None, Some(*req)),
+            DecodeEvent::Prefill { msg: Message::KvChunk { req, header, .. }, .. } => (Some((client_of(*req), header.slot_count as usize)), None),
+            DecodeEvent::Prefill { msg: Message::Done { req, .. }, .. } => (None, Some(client_of(*req))),
             _ => (None, None),
         };
         let alive = self.alive();
@@ -840,6 +857,7 @@ impl<'c> World<'c> {
     fn drain_engine(&mut self) {
         let started: Vec<(RequestId, usize, usize)> = self.dec.engine_mut().started.drain(..).collect();
         for (req, verified, committed) in started {
+            let req = client_of(req);
             self.check_start(req, verified);
             if committed != self.ghosts.get(&req).and_then(|g| g.reserved_prompt).unwrap_or(usize::MAX) {
                 self.violate(Prop::VerifiedCoverage, format!("{req} started with {committed} committed prompt tokens"));

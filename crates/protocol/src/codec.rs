@@ -16,8 +16,9 @@ use crate::msg::*;
 
 /// Protocol version spoken by this build (2: `Sampling` carries `ignore_eos`; 3: `Reserve`
 /// and `Prefill` carry a `TraceContext`, workers send `Metrics`; 4: `KvKeepalive`;
-/// 5: `Finished` may say `abort`).
-pub const VERSION: u8 = 5;
+/// 5: `Finished` may say `abort`; 6: KV on demand: `Retracted`, `Reserve.resume`,
+/// `Prefill.skip_draws`, `PeerLeft` for prefill workers that reconnect, and `Room`).
+pub const VERSION: u8 = 6;
 /// Default largest payload accepted (a KV chunk of one page is ~370 KB for the default model).
 pub const DEFAULT_MAX_FRAME: usize = 16 << 20;
 const MAGIC: [u8; 2] = *b"BH";
@@ -72,6 +73,10 @@ impl W<'_> {
     fn req(&mut self, r: RequestId) {
         self.u64(r.0);
     }
+    fn tokens(&mut self, t: &[u32]) {
+        self.u32(t.len() as u32);
+        t.iter().for_each(|t| self.u32(*t));
+    }
     fn pages(&mut self, p: &[PageRef]) {
         self.u32(p.len() as u32);
         for r in p {
@@ -108,6 +113,7 @@ impl W<'_> {
         self.u8(u8::from(s.seed.is_some()));
         self.u64(s.seed.unwrap_or(0));
         self.u8(u8::from(s.ignore_eos));
+        self.u8(u8::from(s.skip_special_tokens));
     }
 }
 
@@ -163,6 +169,10 @@ impl<'a> R<'a> {
         }
         Ok(n)
     }
+    fn tokens(&mut self) -> Result<Vec<u32>, CodecError> {
+        let n = self.count(4)?;
+        (0..n).map(|_| self.u32()).collect()
+    }
     fn pages(&mut self) -> Result<Vec<PageRef>, CodecError> {
         let n = self.count(12)?;
         (0..n).map(|_| Ok(PageRef { page: PageId(self.u32()?), generation: Generation(self.u64()?) })).collect()
@@ -203,7 +213,8 @@ impl<'a> R<'a> {
             (false, value) => return Err(CodecError::Invalid { field: "seed", value }),
         };
         let ignore_eos = self.enum_u8("ignore_eos", flag)?;
-        Ok(Sampling { temperature, top_k, top_p, seed, ignore_eos })
+        let skip_special_tokens = self.enum_u8("skip_special_tokens", flag)?;
+        Ok(Sampling { temperature, top_k, top_p, seed, ignore_eos, skip_special_tokens })
     }
     fn enum_u8<T>(&mut self, field: &'static str, f: impl Fn(u8) -> Option<T>) -> Result<T, CodecError> {
         let v = self.u8()?;
@@ -274,7 +285,17 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
             20
         }
         Message::KvKeepalive => 21,
-        Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, trace } => {
+        Message::Retracted { req, tokens } => {
+            w.req(*req);
+            w.tokens(tokens);
+            22
+        }
+        Message::PeerLeft { worker } => {
+            w.u32(worker.0);
+            23
+        }
+        Message::Room => 24,
+        Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, trace } => {
             w.req(*req);
             w.u32(*prompt_tokens);
             w.u32(*max_tokens);
@@ -282,6 +303,7 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
             w.sampling(sampling);
             w.u32(stop.len() as u32);
             stop.iter().for_each(|s| w.str(s));
+            w.tokens(resume);
             w.trace(trace);
             5
         }
@@ -296,13 +318,13 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
             w.str(detail);
             7
         }
-        Message::Prefill { req, tokens, decode, pages, sampling, trace } => {
+        Message::Prefill { req, tokens, decode, pages, sampling, skip_draws, trace } => {
             w.req(*req);
-            w.u32(tokens.len() as u32);
-            tokens.iter().for_each(|t| w.u32(*t));
+            w.tokens(tokens);
             w.u32(decode.0);
             w.pages(pages);
             w.sampling(sampling);
+            w.u32(*skip_draws);
             w.trace(trace);
             8
         }
@@ -394,15 +416,16 @@ fn decode_payload(kind: u8, b: &[u8]) -> Result<Message, CodecError> {
             let sampling = r.sampling()?;
             let n = r.count(4)?;
             let stop = (0..n).map(|_| r.str("stop")).collect::<Result<_, _>>()?;
-            Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, trace: r.trace()? }
+            let resume = r.tokens()?;
+            Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, trace: r.trace()? }
         }
         6 => Message::Reserved { req: r.req()?, pages: r.pages()? },
         7 => Message::Rejected { req: r.req()?, reason: r.enum_u8("reject reason", reject)?, detail: r.str("detail")? },
         8 => {
             let req = r.req()?;
-            let n = r.count(4)?;
-            let tokens = (0..n).map(|_| r.u32()).collect::<Result<_, _>>()?;
-            Message::Prefill { req, tokens, decode: WorkerId(r.u32()?), pages: r.pages()?, sampling: r.sampling()?, trace: r.trace()? }
+            let tokens = r.tokens()?;
+            let (decode, pages, sampling) = (WorkerId(r.u32()?), r.pages()?, r.sampling()?);
+            Message::Prefill { req, tokens, decode, pages, sampling, skip_draws: r.u32()?, trace: r.trace()? }
         }
         9 => {
             let req = r.req()?;
@@ -433,6 +456,9 @@ fn decode_payload(kind: u8, b: &[u8]) -> Result<Message, CodecError> {
         19 => Message::PrefillUnreachable { worker: WorkerId(r.u32()?) },
         20 => Message::KvLost { decode: WorkerId(r.u32()?) },
         21 => Message::KvKeepalive,
+        22 => Message::Retracted { req: r.req()?, tokens: r.tokens()? },
+        23 => Message::PeerLeft { worker: WorkerId(r.u32()?) },
+        24 => Message::Room,
         k => return Err(CodecError::UnknownKind(k)),
     };
     if !r.b.is_empty() {
@@ -500,7 +526,7 @@ mod tests {
     use super::*;
 
     fn samples() -> Vec<Message> {
-        let s = Sampling { temperature: 0.7, top_k: 40, top_p: 0.9, seed: Some(7), ignore_eos: true };
+        let s = Sampling { temperature: 0.7, top_k: 40, top_p: 0.9, seed: Some(7), ignore_eos: true, skip_special_tokens: false };
         let pages = vec![PageRef { page: PageId(3), generation: Generation(9) }];
         let trace = TraceContext { trace_id: *b"0123456789abcdef", request_id: "req-1".into() };
         vec![
@@ -526,11 +552,15 @@ mod tests {
                 prefill: WorkerId(1),
                 sampling: s.clone(),
                 stop: vec!["x".into(), "".into()],
+                resume: vec![8, 9],
                 trace: trace.clone(),
             },
             Message::Reserved { req: RequestId(5), pages: pages.clone() },
             Message::Rejected { req: RequestId(5), reason: RejectReason::ContextLength, detail: "too long".into() },
-            Message::Prefill { req: RequestId(5), tokens: vec![1, 2, 3], decode: WorkerId(2), pages, sampling: s, trace },
+            Message::Prefill { req: RequestId(5), tokens: vec![1, 2, 3], decode: WorkerId(2), pages, sampling: s, skip_draws: 2, trace },
+            Message::Retracted { req: RequestId(5), tokens: vec![4, 5] },
+            Message::PeerLeft { worker: WorkerId(2) },
+            Message::Room,
             Message::KvChunk {
                 req: RequestId(5),
                 header: ChunkHeader { page: PageId(3), generation: Generation(9), slot_start: 0, slot_count: 2, checksum: 77 },

@@ -61,6 +61,9 @@ pub struct DecodeStart {
     pub sampling: Sampling,
     /// Stop strings.
     pub stop: Vec<String>,
+    /// Tokens an earlier attempt generated (the client has them): the last ones of the
+    /// verified prompt, replayed by the decode loop so it picks up where it was.
+    pub resume: Vec<u32>,
 }
 
 /// What the driver must do.
@@ -74,6 +77,9 @@ pub enum DecodeAction {
     Start(DecodeStart),
     /// The decode loop must end this request now and release its pages.
     Stop { req: RequestId },
+    /// Close the KV connection of prefill worker `prefill`, reading nothing more from it:
+    /// it left the cluster before its connection arrived.
+    Disconnect { prefill: WorkerId },
 }
 
 impl DecodeAction {
@@ -149,6 +155,8 @@ pub struct DecodeStats {
     pub late_chunks: u64,
     /// Transfers that timed out: nothing from their prefill worker for the transfer timeout.
     pub timeouts: u64,
+    /// KV connections refused: they arrived after their prefill worker left the cluster.
+    pub refused_connections: u64,
 }
 
 #[derive(Debug)]
@@ -158,6 +166,7 @@ struct Pending {
     max_tokens: u32,
     sampling: Sampling,
     stop: Vec<String>,
+    resume: Vec<u32>,
     /// `transfer_timeout_ms` after the reservation or the last frame from its prefill worker,
     /// whichever is later: a prefill that keeps talking (chunks for any request, keepalives)
     /// may have this prompt queued behind others; one silent that long is cut off or hung.
@@ -181,11 +190,17 @@ pub struct DecodeRole {
     fencing: BTreeMap<RequestId, Fencing>,
     decoding: BTreeSet<RequestId>,
     /// Prefill workers whose KV connection closed. Worker ids are never reused (a restarted
-    /// worker registers anew), so nothing can arrive from these again: a transfer naming one
-    /// is fenced by construction.
+    /// worker, or one that lost a KV connection, registers anew), so nothing can arrive from
+    /// these again: a transfer naming one is fenced by construction, and a new connection
+    /// from one is refused.
     closed_prefills: BTreeSet<WorkerId>,
     /// Prefill workers whose KV connection opened here.
     connected_prefills: BTreeSet<WorkerId>,
+    /// Prefill workers that left the cluster.
+    departed: BTreeSet<WorkerId>,
+    /// A reservation was refused for want of room and the gateway has not been told of
+    /// pages freed since (`Room`): it holds its queue back until then.
+    owes_room: bool,
     stats: DecodeStats,
 }
 
@@ -204,6 +219,8 @@ impl DecodeRole {
             decoding: BTreeSet::new(),
             closed_prefills: BTreeSet::new(),
             connected_prefills: BTreeSet::new(),
+            departed: BTreeSet::new(),
+            owes_room: false,
             stats: DecodeStats::default(),
         }
     }
@@ -268,10 +285,33 @@ impl DecodeRole {
         self.decoding.remove(&req);
     }
 
+    /// The decode loop freed pages (it ended sequences): the `Room` owed to the gateway,
+    /// if a reservation was refused for want of room since the last one.
+    pub fn room(&mut self) -> Option<Message> {
+        std::mem::take(&mut self.owes_room).then_some(Message::Room)
+    }
+
     /// Process one event.
     pub fn handle(&mut self, pool: &mut KvPool, ev: DecodeEvent) -> Vec<DecodeAction> {
         let mut out = Vec::new();
+        let free_before = pool.stats().free_pages;
+        self.on_event(pool, ev, &mut out);
+        if pool.stats().free_pages > free_before {
+            out.extend(self.room().map(DecodeAction::ToGateway));
+        }
+        out
+    }
+
+    fn on_event(&mut self, pool: &mut KvPool, ev: DecodeEvent, out: &mut Vec<DecodeAction>) {
         match ev {
+            // A connection that was on its way when its prefill left, or a second one from a
+            // prefill whose first one closed (a prefill that loses its connection rejoins
+            // under a new id): whatever it carries was fenced already (the pages may belong
+            // to others now), so nothing of it is read.
+            DecodeEvent::PrefillConnected { from } if self.departed.contains(&from) || self.closed_prefills.contains(&from) => {
+                self.stats.refused_connections += 1;
+                out.push(DecodeAction::Disconnect { prefill: from });
+            }
             DecodeEvent::PrefillConnected { from } => {
                 self.heard_from(from);
                 self.connected_prefills.insert(from);
@@ -280,13 +320,29 @@ impl DecodeRole {
             // write here: fenced. One that did connect is fenced when that connection
             // closes, not before (chunks may still be in flight on it).
             DecodeEvent::Gateway(Message::PrefillUnreachable { worker }) if !self.connected_prefills.contains(&worker) => {
-                self.prefill_fenced(pool, worker, &mut out);
+                self.prefill_fenced(pool, worker, out);
             }
-            DecodeEvent::PrefillClosed { from } => self.prefill_fenced(pool, from, &mut out),
-            DecodeEvent::Gateway(m) => self.on_gateway(pool, m, &mut out),
+            // It left the cluster. One whose connection here is open is fenced when that
+            // connection closes (chunks may still be on it); one that never connected or
+            // whose connection closed already is fenced now (a reservation naming it may
+            // have arrived after the close: the gateway names it until it hears it left,
+            // and says so after every such reservation), and a connection from it still
+            // on its way will be refused.
+            DecodeEvent::Gateway(Message::PeerLeft { worker }) => {
+                self.departed.insert(worker);
+                if !self.connected_prefills.contains(&worker) || self.closed_prefills.contains(&worker) {
+                    self.prefill_fenced(pool, worker, out);
+                }
+            }
+            // Frames of a refused connection that were read before it closed.
+            DecodeEvent::Prefill { from, .. } if !self.connected_prefills.contains(&from) => {
+                self.stats.late_chunks += 1;
+            }
+            DecodeEvent::PrefillClosed { from } => self.prefill_fenced(pool, from, out),
+            DecodeEvent::Gateway(m) => self.on_gateway(pool, m, out),
             DecodeEvent::Prefill { from, msg } => {
                 self.heard_from(from);
-                self.on_prefill(pool, from, msg, &mut out);
+                self.on_prefill(pool, from, msg, out);
             }
             DecodeEvent::Tick { now_ms } => {
                 self.now_ms = now_ms;
@@ -304,7 +360,6 @@ impl DecodeRole {
                 }
             }
         }
-        out
     }
 
     /// Prefill `from` is alive and its link carries frames: re-arm its reservations' timers.
@@ -333,7 +388,10 @@ impl DecodeRole {
     fn reject(&mut self, req: RequestId, reason: RejectReason, detail: String) -> DecodeAction {
         match reason {
             RejectReason::ContextLength => self.stats.rejected_context += 1,
-            RejectReason::Capacity => self.stats.rejected_capacity += 1,
+            RejectReason::Capacity => {
+                self.stats.rejected_capacity += 1;
+                self.owes_room = true;
+            }
             RejectReason::Duplicate | RejectReason::Invalid => self.stats.rejected_invalid += 1,
         }
         DecodeAction::ToGateway(Message::Rejected { req, reason, detail })
@@ -347,7 +405,7 @@ impl DecodeRole {
 
     fn on_gateway(&mut self, pool: &mut KvPool, m: Message, out: &mut Vec<DecodeAction>) {
         match m {
-            Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, .. } => {
+            Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, .. } => {
                 if self.known(req) {
                     out.push(self.reject(req, RejectReason::Duplicate, format!("request {req} is already in flight")));
                     return;
@@ -360,12 +418,19 @@ impl DecodeRole {
                         return;
                     }
                 };
-                match Inbound::reserve(pool, req, prompt_tokens as usize, total) {
+                // KV on demand: the prompt and a first page of output now; the decode loop
+                // grows the sequence page by page, and retracts one when it cannot.
+                let first_slice = (prompt_tokens as usize + pool.layout().page_size).min(total);
+                if resume.len() >= prompt_tokens as usize {
+                    out.push(self.reject(req, RejectReason::Invalid, format!("{} resumed tokens in a prompt of {prompt_tokens}", resume.len())));
+                    return;
+                }
+                match Inbound::reserve(pool, req, prompt_tokens as usize, first_slice) {
                     Ok(inbound) => {
                         self.stats.reserved += 1;
                         let pages = inbound.prompt_pages(pool.layout().page_size);
                         let deadline_ms = self.now_ms.saturating_add(self.cfg.transfer_timeout_ms);
-                        self.pending.insert(req, Pending { inbound, prefill, max_tokens, sampling, stop, deadline_ms });
+                        self.pending.insert(req, Pending { inbound, prefill, max_tokens, sampling, stop, resume, deadline_ms });
                         out.push(DecodeAction::ToGateway(Message::Reserved { req, pages }));
                     }
                     Err(KvError::Exhausted { requested, free }) => {
@@ -446,6 +511,7 @@ impl DecodeRole {
                                 max_tokens: p.max_tokens,
                                 sampling: p.sampling,
                                 stop: p.stop,
+                                resume: p.resume,
                             }));
                         }
                         Err((e, seq)) => {

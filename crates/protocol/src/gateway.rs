@@ -1,17 +1,40 @@
-//! The gateway's per-request state machine: admission, routing to one decode and one
-//! prefill worker, and exactly one terminal outcome per request to the client (I3).
+//! The gateway's state machine: worker membership, a bounded queue of requests waiting for
+//! capacity, routing each to one decode and one prefill worker, and exactly one terminal
+//! outcome per request to the client (I3).
 //!
-//! Lifecycle: `Reserving` (Reserve sent to decode) → `Prefilling` (Prefill sent) →
-//! `Decoding` (tokens flowing) → terminal. A request leaves the table at its terminal
-//! outcome; anything arriving for it afterwards is ignored, so a second terminal outcome
-//! cannot reach the client.
+//! Lifecycle of a request: `Queued` → `Reserving` (Reserve sent to decode) → `Prefilling`
+//! (Prefill sent) → `Decoding` (tokens flowing) → terminal. It goes back to `Queued`, as a
+//! new *attempt*, when the decode worker has no room for it now (`Rejected(Capacity)`),
+//! when the decode loop retracted it to let others grow (`Retracted`: it resumes from the
+//! tokens it already generated), when its prefill worker left before `Prefill` was sent,
+//! and once when its prefill worker was lost before any token reached the client. A
+//! request leaves the table at its terminal outcome; anything arriving for it afterwards
+//! is ignored, so a second terminal outcome cannot reach the client.
+//!
+//! Attempts: workers know a request by its attempt id ([`attempt_id`]): the client's id
+//! for the first attempt, the client's id with the attempt number in the high bits for
+//! later ones. Messages about an earlier attempt are ignored, so a late report from a
+//! worker that lost an attempt cannot end the one that replaced it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use bulkhead_kv::RequestId;
 
 use crate::admission::{admit, Generate};
 use crate::msg::*;
+
+/// Client request ids must stay below this; the bits above hold the attempt number.
+pub const CLIENT_ID_LIMIT: u64 = 1 << 48;
+
+/// The id workers know attempt `n` (0 = the first) of client request `client` by.
+pub fn attempt_id(client: RequestId, n: u32) -> RequestId {
+    RequestId(client.0 % CLIENT_ID_LIMIT | u64::from(n) << 48)
+}
+
+/// The client request an attempt id belongs to.
+pub fn client_of(attempt: RequestId) -> RequestId {
+    RequestId(attempt.0 % CLIENT_ID_LIMIT)
+}
 
 /// Limits of the gateway.
 #[derive(Clone, Debug)]
@@ -26,6 +49,10 @@ pub struct GatewayConfig {
     pub admission_check: bool,
     /// A request not finished after this long fails.
     pub request_timeout_ms: u64,
+    /// Requests that may wait for capacity at once; one more is refused (HTTP 429).
+    pub max_queued: usize,
+    /// How long a request may wait in the queue before it is refused (HTTP 429).
+    pub queue_timeout_ms: u64,
 }
 
 /// What happened at the gateway.
@@ -43,6 +70,25 @@ pub enum GatewayEvent {
     Tick { now_ms: u64 },
 }
 
+/// Why a request is turned away for now (HTTP 429, with `Retry-After`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BusyReason {
+    /// The queue is full.
+    QueueFull,
+    /// It waited in the queue for the queue timeout.
+    QueueTimeout,
+}
+
+impl BusyReason {
+    /// The error `code` clients see.
+    pub fn code(self) -> &'static str {
+        match self {
+            BusyReason::QueueFull => "queue_full",
+            BusyReason::QueueTimeout => "queue_timeout",
+        }
+    }
+}
+
 /// The one terminal outcome of a request, or a streamed token.
 #[derive(Clone, Debug, PartialEq)]
 pub enum ClientOutput {
@@ -54,8 +100,11 @@ pub enum ClientOutput {
     Rejected { reason: RejectReason, detail: String },
     /// Failed while running.
     Failed { reason: FailReason, detail: String },
-    /// No worker of a needed role is available.
-    Unavailable,
+    /// Turned away for now: too much is waiting (HTTP 429).
+    Busy { reason: BusyReason, detail: String },
+    /// No worker of a needed role is registered (HTTP 503); `detail` says whether the
+    /// server is starting or lost its workers, and since when.
+    Unavailable { detail: String },
 }
 
 impl ClientOutput {
@@ -77,6 +126,8 @@ pub enum GatewayAction {
 /// Where a request stands at the gateway.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
+    /// Waiting for capacity (or for workers).
+    Queued,
     /// `Reserve` sent to the decode worker; no `Prefill` sent yet.
     Reserving,
     /// `Prefill` sent; no token yet.
@@ -119,15 +170,37 @@ struct Member {
     kv_addr: String,
 }
 
+/// The workers an attempt went to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Route {
+    decode: WorkerId,
+    prefill: WorkerId,
+}
+
 #[derive(Debug)]
 struct InFlight {
     phase: Phase,
-    decode: WorkerId,
-    prefill: WorkerId,
+    /// The current attempt's number (its id is [`attempt_id`] of the client's and this).
+    attempt: u32,
+    /// Where the current attempt went; `None` while queued.
+    route: Option<Route>,
     tokens: Vec<u32>,
+    max_tokens: u32,
     sampling: Sampling,
+    stop: Vec<String>,
     trace: TraceContext,
+    /// Tokens generated by earlier attempts (the client has them): they end the next
+    /// attempt's prompt.
+    resume: Vec<u32>,
     deadline_ms: u64,
+    /// When it began waiting for room: set when queued, kept while decode workers refuse
+    /// it for want of room (so being offered around does not restart the queue timeout),
+    /// cleared when one reserves pages for it.
+    queued_at_ms: Option<u64>,
+    /// It was sent again after losing its prefill worker (once at most).
+    retried: bool,
+    /// A prefill worker not to send its next attempt to (the one it lost).
+    avoid: Option<WorkerId>,
 }
 
 /// Counters.
@@ -145,6 +218,16 @@ pub struct GatewayStats {
     pub failed: u64,
     /// Ended because the client left.
     pub client_gone: u64,
+    /// Turned away: the queue was full.
+    pub queue_full: u64,
+    /// Turned away: waited for the queue timeout.
+    pub queue_timeouts: u64,
+    /// Sent back to the queue because a decode worker had no room for them now.
+    pub requeued_capacity: u64,
+    /// Retracted by a decode worker and queued to resume.
+    pub retracted: u64,
+    /// Sent again after losing their prefill worker.
+    pub retried: u64,
 }
 
 /// The gateway's protocol state.
@@ -159,9 +242,28 @@ pub struct GatewayRole {
     members: BTreeMap<WorkerId, Member>,
     prefills: Vec<WorkerId>,
     decodes: Vec<WorkerId>,
+    /// When the last worker of each role (prefill, decode) left, while none is registered.
+    lost_since_ms: [Option<u64>; 2],
     next_pick: usize,
+    /// By client request id.
     inflight: BTreeMap<RequestId, InFlight>,
+    /// Client request ids waiting for capacity, first come first served.
+    queue: VecDeque<RequestId>,
+    /// Decode workers that refused or retracted for lack of room since they last freed
+    /// something (or since the last tick): not sent new reservations meanwhile.
+    full: BTreeSet<WorkerId>,
     stats: GatewayStats,
+}
+
+fn role_index(r: Role) -> usize {
+    usize::from(r == Role::Decode)
+}
+
+fn role_name(r: Role) -> &'static str {
+    match r {
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
+    }
 }
 
 impl GatewayRole {
@@ -175,8 +277,11 @@ impl GatewayRole {
             members: BTreeMap::new(),
             prefills: Vec::new(),
             decodes: Vec::new(),
+            lost_since_ms: [None, None],
             next_pick: 0,
             inflight: BTreeMap::new(),
+            queue: VecDeque::new(),
+            full: BTreeSet::new(),
             stats: GatewayStats::default(),
         }
     }
@@ -191,9 +296,24 @@ impl GatewayRole {
         self.max_context
     }
 
-    /// Where `req` stands, if it is in flight.
-    pub fn phase_of(&self, req: RequestId) -> Option<Phase> {
-        self.inflight.get(&req).map(|f| f.phase)
+    /// Requests not yet terminal (queued ones included).
+    pub fn in_flight(&self) -> usize {
+        self.inflight.len()
+    }
+
+    /// Requests waiting in the queue.
+    pub fn queued(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// How long each queued request has waited, in milliseconds.
+    pub fn queue_waits_ms(&self) -> impl Iterator<Item = u64> + '_ {
+        self.queue.iter().filter_map(|r| self.inflight.get(r)?.queued_at_ms).map(|t| self.now_ms.saturating_sub(t))
+    }
+
+    /// Where the request that workers know as `attempt` stands, if that attempt is current.
+    pub fn phase_of(&self, attempt: RequestId) -> Option<Phase> {
+        self.current(attempt).map(|f| f.phase)
     }
 
     /// Registered workers of `role`, in the order they joined.
@@ -204,9 +324,30 @@ impl GatewayRole {
         }
     }
 
+    /// Whether at least one worker of each role is registered.
+    pub fn ready(&self) -> bool {
+        !self.prefills.is_empty() && !self.decodes.is_empty()
+    }
+
+    /// Why requests cannot be served now, if no worker of a role is registered: the server
+    /// is starting (none ever registered), or lost its last one this long ago.
+    pub fn unavailable(&self) -> Option<String> {
+        [Role::Prefill, Role::Decode].into_iter().filter(|r| self.workers(*r).is_empty()).map(|r| {
+            match self.lost_since_ms[role_index(r)] {
+                None => format!("the server is starting: no {} worker has registered yet", role_name(r)),
+                Some(t) => format!(
+                    "no {} worker is registered: the last one was lost {:.1} s ago",
+                    role_name(r),
+                    self.now_ms.saturating_sub(t) as f64 / 1000.0
+                ),
+            }
+        }).next()
+    }
+
     /// Register worker `id` (the driver names it) from its `Hello`: refused if it serves
-    /// another model or KV layout. On success: its `Welcome`, and the introductions that
-    /// let prefill workers open KV connections to decode workers (`DecodePeer`).
+    /// another model or KV layout. On success: its `Welcome`, the introductions that let
+    /// prefill workers open KV connections to decode workers (`DecodePeer`), and any
+    /// queued requests it lets go.
     pub fn join(&mut self, id: WorkerId, hello: &Hello) -> Result<Vec<GatewayAction>, RegisterError> {
         if hello.model_digest != self.cfg.model_digest {
             return Err(RegisterError::Model { worker: hello.model_digest, gateway: self.cfg.model_digest });
@@ -235,9 +376,11 @@ impl GatewayRole {
                 self.decodes.push(id);
             }
         }
+        self.lost_since_ms[role_index(hello.role)] = None;
         let member = Member { role: hello.role, max_context: hello.max_context as usize, kv_addr: hello.kv_addr.clone() };
         self.members.insert(id, member);
         self.update_context();
+        self.dispatch(&mut out);
         Ok(out)
     }
 
@@ -247,78 +390,196 @@ impl GatewayRole {
         self.max_context = workers.unwrap_or(self.cfg.model_context).min(self.cfg.model_context);
     }
 
-    /// Requests not yet terminal.
-    pub fn in_flight(&self) -> usize {
-        self.inflight.len()
-    }
-
-    /// Whether at least one worker of each role is registered.
-    pub fn ready(&self) -> bool {
-        !self.prefills.is_empty() && !self.decodes.is_empty()
-    }
-
     /// Process one event.
     pub fn handle(&mut self, ev: GatewayEvent) -> Vec<GatewayAction> {
         let mut out = Vec::new();
         match ev {
             GatewayEvent::Submit { req, tokens, max_tokens, sampling, stop, trace } => {
-                self.stats.submitted += 1;
-                if self.cfg.admission_check
-                    && let Err(refusal) = admit(tokens.len(), Generate::Tokens(max_tokens as usize), self.max_context)
-                {
-                    // Rejected before any Reserve (I3, I5).
-                    self.stats.rejected_at_gateway += 1;
-                    return vec![Self::reject(req, refusal.reason(), refusal.to_string())];
-                }
-                if !self.ready() || self.inflight.contains_key(&req) {
-                    out.push(GatewayAction::ToClient { req, out: ClientOutput::Unavailable });
-                    return out;
-                }
-                self.next_pick = self.next_pick.wrapping_add(1);
-                let decode = self.decodes[self.next_pick % self.decodes.len()];
-                let prefill = self.prefills[self.next_pick % self.prefills.len()];
-                let prompt_tokens = tokens.len() as u32;
-                out.push(GatewayAction::ToWorker {
-                    to: decode,
-                    msg: Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling: sampling.clone(), stop, trace: trace.clone() },
-                });
-                let deadline_ms = self.now_ms.saturating_add(self.cfg.request_timeout_ms);
-                self.inflight.insert(req, InFlight { phase: Phase::Reserving, decode, prefill, tokens, sampling, trace, deadline_ms });
+                self.submit(req, tokens, max_tokens, sampling, stop, trace, &mut out);
             }
             GatewayEvent::ClientGone { req } => {
                 if let Some(f) = self.inflight.remove(&req) {
                     self.stats.client_gone += 1;
+                    self.queue.retain(|r| *r != req);
                     Self::abort_workers(req, &f, AbortReason::ClientGone, None, &mut out);
                 }
             }
             GatewayEvent::FromWorker { from, msg } => self.on_worker(from, msg, &mut out),
-            GatewayEvent::WorkerLeft { id } => {
-                let Some(left) = self.members.remove(&id) else { return out };
-                self.prefills.retain(|w| *w != id);
-                self.decodes.retain(|w| *w != id);
-                self.update_context();
-                if left.role == Role::Prefill {
-                    // A decode worker it never connected to has no other way to learn that
-                    // it can no longer write there (its quarantines would never end).
-                    // Found by the fault schedules.
-                    for &to in &self.decodes {
-                        out.push(GatewayAction::ToWorker { to, msg: Message::PrefillUnreachable { worker: id } });
-                    }
-                }
-                let lost: Vec<RequestId> = self.inflight.iter().filter(|(_, f)| f.decode == id || f.prefill == id).map(|(r, _)| *r).collect();
-                for req in lost {
-                    self.fail(req, FailReason::WorkerLost, format!("{id} went away"), Some(id), &mut out);
-                }
-            }
+            GatewayEvent::WorkerLeft { id } => self.worker_left(id, &mut out),
             GatewayEvent::Tick { now_ms } => {
                 self.now_ms = now_ms;
-                let late: Vec<RequestId> = self.inflight.iter().filter(|(_, f)| f.deadline_ms <= now_ms).map(|(r, _)| *r).collect();
-                for req in late {
-                    self.fail(req, FailReason::Timeout, "request timed out".into(), None, &mut out);
-                }
+                self.expire(&mut out);
+                // Capacity may have freed without a word from the decode worker (a request
+                // it held failed on another path): try again.
+                self.full.clear();
+                self.dispatch(&mut out);
             }
         }
         out
+    }
+
+    #[allow(clippy::too_many_arguments)] // the fields of a Submit
+    fn submit(&mut self, req: RequestId, tokens: Vec<u32>, max_tokens: u32, sampling: Sampling, stop: Vec<String>, trace: TraceContext, out: &mut Vec<GatewayAction>) {
+        self.stats.submitted += 1;
+        if self.cfg.admission_check
+            && let Err(refusal) = admit(tokens.len(), Generate::Tokens(max_tokens as usize), self.max_context)
+        {
+            // Rejected before any Reserve (I3, I5).
+            self.stats.rejected_at_gateway += 1;
+            return out.push(Self::reject(req, refusal.reason(), refusal.to_string()));
+        }
+        if self.inflight.contains_key(&req) || req.0 >= CLIENT_ID_LIMIT {
+            let detail = format!("request id {req} is in use or out of range");
+            return out.push(GatewayAction::ToClient { req, out: ClientOutput::Unavailable { detail } });
+        }
+        if let Some(detail) = self.unavailable() {
+            return out.push(GatewayAction::ToClient { req, out: ClientOutput::Unavailable { detail } });
+        }
+        if self.queue.len() >= self.cfg.max_queued {
+            self.stats.queue_full += 1;
+            let detail = format!("{} requests are waiting, the most this server queues", self.queue.len());
+            return out.push(GatewayAction::ToClient { req, out: ClientOutput::Busy { reason: BusyReason::QueueFull, detail } });
+        }
+        let deadline_ms = self.now_ms.saturating_add(self.cfg.request_timeout_ms);
+        let f = InFlight {
+            phase: Phase::Queued,
+            attempt: 0,
+            route: None,
+            tokens,
+            max_tokens,
+            sampling,
+            stop,
+            trace,
+            resume: Vec::new(),
+            deadline_ms,
+            queued_at_ms: Some(self.now_ms),
+            retried: false,
+            avoid: None,
+        };
+        self.inflight.insert(req, f);
+        self.queue.push_back(req);
+        self.dispatch(out);
+    }
+
+    /// Send the queue's head requests on while a decode worker may have room: first come,
+    /// first served (a head that does not fit holds the others back, so a long prompt is
+    /// not overtaken for ever by short ones).
+    fn dispatch(&mut self, out: &mut Vec<GatewayAction>) {
+        while let Some(&req) = self.queue.front() {
+            let avoid = self.inflight.get(&req).and_then(|f| f.avoid);
+            let Some(route) = self.pick(avoid) else { return };
+            self.queue.pop_front();
+            let Some(f) = self.inflight.get_mut(&req) else { continue };
+            f.phase = Phase::Reserving;
+            f.route = Some(route);
+            let resumed = f.resume.len() as u32;
+            let msg = Message::Reserve {
+                req: attempt_id(req, f.attempt),
+                prompt_tokens: f.tokens.len() as u32 + resumed,
+                max_tokens: f.max_tokens.saturating_sub(resumed),
+                prefill: route.prefill,
+                sampling: f.sampling.clone(),
+                stop: f.stop.clone(),
+                resume: f.resume.clone(),
+                trace: f.trace.clone(),
+            };
+            out.push(GatewayAction::ToWorker { to: route.decode, msg });
+        }
+    }
+
+    /// A decode worker that may have room and a prefill worker (not `avoid` if another
+    /// exists), round robin.
+    fn pick(&mut self, avoid: Option<WorkerId>) -> Option<Route> {
+        let decodes: Vec<WorkerId> = self.decodes.iter().copied().filter(|d| !self.full.contains(d)).collect();
+        let preferred: Vec<WorkerId> = self.prefills.iter().copied().filter(|p| Some(*p) != avoid).collect();
+        let prefills = if preferred.is_empty() { self.prefills.clone() } else { preferred };
+        if decodes.is_empty() || prefills.is_empty() {
+            return None;
+        }
+        self.next_pick = self.next_pick.wrapping_add(1);
+        Some(Route { decode: decodes[self.next_pick % decodes.len()], prefill: prefills[self.next_pick % prefills.len()] })
+    }
+
+    /// Back to the queue's front as a new attempt (it was admitted before everything that
+    /// waits behind it). The workers of the old attempt, but `except`, are told to let it go.
+    fn requeue(&mut self, req: RequestId, except: Option<WorkerId>, out: &mut Vec<GatewayAction>) {
+        let now = self.now_ms;
+        let Some(f) = self.inflight.get_mut(&req) else { return };
+        let old = attempt_id(req, f.attempt);
+        Self::abort_attempt(old, f, AbortReason::Failed, except, out);
+        f.attempt += 1;
+        f.phase = Phase::Queued;
+        f.route = None;
+        f.queued_at_ms.get_or_insert(now);
+        self.queue.push_front(req);
+    }
+
+    /// Requests that waited too long: 429 from the queue, a failure elsewhere.
+    fn expire(&mut self, out: &mut Vec<GatewayAction>) {
+        let now = self.now_ms;
+        let waited: Vec<RequestId> = self
+            .queue
+            .iter()
+            .copied()
+            .filter(|r| self.inflight.get(r).and_then(|f| f.queued_at_ms).is_some_and(|t| t.saturating_add(self.cfg.queue_timeout_ms) <= now))
+            .collect();
+        for req in waited {
+            self.queue.retain(|r| *r != req);
+            if self.inflight.remove(&req).is_some() {
+                self.stats.queue_timeouts += 1;
+                let detail = format!("waited {} ms in the queue for capacity", self.cfg.queue_timeout_ms);
+                out.push(GatewayAction::ToClient { req, out: ClientOutput::Busy { reason: BusyReason::QueueTimeout, detail } });
+            }
+        }
+        let late: Vec<RequestId> = self.inflight.iter().filter(|(_, f)| f.deadline_ms <= now).map(|(r, _)| *r).collect();
+        for req in late {
+            self.fail(req, FailReason::Timeout, "request timed out".into(), None, out);
+        }
+    }
+
+    fn worker_left(&mut self, id: WorkerId, out: &mut Vec<GatewayAction>) {
+        let Some(left) = self.members.remove(&id) else { return };
+        self.prefills.retain(|w| *w != id);
+        self.decodes.retain(|w| *w != id);
+        self.full.remove(&id);
+        if self.workers(left.role).is_empty() {
+            self.lost_since_ms[role_index(left.role)] = Some(self.now_ms);
+        }
+        self.update_context();
+        match left.role {
+            Role::Prefill => {
+                // A decode worker it never connected to has no other way to learn that it
+                // can no longer write there (its quarantines would never end; found by the
+                // fault schedules), nor that a connection from it still on its way must be
+                // refused.
+                for &to in &self.decodes {
+                    out.push(GatewayAction::ToWorker { to, msg: Message::PeerLeft { worker: id } });
+                }
+                // Not yet sent to it: send elsewhere. Sent to it: the decode worker reports
+                // whether the prompt had arrived (then it streams on) or not (then it is
+                // retried, see `on_worker`).
+                let waiting: Vec<RequestId> = self.routed_to(id, |p| p == Phase::Reserving);
+                for req in waiting {
+                    self.requeue(req, Some(id), out);
+                }
+            }
+            Role::Decode => {
+                for &to in &self.prefills {
+                    out.push(GatewayAction::ToWorker { to, msg: Message::PeerLeft { worker: id } });
+                }
+                let lost: Vec<RequestId> = self.routed_to(id, |_| true);
+                for req in lost {
+                    self.fail(req, FailReason::WorkerLost, format!("decode {id} was lost"), Some(id), out);
+                }
+            }
+        }
+        self.dispatch(out);
+    }
+
+    /// Requests whose current attempt went to worker `id`, in a phase `phase` accepts.
+    fn routed_to(&self, id: WorkerId, phase: impl Fn(Phase) -> bool) -> Vec<RequestId> {
+        let on = |r: &Route| r.decode == id || r.prefill == id;
+        self.inflight.iter().filter(|(_, f)| f.route.as_ref().is_some_and(on) && phase(f.phase)).map(|(r, _)| *r).collect()
     }
 
     /// Refuse `req` before anything was reserved for it (I3).
@@ -327,25 +588,38 @@ impl GatewayRole {
     }
 
     fn abort_workers(req: RequestId, f: &InFlight, reason: AbortReason, except: Option<WorkerId>, out: &mut Vec<GatewayAction>) {
+        Self::abort_attempt(attempt_id(req, f.attempt), f, reason, except, out);
+    }
+
+    /// Tell the workers of attempt `attempt` (but `except`) to end it.
+    fn abort_attempt(attempt: RequestId, f: &InFlight, reason: AbortReason, except: Option<WorkerId>, out: &mut Vec<GatewayAction>) {
+        let Some(route) = f.route else { return };
         if f.phase == Phase::Reserving {
             // No Prefill was sent: no worker can write the reservation, so the decode
             // worker may release it at once instead of waiting for a fence.
-            if Some(f.decode) != except {
-                out.push(GatewayAction::ToWorker { to: f.decode, msg: Message::Cancel { req } });
+            if Some(route.decode) != except {
+                out.push(GatewayAction::ToWorker { to: route.decode, msg: Message::Cancel { req: attempt } });
             }
             return;
         }
-        for to in [f.decode, f.prefill].into_iter().filter(|t| Some(*t) != except) {
-            out.push(GatewayAction::ToWorker { to, msg: Message::Abort { req, reason } });
+        for to in [route.decode, route.prefill].into_iter().filter(|t| Some(*t) != except) {
+            out.push(GatewayAction::ToWorker { to, msg: Message::Abort { req: attempt, reason } });
         }
     }
 
     fn fail(&mut self, req: RequestId, reason: FailReason, detail: String, except: Option<WorkerId>, out: &mut Vec<GatewayAction>) {
         if let Some(f) = self.inflight.remove(&req) {
+            self.queue.retain(|r| *r != req);
             self.stats.failed += 1;
             Self::abort_workers(req, &f, AbortReason::Failed, except, out);
             out.push(GatewayAction::ToClient { req, out: ClientOutput::Failed { reason, detail } });
         }
+    }
+
+    /// The request whose current attempt is `attempt`.
+    fn current(&self, attempt: RequestId) -> Option<&InFlight> {
+        let f = self.inflight.get(&client_of(attempt))?;
+        (attempt_id(client_of(attempt), f.attempt) == attempt).then_some(f)
     }
 
     fn on_worker(&mut self, from: WorkerId, msg: Message, out: &mut Vec<GatewayAction>) {
@@ -357,48 +631,88 @@ impl GatewayRole {
             }
             return;
         }
-        let Some(req) = msg.req() else { return };
-        let Some(f) = self.inflight.get_mut(&req) else { return };
-        // Only the workers assigned to a request speak for it.
-        if from != f.decode && from != f.prefill {
+        if msg == Message::Room {
+            if self.full.remove(&from) {
+                self.dispatch(out);
+            }
             return;
         }
+        let Some(attempt) = msg.req() else { return };
+        let req = client_of(attempt);
+        // Only the workers of the current attempt speak for a request.
+        let Some(route) = self.current(attempt).and_then(|f| f.route) else { return };
+        if from != route.decode && from != route.prefill {
+            return;
+        }
+        if from == route.decode && matches!(msg, Message::Finished { .. } | Message::Failed { .. } | Message::Retracted { .. }) {
+            // It let go of something: it may have room again.
+            self.full.remove(&from);
+        }
+        let Some(f) = self.inflight.get_mut(&req) else { return };
         match msg {
-            Message::Reserved { pages, .. } if f.phase == Phase::Reserving && from == f.decode => {
+            Message::Reserved { pages, .. } if f.phase == Phase::Reserving && from == route.decode => {
+                if !self.prefills.contains(&route.prefill) {
+                    // Its prefill worker left since: send the request elsewhere.
+                    return self.requeue(req, None, out);
+                }
                 f.phase = Phase::Prefilling;
-                out.push(GatewayAction::ToWorker {
-                    to: f.prefill,
-                    msg: Message::Prefill {
-                        req,
-                        tokens: std::mem::take(&mut f.tokens),
-                        decode: f.decode,
-                        pages,
-                        sampling: f.sampling.clone(),
-                        trace: f.trace.clone(),
-                    },
-                });
+                f.queued_at_ms = None;
+                let mut tokens = f.tokens.clone();
+                tokens.extend_from_slice(&f.resume);
+                let msg = Message::Prefill {
+                    req: attempt,
+                    tokens,
+                    decode: route.decode,
+                    pages,
+                    sampling: f.sampling.clone(),
+                    skip_draws: f.resume.len() as u32,
+                    trace: f.trace.clone(),
+                };
+                out.push(GatewayAction::ToWorker { to: route.prefill, msg });
             }
-            Message::Token { text, .. } if from == f.decode => {
+            Message::Token { text, .. } if from == route.decode => {
                 f.phase = Phase::Decoding;
                 out.push(GatewayAction::ToClient { req, out: ClientOutput::Token { text } });
             }
-            Message::Finished { finish, text, prompt_tokens, completion_tokens, .. } if from == f.decode => {
+            Message::Finished { finish, text, prompt_tokens, completion_tokens, .. } if from == route.decode => {
                 self.inflight.remove(&req);
                 self.stats.finished += 1;
                 out.push(GatewayAction::ToClient { req, out: ClientOutput::Finished { finish, text, prompt_tokens, completion_tokens } });
             }
+            Message::Retracted { tokens, .. } if from == route.decode => {
+                // The decode loop gave its pages to others; it resumes from what it made.
+                self.stats.retracted += 1;
+                self.full.insert(from);
+                f.resume = tokens;
+                self.requeue(req, Some(from), out);
+            }
+            Message::Rejected { reason: RejectReason::Capacity, .. } if from == route.decode && f.phase == Phase::Reserving => {
+                // No room there now: wait for it.
+                self.stats.requeued_capacity += 1;
+                self.full.insert(from);
+                self.requeue(req, Some(from), out);
+            }
             Message::Rejected { reason, detail, .. } => {
-                if let Some(f) = self.inflight.remove(&req) {
-                    self.stats.rejected_by_worker += 1;
-                    // A prefill rejection leaves a reservation on the decode worker.
-                    if from == f.prefill {
-                        out.push(GatewayAction::ToWorker { to: f.decode, msg: Message::Abort { req, reason: AbortReason::Failed } });
-                    }
-                    out.push(Self::reject(req, reason, detail));
+                self.inflight.remove(&req);
+                self.stats.rejected_by_worker += 1;
+                // A prefill rejection leaves a reservation on the decode worker.
+                if from == route.prefill {
+                    out.push(GatewayAction::ToWorker { to: route.decode, msg: Message::Abort { req: attempt, reason: AbortReason::Failed } });
                 }
+                out.push(Self::reject(req, reason, detail));
+            }
+            // The prompt never reached the decode worker and this attempt streamed nothing
+            // (what earlier ones streamed is in `resume`): one more try, on another
+            // prefill worker if there is one.
+            Message::Failed { reason: FailReason::WorkerLost, .. } if !f.retried && f.phase == Phase::Prefilling => {
+                self.stats.retried += 1;
+                f.retried = true;
+                f.avoid = Some(route.prefill);
+                self.requeue(req, Some(from), out);
             }
             Message::Failed { reason, detail, .. } => self.fail(req, reason, detail, Some(from), out),
             _ => {}
         }
+        self.dispatch(out);
     }
 }

@@ -73,11 +73,13 @@ pub struct Sampling {
     pub seed: Option<u64>,
     /// Generate past end-of-generation tokens (only max_tokens or a stop string ends).
     pub ignore_eos: bool,
+    /// Show no text for special (control) tokens such as `<|im_start|>` (vLLM's default).
+    pub skip_special_tokens: bool,
 }
 
 impl Default for Sampling {
     fn default() -> Self {
-        Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, ignore_eos: false }
+        Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, ignore_eos: false, skip_special_tokens: true }
     }
 }
 
@@ -223,14 +225,25 @@ pub enum Message {
     /// Gateway → decode: prefill `worker` has no KV connection to this decode worker and
     /// will open none (it left, or reported `KvLost`).
     PrefillUnreachable { worker: WorkerId },
-    /// Gateway → decode: reserve pages for a prompt that `prefill` will write.
-    Reserve { req: RequestId, prompt_tokens: u32, max_tokens: u32, prefill: WorkerId, sampling: Sampling, stop: Vec<String>, trace: TraceContext },
+    /// Gateway → prefill: decode worker `worker` left the cluster; stop reconnecting to it.
+    /// Gateway → decode: prefill worker `worker` left the cluster: it writes nothing more,
+    /// and a KV connection from it that is still on its way is refused.
+    PeerLeft { worker: WorkerId },
+    /// Decode → gateway: pages freed since this worker last refused a reservation for
+    /// want of room; the gateway offers it its queue again.
+    Room,
+    /// Gateway → decode: reserve pages for a prompt that `prefill` will write. `resume`
+    /// holds the tokens a retracted request already generated (and the client already has):
+    /// they end the prompt, and the decode loop replays them to pick up where it was.
+    Reserve { req: RequestId, prompt_tokens: u32, max_tokens: u32, prefill: WorkerId, sampling: Sampling, stop: Vec<String>, resume: Vec<u32>, trace: TraceContext },
     /// Decode → gateway: reserved; these are the prompt pages the prefill may write.
     Reserved { req: RequestId, pages: Vec<PageRef> },
     /// Worker → gateway: refused before running. Terminal for the request.
     Rejected { req: RequestId, reason: RejectReason, detail: String },
-    /// Gateway → prefill: compute this prompt's KV into `decode`'s `pages`.
-    Prefill { req: RequestId, tokens: Vec<u32>, decode: WorkerId, pages: Vec<PageRef>, sampling: Sampling, trace: TraceContext },
+    /// Gateway → prefill: compute this prompt's KV into `decode`'s `pages`. `skip_draws`:
+    /// sampling draws made before (a retracted request's tokens), so a seeded sampler picks
+    /// up where it was.
+    Prefill { req: RequestId, tokens: Vec<u32>, decode: WorkerId, pages: Vec<PageRef>, sampling: Sampling, skip_draws: u32, trace: TraceContext },
     /// Prefill → decode: KV bytes for one page segment.
     KvChunk { req: RequestId, header: ChunkHeader, data: Vec<u8> },
     /// Prefill → decode: all chunks sent. The last message for `req` on this connection.
@@ -241,6 +254,10 @@ pub enum Message {
     Token { req: RequestId, token: u32, text: String },
     /// Decode → gateway: the request ended normally. Terminal.
     Finished { req: RequestId, finish: FinishReason, text: String, prompt_tokens: u32, completion_tokens: u32 },
+    /// Decode → gateway: the decode loop needed the request's pages for others and gave
+    /// them back (through the pool's release, generation bump included). Not terminal: the
+    /// gateway queues it again with `tokens` (everything it generated so far) as `resume`.
+    Retracted { req: RequestId, tokens: Vec<u32> },
     /// Worker → gateway: the request failed. Terminal.
     Failed { req: RequestId, reason: FailReason, detail: String },
     /// Any direction: end the request.
@@ -266,6 +283,7 @@ impl Message {
             | Message::Fenced { req }
             | Message::Token { req, .. }
             | Message::Finished { req, .. }
+            | Message::Retracted { req, .. }
             | Message::Failed { req, .. }
             | Message::Abort { req, .. }
             | Message::Cancel { req } => Some(*req),
@@ -277,6 +295,8 @@ impl Message {
             | Message::KvKeepalive
             | Message::KvLost { .. }
             | Message::PrefillUnreachable { .. }
+            | Message::PeerLeft { .. }
+            | Message::Room
             | Message::Metrics { .. } => None,
         }
     }

@@ -9,8 +9,16 @@
 //! Link liveness is part of the protocol: on every [`PrefillEvent::Tick`] past the
 //! keepalive interval the role sends `KvKeepalive` on each open KV connection, because a
 //! decode worker fails a reservation whose prefill stays silent for its transfer timeout.
+//! A KV connection that is lost (or cannot be opened) to a decode worker that is still in
+//! the cluster is not opened again under this worker's identity: after [`REJOIN_AFTER_MS`]
+//! (unless the gateway says meanwhile that the decode worker left, `PeerLeft`) the role
+//! asks the driver to rejoin, that is to leave the cluster and register anew under a new
+//! worker id. A decode worker fences a prefill worker for good when its connection closes,
+//! or when it leaves; a writer that came back under the same id could write into a
+//! reservation that was released on that fence (I4). Under a new id it only ever gets
+//! reservations made for it.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 
 use bulkhead_kv::{KvError, PageRef, RequestId};
 
@@ -50,6 +58,8 @@ pub struct PrefillJob {
     pub pages: Vec<PageRef>,
     /// How to pick the first token.
     pub sampling: Sampling,
+    /// Sampling draws made before this job (a retracted request's tokens).
+    pub skip_draws: u32,
     /// Where the request came from, for the worker's logs.
     pub trace: TraceContext,
 }
@@ -107,6 +117,9 @@ pub enum PrefillAction {
     /// Open a KV connection to decode worker `decode` at `addr`, send `KvHello` first, and
     /// report [`PrefillEvent::DecodeConnected`] or [`PrefillEvent::DecodeLost`].
     Connect { decode: WorkerId, addr: String },
+    /// Leave the cluster (close the gateway connection and every KV connection) and
+    /// register anew, as a new worker (see the module docs).
+    Rejoin,
 }
 
 /// Evidence counters.
@@ -124,6 +137,24 @@ pub struct PrefillStats {
     pub completed: u64,
     /// Keepalives sent.
     pub keepalives: u64,
+    /// KV connections lost, or that could not be opened.
+    pub connections_lost: u64,
+}
+
+/// How long after losing a KV connection to a decode worker the role asks to rejoin,
+/// unless the gateway says meanwhile that the decode worker left (then its loss was
+/// expected). The driver adds its own backoff when rejoins follow each other quickly.
+pub const REJOIN_AFTER_MS: u64 = 500;
+
+/// The KV connection to a decode worker this prefill worker was introduced to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Link {
+    /// The driver is opening it.
+    Opening,
+    /// Open.
+    Open,
+    /// Lost while the decode worker is still in the cluster: rejoin at `at_ms`.
+    Lost { at_ms: u64 },
 }
 
 /// The job being computed.
@@ -143,8 +174,10 @@ pub struct PrefillRole {
     last_keepalive_ms: u64,
     queue: VecDeque<PrefillJob>,
     running: Option<Running>,
-    /// Decode workers whose KV connection is open.
-    decodes: BTreeSet<WorkerId>,
+    /// Decode workers known, and the state of the KV connection to each.
+    peers: BTreeMap<WorkerId, Link>,
+    /// A rejoin was asked for: the role takes nothing more.
+    rejoining: bool,
     stats: PrefillStats,
 }
 
@@ -157,7 +190,8 @@ impl PrefillRole {
             last_keepalive_ms: 0,
             queue: VecDeque::new(),
             running: None,
-            decodes: BTreeSet::new(),
+            peers: BTreeMap::new(),
+            rejoining: false,
             stats: PrefillStats::default(),
         }
     }
@@ -194,16 +228,28 @@ impl PrefillRole {
 
     /// Whether the KV connection to `decode` is open.
     pub fn connected(&self, decode: WorkerId) -> bool {
-        self.decodes.contains(&decode)
+        self.peers.get(&decode) == Some(&Link::Open)
+    }
+
+    /// Whether a lost KV connection will make this worker rejoin (its ticks matter).
+    pub fn rejoin_pending(&self) -> bool {
+        !self.rejoining && self.peers.values().any(|l| matches!(l, Link::Lost { .. }))
     }
 
     /// Process one event.
     pub fn handle(&mut self, ev: PrefillEvent) -> Vec<PrefillAction> {
         let mut out = Vec::new();
         match ev {
-            PrefillEvent::Gateway(Message::DecodePeer { worker, addr }) => out.push(PrefillAction::Connect { decode: worker, addr }),
-            PrefillEvent::Gateway(Message::Prefill { req, tokens, decode, pages, sampling, trace }) => {
-                self.admit(PrefillJob { req, tokens, decode, pages, sampling, trace }, &mut out);
+            PrefillEvent::Gateway(Message::DecodePeer { worker, addr }) => {
+                self.peers.insert(worker, Link::Opening);
+                out.push(PrefillAction::Connect { decode: worker, addr });
+            }
+            PrefillEvent::Gateway(Message::PeerLeft { worker }) => {
+                self.peers.remove(&worker);
+                self.fail_jobs_for(worker, "decode worker left", &mut out);
+            }
+            PrefillEvent::Gateway(Message::Prefill { req, tokens, decode, pages, sampling, skip_draws, trace }) => {
+                self.admit(PrefillJob { req, tokens, decode, pages, sampling, skip_draws, trace }, &mut out);
             }
             // The gateway ends a request, or a decode worker asks to stop a transfer (it
             // refused a chunk or timed out).
@@ -212,17 +258,21 @@ impl PrefillRole {
             }
             PrefillEvent::Gateway(_) | PrefillEvent::Decode { .. } => {}
             PrefillEvent::DecodeConnected { decode } => {
-                self.decodes.insert(decode);
+                self.peers.insert(decode, Link::Open);
             }
             PrefillEvent::DecodeLost { decode } => self.decode_lost(decode, &mut out),
             PrefillEvent::Tick { now_ms } => {
                 self.now_ms = self.now_ms.max(now_ms);
-                if self.now_ms >= self.last_keepalive_ms.saturating_add(self.cfg.keepalive_ms) {
-                    self.last_keepalive_ms = self.now_ms;
-                    for &to in &self.decodes {
+                let now = self.now_ms;
+                if now >= self.last_keepalive_ms.saturating_add(self.cfg.keepalive_ms) {
+                    self.last_keepalive_ms = now;
+                    for (&to, _) in self.peers.iter().filter(|(_, l)| **l == Link::Open) {
                         self.stats.keepalives += 1;
                         out.push(PrefillAction::ToDecode { to, msg: Message::KvKeepalive });
                     }
+                }
+                if self.rejoin_pending() && self.peers.values().any(|l| matches!(l, Link::Lost { at_ms } if *at_ms <= now)) {
+                    self.rejoin(&mut out);
                 }
             }
         }
@@ -239,6 +289,12 @@ impl PrefillRole {
         }
         if let Err(refusal) = admit(job.tokens.len(), Generate::Elsewhere, self.cfg.max_prompt) {
             return self.reject(req, refusal.reason(), format!("{refusal} (prefill worker)"), Some(decode), out);
+        }
+        if self.rejoining || !matches!(self.peers.get(&decode), Some(Link::Open | Link::Opening)) {
+            // No KV connection to it and none coming under this identity: the decode worker
+            // hears of this worker's absence from the gateway (`PrefillUnreachable`).
+            let detail = format!("no KV connection to {decode}");
+            return out.push(PrefillAction::ToGateway(Message::Failed { req, reason: FailReason::WorkerLost, detail }));
         }
         let want = job.tokens.len().div_ceil(self.cfg.page_size);
         if job.pages.len() != want {
@@ -273,17 +329,39 @@ impl PrefillRole {
         }
     }
 
-    /// Nothing reaches `decode` any more: its queued jobs fail, a running one stops, and
-    /// the gateway hears of it (the decode worker may wait for a fence from this worker
-    /// that it must now get from the gateway, as `PrefillUnreachable`).
+    /// Nothing reaches `decode` any more: its queued jobs fail (the decode worker released
+    /// their reservations when the connection closed), a running one stops, the gateway
+    /// hears of it (the decode worker may wait for a fence from this worker that it must
+    /// now get from the gateway, as `PrefillUnreachable`), and unless the decode worker
+    /// left, this worker rejoins after [`REJOIN_AFTER_MS`].
     fn decode_lost(&mut self, decode: WorkerId, out: &mut Vec<PrefillAction>) {
-        self.decodes.remove(&decode);
+        self.stats.connections_lost += 1;
         out.push(PrefillAction::ToGateway(Message::KvLost { decode }));
+        self.fail_jobs_for(decode, "decode worker connection closed", out);
+        let at_ms = self.now_ms.saturating_add(REJOIN_AFTER_MS);
+        if let Some(link) = self.peers.get_mut(&decode) {
+            *link = Link::Lost { at_ms };
+        }
+    }
+
+    /// Leave the cluster to come back under a new id: every queued job fails (the gateway
+    /// sends each elsewhere or fails it), a running one stops, and nothing more is taken.
+    fn rejoin(&mut self, out: &mut Vec<PrefillAction>) {
+        self.rejoining = true;
+        let decodes: Vec<WorkerId> = self.peers.keys().copied().collect();
+        for decode in decodes {
+            self.fail_jobs_for(decode, "the prefill worker rejoins the cluster", out);
+        }
+        out.push(PrefillAction::Rejoin);
+    }
+
+    /// The jobs for `decode` cannot be delivered: queued ones fail, a running one stops.
+    fn fail_jobs_for(&mut self, decode: WorkerId, why: &str, out: &mut Vec<PrefillAction>) {
         self.queue.retain(|j| {
             if j.decode != decode {
                 return true;
             }
-            let detail = "decode worker connection closed".into();
+            let detail = why.to_string();
             out.push(PrefillAction::ToGateway(Message::Failed { req: j.req, reason: FailReason::WorkerLost, detail }));
             false
         });
@@ -292,20 +370,27 @@ impl PrefillRole {
         }
     }
 
-    /// Take the next job to compute. One runs at a time.
+    /// Take the next job to compute: the first in the queue whose KV connection is open
+    /// (the others wait for theirs to open). One runs at a time.
     pub fn next_job(&mut self) -> Option<PrefillJob> {
         if self.running.is_some() {
             return None;
         }
-        let j = self.queue.pop_front()?;
+        let i = self.queue.iter().position(|j| self.connected(j.decode))?;
+        let j = self.queue.remove(i)?;
         self.running = Some(Running { req: j.req, decode: j.decode, aborted: false });
         Some(j)
+    }
+
+    /// Whether a queued job can be taken now.
+    pub fn has_ready_job(&self) -> bool {
+        self.running.is_none() && self.queue.iter().any(|j| self.connected(j.decode))
     }
 
     /// Between chunks: whether the running job `req` should go on (false once aborted, or
     /// once its decode worker's KV connection is gone).
     pub fn keep_going(&self, req: RequestId) -> bool {
-        self.running.is_some_and(|r| r.req == req && !r.aborted && self.decodes.contains(&r.decode))
+        self.running.is_some_and(|r| r.req == req && !r.aborted && self.connected(r.decode))
     }
 
     /// The driver ended the running job; returns the final message(s) for it.

@@ -8,9 +8,9 @@ use std::collections::{BTreeMap, VecDeque};
 use bulkhead_kv::{KvError, KvLayout, KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
 use bulkhead_protocol::decode::{DecodeAction, DecodeConfig, DecodeEvent, DecodeRole, DecodeStart};
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeEngine, DecodeLink, DecodePolicy, GenEvent};
-use bulkhead_protocol::driver::prefill::{LinkDown, PrefillCompute, PrefillDriver, PrefillLink, PrefillPolicy, Step};
+use bulkhead_protocol::driver::prefill::{FirstToken, LinkDown, PrefillCompute, PrefillDriver, PrefillLink, PrefillPolicy, Step};
 use bulkhead_protocol::driver::Honest;
-use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole};
+use bulkhead_protocol::gateway::{BusyReason, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole};
 use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillJob, PrefillRole};
 use bulkhead_protocol::*;
 
@@ -34,7 +34,7 @@ struct MockCompute;
 
 impl PrefillCompute for MockCompute {
     type Error = KvError;
-    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: &Sampling) -> Result<Option<u32>, KvError> {
+    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: FirstToken<'_>) -> Result<Option<u32>, KvError> {
         for pos in from..to {
             let (lease, slot) = seq.locate(pos)?;
             let v = kv_value(seq.owner(), pos);
@@ -108,6 +108,7 @@ impl PrefillLink for PrefillWire<'_> {
         Ok(())
     }
     fn connect(&mut self, _: WorkerId, _: &str) {}
+    fn rejoin(&mut self) {}
 }
 
 /// The decode worker's transport: onto the wire.
@@ -120,6 +121,7 @@ impl DecodeLink for DecodeWire<'_> {
     fn to_prefill(&mut self, _: WorkerId, msg: Message) {
         self.0.push_back((To::Prefill, msg));
     }
+    fn disconnect(&mut self, _: WorkerId) {}
 }
 
 struct Cluster<PP: PrefillPolicy = Honest, DP: DecodePolicy = Honest> {
@@ -142,7 +144,14 @@ impl<PP: PrefillPolicy, DP: DecodePolicy> Cluster<PP, DP> {
     fn with_policies(prefill_pool_tokens: usize, decode_pool_tokens: usize, gateway_check: bool, pp: PP, dp: DP) -> Self {
         let pool = |t: usize| KvPool::new(PoolConfig { layout: LAYOUT, pages: t / LAYOUT.page_size, checks: KvChecks::all() }).unwrap();
         let model_context = prefill_pool_tokens.max(decode_pool_tokens);
-        let mut gw = GatewayRole::new(GatewayConfig { model_context, model_digest: DIGEST, admission_check: gateway_check, request_timeout_ms: 10_000 });
+        let mut gw = GatewayRole::new(GatewayConfig {
+            model_context,
+            model_digest: DIGEST,
+            admission_check: gateway_check,
+            request_timeout_ms: 10_000,
+            max_queued: 16,
+            queue_timeout_ms: 10_000,
+        });
         let (ppool, dpool) = (pool(prefill_pool_tokens), pool(decode_pool_tokens));
         // Registration's introductions are the transports' business here: the KV
         // connection is simply open.
@@ -151,7 +160,7 @@ impl<PP: PrefillPolicy, DP: DecodePolicy> Cluster<PP, DP> {
         let mut role = PrefillRole::new(PrefillConfig { max_prompt: prefill_pool_tokens, page_size: LAYOUT.page_size, keepalive_ms: 250 });
         role.handle(PrefillEvent::DecodeConnected { decode: DECODE });
         let engine = MockEngine { pool: dpool, decoding: BTreeMap::new() };
-        Cluster {
+        let mut c = Cluster {
             gw,
             dec: DecodeDriver::with_policy(DecodeRole::new(DecodeConfig { max_context: decode_pool_tokens, transfer_timeout_ms: 1_000 }), engine, dp),
             pre: PrefillDriver::with_policy(role, LAYOUT.page_size, pp),
@@ -159,7 +168,9 @@ impl<PP: PrefillPolicy, DP: DecodePolicy> Cluster<PP, DP> {
             net: VecDeque::new(),
             outputs: BTreeMap::new(),
             now: 0,
-        }
+        };
+        c.decode_event(DecodeEvent::PrefillConnected { from: PREFILL });
+        c
     }
 
     fn dpool(&self) -> &KvPool {
@@ -429,21 +440,30 @@ fn reservations_of_a_silent_prefill_time_out_and_stay_quarantined_until_it_is_fe
 }
 
 #[test]
-fn a_prefill_worker_lost_mid_transfer_fails_its_request_and_the_closed_connection_fences_its_pages() {
+fn a_prefill_worker_lost_mid_transfer_fences_its_pages_and_its_request_waits_for_another() {
     let mut c = Cluster::new(64, 128, true);
     c.submit(1, 12, 3);
     while c.dec.role().stats().chunks_verified == 0 {
         assert!(c.deliver() || c.prefill_step());
     }
-    // The prefill process dies: its queue and job vanish, its connections close.
+    // The prefill process dies: its queue, job and pool vanish, its connections close.
     c.pre = PrefillDriver::new(PrefillRole::new(PrefillConfig { max_prompt: 64, page_size: LAYOUT.page_size, keepalive_ms: 250 }), LAYOUT.page_size);
+    c.ppool = KvPool::new(PoolConfig { layout: LAYOUT, pages: 16, checks: KvChecks::all() }).unwrap();
     c.net.retain(|(to, _)| !matches!(to, To::Decode { from_prefill: true } | To::Prefill));
     c.decode_event(DecodeEvent::PrefillClosed { from: PREFILL });
     c.gateway(GatewayEvent::WorkerLeft { id: PREFILL });
     c.run();
-    assert!(matches!(c.terminal(1), Some(ClientOutput::Failed { .. })), "{:?}", c.outputs);
+    // Nothing reached the client: the request is tried once more, and waits for a prefill
+    // worker (the cluster has no other); the pages it had at decode are back.
+    assert_eq!(c.outputs.get(&RequestId(1)), None, "{:?}", c.outputs);
+    assert_eq!((c.gw.queued(), c.gw.stats().retried), (1, 1));
     let s = c.dpool().stats();
     assert_eq!((s.free_pages, s.quarantined_pages), (s.total_pages, 0));
+    // No worker comes: the queue turns it away, and nothing is left anywhere.
+    c.tick(10_000);
+    c.run();
+    assert!(matches!(c.terminal(1), Some(ClientOutput::Busy { reason: BusyReason::QueueTimeout, .. })), "{:?}", c.outputs);
+    c.assert_clean(&[1]);
 }
 
 #[test]

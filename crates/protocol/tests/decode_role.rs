@@ -26,7 +26,11 @@ fn pool(pages: usize) -> KvPool {
 impl Rig {
     fn new(decode_pages: usize) -> Rig {
         let dec = DecodeRole::new(DecodeConfig { max_context: MAX_CONTEXT, transfer_timeout_ms: 1_000 });
-        Rig { dec, pool: pool(decode_pages), ppool: pool(64) }
+        let mut r = Rig { dec, pool: pool(decode_pages), ppool: pool(64) };
+        for from in [A, B] {
+            r.dec.handle(&mut r.pool, DecodeEvent::PrefillConnected { from });
+        }
+        r
     }
 
     fn gateway(&mut self, m: Message) -> Vec<DecodeAction> {
@@ -42,9 +46,9 @@ impl Rig {
     }
 
     fn reserve(&mut self, req: u64, prompt: u32, max_tokens: u32, prefill: WorkerId) -> Vec<DecodeAction> {
-        let sampling = Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, ignore_eos: false };
+        let sampling = Sampling::default();
         let trace = TraceContext::default();
-        self.gateway(Message::Reserve { req: RequestId(req), prompt_tokens: prompt, max_tokens, prefill, sampling, stop: vec![], trace })
+        self.gateway(Message::Reserve { req: RequestId(req), prompt_tokens: prompt, max_tokens, prefill, sampling, stop: vec![], resume: vec![], trace })
     }
 
     /// Reserves and returns the prompt pages granted.

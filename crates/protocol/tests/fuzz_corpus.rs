@@ -18,7 +18,7 @@ fn every_committed_wire_codec_input_passes_the_fuzz_check() {
 #[test]
 fn a_seed_flag_other_than_0_or_1_and_a_seed_sent_without_its_flag_are_refused() {
     use bulkhead_protocol::{CodecError, FrameDecoder, Message, Sampling, WorkerId, encode};
-    let sampling = Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, ignore_eos: false };
+    let sampling = Sampling::default();
     let m = Message::Reserve {
         req: bulkhead_kv::RequestId(5),
         prompt_tokens: 9,
@@ -26,6 +26,7 @@ fn a_seed_flag_other_than_0_or_1_and_a_seed_sent_without_its_flag_are_refused() 
         prefill: WorkerId(1),
         sampling,
         stop: Vec::new(),
+        resume: Vec::new(),
         trace: Default::default(),
     };
     let mut frame = Vec::new();

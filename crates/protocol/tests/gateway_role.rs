@@ -4,7 +4,7 @@
 //! (docs/TESTING.md).
 
 use bulkhead_kv::{Generation, PageId, PageRef, RequestId};
-use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, GatewayStats, KvShape, RegisterError};
+use bulkhead_protocol::gateway::{attempt_id, client_of, BusyReason, ClientOutput, Phase, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, GatewayStats, KvShape, RegisterError};
 use bulkhead_protocol::*;
 
 const P1: WorkerId = WorkerId(1);
@@ -25,7 +25,7 @@ fn join(g: &mut GatewayRole, id: WorkerId, role: Role) -> Vec<GatewayAction> {
 }
 
 fn gateway(workers: &[(WorkerId, Role)]) -> GatewayRole {
-    let mut g = GatewayRole::new(GatewayConfig { model_context: 8, model_digest: DIGEST, admission_check: true, request_timeout_ms: TIMEOUT_MS });
+    let mut g = GatewayRole::new(GatewayConfig { model_context: 8, model_digest: DIGEST, admission_check: true, request_timeout_ms: TIMEOUT_MS, max_queued: 4, queue_timeout_ms: TIMEOUT_MS / 2 });
     for &(id, role) in workers {
         join(&mut g, id, role);
     }
@@ -76,14 +76,15 @@ fn the_gateway_admits_exactly_the_served_context_and_refuses_when_it_cannot_rout
     let mut g = gateway(&[(P1, Role::Prefill)]);
     assert_eq!(g.max_context(), 8);
     assert!(!g.ready(), "no decode worker yet");
-    assert_eq!(to_client(&submit(&mut g, 1, 4, 4)), [&ClientOutput::Unavailable]);
+    let starting = submit(&mut g, 1, 4, 4);
+    assert!(matches!(to_client(&starting).as_slice(), [ClientOutput::Unavailable { detail }] if detail.contains("starting") && detail.contains("decode")), "{starting:?}");
     join(&mut g, D2, Role::Decode);
     assert!(g.ready());
     assert_eq!(routed(&submit(&mut g, 2, 4, 4)), (D2, P1), "4 + 4 = the context: admitted");
     let over = submit(&mut g, 3, 5, 4);
     assert!(matches!(to_client(&over).as_slice(), [ClientOutput::Rejected { reason: RejectReason::ContextLength, .. }]), "{over:?}");
     // A second request under an id in flight would take over the first one's replies.
-    assert_eq!(to_client(&submit(&mut g, 2, 1, 1)), [&ClientOutput::Unavailable]);
+    assert!(matches!(to_client(&submit(&mut g, 2, 1, 1)).as_slice(), [ClientOutput::Unavailable { .. }]));
     assert_eq!(g.in_flight(), 1);
     assert_eq!(g.stats(), GatewayStats { submitted: 4, rejected_at_gateway: 1, ..GatewayStats::default() });
 }
@@ -136,20 +137,31 @@ fn a_failure_reported_by_one_worker_aborts_the_request_on_the_other() {
 }
 
 #[test]
-fn a_departed_worker_fails_only_its_requests_and_gets_no_new_ones() {
+fn a_departed_prefill_worker_costs_its_unsent_requests_nothing_and_a_departed_decode_fails_its_own() {
     let mut g = gateway(&[(P1, Role::Prefill), (D2, Role::Decode), (P3, Role::Prefill), (D4, Role::Decode)]);
     // Round robin: the first request goes to the second worker of each role.
     assert_eq!(routed(&submit(&mut g, 1, 4, 4)), (D4, P3));
     assert_eq!(routed(&submit(&mut g, 2, 4, 4)), (D2, P1));
+    // Nothing was sent to P1 yet: request 2's reservation is cancelled and it goes again,
+    // as a new attempt, to the prefill worker that is left.
     let acts = g.handle(GatewayEvent::WorkerLeft { id: P1 });
-    assert!(
-        matches!(to_client(&acts).as_slice(), [ClientOutput::Failed { reason: FailReason::WorkerLost, detail }] if detail == "worker-1 went away"),
-        "{acts:?}"
-    );
-    assert_eq!(aborted(&acts), [D2], "the decode reservation is cancelled, not the departed worker");
-    assert_eq!(g.in_flight(), 1);
-    g.handle(GatewayEvent::WorkerLeft { id: D4 });
-    assert_eq!(g.in_flight(), 0);
+    assert!(to_client(&acts).is_empty(), "{acts:?}");
+    assert_eq!(aborted(&acts), [D2], "the old reservation is cancelled, the departed worker not written to");
+    let again = acts.iter().find_map(|a| match a {
+        GatewayAction::ToWorker { to, msg: Message::Reserve { req, prefill, .. } } => Some((*to, *req, *prefill)),
+        _ => None,
+    });
+    let Some((decode, attempt, prefill)) = again else { panic!("not sent again: {acts:?}") };
+    assert_eq!((attempt, prefill), (attempt_id(RequestId(2), 1), P3));
+    assert_eq!(client_of(attempt), RequestId(2));
+    assert_eq!(g.in_flight(), 2);
+    // The decode worker D4 leaves: what it held fails, nothing else.
+    let acts = g.handle(GatewayEvent::WorkerLeft { id: D4 });
+    let lost = if decode == D4 { 2 } else { 1 };
+    assert_eq!(to_client(&acts).len(), lost, "{acts:?}");
+    assert!(to_client(&acts).iter().all(|o| matches!(o, ClientOutput::Failed { reason: FailReason::WorkerLost, .. })), "{acts:?}");
+    assert!(acts.iter().any(|a| matches!(a, GatewayAction::ToWorker { to: P3, msg: Message::PeerLeft { worker: D4 } })), "prefill workers stop reconnecting to it");
+    assert_eq!(g.in_flight(), 2 - lost);
     for req in 3..5 {
         assert_eq!(routed(&submit(&mut g, req, 4, 4)), (D2, P3));
     }
@@ -200,12 +212,130 @@ fn the_served_context_is_the_smallest_a_registered_worker_accepts_and_grows_back
 }
 
 #[test]
-fn a_prefill_that_leaves_or_loses_a_kv_connection_is_reported_unreachable_to_decode_workers() {
+fn a_lost_kv_connection_is_reported_unreachable_and_a_worker_that_leaves_is_told_to_its_peers() {
     let mut g = gateway(&[(P1, Role::Prefill), (D2, Role::Decode), (D4, Role::Decode)]);
     let acts = from(&mut g, P1, Message::KvLost { decode: D4 });
     assert_eq!(to_workers(&acts), [(D4, &Message::PrefillUnreachable { worker: P1 })]);
+    // Leaving is final for the worker id (a restarted worker joins under a new one), so
+    // the peers hear `PeerLeft` and refuse that id from then on.
     let acts = g.handle(GatewayEvent::WorkerLeft { id: P1 });
-    let unreachable = Message::PrefillUnreachable { worker: P1 };
-    assert_eq!(to_workers(&acts), [(D2, &unreachable), (D4, &unreachable)]);
-    assert!(to_workers(&g.handle(GatewayEvent::WorkerLeft { id: D2 })).is_empty(), "a decode worker's leaving tells no one");
+    let left = Message::PeerLeft { worker: P1 };
+    assert_eq!(to_workers(&acts), [(D2, &left), (D4, &left)]);
+    let mut g = gateway(&[(P1, Role::Prefill), (P3, Role::Prefill), (D2, Role::Decode)]);
+    let acts = g.handle(GatewayEvent::WorkerLeft { id: D2 });
+    let left = Message::PeerLeft { worker: D2 };
+    assert_eq!(to_workers(&acts), [(P1, &left), (P3, &left)], "a decode worker's leaving is told to every prefill worker");
+}
+
+fn capacity(req: RequestId) -> Message {
+    Message::Rejected { req, reason: RejectReason::Capacity, detail: "full".into() }
+}
+
+/// The attempt ids of the Reserves in `acts`, with the decode worker each went to.
+fn reserves(acts: &[GatewayAction]) -> Vec<(WorkerId, RequestId)> {
+    acts.iter()
+        .filter_map(|a| match a {
+            GatewayAction::ToWorker { to, msg: Message::Reserve { req, .. } } => Some((*to, *req)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_decode_worker_out_of_room_queues_requests_until_it_frees_some_and_the_queue_is_bounded_in_size_and_time() {
+    let mut g = gateway(&[(P1, Role::Prefill), (D2, Role::Decode)]);
+    assert_eq!(routed(&submit(&mut g, 1, 4, 4)), (D2, P1));
+    from(&mut g, D2, reserved(1));
+    assert_eq!(routed(&submit(&mut g, 2, 4, 4)), (D2, P1));
+    // No room for request 2: it waits, as a new attempt, at the queue's head.
+    let acts = from(&mut g, D2, capacity(RequestId(2)));
+    assert!(to_client(&acts).is_empty() && reserves(&acts).is_empty(), "{acts:?}");
+    assert_eq!(g.phase_of(attempt_id(RequestId(2), 1)), Some(Phase::Queued));
+    assert_eq!(g.phase_of(RequestId(2)), None, "the old attempt is over");
+    // Later requests queue behind it without being sent to the full worker.
+    for req in 3..6 {
+        assert!(submit(&mut g, req, 4, 4).is_empty(), "request {req} waits");
+    }
+    assert_eq!(g.queued(), 4);
+    let full = submit(&mut g, 6, 4, 4);
+    assert!(matches!(to_client(&full).as_slice(), [ClientOutput::Busy { reason: BusyReason::QueueFull, .. }]), "{full:?}");
+    // Request 1 finishes: room again, the head goes first under its next attempt id.
+    let finished = Message::Finished { req: RequestId(1), finish: FinishReason::Stop, text: String::new(), prompt_tokens: 4, completion_tokens: 1 };
+    let acts = from(&mut g, D2, finished);
+    let sent = reserves(&acts);
+    assert_eq!(sent.first(), Some(&(D2, attempt_id(RequestId(2), 1))), "{acts:?}");
+    assert_eq!(sent.len(), 4, "the whole queue is offered again");
+    // Each of them out of room once more; nothing frees: they wait out the queue timeout.
+    for (_, attempt) in sent {
+        from(&mut g, D2, capacity(attempt));
+    }
+    assert_eq!(g.queued(), 4);
+    let acts = g.handle(GatewayEvent::Tick { now_ms: TIMEOUT_MS / 2 - 1 });
+    assert!(to_client(&acts).is_empty(), "a tick offers the queue again, it refuses nothing early: {acts:?}");
+    for (_, attempt) in reserves(&acts) {
+        from(&mut g, D2, capacity(attempt));
+    }
+    let acts = g.handle(GatewayEvent::Tick { now_ms: TIMEOUT_MS / 2 + 1 });
+    let busy = to_client(&acts);
+    assert_eq!(busy.len(), 4, "{acts:?}");
+    assert!(busy.iter().all(|o| matches!(o, ClientOutput::Busy { reason: BusyReason::QueueTimeout, .. })));
+    let s = g.stats();
+    assert_eq!((s.queue_full, s.queue_timeouts, s.requeued_capacity), (1, 4, 1 + 4 + 4));
+    assert_eq!(g.in_flight(), 0);
+}
+
+#[test]
+fn a_retracted_request_resumes_from_its_tokens_and_a_prompt_lost_with_its_prefill_worker_is_retried_once_elsewhere() {
+    let mut g = gateway(&[(P1, Role::Prefill), (D2, Role::Decode), (P3, Role::Prefill)]);
+    routed(&submit(&mut g, 1, 3, 4));
+    from(&mut g, D2, reserved(1));
+    from(&mut g, D2, token(1));
+    let acts = from(&mut g, D2, Message::Retracted { req: RequestId(1), tokens: vec![11, 12] });
+    assert!(to_client(&acts).is_empty(), "the client sees nothing of it: {acts:?}");
+    let attempt = attempt_id(RequestId(1), 1);
+    // The decode worker gave pages away: the request waits until it has room again.
+    assert!(reserves(&acts).is_empty());
+    let acts = g.handle(GatewayEvent::Tick { now_ms: 1 });
+    let resent = acts.iter().find_map(|a| match a {
+        GatewayAction::ToWorker { msg: Message::Reserve { req, prompt_tokens, max_tokens, resume, .. }, .. } => Some((*req, *prompt_tokens, *max_tokens, resume.clone())),
+        _ => None,
+    });
+    assert_eq!(resent, Some((attempt, 5, 2, vec![11, 12])), "{acts:?}");
+    let acts = from(&mut g, D2, Message::Reserved { req: attempt, pages: vec![] });
+    let prefill = acts.iter().find_map(|a| match a {
+        GatewayAction::ToWorker { to, msg: Message::Prefill { tokens, skip_draws, .. } } => Some((*to, tokens.clone(), *skip_draws)),
+        _ => None,
+    });
+    let Some((to, tokens, skip)) = prefill else { panic!("no Prefill: {acts:?}") };
+    assert_eq!((tokens, skip), (vec![5, 5, 5, 11, 12], 2));
+    // That prefill worker loses the prompt before a token came: one retry, elsewhere.
+    let lost = |req| Message::Failed { req, reason: FailReason::WorkerLost, detail: "gone".into() };
+    let acts = from(&mut g, to, lost(attempt));
+    assert!(to_client(&acts).is_empty(), "{acts:?}");
+    let again = acts.iter().find_map(|a| match a {
+        GatewayAction::ToWorker { msg: Message::Reserve { req, prefill, .. }, .. } => Some((*req, *prefill)),
+        _ => None,
+    });
+    let Some((attempt, prefill)) = again else { panic!("not retried: {acts:?}") };
+    assert_ne!(prefill, to, "another prefill worker, there being one");
+    from(&mut g, D2, Message::Reserved { req: attempt, pages: vec![] });
+    let acts = from(&mut g, prefill, lost(attempt));
+    assert!(matches!(to_client(&acts).as_slice(), [ClientOutput::Failed { reason: FailReason::WorkerLost, .. }]), "only once: {acts:?}");
+    let s = g.stats();
+    assert_eq!((s.retracted, s.retried, s.failed), (1, 1, 1));
+}
+
+#[test]
+fn after_losing_its_last_worker_of_a_role_the_gateway_says_since_when_and_queued_requests_wait_for_a_new_one() {
+    let mut g = gateway(&[(P1, Role::Prefill), (D2, Role::Decode)]);
+    g.handle(GatewayEvent::Tick { now_ms: 10 });
+    g.handle(GatewayEvent::WorkerLeft { id: D2 });
+    let acts = g.handle(GatewayEvent::Tick { now_ms: 2_510 });
+    assert!(acts.is_empty());
+    let refused = submit(&mut g, 1, 4, 4);
+    assert!(matches!(to_client(&refused).as_slice(), [ClientOutput::Unavailable { detail }] if detail.contains("lost 2.5 s ago")), "{refused:?}");
+    assert_eq!(g.unavailable().map(|d| d.contains("decode")), Some(true));
+    join(&mut g, D4, Role::Decode);
+    assert_eq!(g.unavailable(), None);
+    assert_eq!(routed(&submit(&mut g, 2, 4, 4)), (D4, P1));
 }

@@ -27,7 +27,7 @@ fn prefill(req: u64, tokens: usize, pages: usize) -> PrefillEvent {
 
 fn prefill_for(req: u64, tokens: usize, pages: usize, decode: WorkerId) -> PrefillEvent {
     let pages = (0..pages).map(|i| PageRef { page: PageId(i as u32), generation: Generation(1) }).collect();
-    let m = Message::Prefill { req: RequestId(req), tokens: vec![5; tokens], decode, pages, sampling: Sampling::default(), trace: TraceContext::default() };
+    let m = Message::Prefill { req: RequestId(req), tokens: vec![5; tokens], decode, pages, sampling: Sampling::default(), skip_draws: 0, trace: TraceContext::default() };
     PrefillEvent::Gateway(m)
 }
 
@@ -45,6 +45,7 @@ fn sent(acts: Vec<PrefillAction>) -> Vec<(bool, Message)> {
                 (false, msg)
             }
             PrefillAction::Connect { decode, addr } => panic!("unexpected connect to {decode} at {addr}"),
+            PrefillAction::Rejoin => panic!("unexpected rejoin"),
         })
         .collect()
 }
@@ -138,13 +139,48 @@ fn a_lost_decode_connection_fails_the_jobs_bound_for_it_and_no_others_and_the_ga
 }
 
 #[test]
-fn a_job_whose_decode_worker_never_connected_does_not_go_on() {
+fn a_job_waits_for_its_kv_connection_and_one_for_an_unknown_decode_worker_fails_at_once() {
     let mut p = PrefillRole::new(PrefillConfig { max_prompt: MAX_PROMPT, page_size: PAGE, keepalive_ms: KEEPALIVE_MS });
-    p.handle(prefill(1, 4, 1));
-    assert!(p.next_job().is_some());
-    assert!(!p.keep_going(RequestId(1)));
+    let acts = p.handle(prefill(1, 4, 1));
+    assert!(matches!(acts.as_slice(), [PrefillAction::ToGateway(Message::Failed { reason: FailReason::WorkerLost, .. })]), "{acts:?}");
+    p.handle(PrefillEvent::Gateway(Message::DecodePeer { worker: DECODE, addr: "d:1".into() }));
+    assert!(p.handle(prefill(2, 4, 1)).is_empty(), "introduced: the job waits for the connection");
+    assert!(p.next_job().is_none() && !p.has_ready_job());
     p.handle(PrefillEvent::DecodeConnected { decode: DECODE });
-    assert!(p.keep_going(RequestId(1)));
+    assert!(p.next_job().is_some_and(|j| j.req == RequestId(2)));
+    assert!(p.keep_going(RequestId(2)));
+}
+
+#[test]
+fn a_lost_kv_connection_makes_the_worker_rejoin_under_a_new_id_unless_the_decode_worker_left() {
+    use bulkhead_protocol::prefill::REJOIN_AFTER_MS;
+    let rejoins = |acts: &[PrefillAction]| acts.iter().filter(|a| **a == PrefillAction::Rejoin).count();
+    // The decode worker left: its connection's loss is expected, no rejoin.
+    let mut p = role();
+    p.handle(PrefillEvent::Gateway(Message::PeerLeft { worker: DECODE }));
+    p.handle(PrefillEvent::DecodeLost { decode: DECODE });
+    assert!(!p.rejoin_pending());
+    assert_eq!(rejoins(&p.handle(PrefillEvent::Tick { now_ms: 60_000 })), 0);
+    // Lost while the decode worker is in the cluster: jobs for it fail at once, and after
+    // a grace period (the gateway's `PeerLeft` may be on its way) the worker rejoins.
+    let mut p = role();
+    p.handle(prefill(1, 4, 1));
+    let other = WorkerId(4);
+    p.handle(PrefillEvent::DecodeConnected { decode: other });
+    p.handle(prefill_for(2, 4, 1, other));
+    let acts = p.handle(PrefillEvent::DecodeLost { decode: DECODE });
+    assert!(acts.iter().any(|a| matches!(a, PrefillAction::ToGateway(Message::Failed { req, .. }) if *req == RequestId(1))), "{acts:?}");
+    assert!(p.rejoin_pending());
+    assert_eq!(rejoins(&p.handle(PrefillEvent::Tick { now_ms: REJOIN_AFTER_MS - 1 })), 0);
+    let acts = p.handle(PrefillEvent::Tick { now_ms: REJOIN_AFTER_MS });
+    assert_eq!(rejoins(&acts), 1);
+    // Rejoining, it gives up every job (the gateway sends them elsewhere) and takes none.
+    assert!(acts.iter().any(|a| matches!(a, PrefillAction::ToGateway(Message::Failed { req, .. }) if *req == RequestId(2))), "{acts:?}");
+    assert_eq!(p.queued(), 0);
+    let late = p.handle(prefill_for(3, 4, 1, other));
+    assert!(matches!(late.as_slice(), [PrefillAction::ToGateway(Message::Failed { .. })]), "{late:?}");
+    assert!(!p.rejoin_pending());
+    assert_eq!(rejoins(&p.handle(PrefillEvent::Tick { now_ms: 60_000 })), 0, "once");
 }
 
 #[test]

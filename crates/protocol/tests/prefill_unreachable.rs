@@ -19,7 +19,7 @@ fn aborted_reservation(connected: bool) -> (DecodeRole, KvPool) {
     if connected {
         dec.handle(&mut pool, DecodeEvent::PrefillConnected { from: PREFILL });
     }
-    let sampling = Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, ignore_eos: false };
+    let sampling = Sampling::default();
     let reserve = Message::Reserve {
         req: RequestId(1),
         prompt_tokens: 6,
@@ -27,6 +27,7 @@ fn aborted_reservation(connected: bool) -> (DecodeRole, KvPool) {
         prefill: PREFILL,
         sampling,
         stop: vec![],
+        resume: vec![],
         trace: TraceContext::default(),
     };
     dec.handle(&mut pool, DecodeEvent::Gateway(reserve));

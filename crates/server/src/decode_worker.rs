@@ -25,7 +25,7 @@ use bulkhead_engine::{Engine, EngineConfig};
 use bulkhead_kv::{KvPool, RequestId};
 use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeLink};
-use bulkhead_protocol::{Message, Role, WorkerId};
+use bulkhead_protocol::{Hello, Message, Role, WorkerId};
 use tracing::Span;
 
 use crate::metrics::{self, Families, Pusher};
@@ -53,7 +53,8 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
         Some(a) => a.clone(),
         None => listener.local_addr()?.to_string(),
     };
-    let (gw, gw_reader, me) = register(&cfg, &loaded, Role::Decode, kv_addr.clone())?;
+    let hello = Hello::for_pool(Role::Decode, loaded.digest, &loaded.pool, loaded.context, kv_addr.clone());
+    let (gw, gw_reader, me) = register(&cfg, hello)?;
     tracing::info!(worker = %me, kv_addr, pid = std::process::id(), "decode worker registered");
     let (tx, rx) = sync_channel::<In>(INBOX);
     crate::wire::spawn_reader(gw_reader, tx.clone(), In::Gateway, In::GatewayClosed);
@@ -190,6 +191,13 @@ impl DecodeLink for Link {
         if let Some(s) = self.prefills.get_mut(&to) {
             // A broken prefill connection shows up as PrefillClosed from its reader.
             let _ = send(s, &msg);
+        }
+    }
+
+    fn disconnect(&mut self, prefill: WorkerId) {
+        tracing::warn!(%prefill, "KV connection from a prefill worker that left the cluster; closed");
+        if let Some(s) = self.prefills.remove(&prefill) {
+            let _ = s.shutdown(std::net::Shutdown::Both);
         }
     }
 

@@ -40,6 +40,10 @@ pub struct GatewayOptions {
     pub admission_check: bool,
     /// A request not finished after this long fails.
     pub request_timeout_ms: u64,
+    /// Requests that may wait for capacity; one more gets 429.
+    pub max_queued: usize,
+    /// How long a request may wait for capacity before it gets 429.
+    pub queue_timeout_ms: u64,
 }
 
 /// Why the gateway could not start.
@@ -98,6 +102,8 @@ struct Shared {
     card: ModelCard,
     max_context: AtomicUsize,
     ready: AtomicBool,
+    /// Set when the gateway cannot serve and cannot recover by itself (`/health` 503).
+    failed: AtomicBool,
     encoder: PromptEncoder,
     admission_check: bool,
     refused: Refused,
@@ -122,10 +128,6 @@ impl Backend for ClusterBackend {
     fn generate(&self, req: GenerationRequest) -> Result<mpsc::Receiver<GenEvent>, ApiError> {
         let arrived = Instant::now();
         let s = &self.0;
-        if !s.ready.load(Ordering::Acquire) {
-            count(&s.refused.unavailable);
-            return Err(ApiError::overloaded("no prefill or no decode worker is registered yet"));
-        }
         let tokens = s.encoder.encode(&req.prompt).inspect_err(|_| count(&s.refused.invalid))?;
         let limit = s.max_context.load(Ordering::Acquire);
         let max_tokens = req.max_tokens.unwrap_or_else(|| default_max_tokens(tokens.len(), limit));
@@ -157,6 +159,10 @@ impl Backend for ClusterBackend {
     fn ready(&self) -> bool {
         self.0.ready.load(Ordering::Acquire)
     }
+
+    fn healthy(&self) -> bool {
+        !self.0.failed.load(Ordering::Acquire) && !self.0.cmds.is_closed()
+    }
 }
 
 /// A running gateway.
@@ -168,9 +174,16 @@ pub struct RunningGateway {
     /// The HTTP server; completes after shutdown and draining.
     pub server: tokio::task::JoinHandle<std::io::Result<()>>,
     shutdown: Option<oneshot::Sender<()>>,
+    shared: Arc<Shared>,
 }
 
 impl RunningGateway {
+    /// The gateway cannot serve and cannot recover by itself (its workers cannot be
+    /// restarted): `/health` answers 503 from now on.
+    pub fn mark_failed(&self) {
+        self.shared.failed.store(true, Ordering::Release);
+    }
+
     /// Stop accepting requests; in-flight ones finish (the caller bounds the wait).
     pub fn shutdown(&mut self) {
         if let Some(s) = self.shutdown.take() {
@@ -192,6 +205,7 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
         card: ModelCard { id: opts.model_id.clone(), max_model_len: config.context_length, created: unix_now(), owned_by: "bulkhead".into() },
         max_context: AtomicUsize::new(config.context_length),
         ready: AtomicBool::new(false),
+        failed: AtomicBool::new(false),
         encoder: PromptEncoder::new(Arc::new(tokenizer), chat),
         admission_check: opts.admission_check,
         refused: Refused::default(),
@@ -202,6 +216,8 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
         model_digest: digest,
         admission_check: opts.admission_check,
         request_timeout_ms: opts.request_timeout_ms,
+        max_queued: opts.max_queued,
+        queue_timeout_ms: opts.queue_timeout_ms,
     });
     let actor = Actor {
         role,
@@ -231,6 +247,7 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
     tokio::spawn(accept_workers(wl, cmds.clone()));
     let hl = TcpListener::bind(&opts.http).await?;
     let http_addr = hl.local_addr()?;
+    let backend_shared = shared.clone();
     let app = bulkhead_api::router(Arc::new(ClusterBackend(shared))).route("/metrics", axum::routing::get(move || serve_metrics(cmds.clone())));
     let (tx, rx) = oneshot::channel::<()>();
     let server = tokio::spawn(async move {
@@ -241,7 +258,7 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
             .await
     });
     tracing::info!(%http_addr, %worker_addr, model = %opts.model_id, "gateway listening");
-    Ok(RunningGateway { http_addr, worker_addr, server, shutdown: Some(tx) })
+    Ok(RunningGateway { http_addr, worker_addr, server, shutdown: Some(tx), shared: backend_shared })
 }
 
 fn unix_now() -> u64 {
@@ -405,8 +422,16 @@ impl Actor {
         self.requests.export(&mut f);
         let running = self.clients.values().filter(|c| c.last_token.is_some()).count();
         f.gauge("bulkhead:num_requests_running", "Requests generating tokens.", &[], running as f64);
-        let help = "Requests admitted and not generating yet (reserving KV, queued for or in prefill).";
+        let help = "Requests admitted and not generating yet (queued, reserving KV, queued for or in prefill).";
         f.gauge("bulkhead:num_requests_waiting", help, &[], (self.clients.len() - running) as f64);
+        f.gauge("bulkhead:num_requests_queued", "Requests waiting at the gateway for KV capacity or workers.", &[], self.role.queued() as f64);
+        let oldest = self.role.queue_waits_ms().max().unwrap_or(0) as f64 / 1000.0;
+        f.gauge("bulkhead:queue_wait_seconds_max", "How long the longest-waiting queued request has waited.", &[], oldest);
+        let g = self.role.stats();
+        let queue = [("queue_full", g.queue_full), ("queue_timeout", g.queue_timeouts), ("requeued_capacity", g.requeued_capacity), ("retracted", g.retracted), ("retried", g.retried)];
+        for (event, n) in queue {
+            f.counter("bulkhead:requeue_events_total", "Requests turned away from the queue, or sent back to it.", &[("event", event)], n);
+        }
         let r = &self.shared.refused;
         // The role's own context check only fires if the served context shrank between the
         // HTTP side's check and the actor's.
@@ -467,9 +492,13 @@ impl Actor {
                 self.requests.failed(label);
                 events.push(GenEvent::Failed(e));
             }
-            ClientOutput::Unavailable => {
+            ClientOutput::Unavailable { detail } => {
                 count(&self.shared.refused.unavailable);
-                events.push(GenEvent::Failed(ApiError::overloaded("no worker available")));
+                events.push(GenEvent::Failed(ApiError::overloaded(detail)));
+            }
+            ClientOutput::Busy { reason, detail } => {
+                count(&self.shared.refused.busy);
+                events.push(GenEvent::Failed(ApiError::too_many_requests(reason.code(), detail)));
             }
         }
         let mut closed = false;

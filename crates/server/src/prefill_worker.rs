@@ -20,7 +20,7 @@ use bulkhead_engine::Prefiller;
 use bulkhead_kv::{KvPool, RequestId};
 use bulkhead_protocol::driver::prefill::{LinkDown, PrefillDriver, PrefillLink, Step};
 use bulkhead_protocol::prefill::{JobOutcome, PrefillConfig, PrefillEvent, PrefillRole};
-use bulkhead_protocol::{Message, Role, WorkerId};
+use bulkhead_protocol::{Hello, Message, Role, WorkerId};
 
 use crate::metrics::{self, Families, Histogram, Pusher};
 use crate::wire::{send, spawn_reader, FrameReader, WireError};
@@ -48,6 +48,8 @@ struct Link {
     sent_bytes: u64,
     /// When the chunks of the current step started going out.
     sending: Option<Instant>,
+    /// The role asked to rejoin the cluster under a new id.
+    rejoin: bool,
 }
 
 impl PrefillLink for Link {
@@ -97,14 +99,28 @@ impl PrefillLink for Link {
             }
         }
     }
+
+    fn rejoin(&mut self) {
+        self.rejoin = true;
+    }
 }
 
-/// The main thread's state.
-struct Worker {
+impl Link {
+    /// Close every connection of this incarnation.
+    fn close_all(&mut self) {
+        let _ = self.gw.shutdown(Shutdown::Both);
+        for (_, c) in std::mem::take(&mut self.decodes) {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+/// The main thread's state for one incarnation.
+struct Worker<'p> {
     driver: PrefillDriver,
     link: Link,
     compute: Prefiller,
-    pool: KvPool,
+    pool: &'p mut KvPool,
     /// Time to send each step's chunks.
     transfer: Histogram,
     pusher: Pusher,
@@ -113,26 +129,66 @@ struct Worker {
     started: Instant,
 }
 
-/// Run a prefill worker until its gateway goes away.
+/// How an incarnation of the worker (one registration) ended.
+enum Ended {
+    /// The gateway went away: the worker exits.
+    GatewayClosed,
+    /// A KV connection was lost: register anew under a new id.
+    Rejoin,
+}
+
+/// The shortest and longest wait before registering anew after a lost KV connection. The
+/// wait doubles while incarnations keep ending within [`STABLE_INCARNATION`].
+const REJOIN_BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(5));
+const STABLE_INCARNATION: Duration = Duration::from_secs(10);
+
+/// Run a prefill worker until its gateway goes away. A lost KV connection makes it leave
+/// and register again under a new id (see `protocol::prefill`), with backoff.
 pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
-    let loaded = load(&cfg)?;
-    let (gw, gw_reader, me) = register(&cfg, &loaded, Role::Prefill, String::new())?;
-    tracing::info!(worker = %me, pid = std::process::id(), "prefill worker registered");
+    let crate::worker::Loaded { model, mut pool, context, digest } = load(&cfg)?;
+    let compute = Prefiller(Arc::new(model.model));
+    let mut backoff = Duration::ZERO;
+    loop {
+        let started = Instant::now();
+        let hello = Hello::for_pool(Role::Prefill, digest, &pool, context, String::new());
+        let (gw, gw_reader, me) = register(&cfg, hello)?;
+        tracing::info!(worker = %me, pid = std::process::id(), "prefill worker registered");
+        match incarnation(&cfg, me, gw, gw_reader, &compute, &mut pool, context)? {
+            Ended::GatewayClosed => return Ok(()),
+            Ended::Rejoin => {
+                let (min, max) = REJOIN_BACKOFF;
+                backoff = if started.elapsed() >= STABLE_INCARNATION { min } else { (backoff * 2).clamp(min, max) };
+                tracing::warn!(worker = %me, backoff_ms = backoff.as_millis() as u64, "a KV connection was lost: rejoining the cluster under a new id");
+                std::thread::sleep(backoff);
+            }
+        }
+    }
+}
+
+/// One registration: serve until the gateway goes away or the role asks to rejoin.
+fn incarnation(
+    cfg: &WorkerConfig,
+    me: WorkerId,
+    gw: TcpStream,
+    gw_reader: FrameReader,
+    compute: &Prefiller,
+    pool: &mut KvPool,
+    context: usize,
+) -> Result<Ended, WorkerError> {
     let (inbox, rx) = sync_channel::<In>(INBOX);
     spawn_reader(gw_reader, inbox.clone(), In::Gateway, In::GatewayClosed);
-    let page_size = loaded.pool.layout().page_size;
+    let page_size = pool.layout().page_size;
     let role = PrefillRole::new(PrefillConfig {
-        max_prompt: loaded.context,
+        max_prompt: context,
         page_size,
         keepalive_ms: PrefillConfig::keepalive_for(cfg.transfer_timeout_ms),
     });
     let chunk_tokens = cfg.transfer_batch_pages.max(1) * page_size;
-    let crate::worker::Loaded { model, pool, .. } = loaded;
-    let link = Link { me, gw, gw_error: None, decodes: BTreeMap::new(), inbox, events: Vec::new(), sent_bytes: 0, sending: None };
+    let link = Link { me, gw, gw_error: None, decodes: BTreeMap::new(), inbox, events: Vec::new(), sent_bytes: 0, sending: None, rejoin: false };
     let mut w = Worker {
         driver: PrefillDriver::new(role, chunk_tokens),
         link,
-        compute: Prefiller(Arc::new(model.model)),
+        compute: compute.clone(),
         pool,
         transfer: Histogram::new(metrics::TRANSFER_BUCKETS),
         pusher: Pusher::new(),
@@ -141,7 +197,7 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     };
     loop {
         if !w.pump(&rx)? {
-            return Ok(());
+            return Ok(Ended::GatewayClosed);
         }
         if w.pusher.due() {
             w.push_metrics()?;
@@ -149,10 +205,15 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
         if w.driver.has_work() {
             w.step()?;
         }
+        if w.link.rejoin {
+            w.link.close_all();
+            w.driver.abandon(w.pool);
+            return Ok(Ended::Rejoin);
+        }
     }
 }
 
-impl Worker {
+impl Worker<'_> {
     /// Handle pending inputs (blocking briefly for one when idle) and the clock. Returns
     /// false when the gateway is gone.
     fn pump(&mut self, rx: &Receiver<In>) -> Result<bool, WorkerError> {
@@ -215,7 +276,7 @@ impl Worker {
         if self.driver.current().is_none() {
             self.job_started = job.map(|j| (j.req, Instant::now()));
         }
-        let step = self.driver.step(&mut self.compute, &mut self.pool, &mut self.link);
+        let step = self.driver.step(&mut self.compute, self.pool, &mut self.link);
         if let Some(sending) = self.link.sending.take() {
             self.transfer.observe_since(sending);
         }

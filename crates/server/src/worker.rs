@@ -8,7 +8,7 @@ use std::time::Duration;
 use bulkhead_engine::LoadedModel;
 use bulkhead_kv::{KvPool, KvChecks, PoolConfig};
 use bulkhead_api::trace::TraceId;
-use bulkhead_protocol::{Hello, Message, Role, TraceContext, WorkerId};
+use bulkhead_protocol::{Hello, Message, TraceContext, WorkerId};
 
 use crate::wire::{send, FrameReader, WireError};
 
@@ -133,11 +133,10 @@ pub fn load(cfg: &WorkerConfig) -> Result<Loaded, WorkerError> {
     Ok(Loaded { model, pool, context, digest })
 }
 
-/// Connect to the gateway and register; returns the connection and our id.
-pub fn register(cfg: &WorkerConfig, loaded: &Loaded, role: Role, kv_addr: String) -> Result<(TcpStream, FrameReader, WorkerId), WorkerError> {
+/// Connect to the gateway and register as `hello` says; returns the connection and our id.
+pub fn register(cfg: &WorkerConfig, hello: Hello) -> Result<(TcpStream, FrameReader, WorkerId), WorkerError> {
     let mut stream = connect_retry(&cfg.gateway)?;
     stream.set_nodelay(true)?;
-    let hello = Hello::for_pool(role, loaded.digest, &loaded.pool, loaded.context, kv_addr);
     send(&mut stream, &Message::Hello(hello))?;
     let mut reader = FrameReader::new(stream.try_clone()?);
     match reader.recv()? {

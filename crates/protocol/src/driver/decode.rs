@@ -5,7 +5,7 @@
 //! request leaves it. [`DecodeDriver::step`] runs one step of the decode loop and turns
 //! what it produced into messages, telling the role which requests ended.
 
-use bulkhead_kv::{KvError, KvPool, RequestId};
+use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv};
 
 use crate::decode::{DecodeAction, DecodeEvent, DecodeRole, DecodeStart};
 use crate::driver::Honest;
@@ -22,17 +22,21 @@ pub enum GenEvent {
     /// The request failed a KV read check (a stale lease, the poison canary or the
     /// auditor) and left the loop before its step ran; its pages are given back.
     Failed { req: RequestId, error: KvError },
+    /// The loop could not grow the pages of its sequences and gave this request's back
+    /// (through the pool's release: new generations) so the others go on. `tokens` is
+    /// everything it generated, which the client has: it resumes from there later.
+    Retracted { req: RequestId, tokens: Vec<u32> },
 }
 
 impl GenEvent {
     /// The request it is about.
     pub fn req(&self) -> RequestId {
         match self {
-            GenEvent::Token { req, .. } | GenEvent::Finished { req, .. } | GenEvent::Failed { req, .. } => *req,
+            GenEvent::Token { req, .. } | GenEvent::Finished { req, .. } | GenEvent::Failed { req, .. } | GenEvent::Retracted { req, .. } => *req,
         }
     }
 
-    /// Whether the request ends with it.
+    /// Whether the request leaves the loop with it.
     pub fn is_terminal(&self) -> bool {
         !matches!(self, GenEvent::Token { .. })
     }
@@ -47,6 +51,7 @@ impl GenEvent {
             GenEvent::Failed { req, error } => {
                 Message::Failed { req, reason: FailReason::Internal, detail: format!("KV read check failed: {error}") }
             }
+            GenEvent::Retracted { req, tokens } => Message::Retracted { req, tokens },
         }
     }
 }
@@ -75,6 +80,8 @@ pub trait DecodeLink {
     /// Send on the KV connection of prefill worker `to` (dropped if it is gone: its close
     /// reaches the role as [`DecodeEvent::PrefillClosed`]).
     fn to_prefill(&mut self, to: WorkerId, msg: Message);
+    /// Close the KV connection of prefill worker `prefill` and read nothing more from it.
+    fn disconnect(&mut self, prefill: WorkerId);
     /// Requests are about to end, their last messages next: the place to send evidence
     /// that must arrive before them (the server pushes its metrics here).
     fn ending(&mut self, role: &DecodeRole, pool: &KvPool) {
@@ -173,7 +180,11 @@ impl<E: DecodeEngine, P: DecodePolicy> DecodeDriver<E, P> {
             DecodeAction::Stop { req } => {
                 self.engine.abort(req);
                 self.role.finished(req);
+                if let Some(m) = self.role.room() {
+                    link.to_gateway(m);
+                }
             }
+            DecodeAction::Disconnect { prefill } => link.disconnect(prefill),
         }
     }
 
@@ -198,6 +209,55 @@ impl<E: DecodeEngine, P: DecodePolicy> DecodeDriver<E, P> {
         }
         for e in events {
             link.to_gateway(e.into_message());
+        }
+        if let Some(m) = ended.then(|| self.role.room()).flatten() {
+            link.to_gateway(m);
+        }
+    }
+}
+
+/// A sequence of a decode loop, as KV on demand sees it.
+pub trait Growing {
+    /// Its pages.
+    fn kv(&mut self) -> &mut SequenceKv;
+    /// Its pages, to look at.
+    fn kv_ref(&self) -> &SequenceKv;
+    /// Whether its next step writes the next position (it is decoding, not prefilling).
+    fn decoding(&self) -> bool;
+    /// When it joined the loop (larger is newer).
+    fn order(&self) -> u64;
+}
+
+/// KV on demand, for every decode loop (the engine's and the checkers' mocks): lease a page
+/// for each decoding sequence whose next position has none, oldest first. When the pool has
+/// no page left, retract the newest sequence that holds any (it may be the one that needs
+/// to grow): its pages go back through the pool's release path, so each gets a new
+/// generation and nothing can read them through its old leases, and it is taken out of
+/// `seqs` and returned, holding an empty sequence, for the caller to resume later.
+///
+/// Sequences that cannot grow while nothing in `seqs` holds a page (the pool is held by
+/// reservations in transfer or by quarantine) are left to wait a step.
+pub fn make_room<S: Growing>(pool: &mut KvPool, seqs: &mut Vec<S>) -> Result<Vec<S>, KvError> {
+    let mut retracted = Vec::new();
+    loop {
+        let grower = seqs.iter().enumerate().filter(|(_, s)| s.decoding() && s.kv_ref().reserved_tokens() <= s.kv_ref().len()).min_by_key(|(_, s)| s.order());
+        let Some(i) = grower.map(|(i, _)| i) else { return Ok(retracted) };
+        let want = seqs[i].kv_ref().len() + 1;
+        match seqs[i].kv().reserve(pool, want) {
+            Ok(()) => {}
+            Err(KvError::Exhausted { .. }) => {
+                let victim = seqs.iter().enumerate().filter(|(_, s)| !s.kv_ref().leases().is_empty()).max_by_key(|(_, s)| s.order());
+                let Some(v) = victim.map(|(v, _)| v) else { return Ok(retracted) };
+                let mut s = seqs.swap_remove(v);
+                let owner = s.kv_ref().owner();
+                let kv = std::mem::replace(s.kv(), SequenceKv::new(owner));
+                if let Err(u) = kv.release(pool) {
+                    // A stale lease is a bug; the pages are still leased to `owner`.
+                    u.reclaim(pool);
+                }
+                retracted.push(s);
+            }
+            Err(e) => return Err(e),
         }
     }
 }

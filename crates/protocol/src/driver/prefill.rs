@@ -14,7 +14,18 @@ use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv};
 
 use crate::driver::Honest;
 use crate::msg::{Message, Sampling, WorkerId};
+
 use crate::prefill::{JobOutcome, PrefillAction, PrefillEvent, PrefillFailure, PrefillJob, PrefillRole};
+
+/// How the first token after a prompt is picked.
+#[derive(Clone, Copy, Debug)]
+pub struct FirstToken<'a> {
+    /// The request's sampling settings.
+    pub sampling: &'a Sampling,
+    /// Draws the request's sampler made before (a retracted request's tokens): a seeded
+    /// sampler skips them, so it picks up where it was.
+    pub skip_draws: u32,
+}
 
 /// What computes prompt KV: a model, over the worker's own pool.
 pub trait PrefillCompute {
@@ -22,8 +33,8 @@ pub trait PrefillCompute {
     type Error: std::fmt::Display;
     /// Compute and commit the KV of prompt positions `from..to` into `seq` (in `pool`,
     /// reserved for the whole prompt, `from` positions committed). After the last
-    /// position, the first generated token, sampled with `sampling`.
-    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, sampling: &Sampling) -> Result<Option<u32>, Self::Error>;
+    /// position, the first generated token, picked as `first` says.
+    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, first: FirstToken<'_>) -> Result<Option<u32>, Self::Error>;
 }
 
 /// The KV connection to the target decode worker is gone: the job stops.
@@ -41,6 +52,10 @@ pub trait PrefillLink {
     /// Open a KV connection to `decode` at `addr` and send `KvHello` on it; report the
     /// outcome as [`PrefillEvent::DecodeConnected`] or [`PrefillEvent::DecodeLost`].
     fn connect(&mut self, decode: WorkerId, addr: &str);
+    /// Leave the cluster and register anew under a new id: close the gateway connection
+    /// and every KV connection, then start over with a fresh driver (see
+    /// [`PrefillDriver::abandon`]).
+    fn rejoin(&mut self);
 }
 
 /// Where a driver may depart from the role's decisions. Production uses [`Honest`]; the
@@ -132,25 +147,26 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
         self.job.iter().map(|j| &j.job).chain(self.role.queued_jobs()).chain(self.rogue.iter())
     }
 
-    /// Whether a step would do something.
+    /// Whether a step would do something (queued jobs whose KV connection is down wait).
     pub fn has_work(&self) -> bool {
-        self.job.is_some() || self.role.queued() > 0 || !self.rogue.is_empty()
+        self.job.is_some() || self.role.has_ready_job() || !self.rogue.is_empty()
     }
 
     /// Whether nothing is queued, running or held.
     pub fn is_idle(&self) -> bool {
-        !self.has_work() && !self.role.busy()
+        self.job.is_none() && self.role.queued() == 0 && !self.role.busy() && self.rogue.is_empty()
     }
 
     /// Process one event and carry out the role's actions.
     pub fn handle(&mut self, ev: PrefillEvent, link: &mut impl PrefillLink) {
         let refused_job = match &ev {
-            PrefillEvent::Gateway(Message::Prefill { req, tokens, decode, pages, sampling, trace }) => Some(PrefillJob {
+            PrefillEvent::Gateway(Message::Prefill { req, tokens, decode, pages, sampling, skip_draws, trace }) => Some(PrefillJob {
                 req: *req,
                 tokens: tokens.clone(),
                 decode: *decode,
                 pages: pages.clone(),
                 sampling: sampling.clone(),
+                skip_draws: *skip_draws,
                 trace: trace.clone(),
             }),
             _ => None,
@@ -164,6 +180,16 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
             }
         }
         act(acts, link);
+    }
+
+    /// Give up this driver (the worker rejoins under a new id): the running job's own pages
+    /// go back to `pool`. Nothing is sent: the connections close.
+    pub fn abandon(self, pool: &mut KvPool) {
+        if let Some(j) = self.job
+            && let Err(u) = j.seq.release(pool)
+        {
+            u.reclaim(pool);
+        }
     }
 
     /// One unit of work (see the module docs), computing with `model` into the worker's
@@ -192,7 +218,8 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
         }
         let n = j.job.tokens.len();
         let (from, to) = (j.done, (j.done + self.chunk_tokens).min(n));
-        let first = match model.compute(pool, &mut j.seq, &j.job.tokens, from, to, &j.job.sampling) {
+        let first_token = FirstToken { sampling: &j.job.sampling, skip_draws: j.job.skip_draws };
+        let first = match model.compute(pool, &mut j.seq, &j.job.tokens, from, to, first_token) {
             Ok(first) => first,
             Err(e) => return self.finish(j, JobOutcome::Failed(PrefillFailure::Compute(e.to_string())), pool, link),
         };
@@ -251,6 +278,7 @@ fn act(acts: Vec<PrefillAction>, link: &mut impl PrefillLink) {
                 let _ = link.to_decode(to, msg);
             }
             PrefillAction::Connect { decode, addr } => link.connect(decode, &addr),
+            PrefillAction::Rejoin => link.rejoin(),
         }
     }
 }
