@@ -25,6 +25,9 @@ venv=$(bash tests/python/venv.sh)
 status=0
 "$venv/bin/python" -m pytest -p no:cacheprovider -q -rfE tests/python 2>&1 | tee "$log.py" ||
     { status=1; echo "FAILED: the openai client tests (tests/python/test_openai_client.py), above"; }
+# The one-minute chaos soak (issue 13): one prefill and one decode worker killed under load.
+bash scripts/soak.sh --short ||
+    { status=1; echo "FAILED: the chaos soak (scripts/soak.sh --short), above"; }
 st=passed
 bash scripts/schemathesis.sh ||
     { status=1; st=failed; echo "FAILED: schemathesis (scripts/schemathesis.sh), above"; }

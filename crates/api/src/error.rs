@@ -141,6 +141,16 @@ impl ApiError {
         .with_code("unknown_url")
     }
 
+    /// 408: the request body did not arrive within `limit`.
+    pub fn body_timeout(limit: std::time::Duration) -> Self {
+        ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            ErrorKind::InvalidRequest,
+            format!("The request body did not arrive within {} ms.", limit.as_millis()),
+        )
+        .with_code("request_timeout")
+    }
+
     /// 413: the request body is larger than `limit` bytes.
     pub fn payload_too_large(limit: usize) -> Self {
         ApiError::new(

@@ -33,4 +33,4 @@ pub use backend::{Backend, FinishReason, GenEvent, GenerationRequest, ModelCard,
 pub use colocated::{ColocatedBackend, ColocatedError};
 pub use error::{ApiError, ErrorKind};
 pub use prompt::PromptEncoder;
-pub use routes::{MAX_BODY_BYTES, router};
+pub use routes::{router, BodyTimeout, DEFAULT_BODY_TIMEOUT, MAX_BODY_BYTES};

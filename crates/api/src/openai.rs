@@ -81,10 +81,16 @@ pub fn parse_completion(body: &Value) -> Result<CompletionParams, ApiError> {
                     "Invalid 'prompt': empty array.",
                 ));
             }
+            items if items.iter().all(|v| v.is_number() || v.is_array()) => {
+                return Err(ApiError::invalid_request(
+                    "prompt",
+                    "Invalid 'prompt': token-id prompts are not supported yet; send the prompt as a string (or an array of one string).",
+                ));
+            }
             [_] => {
                 return Err(ApiError::invalid_request(
                     "prompt",
-                    "Invalid 'prompt': only a string (or an array of one string) is supported, not token ids.",
+                    "Invalid 'prompt': only a string (or an array of one string) is supported.",
                 ));
             }
             _ => {
@@ -165,6 +171,12 @@ fn common(obj: &Map<String, Value>, prompt: Prompt) -> Result<CompletionParams, 
         None => {}
         Some(Value::Bool(b)) => sampling.ignore_eos = *b,
         Some(v) => return Err(type_error("ignore_eos", "a boolean", v)),
+    }
+    // vLLM's: special tokens (`<|im_start|>`, ...) are left out of the text unless asked for.
+    match field(obj, "skip_special_tokens") {
+        None => {}
+        Some(Value::Bool(b)) => sampling.skip_special_tokens = *b,
+        Some(v) => return Err(type_error("skip_special_tokens", "a boolean", v)),
     }
     match field(obj, "n").map(|v| int(v, "n", 1)).transpose()? {
         None | Some(1) => {}
@@ -501,6 +513,8 @@ pub struct CompletionOptions {
     /// Keep generating past the end-of-generation token until `max_tokens` (not OpenAI's:
     /// llama.cpp's and vLLM's, for fixed-length benchmarks).
     pub ignore_eos: Option<bool>,
+    /// Leave special tokens such as `<|im_start|>` out of the text (default true; vLLM's).
+    pub skip_special_tokens: Option<bool>,
 }
 
 /// `stream_options` of a completion request.
@@ -874,5 +888,18 @@ mod tests {
             assert_eq!(e.param.as_deref(), Some("prompt"));
             assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
         }
+    }
+
+    #[test]
+    fn token_id_prompts_are_refused_saying_so_and_special_tokens_are_skipped_unless_asked() {
+        for prompt in [json!([1, 2, 3]), json!([7]), json!([[1, 2], [3]])] {
+            let e = parse_completion(&json!({"model": "m", "prompt": prompt})).expect_err("token ids");
+            assert!(e.message.contains("token-id prompts are not supported"), "{prompt}: {}", e.message);
+        }
+        let e = parse_completion(&json!({"model": "m", "prompt": ["a", "b"]})).expect_err("two prompts");
+        assert!(e.message.contains("only one prompt"), "{}", e.message);
+        assert!(text(json!({})).expect("default").sampling.skip_special_tokens);
+        assert!(!text(json!({ "skip_special_tokens": false })).expect("off").sampling.skip_special_tokens);
+        assert_eq!(refused(json!({ "skip_special_tokens": 1 })).as_deref(), Some("skip_special_tokens"));
     }
 }

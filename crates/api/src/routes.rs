@@ -104,6 +104,15 @@ async fn request_id(mut req: Request, next: Next) -> Response {
 #[derive(Debug, Clone)]
 pub struct OpenAiJson(pub Value);
 
+/// How long a request body may take to arrive, as a request extension the server sets
+/// (`--http-body-timeout-ms`); [`DEFAULT_BODY_TIMEOUT`] without one. A body still arriving
+/// after it gets 408.
+#[derive(Clone, Copy, Debug)]
+pub struct BodyTimeout(pub std::time::Duration);
+
+/// The body read timeout when the server sets none.
+pub const DEFAULT_BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 impl<S: Send + Sync> FromRequest<S> for OpenAiJson {
     type Rejection = ApiError;
 
@@ -125,7 +134,11 @@ impl<S: Send + Sync> FromRequest<S> for OpenAiJson {
                 ));
             }
         }
-        let bytes = Bytes::from_request(req, state).await.map_err(|r| {
+        let limit = req.extensions().get::<BodyTimeout>().map_or(DEFAULT_BODY_TIMEOUT, |t| t.0);
+        let read = tokio::time::timeout(limit, Bytes::from_request(req, state))
+            .await
+            .map_err(|_| ApiError::body_timeout(limit))?;
+        let bytes = read.map_err(|r| {
             if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 ApiError::payload_too_large(MAX_BODY_BYTES)
             } else {

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use bulkhead_server::gateway::{self, GatewayOptions};
+use bulkhead_server::http::HttpLimits;
 use bulkhead_kv::KvChecks;
 use bulkhead_server::worker::WorkerConfig;
 use clap::{Args, ValueEnum};
@@ -82,6 +83,15 @@ pub struct ServeArgs {
     /// How long a request may wait at the gateway for KV capacity or workers before it gets 429 (ms).
     #[arg(long, env = "BULKHEAD_QUEUE_TIMEOUT_MS", default_value_t = 120_000)]
     queue_timeout_ms: u64,
+    /// Client connections served at once; more wait in the listen backlog until one closes.
+    #[arg(long, env = "BULKHEAD_MAX_CONNECTIONS", default_value_t = 4096)]
+    max_connections: usize,
+    /// How long a client connection may take to send a request's headers, counted from when it opens or its previous response ended (so also the keep-alive idle timeout); then it is closed (ms).
+    #[arg(long, env = "BULKHEAD_HTTP_HEADER_TIMEOUT_MS", default_value_t = 30_000)]
+    http_header_timeout_ms: u64,
+    /// How long a request body may take to arrive; then 408 (ms).
+    #[arg(long, env = "BULKHEAD_HTTP_BODY_TIMEOUT_MS", default_value_t = 30_000)]
+    http_body_timeout_ms: u64,
     /// How long shutdown waits for in-flight requests (s).
     #[arg(long, env = "BULKHEAD_DRAIN_TIMEOUT_S", default_value_t = 30)]
     drain_timeout_s: u64,
@@ -210,7 +220,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
 
 async fn serve_gateway(a: ServeArgs, model: PathBuf) -> anyhow::Result<()> {
     let opts = GatewayOptions {
-        http: format!("{}:{}", a.host, a.port),
+        http_addr: format!("{}:{}", a.host, a.port),
         workers: a.worker_listen.clone(),
         model: model.clone(),
         model_id: a.model_id.clone(),
@@ -218,6 +228,8 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf) -> anyhow::Result<()> {
         request_timeout_ms: a.request_timeout_ms,
         max_queued: a.max_queued_requests,
         queue_timeout_ms: a.queue_timeout_ms,
+        http: HttpLimits { max_connections: a.max_connections, header_timeout: Duration::from_millis(a.http_header_timeout_ms.max(1)) },
+        body_timeout: Duration::from_millis(a.http_body_timeout_ms.max(1)),
     };
     let mut gw = gateway::start(opts).await.with_context(|| format!("cannot start the gateway on {}:{}", a.host, a.port))?;
     let mut workers = Supervisor::default();

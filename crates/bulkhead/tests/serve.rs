@@ -362,3 +362,53 @@ fn the_gateway_refuses_a_worker_with_another_model_or_kv_layout() {
     // The real workers are unaffected.
     assert_eq!(chat(&s.http, SYSTEM, "Hi", 4).0, 200);
 }
+
+/// Reads until the server closes the connection or `limit` passes; returns what arrived and
+/// whether it closed.
+fn read_until_closed(c: &mut TcpStream, limit: Duration) -> (String, bool) {
+    c.set_read_timeout(Some(limit)).unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match c.read(&mut buf) {
+            Ok(0) => return (String::from_utf8_lossy(&got).into_owned(), true),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            // A reset is a close too.
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return (String::from_utf8_lossy(&got).into_owned(), true),
+            Err(_) => return (String::from_utf8_lossy(&got).into_owned(), false),
+        }
+    }
+}
+
+/// Slow or idle clients cannot hold connections: headers must arrive within the header
+/// timeout (which is also the keep-alive idle timeout), a body within the body timeout
+/// (408), and connections past `--max-connections` wait until one closes.
+#[test]
+fn slow_headers_idle_keepalives_and_slow_bodies_are_cut_and_extra_connections_wait() {
+    let s = serve(&["--http-header-timeout-ms", "700", "--http-body-timeout-ms", "700", "--max-connections", "2"], &[]);
+    // Headers one byte at a time, too slowly.
+    let mut slow = TcpStream::connect(&s.http).unwrap();
+    slow.write_all(b"GET /health HTTP/1.1\r\nHo").unwrap();
+    let (got, closed) = read_until_closed(&mut slow, Duration::from_secs(5));
+    assert!(closed, "a connection that never finishes its headers is closed: {got:?}");
+    // A keep-alive connection left idle after a response.
+    let mut idle = TcpStream::connect(&s.http).unwrap();
+    idle.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let (got, closed) = read_until_closed(&mut idle, Duration::from_secs(5));
+    assert!(got.starts_with("HTTP/1.1 200") && closed, "answered, then closed when idle: {got:?}");
+    // A body that stops arriving.
+    let mut body = TcpStream::connect(&s.http).unwrap();
+    body.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"").unwrap();
+    let (got, _) = read_until_closed(&mut body, Duration::from_secs(5));
+    assert!(got.starts_with("HTTP/1.1 408") && got.contains("request_timeout"), "{got:?}");
+    // Two silent connections take both slots: a third is answered only once they are cut.
+    let _a = TcpStream::connect(&s.http).unwrap();
+    let _b = TcpStream::connect(&s.http).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let start = std::time::Instant::now();
+    let mut third = TcpStream::connect(&s.http).unwrap();
+    third.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let (got, _) = read_until_closed(&mut third, Duration::from_secs(5));
+    assert!(got.starts_with("HTTP/1.1 200"), "{got:?}");
+    assert!(start.elapsed() >= Duration::from_millis(400), "answered while both slots were held: {:?}", start.elapsed());
+}

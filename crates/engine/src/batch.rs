@@ -145,8 +145,7 @@ impl Engine {
     pub fn new(model: Arc<Llama>, tokenizer: Arc<Tokenizer>, pool: KvPool, cfg: EngineConfig) -> Self {
         // A sequence must fit the pool alone: KV on demand retracts others to let it grow,
         // but one larger than the pool would retract itself for ever.
-        let pool_tokens = pool.stats().total_pages * pool.layout().page_size;
-        let context_limit = cfg.context_limit.min(model.config.context_length).min(pool_tokens);
+        let context_limit = cfg.context_limit.min(model.config.context_length).min(pool.capacity_tokens());
         Engine {
             model,
             tokenizer,

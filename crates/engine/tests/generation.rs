@@ -199,6 +199,14 @@ fn ignore_eos_generates_past_the_end_token_until_max_tokens() {
     assert_eq!((reason, n), (FinishReason::Length, 64));
     assert!(long.starts_with(&short) && long.len() > short.len(), "{short:?} then {long:?}");
     assert!(!long.contains("<|im_end|>"), "the end token shows no text: {long:?}");
+    assert!(!long.contains("<|im_start|>"), "nor other special tokens: {long:?}");
+    // Asked for (vLLM's `skip_special_tokens: false`), the special tokens it made show.
+    let mut req = greedy(s.tok.encode(&text, true), 64);
+    req.sampling.ignore_eos = true;
+    req.sampling.skip_special_tokens = false;
+    let id = e.add(req).unwrap();
+    let (raw, _, _) = run(&mut e, &[id]).remove(0);
+    assert!(raw.contains("<|im_start|>") && raw.len() > long.len(), "{raw:?}");
 }
 
 #[test]

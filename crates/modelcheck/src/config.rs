@@ -73,6 +73,10 @@ pub enum Variant {
     /// The decode driver drops `Fenced` from prefill workers (as if it were informational),
     /// so quarantined pages wait for a fence that never comes.
     DropFence,
+    /// The decode loop makes room for a growing sequence by taking a victim's pages back
+    /// through the pool (each gets a new generation) but leaves the victim in the loop,
+    /// on its old leases, instead of retracting it.
+    KeepRetractedRunning,
 }
 
 /// A model configuration.
@@ -161,7 +165,7 @@ impl Config {
                 prefill_crashes: 1,
                 decode_ticks: 1,
                 gateway_ticks: 1,
-                prefill_ticks: 1,
+                prefill_ticks: 0,
             },
             decode_tick_ms: TICK_MS,
             check_original_error: false,
@@ -214,6 +218,21 @@ impl Config {
             prefill_workers: 1,
             faults: Faults { decode_ticks: 2, prefill_ticks: 1, ..Faults::default() },
             decode_tick_ms: TICK_MS / 2,
+            ..Self::faulty_network()
+        }
+    }
+
+    /// KV on demand: two requests whose first slices fit the decode pool together but not
+    /// their whole generations, so the older one's growth retracts the newer one when
+    /// both run (which then resumes from the token it made). One prefill worker, no fault.
+    pub fn growth() -> Self {
+        Config {
+            name: "growth",
+            requests: vec![Request { prompt: 1, max_tokens: 6 }, Request { prompt: 1, max_tokens: 3 }],
+            prefill_workers: 1,
+            decode_pool_pages: 4,
+            decode_max_context: 8,
+            faults: Faults::default(),
             ..Self::faulty_network()
         }
     }

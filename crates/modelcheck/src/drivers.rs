@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv};
 use bulkhead_protocol::decode::{DecodeAction, DecodeEvent, DecodeStart};
-use bulkhead_protocol::driver::decode::{DecodeEngine, DecodePolicy, GenEvent};
+use bulkhead_protocol::driver::decode::{make_room, DecodeEngine, DecodePolicy, GenEvent, Growing};
 use bulkhead_protocol::driver::prefill::{FirstToken, PrefillCompute, PrefillPolicy};
 use bulkhead_protocol::prefill::PrefillJob;
 use bulkhead_protocol::{FinishReason, Message};
@@ -39,8 +39,26 @@ impl PrefillCompute for MockPrefill {
 pub struct Running {
     /// Its pages.
     pub seq: SequenceKv,
+    /// When it joined the loop (the newest is retracted first).
+    order: u64,
     max_tokens: u32,
+    /// Tokens generated, an earlier attempt's included (each is [`FIRST_TOKEN`]).
     generated: u32,
+}
+
+impl Growing for Running {
+    fn kv(&mut self) -> &mut SequenceKv {
+        &mut self.seq
+    }
+    fn kv_ref(&self) -> &SequenceKv {
+        &self.seq
+    }
+    fn decoding(&self) -> bool {
+        true
+    }
+    fn order(&self) -> u64 {
+        self.order
+    }
 }
 
 /// The mock decode loop. It steps one request at a time (the checker chooses which, by
@@ -62,6 +80,12 @@ pub struct MockDecode {
     /// Attend over every reserved slot instead of the written ones (the broken
     /// [`Variant::ReadPastWatermark`]).
     pub read_past_watermark: bool,
+    /// Free a victim's pages for a growing sequence but keep the victim in the loop (the
+    /// broken [`Variant::KeepRetractedRunning`]).
+    keep_retracted_running: bool,
+    next_order: u64,
+    /// Sequences retracted so far.
+    pub retractions: u64,
 }
 
 impl MockDecode {
@@ -74,7 +98,53 @@ impl MockDecode {
             started: Vec::new(),
             seen: Vec::new(),
             read_past_watermark: variant == Variant::ReadPastWatermark,
+            keep_retracted_running: variant == Variant::KeepRetractedRunning,
+            next_order: 0,
+            retractions: 0,
         }
+    }
+
+    /// KV on demand before a step: every running sequence whose next position has no
+    /// slot grows by a page, the newest retracted to make room ([`make_room`], as the
+    /// engine does). Retracted sequences leave the loop with `Retracted`.
+    fn grow(&mut self) -> Result<Vec<GenEvent>, KvError> {
+        if self.keep_retracted_running {
+            return Ok(self.grow_keeping_victims());
+        }
+        let mut seqs: Vec<Running> = std::mem::take(&mut self.running).into_values().collect();
+        let retracted = make_room(&mut self.pool, &mut seqs);
+        self.running = seqs.into_iter().map(|r| (r.seq.owner(), r)).collect();
+        let mut events = Vec::new();
+        for r in retracted? {
+            self.retractions += 1;
+            events.push(GenEvent::Retracted { req: r.seq.owner(), tokens: vec![FIRST_TOKEN; r.generated as usize] });
+        }
+        Ok(events)
+    }
+
+    /// The broken retraction: the victim's pages are taken back through the pool (which
+    /// gives each a new generation) and handed to the grower, but the victim stays in the
+    /// loop on its old leases.
+    fn grow_keeping_victims(&mut self) -> Vec<GenEvent> {
+        let needs: Vec<RequestId> = self.running.iter().filter(|(_, r)| r.seq.reserved_tokens() <= r.seq.len()).map(|(q, _)| *q).collect();
+        for req in needs {
+            let victim = self.running.iter().filter(|(q, r)| **q != req && !r.seq.leases().is_empty()).max_by_key(|(_, r)| r.order).map(|(q, _)| *q);
+            let Some(r) = self.running.get_mut(&req) else { continue };
+            let want = r.seq.len() + 1;
+            if r.seq.reserve(&mut self.pool, want).is_ok() {
+                continue;
+            }
+            if let Some(v) = victim {
+                for q in self.pool.revoke_owner(v) {
+                    let _ = self.pool.release_quarantined(q);
+                }
+                self.retractions += 1;
+                if let Some(r) = self.running.get_mut(&req) {
+                    let _ = r.seq.reserve(&mut self.pool, want);
+                }
+            }
+        }
+        Vec::new()
     }
 
     /// Attention, as the engine does it: every position, every layer, read through
@@ -109,8 +179,11 @@ impl DecodeEngine for MockDecode {
         let seq = ds.seq.into_sequence();
         self.started.push((req, verified, seq.len()));
         self.read_all(req, &seq);
-        // The first token came with `Done`; a one-token request ends at once.
-        let r = Running { seq, max_tokens: ds.max_tokens, generated: 1 };
+        // The first token came with `Done`; a one-token request ends at once. A resumed
+        // one continues the count of the attempt it resumes.
+        self.next_order += 1;
+        let resumed = ds.resume.len() as u32;
+        let r = Running { seq, order: self.next_order, max_tokens: ds.max_tokens + resumed, generated: resumed + 1 };
         if r.generated < r.max_tokens {
             self.running.insert(req, r);
             return Ok(Vec::new());
@@ -120,7 +193,13 @@ impl DecodeEngine for MockDecode {
 
     fn step(&mut self) -> Result<Vec<GenEvent>, KvError> {
         let Some(req) = self.focus.take() else { return Ok(Vec::new()) };
-        let Some(mut r) = self.running.remove(&req) else { return Ok(Vec::new()) };
+        let mut events = self.grow()?;
+        let Some(mut r) = self.running.remove(&req) else { return Ok(events) };
+        if r.seq.reserved_tokens() <= r.seq.len() {
+            // No page to grow into while reservations hold the pool: wait.
+            self.running.insert(req, r);
+            return Ok(events);
+        }
         // Feed the last token: write its KV at the next position, commit it, attend.
         let pos = r.seq.len();
         let row = [kv_value(req, pos); LAYOUT.kv_heads * LAYOUT.head_dim];
@@ -134,9 +213,10 @@ impl DecodeEngine for MockDecode {
         r.generated += 1;
         if r.generated < r.max_tokens {
             self.running.insert(req, r);
-            return Ok(Vec::new());
+        } else {
+            events.push(self.finish(req, r));
         }
-        Ok(vec![self.finish(req, r)])
+        Ok(events)
     }
 
     fn abort(&mut self, req: RequestId) {

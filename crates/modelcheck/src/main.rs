@@ -5,9 +5,9 @@
 //! - `explore`: serve stateright's web explorer (default `localhost:3000`).
 //!
 //! CONFIG: `three-requests` (default), `faulty-network`, `duplicating-network`,
-//! `reordering-network`, `prefill-restart`, `keepalive`. VARIANT: `production` (default), `trust-done`,
+//! `reordering-network`, `prefill-restart`, `keepalive`, `growth`. VARIANT: `production` (default), `trust-done`,
 //! `read-past-watermark`, `keep-rejected-job`, `release-quarantine-on-tick`,
-//! `retry-after-reject`, `drop-fence`.
+//! `retry-after-reject`, `drop-fence`, `keep-retracted-running`.
 
 use std::process::ExitCode;
 
@@ -24,8 +24,9 @@ fn main() -> ExitCode {
         "reordering-network" => Config::reordering_network(),
         "prefill-restart" => Config::prefill_restart(),
         "keepalive" => Config::keepalive(),
+        "growth" => Config::growth(),
         other => {
-            eprintln!("unknown configuration {other:?}: three-requests | faulty-network | duplicating-network | reordering-network | prefill-restart | keepalive");
+            eprintln!("unknown configuration {other:?}: three-requests | faulty-network | duplicating-network | reordering-network | prefill-restart | keepalive | growth");
             return ExitCode::FAILURE;
         }
     };
@@ -37,6 +38,7 @@ fn main() -> ExitCode {
         "release-quarantine-on-tick" => Variant::ReleaseQuarantineOnTick,
         "retry-after-reject" => Variant::RetryAfterReject,
         "drop-fence" => Variant::DropFence,
+        "keep-retracted-running" => Variant::KeepRetractedRunning,
         other => {
             eprintln!("unknown variant {other:?}");
             return ExitCode::FAILURE;

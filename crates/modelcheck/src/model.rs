@@ -52,6 +52,7 @@ impl HandoffModel {
             ended: w.requests_ended(),
             clean: w.is_clean(),
             served: w.all_served() && w.is_clean(),
+            resumed: w.all_served() && w.is_clean() && w.retractions() > 0,
             history,
         }
     }
@@ -76,6 +77,8 @@ pub struct State {
     pub clean: bool,
     /// Clean end where every request that fits finished and every other one was rejected.
     pub served: bool,
+    /// `served`, after the decode loop retracted a sequence to let another grow.
+    pub resumed: bool,
 }
 
 impl State {
@@ -133,6 +136,8 @@ pub mod names {
     pub const ENDS: &str = "eventually: every request ends";
     /// Reachability of the happy path.
     pub const SERVED: &str = "sometimes: every request that fits finishes, the other is rejected, all pools full";
+    /// Reachability of KV on demand's retraction, on the happy path.
+    pub const RESUMED: &str = "sometimes: a sequence is retracted for another to grow, and every request still finishes, all pools full";
 }
 
 fn holds(s: &State, p: Prop) -> bool {
@@ -179,6 +184,7 @@ impl Model for HandoffModel {
             p.push(Property::eventually(names::ENDS, |_, s: &State| s.ended));
         }
         p.push(Property::sometimes(names::SERVED, |_, s: &State| s.served));
+        p.push(Property::sometimes(names::RESUMED, |_, s: &State| s.resumed));
         p
     }
 }

@@ -128,7 +128,12 @@ pub struct Ghost {
     pub outcomes: Vec<Outcome>,
     /// Prompt tokens of the reservation the decode worker granted.
     pub reserved_prompt: Option<usize>,
-    /// Prompt tokens in chunks the decode verifier accepted.
+    /// The attempt (worker-side id) of the latest reservation; `landed` counts its chunks.
+    pub attempt: Option<RequestId>,
+    /// Tokens the decode worker generated before it last retracted the request (they
+    /// end the prompt of the attempt that resumes it).
+    pub resumed: usize,
+    /// Prompt tokens in chunks of `attempt` the decode verifier accepted.
     pub landed: usize,
     /// A role decided to reject it (the gateway told the client, or a worker refused it
     /// for context or capacity): from here it must not reach Reserve, transfer or decode.
@@ -273,13 +278,18 @@ impl DecodeLink for DecodeWire<'_> {
     fn to_gateway(&mut self, msg: Message) {
         match &msg {
             Message::Rejected { req, reason, .. } => worker_rejected(self.ghosts, client_of(*req), *reason),
+            Message::Retracted { req, tokens } => self.ghosts.entry(client_of(*req)).or_default().resumed = tokens.len(),
             Message::Reserved { req, .. } => {
-                let req = client_of(*req);
-                let g = self.ghosts.entry(req).or_default();
+                let client = client_of(*req);
+                let g = self.ghosts.entry(client).or_default();
                 if g.rejected {
-                    self.seen.push((Prop::RejectionTerminal, format!("decode reserved pages for {req} after it was rejected")));
+                    self.seen.push((Prop::RejectionTerminal, format!("decode reserved pages for {client} after it was rejected")));
                 }
-                g.reserved_prompt = request(self.cfg, req).map(|r| r.prompt as usize);
+                g.reserved_prompt = request(self.cfg, client).map(|r| r.prompt as usize + g.resumed);
+                if g.attempt != Some(*req) {
+                    g.attempt = Some(*req);
+                    g.landed = 0;
+                }
             }
             _ => {}
         }
@@ -822,8 +832,8 @@ impl<'c> World<'c> {
     fn decode_event(&mut self, ev: DecodeEvent) {
         let before = self.dec.role().stats();
         let (chunk, done) = match &ev {
-            DecodeEvent::Prefill { msg: Message::KvChunk { req, header, .. }, .. } => (Some((client_of(*req), header.slot_count as usize)), None),
-            DecodeEvent::Prefill { msg: Message::Done { req, .. }, .. } => (None, Some(client_of(*req))),
+            DecodeEvent::Prefill { msg: Message::KvChunk { req, header, .. }, .. } => (Some((*req, header.slot_count as usize)), None),
+            DecodeEvent::Prefill { msg: Message::Done { req, .. }, .. } => (None, Some(*req)),
             _ => (None, None),
         };
         let alive = self.alive();
@@ -832,11 +842,14 @@ impl<'c> World<'c> {
         let seen = link.seen;
         self.violate_all(seen);
         let after = self.dec.role().stats();
-        if let Some((req, slots)) = chunk
+        if let Some((attempt, slots)) = chunk
             && after.chunks_verified > before.chunks_verified
         {
+            let req = client_of(attempt);
             let g = self.ghost(req);
-            g.landed += slots;
+            if g.attempt == Some(attempt) {
+                g.landed += slots;
+            }
             if g.rejected {
                 self.violate(Prop::RejectionTerminal, format!("decode accepted a chunk for {req} after it was rejected"));
             }
@@ -846,7 +859,7 @@ impl<'c> World<'c> {
             && self.cfg.variant == Variant::TrustDone
         {
             // Broken: "transfer complete" is trusted; the request is started on what landed.
-            let landed = self.ghosts.get(&req).map_or(0, |g| g.landed);
+            let landed = self.ghosts.get(&client_of(req)).map_or(0, |g| g.landed);
             self.check_start(req, landed);
         }
         self.drain_engine();
@@ -856,9 +869,9 @@ impl<'c> World<'c> {
     /// reservations) and property violations of its reads.
     fn drain_engine(&mut self) {
         let started: Vec<(RequestId, usize, usize)> = self.dec.engine_mut().started.drain(..).collect();
-        for (req, verified, committed) in started {
-            let req = client_of(req);
-            self.check_start(req, verified);
+        for (attempt, verified, committed) in started {
+            self.check_start(attempt, verified);
+            let req = client_of(attempt);
             if committed != self.ghosts.get(&req).and_then(|g| g.reserved_prompt).unwrap_or(usize::MAX) {
                 self.violate(Prop::VerifiedCoverage, format!("{req} started with {committed} committed prompt tokens"));
             }
@@ -867,11 +880,12 @@ impl<'c> World<'c> {
         self.violate_all(seen);
     }
 
-    /// I2 at the moment decode starts `req` with `coverage` prompt tokens in place; I3: a
-    /// rejected request never reaches decode.
-    fn check_start(&mut self, req: RequestId, coverage: usize) {
+    /// I2 at the moment decode starts attempt `attempt` with `coverage` prompt tokens in
+    /// place; I3: a rejected request never reaches decode.
+    fn check_start(&mut self, attempt: RequestId, coverage: usize) {
+        let req = client_of(attempt);
         let g = self.ghosts.get(&req).cloned().unwrap_or_default();
-        if g.reserved_prompt != Some(coverage) || g.landed != coverage {
+        if g.attempt != Some(attempt) || g.reserved_prompt != Some(coverage) || g.landed != coverage {
             self.violate(
                 Prop::VerifiedCoverage,
                 format!("{req} started with {coverage} prompt tokens; reserved {:?}, landed {}", g.reserved_prompt, g.landed),
@@ -979,6 +993,11 @@ impl<'c> World<'c> {
     /// Every request submitted and ended for its client.
     pub fn requests_ended(&self) -> bool {
         self.ghosts.values().all(|g| g.submitted && (g.client_gone || !g.outcomes.is_empty()))
+    }
+
+    /// Sequences the decode loop retracted so far.
+    pub fn retractions(&self) -> u64 {
+        self.dec.engine().retractions
     }
 
     /// Every request that fits finished, every one that does not was rejected.

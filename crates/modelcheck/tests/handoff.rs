@@ -32,24 +32,27 @@ fn assert_holds(report: &Report, model: &HandoffModel) {
     assert!(report.discoveries.contains_key(names::SERVED), "the happy path is reachable: {report}");
 }
 
-/// The pinned counts since the driver core (issue 12), which the model now runs: this
-/// configuration is unchanged at 64,506 (no prefill tick here: with one decode tick of a
-/// whole timeout a keepalive can delay nothing, see the keepalive configuration). The
-/// faulty network grew from 88,866 to 109,102 because the gateway role now reports a
-/// departed prefill as `PrefillUnreachable`, and to 394,958 with one prefill tick (a
-/// keepalive sent in any state where the decode worker awaits that prefill).
+/// The pinned counts. Since the driver core (issue 12) the model runs the production
+/// drivers. The dependable-service issue (13) grew both configurations: requests that do
+/// not fit now wait in the gateway's queue (a Capacity refusal requeues them instead of
+/// failing them), each attempt has its own id and KV values, the decode worker announces
+/// freed pages with `Room`, a prefill worker's departure reaches the decode worker as
+/// `PeerLeft`, and a request whose prefill was lost is retried once. Three requests went
+/// from 64,506 to 96,935 states. The faulty network went from 394,958 to 1,818,421 with
+/// its prefill tick (eight minutes even optimised), so that tick moved out: the keepalive
+/// configuration exercises keepalives, and without it the faulty network has 471,665.
 #[test]
 fn three_requests_two_prefill_workers_one_decode_worker_hold_every_property() {
     let (report, model) = check_all(Config::three_requests());
     assert_holds(&report, &model);
-    assert_eq!(report.unique_states, 64_506, "the model changed: {report}");
+    assert_eq!(report.unique_states, 96_935, "the model changed: {report}");
 }
 
 #[test]
 fn lost_messages_crashes_aborts_and_timeouts_break_no_safety_property() {
     let (report, model) = check_all(Config::faulty_network());
     assert_holds(&report, &model);
-    assert_eq!(report.unique_states, 394_958, "the model changed: {report}");
+    assert_eq!(report.unique_states, 471_665, "the model changed: {report}");
 }
 
 /// Runs one request of the three-request configuration to its end, taking every action but
@@ -214,6 +217,26 @@ fn dropping_fences_is_caught_by_the_liveness_property() {
     cfg.requests.truncate(1);
     let last = finds(cfg, names::ENDS_CLEAN);
     assert!(last.contains("quarantined_pages: 2"), "{last}");
+}
+
+/// KV on demand (issue 13): the older request's growth retracts the newer one when both
+/// run; its pages go back through the pool's release path and it resumes, as a new
+/// attempt, from the token it made. Every property holds and that path is reachable.
+#[test]
+fn growth_and_retraction_hold_every_property_and_a_retracted_request_still_finishes() {
+    let (report, model) = check_all(Config::growth());
+    assert_holds(&report, &model);
+    assert!(report.discoveries.contains_key(names::RESUMED), "no retraction was reached: {report}");
+    assert_eq!(report.unique_states, 175, "the model changed: {report}");
+}
+
+/// A scheduler that frees a victim's pages for a grower but forgets to take the victim out
+/// of the loop: the pool gave each freed page a new generation, so the victim's next write
+/// or read through its old leases is refused, and the checker reports it.
+#[test]
+fn a_victim_left_running_on_its_old_leases_is_caught_by_the_read_property() {
+    let last = finds(Config::growth().with_variant(Variant::KeepRetractedRunning), names::READ_ISOLATION);
+    assert!(last.contains("stale lease"), "{last}");
 }
 
 // ------------------------------------------------------------------ findings

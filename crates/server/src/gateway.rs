@@ -23,13 +23,14 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 
+use crate::http::HttpLimits;
 use crate::metrics::{self, Families, RequestMetrics};
 
 /// Settings of the gateway.
 #[derive(Clone, Debug)]
 pub struct GatewayOptions {
     /// HTTP listen address.
-    pub http: String,
+    pub http_addr: String,
     /// Worker listen address.
     pub workers: String,
     /// Model file (for the tokenizer, chat template and the digest workers must match).
@@ -44,6 +45,10 @@ pub struct GatewayOptions {
     pub max_queued: usize,
     /// How long a request may wait for capacity before it gets 429.
     pub queue_timeout_ms: u64,
+    /// Client connection limits.
+    pub http: HttpLimits,
+    /// How long a request body may take to arrive (then 408).
+    pub body_timeout: Duration,
 }
 
 /// Why the gateway could not start.
@@ -245,18 +250,14 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
     let wl = TcpListener::bind(&opts.workers).await?;
     let worker_addr = wl.local_addr()?;
     tokio::spawn(accept_workers(wl, cmds.clone()));
-    let hl = TcpListener::bind(&opts.http).await?;
+    let hl = TcpListener::bind(&opts.http_addr).await?;
     let http_addr = hl.local_addr()?;
     let backend_shared = shared.clone();
-    let app = bulkhead_api::router(Arc::new(ClusterBackend(shared))).route("/metrics", axum::routing::get(move || serve_metrics(cmds.clone())));
+    let app = bulkhead_api::router(Arc::new(ClusterBackend(shared)))
+        .route("/metrics", axum::routing::get(move || serve_metrics(cmds.clone())))
+        .layer(axum::Extension(bulkhead_api::BodyTimeout(opts.body_timeout)));
     let (tx, rx) = oneshot::channel::<()>();
-    let server = tokio::spawn(async move {
-        axum::serve(hl, app)
-            .with_graceful_shutdown(async move {
-                let _ = rx.await;
-            })
-            .await
-    });
+    let server = tokio::spawn(crate::http::serve(hl, app, opts.http, rx));
     tracing::info!(%http_addr, %worker_addr, model = %opts.model_id, "gateway listening");
     Ok(RunningGateway { http_addr, worker_addr, server, shutdown: Some(tx), shared: backend_shared })
 }
@@ -484,9 +485,11 @@ impl Actor {
             })),
             ClientOutput::Failed { reason, detail } => {
                 let (label, e) = match reason {
-                    FailReason::WorkerLost => ("worker_lost", ApiError::overloaded(format!("a worker serving this request went away: {detail}"))),
-                    FailReason::Timeout => ("timeout", ApiError::internal(format!("the request timed out: {detail}"))),
-                    FailReason::TransferRefused => ("transfer_refused", ApiError::internal(format!("KV transfer failed verification: {detail}"))),
+                    FailReason::WorkerLost => ("worker_lost", ApiError::overloaded(format!("a worker serving this request went away: {detail}")).with_code("worker_lost")),
+                    FailReason::Timeout => ("timeout", ApiError::internal(format!("the request timed out: {detail}")).with_code("timeout")),
+                    FailReason::TransferRefused => {
+                        ("transfer_refused", ApiError::internal(format!("KV transfer failed verification: {detail}")).with_code("transfer_refused"))
+                    }
                     FailReason::Internal => ("internal", ApiError::internal(detail)),
                 };
                 self.requests.failed(label);

@@ -11,6 +11,7 @@
 
 pub mod decode_worker;
 pub mod gateway;
+pub mod http;
 pub mod metrics;
 pub mod prefill_worker;
 pub mod wire;
