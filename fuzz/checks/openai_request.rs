@@ -60,7 +60,7 @@ impl Backend for Admit {
 fn runtime() -> &'static tokio::runtime::Runtime {
     static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
     RT.get_or_init(|| {
-        tokio::runtime::Builder::new_current_thread().build().expect("a current-thread runtime")
+        tokio::runtime::Builder::new_current_thread().enable_time().build().expect("a current-thread runtime")
     })
 }
 

@@ -418,7 +418,7 @@ async fn a_backend_failure_mid_stream_sends_an_error_chunk_then_done() {
 }
 
 #[tokio::test]
-async fn a_stream_whose_backend_vanishes_without_finishing_ends_with_an_error_chunk() {
+async fn a_stream_whose_backend_vanishes_without_finishing_ends_with_an_error_chunk_then_done() {
     let mock = Mock::new(vec![GenEvent::Text("partial".into())]);
     mock.keep_open.store(false, Ordering::SeqCst);
     let (_, _, raw) = send(
@@ -430,8 +430,9 @@ async fn a_stream_whose_backend_vanishes_without_finishing_ends_with_an_error_ch
     )
     .await;
     let payloads = sse_payloads(&raw);
-    assert_eq!(payloads.len(), 3, "{payloads:?}");
+    assert_eq!(payloads.len(), 4, "{payloads:?}");
     assert_error(&parse(&payloads[2]), "server_error", None);
+    assert_eq!(payloads[3], "[DONE]");
 
     let (status, v) = send_json(
         app(&mock),
