@@ -240,7 +240,7 @@ def main():
     ap.add_argument("--max-prompt", type=int, default=4000)
     ap.add_argument("--kill-every", type=int, default=120)
     ap.add_argument("--kills", default="", help="explicit schedule, e.g. 20:prefill,40:decode")
-    ap.add_argument("--request-timeout", type=float, default=300)
+    ap.add_argument("--request-timeout", type=float, default=660)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--workers", type=int, default=4, help="workers to wait for before starting")
     a = ap.parse_args()

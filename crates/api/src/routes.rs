@@ -655,10 +655,15 @@ struct Status {
     responses((status = 200, body = Status), (status = 503, description = "Cannot serve and cannot recover by itself.", body = Status))
 )]
 async fn health(State(st): State<AppState>) -> Response {
-    if st.backend.healthy() {
-        Json(Status { status: "ok" }).into_response()
+    status(st.backend.healthy(), "ok", "failed")
+}
+
+/// 200 with `up`, or 503 with `down`.
+fn status(ok: bool, up: &'static str, down: &'static str) -> Response {
+    if ok {
+        Json(Status { status: up }).into_response()
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, Json(Status { status: "failed" })).into_response()
+        (StatusCode::SERVICE_UNAVAILABLE, Json(Status { status: down })).into_response()
     }
 }
 
@@ -670,17 +675,7 @@ async fn health(State(st): State<AppState>) -> Response {
     responses((status = 200, body = Status), (status = 503, description = "Not ready yet.", body = Status))
 )]
 async fn ready(State(st): State<AppState>) -> Response {
-    if st.backend.ready() {
-        Json(Status { status: "ready" }).into_response()
-    } else {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(Status {
-                status: "not ready",
-            }),
-        )
-            .into_response()
-    }
+    status(st.backend.ready(), "ready", "not ready")
 }
 
 /// This document.

@@ -521,7 +521,9 @@ impl GatewayRole {
             .queue
             .iter()
             .copied()
-            .filter(|r| self.inflight.get(r).and_then(|f| f.queued_at_ms).is_some_and(|t| t.saturating_add(self.cfg.queue_timeout_ms) <= now))
+            // A retracted request has streamed tokens: a 429 now would cut a live stream, so
+            // only the request timeout bounds its wait (it waits at the queue's head).
+            .filter(|r| self.inflight.get(r).filter(|f| f.resume.is_empty()).and_then(|f| f.queued_at_ms).is_some_and(|t| t.saturating_add(self.cfg.queue_timeout_ms) <= now))
             .collect();
         for req in waited {
             self.queue.retain(|r| *r != req);

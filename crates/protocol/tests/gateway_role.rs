@@ -292,14 +292,20 @@ fn a_retracted_request_resumes_from_its_tokens_and_a_prompt_lost_with_its_prefil
     from(&mut g, D2, token(1));
     let acts = from(&mut g, D2, Message::Retracted { req: RequestId(1), tokens: vec![11, 12] });
     assert!(to_client(&acts).is_empty(), "the client sees nothing of it: {acts:?}");
-    let attempt = attempt_id(RequestId(1), 1);
-    // The decode worker gave pages away: the request waits until it has room again.
+    // The decode worker gave pages away: the request waits until it has room again, past
+    // the queue timeout (its client is mid-stream), until the request timeout.
     assert!(reserves(&acts).is_empty());
-    let acts = g.handle(GatewayEvent::Tick { now_ms: 1 });
+    let acts = g.handle(GatewayEvent::Tick { now_ms: TIMEOUT_MS / 2 + 1 });
+    assert!(to_client(&acts).is_empty(), "a stream is never cut by the queue timeout: {acts:?}");
+    for (_, attempt) in reserves(&acts) {
+        from(&mut g, D2, capacity(attempt));
+    }
+    let acts = g.handle(GatewayEvent::Tick { now_ms: TIMEOUT_MS / 2 + 2 });
     let resent = acts.iter().find_map(|a| match a {
         GatewayAction::ToWorker { msg: Message::Reserve { req, prompt_tokens, max_tokens, resume, .. }, .. } => Some((*req, *prompt_tokens, *max_tokens, resume.clone())),
         _ => None,
     });
+    let Some((attempt, ..)) = resent.clone() else { panic!("not resent: {acts:?}") };
     assert_eq!(resent, Some((attempt, 5, 2, vec![11, 12])), "{acts:?}");
     let acts = from(&mut g, D2, Message::Reserved { req: attempt, pages: vec![] });
     let prefill = acts.iter().find_map(|a| match a {
