@@ -51,6 +51,12 @@ enum Cmd {
     /// Probe any OpenAI-compatible server for cross-request leaks, accepted over-context
     /// prompts and long inputs whose answers ignore them (exit 2 on findings).
     Probe(probe::ProbeArgs),
+    /// Write a new random cluster key to FILE (created readable by its owner only; never
+    /// overwritten), for `serve --cluster-key-file FILE` on every host of a cluster.
+    Keygen {
+        /// Where to write the key.
+        file: PathBuf,
+    },
     /// Print the configuration reference (docs/CONFIG.md) generated from these flags.
     #[command(hide = true)]
     ConfigReference,
@@ -113,6 +119,9 @@ fn main() {
         Cmd::BenchTransfer(a) => bench_transfer::run(a),
         Cmd::Loadgen(a) => loadgen::run(a),
         Cmd::Probe(a) => probe::run(a),
+        Cmd::Keygen { file } => bulkhead_server::trust::write_key_file(&file).map_err(anyhow::Error::from).map(|()| {
+            println!("bulkhead: wrote a new cluster key to {} (mode 600); give every process of the cluster --cluster-key-file", file.display());
+        }),
         Cmd::ConfigReference => {
             print!("{}", config::reference(&Cli::command()));
             Ok(())

@@ -5,12 +5,14 @@
 
 use std::path::PathBuf;
 use std::collections::VecDeque;
-use std::process::{Child, Command};
+use std::io::Write;
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use bulkhead_server::gateway::{self, GatewayOptions};
 use bulkhead_server::http::HttpLimits;
+use bulkhead_server::trust::{self, Trust};
 use bulkhead_kv::KvChecks;
 use bulkhead_server::worker::WorkerConfig;
 use clap::{Args, ValueEnum};
@@ -109,6 +111,20 @@ pub struct ServeArgs {
     model_id: String,
     #[command(flatten)]
     checks: KvCheckArgs,
+    /// The cluster key (64 hex digits) every process of the cluster must hold; the file must
+    /// not be readable by others. Make one with `bulkhead keygen FILE`. Role all makes a
+    /// random key per run when none is given.
+    #[arg(long, env = "BULKHEAD_CLUSTER_KEY_FILE")]
+    cluster_key_file: Option<PathBuf>,
+    /// Let internal listeners (the gateway's worker port, a decode worker's KV port) face
+    /// the network without a cluster key: anyone who reaches them can join the cluster.
+    /// For benchmarks on a closed network only; logged loudly.
+    #[arg(long, env = "BULKHEAD_INSECURE_CLUSTER", value_parser = clap::builder::BoolishValueParser::new())]
+    insecure_cluster: bool,
+    /// Internal: read the cluster key from the first line of stdin (how `serve` hands it to
+    /// the workers it starts, so it is never on a command line or in the environment).
+    #[arg(long, hide = true, env = "BULKHEAD_CLUSTER_KEY_STDIN", value_parser = clap::builder::BoolishValueParser::new())]
+    cluster_key_stdin: bool,
     /// Test only: switch the gateway's context check off to show the workers' own holds.
     #[arg(long, hide = true, env = "BULKHEAD_NO_GATEWAY_ADMISSION", value_parser = clap::builder::BoolishValueParser::new())]
     no_gateway_admission: bool,
@@ -176,7 +192,26 @@ impl ServeArgs {
         Ok(2 * context)
     }
 
-    fn worker(&self, model: PathBuf, gateway: String) -> anyhow::Result<WorkerConfig> {
+    /// Where this process's cluster key comes from: stdin (a worker `serve` started), the key
+    /// file, or (role all, neither given) a new random one; none otherwise.
+    fn trust(&self) -> anyhow::Result<Trust> {
+        let key = if self.cluster_key_stdin {
+            let mut line = String::new();
+            std::io::stdin().read_line(&mut line).context("cannot read the cluster key from stdin")?;
+            Some(bulkhead_protocol::auth::ClusterKey::from_hex(&line).context("the cluster key on stdin")?)
+        } else if let Some(path) = &self.cluster_key_file {
+            Some(trust::load_key_file(path)?)
+        } else if self.role == ServeRole::All {
+            Some(trust::generate_key()?)
+        } else {
+            None
+        };
+        let t = Trust { key: key.map(std::sync::Arc::new), insecure: self.insecure_cluster };
+        tracing::info!(internal_connections = t.describe(), "cluster trust");
+        Ok(t)
+    }
+
+    fn worker(&self, model: PathBuf, gateway: String, trust: Trust) -> anyhow::Result<WorkerConfig> {
         // The model's shape decides bytes per token; read it without loading weights.
         let f = bulkhead_gguf::GgufFile::open(&model)?;
         let c = bulkhead_model::LlamaConfig::from_gguf(&f)?;
@@ -194,16 +229,18 @@ impl ServeArgs {
             transfer_batch_pages: self.transfer_batch_pages,
             transfer_timeout_ms: self.transfer_timeout_ms,
             kv_checks: self.checks.checks(),
+            trust,
         })
     }
 }
 
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     let model = a.model_path()?;
+    let trust = a.trust()?;
     match a.role {
         ServeRole::Prefill | ServeRole::Decode => {
             let gw = a.gateway.clone().context("--gateway HOST:PORT is required for a worker role")?;
-            let cfg = a.worker(model, gw)?;
+            let cfg = a.worker(model, gw, trust)?;
             if a.role == ServeRole::Prefill {
                 bulkhead_server::prefill_worker::run(cfg)?;
             } else {
@@ -213,12 +250,13 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         }
         ServeRole::Gateway | ServeRole::All => {
             let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-            rt.block_on(serve_gateway(a, model))
+            rt.block_on(serve_gateway(a, model, trust))
         }
     }
 }
 
-async fn serve_gateway(a: ServeArgs, model: PathBuf) -> anyhow::Result<()> {
+async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Result<()> {
+    let secret = trust.key.as_ref().map(|k| k.to_hex());
     let opts = GatewayOptions {
         http_addr: format!("{}:{}", a.host, a.port),
         workers: a.worker_listen.clone(),
@@ -230,9 +268,10 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf) -> anyhow::Result<()> {
         queue_timeout_ms: a.queue_timeout_ms,
         http: HttpLimits { max_connections: a.max_connections, header_timeout: Duration::from_millis(a.http_header_timeout_ms.max(1)) },
         body_timeout: Duration::from_millis(a.http_body_timeout_ms.max(1)),
+        trust,
     };
     let mut gw = gateway::start(opts).await.with_context(|| format!("cannot start the gateway on {}:{}", a.host, a.port))?;
-    let mut workers = Supervisor::default();
+    let mut workers = Supervisor { slots: Vec::new(), secret };
     if a.role == ServeRole::All {
         let exe = std::env::current_exe()?;
         let gw_addr = gw.worker_addr.to_string();
@@ -256,6 +295,9 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf) -> anyhow::Result<()> {
                     cmd.arg("--clamp-context");
                 }
                 cmd.args(a.checks.child_args());
+                if workers.secret.is_some() {
+                    cmd.arg("--cluster-key-stdin");
+                }
                 // Workers must not bind the gateway's HTTP port or inherit its role.
                 cmd.env_remove("BULKHEAD_ROLE").env_remove("BULKHEAD_PORT").env_remove("BULKHEAD_CONFIG");
                 workers.add(role, cmd).with_context(|| format!("cannot start a {role} worker"))?;
@@ -322,13 +364,16 @@ struct Slot {
 /// The worker processes: each restarted with backoff when it exits (it registers again
 /// under a new id; the pages its old incarnation held are fenced by the protocol), reaped
 /// as it exits, and killed when this is dropped.
-#[derive(Default)]
-struct Supervisor(Vec<Slot>);
+struct Supervisor {
+    slots: Vec<Slot>,
+    /// The cluster key in hex, written to each worker's stdin as it starts.
+    secret: Option<String>,
+}
 
 impl Supervisor {
     fn add(&mut self, role: &'static str, mut cmd: Command) -> std::io::Result<()> {
-        let child = cmd.spawn()?;
-        self.0.push(Slot { role, cmd, child: Some(child), exits: VecDeque::new(), restart_at: None });
+        let child = spawn(&mut cmd, self.secret.as_deref())?;
+        self.slots.push(Slot { role, cmd, child: Some(child), exits: VecDeque::new(), restart_at: None });
         Ok(())
     }
 
@@ -344,7 +389,7 @@ impl Supervisor {
     }
 
     fn poll(&mut self, now: Instant) -> anyhow::Result<()> {
-        for slot in &mut self.0 {
+        for slot in &mut self.slots {
             let exited = match slot.child.as_mut().map(Child::try_wait) {
                 Some(Ok(Some(status))) => Some(status.to_string()),
                 Some(Err(e)) => Some(format!("cannot wait for it: {e}")),
@@ -356,7 +401,7 @@ impl Supervisor {
             }
             if slot.child.is_none() && slot.restart_at.is_some_and(|t| t <= now) {
                 slot.restart_at = None;
-                match slot.cmd.spawn() {
+                match spawn(&mut slot.cmd, self.secret.as_deref()) {
                     Ok(c) => {
                         tracing::info!(role = slot.role, pid = c.id(), "worker restarted");
                         slot.child = Some(c);
@@ -391,9 +436,22 @@ impl Slot {
     }
 }
 
+/// Start a worker, handing it the cluster key (if any) on its stdin.
+fn spawn(cmd: &mut Command, secret: Option<&str>) -> std::io::Result<Child> {
+    let Some(secret) = secret else { return cmd.spawn() };
+    let mut child = cmd.stdin(Stdio::piped()).spawn()?;
+    let sent = child.stdin.take().ok_or_else(|| std::io::Error::other("no stdin")).and_then(|mut i| writeln!(i, "{secret}"));
+    if let Err(e) = sent {
+        let _ = child.kill();
+        let _ = child.wait();
+        return Err(e);
+    }
+    Ok(child)
+}
+
 impl Drop for Supervisor {
     fn drop(&mut self) {
-        for c in self.0.iter_mut().filter_map(|s| s.child.as_mut()) {
+        for c in self.slots.iter_mut().filter_map(|s| s.child.as_mut()) {
             let _ = c.kill();
             let _ = c.wait();
         }

@@ -28,6 +28,8 @@ struct Hosts {
     tag: String,
     namespaces: Vec<String>,
     children: Vec<Child>,
+    /// The cluster key file every process gets.
+    key: std::path::PathBuf,
 }
 
 impl Drop for Hosts {
@@ -41,6 +43,7 @@ impl Drop for Hosts {
         }
         // A root-namespace end of a veth pair goes away with its peer's namespace.
         let _ = ip(&["link", "del", &format!("{}r", self.tag)]);
+        let _ = std::fs::remove_file(&self.key);
     }
 }
 
@@ -75,6 +78,10 @@ impl Hosts {
         let child = Command::new("ip")
             .args(["netns", "exec", &self.ns(ns), BIN, "serve", "--threads", "1", "--context-length", "2048", "--model"])
             .arg(model())
+            // Listeners that face the network need the cluster's key (they refuse to start
+            // without one).
+            .arg("--cluster-key-file")
+            .arg(&self.key)
             .args(args)
             .env("BULKHEAD_LOG", "info")
             .stdout(Stdio::null())
@@ -89,7 +96,13 @@ impl Hosts {
 /// Gateway (g), prefill (p) and decode (d) namespaces, linked g–root, g–p, g–d and p–d.
 fn hosts() -> Result<Hosts, String> {
     let id = std::process::id() % 100_000;
-    let mut h = Hosts { tag: format!("bh{id}"), namespaces: Vec::new(), children: Vec::new() };
+    let key = std::env::temp_dir().join(format!("bh{id}-cluster.key"));
+    let _ = std::fs::remove_file(&key);
+    let made = Command::new(BIN).arg("keygen").arg(&key).output().map_err(|e| e.to_string())?;
+    if !made.status.success() {
+        return Err(String::from_utf8_lossy(&made.stderr).into_owned());
+    }
+    let mut h = Hosts { tag: format!("bh{id}"), namespaces: Vec::new(), children: Vec::new(), key };
     for n in ["g", "p", "d"] {
         ip(&["netns", "add", &h.ns(n)])?;
         h.namespaces.push(h.ns(n));

@@ -179,13 +179,7 @@ fn a_client_that_disconnects_mid_stream_does_not_hang_the_server() {
 #[test]
 fn garbage_on_worker_ports_closes_that_connection_and_serving_goes_on() {
     let s = serve(&[], &[]);
-    let log = std::fs::read_to_string(&s.stderr_log).unwrap();
-    let kv = log
-        .lines()
-        .find_map(|l| l.split("kv_addr=").nth(1))
-        .and_then(|a| a.split_whitespace().next())
-        .map(|a| a.trim_matches('"').to_string())
-        .expect("decode worker logs its KV address");
+    let kv = kv_addr(&s);
     for addr in [&s.workers, &kv] {
         let mut c = TcpStream::connect(addr).unwrap();
         c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -333,33 +327,127 @@ fn a_worker_whose_pool_cannot_hold_the_context_refuses_to_start_and_names_the_fi
     }
 }
 
+/// A new cluster key file, made by `bulkhead keygen`.
+fn key_file() -> String {
+    let path = std::env::temp_dir().join(format!("bulkhead-key-{}-{}", std::process::id(), rand_u64()));
+    let out = Command::new(BIN).arg("keygen").arg(&path).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    path.to_string_lossy().into_owned()
+}
+
+/// An internal connection to `addr`, authenticated with the key in `key` (if any) for
+/// `purpose`, claiming identity `claim`.
+fn internal(
+    addr: &str,
+    key: Option<&str>,
+    purpose: bulkhead_protocol::Purpose,
+    claim: u32,
+) -> Result<(bulkhead_server::wire::FrameReader, bulkhead_server::wire::FrameWriter), bulkhead_server::wire::WireError> {
+    let c = TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut r = bulkhead_server::wire::FrameReader::new(c.try_clone().unwrap());
+    let mut w = bulkhead_server::wire::FrameWriter::new(c);
+    let key = key.map(|k| bulkhead_server::trust::load_key_file(std::path::Path::new(k)).unwrap());
+    bulkhead_server::wire::connect_handshake(&mut r, &mut w, key.as_ref(), purpose, claim)?;
+    Ok((r, w))
+}
+
+/// The decode worker's KV address, from its start-up log line.
+fn kv_addr(s: &Server) -> String {
+    let log = std::fs::read_to_string(&s.stderr_log).unwrap();
+    log.lines()
+        .find_map(|l| l.split("kv_addr=").nth(1))
+        .and_then(|a| a.split_whitespace().next())
+        .map(|a| a.trim_matches('"').to_string())
+        .expect("decode worker logs its KV address")
+}
+
+/// A counter's value at `/metrics` for the series whose line contains `labels`, once the
+/// workers' latest reports have arrived (polled for a few seconds until `enough`).
+fn counter(s: &Server, name: &str, labels: &str, enough: f64) -> f64 {
+    let mut last = 0.0;
+    for _ in 0..50 {
+        let (_, text) = get(&s.http, "/metrics");
+        last = text
+            .lines()
+            .filter(|l| l.starts_with(name) && l.contains(labels))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        if last >= enough {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    last
+}
+
 #[test]
 fn the_gateway_refuses_a_worker_with_another_model_or_kv_layout() {
-    use bulkhead_protocol::{encode, FrameDecoder, Hello, Message, Role};
-    let s = serve(&[], &[]);
+    use bulkhead_protocol::{Hello, Message, Purpose, Role};
+    let key = key_file();
+    let s = serve(&["--cluster-key-file", &key], &[]);
     let digest = bulkhead_server::wire::model_digest(&model()).unwrap();
     let right = Hello { role: Role::Decode, model_digest: digest, page_size: 16, kv_bytes_per_token: 23040, capacity_tokens: 16384, max_context: 8192, kv_addr: "127.0.0.1:9".into() };
     let other_model = Hello { model_digest: digest ^ 1, ..right.clone() };
     let other_layout = Hello { page_size: 32, ..right };
     for hello in [other_model, other_layout] {
-        let mut c = TcpStream::connect(&s.workers).unwrap();
-        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let mut b = Vec::new();
-        encode(&Message::Hello(hello), &mut b);
-        c.write_all(&b).unwrap();
-        let mut d = FrameDecoder::new(1 << 20);
-        let mut buf = [0u8; 4096];
-        let reply = loop {
-            if let Some(m) = d.next_message().unwrap() {
-                break m;
-            }
-            let n = c.read(&mut buf).unwrap();
-            assert!(n > 0, "closed without an answer");
-            d.push(&buf[..n]);
-        };
+        let (mut r, mut w) = internal(&s.workers, Some(&key), Purpose::Control, 0).unwrap();
+        w.send(&Message::Hello(hello)).unwrap();
+        let reply = r.recv().unwrap();
         assert!(matches!(reply, Message::Refuse { .. }), "{reply:?}");
     }
     // The real workers are unaffected.
+    assert_eq!(chat(&s.http, SYSTEM, "Hi", 4).0, 200);
+}
+
+#[test]
+fn a_worker_without_the_cluster_key_or_with_a_wrong_one_cannot_join_and_exits_non_zero() {
+    let key = key_file();
+    let s = serve(&["--cluster-key-file", &key], &[]);
+    let stranger = |extra: &[&str]| {
+        let out = Command::new(BIN)
+            .args(["serve", "--role", "decode", "--gateway", &s.workers, "--threads", "1", "--model"])
+            .arg(model())
+            .args(extra)
+            .env_remove("BULKHEAD_CLUSTER_KEY_FILE")
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "a stranger joined: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = stranger(&[]);
+    assert!(err.contains("refused this worker") && err.contains("needs its key"), "{err}");
+    let err = stranger(&["--cluster-key-file", &key_file()]);
+    assert!(err.contains("does not hold this cluster's key"), "{err}");
+    assert!(counter(&s, "bulkhead:auth_refusals_total", "worker=\"gateway\"", 2.0) >= 2.0);
+    let (_, metrics) = get(&s.http, "/metrics");
+    assert!(metrics.contains("bulkhead:workers{role=\"decode\"} 1"), "only the real decode worker: {metrics}");
+    assert_eq!(chat(&s.http, SYSTEM, "Hi", 4).0, 200);
+}
+
+#[test]
+fn a_kv_connection_must_prove_the_key_and_name_the_prefill_it_authenticated_as() {
+    use bulkhead_protocol::{Message, Purpose, WorkerId};
+    let key = key_file();
+    let s = serve(&["--cluster-key-file", &key], &[]);
+    let kv = kv_addr(&s);
+    // Authenticated as worker 77, introduced as worker 1 (the real prefill's id).
+    let (mut r, mut w) = internal(&kv, Some(&key), Purpose::Kv, 77).unwrap();
+    w.send(&Message::KvHello { prefill: WorkerId(1) }).unwrap();
+    let reply = r.recv();
+    assert!(matches!(&reply, Ok(Message::AuthRefused { reason }) if reason.contains("worker-77")), "{reply:?}");
+    assert!(r.recv().is_err(), "then closed");
+    // A wrong key: the decode worker's proof does not match ours.
+    let wrong = internal(&kv, Some(&key_file()), Purpose::Kv, 1);
+    assert!(matches!(wrong, Err(bulkhead_server::wire::WireError::Auth(_))), "{:?}", wrong.err());
+    // No key at all: a plain KvHello.
+    let (mut r, mut w) = internal(&kv, None, Purpose::Kv, 0).unwrap();
+    w.send(&Message::KvHello { prefill: WorkerId(1) }).unwrap();
+    assert!(matches!(r.recv(), Ok(Message::AuthRefused { .. })));
+    // A control handshake replayed on the KV port.
+    let control = internal(&kv, Some(&key), Purpose::Control, 0);
+    assert!(control.is_err());
+    assert!(counter(&s, "bulkhead:auth_refusals_total", "role=\"decode\"", 4.0) >= 4.0);
     assert_eq!(chat(&s.http, SYSTEM, "Hi", 4).0, 200);
 }
 

@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! frame   = magic "BH" (2) | version u8 | kind u8 | payload length u32 LE | payload
+//!           [ | MAC (16), after a handshake: keyed BLAKE3 of sequence number and frame ]
 //! payload = fields of the message, little-endian; strings and lists as u32 count + items
 //! ```
 //!
@@ -12,13 +13,16 @@
 
 use bulkhead_kv::{ChunkHeader, Generation, PageId, PageRef, RequestId};
 
+use crate::auth::{AuthError, Opener, Sealer, TAG_LEN};
 use crate::msg::*;
 
 /// Protocol version spoken by this build (2: `Sampling` carries `ignore_eos`; 3: `Reserve`
 /// and `Prefill` carry a `TraceContext`, workers send `Metrics`; 4: `KvKeepalive`;
 /// 5: `Finished` may say `abort`; 6: KV on demand: `Retracted`, `Reserve.resume`,
-/// `Prefill.skip_draws`, `PeerLeft` for prefill workers that reconnect, and `Room`).
-pub const VERSION: u8 = 6;
+/// `Prefill.skip_draws`, `PeerLeft` for prefill workers that reconnect, and `Room`;
+/// 7: the cluster handshake (`AuthHello`, `AuthChallenge`, `AuthProof`, `AuthRefused`)
+/// and a 16-byte MAC after every frame that follows it).
+pub const VERSION: u8 = 7;
 /// Default largest payload accepted (a KV chunk of one page is ~370 KB for the default model).
 pub const DEFAULT_MAX_FRAME: usize = 16 << 20;
 const MAGIC: [u8; 2] = *b"BH";
@@ -43,6 +47,8 @@ pub enum CodecError {
     Invalid { field: &'static str, value: u64 },
     #[error("invalid UTF-8 in {0}")]
     Utf8(&'static str),
+    #[error(transparent)]
+    Auth(#[from] AuthError),
 }
 
 struct W<'a>(&'a mut Vec<u8>);
@@ -225,6 +231,9 @@ impl<'a> R<'a> {
 fn flag(v: u8) -> Option<bool> {
     [false, true].get(usize::from(v)).copied()
 }
+fn purpose(v: u8) -> Option<Purpose> {
+    [Purpose::Control, Purpose::Kv].get(usize::from(v)).copied()
+}
 fn role(v: u8) -> Option<Role> {
     [Role::Prefill, Role::Decode].get(usize::from(v)).copied()
 }
@@ -295,6 +304,25 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
             23
         }
         Message::Room => 24,
+        Message::AuthHello { purpose, claim, nonce } => {
+            w.u8(*purpose as u8);
+            w.u32(*claim);
+            w.0.extend_from_slice(nonce);
+            25
+        }
+        Message::AuthChallenge { nonce, proof } => {
+            w.0.extend_from_slice(nonce);
+            w.0.extend_from_slice(proof);
+            26
+        }
+        Message::AuthProof { proof } => {
+            w.0.extend_from_slice(proof);
+            27
+        }
+        Message::AuthRefused { reason } => {
+            w.str(reason);
+            28
+        }
         Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, trace } => {
             w.req(*req);
             w.u32(*prompt_tokens);
@@ -459,6 +487,10 @@ fn decode_payload(kind: u8, b: &[u8]) -> Result<Message, CodecError> {
         22 => Message::Retracted { req: r.req()?, tokens: r.tokens()? },
         23 => Message::PeerLeft { worker: WorkerId(r.u32()?) },
         24 => Message::Room,
+        25 => Message::AuthHello { purpose: r.enum_u8("purpose", purpose)?, claim: r.u32()?, nonce: r.arr()? },
+        26 => Message::AuthChallenge { nonce: r.arr()?, proof: r.arr()? },
+        27 => Message::AuthProof { proof: r.arr()? },
+        28 => Message::AuthRefused { reason: r.str("reason")? },
         k => return Err(CodecError::UnknownKind(k)),
     };
     if !r.b.is_empty() {
@@ -467,17 +499,54 @@ fn decode_payload(kind: u8, b: &[u8]) -> Result<Message, CodecError> {
     Ok(m)
 }
 
-/// Sans-IO frame decoder: push bytes as they arrive, take whole messages out.
+/// Encodes messages as frames, with a MAC after each once a handshake gave it a
+/// [`Sealer`].
+#[derive(Debug, Default)]
+pub struct FrameEncoder {
+    sealer: Option<Sealer>,
+}
+
+impl FrameEncoder {
+    /// Frames without MACs (before a handshake, or in a cluster without a key).
+    pub fn plain() -> Self {
+        FrameEncoder { sealer: None }
+    }
+
+    /// Frames sealed by `sealer`.
+    pub fn sealed(sealer: Sealer) -> Self {
+        FrameEncoder { sealer: Some(sealer) }
+    }
+
+    /// Append `m` as one frame (and its MAC) to `out`.
+    pub fn encode(&mut self, m: &Message, out: &mut Vec<u8>) {
+        let start = out.len();
+        encode(m, out);
+        if let Some(s) = &mut self.sealer {
+            let tag = s.seal(&out[start..]);
+            out.extend_from_slice(&tag);
+        }
+    }
+}
+
+/// Sans-IO frame decoder: push bytes as they arrive, take whole messages out. After a
+/// handshake ([`crate::auth`]) it checks each frame's MAC before decoding it.
 #[derive(Debug)]
 pub struct FrameDecoder {
     buf: Vec<u8>,
     max_frame: usize,
+    opener: Option<Opener>,
 }
 
 impl FrameDecoder {
     /// A decoder refusing payloads over `max_frame` bytes.
     pub fn new(max_frame: usize) -> Self {
-        FrameDecoder { buf: Vec::new(), max_frame }
+        FrameDecoder { buf: Vec::new(), max_frame, opener: None }
+    }
+
+    /// From now on every frame must carry a MAC that `opener` accepts (bytes already
+    /// buffered included: they came after the handshake's last frame).
+    pub fn open_with(&mut self, opener: Opener) {
+        self.opener = Some(opener);
     }
 
     /// Add received bytes.
@@ -507,11 +576,15 @@ impl FrameDecoder {
         if len > self.max_frame {
             return Err(CodecError::TooLarge { len, max: self.max_frame });
         }
-        if self.buf.len() < HEADER + len {
+        let tag = if self.opener.is_some() { TAG_LEN } else { 0 };
+        if self.buf.len() < HEADER + len + tag {
             return Ok(None);
         }
+        if let Some(o) = &mut self.opener {
+            o.open(&self.buf[..HEADER + len], &self.buf[HEADER + len..HEADER + len + tag])?;
+        }
         let m = decode_payload(kind, &self.buf[HEADER..HEADER + len]);
-        self.buf.drain(..HEADER + len);
+        self.buf.drain(..HEADER + len + tag);
         m.map(Some)
     }
 
@@ -561,6 +634,10 @@ mod tests {
             Message::Retracted { req: RequestId(5), tokens: vec![4, 5] },
             Message::PeerLeft { worker: WorkerId(2) },
             Message::Room,
+            Message::AuthHello { purpose: Purpose::Kv, claim: 3, nonce: [7; 32] },
+            Message::AuthChallenge { nonce: [8; 32], proof: [9; 32] },
+            Message::AuthProof { proof: [10; 32] },
+            Message::AuthRefused { reason: "no key".into() },
             Message::KvChunk {
                 req: RequestId(5),
                 header: ChunkHeader { page: PageId(3), generation: Generation(9), slot_start: 0, slot_count: 2, checksum: 77 },
@@ -614,6 +691,55 @@ mod tests {
             assert_eq!(got, msgs);
             assert_eq!(d.buffered(), 0);
         }
+    }
+
+    /// Sealer and opener of one direction of a fresh session.
+    fn sealed_pair() -> (FrameEncoder, FrameDecoder) {
+        use crate::auth::{Client, ClusterKey, Server};
+        let key = ClusterKey::from_bytes([1; 32]);
+        let (client, hello) = Client::start(&key, Purpose::Control, 0, [2; 32]);
+        let (server, challenge) = Server::start(&key, Purpose::Control, hello, [3; 32]).unwrap();
+        let (proof, c) = client.finish(challenge).unwrap();
+        let s = server.finish(proof).unwrap();
+        let mut d = FrameDecoder::new(DEFAULT_MAX_FRAME);
+        d.open_with(s.recv);
+        (FrameEncoder::sealed(c.send), d)
+    }
+
+    #[test]
+    fn sealed_frames_round_trip_and_any_flipped_byte_stops_the_stream_before_a_wrong_message() {
+        let msgs = samples();
+        let (mut enc, mut d) = sealed_pair();
+        let mut bytes = Vec::new();
+        msgs.iter().for_each(|m| enc.encode(m, &mut bytes));
+        d.push(&bytes);
+        let mut got = Vec::new();
+        while let Some(m) = d.next_message().unwrap() {
+            got.push(m);
+        }
+        assert_eq!(got, msgs);
+        for i in 0..bytes.len() {
+            let mut bad = bytes.clone();
+            bad[i] ^= 0x01;
+            let (_, mut d) = sealed_pair();
+            d.push(&bad);
+            let mut got = Vec::new();
+            let end = loop {
+                match d.next_message() {
+                    Ok(Some(m)) => got.push(m),
+                    other => break other,
+                }
+            };
+            assert!(end.is_err() || matches!(end, Ok(None)), "byte {i}: {end:?}");
+            assert!(got.len() < msgs.len() && got[..] == msgs[..got.len()], "byte {i}: a changed message got through");
+        }
+        // A sealed stream read without the key's opener, and a plain one read with it.
+        let mut plain = Vec::new();
+        encode(&msgs[0], &mut plain);
+        let (_, mut d) = sealed_pair();
+        d.push(&plain);
+        d.push(&[0; TAG_LEN]);
+        assert!(matches!(d.next_message(), Err(CodecError::Auth(AuthError::BadTag))));
     }
 
     #[test]

@@ -4,6 +4,8 @@
 //! - [`msg`]: the messages and their fields, and the request vocabulary every crate shares
 //!   ([`Sampling`], [`FinishReason`]).
 //! - [`admission`]: the one admission decision (I3, I5) every role and the engine call.
+//! - [`auth`]: cluster trust: the handshake under the cluster key and the per-frame MACs
+//!   after it.
 //! - [`codec`]: the versioned, length-prefixed, size-bounded wire format (sans-IO decoder).
 //! - [`decode`]: the decode worker's state machine: reservations, chunk verification,
 //!   fencing and quarantine (I1, I2, I4), admission (I3, I5).
@@ -20,6 +22,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admission;
+pub mod auth;
 pub mod codec;
 pub mod decode;
 pub mod driver;
@@ -27,5 +30,5 @@ pub mod gateway;
 pub mod msg;
 pub mod prefill;
 
-pub use codec::{encode, CodecError, FrameDecoder, DEFAULT_MAX_FRAME, VERSION};
+pub use codec::{encode, CodecError, FrameDecoder, FrameEncoder, DEFAULT_MAX_FRAME, VERSION};
 pub use msg::*;

@@ -201,9 +201,30 @@ impl FinishReason {
     }
 }
 
+/// What an internal connection is for; part of its handshake, so a handshake made for one
+/// port cannot be replayed on the other.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Purpose {
+    /// Worker → gateway: registration and control.
+    Control = 0,
+    /// Prefill → decode: KV transfer.
+    Kv = 1,
+}
+
 /// Every message of protocol version [`crate::codec::VERSION`].
 #[derive(Clone, Debug, PartialEq)]
 pub enum Message {
+    /// Connecting side, first frame where the cluster has a key ([`crate::auth`]): what the
+    /// connection is for, the identity it claims (a prefill worker's id on a KV
+    /// connection, else 0) and a fresh nonce.
+    AuthHello { purpose: Purpose, claim: u32, nonce: [u8; 32] },
+    /// Accepting side: its fresh nonce and its proof of the key over both nonces.
+    AuthChallenge { nonce: [u8; 32], proof: [u8; 32] },
+    /// Connecting side: its proof of the key. Every later frame carries a MAC.
+    AuthProof { proof: [u8; 32] },
+    /// Either side: the handshake is refused (no key where one is needed, or the other way
+    /// round); the connection closes.
+    AuthRefused { reason: String },
     /// Worker → gateway, first message: who it is.
     Hello(Hello),
     /// Gateway → worker: registered under this id.
@@ -297,7 +318,45 @@ impl Message {
             | Message::PrefillUnreachable { .. }
             | Message::PeerLeft { .. }
             | Message::Room
-            | Message::Metrics { .. } => None,
+            | Message::Metrics { .. }
+            | Message::AuthHello { .. }
+            | Message::AuthChallenge { .. }
+            | Message::AuthProof { .. }
+            | Message::AuthRefused { .. } => None,
+        }
+    }
+
+    /// The message's name, for errors and logs that must not print its fields.
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            Message::AuthHello { .. } => "AuthHello",
+            Message::AuthChallenge { .. } => "AuthChallenge",
+            Message::AuthProof { .. } => "AuthProof",
+            Message::AuthRefused { .. } => "AuthRefused",
+            Message::Hello(_) => "Hello",
+            Message::Welcome { .. } => "Welcome",
+            Message::Refuse { .. } => "Refuse",
+            Message::DecodePeer { .. } => "DecodePeer",
+            Message::KvHello { .. } => "KvHello",
+            Message::KvKeepalive => "KvKeepalive",
+            Message::KvLost { .. } => "KvLost",
+            Message::PrefillUnreachable { .. } => "PrefillUnreachable",
+            Message::PeerLeft { .. } => "PeerLeft",
+            Message::Room => "Room",
+            Message::Reserve { .. } => "Reserve",
+            Message::Reserved { .. } => "Reserved",
+            Message::Rejected { .. } => "Rejected",
+            Message::Prefill { .. } => "Prefill",
+            Message::KvChunk { .. } => "KvChunk",
+            Message::Done { .. } => "Done",
+            Message::Fenced { .. } => "Fenced",
+            Message::Token { .. } => "Token",
+            Message::Finished { .. } => "Finished",
+            Message::Retracted { .. } => "Retracted",
+            Message::Failed { .. } => "Failed",
+            Message::Abort { .. } => "Abort",
+            Message::Cancel { .. } => "Cancel",
+            Message::Metrics { .. } => "Metrics",
         }
     }
 }

@@ -25,11 +25,12 @@ use bulkhead_engine::{Engine, EngineConfig};
 use bulkhead_kv::{KvPool, RequestId};
 use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeLink};
-use bulkhead_protocol::{Hello, Message, Role, WorkerId};
+use bulkhead_protocol::auth::ClusterKey;
+use bulkhead_protocol::{Hello, Message, Purpose, Role, WorkerId};
 use tracing::Span;
 
 use crate::metrics::{self, Families, Pusher};
-use crate::wire::{count_bad_connection, send, FrameReader, WireError};
+use crate::wire::{accept_handshake, count_auth_refusal, count_bad_connection, FrameReader, FrameWriter, WireError};
 use crate::worker::{load, register, request_span, WorkerConfig, WorkerError, INBOX};
 
 /// KV connections served at once; more are closed at once (and counted).
@@ -41,7 +42,7 @@ enum In {
     Gateway(Message),
     GatewayClosed,
     Prefill(WorkerId, Message),
-    PrefillConnected(WorkerId, TcpStream),
+    PrefillConnected(WorkerId, FrameWriter),
     PrefillClosed(WorkerId),
 }
 
@@ -49,6 +50,7 @@ enum In {
 pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     let loaded = load(&cfg)?;
     let listener = TcpListener::bind(&cfg.kv_listen)?;
+    cfg.trust.check_listener("decode worker's KV port", listener.local_addr()?)?;
     let kv_addr = match &cfg.kv_advertise {
         Some(a) => a.clone(),
         None => listener.local_addr()?.to_string(),
@@ -59,8 +61,8 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     let (tx, rx) = sync_channel::<In>(INBOX);
     crate::wire::spawn_reader(gw_reader, tx.clone(), In::Gateway, In::GatewayClosed);
     {
-        let tx = tx.clone();
-        std::thread::spawn(move || accept_prefills(listener, tx));
+        let (tx, key) = (tx.clone(), cfg.trust.key.clone());
+        std::thread::spawn(move || accept_prefills(listener, tx, key));
     }
     let crate::worker::Loaded { model, pool, context, .. } = loaded;
     let engine = Engine::new(Arc::new(model.model), Arc::new(model.tokenizer), pool, EngineConfig::for_context(context));
@@ -137,10 +139,10 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
 /// The decode worker's transport: the gateway connection and the prefill workers' KV
 /// connections, plus the log span of each request.
 struct Link {
-    gw: TcpStream,
+    gw: FrameWriter,
     /// The first failed write to the gateway: the worker exits with it.
     gw_error: Option<WireError>,
-    prefills: BTreeMap<WorkerId, TcpStream>,
+    prefills: BTreeMap<WorkerId, FrameWriter>,
     /// The log span of each request from its `Reserve` until the role no longer holds it
     /// (swept every tick).
     spans: BTreeMap<RequestId, Span>,
@@ -156,7 +158,7 @@ impl Link {
 
     fn send_gateway(&mut self, msg: &Message) {
         if self.gw_error.is_none()
-            && let Err(e) = send(&mut self.gw, msg)
+            && let Err(e) = self.gw.send(msg)
         {
             self.gw_error = Some(e);
         }
@@ -190,14 +192,14 @@ impl DecodeLink for Link {
     fn to_prefill(&mut self, to: WorkerId, msg: Message) {
         if let Some(s) = self.prefills.get_mut(&to) {
             // A broken prefill connection shows up as PrefillClosed from its reader.
-            let _ = send(s, &msg);
+            let _ = s.send(&msg);
         }
     }
 
     fn disconnect(&mut self, prefill: WorkerId) {
         tracing::warn!(%prefill, "KV connection from a prefill worker that left the cluster; closed");
         if let Some(s) = self.prefills.remove(&prefill) {
-            let _ = s.shutdown(std::net::Shutdown::Both);
+            s.shutdown();
         }
     }
 
@@ -208,10 +210,13 @@ impl DecodeLink for Link {
     }
 }
 
-/// Accept KV connections, at most [`MAX_KV_CONNECTIONS`] at once. The first frame must be
-/// `KvHello`, within [`HELLO_TIMEOUT`]; anything else (garbage, a port scanner, an HTTP
-/// client, silence) closes that connection and the worker serves on.
-fn accept_prefills(listener: TcpListener, tx: SyncSender<In>) {
+/// Accept KV connections, at most [`MAX_KV_CONNECTIONS`] at once. With a cluster key, the
+/// handshake comes first and must prove the key; then (or without a key, at once) the
+/// first frame must be `KvHello` naming the identity the handshake claimed, all within
+/// [`HELLO_TIMEOUT`]. Anything else (garbage, a port scanner, an HTTP client, silence, no
+/// key or a wrong one, another prefill's id) closes that connection and the worker serves
+/// on.
+fn accept_prefills(listener: TcpListener, tx: SyncSender<In>, key: Option<Arc<ClusterKey>>) {
     let open = Arc::new(AtomicUsize::new(0));
     for conn in listener.incoming() {
         let Ok(stream) = conn else { continue };
@@ -221,25 +226,44 @@ fn accept_prefills(listener: TcpListener, tx: SyncSender<In>) {
             continue;
         }
         open.fetch_add(1, Ordering::AcqRel);
-        let (tx, open) = (tx.clone(), open.clone());
+        let (tx, open, key) = (tx.clone(), open.clone(), key.clone());
         std::thread::spawn(move || {
-            serve_prefill(stream, &tx);
+            serve_prefill(stream, &tx, key.as_deref());
             open.fetch_sub(1, Ordering::AcqRel);
         });
     }
 }
 
-fn serve_prefill(stream: TcpStream, tx: &SyncSender<In>) {
+fn serve_prefill(stream: TcpStream, tx: &SyncSender<In>, key: Option<&ClusterKey>) {
     let _ = stream.set_nodelay(true);
     let Ok(writer) = stream.try_clone() else { return };
+    let mut writer = FrameWriter::new(writer);
     let _ = stream.set_read_timeout(Some(HELLO_TIMEOUT));
     let Ok(unlimited) = stream.try_clone() else { return };
+    let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
     let mut reader = FrameReader::new(stream);
-    let from = match reader.recv() {
-        Ok(Message::KvHello { prefill }) => prefill,
-        Ok(other) => {
+    let hello = reader.recv().map_err(WireError::from).and_then(|first| {
+        let claim = accept_handshake(first.clone(), &mut reader, &mut writer, key, Purpose::Kv)?;
+        // Without a key the first frame was already the introduction.
+        let hello = if claim.is_some() { reader.recv()? } else { first };
+        Ok((claim, hello))
+    });
+    let from = match hello {
+        Ok((claim, Message::KvHello { prefill })) if claim.is_none_or(|c| c == prefill.0) => prefill,
+        Ok((Some(claim), Message::KvHello { prefill })) => {
+            let total = count_auth_refusal();
+            tracing::warn!(%peer, claimed = claim, named = %prefill, auth_refusals = total, "KV connection authenticated as one prefill worker names another; closed");
+            let _ = writer.send(&Message::AuthRefused { reason: format!("this connection authenticated as worker-{claim}, not {prefill}") });
+            return;
+        }
+        Ok((_, other)) => {
             let total = count_bad_connection();
-            tracing::warn!(?other, bad_connections = total, "KV connection did not start with KvHello; closed");
+            tracing::warn!(%peer, first = other.kind_name(), bad_connections = total, "KV connection did not start with KvHello; closed");
+            return;
+        }
+        Err(WireError::Auth(e)) => {
+            let total = crate::wire::AUTH_REFUSALS.load(std::sync::atomic::Ordering::Relaxed);
+            tracing::warn!(%peer, error = %e, auth_refusals = total, "KV connection refused: cluster handshake failed");
             return;
         }
         Err(e) => {

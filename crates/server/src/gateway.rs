@@ -16,14 +16,16 @@ use bulkhead_api::PromptEncoder;
 use bulkhead_kv::RequestId;
 use bulkhead_protocol::admission::{admit, default_max_tokens, Generate};
 use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, RegisterError};
+use bulkhead_protocol::auth::{ClusterKey, Server};
 use bulkhead_protocol::{
-    encode, FailReason, FrameDecoder, Hello, Message, MetricFamily, RejectReason, Role, Sampling, TraceContext, WorkerId, DEFAULT_MAX_FRAME,
+    FailReason, FrameDecoder, FrameEncoder, Hello, Purpose, Message, MetricFamily, RejectReason, Role, Sampling, TraceContext, WorkerId, DEFAULT_MAX_FRAME,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::http::HttpLimits;
+use crate::trust::Trust;
 use crate::metrics::{self, Families, RequestMetrics};
 
 /// Settings of the gateway.
@@ -49,6 +51,8 @@ pub struct GatewayOptions {
     pub http: HttpLimits,
     /// How long a request body may take to arrive (then 408).
     pub body_timeout: Duration,
+    /// The cluster key workers must prove, if any.
+    pub trust: Trust,
 }
 
 /// Why the gateway could not start.
@@ -62,6 +66,8 @@ pub enum GatewayError {
     Tokenizer(#[from] bulkhead_tokenizer::TokenizerError),
     #[error("{0}")]
     Model(#[from] bulkhead_model::ModelError),
+    #[error(transparent)]
+    Trust(#[from] crate::trust::TrustError),
 }
 
 enum Cmd {
@@ -249,7 +255,8 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
     });
     let wl = TcpListener::bind(&opts.workers).await?;
     let worker_addr = wl.local_addr()?;
-    tokio::spawn(accept_workers(wl, cmds.clone()));
+    opts.trust.check_listener("gateway's worker port", worker_addr)?;
+    tokio::spawn(accept_workers(wl, cmds.clone(), opts.trust.key.clone()));
     let hl = TcpListener::bind(&opts.http_addr).await?;
     let http_addr = hl.local_addr()?;
     let backend_shared = shared.clone();
@@ -445,7 +452,7 @@ impl Actor {
             let n = self.workers.values().filter(|w| w.role == role).count();
             f.gauge("bulkhead:workers", "Registered workers, by role.", &[("role", role_name(role))], n as f64);
         }
-        f.bad_connections(&[("worker", "gateway"), ("role", "gateway")]);
+        f.refused_connections(&[("worker", "gateway"), ("role", "gateway")]);
         let own = f.into_vec();
         let workers = self.workers.values().map(|w| (&w.labels[..], &w.metrics[..]));
         metrics::render(std::iter::once((&[][..], &own[..])).chain(workers))
@@ -518,13 +525,16 @@ impl Actor {
     }
 }
 
-async fn accept_workers(l: TcpListener, cmds: mpsc::Sender<Cmd>) {
+async fn accept_workers(l: TcpListener, cmds: mpsc::Sender<Cmd>, key: Option<Arc<ClusterKey>>) {
     loop {
         let Ok((s, peer)) = l.accept().await else { continue };
-        let cmds = cmds.clone();
+        let (cmds, key) = (cmds.clone(), key.clone());
         tokio::spawn(async move {
-            if let Err(e) = serve_worker(s, cmds).await {
-                if e.kind() == std::io::ErrorKind::Other {
+            if let Err(e) = serve_worker(s, cmds, key.as_deref()).await {
+                if e.kind() == std::io::ErrorKind::PermissionDenied {
+                    let total = crate::wire::count_auth_refusal();
+                    tracing::warn!(%peer, error = %e, auth_refusals = total, "worker refused: cluster handshake failed");
+                } else if e.kind() == std::io::ErrorKind::Other {
                     let total = crate::wire::count_bad_connection();
                     tracing::warn!(%peer, error = %e, bad_connections = total, "worker connection closed for bad bytes");
                 } else {
@@ -548,12 +558,70 @@ async fn read_msg(r: &mut tokio::net::tcp::OwnedReadHalf, d: &mut FrameDecoder, 
     }
 }
 
-async fn serve_worker(s: TcpStream, cmds: mpsc::Sender<Cmd>) -> std::io::Result<()> {
+/// Read the next message within the time a worker has to introduce itself.
+async fn read_hello(r: &mut tokio::net::tcp::OwnedReadHalf, d: &mut FrameDecoder, buf: &mut [u8]) -> std::io::Result<Message> {
+    tokio::time::timeout(Duration::from_secs(10), read_msg(r, d, buf)).await.map_err(|_| std::io::Error::other("no Hello within 10 s"))?
+}
+
+async fn write_msg(w: &mut tokio::net::tcp::OwnedWriteHalf, enc: &mut FrameEncoder, m: &Message) -> std::io::Result<()> {
+    let mut b = Vec::new();
+    enc.encode(m, &mut b);
+    w.write_all(&b).await
+}
+
+/// The gateway's side of the cluster handshake ([`crate::wire::accept_handshake`] is the
+/// same over blocking sockets): with a key, `first` must open a handshake that proves it,
+/// and both directions are sealed from then on; without one, `first` must not. Returns
+/// the worker's first message after it. A refusal is sent to the worker, and returned as
+/// `PermissionDenied` (counted by the caller).
+async fn authenticate(
+    first: Message,
+    key: Option<&ClusterKey>,
+    r: &mut tokio::net::tcp::OwnedReadHalf,
+    w: &mut tokio::net::tcp::OwnedWriteHalf,
+    d: &mut FrameDecoder,
+    enc: &mut FrameEncoder,
+    buf: &mut [u8],
+) -> std::io::Result<Message> {
+    let refused = |reason: String| std::io::Error::new(std::io::ErrorKind::PermissionDenied, reason);
+    let key = match (key, &first) {
+        (None, Message::AuthHello { .. }) => {
+            let reason = "this cluster runs without a key; start the worker without --cluster-key-file".to_string();
+            let _ = write_msg(w, enc, &Message::AuthRefused { reason: reason.clone() }).await;
+            return Err(refused(reason));
+        }
+        (None, _) => return Ok(first),
+        (Some(key), _) => key,
+    };
+    let nonce = crate::trust::random().map_err(std::io::Error::other)?;
+    let result = match Server::start(key, Purpose::Control, first, nonce) {
+        Ok((server, challenge)) => {
+            write_msg(w, enc, &challenge).await?;
+            server.finish(read_hello(r, d, buf).await?)
+        }
+        Err(e) => Err(e),
+    };
+    match result {
+        Ok(session) => {
+            d.open_with(session.recv);
+            *enc = FrameEncoder::sealed(session.send);
+            read_hello(r, d, buf).await
+        }
+        Err(e) => {
+            let _ = write_msg(w, enc, &Message::AuthRefused { reason: e.to_string() }).await;
+            Err(refused(e.to_string()))
+        }
+    }
+}
+
+async fn serve_worker(s: TcpStream, cmds: mpsc::Sender<Cmd>, key: Option<&ClusterKey>) -> std::io::Result<()> {
     s.set_nodelay(true)?;
     let (mut r, mut w) = s.into_split();
     let mut d = FrameDecoder::new(DEFAULT_MAX_FRAME);
+    let mut enc = FrameEncoder::plain();
     let mut buf = vec![0u8; 64 << 10];
-    let first = tokio::time::timeout(Duration::from_secs(10), read_msg(&mut r, &mut d, &mut buf)).await.map_err(|_| std::io::Error::other("no Hello within 10 s"))??;
+    let first = read_hello(&mut r, &mut d, &mut buf).await?;
+    let first = authenticate(first, key, &mut r, &mut w, &mut d, &mut enc, &mut buf).await?;
     let Message::Hello(hello) = first else { return Err(std::io::Error::other("first message was not Hello")) };
     let (wtx, mut wrx) = mpsc::channel::<Message>(WORKER_OUTBOX);
     let (reply, answer) = oneshot::channel();
@@ -562,9 +630,7 @@ async fn serve_worker(s: TcpStream, cmds: mpsc::Sender<Cmd>) -> std::io::Result<
         Ok(Ok(id)) => id,
         Ok(Err(why)) => {
             let reason = why.to_string();
-            let mut b = Vec::new();
-            encode(&Message::Refuse { reason: reason.clone() }, &mut b);
-            w.write_all(&b).await?;
+            write_msg(&mut w, &mut enc, &Message::Refuse { reason: reason.clone() }).await?;
             return Err(std::io::Error::other(format!("refused: {reason}")));
         }
         Err(_) => return Err(std::io::Error::other("gateway stopped")),
@@ -573,7 +639,7 @@ async fn serve_worker(s: TcpStream, cmds: mpsc::Sender<Cmd>) -> std::io::Result<
         let mut b = Vec::new();
         while let Some(m) = wrx.recv().await {
             b.clear();
-            encode(&m, &mut b);
+            enc.encode(&m, &mut b);
             if w.write_all(&b).await.is_err() {
                 return;
             }

@@ -5,7 +5,8 @@
 //! - [`gateway`]: tokio; the OpenAI API (from `bulkhead-api`) over the protocol's gateway role.
 //! - [`prefill_worker`], [`decode_worker`]: blocking threads around the protocol's roles.
 //! - [`worker`]: what both workers share: loading, the capacity contract (I5), registration.
-//! - [`wire`]: frames over blocking TCP.
+//! - [`wire`]: frames over blocking TCP, and the cluster handshake over them.
+//! - [`trust`]: where the cluster key comes from, and which listeners may run without one.
 //! - [`metrics`]: what each process counts, the workers' reports, the `/metrics` exposition.
 #![forbid(unsafe_code)]
 
@@ -14,5 +15,6 @@ pub mod gateway;
 pub mod http;
 pub mod metrics;
 pub mod prefill_worker;
+pub mod trust;
 pub mod wire;
 pub mod worker;

@@ -145,10 +145,13 @@ impl Families {
         self.counter("bulkhead:rejected_admissions_total", help, &[("reason", reason), ("where", place)], n);
     }
 
-    /// Connections this process closed for bad bytes (garbage, oversize or unknown frames).
-    pub fn bad_connections(&mut self, labels: &[(&str, &str)]) {
-        let n = crate::wire::BAD_CONNECTIONS.load(std::sync::atomic::Ordering::Relaxed);
-        self.counter("bulkhead:bad_connections_total", "Connections closed for bad bytes.", labels, n);
+    /// Connections this process closed for bad bytes (garbage, oversize or unknown frames),
+    /// and handshakes it refused.
+    pub fn refused_connections(&mut self, labels: &[(&str, &str)]) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.counter("bulkhead:bad_connections_total", "Connections closed for bad bytes.", labels, crate::wire::BAD_CONNECTIONS.load(Relaxed));
+        let help = "Internal connections refused by the cluster handshake: no key, a wrong key, or an identity that does not match.";
+        self.counter("bulkhead:auth_refusals_total", help, labels, crate::wire::AUTH_REFUSALS.load(Relaxed));
     }
 
     /// The families built.
@@ -209,7 +212,7 @@ pub fn prefill_families(s: &PrefillStats, f: &mut Families) {
 
 /// What every worker reports besides its role's statistics: its pool, the requests it holds
 /// by state, the KV bytes it moved (sent by a prefill worker, received by a decode worker)
-/// and the connections it closed for bad bytes.
+/// and the connections it closed for bad bytes or refused at the handshake.
 pub fn worker_families(f: &mut Families, pool: &PoolStats, requests: &[(&str, usize)], transfer_bytes: u64) {
     pool_families(pool, f);
     for (state, n) in requests {
@@ -217,7 +220,7 @@ pub fn worker_families(f: &mut Families, pool: &PoolStats, requests: &[(&str, us
     }
     let help = "KV bytes in transfer chunks: sent (prefill worker) or received (decode worker).";
     f.counter("bulkhead:kv_transfer_bytes_total", help, &[], transfer_bytes);
-    f.bad_connections(&[]);
+    f.refused_connections(&[]);
 }
 
 /// A prefill worker's time to write one transfer batch (the KV chunks of one prefill

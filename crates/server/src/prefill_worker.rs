@@ -11,7 +11,7 @@
 //! of each job.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::net::{Shutdown, TcpStream};
+use std::net::TcpStream;
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,10 +20,11 @@ use bulkhead_engine::Prefiller;
 use bulkhead_kv::{KvPool, RequestId};
 use bulkhead_protocol::driver::prefill::{LinkDown, PrefillDriver, PrefillLink, Step};
 use bulkhead_protocol::prefill::{JobOutcome, PrefillConfig, PrefillEvent, PrefillRole};
-use bulkhead_protocol::{Hello, Message, Role, WorkerId};
+use bulkhead_protocol::auth::ClusterKey;
+use bulkhead_protocol::{Hello, Message, Purpose, Role, WorkerId};
 
 use crate::metrics::{self, Families, Histogram, Pusher};
-use crate::wire::{send, spawn_reader, FrameReader, WireError};
+use crate::wire::{connect_handshake, spawn_reader, FrameReader, FrameWriter, WireError};
 use crate::worker::{load, register, request_span, WorkerConfig, WorkerError, INBOX};
 
 enum In {
@@ -37,10 +38,12 @@ enum In {
 /// decode worker.
 struct Link {
     me: WorkerId,
-    gw: TcpStream,
+    gw: FrameWriter,
     /// The first failed write to the gateway: the worker exits with it.
     gw_error: Option<WireError>,
-    decodes: BTreeMap<WorkerId, TcpStream>,
+    decodes: BTreeMap<WorkerId, FrameWriter>,
+    /// The cluster key: each KV connection authenticates with it as `me`.
+    key: Option<Arc<ClusterKey>>,
     inbox: SyncSender<In>,
     /// Events about the connections this thread opened, for the driver after its call.
     events: Vec<PrefillEvent>,
@@ -58,7 +61,7 @@ impl PrefillLink for Link {
             tracing::warn!(request = %req, %detail, "request ended by the prefill worker");
         }
         if self.gw_error.is_none()
-            && let Err(e) = send(&mut self.gw, &msg)
+            && let Err(e) = self.gw.send(&msg)
         {
             self.gw_error = Some(e);
         }
@@ -70,9 +73,9 @@ impl PrefillLink for Link {
             self.sending.get_or_insert_with(Instant::now);
             self.sent_bytes += data.len() as u64;
         }
-        if send(conn, &msg).is_err() {
+        if conn.send(&msg).is_err() {
             // Its reader sees the close and reports it once, as `DecodeClosed`.
-            let _ = conn.shutdown(Shutdown::Both);
+            conn.shutdown();
             self.decodes.remove(&to);
             return Err(LinkDown(to));
         }
@@ -80,14 +83,17 @@ impl PrefillLink for Link {
     }
 
     fn connect(&mut self, decode: WorkerId, addr: &str) {
-        let conn = TcpStream::connect(addr).and_then(|mut s| {
+        let conn = TcpStream::connect(addr).map_err(WireError::from).and_then(|s| {
             s.set_nodelay(true)?;
-            send(&mut s, &Message::KvHello { prefill: self.me }).map_err(std::io::Error::other)?;
-            Ok(s)
+            let mut reader = FrameReader::new(s.try_clone()?);
+            let mut writer = FrameWriter::new(s);
+            connect_handshake(&mut reader, &mut writer, self.key.as_deref(), Purpose::Kv, self.me.0)?;
+            writer.send(&Message::KvHello { prefill: self.me })?;
+            Ok((reader, writer))
         });
-        match conn.and_then(|s| Ok((s.try_clone()?, s))) {
+        match conn {
             Ok((reader, writer)) => {
-                spawn_reader(FrameReader::new(reader), self.inbox.clone(), move |m| In::Decode(decode, m), In::DecodeClosed(decode));
+                spawn_reader(reader, self.inbox.clone(), move |m| In::Decode(decode, m), In::DecodeClosed(decode));
                 self.decodes.insert(decode, writer);
                 tracing::info!(%decode, addr, "KV connection open");
                 self.events.push(PrefillEvent::DecodeConnected { decode });
@@ -108,9 +114,9 @@ impl PrefillLink for Link {
 impl Link {
     /// Close every connection of this incarnation.
     fn close_all(&mut self) {
-        let _ = self.gw.shutdown(Shutdown::Both);
+        self.gw.shutdown();
         for (_, c) in std::mem::take(&mut self.decodes) {
-            let _ = c.shutdown(Shutdown::Both);
+            c.shutdown();
         }
     }
 }
@@ -169,7 +175,7 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
 fn incarnation(
     cfg: &WorkerConfig,
     me: WorkerId,
-    gw: TcpStream,
+    gw: FrameWriter,
     gw_reader: FrameReader,
     compute: &Prefiller,
     pool: &mut KvPool,
@@ -184,7 +190,8 @@ fn incarnation(
         keepalive_ms: PrefillConfig::keepalive_for(cfg.transfer_timeout_ms),
     });
     let chunk_tokens = cfg.transfer_batch_pages.max(1) * page_size;
-    let link = Link { me, gw, gw_error: None, decodes: BTreeMap::new(), inbox, events: Vec::new(), sent_bytes: 0, sending: None, rejoin: false };
+    let key = cfg.trust.key.clone();
+    let link = Link { me, gw, gw_error: None, decodes: BTreeMap::new(), key, inbox, events: Vec::new(), sent_bytes: 0, sending: None, rejoin: false };
     let mut w = Worker {
         driver: PrefillDriver::new(role, chunk_tokens),
         link,
@@ -307,7 +314,7 @@ impl Worker<'_> {
         metrics::prefill_families(&role.stats(), &mut f);
         metrics::transfer_seconds(&mut f, &self.transfer);
         self.pusher.pushed();
-        send(&mut self.link.gw, &Message::Metrics { families: f.into_vec() })?;
+        self.link.gw.send(&Message::Metrics { families: f.into_vec() })?;
         Ok(())
     }
 }

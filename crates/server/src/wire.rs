@@ -3,7 +3,8 @@
 use std::io::{Read, Write};
 use std::net::TcpStream;
 
-use bulkhead_protocol::{encode, CodecError, FrameDecoder, Message, DEFAULT_MAX_FRAME};
+use bulkhead_protocol::auth::{AuthError, Client, ClusterKey, Server, Session};
+use bulkhead_protocol::{CodecError, FrameDecoder, FrameEncoder, Message, Purpose, DEFAULT_MAX_FRAME};
 
 /// Connections closed for bad bytes (garbage, oversize or unknown frames, a wrong first
 /// message), in this process; logged with each closure and exported as
@@ -15,6 +16,15 @@ pub fn count_bad_connection() -> u64 {
     BAD_CONNECTIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1
 }
 
+/// Handshakes refused in this process (no key, a wrong key, a claimed identity that does
+/// not match), exported as `bulkhead:auth_refusals_total`.
+pub static AUTH_REFUSALS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Count one refused handshake and return the running total.
+pub fn count_auth_refusal() -> u64 {
+    AUTH_REFUSALS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1
+}
+
 /// Why a connection ended.
 #[derive(Debug, thiserror::Error)]
 pub enum WireError {
@@ -24,6 +34,8 @@ pub enum WireError {
     Io(#[from] std::io::Error),
     #[error("protocol error: {0}")]
     Codec(#[from] CodecError),
+    #[error("cluster handshake: {0}")]
+    Auth(#[from] AuthError),
 }
 
 /// Reads whole messages from a stream.
@@ -37,6 +49,11 @@ impl FrameReader {
     /// Wrap a stream (typically a `try_clone` of the writer's).
     pub fn new(stream: TcpStream) -> Self {
         FrameReader { stream, decoder: FrameDecoder::new(DEFAULT_MAX_FRAME), buf: vec![0; 64 << 10] }
+    }
+
+    /// From now on, check every frame's MAC (after a handshake).
+    pub fn open_with(&mut self, session_recv: bulkhead_protocol::auth::Opener) {
+        self.decoder.open_with(session_recv);
     }
 
     /// The next message; `Closed` at end of stream. Any codec error means: close.
@@ -73,12 +90,86 @@ pub fn spawn_reader<T: Send + 'static>(
     });
 }
 
-/// Write one message (a whole frame) to a stream.
-pub fn send(stream: &mut TcpStream, m: &Message) -> Result<(), WireError> {
-    let mut buf = Vec::new();
-    encode(m, &mut buf);
-    stream.write_all(&buf)?;
+/// Writes whole messages to a stream, sealed once a handshake gave it a session key.
+pub struct FrameWriter {
+    stream: TcpStream,
+    encoder: FrameEncoder,
+    buf: Vec<u8>,
+}
+
+impl FrameWriter {
+    /// Frames without MACs (before a handshake, or in a cluster without a key).
+    pub fn new(stream: TcpStream) -> Self {
+        FrameWriter { stream, encoder: FrameEncoder::plain(), buf: Vec::new() }
+    }
+
+    /// Write one message (a whole frame, and its MAC).
+    pub fn send(&mut self, m: &Message) -> Result<(), WireError> {
+        self.buf.clear();
+        self.encoder.encode(m, &mut self.buf);
+        self.stream.write_all(&self.buf)?;
+        Ok(())
+    }
+
+    /// Close both directions (the connection's reader sees it end).
+    pub fn shutdown(&self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+
+    fn seal_with(&mut self, session_send: bulkhead_protocol::auth::Sealer) {
+        self.encoder = FrameEncoder::sealed(session_send);
+    }
+}
+
+/// The connecting side of an internal connection: with a key, run the handshake for
+/// `purpose` claiming `claim`, and seal both directions; without one, nothing.
+pub fn connect_handshake(r: &mut FrameReader, w: &mut FrameWriter, key: Option<&ClusterKey>, purpose: Purpose, claim: u32) -> Result<(), WireError> {
+    let Some(key) = key else { return Ok(()) };
+    let nonce = crate::trust::random().map_err(std::io::Error::other)?;
+    let (client, hello) = Client::start(key, purpose, claim, nonce);
+    w.send(&hello)?;
+    let (proof, session) = match client.finish(r.recv()?) {
+        Ok(done) => done,
+        Err(e) => {
+            // Tell the accepting side, so it counts the refusal rather than a lost connection.
+            let _ = w.send(&Message::AuthRefused { reason: e.to_string() });
+            return Err(e.into());
+        }
+    };
+    w.send(&proof)?;
+    seal(r, w, session);
     Ok(())
+}
+
+/// The accepting side of an internal connection whose first frame was `first`: with a
+/// key, run the handshake and seal both directions, returning the identity the peer
+/// claimed; without one, `first` must not be a handshake. A refusal is sent to the peer
+/// (so it can say why it failed), counted and returned.
+pub fn accept_handshake(first: Message, r: &mut FrameReader, w: &mut FrameWriter, key: Option<&ClusterKey>, purpose: Purpose) -> Result<Option<u32>, WireError> {
+    let result = match (key, first) {
+        (None, Message::AuthHello { .. }) => Err(AuthError::Refused("this cluster runs without a key; start the peer without --cluster-key-file".into()).into()),
+        (None, _) => return Ok(None),
+        (Some(key), first) => accept_with(key, first, r, w, purpose),
+    };
+    result.map(|claim| Some(claim)).inspect_err(|e| {
+        let _ = w.send(&Message::AuthRefused { reason: e.to_string() });
+        count_auth_refusal();
+    })
+}
+
+fn accept_with(key: &ClusterKey, first: Message, r: &mut FrameReader, w: &mut FrameWriter, purpose: Purpose) -> Result<u32, WireError> {
+    let nonce = crate::trust::random().map_err(std::io::Error::other)?;
+    let (server, challenge) = Server::start(key, purpose, first, nonce)?;
+    w.send(&challenge)?;
+    let session = server.finish(r.recv()?)?;
+    let claim = session.peer_claim;
+    seal(r, w, session);
+    Ok(claim)
+}
+
+fn seal(r: &mut FrameReader, w: &mut FrameWriter, s: Session) {
+    r.open_with(s.recv);
+    w.seal_with(s.send);
 }
 
 /// Digest of a model file, the identity workers and gateway compare (xxh3-64 of the bytes).

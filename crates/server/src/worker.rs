@@ -8,9 +8,10 @@ use std::time::Duration;
 use bulkhead_engine::LoadedModel;
 use bulkhead_kv::{KvPool, KvChecks, PoolConfig};
 use bulkhead_api::trace::TraceId;
-use bulkhead_protocol::{Hello, Message, TraceContext, WorkerId};
+use bulkhead_protocol::{Hello, Message, Purpose, TraceContext, WorkerId};
 
-use crate::wire::{send, FrameReader, WireError};
+use crate::trust::Trust;
+use crate::wire::{connect_handshake, FrameReader, FrameWriter, WireError};
 
 /// Messages a worker's connection readers may queue for its main thread before they
 /// block: a bound on its memory (frames are at most 16 MiB, KV chunks of the default model
@@ -48,6 +49,8 @@ pub struct WorkerConfig {
     pub transfer_timeout_ms: u64,
     /// Optional KV integrity checks (canaries, checksums, auditor).
     pub kv_checks: KvChecks,
+    /// The cluster key, if any (every internal connection authenticates with it).
+    pub trust: Trust,
 }
 
 /// Why a worker could not start or stopped.
@@ -73,6 +76,8 @@ pub enum WorkerError {
     Io(#[from] std::io::Error),
     #[error(transparent)]
     Model(#[from] bulkhead_model::ModelError),
+    #[error(transparent)]
+    Trust(#[from] crate::trust::TrustError),
 }
 
 /// The context a worker advertises given its pool (I5): the check the incident lacked.
@@ -133,16 +138,22 @@ pub fn load(cfg: &WorkerConfig) -> Result<Loaded, WorkerError> {
     Ok(Loaded { model, pool, context, digest })
 }
 
-/// Connect to the gateway and register as `hello` says; returns the connection and our id.
-pub fn register(cfg: &WorkerConfig, hello: Hello) -> Result<(TcpStream, FrameReader, WorkerId), WorkerError> {
-    let mut stream = connect_retry(&cfg.gateway)?;
+/// Connect to the gateway, authenticate with the cluster key if there is one, and
+/// register as `hello` says; returns the connection and our id.
+pub fn register(cfg: &WorkerConfig, hello: Hello) -> Result<(FrameWriter, FrameReader, WorkerId), WorkerError> {
+    let stream = connect_retry(&cfg.gateway)?;
     stream.set_nodelay(true)?;
-    send(&mut stream, &Message::Hello(hello))?;
     let mut reader = FrameReader::new(stream.try_clone()?);
+    let mut writer = FrameWriter::new(stream);
+    connect_handshake(&mut reader, &mut writer, cfg.trust.key.as_deref(), Purpose::Control, 0).map_err(|e| match e {
+        WireError::Auth(a) => WorkerError::Refused(a.to_string()),
+        other => WorkerError::Wire(other),
+    })?;
+    writer.send(&Message::Hello(hello))?;
     match reader.recv()? {
-        Message::Welcome { worker } => Ok((stream, reader, worker)),
-        Message::Refuse { reason } => Err(WorkerError::Refused(reason)),
-        other => Err(WorkerError::Refused(format!("unexpected first message {other:?}"))),
+        Message::Welcome { worker } => Ok((writer, reader, worker)),
+        Message::Refuse { reason } | Message::AuthRefused { reason } => Err(WorkerError::Refused(reason)),
+        other => Err(WorkerError::Refused(format!("unexpected first message {}", other.kind_name()))),
     }
 }
 
