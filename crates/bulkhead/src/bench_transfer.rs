@@ -1,6 +1,7 @@
 //! `bulkhead bench-transfer`: KV handoff throughput over loopback TCP — export from a
 //! prefill pool, frame, send, decode, verify and import into a decode pool, exactly the
-//! production path minus the model — next to plain memcpy of the same bytes.
+//! production path minus the model — next to plain memcpy of the same bytes, and with the
+//! cluster MAC (issue 18) on every frame.
 
 use std::io::Write;
 use std::net::{TcpListener, TcpStream};
@@ -8,7 +9,8 @@ use std::time::Instant;
 
 use bulkhead_kv::transfer::{export_chunks, Manifest};
 use bulkhead_kv::{Inbound, KvLayout, KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
-use bulkhead_protocol::{encode, FrameDecoder, Message, DEFAULT_MAX_FRAME};
+use bulkhead_protocol::auth::{Client, ClusterKey, Server, Session};
+use bulkhead_protocol::{FrameDecoder, FrameEncoder, Message, Purpose, DEFAULT_MAX_FRAME};
 use clap::Args;
 
 #[derive(Args, Debug)]
@@ -24,8 +26,21 @@ pub struct TransferArgs {
 /// The default model's KV shape.
 const LAYOUT: KvLayout = KvLayout { layers: 30, kv_heads: 3, head_dim: 64, page_size: 16 };
 
-/// Seconds per verified transfer of `n` tokens between two pools running `checks`, `reps` times.
-fn transfer_times(checks: KvChecks, n: usize, reps: usize) -> anyhow::Result<Vec<f64>> {
+/// The two ends of one direction of a session under `key` (the production handshake, in
+/// memory): what the prefill side seals with and what the decode side opens with.
+fn session(key: &ClusterKey) -> anyhow::Result<(FrameEncoder, FrameDecoder)> {
+    let (client, hello) = Client::start(key, Purpose::Kv, 1, bulkhead_server::trust::random()?);
+    let (server, challenge) = Server::start(key, Purpose::Kv, hello, bulkhead_server::trust::random()?)?;
+    let (proof, sender): (Message, Session) = client.finish(challenge)?;
+    let receiver = server.finish(proof)?;
+    let mut dec = FrameDecoder::new(DEFAULT_MAX_FRAME);
+    dec.open_with(receiver.recv);
+    Ok((FrameEncoder::sealed(sender.send), dec))
+}
+
+/// Seconds per verified transfer of `n` tokens between two pools running `checks`, `reps`
+/// times; with `key`, every frame carries the cluster MAC as in production.
+fn transfer_times(checks: KvChecks, key: Option<&ClusterKey>, n: usize, reps: usize) -> anyhow::Result<Vec<f64>> {
     let pages = LAYOUT.pages_for_tokens(n);
     let mut src = KvPool::new(PoolConfig { layout: LAYOUT, pages, checks })?;
     let mut seq = SequenceKv::new(RequestId(1));
@@ -46,6 +61,10 @@ fn transfer_times(checks: KvChecks, n: usize, reps: usize) -> anyhow::Result<Vec
         let req = RequestId(100 + rep as u64);
         let mut inbound = Inbound::reserve(&mut dst, req, n, n)?;
         let targets = inbound.prompt_pages(LAYOUT.page_size);
+        let (mut enc, mut dec) = match key {
+            Some(k) => session(k)?,
+            None => (FrameEncoder::plain(), FrameDecoder::new(DEFAULT_MAX_FRAME)),
+        };
         let t = Instant::now();
         let (srcref, seqref) = (&src, &seq);
         let (manifest, received) = std::thread::scope(|s| -> anyhow::Result<(u64, anyhow::Result<()>)> {
@@ -56,13 +75,12 @@ fn transfer_times(checks: KvChecks, n: usize, reps: usize) -> anyhow::Result<Vec
                 let mut buf = Vec::new();
                 for (header, data) in export_chunks(srcref, seqref, &targets, 0, n, &mut m)? {
                     buf.clear();
-                    encode(&Message::KvChunk { req, header, data }, &mut buf);
+                    enc.encode(&Message::KvChunk { req, header, data }, &mut buf);
                     c.write_all(&buf)?;
                 }
                 Ok(m.digest())
             });
             let (mut conn, _) = listener.accept()?;
-            let mut dec = FrameDecoder::new(DEFAULT_MAX_FRAME);
             let mut buf = vec![0u8; 1 << 20];
             let recv = (|| -> anyhow::Result<()> {
                 while inbound.received_tokens() < n {
@@ -89,17 +107,21 @@ fn transfer_times(checks: KvChecks, n: usize, reps: usize) -> anyhow::Result<Vec
 pub fn run(a: TransferArgs) -> anyhow::Result<()> {
     let n = a.tokens.max(1);
     let bytes = n * LAYOUT.bytes_per_token();
-    // Production checks (checksums on) and checksums off, alternating, for the ratio.
+    // Production checks (checksums on) without and with the cluster MAC, and checksums
+    // off, alternating, for the ratios.
     let no_checksums = KvChecks { checksums: false, ..KvChecks::default() };
-    let (mut times, mut unchecked) = (Vec::new(), Vec::new());
+    let key = bulkhead_server::trust::generate_key()?;
+    let (mut times, mut sealed, mut unchecked) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..a.reps.max(1) {
-        times.extend(transfer_times(KvChecks::default(), n, 1)?);
-        unchecked.extend(transfer_times(no_checksums, n, 1)?);
+        times.extend(transfer_times(KvChecks::default(), None, n, 1)?);
+        sealed.extend(transfer_times(KvChecks::default(), Some(&key), n, 1)?);
+        unchecked.extend(transfer_times(no_checksums, None, n, 1)?);
     }
-    unchecked.sort_by(f64::total_cmp);
-    let transfer_unchecked = unchecked[unchecked.len() / 2];
-    times.sort_by(f64::total_cmp);
-    let transfer = times[times.len() / 2];
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (transfer, transfer_sealed, transfer_unchecked) = (median(times), median(sealed), median(unchecked));
     // memcpy of the same number of bytes, median of several copies.
     let from = vec![7u8; bytes];
     let mut to = vec![0u8; bytes];
@@ -115,6 +137,11 @@ pub fn run(a: TransferArgs) -> anyhow::Result<()> {
     let gb = bytes as f64 / 1e9;
     println!("KV transfer of {n} tokens ({:.1} MB): {:.3} s, {:.2} GB/s verified over loopback TCP", bytes as f64 / 1e6, transfer, gb / transfer);
     println!("memcpy of the same bytes: {:.2} GB/s; transfer / memcpy = {:.3}", gb / copy, copy / transfer);
+    println!(
+        "with the cluster MAC on every frame (keyed BLAKE3): {:.2} GB/s; throughput with / without the MAC = {:.3}",
+        gb / transfer_sealed,
+        transfer / transfer_sealed
+    );
     println!(
         "without checksums (measurement only): {:.2} GB/s; throughput with / without checksums = {:.3}",
         gb / transfer_unchecked,
