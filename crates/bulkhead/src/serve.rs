@@ -19,6 +19,27 @@ use clap::{Args, ValueEnum};
 
 use crate::ModelArgs;
 
+/// `--cluster-encryption`; see [`trust::Encryption`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ClusterEncryption {
+    /// With a peer on another host.
+    Auto,
+    /// Always, loopback included.
+    On,
+    /// Never asked for by this side.
+    Off,
+}
+
+impl From<ClusterEncryption> for trust::Encryption {
+    fn from(e: ClusterEncryption) -> Self {
+        match e {
+            ClusterEncryption::Auto => trust::Encryption::Auto,
+            ClusterEncryption::On => trust::Encryption::On,
+            ClusterEncryption::Off => trust::Encryption::Off,
+        }
+    }
+}
+
 /// Which part of the system this process runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ServeRole {
@@ -121,6 +142,12 @@ pub struct ServeArgs {
     /// For benchmarks on a closed network only; logged loudly.
     #[arg(long, env = "BULKHEAD_INSECURE_CLUSTER", value_parser = clap::builder::BoolishValueParser::new())]
     insecure_cluster: bool,
+    /// When this process asks for its internal frames (prompts, tokens, KV) to be encrypted
+    /// with AES-256-GCM under the session key, as well as authenticated: auto (with a peer
+    /// on another host; not over loopback), on (always; needs a cluster key), off (never
+    /// asked by this side). A connection is encrypted if either side asks.
+    #[arg(long, env = "BULKHEAD_CLUSTER_ENCRYPTION", value_enum, default_value_t = ClusterEncryption::Auto)]
+    cluster_encryption: ClusterEncryption,
     /// Internal: read the cluster key from the first line of stdin (how `serve` hands it to
     /// the workers it starts, so it is never on a command line or in the environment).
     #[arg(long, hide = true, env = "BULKHEAD_CLUSTER_KEY_STDIN", value_parser = clap::builder::BoolishValueParser::new())]
@@ -206,7 +233,7 @@ impl ServeArgs {
         } else {
             None
         };
-        let t = Trust { key: key.map(std::sync::Arc::new), insecure: self.insecure_cluster };
+        let t = Trust::new(key, self.insecure_cluster, self.cluster_encryption.into())?;
         tracing::info!(internal_connections = t.describe(), "cluster trust");
         Ok(t)
     }
@@ -297,6 +324,9 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
                 cmd.args(a.checks.child_args());
                 if workers.secret.is_some() {
                     cmd.arg("--cluster-key-stdin");
+                }
+                if let Some(e) = a.cluster_encryption.to_possible_value() {
+                    cmd.args(["--cluster-encryption", e.get_name()]);
                 }
                 // Workers must not bind the gateway's HTTP port or inherit its role.
                 cmd.env_remove("BULKHEAD_ROLE").env_remove("BULKHEAD_PORT").env_remove("BULKHEAD_CONFIG");

@@ -134,6 +134,49 @@ fn chat(max_tokens: usize, user: &str) -> common::Response {
     request(HTTP, "POST", "/v1/chat/completions", &[], &body.to_string())
 }
 
+/// A fourth host on the cluster's networks, with a key of its own: it tries to register as
+/// a decode worker, and to open a KV connection as prefill worker 1 without a handshake.
+/// Both are refused and counted.
+fn rogue_host_is_refused_by_the_gateway_and_the_kv_port(h: &mut Hosts, logs: &[&std::path::Path]) {
+    let refusals = || sum(&scrape(HTTP), "bulkhead:auth_refusals_total", &[]);
+    let before = refusals();
+    ip(&["netns", "add", &h.ns("x")]).expect("rogue namespace");
+    h.namespaces.push(h.ns("x"));
+    ip(&["-n", &h.ns("x"), "link", "set", "lo", "up"]).expect("rogue loopback");
+    h.link(Some("g"), "gx", "10.231.4.1/30", "x", "xg", "10.231.4.2/30").expect("rogue-gateway link");
+    h.link(Some("d"), "dx", "10.231.5.1/30", "x", "xd", "10.231.5.2/30").expect("rogue-decode link");
+    ip(&["-n", &h.ns("x"), "route", "add", "10.231.3.0/30", "via", "10.231.5.1"]).expect("route to the KV port");
+    let rogue_key = std::env::temp_dir().join(format!("{}-rogue.key", h.tag));
+    let _ = std::fs::remove_file(&rogue_key);
+    assert!(Command::new(BIN).arg("keygen").arg(&rogue_key).status().expect("keygen").success());
+    let out = Command::new("ip")
+        .args(["netns", "exec", &h.ns("x"), BIN, "serve", "--role", "decode", "--threads", "1", "--context-length", "2048", "--model"])
+        .arg(model())
+        .args(["--gateway", "10.231.4.1:7000", "--cluster-key-file"])
+        .arg(&rogue_key)
+        .output()
+        .expect("run the rogue worker");
+    let _ = std::fs::remove_file(&rogue_key);
+    let err = String::from_utf8_lossy(&out.stderr);
+    eprintln!("rogue worker: {}\n{err}", out.status);
+    assert!(!out.status.success() && err.contains("refused"), "the rogue worker must fail and say why: {err}");
+    // A plain KvHello (protocol version 8, kind 4) naming prefill worker 1.
+    let inject = "import socket,sys\n\
+        s=socket.create_connection(('10.231.3.2',7100),timeout=10)\n\
+        s.sendall(b'BH\\x08\\x04\\x04\\x00\\x00\\x00\\x01\\x00\\x00\\x00')\n\
+        got=b''\n\
+        while True:\n\
+        \x20   b=s.recv(4096)\n\
+        \x20   if not b: break\n\
+        \x20   got+=b\n\
+        sys.stdout.write(repr(got))\n";
+    let out = Command::new("ip").args(["netns", "exec", &h.ns("x"), "python3", "-c", inject]).output().expect("run the rogue KV client");
+    assert!(out.status.success(), "the rogue KV client: {}", String::from_utf8_lossy(&out.stderr));
+    wait_for("both rogue attempts counted", Duration::from_secs(10), logs, || refusals() >= before + 2.0);
+    let r = chat(8, "Name a fruit.");
+    assert_eq!(r.status, 200, "the cluster serves on after the rogue host: {}", r.body);
+}
+
 #[test]
 fn cutting_the_prefill_decode_link_mid_transfer_fails_one_request_and_frees_nothing_before_the_fence() {
     let mut h = match hosts() {
@@ -155,6 +198,13 @@ fn cutting_the_prefill_decode_link_mid_transfer_fails_one_request_and_frees_noth
     });
     let r = chat(8, "What is the capital of France?");
     assert_eq!(r.status, 200, "across three hosts: {}", r.body);
+    // Every internal connection here crosses hosts, so each is encrypted (the default),
+    // and each side's log says so.
+    for (log, line) in [(&g, "worker connection authenticated"), (&p, "KV connection open"), (&d, "KV connection from a prefill worker")] {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        assert!(text.lines().any(|l| l.contains(line) && l.contains("encrypted=true")), "{line}, encrypted, in {}:\n{text}", log.display());
+    }
+    rogue_host_is_refused_by_the_gateway_and_the_kv_port(&mut h, &logs);
 
     // A long prompt: its KV goes to decode in batches of 8 pages (128 tokens).
     let long = "The quick brown fox jumps over the lazy dog. ".repeat(150);

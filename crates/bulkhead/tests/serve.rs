@@ -127,6 +127,22 @@ fn greedy_output_through_serve_equals_generate_alone_and_while_sharing_the_batch
     }
 }
 
+/// `--cluster-encryption on` encrypts even the loopback connections of role all: every
+/// connection says so in its log line, and the answer is the same bits as in-process.
+#[test]
+fn forced_encryption_on_loopback_serves_the_same_greedy_answer() {
+    let want = generate(PROMPTS[0]);
+    let s = serve(&["--cluster-encryption", "on"], &[]);
+    let (status, v) = chat(&s.http, SYSTEM, PROMPTS[0], 32);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(content(&v), want);
+    let log = std::fs::read_to_string(&s.stderr_log).unwrap();
+    for line in ["worker connection authenticated", "KV connection open", "KV connection from a prefill worker"] {
+        let found: Vec<&str> = log.lines().filter(|l| l.contains(line)).collect();
+        assert!(!found.is_empty() && found.iter().all(|l| l.contains("encrypted=true")), "{line}: {found:?}\n{log}");
+    }
+}
+
 /// The incident: a prefill pool smaller than the context, a decode pool larger; tenant A's
 /// marker in decode pages; tenant B's prompt longer than the prefill pool. B gets 400 and
 /// nobody ever sees A's marker. Then again with the gateway's own check switched off: the
@@ -348,7 +364,8 @@ fn internal(
     let mut r = bulkhead_server::wire::FrameReader::new(c.try_clone().unwrap());
     let mut w = bulkhead_server::wire::FrameWriter::new(c);
     let key = key.map(|k| bulkhead_server::trust::load_key_file(std::path::Path::new(k)).unwrap());
-    bulkhead_server::wire::connect_handshake(&mut r, &mut w, key.as_ref(), purpose, claim)?;
+    let trust = bulkhead_server::trust::Trust::new(key, false, bulkhead_server::trust::Encryption::Auto).unwrap();
+    bulkhead_server::wire::connect_handshake(&mut r, &mut w, &trust, purpose, claim)?;
     Ok((r, w))
 }
 

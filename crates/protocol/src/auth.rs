@@ -10,15 +10,23 @@
 //! no transcript repeats (each side picks its nonce).
 //!
 //! Then each direction gets its own session key, derived from the cluster key and the
-//! transcript, and every frame carries a 16-byte MAC of its sequence number and bytes
+//! transcript, and every frame carries a 16-byte tag over its sequence number and bytes
 //! ([`Sealer`], [`Opener`]). A frame that is altered, forged, dropped, replayed or
-//! reordered fails its MAC; a frame from another session (another nonce pair) fails too.
-//! The codec checks the MAC before decoding ([`crate::FrameDecoder::open_with`]), so
+//! reordered fails its tag; a frame from another session (another nonce pair) fails too.
+//! The codec checks the tag before decoding ([`crate::FrameDecoder::open_with`]), so
 //! the roles only ever see frames from the peer the handshake authenticated. They learn
 //! "this peer is authenticated as X" and nothing else.
 //!
-//! What this does not give: confidentiality (frames travel in the clear), and protection
-//! against a process that holds the key (it is a member of the cluster; docs/SECURITY.md).
+//! The tag is a keyed BLAKE3 MAC, or, when the session is encrypted, AES-256-GCM's: then
+//! the payload is encrypted too, the 8-byte frame header (kind and length) is
+//! authenticated but readable, and the nonce is the frame's sequence number under a key
+//! used by one direction of one session only. Each side says in its half of the
+//! handshake whether it wants encryption; the session is encrypted if either does, and
+//! both proofs cover both bits, so nobody in between can switch it off.
+//!
+//! What this does not give: protection against a process that holds the key (it is a
+//! member of the cluster), or against traffic analysis (frame kinds and lengths are
+//! visible); docs/SECURITY.md.
 
 use crate::msg::{Message, Purpose};
 
@@ -96,6 +104,10 @@ pub enum AuthError {
     Refused(String),
     #[error("a frame failed authentication (altered, forged, replayed, reordered or from another session)")]
     BadTag,
+    #[error("this side asked for encryption and the accepting side answered without it")]
+    Downgraded,
+    #[error("the cipher refused the session key")]
+    Cipher,
 }
 
 /// Both sides' view of a finished handshake.
@@ -103,17 +115,32 @@ struct Transcript {
     purpose: Purpose,
     claim: u32,
     client_nonce: [u8; KEY_LEN],
+    /// What the connecting side asked for.
+    client_encrypt: bool,
     server_nonce: [u8; KEY_LEN],
+    /// What the accepting side decided: the session is encrypted.
+    encrypt: bool,
 }
 
 impl Transcript {
     fn bytes(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(5 + 2 * KEY_LEN);
+        let mut b = Vec::with_capacity(7 + 2 * KEY_LEN);
         b.push(self.purpose as u8);
         b.extend_from_slice(&self.claim.to_le_bytes());
         b.extend_from_slice(&self.client_nonce);
+        b.push(u8::from(self.client_encrypt));
         b.extend_from_slice(&self.server_nonce);
+        b.push(u8::from(self.encrypt));
         b
+    }
+
+    /// Both directions' frame keys.
+    fn session(&self, key: &ClusterKey, client_side: bool) -> Result<Session, AuthError> {
+        let t = self.bytes();
+        let c2s = Direction::new(key.session_key(CLIENT_TO_SERVER, &t), self.encrypt)?;
+        let s2c = Direction::new(key.session_key(SERVER_TO_CLIENT, &t), self.encrypt)?;
+        let (send, recv) = if client_side { (c2s, s2c) } else { (s2c, c2s) };
+        Ok(Session { send: Sealer(send), recv: Opener(recv), peer_claim: if client_side { 0 } else { self.claim }, encrypted: self.encrypt })
     }
 }
 
@@ -126,6 +153,8 @@ pub struct Session {
     pub recv: Opener,
     /// The identity the peer claimed in the handshake, bound to this session.
     pub peer_claim: u32,
+    /// Frames are encrypted, not only authenticated.
+    pub encrypted: bool,
 }
 
 /// The connecting side of a handshake.
@@ -134,33 +163,34 @@ pub struct Client<'k> {
     purpose: Purpose,
     claim: u32,
     nonce: [u8; KEY_LEN],
+    encrypt: bool,
 }
 
 impl<'k> Client<'k> {
-    /// Start a handshake for `purpose`, claiming identity `claim` (0 for none), with a fresh
-    /// random `nonce`; returns the `AuthHello` to send.
-    pub fn start(key: &'k ClusterKey, purpose: Purpose, claim: u32, nonce: [u8; KEY_LEN]) -> (Self, Message) {
-        (Client { key, purpose, claim, nonce }, Message::AuthHello { purpose, claim, nonce })
+    /// Start a handshake for `purpose`, claiming identity `claim` (0 for none), asking for
+    /// encryption if `encrypt`, with a fresh random `nonce`; returns the `AuthHello` to send.
+    pub fn start(key: &'k ClusterKey, purpose: Purpose, claim: u32, encrypt: bool, nonce: [u8; KEY_LEN]) -> (Self, Message) {
+        (Client { key, purpose, claim, nonce, encrypt }, Message::AuthHello { purpose, claim, nonce, encrypt })
     }
 
     /// The accepting side's answer: check its proof; returns the `AuthProof` to send and
     /// the session.
     pub fn finish(self, answer: Message) -> Result<(Message, Session), AuthError> {
-        let (server_nonce, proof) = match answer {
-            Message::AuthChallenge { nonce, proof } => (nonce, proof),
+        let (server_nonce, proof, encrypt) = match answer {
+            Message::AuthChallenge { nonce, proof, encrypt } => (nonce, proof, encrypt),
             Message::AuthRefused { reason } | Message::Refuse { reason } => return Err(AuthError::Refused(reason)),
             other => return Err(AuthError::Unexpected { expected: "AuthChallenge", got: other.kind_name().to_string() }),
         };
-        let t = Transcript { purpose: self.purpose, claim: self.claim, client_nonce: self.nonce, server_nonce }.bytes();
+        let transcript =
+            Transcript { purpose: self.purpose, claim: self.claim, client_nonce: self.nonce, client_encrypt: self.encrypt, server_nonce, encrypt };
+        let t = transcript.bytes();
         if !equal(&proof, &self.key.proof(b'S', &t)) {
             return Err(AuthError::WrongKey);
         }
-        let session = Session {
-            send: Sealer::new(self.key.session_key(CLIENT_TO_SERVER, &t)),
-            recv: Opener::new(self.key.session_key(SERVER_TO_CLIENT, &t)),
-            peer_claim: 0,
-        };
-        Ok((Message::AuthProof { proof: self.key.proof(b'C', &t) }, session))
+        if self.encrypt && !encrypt {
+            return Err(AuthError::Downgraded);
+        }
+        Ok((Message::AuthProof { proof: self.key.proof(b'C', &t) }, transcript.session(self.key, true)?))
     }
 }
 
@@ -172,18 +202,20 @@ pub struct Server<'k> {
 
 impl<'k> Server<'k> {
     /// The first frame of a connection to a port serving `purpose`; `nonce` is fresh and
-    /// random. Returns the `AuthChallenge` to send.
-    pub fn start(key: &'k ClusterKey, purpose: Purpose, hello: Message, nonce: [u8; KEY_LEN]) -> Result<(Self, Message), AuthError> {
-        let (got, claim, client_nonce) = match hello {
-            Message::AuthHello { purpose, claim, nonce } => (purpose, claim, nonce),
+    /// random; `encrypt`: this side wants encryption (it is on if either side wants it).
+    /// Returns the `AuthChallenge` to send.
+    pub fn start(key: &'k ClusterKey, purpose: Purpose, hello: Message, encrypt: bool, nonce: [u8; KEY_LEN]) -> Result<(Self, Message), AuthError> {
+        let (got, claim, client_nonce, client_encrypt) = match hello {
+            Message::AuthHello { purpose, claim, nonce, encrypt } => (purpose, claim, nonce, encrypt),
             other => return Err(AuthError::Unexpected { expected: "AuthHello (this cluster needs its key)", got: other.kind_name().to_string() }),
         };
         if got != purpose {
             return Err(AuthError::WrongPurpose { want: purpose, got });
         }
-        let transcript = Transcript { purpose, claim, client_nonce, server_nonce: nonce };
+        let encrypt = encrypt || client_encrypt;
+        let transcript = Transcript { purpose, claim, client_nonce, client_encrypt, server_nonce: nonce, encrypt };
         let proof = key.proof(b'S', &transcript.bytes());
-        Ok((Server { key, transcript }, Message::AuthChallenge { nonce, proof }))
+        Ok((Server { key, transcript }, Message::AuthChallenge { nonce, proof, encrypt }))
     }
 
     /// The connecting side's proof: check it; returns the session.
@@ -192,74 +224,117 @@ impl<'k> Server<'k> {
             Message::AuthProof { proof } => proof,
             other => return Err(AuthError::Unexpected { expected: "AuthProof", got: other.kind_name().to_string() }),
         };
-        let t = self.transcript.bytes();
-        if !equal(&proof, &self.key.proof(b'C', &t)) {
+        if !equal(&proof, &self.key.proof(b'C', &self.transcript.bytes())) {
             return Err(AuthError::WrongKey);
         }
-        Ok(Session {
-            send: Sealer::new(self.key.session_key(SERVER_TO_CLIENT, &t)),
-            recv: Opener::new(self.key.session_key(CLIENT_TO_SERVER, &t)),
-            peer_claim: self.transcript.claim,
-        })
+        self.transcript.session(self.key, false)
     }
 }
 
-impl std::fmt::Debug for Sealer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Sealer {{ seq: {} }}", self.seq)
-    }
+/// How one direction of a session protects its frames.
+enum FrameKey {
+    /// Keyed BLAKE3 over the sequence number, header and payload.
+    Mac([u8; KEY_LEN]),
+    /// AES-256-GCM: the payload encrypted, the header as associated data, the sequence
+    /// number as the nonce.
+    Aead(ring::aead::LessSafeKey),
 }
 
-impl std::fmt::Debug for Opener {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Opener {{ seq: {} }}", self.seq)
-    }
-}
-
-/// MACs the frames one side sends, numbering them.
-pub struct Sealer {
-    key: [u8; KEY_LEN],
+/// One direction of a session: its key and the number of the next frame.
+struct Direction {
+    key: FrameKey,
     seq: u64,
 }
 
-impl Sealer {
-    fn new(key: [u8; KEY_LEN]) -> Self {
-        Sealer { key, seq: 0 }
+impl Direction {
+    fn new(key: [u8; KEY_LEN], encrypt: bool) -> Result<Self, AuthError> {
+        let key = if encrypt {
+            // AES-256 takes any 32 bytes; should ring refuse, the handshake fails rather
+            // than fall back to frames in the clear.
+            let k = ring::aead::UnboundKey::new(&ring::aead::AES_256_GCM, &key).map_err(|_| AuthError::Cipher)?;
+            FrameKey::Aead(ring::aead::LessSafeKey::new(k))
+        } else {
+            FrameKey::Mac(key)
+        };
+        Ok(Direction { key, seq: 0 })
     }
 
-    /// The MAC of the next frame (`frame`: its whole encoding).
-    pub fn seal(&mut self, frame: &[u8]) -> [u8; TAG_LEN] {
-        let tag = mac(&self.key, self.seq, frame);
-        self.seq += 1;
+    /// The nonce of this frame. Unique: one key per direction per session, and the
+    /// 64-bit counter does not wrap.
+    fn nonce(&self) -> ring::aead::Nonce {
+        let mut n = [0u8; ring::aead::NONCE_LEN];
+        n[4..].copy_from_slice(&self.seq.to_le_bytes());
+        ring::aead::Nonce::assume_unique_for_key(n)
+    }
+}
+
+impl std::fmt::Debug for Direction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let encrypted = matches!(self.key, FrameKey::Aead(_));
+        f.debug_struct("Direction").field("encrypted", &encrypted).field("seq", &self.seq).finish_non_exhaustive()
+    }
+}
+
+/// Seals the frames one side sends, numbering them.
+#[derive(Debug)]
+pub struct Sealer(Direction);
+
+impl Sealer {
+    /// Seal the next frame: `header` is authenticated, `payload` authenticated (and
+    /// encrypted in place, in an encrypted session); returns the tag to send after it.
+    pub fn seal(&mut self, header: &[u8], payload: &mut [u8]) -> [u8; TAG_LEN] {
+        let d = &mut self.0;
+        let tag = match &d.key {
+            FrameKey::Mac(key) => mac(key, d.seq, header, payload),
+            FrameKey::Aead(key) => match key.seal_in_place_separate_tag(d.nonce(), ring::aead::Aad::from(header), payload) {
+                Ok(tag) => {
+                    let mut t = [0u8; TAG_LEN];
+                    t.copy_from_slice(tag.as_ref());
+                    t
+                }
+                // Only inputs over 64 GiB are refused (frames are at most 16 MiB). Send
+                // neither the plaintext nor a tag that could pass.
+                Err(_) => {
+                    payload.fill(0);
+                    [0; TAG_LEN]
+                }
+            },
+        };
+        d.seq += 1;
         tag
     }
 }
 
-/// Checks the frames one side receives, in order.
-pub struct Opener {
-    key: [u8; KEY_LEN],
-    seq: u64,
-}
+/// Checks (and decrypts) the frames one side receives, in order.
+#[derive(Debug)]
+pub struct Opener(Direction);
 
 impl Opener {
-    fn new(key: [u8; KEY_LEN]) -> Self {
-        Opener { key, seq: 0 }
-    }
-
-    /// Check the next frame's MAC.
-    pub fn open(&mut self, frame: &[u8], tag: &[u8]) -> Result<(), AuthError> {
-        if !equal(tag, &mac(&self.key, self.seq, frame)) {
+    /// Check the next frame's tag; in an encrypted session, decrypt `payload` in place.
+    /// On an error the payload is not to be read, and the connection must close.
+    pub fn open(&mut self, header: &[u8], payload: &mut [u8], tag: &[u8]) -> Result<(), AuthError> {
+        let d = &mut self.0;
+        let ok = match &d.key {
+            FrameKey::Mac(key) => equal(tag, &mac(key, d.seq, header, payload)),
+            FrameKey::Aead(key) => {
+                let mut t = [0u8; TAG_LEN];
+                t.copy_from_slice(tag.get(..TAG_LEN).ok_or(AuthError::BadTag)?);
+                key.open_in_place_separate_tag(d.nonce(), ring::aead::Aad::from(header), ring::aead::Tag::from(t), payload, 0..).is_ok()
+            }
+        };
+        if !ok {
             return Err(AuthError::BadTag);
         }
-        self.seq += 1;
+        d.seq += 1;
         Ok(())
     }
 }
 
-fn mac(key: &[u8; KEY_LEN], seq: u64, frame: &[u8]) -> [u8; TAG_LEN] {
+fn mac(key: &[u8; KEY_LEN], seq: u64, header: &[u8], payload: &[u8]) -> [u8; TAG_LEN] {
     let mut h = blake3::Hasher::new_keyed(key);
     h.update(&seq.to_le_bytes());
-    h.update(frame);
+    h.update(header);
+    h.update(payload);
     let mut tag = [0u8; TAG_LEN];
     tag.copy_from_slice(&h.finalize().as_bytes()[..TAG_LEN]);
     tag
@@ -278,26 +353,86 @@ mod tests {
         ClusterKey::from_bytes([b; KEY_LEN])
     }
 
-    /// A whole handshake between a client with `ck` and a server with `sk`.
-    fn handshake(ck: &ClusterKey, sk: &ClusterKey, claim: u32) -> Result<(Session, Session), AuthError> {
-        let (client, hello) = Client::start(ck, Purpose::Kv, claim, [1; KEY_LEN]);
-        let (server, challenge) = Server::start(sk, Purpose::Kv, hello, [2; KEY_LEN])?;
+    /// A whole handshake between a client with `ck` and a server with `sk`, each asking
+    /// for encryption or not.
+    fn handshake_with(ck: &ClusterKey, sk: &ClusterKey, claim: u32, encrypt: (bool, bool)) -> Result<(Session, Session), AuthError> {
+        let (client, hello) = Client::start(ck, Purpose::Kv, claim, encrypt.0, [1; KEY_LEN]);
+        let (server, challenge) = Server::start(sk, Purpose::Kv, hello, encrypt.1, [2; KEY_LEN])?;
         let (proof, c) = client.finish(challenge)?;
         let s = server.finish(proof)?;
         Ok((c, s))
     }
 
+    fn handshake(ck: &ClusterKey, sk: &ClusterKey, claim: u32) -> Result<(Session, Session), AuthError> {
+        handshake_with(ck, sk, claim, (false, false))
+    }
+
+    /// Seal `payload` with `from`, check that it went out in the clear or not, open it
+    /// with `to` and return what came out.
+    fn send(from: &mut Session, to: &mut Session, payload: &[u8]) -> Result<Vec<u8>, AuthError> {
+        let mut b = payload.to_vec();
+        let tag = from.send.seal(b"hdr", &mut b);
+        assert_eq!(b == payload, !from.encrypted || payload.is_empty(), "in the clear exactly when not encrypted");
+        to.recv.open(b"hdr", &mut b, &tag)?;
+        Ok(b)
+    }
+
     #[test]
     fn both_sides_with_the_key_agree_on_a_session_that_carries_the_claim() {
         let k = key(7);
-        let (mut c, mut s) = handshake(&k, &k, 42).unwrap();
-        assert_eq!(s.peer_claim, 42);
-        for frame in [&b"one"[..], b"two", b""] {
-            let tag = c.send.seal(frame);
-            s.recv.open(frame, &tag).unwrap();
-            let tag = s.send.seal(frame);
-            c.recv.open(frame, &tag).unwrap();
+        for encrypt in [(false, false), (true, false), (false, true), (true, true)] {
+            let (mut c, mut s) = handshake_with(&k, &k, 42, encrypt).unwrap();
+            assert_eq!(s.peer_claim, 42);
+            assert_eq!((c.encrypted, s.encrypted), (encrypt.0 || encrypt.1, encrypt.0 || encrypt.1), "either side can ask for it");
+            for frame in [&b"one"[..], b"two", b""] {
+                assert_eq!(send(&mut c, &mut s, frame).unwrap(), frame);
+                assert_eq!(send(&mut s, &mut c, frame).unwrap(), frame);
+            }
         }
+    }
+
+    #[test]
+    fn nobody_in_between_can_switch_encryption_off() {
+        let k = key(8);
+        // The connecting side's request is cleared on the way.
+        let (client, hello) = Client::start(&k, Purpose::Kv, 1, true, [1; KEY_LEN]);
+        let Message::AuthHello { purpose, claim, nonce, .. } = hello else { panic!() };
+        let (_, challenge) = Server::start(&k, Purpose::Kv, Message::AuthHello { purpose, claim, nonce, encrypt: false }, false, [2; KEY_LEN]).unwrap();
+        assert_eq!(client.finish(challenge).err(), Some(AuthError::WrongKey));
+        // The accepting side's decision is cleared on the way.
+        let (client, hello) = Client::start(&k, Purpose::Kv, 1, false, [1; KEY_LEN]);
+        let (_, challenge) = Server::start(&k, Purpose::Kv, hello, true, [2; KEY_LEN]).unwrap();
+        let Message::AuthChallenge { nonce, proof, .. } = challenge else { panic!() };
+        assert_eq!(client.finish(Message::AuthChallenge { nonce, proof, encrypt: false }).err(), Some(AuthError::WrongKey));
+        // A server that answers "no" to a client that asked is refused even with its key
+        // (defence in depth: only a server that ignores the rules would do it).
+        let (client, _) = Client::start(&k, Purpose::Kv, 1, true, [1; KEY_LEN]);
+        let t = Transcript { purpose: Purpose::Kv, claim: 1, client_nonce: [1; KEY_LEN], client_encrypt: true, server_nonce: [2; KEY_LEN], encrypt: false };
+        let answer = Message::AuthChallenge { nonce: [2; KEY_LEN], proof: k.proof(b'S', &t.bytes()), encrypt: false };
+        assert_eq!(client.finish(answer).err(), Some(AuthError::Downgraded));
+    }
+
+    #[test]
+    fn encrypted_frames_hide_the_payload_and_any_flipped_bit_fails() {
+        let k = key(9);
+        let (mut c, mut s) = handshake_with(&k, &k, 0, (true, true)).unwrap();
+        let secret = b"the other tenant's prompt".to_vec();
+        let mut b = secret.clone();
+        let tag = c.send.seal(b"hdr", &mut b);
+        assert!(!b.windows(5).any(|w| secret.windows(5).any(|x| x == w)), "no five plaintext bytes in a row survive");
+        for i in 0..(b.len() + TAG_LEN + 3) * 8 {
+            let (mut payload, mut t, mut h) = (b.clone(), tag, *b"hdr");
+            let (byte, bit) = (i / 8, 1u8 << (i % 8));
+            match byte {
+                n if n < payload.len() => payload[n] ^= bit,
+                n if n < payload.len() + TAG_LEN => t[n - payload.len()] ^= bit,
+                n => h[n - payload.len() - TAG_LEN] ^= bit,
+            }
+            let (_, mut fresh) = handshake_with(&k, &k, 0, (true, true)).unwrap();
+            assert_eq!(fresh.recv.open(&h, &mut payload, &t), Err(AuthError::BadTag), "bit {i}");
+        }
+        s.recv.open(b"hdr", &mut b, &tag).unwrap();
+        assert_eq!(b, secret);
     }
 
     #[test]
@@ -307,8 +442,8 @@ mod tests {
         assert_eq!(handshake(&key(1), &key(2), 0).err(), Some(AuthError::WrongKey));
         // A client that skips that check still cannot make the server's.
         let (sk, ck) = (key(1), key(2));
-        let (_, hello) = Client::start(&ck, Purpose::Control, 0, [1; KEY_LEN]);
-        let (server, _) = Server::start(&sk, Purpose::Control, hello, [2; KEY_LEN]).unwrap();
+        let (_, hello) = Client::start(&ck, Purpose::Control, 0, false, [1; KEY_LEN]);
+        let (server, _) = Server::start(&sk, Purpose::Control, hello, false, [2; KEY_LEN]).unwrap();
         let forged = Message::AuthProof { proof: ck.proof(b'C', &[0; 69]) };
         assert_eq!(server.finish(forged).err(), Some(AuthError::WrongKey));
     }
@@ -316,8 +451,8 @@ mod tests {
     #[test]
     fn a_server_proof_cannot_be_reflected_as_the_client_proof() {
         let k = key(3);
-        let (_, hello) = Client::start(&k, Purpose::Kv, 5, [1; KEY_LEN]);
-        let (server, challenge) = Server::start(&k, Purpose::Kv, hello, [2; KEY_LEN]).unwrap();
+        let (_, hello) = Client::start(&k, Purpose::Kv, 5, false, [1; KEY_LEN]);
+        let (server, challenge) = Server::start(&k, Purpose::Kv, hello, false, [2; KEY_LEN]).unwrap();
         let Message::AuthChallenge { proof, .. } = challenge else { panic!() };
         assert_eq!(server.finish(Message::AuthProof { proof }).err(), Some(AuthError::WrongKey));
     }
@@ -325,34 +460,40 @@ mod tests {
     #[test]
     fn a_handshake_for_the_other_port_or_a_plain_hello_is_refused() {
         let k = key(4);
-        let (_, hello) = Client::start(&k, Purpose::Control, 0, [1; KEY_LEN]);
-        assert!(matches!(Server::start(&k, Purpose::Kv, hello, [2; KEY_LEN]).err(), Some(AuthError::WrongPurpose { .. })));
+        let (_, hello) = Client::start(&k, Purpose::Control, 0, false, [1; KEY_LEN]);
+        assert!(matches!(Server::start(&k, Purpose::Kv, hello, false, [2; KEY_LEN]).err(), Some(AuthError::WrongPurpose { .. })));
         let plain = Message::KvHello { prefill: crate::WorkerId(1) };
-        assert!(matches!(Server::start(&k, Purpose::Kv, plain, [2; KEY_LEN]).err(), Some(AuthError::Unexpected { .. })));
+        assert!(matches!(Server::start(&k, Purpose::Kv, plain, false, [2; KEY_LEN]).err(), Some(AuthError::Unexpected { .. })));
     }
 
     #[test]
-    fn altered_replayed_reordered_and_other_session_frames_fail_their_mac() {
+    fn altered_replayed_reordered_and_other_session_frames_fail_their_tag() {
         let k = key(5);
-        let (mut c, mut s) = handshake(&k, &k, 0).unwrap();
-        let t0 = c.send.seal(b"frame zero");
-        let t1 = c.send.seal(b"frame one");
-        // Reordered: frame one first.
-        assert_eq!(s.recv.open(b"frame one", &t1), Err(AuthError::BadTag));
-        s.recv.open(b"frame zero", &t0).unwrap();
-        // Replayed.
-        assert_eq!(s.recv.open(b"frame zero", &t0), Err(AuthError::BadTag));
-        // Altered by one bit.
-        assert_eq!(s.recv.open(b"frame onf", &t1), Err(AuthError::BadTag));
-        s.recv.open(b"frame one", &t1).unwrap();
-        // From another session of the same peers (other nonces): a replayed session.
-        let (_, mut s2) = {
-            let (client, hello) = Client::start(&k, Purpose::Kv, 0, [9; KEY_LEN]);
-            let (server, challenge) = Server::start(&k, Purpose::Kv, hello, [8; KEY_LEN]).unwrap();
-            let (proof, c2) = client.finish(challenge).unwrap();
-            (c2, server.finish(proof).unwrap())
-        };
-        assert_eq!(s2.recv.open(b"frame zero", &t0), Err(AuthError::BadTag));
+        for encrypt in [false, true] {
+            let (mut c, mut s) = handshake_with(&k, &k, 0, (encrypt, false)).unwrap();
+            let (mut f0, mut f1) = (b"frame zero".to_vec(), b"frame one".to_vec());
+            let t0 = c.send.seal(b"h", &mut f0);
+            let t1 = c.send.seal(b"h", &mut f1);
+            let open = |s: &mut Session, f: &[u8], t: &[u8]| s.recv.open(b"h", &mut f.to_vec(), t);
+            // Reordered: frame one first.
+            assert_eq!(open(&mut s, &f1, &t1), Err(AuthError::BadTag));
+            open(&mut s, &f0, &t0).unwrap();
+            // Replayed.
+            assert_eq!(open(&mut s, &f0, &t0), Err(AuthError::BadTag));
+            // Altered by one bit.
+            let mut bad = f1.clone();
+            bad[3] ^= 1;
+            assert_eq!(open(&mut s, &bad, &t1), Err(AuthError::BadTag));
+            open(&mut s, &f1, &t1).unwrap();
+            // From another session of the same peers (other nonces): a replayed session.
+            let (_, mut s2) = {
+                let (client, hello) = Client::start(&k, Purpose::Kv, 0, encrypt, [9; KEY_LEN]);
+                let (server, challenge) = Server::start(&k, Purpose::Kv, hello, false, [8; KEY_LEN]).unwrap();
+                let (proof, c2) = client.finish(challenge).unwrap();
+                (c2, server.finish(proof).unwrap())
+            };
+            assert_eq!(open(&mut s2, &f0, &t0), Err(AuthError::BadTag));
+        }
     }
 
     #[test]

@@ -21,8 +21,9 @@ use crate::msg::*;
 /// 5: `Finished` may say `abort`; 6: KV on demand: `Retracted`, `Reserve.resume`,
 /// `Prefill.skip_draws`, `PeerLeft` for prefill workers that reconnect, and `Room`;
 /// 7: the cluster handshake (`AuthHello`, `AuthChallenge`, `AuthProof`, `AuthRefused`)
-/// and a 16-byte MAC after every frame that follows it).
-pub const VERSION: u8 = 7;
+/// and a 16-byte MAC after every frame that follows it; 8: both sides of the handshake say
+/// whether they want encryption, and an encrypted session's payloads are AES-256-GCM).
+pub const VERSION: u8 = 8;
 /// Default largest payload accepted (a KV chunk of one page is ~370 KB for the default model).
 pub const DEFAULT_MAX_FRAME: usize = 16 << 20;
 const MAGIC: [u8; 2] = *b"BH";
@@ -304,15 +305,17 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
             23
         }
         Message::Room => 24,
-        Message::AuthHello { purpose, claim, nonce } => {
+        Message::AuthHello { purpose, claim, nonce, encrypt } => {
             w.u8(*purpose as u8);
             w.u32(*claim);
             w.0.extend_from_slice(nonce);
+            w.u8(u8::from(*encrypt));
             25
         }
-        Message::AuthChallenge { nonce, proof } => {
+        Message::AuthChallenge { nonce, proof, encrypt } => {
             w.0.extend_from_slice(nonce);
             w.0.extend_from_slice(proof);
+            w.u8(u8::from(*encrypt));
             26
         }
         Message::AuthProof { proof } => {
@@ -487,8 +490,8 @@ fn decode_payload(kind: u8, b: &[u8]) -> Result<Message, CodecError> {
         22 => Message::Retracted { req: r.req()?, tokens: r.tokens()? },
         23 => Message::PeerLeft { worker: WorkerId(r.u32()?) },
         24 => Message::Room,
-        25 => Message::AuthHello { purpose: r.enum_u8("purpose", purpose)?, claim: r.u32()?, nonce: r.arr()? },
-        26 => Message::AuthChallenge { nonce: r.arr()?, proof: r.arr()? },
+        25 => Message::AuthHello { purpose: r.enum_u8("purpose", purpose)?, claim: r.u32()?, nonce: r.arr()?, encrypt: r.enum_u8("encrypt", flag)? },
+        26 => Message::AuthChallenge { nonce: r.arr()?, proof: r.arr()?, encrypt: r.enum_u8("encrypt", flag)? },
         27 => Message::AuthProof { proof: r.arr()? },
         28 => Message::AuthRefused { reason: r.str("reason")? },
         k => return Err(CodecError::UnknownKind(k)),
@@ -522,7 +525,8 @@ impl FrameEncoder {
         let start = out.len();
         encode(m, out);
         if let Some(s) = &mut self.sealer {
-            let tag = s.seal(&out[start..]);
+            let (header, payload) = out[start..].split_at_mut(HEADER);
+            let tag = s.seal(header, payload);
             out.extend_from_slice(&tag);
         }
     }
@@ -581,7 +585,9 @@ impl FrameDecoder {
             return Ok(None);
         }
         if let Some(o) = &mut self.opener {
-            o.open(&self.buf[..HEADER + len], &self.buf[HEADER + len..HEADER + len + tag])?;
+            let (header, rest) = self.buf.split_at_mut(HEADER);
+            let (payload, rest) = rest.split_at_mut(len);
+            o.open(header, payload, &rest[..tag])?;
         }
         let m = decode_payload(kind, &self.buf[HEADER..HEADER + len]);
         self.buf.drain(..HEADER + len + tag);
@@ -634,8 +640,8 @@ mod tests {
             Message::Retracted { req: RequestId(5), tokens: vec![4, 5] },
             Message::PeerLeft { worker: WorkerId(2) },
             Message::Room,
-            Message::AuthHello { purpose: Purpose::Kv, claim: 3, nonce: [7; 32] },
-            Message::AuthChallenge { nonce: [8; 32], proof: [9; 32] },
+            Message::AuthHello { purpose: Purpose::Kv, claim: 3, nonce: [7; 32], encrypt: true },
+            Message::AuthChallenge { nonce: [8; 32], proof: [9; 32], encrypt: false },
             Message::AuthProof { proof: [10; 32] },
             Message::AuthRefused { reason: "no key".into() },
             Message::KvChunk {
@@ -694,11 +700,11 @@ mod tests {
     }
 
     /// Sealer and opener of one direction of a fresh session.
-    fn sealed_pair() -> (FrameEncoder, FrameDecoder) {
+    fn sealed_pair(encrypt: bool) -> (FrameEncoder, FrameDecoder) {
         use crate::auth::{Client, ClusterKey, Server};
         let key = ClusterKey::from_bytes([1; 32]);
-        let (client, hello) = Client::start(&key, Purpose::Control, 0, [2; 32]);
-        let (server, challenge) = Server::start(&key, Purpose::Control, hello, [3; 32]).unwrap();
+        let (client, hello) = Client::start(&key, Purpose::Control, 0, encrypt, [2; 32]);
+        let (server, challenge) = Server::start(&key, Purpose::Control, hello, false, [3; 32]).unwrap();
         let (proof, c) = client.finish(challenge).unwrap();
         let s = server.finish(proof).unwrap();
         let mut d = FrameDecoder::new(DEFAULT_MAX_FRAME);
@@ -708,10 +714,21 @@ mod tests {
 
     #[test]
     fn sealed_frames_round_trip_and_any_flipped_byte_stops_the_stream_before_a_wrong_message() {
+        for encrypt in [false, true] {
+            sealed_stream(encrypt);
+        }
+    }
+
+    fn sealed_stream(encrypt: bool) {
         let msgs = samples();
-        let (mut enc, mut d) = sealed_pair();
+        let (mut enc, mut d) = sealed_pair(encrypt);
         let mut bytes = Vec::new();
         msgs.iter().for_each(|m| enc.encode(m, &mut bytes));
+        let mut plain = Vec::new();
+        msgs.iter().for_each(|m| encode(m, &mut plain));
+        // Encrypted: no message's payload survives in the clear (a "Refuse" reason is a
+        // readable string in a MAC-only stream).
+        assert_eq!(bytes.windows(13).any(|w| w == b"model differs"), !encrypt);
         d.push(&bytes);
         let mut got = Vec::new();
         while let Some(m) = d.next_message().unwrap() {
@@ -721,7 +738,7 @@ mod tests {
         for i in 0..bytes.len() {
             let mut bad = bytes.clone();
             bad[i] ^= 0x01;
-            let (_, mut d) = sealed_pair();
+            let (_, mut d) = sealed_pair(encrypt);
             d.push(&bad);
             let mut got = Vec::new();
             let end = loop {
@@ -734,9 +751,9 @@ mod tests {
             assert!(got.len() < msgs.len() && got[..] == msgs[..got.len()], "byte {i}: a changed message got through");
         }
         // A sealed stream read without the key's opener, and a plain one read with it.
-        let mut plain = Vec::new();
+        plain.clear();
         encode(&msgs[0], &mut plain);
-        let (_, mut d) = sealed_pair();
+        let (_, mut d) = sealed_pair(encrypt);
         d.push(&plain);
         d.push(&[0; TAG_LEN]);
         assert!(matches!(d.next_message(), Err(CodecError::Auth(AuthError::BadTag))));

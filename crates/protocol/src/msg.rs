@@ -216,11 +216,12 @@ pub enum Purpose {
 pub enum Message {
     /// Connecting side, first frame where the cluster has a key ([`crate::auth`]): what the
     /// connection is for, the identity it claims (a prefill worker's id on a KV
-    /// connection, else 0) and a fresh nonce.
-    AuthHello { purpose: Purpose, claim: u32, nonce: [u8; 32] },
-    /// Accepting side: its fresh nonce and its proof of the key over both nonces.
-    AuthChallenge { nonce: [u8; 32], proof: [u8; 32] },
-    /// Connecting side: its proof of the key. Every later frame carries a MAC.
+    /// connection, else 0), a fresh nonce, and whether it wants frames encrypted.
+    AuthHello { purpose: Purpose, claim: u32, nonce: [u8; 32], encrypt: bool },
+    /// Accepting side: its fresh nonce, whether the session is encrypted (if either side
+    /// wants it) and its proof of the key over the transcript.
+    AuthChallenge { nonce: [u8; 32], proof: [u8; 32], encrypt: bool },
+    /// Connecting side: its proof of the key. Every later frame carries a tag.
     AuthProof { proof: [u8; 32] },
     /// Either side: the handshake is refused (no key where one is needed, or the other way
     /// round); the connection closes.

@@ -25,7 +25,7 @@ use bulkhead_engine::{Engine, EngineConfig};
 use bulkhead_kv::{KvPool, RequestId};
 use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeLink};
-use bulkhead_protocol::auth::ClusterKey;
+use crate::trust::Trust;
 use bulkhead_protocol::{Hello, Message, Purpose, Role, WorkerId};
 use tracing::Span;
 
@@ -49,7 +49,7 @@ enum In {
 /// Run a decode worker until its gateway goes away.
 pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     let loaded = load(&cfg)?;
-    let listener = TcpListener::bind(&cfg.kv_listen)?;
+    let listener = TcpListener::bind(&cfg.kv_listen).map_err(|source| WorkerError::KvListen { addr: cfg.kv_listen.clone(), source })?;
     cfg.trust.check_listener("decode worker's KV port", listener.local_addr()?)?;
     let kv_addr = match &cfg.kv_advertise {
         Some(a) => a.clone(),
@@ -61,8 +61,8 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     let (tx, rx) = sync_channel::<In>(INBOX);
     crate::wire::spawn_reader(gw_reader, tx.clone(), In::Gateway, In::GatewayClosed);
     {
-        let (tx, key) = (tx.clone(), cfg.trust.key.clone());
-        std::thread::spawn(move || accept_prefills(listener, tx, key));
+        let (tx, trust) = (tx.clone(), cfg.trust.clone());
+        std::thread::spawn(move || accept_prefills(listener, tx, trust));
     }
     let crate::worker::Loaded { model, pool, context, .. } = loaded;
     let engine = Engine::new(Arc::new(model.model), Arc::new(model.tokenizer), pool, EngineConfig::for_context(context));
@@ -216,7 +216,7 @@ impl DecodeLink for Link {
 /// [`HELLO_TIMEOUT`]. Anything else (garbage, a port scanner, an HTTP client, silence, no
 /// key or a wrong one, another prefill's id) closes that connection and the worker serves
 /// on.
-fn accept_prefills(listener: TcpListener, tx: SyncSender<In>, key: Option<Arc<ClusterKey>>) {
+fn accept_prefills(listener: TcpListener, tx: SyncSender<In>, trust: Trust) {
     let open = Arc::new(AtomicUsize::new(0));
     for conn in listener.incoming() {
         let Ok(stream) = conn else { continue };
@@ -226,15 +226,15 @@ fn accept_prefills(listener: TcpListener, tx: SyncSender<In>, key: Option<Arc<Cl
             continue;
         }
         open.fetch_add(1, Ordering::AcqRel);
-        let (tx, open, key) = (tx.clone(), open.clone(), key.clone());
+        let (tx, open, trust) = (tx.clone(), open.clone(), trust.clone());
         std::thread::spawn(move || {
-            serve_prefill(stream, &tx, key.as_deref());
+            serve_prefill(stream, &tx, &trust);
             open.fetch_sub(1, Ordering::AcqRel);
         });
     }
 }
 
-fn serve_prefill(stream: TcpStream, tx: &SyncSender<In>, key: Option<&ClusterKey>) {
+fn serve_prefill(stream: TcpStream, tx: &SyncSender<In>, trust: &Trust) {
     let _ = stream.set_nodelay(true);
     let Ok(writer) = stream.try_clone() else { return };
     let mut writer = FrameWriter::new(writer);
@@ -243,14 +243,18 @@ fn serve_prefill(stream: TcpStream, tx: &SyncSender<In>, key: Option<&ClusterKey
     let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
     let mut reader = FrameReader::new(stream);
     let hello = reader.recv().map_err(WireError::from).and_then(|first| {
-        let claim = accept_handshake(first.clone(), &mut reader, &mut writer, key, Purpose::Kv)?;
+        let auth = accept_handshake(first.clone(), &mut reader, &mut writer, trust, Purpose::Kv)?;
         // Without a key the first frame was already the introduction.
-        let hello = if claim.is_some() { reader.recv()? } else { first };
-        Ok((claim, hello))
+        let hello = if auth.is_some() { reader.recv()? } else { first };
+        Ok((auth, hello))
     });
     let from = match hello {
-        Ok((claim, Message::KvHello { prefill })) if claim.is_none_or(|c| c == prefill.0) => prefill,
-        Ok((Some(claim), Message::KvHello { prefill })) => {
+        Ok((auth, Message::KvHello { prefill })) if auth.is_none_or(|a| a.claim == prefill.0) => {
+            tracing::info!(%peer, %prefill, authenticated = auth.is_some(), encrypted = auth.is_some_and(|a| a.encrypted), "KV connection from a prefill worker");
+            prefill
+        }
+        Ok((Some(auth), Message::KvHello { prefill })) => {
+            let claim = auth.claim;
             let total = count_auth_refusal();
             tracing::warn!(%peer, claimed = claim, named = %prefill, auth_refusals = total, "KV connection authenticated as one prefill worker names another; closed");
             let _ = writer.send(&Message::AuthRefused { reason: format!("this connection authenticated as worker-{claim}, not {prefill}") });

@@ -16,7 +16,7 @@ use bulkhead_api::PromptEncoder;
 use bulkhead_kv::RequestId;
 use bulkhead_protocol::admission::{admit, default_max_tokens, Generate};
 use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, RegisterError};
-use bulkhead_protocol::auth::{ClusterKey, Server};
+use bulkhead_protocol::auth::Server;
 use bulkhead_protocol::{
     FailReason, FrameDecoder, FrameEncoder, Hello, Purpose, Message, MetricFamily, RejectReason, Role, Sampling, TraceContext, WorkerId, DEFAULT_MAX_FRAME,
 };
@@ -256,7 +256,7 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
     let wl = TcpListener::bind(&opts.workers).await?;
     let worker_addr = wl.local_addr()?;
     opts.trust.check_listener("gateway's worker port", worker_addr)?;
-    tokio::spawn(accept_workers(wl, cmds.clone(), opts.trust.key.clone()));
+    tokio::spawn(accept_workers(wl, cmds.clone(), opts.trust.clone()));
     let hl = TcpListener::bind(&opts.http_addr).await?;
     let http_addr = hl.local_addr()?;
     let backend_shared = shared.clone();
@@ -525,12 +525,12 @@ impl Actor {
     }
 }
 
-async fn accept_workers(l: TcpListener, cmds: mpsc::Sender<Cmd>, key: Option<Arc<ClusterKey>>) {
+async fn accept_workers(l: TcpListener, cmds: mpsc::Sender<Cmd>, trust: Trust) {
     loop {
         let Ok((s, peer)) = l.accept().await else { continue };
-        let (cmds, key) = (cmds.clone(), key.clone());
+        let (cmds, trust) = (cmds.clone(), trust.clone());
         tokio::spawn(async move {
-            if let Err(e) = serve_worker(s, cmds, key.as_deref()).await {
+            if let Err(e) = serve_worker(s, cmds, &trust).await {
                 if e.kind() == std::io::ErrorKind::PermissionDenied {
                     let total = crate::wire::count_auth_refusal();
                     tracing::warn!(%peer, error = %e, auth_refusals = total, "worker refused: cluster handshake failed");
@@ -576,7 +576,8 @@ async fn write_msg(w: &mut tokio::net::tcp::OwnedWriteHalf, enc: &mut FrameEncod
 /// `PermissionDenied` (counted by the caller).
 async fn authenticate(
     first: Message,
-    key: Option<&ClusterKey>,
+    trust: &Trust,
+    peer: Option<std::net::IpAddr>,
     r: &mut tokio::net::tcp::OwnedReadHalf,
     w: &mut tokio::net::tcp::OwnedWriteHalf,
     d: &mut FrameDecoder,
@@ -584,9 +585,9 @@ async fn authenticate(
     buf: &mut [u8],
 ) -> std::io::Result<Message> {
     let refused = |reason: String| std::io::Error::new(std::io::ErrorKind::PermissionDenied, reason);
-    let key = match (key, &first) {
+    let key = match (trust.key.as_deref(), &first) {
         (None, Message::AuthHello { .. }) => {
-            let reason = "this cluster runs without a key; start the worker without --cluster-key-file".to_string();
+            let reason = crate::wire::NO_KEY_HERE.to_string();
             let _ = write_msg(w, enc, &Message::AuthRefused { reason: reason.clone() }).await;
             return Err(refused(reason));
         }
@@ -594,7 +595,7 @@ async fn authenticate(
         (Some(key), _) => key,
     };
     let nonce = crate::trust::random().map_err(std::io::Error::other)?;
-    let result = match Server::start(key, Purpose::Control, first, nonce) {
+    let result = match Server::start(key, Purpose::Control, first, trust.wants_encryption(peer), nonce) {
         Ok((server, challenge)) => {
             write_msg(w, enc, &challenge).await?;
             server.finish(read_hello(r, d, buf).await?)
@@ -603,6 +604,7 @@ async fn authenticate(
     };
     match result {
         Ok(session) => {
+            tracing::info!(?peer, encrypted = session.encrypted, "worker connection authenticated");
             d.open_with(session.recv);
             *enc = FrameEncoder::sealed(session.send);
             read_hello(r, d, buf).await
@@ -614,14 +616,15 @@ async fn authenticate(
     }
 }
 
-async fn serve_worker(s: TcpStream, cmds: mpsc::Sender<Cmd>, key: Option<&ClusterKey>) -> std::io::Result<()> {
+async fn serve_worker(s: TcpStream, cmds: mpsc::Sender<Cmd>, trust: &Trust) -> std::io::Result<()> {
     s.set_nodelay(true)?;
+    let peer = s.peer_addr().ok().map(|a| a.ip());
     let (mut r, mut w) = s.into_split();
     let mut d = FrameDecoder::new(DEFAULT_MAX_FRAME);
     let mut enc = FrameEncoder::plain();
     let mut buf = vec![0u8; 64 << 10];
     let first = read_hello(&mut r, &mut d, &mut buf).await?;
-    let first = authenticate(first, key, &mut r, &mut w, &mut d, &mut enc, &mut buf).await?;
+    let first = authenticate(first, trust, peer, &mut r, &mut w, &mut d, &mut enc, &mut buf).await?;
     let Message::Hello(hello) = first else { return Err(std::io::Error::other("first message was not Hello")) };
     let (wtx, mut wrx) = mpsc::channel::<Message>(WORKER_OUTBOX);
     let (reply, answer) = oneshot::channel();

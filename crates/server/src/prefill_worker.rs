@@ -20,7 +20,7 @@ use bulkhead_engine::Prefiller;
 use bulkhead_kv::{KvPool, RequestId};
 use bulkhead_protocol::driver::prefill::{LinkDown, PrefillDriver, PrefillLink, Step};
 use bulkhead_protocol::prefill::{JobOutcome, PrefillConfig, PrefillEvent, PrefillRole};
-use bulkhead_protocol::auth::ClusterKey;
+use crate::trust::Trust;
 use bulkhead_protocol::{Hello, Message, Purpose, Role, WorkerId};
 
 use crate::metrics::{self, Families, Histogram, Pusher};
@@ -42,8 +42,8 @@ struct Link {
     /// The first failed write to the gateway: the worker exits with it.
     gw_error: Option<WireError>,
     decodes: BTreeMap<WorkerId, FrameWriter>,
-    /// The cluster key: each KV connection authenticates with it as `me`.
-    key: Option<Arc<ClusterKey>>,
+    /// The cluster's trust settings: each KV connection authenticates with its key as `me`.
+    trust: Trust,
     inbox: SyncSender<In>,
     /// Events about the connections this thread opened, for the driver after its call.
     events: Vec<PrefillEvent>,
@@ -87,15 +87,15 @@ impl PrefillLink for Link {
             s.set_nodelay(true)?;
             let mut reader = FrameReader::new(s.try_clone()?);
             let mut writer = FrameWriter::new(s);
-            connect_handshake(&mut reader, &mut writer, self.key.as_deref(), Purpose::Kv, self.me.0)?;
+            let auth = connect_handshake(&mut reader, &mut writer, &self.trust, Purpose::Kv, self.me.0)?;
             writer.send(&Message::KvHello { prefill: self.me })?;
-            Ok((reader, writer))
+            Ok((reader, writer, auth))
         });
         match conn {
-            Ok((reader, writer)) => {
+            Ok((reader, writer, auth)) => {
                 spawn_reader(reader, self.inbox.clone(), move |m| In::Decode(decode, m), In::DecodeClosed(decode));
                 self.decodes.insert(decode, writer);
-                tracing::info!(%decode, addr, "KV connection open");
+                tracing::info!(%decode, addr, authenticated = auth.is_some(), encrypted = auth.is_some_and(|a| a.encrypted), "KV connection open");
                 self.events.push(PrefillEvent::DecodeConnected { decode });
             }
             Err(e) => {
@@ -190,8 +190,8 @@ fn incarnation(
         keepalive_ms: PrefillConfig::keepalive_for(cfg.transfer_timeout_ms),
     });
     let chunk_tokens = cfg.transfer_batch_pages.max(1) * page_size;
-    let key = cfg.trust.key.clone();
-    let link = Link { me, gw, gw_error: None, decodes: BTreeMap::new(), key, inbox, events: Vec::new(), sent_bytes: 0, sending: None, rejoin: false };
+    let trust = cfg.trust.clone();
+    let link = Link { me, gw, gw_error: None, decodes: BTreeMap::new(), trust, inbox, events: Vec::new(), sent_bytes: 0, sending: None, rejoin: false };
     let mut w = Worker {
         driver: PrefillDriver::new(role, chunk_tokens),
         link,

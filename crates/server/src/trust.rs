@@ -2,7 +2,7 @@
 //! which listeners may run without one. The handshake and the frame MACs themselves are
 //! sans-IO, in [`bulkhead_protocol::auth`]; [`crate::wire`] runs them over sockets.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -15,6 +15,21 @@ pub struct Trust {
     pub key: Option<Arc<ClusterKey>>,
     /// `--insecure-cluster`: internal listeners may face the network without a key.
     pub insecure: bool,
+    /// `--cluster-encryption`: when this side asks for encrypted frames.
+    pub encryption: Encryption,
+}
+
+/// When a process asks for its internal frames to be encrypted (AES-256-GCM under the
+/// session key) as well as authenticated. A session is encrypted if either side asks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Encryption {
+    /// Between hosts: on; with a loopback peer: off (the bytes never leave the machine).
+    #[default]
+    Auto,
+    /// Always, loopback included.
+    On,
+    /// Never asked for by this side (the peer may still ask).
+    Off,
 }
 
 /// Why the cluster's trust settings refuse to start.
@@ -34,12 +49,32 @@ pub enum TrustError {
     OpenListener { what: &'static str, addr: SocketAddr },
     #[error("cannot make a random key: {0}")]
     Random(String),
+    #[error("--cluster-encryption on needs a cluster key (--cluster-key-file FILE): the frames are encrypted under a key derived from it")]
+    EncryptionWithoutKey,
 }
 
 impl Trust {
-    /// A cluster with `key`.
+    /// A cluster with `key`, encrypting between hosts.
     pub fn with_key(key: ClusterKey) -> Self {
-        Trust { key: Some(Arc::new(key)), insecure: false }
+        Trust { key: Some(Arc::new(key)), insecure: false, encryption: Encryption::Auto }
+    }
+
+    /// Settings as given; refused when they cannot hold (encryption without a key).
+    pub fn new(key: Option<ClusterKey>, insecure: bool, encryption: Encryption) -> Result<Self, TrustError> {
+        if key.is_none() && encryption == Encryption::On {
+            return Err(TrustError::EncryptionWithoutKey);
+        }
+        Ok(Trust { key: key.map(Arc::new), insecure, encryption })
+    }
+
+    /// Whether this side asks for encryption on a connection with `peer` (unknown: as if
+    /// it were another host).
+    pub fn wants_encryption(&self, peer: Option<IpAddr>) -> bool {
+        match self.encryption {
+            Encryption::On => true,
+            Encryption::Off => false,
+            Encryption::Auto => !peer.is_some_and(|ip| ip.is_loopback()),
+        }
     }
 
     /// Fail closed: an internal listener on a non-loopback address needs a key, unless
@@ -57,10 +92,16 @@ impl Trust {
 
     /// What the start-up log line says about internal connections.
     pub fn describe(&self) -> &'static str {
-        match (&self.key, self.insecure) {
-            (Some(_), _) => "cluster key: mutual authentication and a MAC on every internal frame; frames are not encrypted",
-            (None, true) => "NO cluster key (--insecure-cluster): internal connections are not authenticated",
-            (None, false) => "no cluster key: internal connections are not authenticated (loopback only)",
+        match (&self.key, self.insecure, self.encryption) {
+            (Some(_), _, Encryption::Auto) => {
+                "cluster key: mutual authentication and a tag on every internal frame; frames between hosts are encrypted (AES-256-GCM), frames over loopback are not (each connection's log line says which)"
+            }
+            (Some(_), _, Encryption::On) => "cluster key: mutual authentication; every internal frame is encrypted and authenticated (AES-256-GCM)",
+            (Some(_), _, Encryption::Off) => {
+                "cluster key: mutual authentication and a MAC on every internal frame; this side does not ask for encryption (--cluster-encryption off), so frames travel in the clear unless the peer asks"
+            }
+            (None, true, _) => "NO cluster key (--insecure-cluster): internal connections are neither authenticated nor encrypted",
+            (None, false, _) => "no cluster key: internal connections are neither authenticated nor encrypted (loopback only)",
         }
     }
 }
@@ -123,8 +164,21 @@ mod tests {
         assert!(none.check_listener("KV port", local).is_ok());
         let err = none.check_listener("KV port", open).unwrap_err().to_string();
         assert!(err.contains("--cluster-key-file") && err.contains("0.0.0.0:9000"), "{err}");
-        assert!(Trust { key: None, insecure: true }.check_listener("KV port", open).is_ok());
+        assert!(Trust { insecure: true, ..Trust::default() }.check_listener("KV port", open).is_ok());
         assert!(Trust::with_key(ClusterKey::from_bytes([1; 32])).check_listener("KV port", open).is_ok());
+    }
+
+    #[test]
+    fn encryption_is_asked_for_between_hosts_by_default_and_needs_a_key_when_forced() {
+        let key = || Some(ClusterKey::from_bytes([1; 32]));
+        let (there, here) = (Some("10.0.0.2".parse().unwrap()), Some("127.0.0.1".parse().unwrap()));
+        let auto = Trust::new(key(), false, Encryption::Auto).unwrap();
+        assert!(auto.wants_encryption(there) && auto.wants_encryption(None) && !auto.wants_encryption(here));
+        let on = Trust::new(key(), false, Encryption::On).unwrap();
+        assert!(on.wants_encryption(here));
+        let off = Trust::new(key(), false, Encryption::Off).unwrap();
+        assert!(!off.wants_encryption(there));
+        assert!(matches!(Trust::new(None, false, Encryption::On), Err(TrustError::EncryptionWithoutKey)));
     }
 
     #[cfg(unix)]

@@ -4,6 +4,8 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 
 use bulkhead_protocol::auth::{AuthError, Client, ClusterKey, Server, Session};
+
+use crate::trust::Trust;
 use bulkhead_protocol::{CodecError, FrameDecoder, FrameEncoder, Message, Purpose, DEFAULT_MAX_FRAME};
 
 /// Connections closed for bad bytes (garbage, oversize or unknown frames, a wrong first
@@ -111,6 +113,11 @@ impl FrameWriter {
         Ok(())
     }
 
+    /// The peer's address, if the socket still knows it.
+    pub fn peer_ip(&self) -> Option<std::net::IpAddr> {
+        self.stream.peer_addr().ok().map(|a| a.ip())
+    }
+
     /// Close both directions (the connection's reader sees it end).
     pub fn shutdown(&self) {
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
@@ -121,12 +128,22 @@ impl FrameWriter {
     }
 }
 
+/// What a handshake established about the peer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Authenticated {
+    /// The identity the peer claimed and proved (a prefill's id on a KV connection; 0 for
+    /// the accepting side, and where nothing is claimed).
+    pub claim: u32,
+    /// Frames are encrypted as well as authenticated.
+    pub encrypted: bool,
+}
+
 /// The connecting side of an internal connection: with a key, run the handshake for
-/// `purpose` claiming `claim`, and seal both directions; without one, nothing.
-pub fn connect_handshake(r: &mut FrameReader, w: &mut FrameWriter, key: Option<&ClusterKey>, purpose: Purpose, claim: u32) -> Result<(), WireError> {
-    let Some(key) = key else { return Ok(()) };
+/// `purpose` claiming `claim`, and seal both directions; without one, nothing (`None`).
+pub fn connect_handshake(r: &mut FrameReader, w: &mut FrameWriter, trust: &Trust, purpose: Purpose, claim: u32) -> Result<Option<Authenticated>, WireError> {
+    let Some(key) = trust.key.as_deref() else { return Ok(None) };
     let nonce = crate::trust::random().map_err(std::io::Error::other)?;
-    let (client, hello) = Client::start(key, purpose, claim, nonce);
+    let (client, hello) = Client::start(key, purpose, claim, trust.wants_encryption(w.peer_ip()), nonce);
     w.send(&hello)?;
     let (proof, session) = match client.finish(r.recv()?) {
         Ok(done) => done,
@@ -137,39 +154,41 @@ pub fn connect_handshake(r: &mut FrameReader, w: &mut FrameWriter, key: Option<&
         }
     };
     w.send(&proof)?;
-    seal(r, w, session);
-    Ok(())
+    Ok(Some(seal(r, w, session)))
 }
 
 /// The accepting side of an internal connection whose first frame was `first`: with a
-/// key, run the handshake and seal both directions, returning the identity the peer
-/// claimed; without one, `first` must not be a handshake. A refusal is sent to the peer
+/// key, run the handshake and seal both directions, returning what the peer proved;
+/// without one, `first` must not be a handshake (`None`). A refusal is sent to the peer
 /// (so it can say why it failed), counted and returned.
-pub fn accept_handshake(first: Message, r: &mut FrameReader, w: &mut FrameWriter, key: Option<&ClusterKey>, purpose: Purpose) -> Result<Option<u32>, WireError> {
-    let result = match (key, first) {
-        (None, Message::AuthHello { .. }) => Err(AuthError::Refused("this cluster runs without a key; start the peer without --cluster-key-file".into()).into()),
+pub fn accept_handshake(first: Message, r: &mut FrameReader, w: &mut FrameWriter, trust: &Trust, purpose: Purpose) -> Result<Option<Authenticated>, WireError> {
+    let result = match (trust.key.as_deref(), first) {
+        (None, Message::AuthHello { .. }) => Err(AuthError::Refused(NO_KEY_HERE.into()).into()),
         (None, _) => return Ok(None),
-        (Some(key), first) => accept_with(key, first, r, w, purpose),
+        (Some(key), first) => accept_with(key, trust.wants_encryption(w.peer_ip()), first, r, w, purpose),
     };
-    result.map(|claim| Some(claim)).inspect_err(|e| {
+    result.map(Some).inspect_err(|e| {
         let _ = w.send(&Message::AuthRefused { reason: e.to_string() });
         count_auth_refusal();
     })
 }
 
-fn accept_with(key: &ClusterKey, first: Message, r: &mut FrameReader, w: &mut FrameWriter, purpose: Purpose) -> Result<u32, WireError> {
+/// What a process without a key tells a peer that opens a handshake.
+pub const NO_KEY_HERE: &str = "this cluster runs without a key; start the peer without --cluster-key-file";
+
+fn accept_with(key: &ClusterKey, encrypt: bool, first: Message, r: &mut FrameReader, w: &mut FrameWriter, purpose: Purpose) -> Result<Authenticated, WireError> {
     let nonce = crate::trust::random().map_err(std::io::Error::other)?;
-    let (server, challenge) = Server::start(key, purpose, first, nonce)?;
+    let (server, challenge) = Server::start(key, purpose, first, encrypt, nonce)?;
     w.send(&challenge)?;
     let session = server.finish(r.recv()?)?;
-    let claim = session.peer_claim;
-    seal(r, w, session);
-    Ok(claim)
+    Ok(seal(r, w, session))
 }
 
-fn seal(r: &mut FrameReader, w: &mut FrameWriter, s: Session) {
+fn seal(r: &mut FrameReader, w: &mut FrameWriter, s: Session) -> Authenticated {
+    let done = Authenticated { claim: s.peer_claim, encrypted: s.encrypted };
     r.open_with(s.recv);
     w.seal_with(s.send);
+    done
 }
 
 /// Digest of a model file, the identity workers and gateway compare (xxh3-64 of the bytes).

@@ -68,6 +68,8 @@ pub enum WorkerError {
     Kv(#[from] bulkhead_kv::KvError),
     #[error("cannot reach the gateway at {addr}: {source}")]
     Connect { addr: String, source: std::io::Error },
+    #[error("cannot listen for KV connections on {addr} (--kv-listen): {source}")]
+    KvListen { addr: String, source: std::io::Error },
     #[error("the gateway refused this worker: {0}")]
     Refused(String),
     #[error("gateway connection: {0}")]
@@ -145,10 +147,11 @@ pub fn register(cfg: &WorkerConfig, hello: Hello) -> Result<(FrameWriter, FrameR
     stream.set_nodelay(true)?;
     let mut reader = FrameReader::new(stream.try_clone()?);
     let mut writer = FrameWriter::new(stream);
-    connect_handshake(&mut reader, &mut writer, cfg.trust.key.as_deref(), Purpose::Control, 0).map_err(|e| match e {
+    let auth = connect_handshake(&mut reader, &mut writer, &cfg.trust, Purpose::Control, 0).map_err(|e| match e {
         WireError::Auth(a) => WorkerError::Refused(a.to_string()),
         other => WorkerError::Wire(other),
     })?;
+    tracing::info!(gateway = %cfg.gateway, authenticated = auth.is_some(), encrypted = auth.is_some_and(|a| a.encrypted), "connected to the gateway");
     writer.send(&Message::Hello(hello))?;
     match reader.recv()? {
         Message::Welcome { worker } => Ok((writer, reader, worker)),
