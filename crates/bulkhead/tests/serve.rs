@@ -143,6 +143,92 @@ fn forced_encryption_on_loopback_serves_the_same_greedy_answer() {
     }
 }
 
+/// A man in the middle of the KV connection: forwards both directions, but flips the last
+/// byte of the first `KvChunk` it sees (kind 9; after the two untagged handshake frames
+/// from the prefill side, every frame carries a 16-byte tag). Returns its address.
+fn tampering_proxy(to: std::net::SocketAddr) -> std::net::SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let tampered = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    std::thread::spawn(move || {
+        for from_prefill in l.incoming().flatten() {
+            let Ok(to_decode) = TcpStream::connect(to) else { continue };
+            let (mut back_in, mut back_out) = (to_decode.try_clone().unwrap(), from_prefill.try_clone().unwrap());
+            std::thread::spawn(move || std::io::copy(&mut back_in, &mut back_out));
+            let tampered = tampered.clone();
+            std::thread::spawn(move || {
+                let (mut r, mut w) = (from_prefill, to_decode);
+                for frame in 0.. {
+                    let mut header = [0u8; 8];
+                    if r.read_exact(&mut header).is_err() {
+                        break;
+                    }
+                    let len = u32::from_le_bytes(header[4..8].try_into().unwrap()) as usize;
+                    let mut rest = vec![0u8; len + if frame >= 2 { 16 } else { 0 }];
+                    if r.read_exact(&mut rest).is_err() {
+                        break;
+                    }
+                    if header[3] == 9 && !tampered.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                        rest[len - 1] ^= 0x01;
+                    }
+                    if w.write_all(&header).and_then(|()| w.write_all(&rest)).is_err() {
+                        break;
+                    }
+                }
+                let _ = w.shutdown(std::net::Shutdown::Both);
+            });
+        }
+    });
+    addr
+}
+
+/// A KV chunk with one byte flipped on the way never lands: its connection closes and is
+/// counted, the request ends with an error or (retried) with the right answer, never a
+/// wrong one, and the cluster serves on with whole pools.
+#[test]
+fn a_chunk_altered_on_the_wire_is_refused_and_counted_and_never_answers_wrong() {
+    let want = generate(PROMPTS[0]);
+    let kv = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let proxy = tampering_proxy(kv);
+    let (kv_s, proxy_s) = (kv.to_string(), proxy.to_string());
+    let s = serve(&[], &[("BULKHEAD_KV_LISTEN", &kv_s), ("BULKHEAD_KV_ADVERTISE", &proxy_s)]);
+    let (status, v) = chat(&s.http, SYSTEM, PROMPTS[0], 32);
+    assert!(status == 200 && content(&v) == want || status >= 500 && v.get("error").is_some(), "{status} {v}");
+    assert!(counter(&s, "bulkhead:bad_connections_total", "", 1.0) >= 1.0);
+    let log = std::fs::read_to_string(&s.stderr_log).unwrap();
+    assert!(log.lines().any(|l| l.contains("bad frame on a KV connection") && l.contains("failed authentication")), "{log}");
+    // The prefill worker rejoins under a new id; until it has, requests get a 503 that
+    // says so. Never a wrong answer.
+    let mut served = 0;
+    for _ in 0..150 {
+        let (status, v) = chat(&s.http, SYSTEM, PROMPTS[0], 32);
+        if status == 200 {
+            assert_eq!(content(&v), want);
+            served += 1;
+            if served == 2 {
+                break;
+            }
+        } else {
+            assert!(status == 503 && v.get("error").is_some(), "{status} {v}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    assert_eq!(served, 2, "the cluster serves again after the tampered connection");
+    let whole = |m: &str| {
+        let sum = |name: &str| m.lines().filter(|l| l.starts_with(name)).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum::<f64>();
+        sum("bulkhead:kv_free_pages") == sum("bulkhead:kv_pool_pages") && sum("bulkhead:quarantined_pages") == 0.0
+    };
+    let mut m = String::new();
+    for _ in 0..100 {
+        m = get(&s.http, "/metrics").1;
+        if whole(&m) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("pools not whole after the tampered transfer:\n{m}");
+}
+
 /// The incident: a prefill pool smaller than the context, a decode pool larger; tenant A's
 /// marker in decode pages; tenant B's prompt longer than the prefill pool. B gets 400 and
 /// nobody ever sees A's marker. Then again with the gateway's own check switched off: the
