@@ -214,19 +214,14 @@ fn a_chunk_altered_on_the_wire_is_refused_and_counted_and_never_answers_wrong() 
         }
     }
     assert_eq!(served, 2, "the cluster serves again after the tampered connection");
-    let whole = |m: &str| {
-        let sum = |name: &str| m.lines().filter(|l| l.starts_with(name)).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum::<f64>();
-        sum("bulkhead:kv_free_pages") == sum("bulkhead:kv_pool_pages") && sum("bulkhead:quarantined_pages") == 0.0
-    };
-    let mut m = String::new();
+    let metric = |name: &str| counter(&s, name, "", 0.0);
     for _ in 0..100 {
-        m = get(&s.http, "/metrics").1;
-        if whole(&m) {
+        if metric("bulkhead:kv_free_pages") == metric("bulkhead:kv_pool_pages") && metric("bulkhead:quarantined_pages") == 0.0 {
             return;
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    panic!("pools not whole after the tampered transfer:\n{m}");
+    panic!("pools not whole after the tampered transfer:\n{}", get(&s.http, "/metrics").1);
 }
 
 /// The incident: a prefill pool smaller than the context, a decode pool larger; tenant A's
