@@ -45,7 +45,7 @@ impl Backend for Admit {
     fn generate(&self, req: GenerationRequest) -> Result<mpsc::Receiver<GenEvent>, ApiError> {
         *self.seen.lock().unwrap_or_else(|e| e.into_inner()) = Some(req);
         let (tx, rx) = mpsc::channel(2);
-        let done = GenEvent::Finished { reason: FinishReason::Stop, prompt_tokens: 1, completion_tokens: 1 };
+        let done = GenEvent::Finished { reason: FinishReason::Stop, prompt_tokens: 1, completion_tokens: 1, cached_tokens: 0 };
         for ev in [GenEvent::Text("ok".into()), done] {
             tx.try_send(ev).map_err(|e| ApiError::internal(e.to_string()))?;
         }

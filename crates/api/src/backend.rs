@@ -8,6 +8,7 @@ use bulkhead_tokenizer::ChatMessage;
 use tokio::sync::mpsc::Receiver;
 
 use crate::error::ApiError;
+use crate::tenants::Tenant;
 use crate::trace::TraceId;
 
 /// One model a backend serves, as listed by `GET /v1/models`.
@@ -50,6 +51,10 @@ pub struct GenerationRequest {
     pub sampling: Sampling,
     /// Stop strings: generation ends before the first one, which is not returned.
     pub stop: Vec<String>,
+    /// Who sent it (from the API key).
+    pub tenant: Tenant,
+    /// `cache_salt`: splits the tenant's prefix cache further (at most 256 bytes).
+    pub cache_salt: Option<String>,
 }
 
 /// What a backend streams for one request. The stream ends after `Finished` or `Failed`.
@@ -65,6 +70,8 @@ pub enum GenEvent {
         prompt_tokens: usize,
         /// Tokens generated.
         completion_tokens: usize,
+        /// Prompt tokens whose KV came from the prefix cache.
+        cached_tokens: usize,
     },
     /// The generation failed after it was admitted.
     Failed(ApiError),

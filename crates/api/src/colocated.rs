@@ -361,6 +361,8 @@ impl EngineLoop {
                             reason: finish,
                             prompt_tokens: prompt_tokens as usize,
                             completion_tokens: completion_tokens as usize,
+                            // The colocated engine has no prefix cache.
+                            cached_tokens: 0,
                         });
                     }
                 }

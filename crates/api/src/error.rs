@@ -53,6 +53,11 @@ pub struct ApiError {
 }
 
 impl ApiError {
+    /// 401 with OpenAI's `invalid_api_key` code: a missing or unknown API key.
+    pub fn invalid_api_key(message: impl Into<String>) -> Self {
+        ApiError::new(StatusCode::UNAUTHORIZED, ErrorKind::InvalidRequest, message).with_code("invalid_api_key")
+    }
+
     /// An error with the given parts and no `code` or `param`.
     pub fn new(status: StatusCode, kind: ErrorKind, message: impl Into<String>) -> Self {
         ApiError {

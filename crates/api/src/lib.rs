@@ -14,6 +14,8 @@
 //! - [`routes`]: [`router`], the axum endpoints (`/v1/chat/completions`, `/v1/completions`,
 //!   `/v1/models`, `/health`, `/ready`), server-sent events, the JSON extractor and the
 //!   `x-request-id` middleware.
+//! - [`tenants`]: [`Tenants`], API keys to tenants (401 `invalid_api_key` otherwise); the
+//!   tenant of a request comes from its key, never from its body.
 //! - [`trace`]: W3C `traceparent`: [`trace::TraceParent`] continued or started per request.
 //! - [`prompt`]: [`PromptEncoder`], chat template and tokenizer applied to a prompt.
 //! - [`colocated`]: [`ColocatedBackend`], the engine on a dedicated thread in this process.
@@ -27,10 +29,12 @@ pub mod openai;
 pub mod openapi;
 pub mod prompt;
 pub mod routes;
+pub mod tenants;
 pub mod trace;
 
 pub use backend::{Backend, FinishReason, GenEvent, GenerationRequest, ModelCard, Prompt};
 pub use colocated::{ColocatedBackend, ColocatedError};
 pub use error::{ApiError, ErrorKind};
 pub use prompt::PromptEncoder;
-pub use routes::{router, BodyTimeout, DEFAULT_BODY_TIMEOUT, MAX_BODY_BYTES};
+pub use routes::{router, router_with_tenants, BodyTimeout, DEFAULT_BODY_TIMEOUT, MAX_BODY_BYTES};
+pub use tenants::{Tenant, Tenants, TenantsError};

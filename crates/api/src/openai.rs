@@ -15,6 +15,8 @@ use crate::error::ApiError;
 
 /// Most stop strings a request may give (OpenAI's limit).
 pub const MAX_STOP: usize = 4;
+/// Longest accepted `cache_salt`, in bytes.
+pub const MAX_CACHE_SALT: usize = 256;
 /// Largest accepted `temperature` (OpenAI's range is `0..=2`).
 pub const MAX_TEMPERATURE: f64 = 2.0;
 
@@ -35,6 +37,8 @@ pub struct CompletionParams {
     pub stream: bool,
     /// `stream_options.include_usage`: send a usage chunk before `[DONE]`.
     pub include_usage: bool,
+    /// `cache_salt` (vLLM's): splits the tenant's prefix cache further.
+    pub cache_salt: Option<String>,
 }
 
 impl CompletionParams {
@@ -197,6 +201,14 @@ fn common(obj: &Map<String, Value>, prompt: Prompt) -> Result<CompletionParams, 
         Some(v) => return Err(type_error("stream_options", "an object", v)),
     };
     let stop = parse_stop(obj)?;
+    let cache_salt = match field(obj, "cache_salt") {
+        None => None,
+        Some(Value::String(s)) if s.len() <= MAX_CACHE_SALT => Some(s.clone()),
+        Some(Value::String(s)) => {
+            return Err(ApiError::invalid_request("cache_salt", format!("cache_salt is {} bytes; the most is {MAX_CACHE_SALT}.", s.len())));
+        }
+        Some(v) => return Err(type_error("cache_salt", "a string", v)),
+    };
     Ok(CompletionParams {
         model,
         prompt,
@@ -205,6 +217,7 @@ fn common(obj: &Map<String, Value>, prompt: Prompt) -> Result<CompletionParams, 
         stop,
         stream,
         include_usage,
+        cache_salt,
     })
 }
 
@@ -515,6 +528,10 @@ pub struct CompletionOptions {
     pub ignore_eos: Option<bool>,
     /// Leave special tokens such as `<|im_start|>` out of the text (default true; vLLM's).
     pub skip_special_tokens: Option<bool>,
+    /// Splits your prefix cache further (vLLM's): requests share cached prompt pages only
+    /// with requests of the same tenant (API key) and the same salt.
+    #[schema(max_length = 256)]
+    pub cache_salt: Option<String>,
 }
 
 /// `stream_options` of a completion request.
@@ -651,15 +668,26 @@ pub struct Usage {
     pub completion_tokens: usize,
     /// Their sum.
     pub total_tokens: usize,
+    /// How the prompt tokens were served.
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens whose KV came from the prefix cache (computed for an earlier request
+    /// of the same tenant and salt).
+    pub cached_tokens: usize,
 }
 
 impl Usage {
-    /// Usage from the two counts.
-    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
+    /// Usage from the counts.
+    pub fn new(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Self {
         Usage {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens.saturating_add(completion_tokens),
+            prompt_tokens_details: PromptTokensDetails { cached_tokens },
         }
     }
 }

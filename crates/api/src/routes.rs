@@ -26,6 +26,7 @@ use utoipa::{IntoResponses, ToSchema};
 use crate::backend::{Backend, GenEvent, GenerationRequest, ModelCard};
 use crate::error::{ApiError, ErrorBody, ErrorKind};
 use crate::ids::{random_hex, unix_now};
+use crate::tenants::{Tenant, Tenants};
 use crate::trace::{TRACEPARENT, TraceParent};
 use crate::openai::{
     self, AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChatCompletionRequest,
@@ -54,13 +55,23 @@ struct AppState {
 /// The OpenAI-compatible HTTP API over `backend`: `POST /v1/chat/completions`,
 /// `POST /v1/completions`, `GET /v1/models`, `GET /v1/models/{id}`, `GET /health`,
 /// `GET /ready`, and its OpenAPI document at `GET /openapi.json`. Every error, including
-/// unknown routes and unreadable bodies, is an OpenAI error body.
+/// unknown routes and unreadable bodies, is an OpenAI error body. No authentication: every
+/// request belongs to the tenant `default`.
 pub fn router(backend: Arc<dyn Backend>) -> Router {
-    Router::new()
+    router_with_tenants(backend, Arc::new(Tenants::open()))
+}
+
+/// [`router`] where every `/v1/` request must carry the API key of one of `tenants`
+/// (when they configure any): 401 `invalid_api_key` otherwise, before the body is read.
+pub fn router_with_tenants(backend: Arc<dyn Backend>, tenants: Arc<Tenants>) -> Router {
+    let v1 = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{*id}", get(get_model))
+        .route_layer(middleware::from_fn_with_state(tenants, authenticate));
+    Router::new()
+        .merge(v1)
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/openapi.json", get(openapi_json))
@@ -88,7 +99,14 @@ async fn request_id(mut req: Request, next: Next) -> Response {
     let trace = TraceParent::continue_or_start(req.headers());
     req.extensions_mut().insert(XRequestId(id.clone()));
     req.extensions_mut().insert(trace);
-    let span = tracing::info_span!("request", request_id = %id, trace_id = %trace.trace_id, method = %req.method(), path = %req.uri().path());
+    let span = tracing::info_span!(
+        "request",
+        request_id = %id,
+        trace_id = %trace.trace_id,
+        method = %req.method(),
+        path = %req.uri().path(),
+        tenant = tracing::field::Empty
+    );
     let mut resp = next.run(req).instrument(span).await;
     if let Ok(v) = HeaderValue::from_str(&id) {
         resp.headers_mut().insert(X_REQUEST_ID.clone(), v);
@@ -97,6 +115,22 @@ async fn request_id(mut req: Request, next: Next) -> Response {
         resp.headers_mut().insert(TRACEPARENT.clone(), v);
     }
     resp
+}
+
+/// The tenant of a `/v1/` request, from its API key (never from its body), as a request
+/// extension and on the request's span; 401 before anything else when the key is wrong.
+async fn authenticate(State(tenants): State<Arc<Tenants>>, mut req: Request, next: Next) -> Response {
+    match tenants.authenticate(req.headers()) {
+        Ok(t) => {
+            Span::current().record("tenant", &*t.name);
+            req.extensions_mut().insert(t);
+            next.run(req).await
+        }
+        Err(e) => {
+            tracing::info!(code = e.code, "refused: API key");
+            e.into_response()
+        }
+    }
 }
 
 /// A JSON body whose every rejection (wrong Content-Type, unreadable or oversize body,
@@ -188,6 +222,11 @@ impl IntoResponses for CompletionErrors {
                  context (`code: context_length_exceeded`).",
             ),
             (
+                StatusCode::UNAUTHORIZED,
+                "With API keys configured: a missing or unknown `Authorization: Bearer` key \
+                 (`code: invalid_api_key`).",
+            ),
+            (
                 StatusCode::NOT_FOUND,
                 "Unknown `model` (`code: model_not_found`).",
             ),
@@ -243,9 +282,10 @@ async fn chat_completions(
     State(st): State<AppState>,
     Extension(rid): Extension<XRequestId>,
     Extension(trace): Extension<TraceParent>,
+    Extension(tenant): Extension<Tenant>,
     OpenAiJson(body): OpenAiJson,
 ) -> Result<Response, ApiError> {
-    complete(st, rid, trace, Endpoint::Chat, openai::parse_chat(&body)?).await
+    complete(st, rid, trace, tenant, Endpoint::Chat, openai::parse_chat(&body)?).await
 }
 
 /// Create a text completion.
@@ -270,9 +310,10 @@ async fn completions(
     State(st): State<AppState>,
     Extension(rid): Extension<XRequestId>,
     Extension(trace): Extension<TraceParent>,
+    Extension(tenant): Extension<Tenant>,
     OpenAiJson(body): OpenAiJson,
 ) -> Result<Response, ApiError> {
-    complete(st, rid, trace, Endpoint::Text, openai::parse_completion(&body)?).await
+    complete(st, rid, trace, tenant, Endpoint::Text, openai::parse_completion(&body)?).await
 }
 
 fn find_model(backend: &dyn Backend, name: &str) -> Result<ModelCard, ApiError> {
@@ -287,6 +328,7 @@ async fn complete(
     st: AppState,
     rid: XRequestId,
     trace: TraceParent,
+    tenant: Tenant,
     endpoint: Endpoint,
     p: CompletionParams,
 ) -> Result<Response, ApiError> {
@@ -300,6 +342,8 @@ async fn complete(
         max_tokens: p.max_tokens,
         sampling: p.sampling,
         stop: p.stop,
+        tenant,
+        cache_salt: p.cache_salt,
     };
     let backend = Arc::clone(&st.backend);
     // Admission may block (tokenising, waiting for the engine between steps).
@@ -354,8 +398,9 @@ async fn collect_response(meta: Meta, mut rx: Receiver<GenEvent>) -> Result<Resp
                 reason,
                 prompt_tokens,
                 completion_tokens,
+                cached_tokens,
             }) => {
-                break (reason, Usage::new(prompt_tokens, completion_tokens));
+                break (reason, Usage::new(prompt_tokens, completion_tokens, cached_tokens));
             }
             Some(GenEvent::Failed(e)) => return Err(e),
             None => return Err(ApiError::internal("The generation ended without a result.")),
@@ -486,9 +531,10 @@ async fn next_frames(st: &mut StreamState) -> String {
                 reason,
                 prompt_tokens,
                 completion_tokens,
+                cached_tokens,
             }) => {
                 st.done = true;
-                let usage = Usage::new(prompt_tokens, completion_tokens);
+                let usage = Usage::new(prompt_tokens, completion_tokens, cached_tokens);
                 tracing::info!(
                     prompt_tokens,
                     completion_tokens,

@@ -52,6 +52,7 @@ impl Mock {
                 reason: FinishReason::Length,
                 prompt_tokens: 7,
                 completion_tokens: 2,
+                cached_tokens: 4,
             },
         ])
     }
@@ -259,7 +260,7 @@ async fn a_chat_completion_returns_the_backend_text_with_usage() {
     assert_eq!(v["choices"][0]["finish_reason"], "length");
     assert_eq!(
         v["usage"],
-        json!({ "prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9 })
+        json!({ "prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9, "prompt_tokens_details": { "cached_tokens": 4 } })
     );
     let req = mock.last_request();
     assert_eq!(
@@ -278,6 +279,7 @@ async fn a_text_completion_returns_a_text_completion_object() {
             reason: FinishReason::Stop,
             prompt_tokens: 2,
             completion_tokens: 3,
+            cached_tokens: 0,
         },
     ]);
     let (status, v) = send_json(
@@ -293,7 +295,7 @@ async fn a_text_completion_returns_a_text_completion_object() {
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
     assert_eq!(
         v["usage"],
-        json!({ "prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5 })
+        json!({ "prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5, "prompt_tokens_details": { "cached_tokens": 0 } })
     );
     assert_eq!(mock.last_request().prompt, Prompt::Text("Once upon".into()));
 }
@@ -352,7 +354,7 @@ async fn a_stream_sends_a_usage_chunk_before_done_only_when_include_usage_is_set
     assert_eq!(usage["choices"], json!([]));
     assert_eq!(
         usage["usage"],
-        json!({ "prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9 })
+        json!({ "prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9, "prompt_tokens_details": { "cached_tokens": 4 } })
     );
     for p in &payloads[..4] {
         let c = parse(p);

@@ -4,12 +4,14 @@
 //! they never outlive this process.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::collections::VecDeque;
 use std::io::Write;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use bulkhead_api::Tenants;
 use bulkhead_server::gateway::{self, GatewayOptions};
 use bulkhead_server::http::HttpLimits;
 use bulkhead_server::trust::{self, Trust};
@@ -152,6 +154,22 @@ pub struct ServeArgs {
     /// the workers it starts, so it is never on a command line or in the environment).
     #[arg(long, hide = true, env = "BULKHEAD_CLUSTER_KEY_STDIN", value_parser = clap::builder::BoolishValueParser::new())]
     cluster_key_stdin: bool,
+    /// Tenants and their API keys (gateway): a TOML file with one `[[tenant]]` table per
+    /// tenant (`name`, `api_keys` and/or `api_key_sha256`). Every /v1/ request must then
+    /// carry one of the keys as `Authorization: Bearer <key>`; the key picks the tenant,
+    /// whose prefix cache and queue are its own.
+    #[arg(long, env = "BULKHEAD_TENANTS", conflicts_with = "api_key")]
+    tenants: Option<PathBuf>,
+    /// One API key every /v1/ request must carry (one tenant, `default`); vLLM's flag.
+    #[arg(long, env = "BULKHEAD_API_KEY")]
+    api_key: Option<String>,
+    /// Do not share KV pages between requests: no prefix cache on the prefill workers.
+    #[arg(long, env = "BULKHEAD_NO_PREFIX_CACHE", value_parser = clap::builder::BoolishValueParser::new())]
+    no_prefix_cache: bool,
+    /// Most KV pages of a prefill worker's pool its prefix cache keeps (default: the whole
+    /// pool; cached pages nobody reads are evicted whenever a prompt needs room).
+    #[arg(long, env = "BULKHEAD_PREFIX_CACHE_PAGES")]
+    prefix_cache_pages: Option<usize>,
     /// Test only: switch the gateway's context check off to show the workers' own holds.
     #[arg(long, hide = true, env = "BULKHEAD_NO_GATEWAY_ADMISSION", value_parser = clap::builder::BoolishValueParser::new())]
     no_gateway_admission: bool,
@@ -257,6 +275,7 @@ impl ServeArgs {
             transfer_timeout_ms: self.transfer_timeout_ms,
             kv_checks: self.checks.checks(),
             trust,
+            prefix_cache_pages: if self.no_prefix_cache { 0 } else { self.prefix_cache_pages.unwrap_or(usize::MAX) },
         })
     }
 }
@@ -284,6 +303,13 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
 
 async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Result<()> {
     let secret = trust.key.as_ref().map(|k| k.to_hex());
+    let tenants = match (&a.tenants, &a.api_key) {
+        (Some(path), _) => Tenants::load(path)?,
+        (None, Some(key)) => Tenants::single_key(key)?,
+        (None, None) => Tenants::open(),
+    };
+    let access = if tenants.authenticates() { format!("{} tenant(s), API keys required", tenants.len()) } else { "open (no API key)".into() };
+    let cache = if a.no_prefix_cache { "off".to_string() } else { a.prefix_cache_pages.map_or("on (up to the prefill pool)".into(), |p| format!("on (up to {p} pages per prefill worker)")) };
     let opts = GatewayOptions {
         http_addr: format!("{}:{}", a.host, a.port),
         workers: a.worker_listen.clone(),
@@ -296,6 +322,8 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
         http: HttpLimits { max_connections: a.max_connections, header_timeout: Duration::from_millis(a.http_header_timeout_ms.max(1)) },
         body_timeout: Duration::from_millis(a.http_body_timeout_ms.max(1)),
         trust,
+        tenants: Arc::new(tenants),
+        prefix_cache: !a.no_prefix_cache,
     };
     let mut gw = gateway::start(opts).await.with_context(|| format!("cannot start the gateway on {}:{}", a.host, a.port))?;
     let mut workers = Supervisor { slots: Vec::new(), secret };
@@ -322,6 +350,11 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
                     cmd.arg("--clamp-context");
                 }
                 cmd.args(a.checks.child_args());
+                if a.no_prefix_cache {
+                    cmd.arg("--no-prefix-cache");
+                } else if let Some(p) = a.prefix_cache_pages {
+                    cmd.args(["--prefix-cache-pages", &p.to_string()]);
+                }
                 if workers.secret.is_some() {
                     cmd.arg("--cluster-key-stdin");
                 }
@@ -329,11 +362,12 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
                     cmd.args(["--cluster-encryption", e.get_name()]);
                 }
                 // Workers must not bind the gateway's HTTP port or inherit its role.
-                cmd.env_remove("BULKHEAD_ROLE").env_remove("BULKHEAD_PORT").env_remove("BULKHEAD_CONFIG");
+                cmd.env_remove("BULKHEAD_ROLE").env_remove("BULKHEAD_PORT").env_remove("BULKHEAD_CONFIG").env_remove("BULKHEAD_API_KEY").env_remove("BULKHEAD_TENANTS");
                 workers.add(role, cmd).with_context(|| format!("cannot start a {role} worker"))?;
             }
         }
     }
+    tracing::info!(%access, prefix_cache = %cache, "serving");
     println!("bulkhead: serving on http://{} (workers register at {})", gw.http_addr, gw.worker_addr);
     let outcome = tokio::select! {
         () = shutdown_signal() => Ok(()),

@@ -371,7 +371,7 @@ impl Engine {
             match self.step_once() {
                 Err(EngineError::Model(ModelError::ReadCheck { seq, source })) => {
                     let s = self.seqs.swap_remove(seq);
-                    let pages: Vec<u32> = s.kv.leases().iter().map(|l| l.page().0).collect();
+                    let pages: Vec<u32> = s.kv.pages().iter().map(|l| l.page().0).collect();
                     tracing::error!(request = s.id.0, ?pages, error = %source, "KV read check failed; request failed");
                     let owner = s.id;
                     self.give_back(s.kv);

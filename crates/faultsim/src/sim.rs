@@ -20,7 +20,7 @@ use bulkhead_modelcheck::drivers::DecodeVariant;
 use bulkhead_modelcheck::Variant;
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeEngine, DecodeLink};
 use bulkhead_protocol::driver::prefill::{LinkDown, PrefillDriver, PrefillLink, Step};
-use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole};
+use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, TenantId};
 use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillRole};
 use bulkhead_protocol::{Hello, Message, RejectReason, Role, Sampling, TraceContext, WorkerId};
 
@@ -378,6 +378,7 @@ fn brief(m: &Message) -> String {
         Message::Finished { req, finish, completion_tokens, .. } => format!("Finished r{req} {finish:?} {completion_tokens} tokens"),
         Message::Failed { req, reason, .. } => format!("Failed r{req} {reason:?}"),
         Message::Abort { req, reason } => format!("Abort r{req} {reason:?}"),
+        Message::CacheReport { stored, evicted } => format!("CacheReport +{} -{}", stored.len(), evicted.len()),
         Message::Cancel { req } => format!("Cancel r{req}"),
         Message::Metrics { .. } => "Metrics".into(),
         Message::Room => "Room".into(),
@@ -612,6 +613,8 @@ impl<'m, M: Models> Sim<'m, M> {
                     sampling: Sampling::default(),
                     stop: Vec::new(),
                     trace: TraceContext::default(),
+                    tenant: TenantId::default(),
+                    cache: None,
                 };
                 let acts = self.gw.role.handle(ev);
                 self.gateway_actions(acts);

@@ -163,4 +163,39 @@ pub enum KvError {
         /// Generation of the reader's lease.
         reader_generation: Generation,
     },
+    /// A cached page was asked for, or read, under another (tenant, salt) fence than the
+    /// one it was written under (design I7): the cache key pointed at the wrong entry.
+    #[error("page {page} is cached for another tenant or salt: fence mismatch")]
+    FenceMismatch {
+        /// The cached page.
+        page: PageId,
+    },
+    /// A shared page cannot be written; only its writer's own lease could, before it was
+    /// published (design I8).
+    #[error("position {pos} lies in a shared read-only page")]
+    ReadOnly {
+        /// The position.
+        pos: usize,
+    },
+    /// Only a page written to the last slot in every layer can be published to the cache.
+    #[error("page {page} is not full (layer {layer} holds {watermark} slots): only full pages are shared")]
+    NotFull {
+        /// The page.
+        page: PageId,
+        /// A layer that is not full.
+        layer: usize,
+        /// Its watermark.
+        watermark: usize,
+    },
+    /// A cached page with readers cannot be evicted (design I9).
+    #[error("page {page} has {readers} readers: it cannot be evicted")]
+    InUse {
+        /// The page.
+        page: PageId,
+        /// Shared leases on it.
+        readers: usize,
+    },
+    /// Shared pages must come first in a sequence, before any page of its own.
+    #[error("shared pages can only start an empty sequence")]
+    NotEmpty,
 }

@@ -37,6 +37,18 @@ id_type!(
     PoolId(u64)
 );
 
+/// The (tenant, cache salt) scope a cached page belongs to, as a digest the gateway
+/// derives with the cluster's secret (design I7). The pool compares fences and never
+/// interprets them: a page written under one fence is never shared under another.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Fence(pub [u8; 16]);
+
+/// Name of one full page of tokens in a prefix cache: a keyed hash chaining the page's
+/// tokens, its parent's key and its fence (computed outside this crate). Equal keys mean
+/// equal content under the same fence, up to the hash.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PageKey(pub [u8; 16]);
+
 impl PageId {
     /// The page as an index into per-page tables.
     pub(crate) fn index(self) -> usize {

@@ -1,8 +1,8 @@
 //! Bulkhead's KV page pool: the page allocator and the only place KV bytes live.
 //!
 //! It enforces the isolation contract of the design (I1 ownership, I2 coverage, I4
-//! quarantine): every page is free, leased to one request at one generation, or
-//! quarantined; every read and write goes through a [`Lease`] that is checked against the
+//! quarantine, I7–I9 sharing): every page is free, leased to one request at one
+//! generation, quarantined, or cached read-only for one tenant fence; every read and write goes through a [`Lease`] that is checked against the
 //! page's current state, generation and owner; reads see only the slots written in the
 //! lease's generation. No model, no I/O, no threads, no `unsafe`.
 //!
@@ -20,7 +20,7 @@
 //!     }
 //! }
 //! seq.commit(&pool, 3)?;
-//! let read = pool.read(&seq.leases()[0], 0)?;
+//! let read = pool.read(&seq.pages()[0], 0)?;
 //! assert_eq!(read.len(), 3); // only written slots, never the whole page
 //! assert_eq!(read.k_head(0).len(), 3 * 2);
 //! assert_eq!(seq.release(&mut pool).map_err(|u| u.error)?, 1);
@@ -32,12 +32,16 @@
 //! - `layout`: [`KvLayout`] (page shape and sizes) and [`PoolConfig`].
 //! - `error`: [`KvError`], one typed variant per refusal.
 //! - `pool`: [`KvPool`], [`Lease`], [`Quarantined`], [`PageRead`], [`PoolStats`], [`POISON`].
-//! - `sequence`: [`SequenceKv`], the page table of one sequence.
+//! - `sequence`: [`SequenceKv`], the page table of one sequence: its own pages after any
+//!   shared ones ([`SeqPage`]).
+//! - `cache`: [`PrefixCache`], full pages published read-only ([`CachedPage`]) and shared
+//!   ([`SharedLease`]) with later requests of the same [`Fence`] (I7–I9).
 //! - [`transfer`]: the verified handoff between pools: [`Inbound`] checks every chunk and
 //!   alone makes a [`VerifiedSequence`].
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod cache;
 mod error;
 mod ids;
 mod layout;
@@ -46,8 +50,9 @@ mod sequence;
 pub mod transfer;
 
 pub use error::KvError;
-pub use ids::{Generation, PageId, PoolId, RequestId};
+pub use cache::{CacheStats, PrefixCache};
+pub use ids::{Fence, Generation, PageId, PageKey, PoolId, RequestId};
 pub use layout::{KvChecks, KvLayout, PoolConfig};
-pub use pool::{KvPool, Lease, POISON, PageRead, PageTag, PoolStats, Quarantined};
-pub use sequence::{SequenceKv, Unreleased};
+pub use pool::{CachedPage, KvPool, Lease, POISON, PageHandle, PageRead, PageTag, PoolStats, Quarantined, SharedLease};
+pub use sequence::{SeqPage, SequenceKv, Unreleased};
 pub use transfer::{ChunkHeader, Inbound, Manifest, PageRef, TransferError, VerifiedSequence};

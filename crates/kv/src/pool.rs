@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use half::f16;
 
-use crate::{Generation, KvChecks, KvError, KvLayout, PageId, PoolConfig, PoolId, RequestId, SequenceKv};
+use crate::{Fence, Generation, KvChecks, KvError, KvLayout, PageId, PoolConfig, PoolId, RequestId, SequenceKv};
 
 /// Sentinel written over a page when it returns to the free list (if
 /// [`KvChecks::canaries`]): a quiet f16 NaN with a recognisable payload, so a read
@@ -65,7 +65,82 @@ pub struct Quarantined {
     tag: PageTag,
 }
 
-/// Both handles are a tag plus a right: reading the tag goes through to it.
+/// The cache's hold on a published page (design I8): the page is full, read-only, and
+/// belongs to one fence. Not `Clone`; only [`KvPool::publish`] makes one and only
+/// [`KvPool::evict`] consumes it. Its tag's owner is the request that wrote the page.
+#[must_use = "a dropped cache handle keeps its page cached forever"]
+#[derive(Debug)]
+pub struct CachedPage {
+    tag: PageTag,
+    fence: Fence,
+}
+
+impl CachedPage {
+    /// The fence the page was published under.
+    pub fn fence(&self) -> Fence {
+        self.fence
+    }
+}
+
+/// A read-only lease of a cached page to one reader (design I8): [`KvPool::write`] and
+/// [`KvPool::import_slots`] take only a [`Lease`], so nothing can write through it. Not
+/// `Clone`; [`KvPool::unshare`] consumes it. Its tag's owner is the reader; it also names
+/// the page's writer and fence, which every read checks against the page.
+#[must_use = "a dropped shared lease keeps its page from being evicted"]
+#[derive(Debug)]
+pub struct SharedLease {
+    tag: PageTag,
+    writer: RequestId,
+    fence: Fence,
+}
+
+impl SharedLease {
+    /// The fence the reader asked under (equal to the page's, or the lease was refused).
+    pub fn fence(&self) -> Fence {
+        self.fence
+    }
+}
+
+/// A handle that may read a page: a request's own lease or a shared one. What
+/// [`KvPool::read`], [`KvPool::export_slots`] and [`KvPool::watermark`] take.
+#[derive(Clone, Copy, Debug)]
+pub enum PageHandle<'a> {
+    /// The reader's own page.
+    Own(&'a Lease),
+    /// A cached page shared read-only.
+    Shared(&'a SharedLease),
+}
+
+impl<'a> From<&'a Lease> for PageHandle<'a> {
+    fn from(l: &'a Lease) -> Self {
+        PageHandle::Own(l)
+    }
+}
+
+impl<'a> From<&'a SharedLease> for PageHandle<'a> {
+    fn from(l: &'a SharedLease) -> Self {
+        PageHandle::Shared(l)
+    }
+}
+
+impl PageHandle<'_> {
+    fn tag(&self) -> &PageTag {
+        match self {
+            PageHandle::Own(l) => &l.tag,
+            PageHandle::Shared(l) => &l.tag,
+        }
+    }
+
+    /// Who the auditor expects to have written the page's slots in this generation.
+    fn writer(&self) -> RequestId {
+        match self {
+            PageHandle::Own(l) => l.tag.owner,
+            PageHandle::Shared(l) => l.writer,
+        }
+    }
+}
+
+/// Every handle is a tag plus a right: reading the tag goes through to it.
 macro_rules! tag_of {
     ($($handle:ty),*) => {$(
         impl std::ops::Deref for $handle {
@@ -76,7 +151,7 @@ macro_rules! tag_of {
         }
     )*};
 }
-tag_of!(Lease, Quarantined);
+tag_of!(Lease, Quarantined, CachedPage, SharedLease);
 
 /// Borrowed view of K and V of one page for one layer, holding only the written slots.
 #[derive(Clone, Copy, Debug)]
@@ -148,6 +223,10 @@ pub struct PoolStats {
     pub leased_pages: usize,
     /// Pages quarantined.
     pub quarantined_pages: usize,
+    /// Pages published to a prefix cache (read-only, shared).
+    pub cached_pages: usize,
+    /// Shared leases out on cached pages.
+    pub shared_leases: usize,
     /// Leases granted since the pool was made.
     pub leases_granted: u64,
     /// Pages returned to the free list (from leased or quarantined).
@@ -171,6 +250,16 @@ pub struct PoolStats {
     pub audited_slots: u64,
     /// Slots the auditor refused (shadow tag of another owner or generation).
     pub audit_violations: u64,
+    /// Pages published to a prefix cache.
+    pub published: u64,
+    /// Cached pages evicted back to the free list.
+    pub evictions: u64,
+    /// Shared leases granted.
+    pub shares: u64,
+    /// Tenant-fence checks: a shared lease asked for or read under its fence (I7).
+    pub fence_checks: u64,
+    /// Fence checks refused: a request reached a page of another tenant or salt.
+    pub fence_failures: u64,
 }
 
 /// Shadow tag of one slot: who wrote it, under which lease generation. Generation 0 is
@@ -188,13 +277,15 @@ enum PageState {
     Free,
     Leased(RequestId),
     Quarantined(RequestId),
+    /// Published to a prefix cache: full, read-only, readable only under `fence`.
+    Cached { fence: Fence, writer: RequestId },
 }
 
 impl PageState {
     /// The request holding the page, leased or quarantined.
     fn owner(self) -> Option<RequestId> {
         match self {
-            PageState::Free => None,
+            PageState::Free | PageState::Cached { .. } => None,
             PageState::Leased(o) | PageState::Quarantined(o) => Some(o),
         }
     }
@@ -217,10 +308,13 @@ struct PageMeta {
 /// The page allocator and the only place KV bytes live.
 ///
 /// Invariants (asserted by [`KvPool::check_invariants`]):
-/// - every page is exactly one of free (on the free list once), leased, quarantined;
+/// - every page is exactly one of free (on the free list once), leased, quarantined,
+///   cached;
+/// - only cached pages have readers, and a cached page with readers is never evicted;
 /// - a page's generation only grows, and each lease gets a fresh one (I1);
 /// - a page's per-layer watermarks count slots written in its current generation, and are
-///   zero unless the page is leased, so nothing written earlier is ever readable (I2).
+///   zero unless the page is leased or cached (then full), so nothing written earlier is
+///   ever readable (I2).
 pub struct KvPool {
     id: PoolId,
     layout: KvLayout,
@@ -235,6 +329,13 @@ pub struct KvPool {
     shadow: Vec<SlotTag>,
     /// Free pages, used as a stack (most recently freed reused first).
     free: Vec<PageId>,
+    /// `readers[page]`: the requests holding a shared lease on a cached page (one entry per
+    /// lease); empty for every other page.
+    readers: Vec<Vec<RequestId>>,
+    cached: usize,
+    published: u64,
+    evictions: u64,
+    shares: u64,
     /// Last generation handed out, pool-wide; strictly increasing, hence per page too.
     last_generation: u64,
     leased: usize,
@@ -251,6 +352,8 @@ pub struct KvPool {
     poisoned_reads: AtomicU64,
     audited_slots: AtomicU64,
     audit_violations: AtomicU64,
+    fence_checks: AtomicU64,
+    fence_failures: AtomicU64,
 }
 
 impl fmt::Debug for KvPool {
@@ -329,6 +432,11 @@ impl KvPool {
             watermarks: vec![0; wm_len],
             shadow,
             free,
+            readers: vec![Vec::new(); cfg.pages],
+            cached: 0,
+            published: 0,
+            evictions: 0,
+            shares: 0,
             last_generation: 0,
             leased: 0,
             quarantined: 0,
@@ -343,6 +451,8 @@ impl KvPool {
             poisoned_reads: AtomicU64::new(0),
             audited_slots: AtomicU64::new(0),
             audit_violations: AtomicU64::new(0),
+            fence_checks: AtomicU64::new(0),
+            fence_failures: AtomicU64::new(0),
         })
     }
 
@@ -468,6 +578,112 @@ impl KvPool {
         }
     }
 
+    /// The check of a cached page's handle: live in its generation, written by `writer`,
+    /// and (I7) published under `fence`. A fence mismatch is counted apart.
+    fn verify_cached(&self, tag: &PageTag, writer: RequestId, fence: Fence) -> Result<(), KvError> {
+        if tag.pool != self.id {
+            return Err(KvError::ForeignLease { lease_pool: tag.pool, pool: self.id });
+        }
+        let meta = self.meta.get(tag.page.index()).ok_or(KvError::PageOutOfRange { page: tag.page, pages: self.meta.len() })?;
+        let stale = KvError::StaleLease { page: tag.page, lease_generation: tag.generation, page_generation: meta.generation };
+        let PageState::Cached { fence: page_fence, writer: page_writer } = meta.state else { return Err(stale) };
+        if meta.generation != tag.generation || page_writer != writer {
+            return Err(stale);
+        }
+        self.fence_checks.fetch_add(1, Ordering::Relaxed);
+        if page_fence != fence {
+            self.fence_failures.fetch_add(1, Ordering::Relaxed);
+            return Err(KvError::FenceMismatch { page: tag.page });
+        }
+        Ok(())
+    }
+
+    /// The check of a shared lease: the cached page's check, and the lease is still one
+    /// of the page's readers (not given back, not revoked).
+    fn verify_shared(&self, lease: &SharedLease) -> Result<(), KvError> {
+        self.verify_cached(&lease.tag, lease.writer, lease.fence)?;
+        if !self.readers[lease.tag.page.index()].contains(&lease.tag.owner) {
+            let meta = self.meta[lease.tag.page.index()];
+            return Err(KvError::StaleLease { page: lease.tag.page, lease_generation: lease.tag.generation, page_generation: meta.generation });
+        }
+        Ok(())
+    }
+
+    /// The check of whatever handle reads a page.
+    fn verify_handle(&self, h: PageHandle<'_>) -> Result<(), KvError> {
+        match h {
+            PageHandle::Own(l) => self.verify(&l.tag, Want::Leased),
+            PageHandle::Shared(l) => self.verify_shared(l),
+        }
+    }
+
+    /// Publishes a full page of `lease` to a prefix cache under `fence` (design I8): from
+    /// now on nobody writes it, and only [`KvPool::share`] under the same fence reads it.
+    /// Refused (the lease comes back) unless the lease is live and every layer is full.
+    pub fn publish(&mut self, lease: Lease, fence: Fence) -> Result<CachedPage, (KvError, Lease)> {
+        if let Err(e) = self.check(&lease) {
+            return Err((e, lease));
+        }
+        let page = lease.tag.page;
+        let ps = self.layout.page_size;
+        for layer in 0..self.layout.layers {
+            let watermark = self.watermarks[self.wm_index(page, layer)];
+            if watermark != ps {
+                return Err((KvError::NotFull { page, layer, watermark }, lease));
+            }
+        }
+        self.meta[page.index()].state = PageState::Cached { fence, writer: lease.tag.owner };
+        self.leased -= 1;
+        self.cached += 1;
+        self.published += 1;
+        Ok(CachedPage { tag: lease.tag, fence })
+    }
+
+    /// A read-only lease of a cached page for `reader`, who asks under `fence`: refused
+    /// with [`KvError::FenceMismatch`] unless the page was published under the same fence,
+    /// whatever key led the caller to it (I7).
+    pub fn share(&mut self, page: &CachedPage, reader: RequestId, fence: Fence) -> Result<SharedLease, KvError> {
+        self.counted(self.verify_cached(&page.tag, page.tag.owner, fence))?;
+        self.readers[page.tag.page.index()].push(reader);
+        self.shares += 1;
+        Ok(SharedLease { tag: PageTag { owner: reader, ..page.tag }, writer: page.tag.owner, fence })
+    }
+
+    /// Gives a shared lease back.
+    pub fn unshare(&mut self, lease: SharedLease) -> Result<(), KvError> {
+        self.counted(self.verify_shared(&lease))?;
+        let readers = &mut self.readers[lease.tag.page.index()];
+        if let Some(i) = readers.iter().position(|r| *r == lease.tag.owner) {
+            readers.swap_remove(i);
+        }
+        Ok(())
+    }
+
+    /// Shared leases out on a cached page (0 for a stale handle).
+    pub fn readers(&self, page: &CachedPage) -> usize {
+        match self.verify_cached(&page.tag, page.tag.owner, page.fence) {
+            Ok(()) => self.readers[page.tag.page.index()].len(),
+            Err(_) => 0,
+        }
+    }
+
+    /// Takes a cached page back to the free list (design I9): refused while any shared
+    /// lease is out on it. Its next lease gets a fresh generation like any page's, so
+    /// every handle of the cached generation is stale from here on.
+    pub fn evict(&mut self, page: CachedPage) -> Result<(), (KvError, CachedPage)> {
+        if let Err(e) = self.counted(self.verify_cached(&page.tag, page.tag.owner, page.fence)) {
+            return Err((e, page));
+        }
+        let readers = self.readers[page.tag.page.index()].len();
+        if readers > 0 {
+            return Err((KvError::InUse { page: page.tag.page, readers }, page));
+        }
+        self.cached -= 1;
+        self.evictions += 1;
+        self.free_page(page.tag.page);
+        Ok(())
+    }
+
     fn check_layer(&self, layer: usize) -> Result<(), KvError> {
         if layer >= self.layout.layers {
             return Err(KvError::LayerOutOfRange {
@@ -566,6 +782,10 @@ impl KvPool {
                 out.push(self.quarantine_page(tag));
             }
         }
+        // Its shared leases (a dropped sequence's) stop counting as readers.
+        for readers in &mut self.readers {
+            readers.retain(|r| *r != owner);
+        }
         out
     }
 
@@ -653,18 +873,18 @@ impl KvPool {
 
     /// K and V of the lease's page for `layer`, limited to the slots written in the lease's
     /// generation (the watermark).
-    pub fn read(&self, lease: &Lease, layer: usize) -> Result<PageRead<'_>, KvError> {
-        let r = self.read_checked(lease, layer);
+    pub fn read<'h>(&self, lease: impl Into<PageHandle<'h>>, layer: usize) -> Result<PageRead<'_>, KvError> {
+        let r = self.read_checked(lease.into(), layer);
         if r.is_ok() {
             self.reads.fetch_add(1, Ordering::Relaxed);
         }
         self.counted(r)
     }
 
-    fn read_checked(&self, lease: &Lease, layer: usize) -> Result<PageRead<'_>, KvError> {
-        self.verify(&lease.tag, Want::Leased)?;
+    fn read_checked(&self, lease: PageHandle<'_>, layer: usize) -> Result<PageRead<'_>, KvError> {
+        self.verify_handle(lease)?;
         self.check_layer(layer)?;
-        let page = lease.tag.page;
+        let page = lease.tag().page;
         // Never page_size: slots past the watermark hold earlier generations' KV (I2).
         let len = self.watermarks[self.wm_index(page, layer)];
         let block = self.layout.block_elems();
@@ -701,20 +921,21 @@ impl KvPool {
 
     fn check_reads_inner(&self, kv: &mut SequenceKv) -> Result<(), KvError> {
         let (ps, len) = (self.layout.page_size, kv.len());
-        for lease in kv.leases() {
+        for page in kv.pages() {
             self.generation_checks.fetch_add(1, Ordering::Relaxed);
-            self.verify(&lease.tag, Want::Leased)?;
+            // A shared page is also checked against its fence (I7), on every step.
+            self.verify_handle(page.handle())?;
         }
         if self.checks.canaries {
             let from = kv.canary_checked();
             for pos in from..len {
-                let (lease, slot) = kv.locate(pos)?;
+                let (lease, slot) = kv.locate_page(pos)?;
                 for layer in 0..self.layout.layers {
                     // First K element of kv head 0: poison fills whole pages.
-                    let at = self.block_start(lease.tag.page, layer) + slot * self.layout.head_dim;
+                    let at = self.block_start(lease.page(), layer) + slot * self.layout.head_dim;
                     if self.storage[at].to_bits() == POISON.to_bits() {
                         self.poisoned_reads.fetch_add(1, Ordering::Relaxed);
-                        return Err(KvError::PoisonedSlot { page: lease.tag.page, layer, slot });
+                        return Err(KvError::PoisonedSlot { page: lease.page(), layer, slot });
                     }
                 }
             }
@@ -722,20 +943,22 @@ impl KvPool {
             kv.set_canary_checked(len);
         }
         if self.checks.audit {
-            for (i, lease) in kv.leases().iter().enumerate() {
+            for (i, page) in kv.pages().iter().enumerate() {
                 let slots = len.saturating_sub(i * ps).min(ps);
                 if slots == 0 {
                     break;
                 }
-                let want = SlotTag { owner: lease.tag.owner, generation: lease.tag.generation };
+                // A shared page's slots carry its writer's tag, in the cached generation.
+                let h = page.handle();
+                let want = SlotTag { owner: h.writer(), generation: page.generation() };
                 for layer in 0..self.layout.layers {
-                    let at = self.wm_index(lease.tag.page, layer) * ps;
+                    let at = self.wm_index(page.page(), layer) * ps;
                     self.audited_slots.fetch_add(slots as u64, Ordering::Relaxed);
                     if let Some(slot) = self.shadow[at..at + slots].iter().position(|t| *t != want) {
                         self.audit_violations.fetch_add(1, Ordering::Relaxed);
                         let found = self.shadow[at + slot];
                         return Err(KvError::AuditViolation {
-                            page: lease.tag.page,
+                            page: page.page(),
                             layer,
                             slot,
                             written_by: found.owner,
@@ -770,14 +993,14 @@ impl KvPool {
     /// Appends to `out` the KV of slots `start..start + count` of the lease's page, all
     /// layers, in the transfer layout `[layer][K, V][kv_head][slot][head_dim]` as f16 LE.
     /// Only written slots can be exported.
-    pub fn export_slots(&self, lease: &Lease, start: usize, count: usize, out: &mut Vec<u8>) -> Result<(), KvError> {
-        let r = self.export_checked(lease, start, count, out);
+    pub fn export_slots<'h>(&self, lease: impl Into<PageHandle<'h>>, start: usize, count: usize, out: &mut Vec<u8>) -> Result<(), KvError> {
+        let r = self.export_checked(lease.into(), start, count, out);
         self.counted(r)
     }
 
-    fn export_checked(&self, lease: &Lease, start: usize, count: usize, out: &mut Vec<u8>) -> Result<(), KvError> {
-        self.verify(&lease.tag, Want::Leased)?;
-        let page = lease.tag.page;
+    fn export_checked(&self, lease: PageHandle<'_>, start: usize, count: usize, out: &mut Vec<u8>) -> Result<(), KvError> {
+        self.verify_handle(lease)?;
+        let page = lease.tag().page;
         let end = start.saturating_add(count);
         for layer in 0..self.layout.layers {
             let watermark = self.watermarks[self.wm_index(page, layer)];
@@ -833,11 +1056,12 @@ impl KvPool {
     }
 
     /// Slots written in `layer` of the lease's page in its generation.
-    pub fn watermark(&self, lease: &Lease, layer: usize) -> Result<usize, KvError> {
+    pub fn watermark<'h>(&self, lease: impl Into<PageHandle<'h>>, layer: usize) -> Result<usize, KvError> {
+        let lease = lease.into();
         let r = self
-            .verify(&lease.tag, Want::Leased)
+            .verify_handle(lease)
             .and_then(|()| self.check_layer(layer))
-            .map(|()| self.watermarks[self.wm_index(lease.tag.page, layer)]);
+            .map(|()| self.watermarks[self.wm_index(lease.tag().page, layer)]);
         self.counted(r)
     }
 
@@ -864,6 +1088,8 @@ impl KvPool {
             free_pages: self.free.len(),
             leased_pages: self.leased,
             quarantined_pages: self.quarantined,
+            cached_pages: self.cached,
+            shared_leases: self.readers.iter().map(Vec::len).sum(),
             leases_granted: self.leases_granted,
             releases: self.releases,
             quarantines: self.quarantines,
@@ -875,6 +1101,11 @@ impl KvPool {
             poisoned_reads: self.poisoned_reads.load(Ordering::Relaxed),
             audited_slots: self.audited_slots.load(Ordering::Relaxed),
             audit_violations: self.audit_violations.load(Ordering::Relaxed),
+            published: self.published,
+            evictions: self.evictions,
+            shares: self.shares,
+            fence_checks: self.fence_checks.load(Ordering::Relaxed),
+            fence_failures: self.fence_failures.load(Ordering::Relaxed),
         }
     }
 
@@ -906,13 +1137,18 @@ impl KvPool {
             );
             on_free_list[p.index()] = true;
         }
-        let (mut free, mut leased, mut quarantined) = (0, 0, 0);
+        let (mut free, mut leased, mut quarantined, mut cached) = (0, 0, 0, 0);
         for (i, m) in self.meta.iter().enumerate() {
             match m.state {
                 PageState::Free => free += 1,
                 PageState::Leased(_) => leased += 1,
                 PageState::Quarantined(_) => quarantined += 1,
+                PageState::Cached { .. } => cached += 1,
             }
+            assert!(
+                self.readers[i].is_empty() || matches!(m.state, PageState::Cached { .. }),
+                "only cached pages have readers (page {i})"
+            );
             assert_eq!(
                 on_free_list[i],
                 m.state == PageState::Free,
@@ -933,7 +1169,12 @@ impl KvPool {
                 wms.iter().all(|&w| w <= self.layout.page_size),
                 "watermarks never exceed page_size (page {i}: {wms:?})"
             );
-            if !matches!(m.state, PageState::Leased(_)) {
+            if matches!(m.state, PageState::Cached { .. }) {
+                assert!(
+                    wms.iter().all(|&w| w == self.layout.page_size),
+                    "a cached page is full in every layer (page {i}: {wms:?})"
+                );
+            } else if !matches!(m.state, PageState::Leased(_)) {
                 assert!(
                     wms.iter().all(|&w| w == 0),
                     "a page that is not leased has zero watermarks (page {i}: {wms:?})"
@@ -946,15 +1187,16 @@ impl KvPool {
             quarantined, self.quarantined,
             "quarantined count matches page states"
         );
+        assert_eq!(cached, self.cached, "cached count matches page states");
         assert_eq!(
-            free + leased + quarantined,
+            free + leased + quarantined + cached,
             pages,
-            "every page is free, leased or quarantined"
+            "every page is free, leased, quarantined or cached"
         );
         assert_eq!(
             self.leases_granted - self.releases,
-            (leased + quarantined) as u64,
-            "every granted lease is either still out (leased/quarantined) or released"
+            (leased + quarantined + cached) as u64,
+            "every granted lease is either still out (leased/quarantined/cached) or released"
         );
         assert_eq!(
             self.last_generation, self.leases_granted,
@@ -1124,16 +1366,16 @@ mod tests {
         first.reserve(&mut p, 4).unwrap();
         for layer in 0..2 {
             for slot in 0..3 {
-                p.write(&first.leases()[0], layer, slot, &row, &row).unwrap();
+                p.write(first.locate(0).unwrap().0, layer, slot, &row, &row).unwrap();
             }
         }
         first.release(&mut p).unwrap();
         let mut second = SequenceKv::new(RequestId(2));
         second.reserve(&mut p, 4).unwrap();
         for layer in 0..2 {
-            p.write(&second.leases()[0], layer, 0, &row, &row).unwrap();
+            p.write(second.locate(0).unwrap().0, layer, 0, &row, &row).unwrap();
         }
-        let page = second.leases()[0].page();
+        let page = second.pages()[0].page();
         for layer in 0..2 {
             let wm = p.wm_index(page, layer);
             p.watermarks[wm] = 3;
@@ -1145,7 +1387,7 @@ mod tests {
     #[test]
     fn the_canary_refuses_a_slot_not_written_since_its_page_was_freed() {
         let (p, mut seq) = stale_read_setup(KvChecks { audit: false, ..KvChecks::all() });
-        let page = seq.leases()[0].page();
+        let page = seq.pages()[0].page();
         assert_eq!(p.check_reads(&mut seq), Err(KvError::PoisonedSlot { page, layer: 0, slot: 1 }));
         let st = p.stats();
         assert_eq!((st.poisoned_reads, st.generation_checks, st.audit_violations), (1, 1, 0));
@@ -1155,7 +1397,7 @@ mod tests {
     fn the_auditor_refuses_a_slot_written_by_the_previous_owner() {
         // Without canaries the stale slot holds request 1's real KV: only the auditor sees it.
         let (p, mut seq) = stale_read_setup(KvChecks { canaries: false, ..KvChecks::all() });
-        let page = seq.leases()[0].page();
+        let page = seq.pages()[0].page();
         assert_eq!(
             p.check_reads(&mut seq),
             Err(KvError::AuditViolation {
@@ -1207,7 +1449,7 @@ mod tests {
         let mut p = KvPool::new(PoolConfig { layout, pages: 1, checks: KvChecks::default() }).unwrap();
         let mut seq = SequenceKv::new(RequestId(1));
         seq.reserve(&mut p, 2).unwrap();
-        let page = seq.leases()[0].page();
+        let page = seq.pages()[0].page();
         for q in p.revoke_owner(RequestId(1)) {
             p.release_quarantined(q).unwrap();
         }

@@ -1,6 +1,48 @@
 //! [`SequenceKv`]: the ordered pages of one sequence and how many of its tokens are committed.
 
+use crate::pool::{PageHandle, PageTag, SharedLease};
 use crate::{KvError, KvPool, Lease, PoolId, Quarantined, RequestId};
+
+/// One page of a sequence: its own, which it writes, or a cached one it shares read-only
+/// (design I8). Shared pages always come first: they hold a cached prefix.
+#[derive(Debug)]
+pub enum SeqPage {
+    /// Leased to the sequence's request.
+    Own(Lease),
+    /// A prefix-cache page, read-only.
+    Shared(SharedLease),
+}
+
+impl SeqPage {
+    /// The handle reads go through.
+    pub fn handle(&self) -> PageHandle<'_> {
+        match self {
+            SeqPage::Own(l) => PageHandle::Own(l),
+            SeqPage::Shared(l) => PageHandle::Shared(l),
+        }
+    }
+
+    /// Whether the page is shared (read-only).
+    pub fn is_shared(&self) -> bool {
+        matches!(self, SeqPage::Shared(_))
+    }
+}
+
+impl std::ops::Deref for SeqPage {
+    type Target = PageTag;
+    fn deref(&self) -> &PageTag {
+        match self {
+            SeqPage::Own(l) => l,
+            SeqPage::Shared(l) => l,
+        }
+    }
+}
+
+impl<'a> From<&'a SeqPage> for PageHandle<'a> {
+    fn from(p: &'a SeqPage) -> Self {
+        p.handle()
+    }
+}
 
 /// The pool a sequence took its pages from, fixed at its first [`SequenceKv::reserve`].
 #[derive(Clone, Copy, Debug)]
@@ -10,7 +52,7 @@ struct Binding {
 }
 
 /// The pages of one sequence in order; position `p` lives in page `p / page_size`, slot
-/// `p % page_size`.
+/// `p % page_size`. A cached prefix comes first as shared pages, then its own pages.
 ///
 /// Not `Clone`: it owns its leases. Give it back with [`SequenceKv::release`] or
 /// [`SequenceKv::quarantine`]; dropping it leaves its pages leased (recover them with
@@ -18,7 +60,7 @@ struct Binding {
 #[derive(Debug)]
 pub struct SequenceKv {
     owner: RequestId,
-    leases: Vec<Lease>,
+    pages: Vec<SeqPage>,
     binding: Option<Binding>,
     /// Tokens whose KV is written in every layer; always <= reserved tokens.
     committed: usize,
@@ -32,7 +74,7 @@ impl SequenceKv {
     pub fn new(owner: RequestId) -> Self {
         SequenceKv {
             owner,
-            leases: Vec::new(),
+            pages: Vec::new(),
             binding: None,
             committed: 0,
             canary_checked: 0,
@@ -62,14 +104,39 @@ impl SequenceKv {
         self.canary_checked = n.min(self.committed);
     }
 
-    /// The leases, in position order.
-    pub fn leases(&self) -> &[Lease] {
-        &self.leases
+    /// The pages, in position order.
+    pub fn pages(&self) -> &[SeqPage] {
+        &self.pages
     }
 
-    /// Token positions the leased pages can hold.
+    /// Tokens held in shared (cached, read-only) pages: the sequence's first ones.
+    pub fn shared_tokens(&self) -> usize {
+        self.binding.map_or(0, |b| self.pages.iter().take_while(|p| p.is_shared()).count() * b.page_size)
+    }
+
+    /// Token positions the pages can hold.
     pub fn reserved_tokens(&self) -> usize {
-        self.binding.map_or(0, |b| self.leases.len() * b.page_size)
+        self.binding.map_or(0, |b| self.pages.len() * b.page_size)
+    }
+
+    /// Starts an empty sequence with a cached prefix: `shared` pages, full and committed.
+    /// They must come from `pool` and be shared to this sequence's owner.
+    pub fn attach_shared(&mut self, pool: &KvPool, shared: Vec<SharedLease>) -> Result<(), Vec<SharedLease>> {
+        let ok = self.pages.is_empty() && shared.iter().all(|l| l.pool() == pool.id() && l.owner() == self.owner);
+        if !ok {
+            return Err(shared);
+        }
+        let page_size = pool.layout().page_size;
+        self.committed = shared.len() * page_size;
+        self.pages.extend(shared.into_iter().map(SeqPage::Shared));
+        self.binding = Some(Binding { pool: pool.id(), page_size });
+        Ok(())
+    }
+
+    /// Takes the pages out, for a caller that gives each back its own way (a prefix cache
+    /// publishing the full ones).
+    pub fn into_pages(self) -> Vec<SeqPage> {
+        self.pages
     }
 
     /// Leases pages so that `tokens` positions fit; all or nothing. Never shrinks. A sequence
@@ -84,10 +151,10 @@ impl SequenceKv {
             });
         }
         let need = pool.layout().pages_for_tokens(tokens);
-        if need > self.leases.len() {
+        if need > self.pages.len() {
             // lease_many is all or nothing, so a failure leaves this sequence unchanged.
-            let fresh = pool.lease_many(self.owner, need - self.leases.len())?;
-            self.leases.extend(fresh);
+            let fresh = pool.lease_many(self.owner, need - self.pages.len())?;
+            self.pages.extend(fresh.into_iter().map(SeqPage::Own));
         }
         self.binding = Some(Binding {
             pool: pool.id(),
@@ -96,9 +163,9 @@ impl SequenceKv {
         Ok(())
     }
 
-    /// The lease holding position `pos` and the slot within its page; an error if `pos` is
-    /// not reserved.
-    pub fn locate(&self, pos: usize) -> Result<(&Lease, usize), KvError> {
+    /// The page holding position `pos` and the slot within it; an error if `pos` is not
+    /// reserved.
+    pub fn locate_page(&self, pos: usize) -> Result<(&SeqPage, usize), KvError> {
         let not_reserved = KvError::NotReserved {
             pos,
             reserved: self.reserved_tokens(),
@@ -106,9 +173,18 @@ impl SequenceKv {
         let Some(b) = self.binding else {
             return Err(not_reserved);
         };
-        match self.leases.get(pos / b.page_size) {
-            Some(lease) => Ok((lease, pos % b.page_size)),
+        match self.pages.get(pos / b.page_size) {
+            Some(page) => Ok((page, pos % b.page_size)),
             None => Err(not_reserved),
+        }
+    }
+
+    /// The writable lease holding position `pos` and the slot within its page; an error if
+    /// `pos` is not reserved or lies in a shared page.
+    pub fn locate(&self, pos: usize) -> Result<(&Lease, usize), KvError> {
+        match self.locate_page(pos)? {
+            (SeqPage::Own(lease), slot) => Ok((lease, slot)),
+            (SeqPage::Shared(_), _) => Err(KvError::ReadOnly { pos }),
         }
     }
 
@@ -130,7 +206,7 @@ impl SequenceKv {
         };
         let mut pos = self.committed;
         while pos < end {
-            let (lease, slot) = self.locate(pos)?;
+            let (lease, slot) = self.locate_page(pos)?;
             let page_start = pos - slot;
             // End (exclusive) of [pos, end) inside this page.
             let page_end = end.min(page_start + page_size);
@@ -153,41 +229,56 @@ impl SequenceKv {
         Ok(())
     }
 
-    /// Gives every page back to the free list; returns how many. All leases are checked
-    /// first, so on error nothing was released and the sequence comes back inside the
-    /// error, its pages still leased to this owner (see [`Unreleased::reclaim`]).
+    /// Gives every own page back to the free list and every shared one back to the cache;
+    /// returns how many pages. All handles are checked first, so on error nothing was given
+    /// back and the sequence comes back inside the error, its own pages still leased to
+    /// this owner (see [`Unreleased::reclaim`]).
     pub fn release(self, pool: &mut KvPool) -> Result<usize, Unreleased> {
         if let Err(error) = self.check_all(pool) {
             return Err(Unreleased { error, seq: self });
         }
-        let n = self.leases.len();
-        for lease in self.leases {
+        let n = self.pages.len();
+        for page in self.pages {
             // Checked above, and nothing changed the pool since: cannot fail.
-            let released = pool.release(lease);
+            let released = match page {
+                SeqPage::Own(lease) => pool.release(lease),
+                SeqPage::Shared(lease) => pool.unshare(lease),
+            };
             assert!(released.is_ok(), "a checked lease is released: {released:?}");
         }
         Ok(n)
     }
 
-    /// Quarantines every page instead of freeing it (I4: a writer may still be in flight).
-    /// All leases are checked first, so on error nothing was quarantined and the sequence
-    /// comes back inside the error.
+    /// Quarantines every own page instead of freeing it (I4: a writer may still be in
+    /// flight); shared pages, which nobody writes, go back to the cache. All handles are
+    /// checked first, so on error nothing was quarantined and the sequence comes back
+    /// inside the error.
     pub fn quarantine(self, pool: &mut KvPool) -> Result<Vec<Quarantined>, Unreleased> {
         if let Err(error) = self.check_all(pool) {
             return Err(Unreleased { error, seq: self });
         }
-        let mut out = Vec::with_capacity(self.leases.len());
-        for lease in self.leases {
-            match pool.quarantine(lease) {
-                Ok(q) => out.push(q),
-                Err(e) => unreachable!("a checked lease is quarantined: {e}"),
+        let mut out = Vec::with_capacity(self.pages.len());
+        for page in self.pages {
+            match page {
+                SeqPage::Own(lease) => match pool.quarantine(lease) {
+                    Ok(q) => out.push(q),
+                    Err(e) => unreachable!("a checked lease is quarantined: {e}"),
+                },
+                SeqPage::Shared(lease) => {
+                    if let Err(e) = pool.unshare(lease) {
+                        unreachable!("a checked shared lease is given back: {e}")
+                    }
+                }
             }
         }
         Ok(out)
     }
 
     fn check_all(&self, pool: &KvPool) -> Result<(), KvError> {
-        self.leases.iter().try_for_each(|lease| pool.check(lease))
+        self.pages.iter().try_for_each(|page| match page {
+            SeqPage::Own(lease) => pool.check(lease),
+            SeqPage::Shared(_) => pool.watermark(page, 0).map(drop),
+        })
     }
 }
 
@@ -204,8 +295,8 @@ pub struct Unreleased {
 
 impl Unreleased {
     /// Takes back every page still leased to the sequence's owner, whatever its handles
-    /// say ([`KvPool::revoke_owner`]), and frees them: for callers that know no writer can
-    /// still reach those pages. Returns the pages freed.
+    /// say ([`KvPool::revoke_owner`]), and frees them, and drops its shared leases: for
+    /// callers that know no writer can still reach those pages. Returns the pages freed.
     pub fn reclaim(self, pool: &mut KvPool) -> usize {
         let owner = self.seq.owner();
         drop(self.seq);

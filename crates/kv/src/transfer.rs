@@ -142,7 +142,7 @@ impl Inbound {
     /// The pages the sender may write: those holding prompt positions, in order.
     pub fn prompt_pages(&self, page_size: usize) -> Vec<PageRef> {
         self.seq
-            .leases()
+            .pages()
             .iter()
             .take(self.prompt_tokens.div_ceil(page_size))
             .map(|l| PageRef { page: l.page(), generation: l.generation() })
@@ -154,9 +154,9 @@ impl Inbound {
         self.seq.owner()
     }
 
-    /// The reservation's leases, in position order (prompt pages first).
-    pub fn leases(&self) -> &[crate::Lease] {
-        self.seq.leases()
+    /// The reservation's pages, in position order (prompt pages first); all its own.
+    pub fn pages(&self) -> &[crate::SeqPage] {
+        self.seq.pages()
     }
 
     /// Prompt tokens written so far.
@@ -173,10 +173,10 @@ impl Inbound {
     pub fn accept(&mut self, pool: &mut KvPool, h: &ChunkHeader, data: &[u8]) -> Result<(), TransferError> {
         let page_size = pool.layout().page_size;
         let prompt_pages = self.prompt_tokens.div_ceil(page_size);
-        let Some(index) = self.seq.leases().iter().take(prompt_pages).position(|l| l.page() == h.page) else {
+        let Some(index) = self.seq.pages().iter().take(prompt_pages).position(|l| l.page() == h.page) else {
             return Err(TransferError::UnknownPage { page: h.page, generation: h.generation });
         };
-        let lease = &self.seq.leases()[index];
+        let (lease, _) = self.seq.locate(index * page_size)?;
         if lease.generation() != h.generation {
             return Err(TransferError::StaleGeneration { page: h.page, chunk: h.generation, reserved: lease.generation() });
         }
@@ -246,7 +246,8 @@ pub fn export_chunks(
     let mut out = Vec::new();
     let mut pos = from;
     while pos < to {
-        let (lease, slot) = src.locate(pos)?;
+        // Cached (shared) pages travel like the request's own: the receiver verifies both.
+        let (lease, slot) = src.locate_page(pos)?;
         let count = (page_size - slot).min(to - pos);
         let target = targets.get(pos / page_size).ok_or(KvError::NotReserved { pos, reserved: targets.len() * page_size })?;
         let mut data = Vec::new();

@@ -36,7 +36,7 @@ fn a_new_sequence_is_empty_and_reserves_nothing() {
             s.owner(),
             s.len(),
             s.is_empty(),
-            s.leases().len(),
+            s.pages().len(),
             s.reserved_tokens()
         ),
         (A, 0, true, 0, 0)
@@ -55,15 +55,15 @@ fn reserve_leases_just_enough_pages_in_order_and_never_shrinks() {
     let mut p = pool(4);
     let mut s = SequenceKv::new(A);
     s.reserve(&mut p, 5).unwrap();
-    assert_eq!(s.leases().len(), 2);
+    assert_eq!(s.pages().len(), 2);
     assert_eq!(s.reserved_tokens(), 8);
-    assert!(s.leases().iter().all(|l| l.owner() == A));
+    assert!(s.pages().iter().all(|l| l.owner() == A));
     s.reserve(&mut p, 8).unwrap();
-    assert_eq!(s.leases().len(), 2);
+    assert_eq!(s.pages().len(), 2);
     s.reserve(&mut p, 1).unwrap();
-    assert_eq!(s.leases().len(), 2);
+    assert_eq!(s.pages().len(), 2);
     s.reserve(&mut p, 9).unwrap();
-    assert_eq!(s.leases().len(), 3);
+    assert_eq!(s.pages().len(), 3);
     assert_eq!(p.stats().leased_pages, 3);
     assert_eq!(s.release(&mut p).ok(), Some(3));
     p.check_invariants();
@@ -81,7 +81,7 @@ fn reserve_is_all_or_nothing_when_the_pool_is_short() {
             free: 2
         })
     );
-    assert_eq!(s.leases().len(), 1);
+    assert_eq!(s.pages().len(), 1);
     assert_eq!(p.stats().free_pages, 2);
     assert_eq!(s.release(&mut p).ok(), Some(1));
     assert_eq!(p.stats().free_pages, 3);
@@ -94,7 +94,7 @@ fn locate_maps_a_position_to_its_page_and_slot_and_refuses_unreserved_positions(
     s.reserve(&mut p, 6).unwrap();
     for pos in 0..8 {
         let (lease, slot) = s.locate(pos).unwrap();
-        assert_eq!(lease.page(), s.leases()[pos / 4].page());
+        assert_eq!(lease.page(), s.pages()[pos / 4].page());
         assert_eq!(slot, pos % 4);
     }
     assert_eq!(
@@ -121,7 +121,7 @@ fn commit_counts_tokens_written_in_every_layer_across_pages() {
     s.commit(&p, 1).unwrap();
     s.commit(&p, 0).unwrap();
     assert_eq!(s.len(), 7);
-    let r = p.read(&s.leases()[1], 1).unwrap();
+    let r = p.read(&s.pages()[1], 1).unwrap();
     assert_eq!(r.len(), 3);
     assert_eq!(r.k_head(0)[4].to_f32(), 6.0);
     s.release(&mut p).unwrap();
@@ -135,7 +135,7 @@ fn commit_is_refused_until_every_layer_is_written() {
     for pos in 0..5 {
         write(&mut p, &s, pos, 0..1);
     }
-    let page0 = s.leases()[0].page();
+    let page0 = s.pages()[0].page();
     assert_eq!(
         s.commit(&p, 5),
         Err(KvError::NotWritten {
@@ -148,7 +148,7 @@ fn commit_is_refused_until_every_layer_is_written() {
     for pos in 0..4 {
         write(&mut p, &s, pos, 1..2);
     }
-    let page1 = s.leases()[1].page();
+    let page1 = s.pages()[1].page();
     assert_eq!(
         s.commit(&p, 5),
         Err(KvError::NotWritten {
@@ -204,7 +204,7 @@ fn release_gives_every_page_back_and_quarantine_holds_them_out() {
     let mut s = SequenceKv::new(A);
     s.reserve(&mut p, 12).unwrap();
     write(&mut p, &s, 0, 0..2);
-    let pages: Vec<PageId> = s.leases().iter().map(|l| l.page()).collect();
+    let pages: Vec<PageId> = s.pages().iter().map(|l| l.page()).collect();
     let qs = s.quarantine(&mut p).unwrap();
     assert_eq!(qs.iter().map(|q| q.page()).collect::<Vec<_>>(), pages);
     assert!(qs.iter().all(|q| q.owner() == A));
@@ -216,7 +216,7 @@ fn release_gives_every_page_back_and_quarantine_holds_them_out() {
     let mut s = SequenceKv::new(A);
     s.reserve(&mut p, 16).unwrap();
     assert!(
-        p.read(&s.leases()[0], 0).unwrap().is_empty(),
+        p.read(&s.pages()[0], 0).unwrap().is_empty(),
         "the new sequence sees nothing of the old one"
     );
     assert_eq!(s.release(&mut p).ok(), Some(4));
@@ -242,7 +242,7 @@ fn a_sequence_refuses_a_second_pool() {
     let u = s.release(&mut p2).unwrap_err();
     assert_eq!(u.error, foreign);
     // The sequence came back with its pages still leased in p1; reclaim frees them.
-    assert_eq!((u.seq.leases().len(), p1.stats().leased_pages), (1, 1));
+    assert_eq!((u.seq.pages().len(), p1.stats().leased_pages), (1, 1));
     assert_eq!(u.reclaim(&mut p1), 1);
     assert_eq!(p1.stats().free_pages, 2);
     p1.check_invariants();
@@ -257,7 +257,7 @@ fn releasing_a_revoked_sequence_is_refused_and_releases_nothing() {
     assert!(matches!(s.commit(&p, 0), Ok(())));
     let u = s.release(&mut p).unwrap_err();
     assert!(matches!(u.error, KvError::StaleLease { .. }));
-    assert_eq!(u.seq.leases().len(), 2, "the sequence comes back whole");
+    assert_eq!(u.seq.pages().len(), 2, "the sequence comes back whole");
     assert_eq!(p.stats().quarantined_pages, 2);
     let u = u.seq.quarantine(&mut p).unwrap_err();
     assert!(matches!(u.error, KvError::StaleLease { .. }), "quarantine refuses it too");

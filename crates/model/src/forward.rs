@@ -138,14 +138,14 @@ fn attend(
     let page_size = pool.layout().page_size;
     let n_max = positions.last().map_or(0, |p| p + 1);
     let pages = n_max.div_ceil(page_size);
-    if kv.leases().len() < pages {
+    if kv.pages().len() < pages {
         return Err(ModelError::NotReserved { pos: n_max - 1 });
     }
     let scale = 1.0 / (head_dim as f32).sqrt();
     let rows = positions.len();
     scr.scores.clear();
     scr.scores.resize(rows * n_max, 0.0);
-    for (pi, lease) in kv.leases().iter().take(pages).enumerate() {
+    for (pi, lease) in kv.pages().iter().take(pages).enumerate() {
         let page = pool.read(lease, layer)?;
         let need = (n_max - pi * page_size).min(page_size);
         if page.len() < need {
@@ -164,7 +164,7 @@ fn attend(
         softmax_in_place(&mut scr.scores[r * n_max..r * n_max + pos + 1]);
     }
     out.fill(0.0);
-    for (pi, lease) in kv.leases().iter().take(pages).enumerate() {
+    for (pi, lease) in kv.pages().iter().take(pages).enumerate() {
         let page = pool.read(lease, layer)?;
         let need = (n_max - pi * page_size).min(page_size);
         let v = &page.v_head(g)[..need * head_dim];

@@ -128,7 +128,7 @@ impl MockDecode {
     fn grow_keeping_victims(&mut self) -> Vec<GenEvent> {
         let needs: Vec<RequestId> = self.running.iter().filter(|(_, r)| r.seq.reserved_tokens() <= r.seq.len()).map(|(q, _)| *q).collect();
         for req in needs {
-            let victim = self.running.iter().filter(|(q, r)| **q != req && !r.seq.leases().is_empty()).max_by_key(|(_, r)| r.order).map(|(q, _)| *q);
+            let victim = self.running.iter().filter(|(q, r)| **q != req && !r.seq.pages().is_empty()).max_by_key(|(_, r)| r.order).map(|(q, _)| *q);
             let Some(r) = self.running.get_mut(&req) else { continue };
             let want = r.seq.len() + 1;
             if r.seq.reserve(&mut self.pool, want).is_ok() {

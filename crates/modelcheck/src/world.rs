@@ -16,7 +16,7 @@ use bulkhead_kv::{KvChecks, KvPool, PoolConfig, RequestId};
 use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeLink};
 use bulkhead_protocol::driver::prefill::{LinkDown, PrefillDriver, PrefillLink, Step};
-use bulkhead_protocol::gateway::{client_of, BusyReason, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, Phase};
+use bulkhead_protocol::gateway::{client_of, BusyReason, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, Phase, TenantId};
 use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillRole};
 use bulkhead_protocol::{FailReason, Hello, Message, RejectReason, Role, Sampling, TraceContext, WorkerId};
 
@@ -664,6 +664,8 @@ impl<'c> World<'c> {
             sampling: Sampling::default(),
             stop: vec![],
             trace: TraceContext::default(),
+            tenant: TenantId::default(),
+            cache: None,
         });
         self.gateway_actions(acts);
     }
@@ -941,7 +943,7 @@ impl<'c> World<'c> {
     /// and the decode loop's sequences.
     fn handles(&self) -> Vec<Handle> {
         let role = self.dec.role().held_pages().into_iter().map(|h| (h.tag, h.quarantined));
-        let running = self.dec.engine().running.values().flat_map(|r| r.seq.leases()).map(|l| (**l, false));
+        let running = self.dec.engine().running.values().flat_map(|r| r.seq.pages()).map(|l| (**l, false));
         role.chain(running)
             .map(|(tag, quarantined)| Handle { page: tag.page().0, generation: tag.generation().0, owner: tag.owner(), quarantined })
             .collect()

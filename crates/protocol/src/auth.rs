@@ -67,6 +67,11 @@ impl ClusterKey {
         self.0.iter().map(|b| format!("{b:02x}")).collect()
     }
 
+    /// A key for another purpose, derived under `context`; reveals nothing about this one.
+    pub(crate) fn derive(&self, context: &str) -> [u8; KEY_LEN] {
+        blake3::derive_key(context, &self.0)
+    }
+
     fn proof(&self, side: u8, transcript: &[u8]) -> [u8; KEY_LEN] {
         let k = blake3::derive_key(PROOF_CONTEXT, &self.0);
         let mut h = blake3::Hasher::new_keyed(&k);

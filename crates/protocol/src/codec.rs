@@ -11,7 +11,9 @@
 //! invalid enum value or invalid UTF-8 are errors: the caller closes that connection (and
 //! counts it); nothing is guessed.
 
-use bulkhead_kv::{ChunkHeader, Generation, PageId, PageRef, RequestId};
+use bulkhead_kv::{ChunkHeader, Generation, PageId, PageKey, PageRef, RequestId};
+
+use crate::cache::CacheScope;
 
 use crate::auth::{AuthError, Opener, Sealer, TAG_LEN};
 use crate::msg::*;
@@ -23,7 +25,7 @@ use crate::msg::*;
 /// 7: the cluster handshake (`AuthHello`, `AuthChallenge`, `AuthProof`, `AuthRefused`)
 /// and a 16-byte MAC after every frame that follows it; 8: both sides of the handshake say
 /// whether they want encryption, and an encrypted session's payloads are AES-256-GCM).
-pub const VERSION: u8 = 8;
+pub const VERSION: u8 = 9;
 /// Default largest payload accepted (a KV chunk of one page is ~370 KB for the default model).
 pub const DEFAULT_MAX_FRAME: usize = 16 << 20;
 const MAGIC: [u8; 2] = *b"BH";
@@ -91,9 +93,20 @@ impl W<'_> {
             self.u64(r.generation.0);
         }
     }
+    fn keys(&mut self, k: &[PageKey]) {
+        self.u32(k.len() as u32);
+        k.iter().for_each(|k| self.0.extend_from_slice(&k.0));
+    }
+    fn scope(&mut self, s: &Option<CacheScope>) {
+        self.u8(u8::from(s.is_some()));
+        if let Some(s) = s {
+            self.0.extend_from_slice(&s.0);
+        }
+    }
     fn trace(&mut self, t: &TraceContext) {
         self.0.extend_from_slice(&t.trace_id);
         self.str(&t.request_id);
+        self.str(&t.tenant);
     }
     fn families(&mut self, fs: &[MetricFamily]) {
         self.u32(fs.len() as u32);
@@ -184,8 +197,15 @@ impl<'a> R<'a> {
         let n = self.count(12)?;
         (0..n).map(|_| Ok(PageRef { page: PageId(self.u32()?), generation: Generation(self.u64()?) })).collect()
     }
+    fn keys(&mut self) -> Result<Vec<PageKey>, CodecError> {
+        let n = self.count(16)?;
+        (0..n).map(|_| Ok(PageKey(self.arr()?))).collect()
+    }
+    fn scope(&mut self) -> Result<Option<CacheScope>, CodecError> {
+        Ok(if self.enum_u8("cache scope flag", flag)? { Some(CacheScope(self.arr()?)) } else { None })
+    }
     fn trace(&mut self) -> Result<TraceContext, CodecError> {
-        Ok(TraceContext { trace_id: self.arr()?, request_id: self.str("request_id")? })
+        Ok(TraceContext { trace_id: self.arr()?, request_id: self.str("request_id")?, tenant: self.str("tenant")? })
     }
     fn families(&mut self) -> Result<Vec<MetricFamily>, CodecError> {
         // Minimum encoded sizes: family = name, help, kind, sample count; sample = name,
@@ -349,7 +369,7 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
             w.str(detail);
             7
         }
-        Message::Prefill { req, tokens, decode, pages, sampling, skip_draws, trace } => {
+        Message::Prefill { req, tokens, decode, pages, sampling, skip_draws, trace, cache } => {
             w.req(*req);
             w.tokens(tokens);
             w.u32(decode.0);
@@ -357,6 +377,7 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
             w.sampling(sampling);
             w.u32(*skip_draws);
             w.trace(trace);
+            w.scope(cache);
             8
         }
         Message::KvChunk { req, header, data } => {
@@ -369,11 +390,12 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
             w.bytes(data);
             9
         }
-        Message::Done { req, tokens, first_token, manifest } => {
+        Message::Done { req, tokens, first_token, manifest, cached } => {
             w.req(*req);
             w.u32(*tokens);
             w.u32(*first_token);
             w.u64(*manifest);
+            w.u32(*cached);
             10
         }
         Message::Fenced { req } => {
@@ -386,12 +408,13 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
             w.str(text);
             12
         }
-        Message::Finished { req, finish, text, prompt_tokens, completion_tokens } => {
+        Message::Finished { req, finish, text, prompt_tokens, completion_tokens, cached_tokens } => {
             w.req(*req);
             w.u8(*finish as u8);
             w.str(text);
             w.u32(*prompt_tokens);
             w.u32(*completion_tokens);
+            w.u32(*cached_tokens);
             13
         }
         Message::Failed { req, reason, detail } => {
@@ -417,6 +440,11 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
         Message::Metrics { families } => {
             w.families(families);
             18
+        }
+        Message::CacheReport { stored, evicted } => {
+            w.keys(stored);
+            w.keys(evicted);
+            29
         }
     };
     let len = (out.len() - start - HEADER) as u32;
@@ -456,7 +484,7 @@ fn decode_payload(kind: u8, b: &[u8]) -> Result<Message, CodecError> {
             let req = r.req()?;
             let tokens = r.tokens()?;
             let (decode, pages, sampling) = (WorkerId(r.u32()?), r.pages()?, r.sampling()?);
-            Message::Prefill { req, tokens, decode, pages, sampling, skip_draws: r.u32()?, trace: r.trace()? }
+            Message::Prefill { req, tokens, decode, pages, sampling, skip_draws: r.u32()?, trace: r.trace()?, cache: r.scope()? }
         }
         9 => {
             let req = r.req()?;
@@ -469,7 +497,7 @@ fn decode_payload(kind: u8, b: &[u8]) -> Result<Message, CodecError> {
             };
             Message::KvChunk { req, header, data: r.bytes()?.to_vec() }
         }
-        10 => Message::Done { req: r.req()?, tokens: r.u32()?, first_token: r.u32()?, manifest: r.u64()? },
+        10 => Message::Done { req: r.req()?, tokens: r.u32()?, first_token: r.u32()?, manifest: r.u64()?, cached: r.u32()? },
         11 => Message::Fenced { req: r.req()? },
         12 => Message::Token { req: r.req()?, token: r.u32()?, text: r.str("text")? },
         13 => Message::Finished {
@@ -478,6 +506,7 @@ fn decode_payload(kind: u8, b: &[u8]) -> Result<Message, CodecError> {
             text: r.str("text")?,
             prompt_tokens: r.u32()?,
             completion_tokens: r.u32()?,
+            cached_tokens: r.u32()?,
         },
         14 => Message::Failed { req: r.req()?, reason: r.enum_u8("fail reason", fail)?, detail: r.str("detail")? },
         15 => Message::Abort { req: r.req()?, reason: r.enum_u8("abort reason", abort)? },
@@ -494,6 +523,7 @@ fn decode_payload(kind: u8, b: &[u8]) -> Result<Message, CodecError> {
         26 => Message::AuthChallenge { nonce: r.arr()?, proof: r.arr()?, encrypt: r.enum_u8("encrypt", flag)? },
         27 => Message::AuthProof { proof: r.arr()? },
         28 => Message::AuthRefused { reason: r.str("reason")? },
+        29 => Message::CacheReport { stored: r.keys()?, evicted: r.keys()? },
         k => return Err(CodecError::UnknownKind(k)),
     };
     if !r.b.is_empty() {
@@ -607,7 +637,7 @@ mod tests {
     fn samples() -> Vec<Message> {
         let s = Sampling { temperature: 0.7, top_k: 40, top_p: 0.9, seed: Some(7), ignore_eos: true, skip_special_tokens: false };
         let pages = vec![PageRef { page: PageId(3), generation: Generation(9) }];
-        let trace = TraceContext { trace_id: *b"0123456789abcdef", request_id: "req-1".into() };
+        let trace = TraceContext { trace_id: *b"0123456789abcdef", request_id: "req-1".into(), tenant: "acme".into() };
         vec![
             Message::Hello(Hello {
                 role: Role::Decode,
@@ -636,7 +666,9 @@ mod tests {
             },
             Message::Reserved { req: RequestId(5), pages: pages.clone() },
             Message::Rejected { req: RequestId(5), reason: RejectReason::ContextLength, detail: "too long".into() },
-            Message::Prefill { req: RequestId(5), tokens: vec![1, 2, 3], decode: WorkerId(2), pages, sampling: s, skip_draws: 2, trace },
+            Message::Prefill { req: RequestId(5), tokens: vec![1, 2, 3], decode: WorkerId(2), pages: pages.clone(), sampling: s.clone(), skip_draws: 2, trace: trace.clone(), cache: None },
+            Message::Prefill { req: RequestId(6), tokens: vec![1], decode: WorkerId(2), pages, sampling: s, skip_draws: 0, trace, cache: Some(CacheScope([3; 32])) },
+            Message::CacheReport { stored: vec![PageKey([1; 16]), PageKey([2; 16])], evicted: vec![] },
             Message::Retracted { req: RequestId(5), tokens: vec![4, 5] },
             Message::PeerLeft { worker: WorkerId(2) },
             Message::Room,
@@ -649,10 +681,10 @@ mod tests {
                 header: ChunkHeader { page: PageId(3), generation: Generation(9), slot_start: 0, slot_count: 2, checksum: 77 },
                 data: vec![1, 2, 3, 4],
             },
-            Message::Done { req: RequestId(5), tokens: 3, first_token: 11, manifest: 99 },
+            Message::Done { req: RequestId(5), tokens: 3, first_token: 11, manifest: 99, cached: 2 },
             Message::Fenced { req: RequestId(5) },
             Message::Token { req: RequestId(5), token: 4, text: "héllo".into() },
-            Message::Finished { req: RequestId(5), finish: FinishReason::Length, text: String::new(), prompt_tokens: 3, completion_tokens: 1 },
+            Message::Finished { req: RequestId(5), finish: FinishReason::Length, text: String::new(), prompt_tokens: 3, completion_tokens: 1, cached_tokens: 2 },
             Message::Failed { req: RequestId(5), reason: FailReason::TransferRefused, detail: "checksum".into() },
             Message::Abort { req: RequestId(5), reason: AbortReason::ClientGone },
             Message::DecodePeer { worker: WorkerId(2), addr: "127.0.0.1:7".into() },

@@ -188,7 +188,9 @@ pub struct DecodeRole {
     now_ms: u64,
     pending: BTreeMap<RequestId, Pending>,
     fencing: BTreeMap<RequestId, Fencing>,
-    decoding: BTreeSet<RequestId>,
+    /// Requests in the decode loop, with the prompt tokens their prefill took from its
+    /// cache (for the usage they finish with).
+    decoding: BTreeMap<RequestId, u32>,
     /// Prefill workers whose KV connection closed. Worker ids are never reused (a restarted
     /// worker, or one that lost a KV connection, registers anew), so nothing can arrive from
     /// these again: a transfer naming one is fenced by construction, and a new connection
@@ -216,7 +218,7 @@ impl DecodeRole {
             now_ms: 0,
             pending: BTreeMap::new(),
             fencing: BTreeMap::new(),
-            decoding: BTreeSet::new(),
+            decoding: BTreeMap::new(),
             closed_prefills: BTreeSet::new(),
             connected_prefills: BTreeSet::new(),
             departed: BTreeSet::new(),
@@ -256,7 +258,7 @@ impl DecodeRole {
             Some(RequestState::Pending)
         } else if self.fencing.contains_key(&req) {
             Some(RequestState::Fencing)
-        } else if self.decoding.contains(&req) {
+        } else if self.decoding.contains_key(&req) {
             Some(RequestState::Decoding)
         } else {
             None
@@ -265,7 +267,7 @@ impl DecodeRole {
 
     /// Every page the role holds (reservations and quarantines; not the decode loop's).
     pub fn held_pages(&self) -> Vec<HeldPage> {
-        let leased = self.pending.values().flat_map(|p| p.inbound.leases()).map(|l| HeldPage { tag: **l, quarantined: false });
+        let leased = self.pending.values().flat_map(|p| p.inbound.pages()).map(|l| HeldPage { tag: **l, quarantined: false });
         let quarantined = self.fencing.values().flat_map(|f| &f.pages).map(|q| HeldPage { tag: **q, quarantined: true });
         leased.chain(quarantined).collect()
     }
@@ -280,9 +282,10 @@ impl DecodeRole {
         self.pending.values().any(|p| p.prefill == prefill)
     }
 
-    /// The decode loop finished `req` (and released its pages).
-    pub fn finished(&mut self, req: RequestId) {
-        self.decoding.remove(&req);
+    /// The decode loop finished `req` (and released its pages); the prompt tokens its
+    /// prefill took from the cache.
+    pub fn finished(&mut self, req: RequestId) -> u32 {
+        self.decoding.remove(&req).unwrap_or(0)
     }
 
     /// The decode loop freed pages (it ended sequences): the `Room` owed to the gateway,
@@ -452,7 +455,7 @@ impl DecodeRole {
                     }
                 } else if self.fencing.get(&req).is_some_and(|f| f.received == 0) {
                     self.unfence(pool, req);
-                } else if self.decoding.remove(&req) {
+                } else if self.decoding.remove(&req).is_some() {
                     out.push(DecodeAction::Stop { req });
                 }
             }
@@ -460,7 +463,7 @@ impl DecodeRole {
                 if let Some(p) = self.pending.remove(&req) {
                     // The prefill may still be writing: quarantine until it is fenced (I4).
                     self.quarantine(pool, req, p);
-                } else if self.decoding.remove(&req) {
+                } else if self.decoding.remove(&req).is_some() {
                     out.push(DecodeAction::Stop { req });
                 }
             }
@@ -496,14 +499,14 @@ impl DecodeRole {
                     }
                 }
             }
-            Message::Done { req, tokens, first_token, manifest } => {
+            Message::Done { req, tokens, first_token, manifest, cached } => {
                 if self.pending.get(&req).is_some_and(|p| p.prefill == from) {
                     let Some(p) = self.pending.remove(&req) else { return };
                     // Done is the sender's last message for req: from here it is fenced.
                     match p.inbound.finish(pool, tokens as usize, manifest) {
                         Ok(seq) => {
                             self.stats.coverage_verified += 1;
-                            self.decoding.insert(req);
+                            self.decoding.insert(req, cached.min(tokens));
                             out.push(DecodeAction::Start(DecodeStart {
                                 req,
                                 seq,

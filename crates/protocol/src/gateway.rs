@@ -11,6 +11,12 @@
 //! request leaves the table at its terminal outcome; anything arriving for it afterwards
 //! is ignored, so a second terminal outcome cannot reach the client.
 //!
+//! Fairness: each tenant has its own queue, and the queues are served round robin, one
+//! request each in turn, so one tenant's burst cannot starve another. Routing: a request
+//! goes to the prefill worker that reported the longest run of its page keys cached
+//! (`CacheReport`), unless the prefill workers' loads are out of balance; keys are scoped
+//! by tenant and salt, so what another tenant cached never moves a request.
+//!
 //! Attempts: workers know a request by its attempt id ([`attempt_id`]): the client's id
 //! for the first attempt, the client's id with the attempt number in the high bits for
 //! later ones. Messages about an earlier attempt are ignored, so a late report from a
@@ -18,10 +24,20 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use bulkhead_kv::RequestId;
+use bulkhead_kv::{PageKey, RequestId};
 
 use crate::admission::{admit, Generate};
+use crate::cache::CacheScope;
 use crate::msg::*;
+
+/// A tenant, as the API layer numbers them (from the API key, never from the body).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct TenantId(pub u32);
+
+/// Prefill loads (requests routed and not yet streaming) further apart than this are out
+/// of balance: the least loaded worker wins over cache affinity (after SGLang's router,
+/// scaled to a few workers).
+pub const BALANCE_ABS_THRESHOLD: usize = 2;
 
 /// Client request ids must stay below this; the bits above hold the attempt number.
 pub const CLIENT_ID_LIMIT: u64 = 1 << 48;
@@ -49,7 +65,8 @@ pub struct GatewayConfig {
     pub admission_check: bool,
     /// A request not finished after this long fails.
     pub request_timeout_ms: u64,
-    /// Requests that may wait for capacity at once; one more is refused (HTTP 429).
+    /// Requests one tenant may have waiting for capacity at once; one more is refused
+    /// (HTTP 429).
     pub max_queued: usize,
     /// How long a request may wait in the queue before it is refused (HTTP 429).
     pub queue_timeout_ms: u64,
@@ -59,7 +76,7 @@ pub struct GatewayConfig {
 #[derive(Debug)]
 pub enum GatewayEvent {
     /// A client asked for a generation.
-    Submit { req: RequestId, tokens: Vec<u32>, max_tokens: u32, sampling: Sampling, stop: Vec<String>, trace: TraceContext },
+    Submit { req: RequestId, tokens: Vec<u32>, max_tokens: u32, sampling: Sampling, stop: Vec<String>, trace: TraceContext, tenant: TenantId, cache: Option<CacheScope> },
     /// The client went away.
     ClientGone { req: RequestId },
     /// A worker sent a message.
@@ -94,8 +111,8 @@ impl BusyReason {
 pub enum ClientOutput {
     /// Text released by one generated token.
     Token { text: String },
-    /// Ended normally.
-    Finished { finish: FinishReason, text: String, prompt_tokens: u32, completion_tokens: u32 },
+    /// Ended normally. `cached_tokens`: prompt tokens its prefill took from the cache.
+    Finished { finish: FinishReason, text: String, prompt_tokens: u32, completion_tokens: u32, cached_tokens: u32 },
     /// Refused before running (over-context: HTTP 400).
     Rejected { reason: RejectReason, detail: String },
     /// Failed while running.
@@ -201,6 +218,8 @@ struct InFlight {
     retried: bool,
     /// A prefill worker not to send its next attempt to (the one it lost).
     avoid: Option<WorkerId>,
+    tenant: TenantId,
+    cache: Option<CacheScope>,
 }
 
 /// Counters.
@@ -228,6 +247,10 @@ pub struct GatewayStats {
     pub retracted: u64,
     /// Sent again after losing their prefill worker.
     pub retried: u64,
+    /// Sent to the prefill worker with the longest cached prefix of theirs (a hit > 0).
+    pub routed_by_cache: u64,
+    /// Sent to the least loaded prefill worker because loads were out of balance.
+    pub routed_by_load: u64,
 }
 
 /// The gateway's protocol state.
@@ -247,8 +270,13 @@ pub struct GatewayRole {
     next_pick: usize,
     /// By client request id.
     inflight: BTreeMap<RequestId, InFlight>,
-    /// Client request ids waiting for capacity, first come first served.
-    queue: VecDeque<RequestId>,
+    /// Client request ids waiting for capacity, one queue per tenant, each first come
+    /// first served; the queues take turns.
+    queues: BTreeMap<TenantId, VecDeque<RequestId>>,
+    /// The tenant whose queue was served last.
+    last_served: Option<TenantId>,
+    /// Page keys each prefill worker reported cached.
+    cached: BTreeMap<WorkerId, BTreeSet<PageKey>>,
     /// Decode workers that refused or retracted for lack of room since they last freed
     /// something (or since the last tick): not sent new reservations meanwhile.
     full: BTreeSet<WorkerId>,
@@ -280,7 +308,9 @@ impl GatewayRole {
             lost_since_ms: [None, None],
             next_pick: 0,
             inflight: BTreeMap::new(),
-            queue: VecDeque::new(),
+            queues: BTreeMap::new(),
+            last_served: None,
+            cached: BTreeMap::new(),
             full: BTreeSet::new(),
             stats: GatewayStats::default(),
         }
@@ -301,14 +331,28 @@ impl GatewayRole {
         self.inflight.len()
     }
 
-    /// Requests waiting in the queue.
+    /// Requests waiting in the queues.
     pub fn queued(&self) -> usize {
-        self.queue.len()
+        self.queues.values().map(VecDeque::len).sum()
     }
 
     /// How long each queued request has waited, in milliseconds.
     pub fn queue_waits_ms(&self) -> impl Iterator<Item = u64> + '_ {
-        self.queue.iter().filter_map(|r| self.inflight.get(r)?.queued_at_ms).map(|t| self.now_ms.saturating_sub(t))
+        self.queues.values().flatten().filter_map(|r| self.inflight.get(r)?.queued_at_ms).map(|t| self.now_ms.saturating_sub(t))
+    }
+
+    /// Takes `req` out of whichever queue holds it.
+    fn unqueue(&mut self, req: RequestId) {
+        for q in self.queues.values_mut() {
+            q.retain(|r| *r != req);
+        }
+        self.queues.retain(|_, q| !q.is_empty());
+    }
+
+    /// The next tenant to serve: the first after the last served with anything queued.
+    fn next_tenant(&self) -> Option<TenantId> {
+        let after = self.last_served.and_then(|last| self.queues.range(..).find(|(t, q)| **t > last && !q.is_empty()));
+        after.or_else(|| self.queues.iter().find(|(_, q)| !q.is_empty())).map(|(t, _)| *t)
     }
 
     /// Where the request that workers know as `attempt` stands, if that attempt is current.
@@ -394,13 +438,30 @@ impl GatewayRole {
     pub fn handle(&mut self, ev: GatewayEvent) -> Vec<GatewayAction> {
         let mut out = Vec::new();
         match ev {
-            GatewayEvent::Submit { req, tokens, max_tokens, sampling, stop, trace } => {
-                self.submit(req, tokens, max_tokens, sampling, stop, trace, &mut out);
+            GatewayEvent::Submit { req, tokens, max_tokens, sampling, stop, trace, tenant, cache } => {
+                let f = InFlight {
+                    phase: Phase::Queued,
+                    attempt: 0,
+                    route: None,
+                    tokens,
+                    max_tokens,
+                    sampling,
+                    stop,
+                    trace,
+                    resume: Vec::new(),
+                    deadline_ms: self.now_ms.saturating_add(self.cfg.request_timeout_ms),
+                    queued_at_ms: Some(self.now_ms),
+                    retried: false,
+                    avoid: None,
+                    tenant,
+                    cache,
+                };
+                self.submit(req, f, &mut out);
             }
             GatewayEvent::ClientGone { req } => {
                 if let Some(f) = self.inflight.remove(&req) {
                     self.stats.client_gone += 1;
-                    self.queue.retain(|r| *r != req);
+                    self.unqueue(req);
                     Self::abort_workers(req, &f, AbortReason::ClientGone, None, &mut out);
                 }
             }
@@ -418,11 +479,10 @@ impl GatewayRole {
         out
     }
 
-    #[allow(clippy::too_many_arguments)] // the fields of a Submit
-    fn submit(&mut self, req: RequestId, tokens: Vec<u32>, max_tokens: u32, sampling: Sampling, stop: Vec<String>, trace: TraceContext, out: &mut Vec<GatewayAction>) {
+    fn submit(&mut self, req: RequestId, f: InFlight, out: &mut Vec<GatewayAction>) {
         self.stats.submitted += 1;
         if self.cfg.admission_check
-            && let Err(refusal) = admit(tokens.len(), Generate::Tokens(max_tokens as usize), self.max_context)
+            && let Err(refusal) = admit(f.tokens.len(), Generate::Tokens(f.max_tokens as usize), self.max_context)
         {
             // Rejected before any Reserve (I3, I5).
             self.stats.rejected_at_gateway += 1;
@@ -435,40 +495,26 @@ impl GatewayRole {
         if let Some(detail) = self.unavailable() {
             return out.push(GatewayAction::ToClient { req, out: ClientOutput::Unavailable { detail } });
         }
-        if self.queue.len() >= self.cfg.max_queued {
+        let waiting = self.queues.get(&f.tenant).map_or(0, VecDeque::len);
+        if waiting >= self.cfg.max_queued {
             self.stats.queue_full += 1;
-            let detail = format!("{} requests are waiting, the most this server queues", self.queue.len());
+            let detail = format!("{waiting} requests of this tenant are waiting, the most this server queues per tenant");
             return out.push(GatewayAction::ToClient { req, out: ClientOutput::Busy { reason: BusyReason::QueueFull, detail } });
         }
-        let deadline_ms = self.now_ms.saturating_add(self.cfg.request_timeout_ms);
-        let f = InFlight {
-            phase: Phase::Queued,
-            attempt: 0,
-            route: None,
-            tokens,
-            max_tokens,
-            sampling,
-            stop,
-            trace,
-            resume: Vec::new(),
-            deadline_ms,
-            queued_at_ms: Some(self.now_ms),
-            retried: false,
-            avoid: None,
-        };
+        self.queues.entry(f.tenant).or_default().push_back(req);
         self.inflight.insert(req, f);
-        self.queue.push_back(req);
         self.dispatch(out);
     }
 
-    /// Send the queue's head requests on while a decode worker may have room: first come,
-    /// first served (a head that does not fit holds the others back, so a long prompt is
-    /// not overtaken for ever by short ones).
+    /// Send queued requests on while a decode worker may have room: the tenants' queues
+    /// take turns, and each is first come, first served (a head that does not fit holds
+    /// the others back, so a long prompt is not overtaken for ever by short ones).
     fn dispatch(&mut self, out: &mut Vec<GatewayAction>) {
-        while let Some(&req) = self.queue.front() {
-            let avoid = self.inflight.get(&req).and_then(|f| f.avoid);
-            let Some(route) = self.pick(avoid) else { return };
-            self.queue.pop_front();
+        while let Some(tenant) = self.next_tenant() {
+            let Some(&req) = self.queues.get(&tenant).and_then(VecDeque::front) else { return };
+            let Some(route) = self.pick(req) else { return };
+            self.last_served = Some(tenant);
+            self.unqueue(req);
             let Some(f) = self.inflight.get_mut(&req) else { continue };
             f.phase = Phase::Reserving;
             f.route = Some(route);
@@ -487,17 +533,52 @@ impl GatewayRole {
         }
     }
 
-    /// A decode worker that may have room and a prefill worker (not `avoid` if another
-    /// exists), round robin.
-    fn pick(&mut self, avoid: Option<WorkerId>) -> Option<Route> {
+    /// Where `req` goes: a decode worker that may have room (round robin) and a prefill
+    /// worker (not the one it lost, if another exists), chosen by [`Self::pick_prefill`].
+    fn pick(&mut self, req: RequestId) -> Option<Route> {
         let decodes: Vec<WorkerId> = self.decodes.iter().copied().filter(|d| !self.full.contains(d)).collect();
+        let avoid = self.inflight.get(&req).and_then(|f| f.avoid);
         let preferred: Vec<WorkerId> = self.prefills.iter().copied().filter(|p| Some(*p) != avoid).collect();
         let prefills = if preferred.is_empty() { self.prefills.clone() } else { preferred };
         if decodes.is_empty() || prefills.is_empty() {
             return None;
         }
         self.next_pick = self.next_pick.wrapping_add(1);
-        Some(Route { decode: decodes[self.next_pick % decodes.len()], prefill: prefills[self.next_pick % prefills.len()] })
+        let decode = decodes[self.next_pick % decodes.len()];
+        Some(Route { decode, prefill: self.pick_prefill(req, &prefills) })
+    }
+
+    /// The prefill worker with the longest cached run of `req`'s page keys, ties broken by
+    /// load, then round robin; the least loaded one when loads are out of balance.
+    fn pick_prefill(&mut self, req: RequestId, prefills: &[WorkerId]) -> WorkerId {
+        let start = self.next_pick % prefills.len();
+        let order = prefills.iter().cycle().skip(start).take(prefills.len()).copied();
+        let load = |p: WorkerId| self.inflight.values().filter(|f| f.route.is_some_and(|r| r.prefill == p) && matches!(f.phase, Phase::Reserving | Phase::Prefilling)).count();
+        let loads: Vec<(WorkerId, usize)> = order.map(|p| (p, load(p))).collect();
+        let (min, max) = (loads.iter().map(|l| l.1).min().unwrap_or(0), loads.iter().map(|l| l.1).max().unwrap_or(0));
+        let least = loads.iter().min_by_key(|l| l.1).map_or(prefills[start], |l| l.0);
+        if max - min > BALANCE_ABS_THRESHOLD {
+            self.stats.routed_by_load += 1;
+            return least;
+        }
+        let keys = match (self.inflight.get(&req), self.shape) {
+            (Some(f), Some(shape)) => f.cache.map(|scope| {
+                let mut tokens = f.tokens.clone();
+                tokens.extend_from_slice(&f.resume);
+                scope.page_keys(self.cfg.model_digest, &tokens, shape.page_size as usize)
+            }),
+            _ => None,
+        };
+        let Some(keys) = keys else { return least };
+        let hit = |p: WorkerId| self.cached.get(&p).map_or(0, |set| keys.iter().take_while(|k| set.contains(k)).count());
+        let best = loads.iter().map(|&(p, l)| (hit(p), std::cmp::Reverse(l), p)).max_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
+        match best {
+            Some((h, _, p)) if h > 0 => {
+                self.stats.routed_by_cache += 1;
+                p
+            }
+            _ => least,
+        }
     }
 
     /// Back to the queue's front as a new attempt (it was admitted before everything that
@@ -511,22 +592,23 @@ impl GatewayRole {
         f.phase = Phase::Queued;
         f.route = None;
         f.queued_at_ms.get_or_insert(now);
-        self.queue.push_front(req);
+        self.queues.entry(f.tenant).or_default().push_front(req);
     }
 
     /// Requests that waited too long: 429 from the queue, a failure elsewhere.
     fn expire(&mut self, out: &mut Vec<GatewayAction>) {
         let now = self.now_ms;
         let waited: Vec<RequestId> = self
-            .queue
-            .iter()
+            .queues
+            .values()
+            .flatten()
             .copied()
             // A retracted request has streamed tokens: a 429 now would cut a live stream, so
             // only the request timeout bounds its wait (it waits at the queue's head).
             .filter(|r| self.inflight.get(r).filter(|f| f.resume.is_empty()).and_then(|f| f.queued_at_ms).is_some_and(|t| t.saturating_add(self.cfg.queue_timeout_ms) <= now))
             .collect();
         for req in waited {
-            self.queue.retain(|r| *r != req);
+            self.unqueue(req);
             if self.inflight.remove(&req).is_some() {
                 self.stats.queue_timeouts += 1;
                 let detail = format!("waited {} ms in the queue for capacity", self.cfg.queue_timeout_ms);
@@ -541,6 +623,7 @@ impl GatewayRole {
 
     fn worker_left(&mut self, id: WorkerId, out: &mut Vec<GatewayAction>) {
         let Some(left) = self.members.remove(&id) else { return };
+        self.cached.remove(&id);
         self.prefills.retain(|w| *w != id);
         self.decodes.retain(|w| *w != id);
         self.full.remove(&id);
@@ -611,7 +694,7 @@ impl GatewayRole {
 
     fn fail(&mut self, req: RequestId, reason: FailReason, detail: String, except: Option<WorkerId>, out: &mut Vec<GatewayAction>) {
         if let Some(f) = self.inflight.remove(&req) {
-            self.queue.retain(|r| *r != req);
+            self.unqueue(req);
             self.stats.failed += 1;
             Self::abort_workers(req, &f, AbortReason::Failed, except, out);
             out.push(GatewayAction::ToClient { req, out: ClientOutput::Failed { reason, detail } });
@@ -630,6 +713,16 @@ impl GatewayRole {
         if let Message::KvLost { decode } = msg {
             if self.decodes.contains(&decode) {
                 out.push(GatewayAction::ToWorker { to: decode, msg: Message::PrefillUnreachable { worker: from } });
+            }
+            return;
+        }
+        if let Message::CacheReport { stored, evicted } = msg {
+            if self.prefills.contains(&from) {
+                let set = self.cached.entry(from).or_default();
+                set.extend(stored);
+                for k in &evicted {
+                    set.remove(k);
+                }
             }
             return;
         }
@@ -669,6 +762,7 @@ impl GatewayRole {
                     sampling: f.sampling.clone(),
                     skip_draws: f.resume.len() as u32,
                     trace: f.trace.clone(),
+                    cache: f.cache,
                 };
                 out.push(GatewayAction::ToWorker { to: route.prefill, msg });
             }
@@ -676,10 +770,11 @@ impl GatewayRole {
                 f.phase = Phase::Decoding;
                 out.push(GatewayAction::ToClient { req, out: ClientOutput::Token { text } });
             }
-            Message::Finished { finish, text, prompt_tokens, completion_tokens, .. } if from == route.decode => {
+            Message::Finished { finish, text, prompt_tokens, completion_tokens, cached_tokens, .. } if from == route.decode => {
                 self.inflight.remove(&req);
                 self.stats.finished += 1;
-                out.push(GatewayAction::ToClient { req, out: ClientOutput::Finished { finish, text, prompt_tokens, completion_tokens } });
+                let cached_tokens = cached_tokens.min(prompt_tokens);
+                out.push(GatewayAction::ToClient { req, out: ClientOutput::Finished { finish, text, prompt_tokens, completion_tokens, cached_tokens } });
             }
             Message::Retracted { tokens, .. } if from == route.decode => {
                 // The decode loop gave its pages to others; it resumes from what it made.

@@ -6,6 +6,8 @@
 //! - [`admission`]: the one admission decision (I3, I5) every role and the engine call.
 //! - [`auth`]: cluster trust: the handshake under the cluster key and the per-frame MACs
 //!   after it.
+//! - [`cache`]: the prefix cache's keys (I7): the secret, a request's scope from its
+//!   tenant and salt, chained page keys, the fence the pool checks.
 //! - [`codec`]: the versioned, length-prefixed, size-bounded wire format (sans-IO decoder).
 //! - [`decode`]: the decode worker's state machine: reservations, chunk verification,
 //!   fencing and quarantine (I1, I2, I4), admission (I3, I5).
@@ -23,6 +25,7 @@
 
 pub mod admission;
 pub mod auth;
+pub mod cache;
 pub mod codec;
 pub mod decode;
 pub mod driver;

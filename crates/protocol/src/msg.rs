@@ -1,7 +1,9 @@
 //! Messages between the roles. Every request is named by the gateway's [`RequestId`], which
 //! is also the owner of the KV leases taken for it on every worker.
 
-use bulkhead_kv::{ChunkHeader, KvPool, PageRef, RequestId};
+use bulkhead_kv::{ChunkHeader, KvPool, PageKey, PageRef, RequestId};
+
+use crate::cache::CacheScope;
 
 /// A worker's identity within one gateway (assigned at registration).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -99,6 +101,8 @@ pub struct TraceContext {
     pub trace_id: [u8; 16],
     /// The HTTP request's `x-request-id` (the API keeps at most 128 printable ASCII bytes).
     pub request_id: String,
+    /// The tenant's name (from its API key), for the workers' log lines of the request.
+    pub tenant: String,
 }
 
 /// Prometheus type of a [`MetricFamily`].
@@ -264,18 +268,22 @@ pub enum Message {
     Rejected { req: RequestId, reason: RejectReason, detail: String },
     /// Gateway → prefill: compute this prompt's KV into `decode`'s `pages`. `skip_draws`:
     /// sampling draws made before (a retracted request's tokens), so a seeded sampler picks
-    /// up where it was.
-    Prefill { req: RequestId, tokens: Vec<u32>, decode: WorkerId, pages: Vec<PageRef>, sampling: Sampling, skip_draws: u32, trace: TraceContext },
+    /// up where it was. `cache`: the request's prefix-cache scope (its tenant and salt),
+    /// `None` when it must neither use nor fill the cache.
+    Prefill { req: RequestId, tokens: Vec<u32>, decode: WorkerId, pages: Vec<PageRef>, sampling: Sampling, skip_draws: u32, trace: TraceContext, cache: Option<CacheScope> },
     /// Prefill → decode: KV bytes for one page segment.
     KvChunk { req: RequestId, header: ChunkHeader, data: Vec<u8> },
     /// Prefill → decode: all chunks sent. The last message for `req` on this connection.
-    Done { req: RequestId, tokens: u32, first_token: u32, manifest: u64 },
+    /// `cached`: how many of the `tokens` came from the prefill's cache (they were sent and
+    /// are verified like the others).
+    Done { req: RequestId, tokens: u32, first_token: u32, manifest: u64, cached: u32 },
     /// Prefill → decode: nothing (more) will be sent for `req`. The last message for `req`.
     Fenced { req: RequestId },
     /// Decode → gateway: one generated token and the text it released.
     Token { req: RequestId, token: u32, text: String },
-    /// Decode → gateway: the request ended normally. Terminal.
-    Finished { req: RequestId, finish: FinishReason, text: String, prompt_tokens: u32, completion_tokens: u32 },
+    /// Decode → gateway: the request ended normally. Terminal. `cached_tokens`: the prompt
+    /// tokens its prefill took from the cache (as `Done` said).
+    Finished { req: RequestId, finish: FinishReason, text: String, prompt_tokens: u32, completion_tokens: u32, cached_tokens: u32 },
     /// Decode → gateway: the decode loop needed the request's pages for others and gave
     /// them back (through the pool's release, generation bump included). Not terminal: the
     /// gateway queues it again with `tokens` (everything it generated so far) as `resume`.
@@ -287,6 +295,9 @@ pub enum Message {
     /// Gateway → decode: end a reservation that was never dispatched to a prefill worker, so
     /// no writer can exist for its pages (they are released, not quarantined).
     Cancel { req: RequestId },
+    /// Prefill → gateway: pages its prefix cache stored and evicted since its last report,
+    /// for cache-aware routing. The gateway learns the index from these, not from guesses.
+    CacheReport { stored: Vec<PageKey>, evicted: Vec<PageKey> },
     /// Worker → gateway, periodically and when a request ends on the worker: the worker's
     /// current metrics, replacing what it sent before (I6: evidence leaves the worker).
     Metrics { families: Vec<MetricFamily> },
@@ -320,6 +331,7 @@ impl Message {
             | Message::PeerLeft { .. }
             | Message::Room
             | Message::Metrics { .. }
+            | Message::CacheReport { .. }
             | Message::AuthHello { .. }
             | Message::AuthChallenge { .. }
             | Message::AuthProof { .. }
@@ -358,6 +370,7 @@ impl Message {
             Message::Abort { .. } => "Abort",
             Message::Cancel { .. } => "Cancel",
             Message::Metrics { .. } => "Metrics",
+            Message::CacheReport { .. } => "CacheReport",
         }
     }
 }

@@ -23,6 +23,7 @@ use std::collections::{BTreeMap, VecDeque};
 use bulkhead_kv::{KvError, PageRef, RequestId};
 
 use crate::admission::{admit, Generate};
+use crate::cache::CacheScope;
 use crate::msg::*;
 
 /// Limits of a prefill worker.
@@ -62,6 +63,8 @@ pub struct PrefillJob {
     pub skip_draws: u32,
     /// Where the request came from, for the worker's logs.
     pub trace: TraceContext,
+    /// Its prefix-cache scope (tenant and salt), if it may use the cache.
+    pub cache: Option<CacheScope>,
 }
 
 /// Why the driver could not finish a job.
@@ -79,13 +82,17 @@ pub enum PrefillFailure {
     /// The model computed the last chunk without producing a first token.
     #[error("no first token after the last chunk")]
     NoFirstToken,
+    /// The prefix cache's lookup was refused (I7: a page of another tenant or salt).
+    #[error("prefix cache: {0}")]
+    Cache(KvError),
 }
 
 /// How the driver's work on a job ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum JobOutcome {
     /// All chunks sent.
-    Done { tokens: u32, first_token: u32, manifest: u64 },
+    /// `cached`: the leading prompt tokens taken from the prefix cache.
+    Done { tokens: u32, first_token: u32, manifest: u64, cached: u32 },
     /// Stopped early because [`PrefillRole::keep_going`] said so.
     Stopped,
     /// The job could not be finished.
@@ -248,8 +255,8 @@ impl PrefillRole {
                 self.peers.remove(&worker);
                 self.fail_jobs_for(worker, "decode worker left", &mut out);
             }
-            PrefillEvent::Gateway(Message::Prefill { req, tokens, decode, pages, sampling, skip_draws, trace }) => {
-                self.admit(PrefillJob { req, tokens, decode, pages, sampling, skip_draws, trace }, &mut out);
+            PrefillEvent::Gateway(Message::Prefill { req, tokens, decode, pages, sampling, skip_draws, trace, cache }) => {
+                self.admit(PrefillJob { req, tokens, decode, pages, sampling, skip_draws, trace, cache }, &mut out);
             }
             // The gateway ends a request, or a decode worker asks to stop a transfer (it
             // refused a chunk or timed out).
@@ -399,9 +406,9 @@ impl PrefillRole {
         self.running = None;
         let to = r.decode;
         match outcome {
-            JobOutcome::Done { tokens, first_token, manifest } if !r.aborted => {
+            JobOutcome::Done { tokens, first_token, manifest, cached } if !r.aborted => {
                 self.stats.completed += 1;
-                vec![PrefillAction::ToDecode { to, msg: Message::Done { req, tokens, first_token, manifest } }]
+                vec![PrefillAction::ToDecode { to, msg: Message::Done { req, tokens, first_token, manifest, cached } }]
             }
             JobOutcome::Done { .. } | JobOutcome::Stopped => {
                 self.stats.aborted += 1;

@@ -10,7 +10,7 @@ use bulkhead_protocol::decode::{DecodeAction, DecodeConfig, DecodeEvent, DecodeR
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeEngine, DecodeLink, DecodePolicy, GenEvent};
 use bulkhead_protocol::driver::prefill::{FirstToken, LinkDown, PrefillCompute, PrefillDriver, PrefillLink, PrefillPolicy, Step};
 use bulkhead_protocol::driver::Honest;
-use bulkhead_protocol::gateway::{BusyReason, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole};
+use bulkhead_protocol::gateway::{BusyReason, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, TenantId};
 use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillJob, PrefillRole};
 use bulkhead_protocol::*;
 
@@ -191,7 +191,7 @@ impl<PP: PrefillPolicy, DP: DecodePolicy> Cluster<PP, DP> {
 
     fn submit(&mut self, req: u64, prompt: u32, max_tokens: u32) {
         let tokens = (0..prompt).map(|i| i + req as u32 * 100).collect();
-        self.gateway(GatewayEvent::Submit { req: RequestId(req), tokens, max_tokens, sampling: Sampling::default(), stop: vec![], trace: TraceContext::default() });
+        self.gateway(GatewayEvent::Submit { req: RequestId(req), tokens, max_tokens, sampling: Sampling::default(), stop: vec![], trace: TraceContext::default(), tenant: TenantId(0), cache: None });
     }
 
     fn decode_event(&mut self, ev: DecodeEvent) {
@@ -329,7 +329,7 @@ impl DecodePolicy for TrustsDone {
         acts.into_iter()
             .map(|a| match a {
                 DecodeAction::ToGateway(Message::Failed { req, reason: FailReason::TransferRefused, .. }) => {
-                    let done = Message::Finished { req, finish: FinishReason::Stop, text: "fluent".into(), prompt_tokens: 40, completion_tokens: 1 };
+                    let done = Message::Finished { req, finish: FinishReason::Stop, text: "fluent".into(), prompt_tokens: 40, completion_tokens: 1, cached_tokens: 0 };
                     DecodeAction::ToGateway(done)
                 }
                 a => a,
@@ -501,8 +501,8 @@ fn a_corrupted_or_foreign_chunk_fails_only_its_request() {
 #[test]
 fn the_trace_context_reaches_the_decode_reservation_and_the_prefill_job() {
     let mut c = Cluster::new(64, 128, true);
-    let trace = TraceContext { trace_id: [7; 16], request_id: "req-7".into() };
-    c.gateway(GatewayEvent::Submit { req: RequestId(1), tokens: vec![1, 2, 3], max_tokens: 2, sampling: Sampling::default(), stop: vec![], trace: trace.clone() });
+    let trace = TraceContext { trace_id: [7; 16], request_id: "req-7".into(), tenant: "acme".into() };
+    c.gateway(GatewayEvent::Submit { req: RequestId(1), tokens: vec![1, 2, 3], max_tokens: 2, sampling: Sampling::default(), stop: vec![], trace: trace.clone(), tenant: TenantId(0), cache: None });
     let (mut reserve, mut prefill, mut job) = (None, None, None);
     for _ in 0..1000 {
         for (_, m) in &c.net {

@@ -4,7 +4,7 @@
 //! (docs/TESTING.md).
 
 use bulkhead_kv::{Generation, PageId, PageRef, RequestId};
-use bulkhead_protocol::gateway::{attempt_id, client_of, BusyReason, ClientOutput, Phase, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, GatewayStats, KvShape, RegisterError};
+use bulkhead_protocol::gateway::{attempt_id, client_of, BusyReason, ClientOutput, Phase, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, GatewayStats, KvShape, RegisterError, TenantId};
 use bulkhead_protocol::*;
 
 const P1: WorkerId = WorkerId(1);
@@ -33,7 +33,7 @@ fn gateway(workers: &[(WorkerId, Role)]) -> GatewayRole {
 }
 
 fn submit(g: &mut GatewayRole, req: u64, prompt: usize, max_tokens: u32) -> Vec<GatewayAction> {
-    let ev = GatewayEvent::Submit { req: RequestId(req), tokens: vec![5; prompt], max_tokens, sampling: Sampling::default(), stop: vec![], trace: TraceContext::default() };
+    let ev = GatewayEvent::Submit { req: RequestId(req), tokens: vec![5; prompt], max_tokens, sampling: Sampling::default(), stop: vec![], trace: TraceContext::default(), tenant: TenantId(0), cache: None };
     g.handle(ev)
 }
 
@@ -99,7 +99,7 @@ fn only_the_assigned_decode_worker_moves_a_request_on_and_speaks_to_the_client()
     assert!(from(&mut g, D2, reserved(1)).is_empty(), "a second Reserved sends no second Prefill");
     assert!(from(&mut g, P1, token(1)).is_empty());
     assert_eq!(to_client(&from(&mut g, D2, token(1))), [&ClientOutput::Token { text: "x".into() }]);
-    let finished = Message::Finished { req: RequestId(1), finish: FinishReason::Stop, text: String::new(), prompt_tokens: 4, completion_tokens: 1 };
+    let finished = Message::Finished { req: RequestId(1), finish: FinishReason::Stop, text: String::new(), prompt_tokens: 4, completion_tokens: 1, cached_tokens: 0 };
     assert!(from(&mut g, P1, finished.clone()).is_empty());
     assert_eq!(g.in_flight(), 1);
     assert_eq!(to_client(&from(&mut g, D2, finished)).len(), 1);
@@ -260,7 +260,7 @@ fn a_decode_worker_out_of_room_queues_requests_until_it_frees_some_and_the_queue
     let full = submit(&mut g, 6, 4, 4);
     assert!(matches!(to_client(&full).as_slice(), [ClientOutput::Busy { reason: BusyReason::QueueFull, .. }]), "{full:?}");
     // Request 1 finishes: room again, the head goes first under its next attempt id.
-    let finished = Message::Finished { req: RequestId(1), finish: FinishReason::Stop, text: String::new(), prompt_tokens: 4, completion_tokens: 1 };
+    let finished = Message::Finished { req: RequestId(1), finish: FinishReason::Stop, text: String::new(), prompt_tokens: 4, completion_tokens: 1, cached_tokens: 0 };
     let acts = from(&mut g, D2, finished);
     let sent = reserves(&acts);
     assert_eq!(sent.first(), Some(&(D2, attempt_id(RequestId(2), 1))), "{acts:?}");
@@ -344,4 +344,76 @@ fn after_losing_its_last_worker_of_a_role_the_gateway_says_since_when_and_queued
     join(&mut g, D4, Role::Decode);
     assert_eq!(g.unavailable(), None);
     assert_eq!(routed(&submit(&mut g, 2, 4, 4)), (D4, P1));
+}
+
+fn submit_as(g: &mut GatewayRole, req: u64, tenant: u32, cache: Option<bulkhead_protocol::cache::CacheScope>) -> Vec<GatewayAction> {
+    let ev = GatewayEvent::Submit {
+        req: RequestId(req),
+        tokens: vec![5; 4],
+        max_tokens: 4,
+        sampling: Sampling::default(),
+        stop: vec![],
+        trace: TraceContext::default(),
+        tenant: TenantId(tenant),
+        cache,
+    };
+    g.handle(ev)
+}
+
+/// The requests (client ids) of every Reserve, in order.
+fn reserved_reqs(acts: &[GatewayAction]) -> Vec<u64> {
+    acts.iter().filter_map(|a| if let GatewayAction::ToWorker { msg: Message::Reserve { req, .. }, .. } = a { Some(client_of(*req).0) } else { None }).collect()
+}
+
+#[test]
+fn the_tenants_queues_take_turns_so_one_tenants_burst_cannot_starve_another() {
+    let mut g = gateway(&[(P1, Role::Prefill), (D2, Role::Decode)]);
+    // The decode worker has no room: everything from here waits.
+    assert_eq!(reserved_reqs(&submit_as(&mut g, 1, 0, None)), [1]);
+    from(&mut g, D2, Message::Rejected { req: RequestId(1), reason: RejectReason::Capacity, detail: String::new() });
+    for req in 2..=4 {
+        assert!(reserved_reqs(&submit_as(&mut g, req, 0, None)).is_empty());
+    }
+    // Tenant 0 holds the most one tenant may queue (4, with its requeued head): a fifth is
+    // turned away, while tenant 1 still gets in.
+    let full = submit_as(&mut g, 5, 0, None);
+    assert!(matches!(to_client(&full).as_slice(), [ClientOutput::Busy { reason: BusyReason::QueueFull, .. }]), "{full:?}");
+    for req in [6, 7] {
+        assert!(reserved_reqs(&submit_as(&mut g, req, 1, None)).is_empty());
+    }
+    assert_eq!(g.queued(), 6);
+    // Room: the queues take turns, tenant 1 first (tenant 0 was served last).
+    assert_eq!(reserved_reqs(&from(&mut g, D2, Message::Room)), [6, 1, 7, 2, 3, 4]);
+}
+
+#[test]
+fn routing_follows_the_cache_a_prefill_reported_for_the_same_scope_and_load_wins_out_of_balance() {
+    use bulkhead_protocol::cache::CacheSecret;
+    let secret = CacheSecret::from_random([9; 32]);
+    let (a, b) = (secret.scope("a", None), secret.scope("b", None));
+    let setup = |report: bool| {
+        let mut g = gateway(&[(P1, Role::Prefill), (D2, Role::Decode), (P3, Role::Prefill)]);
+        if report {
+            // P3 cached tenant a's page of this prompt (page size 4, digest DIGEST).
+            from(&mut g, P3, Message::CacheReport { stored: a.page_keys(DIGEST, &[5; 4], 4), evicted: vec![] });
+        }
+        g
+    };
+    // What tenant a cached never moves tenant b's request: same route with or without it.
+    let (mut with, mut without) = (setup(true), setup(false));
+    assert_eq!(routed(&submit_as(&mut with, 1, 1, Some(b))), routed(&submit_as(&mut without, 1, 1, Some(b))));
+    // Tenant a's requests go to P3 while loads stay within the balance threshold...
+    let mut g = setup(true);
+    for req in 1..=3 {
+        assert_eq!(routed(&submit_as(&mut g, req, 0, Some(a))).1, P3, "request {req}");
+    }
+    assert_eq!(g.stats().routed_by_cache, 3);
+    // ...and to the idle P1 once P3 holds three more than it.
+    assert_eq!(routed(&submit_as(&mut g, 4, 0, Some(a))).1, P1);
+    assert_eq!(g.stats().routed_by_load, 1);
+    // An eviction report takes the page out of the index.
+    let mut g = setup(true);
+    from(&mut g, P3, Message::CacheReport { stored: vec![], evicted: a.page_keys(DIGEST, &[5; 4], 4) });
+    submit_as(&mut g, 1, 0, Some(a));
+    assert_eq!(g.stats().routed_by_cache, 0);
 }

@@ -27,7 +27,7 @@ fn prefill(req: u64, tokens: usize, pages: usize) -> PrefillEvent {
 
 fn prefill_for(req: u64, tokens: usize, pages: usize, decode: WorkerId) -> PrefillEvent {
     let pages = (0..pages).map(|i| PageRef { page: PageId(i as u32), generation: Generation(1) }).collect();
-    let m = Message::Prefill { req: RequestId(req), tokens: vec![5; tokens], decode, pages, sampling: Sampling::default(), skip_draws: 0, trace: TraceContext::default() };
+    let m = Message::Prefill { req: RequestId(req), tokens: vec![5; tokens], decode, pages, sampling: Sampling::default(), skip_draws: 0, trace: TraceContext::default(), cache: None };
     PrefillEvent::Gateway(m)
 }
 
@@ -107,10 +107,10 @@ fn an_abort_ends_a_queued_job_at_once_and_a_running_one_at_its_next_chunk_with_a
     assert!(p.handle(abort(1)).is_empty(), "the running job is told at its next chunk");
     assert!(!p.keep_going(RequestId(1)));
     // It finished computing anyway: the decode worker gets a fence, never a Done.
-    let acts = sent(p.job_ended(RequestId(1), JobOutcome::Done { tokens: 4, first_token: 7, manifest: 1 }));
+    let acts = sent(p.job_ended(RequestId(1), JobOutcome::Done { tokens: 4, first_token: 7, manifest: 1, cached: 0 }));
     assert!(matches!(acts.as_slice(), [a] if fenced(1)(a)), "{acts:?}");
     assert!(p.next_job().is_some_and(|j| j.req == RequestId(3)), "the aborted job never runs");
-    let acts = sent(p.job_ended(RequestId(3), JobOutcome::Done { tokens: 4, first_token: 7, manifest: 1 }));
+    let acts = sent(p.job_ended(RequestId(3), JobOutcome::Done { tokens: 4, first_token: 7, manifest: 1, cached: 0 }));
     assert!(matches!(acts.as_slice(), [(false, Message::Done { .. })]), "{acts:?}");
     assert_eq!(p.stats(), PrefillStats { admitted: 3, aborted: 2, completed: 1, ..PrefillStats::default() });
 }

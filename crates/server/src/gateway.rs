@@ -12,10 +12,11 @@ use std::time::{Duration, Instant};
 
 use bulkhead_api::{ApiError, Backend, GenEvent, GenerationRequest, ModelCard, Prompt};
 
-use bulkhead_api::PromptEncoder;
+use bulkhead_api::{PromptEncoder, Tenants};
+use bulkhead_protocol::cache::{CacheScope, CacheSecret};
 use bulkhead_kv::RequestId;
 use bulkhead_protocol::admission::{admit, default_max_tokens, Generate};
-use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, RegisterError};
+use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, RegisterError, TenantId};
 use bulkhead_protocol::auth::Server;
 use bulkhead_protocol::{
     FailReason, FrameDecoder, FrameEncoder, Hello, Purpose, Message, MetricFamily, RejectReason, Role, Sampling, TraceContext, WorkerId, DEFAULT_MAX_FRAME,
@@ -53,6 +54,10 @@ pub struct GatewayOptions {
     pub body_timeout: Duration,
     /// The cluster key workers must prove, if any.
     pub trust: Trust,
+    /// Who may send requests (API keys to tenants).
+    pub tenants: Arc<Tenants>,
+    /// Whether requests carry a prefix-cache scope to the prefill workers.
+    pub prefix_cache: bool,
 }
 
 /// Why the gateway could not start.
@@ -77,6 +82,8 @@ enum Cmd {
         sampling: Sampling,
         stop: Vec<String>,
         trace: TraceContext,
+        tenant: TenantId,
+        cache: Option<CacheScope>,
         arrived: Instant,
         events: mpsc::Sender<GenEvent>,
     },
@@ -116,6 +123,8 @@ struct Shared {
     /// Set when the gateway cannot serve and cannot recover by itself (`/health` 503).
     failed: AtomicBool,
     encoder: PromptEncoder,
+    /// The secret of cache scopes; `None` with the prefix cache off.
+    cache_secret: Option<CacheSecret>,
     admission_check: bool,
     refused: Refused,
     cmds: mpsc::Sender<Cmd>,
@@ -155,9 +164,12 @@ impl Backend for ClusterBackend {
         })?;
         // Enough room for every token of the longest request: sends never block the actor.
         let (tx, rx) = mpsc::channel(limit.max(16) + 8);
-        let trace = TraceContext { trace_id: req.trace_id.0, request_id: req.request_id };
+        let tenant = TenantId(req.tenant.id);
+        // The scope comes from the tenant of the API key and the salt; nothing else.
+        let cache = s.cache_secret.as_ref().map(|secret| secret.scope(&req.tenant.name, req.cache_salt.as_deref()));
+        let trace = TraceContext { trace_id: req.trace_id.0, request_id: req.request_id, tenant: req.tenant.name.to_string() };
         let sampling = req.sampling;
-        match s.cmds.try_send(Cmd::Submit { tokens, max_tokens, sampling, stop: req.stop, trace, arrived, events: tx }) {
+        match s.cmds.try_send(Cmd::Submit { tokens, max_tokens, sampling, stop: req.stop, trace, tenant, cache, arrived, events: tx }) {
             Ok(()) => Ok(rx),
             Err(mpsc::error::TrySendError::Full(_)) => {
                 count(&s.refused.busy);
@@ -211,6 +223,12 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
     let chat = bulkhead_tokenizer::ChatTemplate::from_gguf(&f)?;
     drop(f);
     let digest = crate::wire::model_digest(&opts.model)?;
+    // Derived from the cluster key, or random per run: only this process needs it.
+    let cache_secret = match (&opts.trust.key, opts.prefix_cache) {
+        (_, false) => None,
+        (Some(key), true) => Some(CacheSecret::from_cluster_key(key)),
+        (None, true) => Some(CacheSecret::from_random(crate::trust::random()?)),
+    };
     let (cmds, inbox) = mpsc::channel(ACTOR_INBOX);
     let shared = Arc::new(Shared {
         card: ModelCard { id: opts.model_id.clone(), max_model_len: config.context_length, created: unix_now(), owned_by: "bulkhead".into() },
@@ -218,6 +236,7 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
         ready: AtomicBool::new(false),
         failed: AtomicBool::new(false),
         encoder: PromptEncoder::new(Arc::new(tokenizer), chat),
+        cache_secret,
         admission_check: opts.admission_check,
         refused: Refused::default(),
         cmds: cmds.clone(),
@@ -260,7 +279,7 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
     let hl = TcpListener::bind(&opts.http_addr).await?;
     let http_addr = hl.local_addr()?;
     let backend_shared = shared.clone();
-    let app = bulkhead_api::router(Arc::new(ClusterBackend(shared)))
+    let app = bulkhead_api::router_with_tenants(Arc::new(ClusterBackend(shared)), opts.tenants.clone())
         .route("/metrics", axum::routing::get(move || serve_metrics(cmds.clone())))
         .layer(axum::Extension(bulkhead_api::BodyTimeout(opts.body_timeout)));
     let (tx, rx) = oneshot::channel::<()>();
@@ -328,12 +347,12 @@ impl Actor {
     async fn run(mut self, mut inbox: mpsc::Receiver<Cmd>) {
         while let Some(cmd) = inbox.recv().await {
             match cmd {
-                Cmd::Submit { tokens, max_tokens, sampling, stop, trace, arrived, events } => {
+                Cmd::Submit { tokens, max_tokens, sampling, stop, trace, tenant, cache, arrived, events } => {
                     let req = RequestId(self.next_req);
                     self.next_req += 1;
                     let client = Client { events, prompt_tokens: tokens.len(), max_tokens: max_tokens as usize, arrived, last_token: None };
                     self.clients.insert(req, client);
-                    self.apply(GatewayEvent::Submit { req, tokens, max_tokens, sampling, stop, trace });
+                    self.apply(GatewayEvent::Submit { req, tokens, max_tokens, sampling, stop, trace, tenant, cache });
                 }
                 Cmd::Register { hello, writer, reply } => {
                     let r = self.register(hello, writer);
@@ -440,6 +459,9 @@ impl Actor {
         for (event, n) in queue {
             f.counter("bulkhead:requeue_events_total", "Requests turned away from the queue, or sent back to it.", &[("event", event)], n);
         }
+        let help = "Requests sent to a prefill worker for its cached prefix (cache) or because loads were out of balance (load).";
+        f.counter("bulkhead:prefill_routing_total", help, &[("by", "cache")], g.routed_by_cache);
+        f.counter("bulkhead:prefill_routing_total", help, &[("by", "load")], g.routed_by_load);
         let r = &self.shared.refused;
         // The role's own context check only fires if the served context shrank between the
         // HTTP side's check and the actor's.
@@ -470,7 +492,7 @@ impl Actor {
                     events.push(GenEvent::Text(text));
                 }
             }
-            ClientOutput::Finished { finish, text, prompt_tokens, completion_tokens } => {
+            ClientOutput::Finished { finish, text, prompt_tokens, completion_tokens, cached_tokens } => {
                 if !text.is_empty() {
                     events.push(GenEvent::Text(text));
                 }
@@ -478,7 +500,12 @@ impl Actor {
                     self.requests.token(c.arrived, None);
                 }
                 self.requests.finished(c.arrived, finish.as_str(), prompt_tokens, completion_tokens);
-                events.push(GenEvent::Finished { reason: finish, prompt_tokens: prompt_tokens as usize, completion_tokens: completion_tokens as usize });
+                events.push(GenEvent::Finished {
+                    reason: finish,
+                    prompt_tokens: prompt_tokens as usize,
+                    completion_tokens: completion_tokens as usize,
+                    cached_tokens: cached_tokens as usize,
+                });
             }
             ClientOutput::Rejected { reason, detail } => events.push(GenEvent::Failed(match reason {
                 RejectReason::ContextLength => {

@@ -22,7 +22,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
-use bulkhead_kv::PoolStats;
+use bulkhead_kv::{CacheStats, PoolStats};
 use bulkhead_protocol::decode::DecodeStats;
 use bulkhead_protocol::prefill::PrefillStats;
 use bulkhead_protocol::{MetricFamily, MetricKind, MetricSample};
@@ -180,6 +180,21 @@ pub fn pool_families(s: &PoolStats, f: &mut Families) {
     f.check("generation", s.generation_checks, None);
     f.check("canary", s.canary_checks, Some(s.poisoned_reads));
     f.check("audit", s.audited_slots, Some(s.audit_violations));
+    // Every shared lease asked for and every shared page attended to: its fence against
+    // the page's (I7).
+    f.check("tenant_fence", s.fence_checks, Some(s.fence_failures));
+    f.gauge("bulkhead:kv_cached_pages", "KV pages held read-only by the prefix cache.", &[], s.cached_pages as f64);
+    f.gauge("bulkhead:kv_shared_leases", "Read-only leases out on cached KV pages.", &[], s.shared_leases as f64);
+}
+
+/// A prefill worker's prefix cache (vLLM's names: queries and hits count prompt tokens).
+pub fn prefix_cache_families(s: &CacheStats, pages: usize, max_pages: usize, f: &mut Families) {
+    f.counter("bulkhead:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", &[], s.query_tokens);
+    f.counter("bulkhead:prefix_cache_hits_total", "Prompt tokens found in the prefix cache (same tenant and salt) and not computed.", &[], s.hit_tokens);
+    f.gauge("bulkhead:prefix_cache_pages", "Pages in the prefix cache.", &[], pages as f64);
+    f.gauge("bulkhead:prefix_cache_max_pages", "Most pages the prefix cache keeps.", &[], max_pages as f64);
+    f.counter("bulkhead:prefix_cache_stored_pages_total", "Pages published to the prefix cache.", &[], s.stored_pages);
+    f.counter("bulkhead:prefix_cache_evictions_total", "Pages evicted from the prefix cache.", &[], s.evicted_pages);
 }
 
 /// A decode worker's handoff checks and admission; `checksums`: whether its pool verifies

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bulkhead_engine::Prefiller;
-use bulkhead_kv::{KvPool, RequestId};
+use bulkhead_kv::{KvPool, PrefixCache, RequestId};
 use bulkhead_protocol::driver::prefill::{LinkDown, PrefillDriver, PrefillLink, Step};
 use bulkhead_protocol::prefill::{JobOutcome, PrefillConfig, PrefillEvent, PrefillRole};
 use crate::trust::Trust;
@@ -153,13 +153,21 @@ const STABLE_INCARNATION: Duration = Duration::from_secs(10);
 pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     let crate::worker::Loaded { model, mut pool, context, digest } = load(&cfg)?;
     let compute = Prefiller(Arc::new(model.model));
+    let cache_pages = cfg.prefix_cache_pages.min(pool.total_pages());
+    if cache_pages > 0 {
+        let tokens = cache_pages * pool.layout().page_size;
+        tracing::info!(pages = cache_pages, tokens, "prefix cache on: full prompt pages are shared within one tenant and salt, evicted least recently used");
+    } else {
+        tracing::info!("prefix cache off");
+    }
     let mut backoff = Duration::ZERO;
     loop {
         let started = Instant::now();
         let hello = Hello::for_pool(Role::Prefill, digest, &pool, context, String::new());
         let (gw, gw_reader, me) = register(&cfg, hello)?;
         tracing::info!(worker = %me, pid = std::process::id(), "prefill worker registered");
-        match incarnation(&cfg, me, gw, gw_reader, &compute, &mut pool, context)? {
+        let cache = (cache_pages > 0).then(|| (PrefixCache::new(cache_pages), digest));
+        match incarnation(&cfg, me, gw, gw_reader, &compute, &mut pool, context, cache)? {
             Ended::GatewayClosed => return Ok(()),
             Ended::Rejoin => {
                 let (min, max) = REJOIN_BACKOFF;
@@ -180,6 +188,7 @@ fn incarnation(
     compute: &Prefiller,
     pool: &mut KvPool,
     context: usize,
+    cache: Option<(PrefixCache, u64)>,
 ) -> Result<Ended, WorkerError> {
     let (inbox, rx) = sync_channel::<In>(INBOX);
     spawn_reader(gw_reader, inbox.clone(), In::Gateway, In::GatewayClosed);
@@ -192,8 +201,12 @@ fn incarnation(
     let chunk_tokens = cfg.transfer_batch_pages.max(1) * page_size;
     let trust = cfg.trust.clone();
     let link = Link { me, gw, gw_error: None, decodes: BTreeMap::new(), trust, inbox, events: Vec::new(), sent_bytes: 0, sending: None, rejoin: false };
+    let driver = PrefillDriver::new(role, chunk_tokens);
     let mut w = Worker {
-        driver: PrefillDriver::new(role, chunk_tokens),
+        driver: match cache {
+            Some((cache, digest)) => driver.with_cache(cache, digest),
+            None => driver,
+        },
         link,
         compute: compute.clone(),
         pool,
@@ -290,7 +303,7 @@ impl Worker<'_> {
         if let Step::Ended { req, outcome, unreleased } = step {
             let ms = self.job_started.take().filter(|(r, _)| *r == req).map_or(0, |(_, t)| t.elapsed().as_millis() as u64);
             match outcome {
-                JobOutcome::Done { tokens, .. } => tracing::info!(tokens, ms, "prefill done"),
+                JobOutcome::Done { tokens, cached, .. } => tracing::info!(tokens, cached, ms, "prefill done"),
                 JobOutcome::Stopped => tracing::info!(ms, "prefill stopped"),
                 JobOutcome::Failed(e) => tracing::warn!(error = %e, "prefill failed"),
             }
@@ -313,6 +326,9 @@ impl Worker<'_> {
         metrics::worker_families(&mut f, &self.pool.stats(), &requests, self.link.sent_bytes);
         metrics::prefill_families(&role.stats(), &mut f);
         metrics::transfer_seconds(&mut f, &self.transfer);
+        if let Some(c) = self.driver.cache() {
+            metrics::prefix_cache_families(&c.stats(), c.len(), c.max_pages(), &mut f);
+        }
         self.pusher.pushed();
         self.link.gw.send(&Message::Metrics { families: f.into_vec() })?;
         Ok(())

@@ -51,6 +51,8 @@ pub struct WorkerConfig {
     pub kv_checks: KvChecks,
     /// The cluster key, if any (every internal connection authenticates with it).
     pub trust: Trust,
+    /// Prefill only: most pages of the pool the prefix cache keeps (0: no cache).
+    pub prefix_cache_pages: usize,
 }
 
 /// Why a worker could not start or stopped.
@@ -173,9 +175,9 @@ fn connect_retry(addr: &str) -> Result<TcpStream, WorkerError> {
     Err(WorkerError::Connect { addr: addr.to_string(), source: last.unwrap_or_else(|| std::io::Error::other("no attempt")) })
 }
 
-/// The span a worker's log lines about one request run in: the request, its W3C trace id
-/// and the client's `x-request-id`. A root span, so a line logged for one request while a
+/// The span a worker's log lines about one request run in: the request, its W3C trace id,
+/// the client's `x-request-id` and the tenant. A root span, so a line logged for one request while a
 /// worker is busy with another names only the request it is about.
 pub fn request_span(req: bulkhead_kv::RequestId, trace: &TraceContext) -> tracing::Span {
-    tracing::info_span!(parent: None, "request", req = %req, trace_id = %TraceId(trace.trace_id), request_id = %trace.request_id)
+    tracing::info_span!(parent: None, "request", req = %req, trace_id = %TraceId(trace.trace_id), request_id = %trace.request_id, tenant = %trace.tenant)
 }

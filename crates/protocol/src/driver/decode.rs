@@ -41,12 +41,13 @@ impl GenEvent {
         !matches!(self, GenEvent::Token { .. })
     }
 
-    /// The message that carries it to the gateway.
-    pub fn into_message(self) -> Message {
+    /// The message that carries it to the gateway; a finished request's usage counts
+    /// `cached_tokens` prompt tokens from the prefill's cache.
+    pub fn into_message(self, cached_tokens: u32) -> Message {
         match self {
             GenEvent::Token { req, token, text } => Message::Token { req, token, text },
             GenEvent::Finished { req, finish, text, prompt_tokens, completion_tokens } => {
-                Message::Finished { req, finish, text, prompt_tokens, completion_tokens }
+                Message::Finished { req, finish, text, prompt_tokens, completion_tokens, cached_tokens: cached_tokens.min(prompt_tokens) }
             }
             GenEvent::Failed { req, error } => {
                 Message::Failed { req, reason: FailReason::Internal, detail: format!("KV read check failed: {error}") }
@@ -200,15 +201,17 @@ impl<E: DecodeEngine, P: DecodePolicy> DecodeDriver<E, P> {
     /// transport gets its chance to send evidence before their last messages.
     fn emit(&mut self, events: Vec<GenEvent>, link: &mut impl DecodeLink) {
         let mut ended = false;
-        for e in events.iter().filter(|e| e.is_terminal()) {
-            self.role.finished(e.req());
-            ended = true;
+        let mut cached = Vec::with_capacity(events.len());
+        for e in &events {
+            let terminal = e.is_terminal();
+            cached.push(if terminal { self.role.finished(e.req()) } else { 0 });
+            ended |= terminal;
         }
         if ended {
             link.ending(&self.role, self.engine.pool_mut());
         }
-        for e in events {
-            link.to_gateway(e.into_message());
+        for (e, cached) in events.into_iter().zip(cached) {
+            link.to_gateway(e.into_message(cached));
         }
         if let Some(m) = ended.then(|| self.role.room()).flatten() {
             link.to_gateway(m);
@@ -246,7 +249,7 @@ pub fn make_room<S: Growing>(pool: &mut KvPool, seqs: &mut Vec<S>) -> Result<Vec
         match seqs[i].kv().reserve(pool, want) {
             Ok(()) => {}
             Err(KvError::Exhausted { .. }) => {
-                let victim = seqs.iter().enumerate().filter(|(_, s)| !s.kv_ref().leases().is_empty()).max_by_key(|(_, s)| s.order());
+                let victim = seqs.iter().enumerate().filter(|(_, s)| !s.kv_ref().pages().is_empty()).max_by_key(|(_, s)| s.order());
                 let Some(v) = victim.map(|(v, _)| v) else { return Ok(retracted) };
                 let mut s = seqs.swap_remove(v);
                 let owner = s.kv_ref().owner();

@@ -6,11 +6,17 @@
 //! pages, send those chunks, and after the last one end the job with the role. Between
 //! steps the caller feeds events ([`PrefillDriver::handle`]), so an abort that arrives
 //! while a long prompt is computed takes effect at the next chunk boundary (I3).
+//!
+//! With a prefix cache ([`PrefillDriver::with_cache`]), a job first shares the longest
+//! cached run of its prompt's full pages under its own scope (the pool checks the fence,
+//! I7), computes only the rest, and still sends the whole prompt's KV, cached pages
+//! included, for the decode worker to verify as always. A finished job's new full pages
+//! are published to the cache; what was stored and evicted goes to the gateway.
 
 use std::collections::VecDeque;
 
 use bulkhead_kv::transfer::{export_chunks, Manifest};
-use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv};
+use bulkhead_kv::{Fence, KvError, KvPool, PageKey, PrefixCache, RequestId, SequenceKv};
 
 use crate::driver::Honest;
 use crate::msg::{Message, Sampling, WorkerId};
@@ -73,15 +79,36 @@ pub trait PrefillPolicy {
 
 impl PrefillPolicy for Honest {}
 
-/// A job in progress: its own pages, how far it got, the manifest of what it sent.
+/// A job in progress: its pages, how far it got, the manifest of what it sent.
 #[derive(Debug)]
 struct Job {
     job: PrefillJob,
     seq: SequenceKv,
+    /// Prompt positions whose KV exists (cached or computed).
     done: usize,
+    /// Prompt positions whose KV was sent.
+    sent: usize,
+    /// Leading positions taken from the cache.
+    cached: usize,
+    /// The prompt's page keys and fence, if it uses the cache.
+    keys: Vec<PageKey>,
+    fence: Option<Fence>,
     manifest: Manifest,
     /// Run for the policy, outside the role (only a broken policy makes these).
     rogue: bool,
+}
+
+impl Job {
+    fn new(job: PrefillJob, seq: SequenceKv, rogue: bool) -> Self {
+        Job { job, seq, done: 0, sent: 0, cached: 0, keys: Vec::new(), fence: None, manifest: Manifest::default(), rogue }
+    }
+}
+
+/// A prefill worker's prefix cache and what its keys need.
+#[derive(Debug)]
+struct Cache {
+    cache: PrefixCache,
+    model_digest: u64,
 }
 
 /// What one step did, for the caller's logs.
@@ -106,6 +133,7 @@ pub struct PrefillDriver<P: PrefillPolicy = Honest> {
     /// Jobs the policy keeps running outside the role.
     rogue: VecDeque<PrefillJob>,
     policy: P,
+    cache: Option<Cache>,
 }
 
 impl PrefillDriver<Honest> {
@@ -118,7 +146,19 @@ impl PrefillDriver<Honest> {
 impl<P: PrefillPolicy> PrefillDriver<P> {
     /// A driver that departs from the role where `policy` says so.
     pub fn with_policy(role: PrefillRole, chunk_tokens: usize, policy: P) -> Self {
-        PrefillDriver { role, job: None, chunk_tokens: chunk_tokens.max(1), rogue: VecDeque::new(), policy }
+        PrefillDriver { role, job: None, chunk_tokens: chunk_tokens.max(1), rogue: VecDeque::new(), policy, cache: None }
+    }
+
+    /// The same driver with a prefix cache over the worker's pool, for the model with
+    /// digest `model_digest` (part of every page key).
+    pub fn with_cache(mut self, cache: PrefixCache, model_digest: u64) -> Self {
+        self.cache = Some(Cache { cache, model_digest });
+        self
+    }
+
+    /// The prefix cache, if there is one.
+    pub fn cache(&self) -> Option<&PrefixCache> {
+        self.cache.as_ref().map(|c| &c.cache)
     }
 
     /// The role, for its counters and state.
@@ -160,7 +200,7 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
     /// Process one event and carry out the role's actions.
     pub fn handle(&mut self, ev: PrefillEvent, link: &mut impl PrefillLink) {
         let refused_job = match &ev {
-            PrefillEvent::Gateway(Message::Prefill { req, tokens, decode, pages, sampling, skip_draws, trace }) => Some(PrefillJob {
+            PrefillEvent::Gateway(Message::Prefill { req, tokens, decode, pages, sampling, skip_draws, trace, cache }) => Some(PrefillJob {
                 req: *req,
                 tokens: tokens.clone(),
                 decode: *decode,
@@ -168,6 +208,7 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
                 sampling: sampling.clone(),
                 skip_draws: *skip_draws,
                 trace: trace.clone(),
+                cache: *cache,
             }),
             _ => None,
         };
@@ -182,14 +223,55 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
         act(acts, link);
     }
 
-    /// Give up this driver (the worker rejoins under a new id): the running job's own pages
-    /// go back to `pool`. Nothing is sent: the connections close.
+    /// Give up this driver (the worker rejoins under a new id): the running job's pages
+    /// go back to `pool`, and so does the cache (the gateway's index of it was of the old
+    /// id). Nothing is sent: the connections close.
     pub fn abandon(self, pool: &mut KvPool) {
         if let Some(j) = self.job
             && let Err(u) = j.seq.release(pool)
         {
             u.reclaim(pool);
         }
+        if let Some(mut c) = self.cache {
+            c.cache.make_room(pool, pool.total_pages());
+        }
+    }
+
+    /// Starts `job`: shares its cached prefix (if it uses the cache), makes room and
+    /// leases pages for the rest. On failure the job comes back with why; nothing is held.
+    fn start(&mut self, job: PrefillJob, rogue: bool, pool: &mut KvPool) -> Result<Job, (Job, PrefillFailure)> {
+        let n = job.tokens.len();
+        let seq = SequenceKv::new(job.req);
+        let mut j = Job::new(job, seq, rogue);
+        if let (Some(c), Some(scope)) = (self.cache.as_mut(), j.job.cache) {
+            let ps = pool.layout().page_size;
+            j.keys = scope.page_keys(c.model_digest, &j.job.tokens, ps);
+            let fence = scope.fence();
+            j.fence = Some(fence);
+            // The last position is always computed: its logits pick the first token.
+            let most = n.saturating_sub(1) / ps;
+            match c.cache.lookup(pool, &j.keys, most, j.job.req, fence, n) {
+                Ok(shared) => {
+                    let pages = shared.len();
+                    if let Err(shared) = j.seq.attach_shared(pool, shared) {
+                        shared.into_iter().for_each(|l| drop(pool.unshare(l)));
+                    } else {
+                        j.cached = pages * ps;
+                    }
+                }
+                Err(e) => return Err((j, PrefillFailure::Cache(e))),
+            }
+            // A cache under pressure gives way: what a cold pool would serve is served.
+            let need = pool.layout().pages_for_tokens(n) - j.seq.pages().len();
+            c.cache.make_room(pool, need);
+        }
+        j.done = j.cached;
+        if let Err(e) = j.seq.reserve(pool, n) {
+            // Reserve is all or nothing: only the shared prefix is held, and finish gives
+            // it back.
+            return Err((j, PrefillFailure::NoPages(e)));
+        }
+        Ok(j)
     }
 
     /// One unit of work (see the module docs), computing with `model` into the worker's
@@ -203,13 +285,10 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
                     None => return Step::Idle,
                 },
             };
-            let mut seq = SequenceKv::new(job.req);
-            if let Err(e) = seq.reserve(pool, job.tokens.len()) {
-                // Reserve is all or nothing: nothing is leased.
-                let outcome = JobOutcome::Failed(PrefillFailure::NoPages(e));
-                return self.finish(Job { job, seq, done: 0, manifest: Manifest::default(), rogue }, outcome, pool, link);
+            match self.start(job, rogue, pool) {
+                Ok(j) => self.job = Some(j),
+                Err((j, why)) => return self.finish(j, JobOutcome::Failed(why), pool, link),
             }
-            self.job = Some(Job { job, seq, done: 0, manifest: Manifest::default(), rogue });
         }
         let Some(mut j) = self.job.take() else { return Step::Idle };
         let req = j.job.req;
@@ -223,7 +302,9 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
             Ok(first) => first,
             Err(e) => return self.finish(j, JobOutcome::Failed(PrefillFailure::Compute(e.to_string())), pool, link),
         };
-        let chunks = match export_chunks(pool, &j.seq, &j.job.pages, from, to, &mut j.manifest) {
+        // The cached prefix travels with the first computed chunk: the decode worker
+        // verifies every prompt page, wherever its KV came from.
+        let chunks = match export_chunks(pool, &j.seq, &j.job.pages, j.sent, to, &mut j.manifest) {
             Ok(chunks) => chunks,
             Err(e) => return self.finish(j, JobOutcome::Failed(PrefillFailure::Export(e)), pool, link),
         };
@@ -234,32 +315,47 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
             }
         }
         j.done = to;
+        j.sent = to;
         if to < n {
             self.job = Some(j);
             return Step::Computed { req, from, to, chunks: sent };
         }
         let outcome = match first {
-            Some(first_token) => JobOutcome::Done { tokens: n as u32, first_token, manifest: j.manifest.digest() },
+            Some(first_token) => JobOutcome::Done { tokens: n as u32, first_token, manifest: j.manifest.digest(), cached: j.cached as u32 },
             None => JobOutcome::Failed(PrefillFailure::NoFirstToken),
         };
         self.finish(j, outcome, pool, link)
     }
 
-    /// End a job: its own pages go back, the role sends its final messages.
+    /// End a job: a finished one's new full pages go to the cache, every other page goes
+    /// back, the role sends its final messages, the gateway hears what the cache changed.
     fn finish(&mut self, j: Job, outcome: JobOutcome, pool: &mut KvPool, link: &mut impl PrefillLink) -> Step {
         let req = j.job.req;
-        let unreleased = match j.seq.release(pool) {
-            Ok(_) => None,
-            Err(u) => {
-                // Only a stale lease fails here, and nothing else can reach these pages.
-                let why = u.error.clone();
-                u.reclaim(pool);
-                Some(why)
+        let done = matches!(outcome, JobOutcome::Done { .. });
+        let unreleased = match (self.cache.as_mut(), j.fence) {
+            (Some(c), Some(fence)) if done => {
+                c.cache.finish(pool, j.seq, &j.keys, fence);
+                None
             }
+            _ => match j.seq.release(pool) {
+                Ok(_) => None,
+                Err(u) => {
+                    // Only a stale lease fails here, and nothing else can reach these pages.
+                    let why = u.error.clone();
+                    u.reclaim(pool);
+                    Some(why)
+                }
+            },
         };
+        if let Some(c) = self.cache.as_mut() {
+            let (stored, evicted) = c.cache.take_changes();
+            if !stored.is_empty() || !evicted.is_empty() {
+                link.to_gateway(Message::CacheReport { stored, evicted });
+            }
+        }
         if j.rogue {
-            if let JobOutcome::Done { tokens, first_token, manifest } = outcome {
-                let _ = link.to_decode(j.job.decode, Message::Done { req, tokens, first_token, manifest });
+            if let JobOutcome::Done { tokens, first_token, manifest, cached } = outcome {
+                let _ = link.to_decode(j.job.decode, Message::Done { req, tokens, first_token, manifest, cached });
             }
         } else {
             act(self.role.job_ended(req, outcome.clone()), link);

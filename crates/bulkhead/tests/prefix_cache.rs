@@ -1,0 +1,188 @@
+//! Tenants and the prefix cache through `bulkhead serve` (design I7–I9): API keys pick the
+//! tenant, a prompt's cached prefix is reused only within one tenant and salt, reuse gives
+//! the same greedy answer, and `cached_tokens` matches the prefill pool's own counters.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::{BIN, model, rand_u64};
+use serde_json::{Value, json};
+
+struct Server {
+    child: Child,
+    http: String,
+    log: std::path::PathBuf,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+const KEY_A: &str = "sk-tenant-a";
+const KEY_B: &str = "sk-tenant-b";
+
+fn tenants_file() -> std::path::PathBuf {
+    let path = std::env::temp_dir().join(format!("bulkhead-tenants-{}-{}.toml", std::process::id(), rand_u64()));
+    let b_digest = "2ba1d5ef9b9d8ad6d5e7d52d1e4ea6d0f1b5d2f1b5f8b1e8c0f7d3a8e9b1c2d3"; // a key nobody has
+    let text = format!(
+        "[[tenant]]\nname = \"alpha\"\napi_keys = [\"{KEY_A}\"]\n\n[[tenant]]\nname = \"beta\"\napi_keys = [\"{KEY_B}\"]\napi_key_sha256 = [\"{b_digest}\"]\n"
+    );
+    std::fs::write(&path, text).expect("tenants file");
+    path
+}
+
+fn serve(args: &[&str]) -> Server {
+    let log = std::env::temp_dir().join(format!("bulkhead-prefix-{}-{}.log", std::process::id(), rand_u64()));
+    let mut child = Command::new(BIN)
+        .args(["serve", "--port", "0", "--threads", "1", "--model"])
+        .arg(model())
+        .args(args)
+        .env("BULKHEAD_LOG", "info")
+        .env_remove("BULKHEAD_API_KEY")
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log).expect("log file"))
+        .spawn()
+        .expect("spawn bulkhead serve");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("address line");
+    let Some(http) = line.split("http://").nth(1).and_then(|r| r.split_whitespace().next()).map(str::to_string) else {
+        let _ = child.wait();
+        panic!("serve did not start: {line:?}\n{}", std::fs::read_to_string(&log).unwrap_or_default());
+    };
+    let s = Server { child, http, log };
+    for _ in 0..300 {
+        if common::request(&s.http, "GET", "/ready", &[], "").status == 200 {
+            return s;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("never ready: {}", std::fs::read_to_string(&s.log).unwrap_or_default());
+}
+
+/// A system prompt of a few hundred tokens, so the prompt spans many 16-token pages.
+fn system() -> String {
+    let facts: Vec<String> = (0..40).map(|i| format!("Fact {i}: the {} lamp is in room {}.", ["red", "blue", "green", "amber"][i % 4], 100 + i * 7)).collect();
+    format!("You answer questions about a building. {}", facts.join(" "))
+}
+
+fn chat(s: &Server, key: Option<&str>, extra: Value, user: &str) -> (u16, Value) {
+    let mut body = json!({
+        "model": "bulkhead", "temperature": 0, "max_tokens": 12,
+        "messages": [{"role": "system", "content": system()}, {"role": "user", "content": user}],
+    });
+    if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+        b.extend(e.clone());
+    }
+    let auth = key.map(|k| format!("Bearer {k}"));
+    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("Authorization", a.as_str())).collect();
+    let r = common::request(&s.http, "POST", "/v1/chat/completions", &headers, &body.to_string());
+    (r.status, serde_json::from_str(&r.body).unwrap_or(Value::String(r.body)))
+}
+
+fn cached(v: &Value) -> u64 {
+    v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("usage.prompt_tokens_details.cached_tokens")
+}
+
+/// The sum of a metric's samples at `/metrics`, once the workers' reports show at least
+/// `enough` (polled for a few seconds).
+fn metric(s: &Server, name: &str, labels: &str, enough: f64) -> f64 {
+    let mut last = 0.0;
+    for _ in 0..50 {
+        let text = common::request(&s.http, "GET", "/metrics", &[], "").body;
+        last = text
+            .lines()
+            .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']) && l.contains(labels))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        if last >= enough {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    last
+}
+
+#[test]
+fn keys_pick_tenants_and_a_cached_prefix_is_reused_only_within_one_tenant_and_salt() {
+    let tenants = tenants_file();
+    let s = serve(&["--tenants", tenants.to_str().unwrap()]);
+
+    // No key, an unknown key: 401 with an OpenAI error body, before anything else.
+    for key in [None, Some("sk-nobody"), Some("")] {
+        let (status, v) = chat(&s, key, json!({}), "Where is the red lamp?");
+        assert_eq!(status, 401, "{key:?}: {v}");
+        assert_eq!(v["error"]["code"], "invalid_api_key", "{v}");
+    }
+    assert_eq!(common::request(&s.http, "GET", "/health", &[], "").status, 200, "liveness needs no key");
+    // A bad salt: 400 naming it.
+    for salt in [json!("x".repeat(257)), json!(7), json!(["a"])] {
+        let (status, v) = chat(&s, Some(KEY_A), json!({ "cache_salt": salt }), "Where is the red lamp?");
+        assert_eq!(status, 400, "{v}");
+        assert_eq!(v["error"]["param"], "cache_salt", "{v}");
+    }
+
+    let q = "Where is the green lamp?";
+    let (status, first) = chat(&s, Some(KEY_A), json!({}), q);
+    assert_eq!(status, 200, "{first}");
+    let prompt = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt > 200, "the prompt spans many pages: {prompt}");
+    assert_eq!(cached(&first), 0, "nothing was cached yet");
+
+    // The same tenant again: every full page but the last position's is reused, and the
+    // answer is the same bits as computed from scratch.
+    let (_, again) = chat(&s, Some(KEY_A), json!({}), q);
+    let want = (prompt - 1) / 16 * 16;
+    assert_eq!(cached(&again), want, "{again}");
+    assert_eq!(again["choices"][0]["message"]["content"], first["choices"][0]["message"]["content"]);
+
+    // Another tenant, the same prompt: no hit. A salt splits the tenant's own cache.
+    let (_, other) = chat(&s, Some(KEY_B), json!({}), q);
+    assert_eq!(cached(&other), 0, "another tenant never hits: {other}");
+    assert_eq!(other["choices"][0]["message"]["content"], first["choices"][0]["message"]["content"]);
+    let (_, salted) = chat(&s, Some(KEY_A), json!({ "cache_salt": "project-x" }), q);
+    assert_eq!(cached(&salted), 0, "another salt never hits: {salted}");
+    // A tenant cannot name another's salt or tenant in the body: B with A's (absent) salt,
+    // or any salt, stays in B's cache, which holds this prompt once now.
+    let (_, b_again) = chat(&s, Some(KEY_B), json!({}), q);
+    assert_eq!(cached(&b_again), want, "B hits what B cached");
+
+    // Streaming usage carries it too.
+    let body = json!({
+        "model": "bulkhead", "temperature": 0, "max_tokens": 4, "stream": true, "stream_options": {"include_usage": true},
+        "messages": [{"role": "system", "content": system()}, {"role": "user", "content": q}],
+    });
+    let auth = format!("Bearer {KEY_A}");
+    let r = common::request(&s.http, "POST", "/v1/chat/completions", &[("Authorization", &auth)], &body.to_string());
+    let usage = r.body.lines().filter_map(|l| l.strip_prefix("data: ")).filter_map(|d| serde_json::from_str::<Value>(d).ok()).find(|v| v["usage"].is_object());
+    let usage = usage.expect("a usage chunk");
+    assert_eq!(cached(&usage), want, "{usage}");
+
+    // The pool's own counters agree with what the responses said.
+    let total = (3 * want) as f64;
+    assert_eq!(metric(&s, "bulkhead:prefix_cache_hits_total", "", total), total);
+    assert!(metric(&s, "bulkhead:isolation_checks_total", "check=\"tenant_fence\"", 1.0) >= 1.0, "fence checks ran");
+    assert_eq!(metric(&s, "bulkhead:isolation_failures_total", "check=\"tenant_fence\"", 0.0), 0.0);
+    let log = std::fs::read_to_string(&s.log).unwrap();
+    assert!(log.contains("tenant=alpha") && log.contains("tenant=beta"), "the tenant is on the request's log lines");
+    assert!(log.contains("prefix cache on"), "the start-up line says the cache is on");
+    let _ = std::fs::remove_file(tenants);
+}
+
+#[test]
+fn without_the_prefix_cache_nothing_is_reused_and_one_api_key_guards_the_api() {
+    let s = serve(&["--no-prefix-cache", "--api-key", KEY_A]);
+    let (status, v) = chat(&s, None, json!({}), "Where is the blue lamp?");
+    assert_eq!((status, &v["error"]["code"]), (401, &json!("invalid_api_key")), "{v}");
+    for _ in 0..2 {
+        let (status, v) = chat(&s, Some(KEY_A), json!({}), "Where is the blue lamp?");
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(cached(&v), 0, "{v}");
+    }
+    assert!(std::fs::read_to_string(&s.log).unwrap().contains("prefix cache off"));
+}

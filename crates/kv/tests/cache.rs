@@ -1,0 +1,170 @@
+//! Shared pages and the prefix cache (design I7–I9): a cached page is read-only, readable
+//! only under its fence, never evicted while read, and stale once evicted.
+
+use bulkhead_kv::{Fence, KvChecks, KvError, KvLayout, KvPool, PageKey, PoolConfig, PrefixCache, RequestId, SequenceKv};
+
+const LAYOUT: KvLayout = KvLayout { layers: 2, kv_heads: 1, head_dim: 2, page_size: 4 };
+const PS: usize = 4;
+const T1: Fence = Fence([1; 16]);
+const T2: Fence = Fence([2; 16]);
+
+fn pool(pages: usize) -> KvPool {
+    KvPool::new(PoolConfig { layout: LAYOUT, pages, checks: KvChecks::all() }).unwrap()
+}
+
+/// A sequence of `req` with `tokens` positions written (value `seed` everywhere).
+fn written(pool: &mut KvPool, req: RequestId, tokens: usize, seed: f32) -> SequenceKv {
+    let mut seq = SequenceKv::new(req);
+    seq.reserve(pool, tokens).unwrap();
+    for pos in 0..tokens {
+        let (lease, slot) = seq.locate(pos).unwrap();
+        for layer in 0..LAYOUT.layers {
+            pool.write(lease, layer, slot, &[seed, seed], &[seed, seed]).unwrap();
+        }
+    }
+    seq.commit(pool, tokens).unwrap();
+    seq
+}
+
+fn key(n: u8) -> PageKey {
+    PageKey([n; 16])
+}
+
+#[test]
+fn a_full_page_is_published_shared_under_its_fence_only_and_read_only() {
+    let mut p = pool(4);
+    let seq = written(&mut p, RequestId(1), PS + 1, 7.0);
+    let mut pages = seq.into_pages().into_iter();
+    let (Some(bulkhead_kv::SeqPage::Own(full)), Some(bulkhead_kv::SeqPage::Own(partial))) = (pages.next(), pages.next()) else { panic!("two own pages") };
+    // The partial page cannot be published: only full pages are ever shared.
+    let (err, partial) = p.publish(partial, T1).unwrap_err();
+    assert!(matches!(err, KvError::NotFull { .. }), "{err}");
+    p.release(partial).unwrap();
+    let cached = p.publish(full, T1).unwrap();
+
+    // Another tenant's request, led to this page by whatever key, is refused and counted.
+    let before = p.stats();
+    let err = p.share(&cached, RequestId(2), T2).unwrap_err();
+    assert_eq!(err, KvError::FenceMismatch { page: cached.page() });
+    assert_eq!(p.stats().fence_failures, before.fence_failures + 1);
+    assert_eq!(p.stats().shared_leases, 0);
+
+    // The same tenant reads it, through a sequence whose first page it is.
+    let shared = p.share(&cached, RequestId(3), T1).unwrap();
+    assert_eq!(p.read(&shared, 0).unwrap().len(), PS);
+    let mut seq = SequenceKv::new(RequestId(3));
+    seq.attach_shared(&p, vec![shared]).unwrap();
+    seq.reserve(&mut p, PS + 2).unwrap();
+    assert_eq!((seq.len(), seq.shared_tokens()), (PS, PS));
+    // Nothing can write a shared position: the sequence hands out no writable lease there.
+    assert_eq!(seq.locate(1).unwrap_err(), KvError::ReadOnly { pos: 1 });
+    let (own, slot) = seq.locate(PS).unwrap();
+    p.write(own, 0, slot, &[1.0, 1.0], &[1.0, 1.0]).unwrap();
+    p.write(own, 1, slot, &[1.0, 1.0], &[1.0, 1.0]).unwrap();
+    seq.commit(&p, 1).unwrap();
+    // Every read check passes on the shared prefix: generation, fence, canary, auditor.
+    let fence_checks = p.stats().fence_checks;
+    p.check_reads(&mut seq).unwrap();
+    assert!(p.stats().fence_checks > fence_checks, "the per-step check compares the fence");
+    assert_eq!(p.stats().audit_violations, 0);
+    p.check_invariants();
+
+    // Not evictable while read; evictable once given back, and then stale.
+    let (err, cached) = p.evict(cached).unwrap_err();
+    assert_eq!(err, KvError::InUse { page: cached.page(), readers: 1 });
+    assert_eq!(seq.release(&mut p).unwrap(), 2);
+    let page = cached.page();
+    let shared_again = p.share(&cached, RequestId(4), T1).unwrap();
+    p.unshare(shared_again).unwrap();
+    p.evict(cached).unwrap();
+    assert!(p.page_is_poisoned(page).unwrap(), "an evicted page is poisoned like any freed page");
+    assert_eq!(p.stats().cached_pages, 0);
+    p.check_invariants();
+}
+
+#[test]
+fn an_evicted_page_reused_by_another_tenant_fails_every_old_shared_lease() {
+    let mut p = pool(1);
+    let seq = written(&mut p, RequestId(1), PS, 1.0);
+    let Some(bulkhead_kv::SeqPage::Own(lease)) = seq.into_pages().pop() else { panic!() };
+    let cached = p.publish(lease, T1).unwrap();
+    let reader = p.share(&cached, RequestId(2), T1).unwrap();
+    // A reader that lost its share (revoked) is stale at once.
+    drop(p.revoke_owner(RequestId(2)));
+    assert!(matches!(p.read(&reader, 0), Err(KvError::StaleLease { .. })));
+    p.evict(cached).unwrap();
+    let other = written(&mut p, RequestId(3), PS, 9.0);
+    // The old handle names the cached generation; the page has a new one.
+    assert!(matches!(p.read(&reader, 0), Err(KvError::StaleLease { .. })));
+    assert!(p.stats().refusals > 0);
+    other.release(&mut p).unwrap();
+    p.check_invariants();
+}
+
+/// The cache's key is computed outside the pool. With a key that leaves the tenant out
+/// (a hash bug, or a salt a client chose), two tenants' prompts get the same key: the
+/// pool's fence check still refuses the hit, and the request fails instead of reading.
+#[test]
+fn a_key_that_collides_across_tenants_is_caught_by_the_fence_check() {
+    let mut p = pool(4);
+    let mut cache = PrefixCache::new(4);
+    let keys = [key(1), key(2)];
+    let seq = written(&mut p, RequestId(1), 2 * PS, 3.0);
+    assert_eq!(cache.finish(&mut p, seq, &keys, T1), 2);
+    let err = cache.lookup(&mut p, &keys, 2, RequestId(2), T2, 2 * PS + 1).unwrap_err();
+    assert!(matches!(err, KvError::FenceMismatch { .. }), "{err}");
+    assert_eq!(cache.stats().fence_refusals, 1);
+    assert_eq!(cache.stats().hit_tokens, 0);
+    assert_eq!(p.stats().shared_leases, 0, "a refused lookup holds nothing");
+    // The owner's own tenant still hits.
+    let hit = cache.lookup(&mut p, &keys, 2, RequestId(3), T1, 2 * PS + 1).unwrap();
+    assert_eq!(hit.len(), 2);
+    for l in hit {
+        p.unshare(l).unwrap();
+    }
+    p.check_invariants();
+}
+
+#[test]
+fn the_cache_keeps_full_pages_hits_the_longest_prefix_and_evicts_lru_leaves_nobody_reads() {
+    let mut p = pool(6);
+    let mut cache = PrefixCache::new(6);
+    // Three full pages and a partial one: three published, the partial released.
+    let seq = written(&mut p, RequestId(1), 3 * PS + 2, 1.0);
+    let a = [key(1), key(2), key(3), key(4)];
+    assert_eq!(cache.finish(&mut p, seq, &a, T1), 3);
+    assert_eq!((cache.len(), p.stats().cached_pages, p.stats().free_pages), (3, 3, 3));
+    // A prompt sharing the first two pages only.
+    let b = [key(1), key(2), key(9)];
+    let hit = cache.lookup(&mut p, &b, 3, RequestId(2), T1, 3 * PS).unwrap();
+    assert_eq!(hit.len(), 2);
+    let mut seq = SequenceKv::new(RequestId(2));
+    seq.attach_shared(&p, hit).unwrap();
+    // Pressure: the request needs all free pages and more. Only the unread leaf (key 3)
+    // can go; the pages it reads and their parents stay.
+    assert_eq!(cache.make_room(&mut p, 6), 1);
+    assert!(!cache.contains(&key(3)) && cache.contains(&key(1)) && cache.contains(&key(2)));
+    assert_eq!(cache.take_changes(), (vec![key(1), key(2), key(3)], vec![key(3)]));
+    seq.reserve(&mut p, 2 * PS + 6 * PS).unwrap_err();
+    seq.reserve(&mut p, 2 * PS + 4 * PS).unwrap();
+    assert_eq!(seq.release(&mut p).unwrap(), 6);
+    // Nobody reads now: everything can go, leaves first.
+    assert_eq!(cache.make_room(&mut p, 6), 2);
+    assert!(cache.is_empty());
+    assert_eq!(p.stats().free_pages, 6);
+    assert_eq!(cache.stats().evicted_pages, 3);
+    p.check_invariants();
+}
+
+#[test]
+fn a_full_cache_makes_room_for_new_pages_by_evicting_old_ones() {
+    let mut p = pool(4);
+    let mut cache = PrefixCache::new(2);
+    let seq = written(&mut p, RequestId(1), 2 * PS, 1.0);
+    assert_eq!(cache.finish(&mut p, seq, &[key(1), key(2)], T1), 2);
+    let seq = written(&mut p, RequestId(2), 2 * PS, 2.0);
+    assert_eq!(cache.finish(&mut p, seq, &[key(5), key(6)], T2), 2);
+    assert_eq!(cache.len(), 2);
+    assert!(cache.contains(&key(5)) && cache.contains(&key(6)));
+    p.check_invariants();
+}
