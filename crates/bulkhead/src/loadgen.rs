@@ -1,5 +1,6 @@
 //! `bulkhead loadgen URL`: load any OpenAI-compatible server and report throughput, time to
-//! first token and inter-token latency (the work is in `bulkhead_client::loadgen`).
+//! first token and inter-token latency (the work is in `bulkhead_client::loadgen`, and for
+//! `--scenario multi-turn` in `bulkhead_client::multiturn`).
 
 use std::time::Duration;
 
@@ -7,6 +8,7 @@ use anyhow::Context;
 use bulkhead_client::dist::{Dist, Rng};
 use bulkhead_client::http::{Timeouts, Url};
 use bulkhead_client::loadgen::{self, LoadgenConfig};
+use bulkhead_client::multiturn::{self, MultiTurnConfig};
 use bulkhead_client::{Api, Client, ClientConfig};
 use clap::{Args, ValueEnum};
 
@@ -26,6 +28,16 @@ impl From<ApiArg> for Api {
             ApiArg::Chat => Api::Chat,
         }
     }
+}
+
+/// What `loadgen` sends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Scenario {
+    /// Independent prompts from --prompt-tokens, each answered once.
+    SingleShot,
+    /// Chats: per tenant, --conversations conversations of --turns turns sharing one system
+    /// prompt; each turn resends the conversation so far (always the chat API).
+    MultiTurn,
 }
 
 /// The server under test and how to reach it (shared by `loadgen` and `probe`).
@@ -76,9 +88,13 @@ impl TargetArgs {
 pub struct LoadgenArgs {
     #[command(flatten)]
     target: TargetArgs,
-    /// Clients sending at once.
-    #[arg(long, short = 'c', env = "BULKHEAD_LOADGEN_CONCURRENCY", default_value_t = 1)]
-    concurrency: usize,
+    /// Workload: single-shot prompts, or multi-turn chats of several tenants.
+    #[arg(long, env = "BULKHEAD_LOADGEN_SCENARIO", value_enum, default_value_t = Scenario::SingleShot)]
+    scenario: Scenario,
+    /// Clients sending at once (default 1); multi-turn: conversations in progress at once
+    /// (default all of them).
+    #[arg(long, short = 'c', env = "BULKHEAD_LOADGEN_CONCURRENCY")]
+    concurrency: Option<usize>,
     /// Requests to send (default 100 when no --duration-s is given).
     #[arg(long, short = 'n', env = "BULKHEAD_LOADGEN_REQUESTS")]
     requests: Option<u64>,
@@ -109,6 +125,22 @@ pub struct LoadgenArgs {
     /// Print the report as JSON.
     #[arg(long, env = "BULKHEAD_LOADGEN_JSON", value_parser = clap::builder::BoolishValueParser::new())]
     json: bool,
+    /// Multi-turn: tenants, each with its own system prompt and API key.
+    #[arg(long, env = "BULKHEAD_LOADGEN_TENANTS", default_value_t = 2)]
+    tenants: usize,
+    /// Multi-turn: conversations per tenant.
+    #[arg(long, env = "BULKHEAD_LOADGEN_CONVERSATIONS", default_value_t = 8)]
+    conversations: usize,
+    /// Multi-turn: user turns per conversation.
+    #[arg(long, env = "BULKHEAD_LOADGEN_TURNS", default_value_t = 5)]
+    turns: usize,
+    /// Multi-turn: words in each tenant's system prompt (about one token each).
+    #[arg(long, env = "BULKHEAD_LOADGEN_SYSTEM_PROMPT_TOKENS", default_value_t = 1000)]
+    system_prompt_tokens: usize,
+    /// Multi-turn: the API key of the next tenant, in order (repeatable; env:
+    /// ','-separated); tenants without one use --api-key.
+    #[arg(long, env = "BULKHEAD_LOADGEN_TENANT_KEYS", value_delimiter = ',')]
+    tenant_key: Vec<String>,
 }
 
 /// A small runtime for client commands: the work is waiting on sockets.
@@ -117,6 +149,10 @@ pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 }
 
 pub fn run(a: LoadgenArgs) -> anyhow::Result<()> {
+    if a.scenario == Scenario::MultiTurn {
+        return run_multi_turn(a);
+    }
+    anyhow::ensure!(a.tenant_key.is_empty(), "--tenant-key applies to --scenario multi-turn only");
     let duration = a.duration_s.map(Duration::try_from_secs_f64).transpose().context("--duration-s must be a positive number")?;
     let requests = match (a.requests, duration) {
         (None, None) => Some(100),
@@ -127,7 +163,7 @@ pub fn run(a: LoadgenArgs) -> anyhow::Result<()> {
         let cfg = LoadgenConfig {
             api: a.target.api.into(),
             model: a.target.model(&client).await?,
-            concurrency: a.concurrency,
+            concurrency: a.concurrency.unwrap_or(1),
             requests,
             duration,
             prompt_tokens: a.prompt_tokens,
@@ -139,6 +175,44 @@ pub fn run(a: LoadgenArgs) -> anyhow::Result<()> {
             warmup: a.warmup,
         };
         let report = loadgen::run(&client, &cfg).await?;
+        if a.json {
+            println!("{}", serde_json::to_string_pretty(&report)?);
+        } else {
+            print!("{report}");
+        }
+        anyhow::ensure!(report.ok > 0, "no request succeeded");
+        Ok(())
+    })
+}
+
+/// `--scenario multi-turn`.
+fn run_multi_turn(a: LoadgenArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        a.requests.is_none() && a.duration_s.is_none(),
+        "--requests and --duration-s apply to the single-shot scenario; multi-turn sends --tenants x --conversations x --turns requests"
+    );
+    anyhow::ensure!(a.tenants > 0 && a.conversations > 0 && a.turns > 0, "--tenants, --conversations and --turns must each be at least 1");
+    anyhow::ensure!(a.concurrency != Some(0), "--concurrency must be at least 1");
+    anyhow::ensure!(a.tenant_key.len() <= a.tenants, "{} --tenant-key values for {} tenants", a.tenant_key.len(), a.tenants);
+    runtime()?.block_on(async {
+        let clients = (0..a.tenants)
+            .map(|i| a.target.client(a.tenant_key.get(i).cloned().or_else(|| a.target.api_key.clone()), Vec::new()))
+            .collect::<anyhow::Result<Vec<Client>>>()?;
+        let Some(first) = clients.first() else { anyhow::bail!("no tenants") };
+        let cfg = MultiTurnConfig {
+            model: a.target.model(first).await?,
+            tenants: a.tenants,
+            conversations: a.conversations,
+            turns: a.turns,
+            system_prompt_words: a.system_prompt_tokens,
+            output_tokens: a.output_tokens,
+            concurrency: a.concurrency,
+            seed: a.seed.unwrap_or_else(Rng::entropy),
+            ignore_eos: !a.no_ignore_eos,
+            stream: !a.no_stream,
+            temperature: a.temperature,
+        };
+        let report = multiturn::run(&clients, &cfg).await?;
         if a.json {
             println!("{}", serde_json::to_string_pretty(&report)?);
         } else {

@@ -1,6 +1,11 @@
 //! `bulkhead probe URL`: the isolation acceptance test against any OpenAI-compatible server
 //! (the work is in `bulkhead_client::probe`). Exit status: 0 no findings, 2 findings, 1 the
 //! probe could not run.
+//!
+//! `bulkhead probe --timing URL`: the prompt-cache timing audit instead (the work is in
+//! `bulkhead_client::timing`). Exit status: 0 for a completed measurement whatever its
+//! verdict (it is a measurement, not a pass/fail check), 1 when requests failed or the audit
+//! could not run.
 
 use std::io::Write;
 use std::time::Duration;
@@ -8,6 +13,7 @@ use std::time::Duration;
 use anyhow::Context;
 use bulkhead_client::dist::Rng;
 use bulkhead_client::probe::{self, ProbeConfig};
+use bulkhead_client::timing::{self, TimingConfig};
 use clap::Args;
 
 use crate::loadgen::{TargetArgs, runtime};
@@ -58,6 +64,24 @@ pub struct ProbeArgs {
     /// Print the report as JSON.
     #[arg(long, env = "BULKHEAD_PROBE_JSON", value_parser = clap::builder::BoolishValueParser::new())]
     json: bool,
+    /// Run the prompt-cache timing audit (Gu et al., ICML 2025) instead: is a prompt tenant
+    /// A just sent measurably faster for tenant B than a fresh one?
+    #[arg(long, env = "BULKHEAD_PROBE_TIMING", value_parser = clap::builder::BoolishValueParser::new())]
+    timing: bool,
+    /// Timing audit: samples per group (at least 20; under 100 the report warns).
+    #[arg(long, env = "BULKHEAD_PROBE_TIMING_SAMPLES", default_value_t = timing::RECOMMENDED_SAMPLES, requires = "timing")]
+    timing_samples: usize,
+    /// Timing audit: random words per prompt (about one token each, so a prompt spans many
+    /// KV pages).
+    #[arg(long, env = "BULKHEAD_PROBE_TIMING_PROMPT_WORDS", default_value_t = 300, requires = "timing")]
+    timing_prompt_words: usize,
+    /// Timing audit: significance level of the Kolmogorov-Smirnov test.
+    #[arg(long, env = "BULKHEAD_PROBE_TIMING_ALPHA", default_value_t = 0.01, requires = "timing")]
+    timing_alpha: f64,
+    /// Timing audit control: tenant B's requests carry tenant A's key and headers, so a
+    /// server with a prefix cache should be found distinguishable.
+    #[arg(long, env = "BULKHEAD_PROBE_TIMING_SAME_TENANT", value_parser = clap::builder::BoolishValueParser::new(), requires = "timing")]
+    timing_same_tenant: bool,
 }
 
 fn parse_header(s: &str) -> Result<(String, String), String> {
@@ -68,6 +92,9 @@ fn parse_header(s: &str) -> Result<(String, String), String> {
 }
 
 pub fn run(a: ProbeArgs) -> anyhow::Result<()> {
+    if a.timing {
+        return run_timing(a);
+    }
     anyhow::ensure!((0.0..=1.0).contains(&a.fact_min_pass), "--fact-min-pass must be in [0, 1]");
     anyhow::ensure!(a.rounds > 0, "--rounds must be at least 1");
     let report = runtime()?.block_on(async {
@@ -98,5 +125,42 @@ pub fn run(a: ProbeArgs) -> anyhow::Result<()> {
     if !report.passed() {
         std::process::exit(EXIT_FINDINGS);
     }
+    Ok(())
+}
+
+/// `--timing`: the prompt-cache timing audit.
+fn run_timing(a: ProbeArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        a.timing_samples >= timing::MIN_SAMPLES,
+        "--timing-samples must be at least {} (got {}): fewer samples cannot tell a cache hit from noise; {} or more is recommended",
+        timing::MIN_SAMPLES,
+        a.timing_samples,
+        timing::RECOMMENDED_SAMPLES
+    );
+    anyhow::ensure!(a.timing_alpha > 0.0 && a.timing_alpha < 1.0, "--timing-alpha must be in (0, 1)");
+    anyhow::ensure!(a.timing_prompt_words > 0, "--timing-prompt-words must be at least 1");
+    let report = runtime()?.block_on(async {
+        let key = |k: &Option<String>| k.clone().or_else(|| a.target.api_key.clone());
+        let tenant_a = a.target.client(key(&a.tenant_a_key), a.tenant_a_header.clone())?;
+        let tenant_b = a.target.client(key(&a.tenant_b_key), a.tenant_b_header.clone())?;
+        let cfg = TimingConfig {
+            api: a.target.api.into(),
+            model: a.target.model.clone(),
+            samples: a.timing_samples,
+            prompt_words: a.timing_prompt_words,
+            alpha: a.timing_alpha,
+            same_tenant: a.timing_same_tenant,
+            seed: a.seed.unwrap_or_else(Rng::entropy),
+        };
+        timing::run(&tenant_a, &tenant_b, &cfg).await.context("the timing audit could not run")
+    })?;
+    let mut out = std::io::stdout().lock();
+    if a.json {
+        writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
+    } else {
+        write!(out, "{report}")?;
+    }
+    out.flush()?;
+    anyhow::ensure!(report.failed_requests == 0, "{} requests of the timing audit failed (their rounds are left out of the report)", report.failed_requests);
     Ok(())
 }

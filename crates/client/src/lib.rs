@@ -5,20 +5,26 @@
 //! - [`sse`]: incremental server-sent-events parsing.
 //! - [`openai`]: `/v1/models` and (chat) completions, streamed or not, timed per chunk.
 //! - [`dist`]: seeded generator, length distributions, filler text and random codes.
-//! - [`stats`]: percentiles and latency summaries.
+//! - [`stats`]: percentiles, latency summaries and the two-sample Kolmogorov–Smirnov test.
 //! - [`loadgen`]: N concurrent streaming clients; throughput, TTFT and inter-token latency.
+//! - [`multiturn`]: concurrent multi-turn chats of several tenants, each with its own
+//!   shared system prompt; TTFT by turn and the prompt tokens the server took from cache.
 //! - [`probe`]: tenant A plants canaries while tenant B sends long, over-context, aborted
 //!   and disconnected requests; reports cross-over, accepted over-context prompts and long
 //!   inputs whose answers ignore their own content.
+//! - [`timing`]: the prompt-cache timing audit: are tenant A's cached prompts measurably
+//!   faster for tenant B (a two-sample Kolmogorov–Smirnov test on time to first token)?
 #![forbid(unsafe_code)]
 
 pub mod dist;
 pub mod http;
 pub mod loadgen;
+pub mod multiturn;
 pub mod openai;
 pub mod probe;
 pub mod sse;
 pub mod stats;
+pub mod timing;
 
 use std::time::Duration;
 
@@ -69,6 +75,14 @@ pub enum ClientError {
     /// The settings cannot work (e.g. no bound on a run, a context too small for a test).
     #[error("invalid settings: {0}")]
     Config(String),
+    /// So many requests failed that a measurement would mean nothing.
+    #[error("{failed} requests failed; the last: {last}")]
+    TooManyFailures {
+        /// Requests that failed.
+        failed: usize,
+        /// The last failure, in words.
+        last: String,
+    },
 }
 
 impl ClientError {
@@ -80,6 +94,7 @@ impl ClientError {
             ClientError::Timeout { .. } => "timeout",
             ClientError::Protocol(_) => "protocol",
             ClientError::Status { .. } => "status",
+            ClientError::TooManyFailures { .. } => "failures",
         }
     }
 }

@@ -99,11 +99,18 @@ pub struct Usage {
     pub prompt_tokens: u64,
     /// `usage.completion_tokens`.
     pub completion_tokens: u64,
+    /// `usage.prompt_tokens_details.cached_tokens`: prompt tokens the server took from its
+    /// prefix cache, when it says (vLLM with `--enable-prompt-tokens-details`, OpenAI).
+    pub cached_tokens: Option<u64>,
 }
 
 impl Usage {
     fn from_json(v: &Value) -> Option<Usage> {
-        Some(Usage { prompt_tokens: v.get("prompt_tokens")?.as_u64()?, completion_tokens: v.get("completion_tokens")?.as_u64()? })
+        Some(Usage {
+            prompt_tokens: v.get("prompt_tokens")?.as_u64()?,
+            completion_tokens: v.get("completion_tokens")?.as_u64()?,
+            cached_tokens: v.pointer("/prompt_tokens_details/cached_tokens").and_then(Value::as_u64),
+        })
     }
 }
 
@@ -230,15 +237,21 @@ impl Client {
 
     /// Run one completion, timing every content chunk.
     pub async fn complete(&self, req: &CompletionRequest, hang_up: HangUp) -> Result<Outcome, ClientError> {
+        self.complete_body(req.api, &req.body(), hang_up).await
+    }
+
+    /// Run one completion whose JSON body the caller built (e.g. a chat with several
+    /// messages), timing every content chunk. The body decides whether the answer streams.
+    pub async fn complete_body(&self, api: Api, body: &Value, hang_up: HangUp) -> Result<Outcome, ClientError> {
         let t0 = Instant::now();
-        let mut resp = self.request("POST", req.api.path(), Some(&req.body())).await?;
+        let mut resp = self.request("POST", api.path(), Some(body)).await?;
         let mut out = Outcome { status: resp.status, ..Outcome::default() };
         let is_sse = resp.header("content-type").is_some_and(|c| c.starts_with("text/event-stream"));
         if !(200..300).contains(&resp.status) || !is_sse {
             let body = json_or_string(&resp.body(MAX_BODY_BYTES).await?);
             out.latency = t0.elapsed();
             if (200..300).contains(&resp.status) {
-                read_choice(&body, req.api, &mut out);
+                read_choice(&body, api, &mut out);
                 out.usage = body.get("usage").and_then(Usage::from_json);
                 out.done = true; // a whole JSON answer is complete by definition
             } else {
@@ -265,7 +278,7 @@ impl Client {
                     out.usage = Some(u);
                 }
                 let before = out.text.len();
-                read_choice(&v, req.api, &mut out);
+                read_choice(&v, api, &mut out);
                 if out.text.len() > before {
                     out.content_chunks += 1;
                     match last {
