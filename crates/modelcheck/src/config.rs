@@ -22,6 +22,10 @@ pub struct Request {
     pub prompt: u32,
     /// Most tokens to generate.
     pub max_tokens: u32,
+    /// Its tenant, if it uses the prefix cache. The requests of cache-scoped tenants
+    /// share one prompt (tokens 100, 101, ...), and the mock model writes KV values of the
+    /// tenant and position, so a read of another tenant's cached page is a wrong read.
+    pub tenant: Option<u8>,
 }
 
 /// How many times each kind of fault may happen in one behaviour (0 = never).
@@ -77,6 +81,10 @@ pub enum Variant {
     /// through the pool (each gets a new generation) but leaves the victim in the loop,
     /// on its old leases, instead of retracting it.
     KeepRetractedRunning,
+    /// The prefill driver keys cached pages without the request's scope (tenant and
+    /// salt), as if the salt entered no page's key: equal prompts of two tenants get
+    /// equal keys.
+    UnscopedCacheKeys,
 }
 
 /// A model configuration.
@@ -111,6 +119,8 @@ pub struct Config {
     /// refusal (HTTP 400) rather than a failure. Off in the pinned configurations: the
     /// production protocol does not hold it (see `docs/PROTOCOL.md`, findings).
     pub check_original_error: bool,
+    /// Whether prefill workers run a prefix cache over their pools.
+    pub prefix_cache: bool,
     /// Driver variant.
     pub variant: Variant,
 }
@@ -125,9 +135,9 @@ impl Config {
         Config {
             name: "three-requests",
             requests: vec![
-                Request { prompt: 1, max_tokens: 2 },
-                Request { prompt: 3, max_tokens: 1 },
-                Request { prompt: 4, max_tokens: 1 },
+                Request { prompt: 1, max_tokens: 2, tenant: None },
+                Request { prompt: 3, max_tokens: 1, tenant: None },
+                Request { prompt: 4, max_tokens: 1, tenant: None },
             ],
             prefill_workers: 2,
             prefill_pool_pages: 2,
@@ -139,6 +149,7 @@ impl Config {
             faults: Faults { client_aborts: 1, decode_ticks: 1, ..Faults::default() },
             decode_tick_ms: TICK_MS,
             check_original_error: false,
+            prefix_cache: false,
             variant: Variant::Production,
         }
     }
@@ -149,7 +160,7 @@ impl Config {
     pub fn faulty_network() -> Self {
         Config {
             name: "faulty-network",
-            requests: vec![Request { prompt: 3, max_tokens: 1 }, Request { prompt: 2, max_tokens: 1 }],
+            requests: vec![Request { prompt: 3, max_tokens: 1, tenant: None }, Request { prompt: 2, max_tokens: 1, tenant: None }],
             prefill_workers: 2,
             prefill_pool_pages: 2,
             prefill_max_prompt: 3,
@@ -169,6 +180,7 @@ impl Config {
             },
             decode_tick_ms: TICK_MS,
             check_original_error: false,
+            prefix_cache: false,
             variant: Variant::Production,
         }
     }
@@ -179,7 +191,7 @@ impl Config {
     pub fn duplicating_network() -> Self {
         Config {
             name: "duplicating-network",
-            requests: vec![Request { prompt: 3, max_tokens: 1 }],
+            requests: vec![Request { prompt: 3, max_tokens: 1, tenant: None }],
             faults: Faults { duplicate: 1, decode_ticks: 1, ..Faults::default() },
             ..Self::faulty_network()
         }
@@ -190,7 +202,7 @@ impl Config {
     pub fn reordering_network() -> Self {
         Config {
             name: "reordering-network",
-            requests: vec![Request { prompt: 3, max_tokens: 1 }],
+            requests: vec![Request { prompt: 3, max_tokens: 1, tenant: None }],
             faults: Faults { reorder: 1, ..Faults::default() },
             ..Self::faulty_network()
         }
@@ -200,7 +212,7 @@ impl Config {
     pub fn prefill_restart() -> Self {
         Config {
             name: "prefill-restart",
-            requests: vec![Request { prompt: 1, max_tokens: 1 }, Request { prompt: 1, max_tokens: 1 }],
+            requests: vec![Request { prompt: 1, max_tokens: 1, tenant: None }, Request { prompt: 1, max_tokens: 1, tenant: None }],
             prefill_workers: 1,
             faults: Faults { prefill_crashes: 1, ..Faults::default() },
             ..Self::faulty_network()
@@ -214,7 +226,7 @@ impl Config {
     pub fn keepalive() -> Self {
         Config {
             name: "keepalive",
-            requests: vec![Request { prompt: 3, max_tokens: 1 }],
+            requests: vec![Request { prompt: 3, max_tokens: 1, tenant: None }],
             prefill_workers: 1,
             faults: Faults { decode_ticks: 2, prefill_ticks: 1, ..Faults::default() },
             decode_tick_ms: TICK_MS / 2,
@@ -228,11 +240,33 @@ impl Config {
     pub fn growth() -> Self {
         Config {
             name: "growth",
-            requests: vec![Request { prompt: 1, max_tokens: 6 }, Request { prompt: 1, max_tokens: 3 }],
+            requests: vec![Request { prompt: 1, max_tokens: 6, tenant: None }, Request { prompt: 1, max_tokens: 3, tenant: None }],
             prefill_workers: 1,
             decode_pool_pages: 4,
             decode_max_context: 8,
             faults: Faults::default(),
+            ..Self::faulty_network()
+        }
+    }
+
+    /// The prefix cache with two tenants (issue 14): two requests of tenant 0 and one of
+    /// tenant 1, all with the same 3-token prompt (one full page and one partial), one
+    /// prefill worker whose 2-page pool holds one prompt, so tenant 0's cached page must
+    /// be evicted (or shared, by tenant 0 only) when another prompt needs the pool. One
+    /// client goes away at any point, also while its request holds a cached page.
+    pub fn prefix_cache() -> Self {
+        Config {
+            name: "prefix-cache",
+            requests: vec![
+                Request { prompt: 3, max_tokens: 1, tenant: Some(0) },
+                Request { prompt: 3, max_tokens: 1, tenant: Some(0) },
+                Request { prompt: 3, max_tokens: 1, tenant: Some(1) },
+            ],
+            prefill_workers: 1,
+            prefill_pool_pages: 2,
+            decode_pool_pages: 4,
+            faults: Faults { client_aborts: 1, ..Faults::default() },
+            prefix_cache: true,
             ..Self::faulty_network()
         }
     }

@@ -4,7 +4,8 @@
 
 use std::collections::BTreeMap;
 
-use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv};
+use bulkhead_kv::{KvError, KvPool, PageKey, RequestId, SequenceKv};
+use bulkhead_protocol::cache::CacheScope;
 use bulkhead_protocol::decode::{DecodeAction, DecodeEvent, DecodeStart};
 use bulkhead_protocol::driver::decode::{make_room, DecodeEngine, DecodePolicy, GenEvent, Growing};
 use bulkhead_protocol::driver::prefill::{FirstToken, PrefillCompute, PrefillPolicy};
@@ -12,18 +13,18 @@ use bulkhead_protocol::prefill::PrefillJob;
 use bulkhead_protocol::{FinishReason, Message};
 
 use crate::config::{Variant, LAYOUT};
-use crate::world::{kv_value, Prop, FIRST_TOKEN};
+use crate::world::{Prop, Values, FIRST_TOKEN};
 
-/// The mock prefill model: position `p` of request `r` holds [`kv_value`]`(r, p)` in every
-/// layer, head and element; the first token is [`FIRST_TOKEN`].
+/// The mock prefill model: position `p` of request `r` holds [`Values::of`]`(r, p)` in
+/// every layer, head and element; the first token is [`FIRST_TOKEN`].
 #[derive(Debug)]
-pub struct MockPrefill;
+pub struct MockPrefill(pub Values);
 
 impl PrefillCompute for MockPrefill {
     type Error = KvError;
     fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: FirstToken<'_>) -> Result<Option<u32>, KvError> {
         for pos in from..to {
-            let row = [kv_value(seq.owner(), pos); LAYOUT.kv_heads * LAYOUT.head_dim];
+            let row = [self.0.of(seq.owner(), pos); LAYOUT.kv_heads * LAYOUT.head_dim];
             let (lease, slot) = seq.locate(pos)?;
             for layer in 0..LAYOUT.layers {
                 pool.write(lease, layer, slot, &row, &row)?;
@@ -86,11 +87,12 @@ pub struct MockDecode {
     next_order: u64,
     /// Sequences retracted so far.
     pub retractions: u64,
+    values: Values,
 }
 
 impl MockDecode {
     /// An empty loop over `pool`.
-    pub fn new(pool: KvPool, variant: Variant) -> Self {
+    pub fn new(pool: KvPool, variant: Variant, values: Values) -> Self {
         MockDecode {
             pool,
             running: BTreeMap::new(),
@@ -101,6 +103,7 @@ impl MockDecode {
             keep_retracted_running: variant == Variant::KeepRetractedRunning,
             next_order: 0,
             retractions: 0,
+            values,
         }
     }
 
@@ -151,7 +154,7 @@ impl MockDecode {
     /// `KvPool::read` with the sequence's own lease.
     fn read_all(&mut self, req: RequestId, seq: &SequenceKv) {
         let positions = if self.read_past_watermark { seq.reserved_tokens() } else { seq.len() };
-        if let Err(why) = read_positions(&self.pool, req, seq, positions) {
+        if let Err(why) = read_positions(&self.pool, &self.values, req, seq, positions) {
             self.seen.push((Prop::ReadIsolation, why));
         }
     }
@@ -202,7 +205,7 @@ impl DecodeEngine for MockDecode {
         }
         // Feed the last token: write its KV at the next position, commit it, attend.
         let pos = r.seq.len();
-        let row = [kv_value(req, pos); LAYOUT.kv_heads * LAYOUT.head_dim];
+        let row = [self.values.of(req, pos); LAYOUT.kv_heads * LAYOUT.head_dim];
         let written = r.seq.locate(pos).and_then(|(lease, slot)| {
             (0..LAYOUT.layers).try_for_each(|layer| self.pool.write(lease, layer, slot, &row, &row))
         });
@@ -234,7 +237,7 @@ impl DecodeEngine for MockDecode {
 
 /// Reads positions `0..positions` of `seq` through the pool and checks each holds the mock
 /// model's value for `req`.
-fn read_positions(pool: &KvPool, req: RequestId, seq: &SequenceKv, positions: usize) -> Result<(), String> {
+fn read_positions(pool: &KvPool, values: &Values, req: RequestId, seq: &SequenceKv, positions: usize) -> Result<(), String> {
     let hd = LAYOUT.head_dim;
     for pos in 0..positions {
         let (lease, slot) = seq.locate(pos).map_err(|e| format!("{req} position {pos}: {e}"))?;
@@ -243,7 +246,7 @@ fn read_positions(pool: &KvPool, req: RequestId, seq: &SequenceKv, positions: us
             if slot >= r.len() {
                 return Err(format!("{req} read position {pos} (page {} slot {slot}) past the watermark {}", lease.page(), r.len()));
             }
-            let want = kv_value(req, pos);
+            let want = values.of(req, pos);
             for head in 0..LAYOUT.kv_heads {
                 for x in [&r.k_head(head)[slot * hd..(slot + 1) * hd], &r.v_head(head)[slot * hd..(slot + 1) * hd]] {
                     if x.iter().any(|v| v.to_f32() != want) {
@@ -262,6 +265,7 @@ fn read_positions(pool: &KvPool, req: RequestId, seq: &SequenceKv, positions: us
 #[derive(Debug)]
 pub struct PrefillVariant {
     keeps_rejected: bool,
+    unscoped_keys: bool,
     /// Requests the role refused, whatever the policy did with the refusal (for the ghost
     /// state: from then on they must not reach transfer or decode).
     pub refused: Vec<RequestId>,
@@ -270,7 +274,7 @@ pub struct PrefillVariant {
 impl PrefillVariant {
     /// The policy of `variant`.
     pub fn new(variant: Variant) -> Self {
-        PrefillVariant { keeps_rejected: variant == Variant::KeepRejectedJob, refused: Vec::new() }
+        PrefillVariant { keeps_rejected: variant == Variant::KeepRejectedJob, unscoped_keys: variant == Variant::UnscopedCacheKeys, refused: Vec::new() }
     }
 }
 
@@ -278,6 +282,12 @@ impl PrefillPolicy for PrefillVariant {
     fn refused(&mut self, job: &PrefillJob) -> Option<PrefillJob> {
         self.refused.push(job.req);
         self.keeps_rejected.then(|| PrefillJob { tokens: job.tokens[..1.min(job.tokens.len())].to_vec(), ..job.clone() })
+    }
+
+    fn page_keys(&mut self, scope: &CacheScope, model_digest: u64, tokens: &[u32], page_size: usize) -> Vec<PageKey> {
+        // Broken: one key space for every tenant and salt.
+        let scope = if self.unscoped_keys { CacheScope([0; 32]) } else { *scope };
+        scope.page_keys(model_digest, tokens, page_size)
     }
 }
 

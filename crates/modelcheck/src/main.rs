@@ -5,9 +5,10 @@
 //! - `explore`: serve stateright's web explorer (default `localhost:3000`).
 //!
 //! CONFIG: `three-requests` (default), `faulty-network`, `duplicating-network`,
-//! `reordering-network`, `prefill-restart`, `keepalive`, `growth`. VARIANT: `production` (default), `trust-done`,
-//! `read-past-watermark`, `keep-rejected-job`, `release-quarantine-on-tick`,
-//! `retry-after-reject`, `drop-fence`, `keep-retracted-running`.
+//! `reordering-network`, `prefill-restart`, `keepalive`, `growth`, `prefix-cache`. VARIANT:
+//! `production` (default), `trust-done`, `read-past-watermark`, `keep-rejected-job`,
+//! `release-quarantine-on-tick`, `retry-after-reject`, `drop-fence`,
+//! `keep-retracted-running`, `unscoped-cache-keys`.
 
 use std::process::ExitCode;
 
@@ -25,8 +26,9 @@ fn main() -> ExitCode {
         "prefill-restart" => Config::prefill_restart(),
         "keepalive" => Config::keepalive(),
         "growth" => Config::growth(),
+        "prefix-cache" => Config::prefix_cache(),
         other => {
-            eprintln!("unknown configuration {other:?}: three-requests | faulty-network | duplicating-network | reordering-network | prefill-restart | keepalive | growth");
+            eprintln!("unknown configuration {other:?}: three-requests | faulty-network | duplicating-network | reordering-network | prefill-restart | keepalive | growth | prefix-cache");
             return ExitCode::FAILURE;
         }
     };
@@ -39,6 +41,7 @@ fn main() -> ExitCode {
         "retry-after-reject" => Variant::RetryAfterReject,
         "drop-fence" => Variant::DropFence,
         "keep-retracted-running" => Variant::KeepRetractedRunning,
+        "unscoped-cache-keys" => Variant::UnscopedCacheKeys,
         other => {
             eprintln!("unknown variant {other:?}");
             return ExitCode::FAILURE;

@@ -53,6 +53,7 @@ impl HandoffModel {
             clean: w.is_clean(),
             served: w.all_served() && w.is_clean(),
             resumed: w.all_served() && w.is_clean() && w.retractions() > 0,
+            shared: w.all_served() && w.is_clean() && w.cache_hit_and_eviction(),
             history,
         }
     }
@@ -79,6 +80,8 @@ pub struct State {
     pub served: bool,
     /// `served`, after the decode loop retracted a sequence to let another grow.
     pub resumed: bool,
+    /// `served`, after a prompt page was shared from the prefix cache and one was evicted.
+    pub shared: bool,
 }
 
 impl State {
@@ -128,6 +131,8 @@ pub mod names {
     pub const REJECTION_TERMINAL: &str = "I3 always: a rejected request never reaches Reserve, transfer or decode";
     /// I3, the client's view.
     pub const ONE_OUTCOME: &str = "I3 always: no request has two terminal outcomes, and none over capacity finishes";
+    /// I7 (prefix-cache configurations).
+    pub const CACHE_FENCE: &str = "I7 always: no cache lookup reaches a page of another tenant or salt";
     /// I3, the client's view (only with `Config::check_original_error`).
     pub const ORIGINAL_ERROR: &str = "I3 always: an over-capacity request the workers refuse is answered with that refusal (HTTP 400), not a failure";
     /// Liveness, with clean pools.
@@ -136,6 +141,8 @@ pub mod names {
     pub const ENDS: &str = "eventually: every request ends";
     /// Reachability of the happy path.
     pub const SERVED: &str = "sometimes: every request that fits finishes, the other is rejected, all pools full";
+    /// Reachability of a prefix-cache hit and an eviction, on the happy path.
+    pub const SHARED: &str = "sometimes: a cached page is shared within its tenant and one is evicted for another prompt, and every request finishes, all pools idle";
     /// Reachability of KV on demand's retraction, on the happy path.
     pub const RESUMED: &str = "sometimes: a sequence is retracted for another to grow, and every request still finishes, all pools full";
 }
@@ -172,6 +179,9 @@ impl Model for HandoffModel {
             Property::always(names::REJECTION_TERMINAL, |_, s: &State| holds(s, Prop::RejectionTerminal)),
             Property::always(names::ONE_OUTCOME, |_, s: &State| holds(s, Prop::OneOutcome)),
         ];
+        if self.cfg.prefix_cache {
+            p.push(Property::always(names::CACHE_FENCE, |_, s: &State| holds(s, Prop::CacheFence)));
+        }
         if self.cfg.check_original_error {
             p.push(Property::always(names::ORIGINAL_ERROR, |_, s: &State| holds(s, Prop::OriginalError)));
         }
@@ -185,6 +195,9 @@ impl Model for HandoffModel {
         }
         p.push(Property::sometimes(names::SERVED, |_, s: &State| s.served));
         p.push(Property::sometimes(names::RESUMED, |_, s: &State| s.resumed));
+        if self.cfg.prefix_cache {
+            p.push(Property::sometimes(names::SHARED, |_, s: &State| s.shared));
+        }
         p
     }
 }

@@ -12,7 +12,8 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt::Write as _;
 
-use bulkhead_kv::{KvChecks, KvPool, PoolConfig, RequestId};
+use bulkhead_kv::{KvChecks, KvPool, PoolConfig, PrefixCache, RequestId};
+use bulkhead_protocol::cache::CacheSecret;
 use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeLink};
 use bulkhead_protocol::driver::prefill::{LinkDown, PrefillDriver, PrefillLink, Step};
@@ -100,6 +101,9 @@ pub enum Prop {
     OneOutcome,
     /// I3: an over-capacity request the workers refuse is answered with that refusal.
     OriginalError,
+    /// I7: no cache lookup reaches a page of another tenant or salt (the pool's fence
+    /// never has to refuse one).
+    CacheFence,
 }
 
 /// How a request ended for its client.
@@ -204,12 +208,33 @@ fn pool(pages: usize) -> KvPool {
     KvPool::new(PoolConfig { layout: LAYOUT, pages, checks: KvChecks::all() }).expect("model pool")
 }
 
-/// The mock model: the K and V value every layer holds for attempt `req` at `pos`.
-/// Distinct for every (request, attempt, position) of the model and exact in f16 (below
-/// 2048), so a read of another attempt's KV is caught too.
-pub fn kv_value(req: RequestId, pos: usize) -> f32 {
-    let attempt = req.0 / bulkhead_protocol::gateway::CLIENT_ID_LIMIT;
-    ((bulkhead_protocol::gateway::client_of(req).0 * 8 + attempt) * 16 + pos as u64) as f32
+/// The mock model's KV values, per request of a configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Values(Vec<(u32, Option<u8>)>);
+
+impl Values {
+    /// The values of `cfg`'s requests.
+    pub fn new(cfg: &Config) -> Self {
+        Values(cfg.requests.iter().map(|r| (r.prompt, r.tenant)).collect())
+    }
+
+    /// The K and V value every layer holds for attempt `req` at `pos`. Distinct for every
+    /// (request, attempt, position) of the model and exact in f16 (below 2048), so a read
+    /// of another attempt's KV is caught too; except the prompt positions of a request
+    /// that uses the prefix cache, which hold its tenant's value (its tenant's requests
+    /// share one prompt, as a cached page shares them), so a read of another tenant's
+    /// cached page is caught.
+    pub fn of(&self, req: RequestId, pos: usize) -> f32 {
+        let client = bulkhead_protocol::gateway::client_of(req).0;
+        let scoped = usize::try_from(client).ok().and_then(|c| self.0.get(c.checked_sub(1)?));
+        if let Some(&(prompt, Some(tenant))) = scoped
+            && pos < prompt as usize
+        {
+            return 1_024.0 + f32::from(tenant) * 16.0 + pos as f32;
+        }
+        let attempt = req.0 / bulkhead_protocol::gateway::CLIENT_ID_LIMIT;
+        ((client * 8 + attempt) * 16 + pos as u64) as f32
+    }
 }
 
 /// Request ids of a configuration: 1, 2, ...
@@ -345,7 +370,7 @@ impl<'c> World<'c> {
         assert!(registered.is_ok(), "the decode worker registers: {registered:?}");
         let mut dec = DecodeDriver::with_policy(
             DecodeRole::new(DecodeConfig { max_context: cfg.decode_max_context, transfer_timeout_ms: TICK_MS }),
-            MockDecode::new(dpool, cfg.variant),
+            MockDecode::new(dpool, cfg.variant, Values::new(cfg)),
             DecodeVariant(cfg.variant),
         );
         let mut prefills = Vec::new();
@@ -387,12 +412,9 @@ impl<'c> World<'c> {
         let mut role = PrefillRole::new(PrefillConfig { max_prompt: cfg.prefill_max_prompt, page_size: LAYOUT.page_size, keepalive_ms: TICK_MS });
         role.handle(PrefillEvent::DecodeConnected { decode: DECODE });
         dec.handle(DecodeEvent::PrefillConnected { from: id }, &mut Nowhere);
-        PrefillWorker {
-            id,
-            driver: PrefillDriver::with_policy(role, LAYOUT.page_size, PrefillVariant::new(cfg.variant)),
-            pool: ppool,
-            now: 0,
-        }
+        let driver = PrefillDriver::with_policy(role, LAYOUT.page_size, PrefillVariant::new(cfg.variant));
+        let driver = if cfg.prefix_cache { driver.with_cache(PrefixCache::new(cfg.prefill_pool_pages), DIGEST) } else { driver };
+        PrefillWorker { id, driver, pool: ppool, now: 0 }
     }
 
     /// The world after `history`, replayed from the initial one.
@@ -656,7 +678,12 @@ impl<'c> World<'c> {
     fn submit(&mut self, req: RequestId) {
         let Some(r) = request(self.cfg, req) else { return };
         self.ghost(req).submitted = true;
-        let tokens = (0..r.prompt).map(|t| req.0 as u32 * 10 + t).collect();
+        // A cache-scoped tenant's requests share one prompt, and so do the tenants.
+        let tokens = match r.tenant {
+            Some(_) => (0..r.prompt).map(|t| 100 + t).collect(),
+            None => (0..r.prompt).map(|t| req.0 as u32 * 10 + t).collect(),
+        };
+        let secret = CacheSecret::from_random([7; 32]);
         let acts = self.gw.handle(GatewayEvent::Submit {
             req,
             tokens,
@@ -664,8 +691,8 @@ impl<'c> World<'c> {
             sampling: Sampling::default(),
             stop: vec![],
             trace: TraceContext::default(),
-            tenant: TenantId::default(),
-            cache: None,
+            tenant: TenantId(r.tenant.map_or(0, u32::from)),
+            cache: r.tenant.map(|t| secret.scope(&format!("tenant-{t}"), None)),
         });
         self.gateway_actions(acts);
     }
@@ -799,7 +826,7 @@ impl<'c> World<'c> {
         let alive = self.alive();
         let Some(p) = self.prefills.iter_mut().find(|p| p.id == w) else { return };
         let mut link = PrefillWire { me: w, net: &mut self.net, alive: &alive, ghosts: &self.ghosts, seen: Vec::new() };
-        let step = p.driver.step(&mut MockPrefill, &mut p.pool, &mut link);
+        let step = p.driver.step(&mut MockPrefill(Values::new(self.cfg)), &mut p.pool, &mut link);
         let mut seen = link.seen;
         if let Step::Computed { req, .. } | Step::Ended { req, .. } = step
             && self.ghosts.get(&client_of(req)).is_some_and(|g| g.rejected)
@@ -907,6 +934,12 @@ impl<'c> World<'c> {
         let refs = self.write_refs();
         let stats = self.dec.engine().pool.stats();
         let mut problems: Vec<(Prop, String)> = Vec::new();
+        for p in &self.prefills {
+            let refused = p.pool.stats().fence_failures;
+            if refused > 0 {
+                problems.push((Prop::CacheFence, format!("prefill {} looked up {refused} cached page(s) of another tenant", p.id)));
+            }
+        }
         let mut by_page: BTreeMap<u32, &Handle> = BTreeMap::new();
         for h in &handles {
             if let Some(other) = by_page.insert(h.page, h) {
@@ -995,6 +1028,12 @@ impl<'c> World<'c> {
     /// Every request submitted and ended for its client.
     pub fn requests_ended(&self) -> bool {
         self.ghosts.values().all(|g| g.submitted && (g.client_gone || !g.outcomes.is_empty()))
+    }
+
+    /// Whether some prefill worker's cache shared a page and some evicted one.
+    pub fn cache_hit_and_eviction(&self) -> bool {
+        let stats = || self.prefills.iter().filter_map(|p| p.driver.cache()).map(|c| c.stats());
+        stats().any(|s| s.hit_tokens > 0) && stats().any(|s| s.evicted_pages > 0)
     }
 
     /// Sequences the decode loop retracted so far.
@@ -1097,8 +1136,9 @@ fn blank_numbers(s: &str, keys: &[&str]) -> String {
     out
 }
 
+/// Nothing leased, quarantined or read: every page free, or cached with no reader.
 fn full(pool: &KvPool) -> bool {
     let s = pool.stats();
-    s.free_pages == s.total_pages
+    s.free_pages + s.cached_pages == s.total_pages && s.shared_leases == 0
 }
 

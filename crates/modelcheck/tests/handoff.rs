@@ -239,6 +239,28 @@ fn a_victim_left_running_on_its_old_leases_is_caught_by_the_read_property() {
     assert!(last.contains("stale lease"), "{last}");
 }
 
+/// The prefix cache (issue 14): two tenants send the same prompt; tenant 0's second
+/// request shares its cached page, tenant 1's never does, the cached page is evicted when
+/// another prompt needs the prefill pool (never while read), and a client may leave while
+/// its request holds a cached page. Every property holds, the fence included, and the
+/// happy path (everything served, pools idle) is reachable.
+#[test]
+fn the_prefix_cache_shares_within_a_tenant_only_and_holds_every_property() {
+    let (report, model) = check_all(Config::prefix_cache());
+    assert_holds(&report, &model);
+    assert!(report.discoveries.contains_key(names::SHARED), "no hit and eviction on the happy path: {report}");
+    assert_eq!(report.unique_states, 9_693, "the model changed: {report}");
+}
+
+/// Page keys that leave the tenant out give both tenants' equal prompts equal keys: the
+/// second tenant's lookup finds the first one's page, and the pool's fence refuses it (the
+/// request fails instead of reading). The checker reports the refused lookup.
+#[test]
+fn cache_keys_without_the_tenant_are_caught_by_the_fence_property() {
+    let last = finds(Config::prefix_cache().with_variant(Variant::UnscopedCacheKeys), names::CACHE_FENCE);
+    assert!(last.contains("of another tenant"), "{last}");
+}
+
 // ------------------------------------------------------------------ findings
 
 /// The protocol relies on exactly-once delivery per connection (TCP): a duplicated

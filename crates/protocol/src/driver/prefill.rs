@@ -18,6 +18,7 @@ use std::collections::VecDeque;
 use bulkhead_kv::transfer::{export_chunks, Manifest};
 use bulkhead_kv::{Fence, KvError, KvPool, PageKey, PrefixCache, RequestId, SequenceKv};
 
+use crate::cache::CacheScope;
 use crate::driver::Honest;
 use crate::msg::{Message, Sampling, WorkerId};
 
@@ -74,6 +75,12 @@ pub trait PrefillPolicy {
     fn refused(&mut self, job: &PrefillJob) -> Option<PrefillJob> {
         let _ = job;
         None
+    }
+    /// The keys of the full pages of a job's prompt in the prefix cache. An honest driver
+    /// keys them under the job's scope ([`CacheScope::page_keys`]); a broken one may leave
+    /// the scope out, which the pool's fence then has to catch.
+    fn page_keys(&mut self, scope: &CacheScope, model_digest: u64, tokens: &[u32], page_size: usize) -> Vec<PageKey> {
+        scope.page_keys(model_digest, tokens, page_size)
     }
 }
 
@@ -245,7 +252,7 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
         let mut j = Job::new(job, seq, rogue);
         if let (Some(c), Some(scope)) = (self.cache.as_mut(), j.job.cache) {
             let ps = pool.layout().page_size;
-            j.keys = scope.page_keys(c.model_digest, &j.job.tokens, ps);
+            j.keys = self.policy.page_keys(&scope, c.model_digest, &j.job.tokens, ps);
             let fence = scope.fence();
             j.fence = Some(fence);
             // The last position is always computed: its logits pick the first token.
