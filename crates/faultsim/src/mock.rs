@@ -71,7 +71,7 @@ fn fold(pool: &KvPool, seq: &SequenceKv, from: usize, to: usize, mut acc: u64, f
     let mut views = Vec::with_capacity(l.layers);
     let mut pos = from;
     while pos < to {
-        let Ok((lease, first_slot)) = seq.locate(pos) else {
+        let Ok((lease, first_slot)) = seq.locate_page(pos) else {
             *faults += 1;
             acc = mix(acc, MISSING);
             pos += 1;

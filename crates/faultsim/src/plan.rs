@@ -48,10 +48,14 @@ pub struct RequestPlan {
     /// How it was made.
     pub kind: RequestKind,
     /// Prompt tokens; the first one is unique within the schedule, so no two prompts
-    /// share a prefix and any foreign KV shows in the output.
+    /// share a prefix and any foreign KV shows in the output, except the prompts drawn as
+    /// copies of an earlier one (with the prefix cache: the same prefix, of the same or
+    /// the other tenant).
     pub tokens: Vec<u32>,
     /// Most tokens to generate.
     pub max_tokens: u32,
+    /// Its tenant (0 or 1): its prefix-cache scope.
+    pub tenant: u32,
 }
 
 /// A fault; its target is drawn when it fires.
@@ -166,6 +170,9 @@ pub struct Plan {
     pub events: Vec<(u64, Planned)>,
     /// A fault triggered by the transfer itself rather than the clock.
     pub mid_transfer: Option<MidTransfer>,
+    /// Whether prefill workers run a prefix cache (and requests carry their tenant's
+    /// scope).
+    pub prefix_cache: bool,
     /// Extras beyond production behaviour.
     pub options: Options,
 }
@@ -206,6 +213,7 @@ impl Plan {
             requests: Vec::new(),
             events: Vec::new(),
             mid_transfer: None,
+            prefix_cache: false,
             options,
         };
         let mut events = Vec::new();
@@ -251,6 +259,23 @@ impl Plan {
         }
         // Stable: events planned for the same time keep the order they were drawn in.
         events.sort_by_key(|(at, _)| *at);
+        // Drawn last, so the rest of every schedule is what it was before the cache.
+        plan.prefix_cache = dice.chance(800);
+        for i in 0..plan.requests.len() {
+            plan.requests[i].tenant = dice.below(2) as u32;
+            // Some fitting prompts repeat an earlier one's prefix (a chat's system prompt,
+            // a next turn), with a suffix of their own, under either tenant.
+            let earlier: Vec<usize> = (0..i).filter(|&j| plan.requests[j].kind == RequestKind::Fits).collect();
+            if plan.requests[i].kind == RequestKind::Fits
+                && dice.chance(400)
+                && let Some(&j) = dice.pick(&earlier)
+            {
+                let n = plan.requests[i].tokens.len();
+                let shared = plan.requests[j].tokens.len().min(n);
+                let prefix = plan.requests[j].tokens[..shared].to_vec();
+                plan.requests[i].tokens[..shared].copy_from_slice(&prefix);
+            }
+        }
         plan.events = events;
         plan
     }
@@ -299,7 +324,7 @@ impl Plan {
                 (prompt_of(dice, n), 0)
             }
         };
-        RequestPlan { req, kind, tokens, max_tokens }
+        RequestPlan { req, kind, tokens, max_tokens, tenant: 0 }
     }
 
     /// The request with id `req`.

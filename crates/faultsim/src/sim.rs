@@ -14,13 +14,14 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
-use bulkhead_kv::{Generation, KvChecks, KvPool, PageId, PoolConfig, PoolStats, RequestId};
+use bulkhead_kv::{CacheStats, Generation, KvChecks, KvPool, PageId, PoolConfig, PoolStats, PrefixCache, RequestId};
+use bulkhead_protocol::cache::CacheSecret;
 use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole, DecodeStats};
 use bulkhead_modelcheck::drivers::DecodeVariant;
 use bulkhead_modelcheck::Variant;
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeEngine, DecodeLink};
 use bulkhead_protocol::driver::prefill::{LinkDown, PrefillDriver, PrefillLink, Step};
-use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, TenantId};
+use bulkhead_protocol::gateway::{client_of, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, TenantId};
 use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillRole};
 use bulkhead_protocol::{Hello, Message, RejectReason, Role, Sampling, TraceContext, WorkerId};
 
@@ -76,6 +77,13 @@ pub struct Tally {
     pub audited_slots: u64,
     /// Keepalives prefill roles sent.
     pub keepalives: u64,
+    /// Prompt tokens prefill workers took from their prefix caches.
+    pub cache_hit_tokens: u64,
+    /// Pages prefix caches evicted.
+    pub cache_evictions: u64,
+    /// Finished requests whose usage counted cached tokens (each checked against the
+    /// prompts of its own tenant).
+    pub cached_finished: u64,
 }
 
 impl std::ops::AddAssign for Tally {
@@ -97,6 +105,9 @@ impl std::ops::AddAssign for Tally {
         self.transfer_timeouts += o.transfer_timeouts;
         self.audited_slots += o.audited_slots;
         self.keepalives += o.keepalives;
+        self.cache_hit_tokens += o.cache_hit_tokens;
+        self.cache_evictions += o.cache_evictions;
+        self.cached_finished += o.cached_finished;
     }
 }
 
@@ -141,6 +152,7 @@ struct Remains {
     decode: Option<DecodeStats>,
     keepalives: u64,
     retractions: u64,
+    cache: CacheStats,
 }
 
 #[derive(Default)]
@@ -150,6 +162,8 @@ struct Client {
     gone_at: Option<usize>,
     /// The `DropFirstToken` sabotage already dropped this request's first token.
     dropped_first: bool,
+    /// `Prefill` messages the gateway sent for it (attempts that reached a prefill).
+    prefills: u32,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -613,8 +627,8 @@ impl<'m, M: Models> Sim<'m, M> {
                     sampling: Sampling::default(),
                     stop: Vec::new(),
                     trace: TraceContext::default(),
-                    tenant: TenantId::default(),
-                    cache: None,
+                    tenant: TenantId(r.tenant),
+                    cache: self.plan.prefix_cache.then(|| CacheSecret::from_random([5; 32]).scope(&format!("tenant-{}", r.tenant), None)),
                 };
                 let acts = self.gw.role.handle(ev);
                 self.gateway_actions(acts);
@@ -650,6 +664,7 @@ impl<'m, M: Models> Sim<'m, M> {
                 let keepalive_ms = PrefillConfig::keepalive_for(self.plan.transfer_timeout_ms);
                 let role = PrefillRole::new(PrefillConfig { max_prompt: wp.context, page_size: l.page_size, keepalive_ms });
                 let driver = PrefillDriver::new(role, self.plan.chunk_pages * l.page_size);
+                let driver = if self.plan.prefix_cache { driver.with_cache(PrefixCache::new(wp.pool_pages), DIGEST) } else { driver };
                 let model = self.models.prefill();
                 self.prefills.insert(id, PrefillWorker { driver, model, pool, gw, kv: BTreeMap::new(), busy_until: 0, next_tick });
             }
@@ -735,11 +750,12 @@ impl<'m, M: Models> Sim<'m, M> {
         if let Some(p) = self.prefills.remove(&w) {
             let pool = p.pool.stats();
             let keepalives = p.driver.role().stats().keepalives;
-            self.dead.push(Remains { id: w, pool, read_faults: p.model.read_faults(), decode: None, keepalives, retractions: 0 });
+            let cache = p.driver.cache().map(PrefixCache::stats).unwrap_or_default();
+            self.dead.push(Remains { id: w, pool, read_faults: p.model.read_faults(), decode: None, keepalives, retractions: 0, cache });
         } else if let Some(d) = self.decodes.remove(&w) {
             let pool = d.driver.engine().pool().stats();
             let (read_faults, retractions) = (d.driver.engine().read_faults(), d.driver.engine().retractions());
-            self.dead.push(Remains { id: w, pool, read_faults, decode: Some(d.driver.role().stats()), keepalives: 0, retractions });
+            self.dead.push(Remains { id: w, pool, read_faults, decode: Some(d.driver.role().stats()), keepalives: 0, retractions, cache: CacheStats::default() });
         }
         self.net.crash(End::Worker(w), self.now, &mut self.dice);
     }
@@ -805,6 +821,11 @@ impl<'m, M: Models> Sim<'m, M> {
         for a in acts {
             match a {
                 GatewayAction::ToWorker { to, msg } => {
+                    if let Message::Prefill { req, .. } = &msg
+                        && let Some(c) = self.clients.get_mut(&client_of(*req))
+                    {
+                        c.prefills += 1;
+                    }
                     if let Some(&conn) = self.gw.workers.get(&to) {
                         self.send(conn, End::Gateway, msg);
                     }
@@ -917,8 +938,12 @@ impl<'m, M: Models> Sim<'m, M> {
         }
         let keepalives = p.driver.role().stats().keepalives;
         let mut pool = p.pool;
+        let before = p.driver.cache().map(PrefixCache::stats).unwrap_or_default();
+        let held = p.driver.cache().map_or(0, PrefixCache::len) as u64;
         p.driver.abandon(&mut pool);
-        self.dead.push(Remains { id: w, pool: pool.stats(), read_faults: p.model.read_faults(), decode: None, keepalives, retractions: 0 });
+        // Abandoning evicts every cached page.
+        let cache = CacheStats { evicted_pages: before.evicted_pages + held, ..before };
+        self.dead.push(Remains { id: w, pool: pool.stats(), read_faults: p.model.read_faults(), decode: None, keepalives, retractions: 0, cache });
         self.tally.rejoins += 1;
         self.schedule(self.now + REJOIN_DELAY_MS, Planned::Start(self.plan.prefill));
     }
@@ -1087,11 +1112,22 @@ impl<'m, M: Models> Sim<'m, M> {
             let gateway_fits = !self.plan.gateway_check || total <= served;
             let Some(out) = terminal.first().and_then(|t| c.outputs.get(*t)) else { continue };
             match out {
-                ClientOutput::Finished { finish, prompt_tokens, completion_tokens, .. } => {
+                ClientOutput::Finished { finish, prompt_tokens, completion_tokens, cached_tokens, .. } => {
                     self.tally.finished += 1;
                     if !(workers_fit && gateway_fits) {
                         bad.push(format!("r{id} ({:?}, prompt {prompt}, max {max}) finished (HTTP 200) though it does not fit", r.kind));
                         continue;
+                    }
+                    // I7: cached tokens come from a prompt of the same tenant sharing that
+                    // prefix, or from an earlier attempt of this very request.
+                    if *cached_tokens > 0 {
+                        self.tally.cached_finished += 1;
+                        let common = |o: &crate::plan::RequestPlan| o.tokens.iter().zip(&r.tokens).take_while(|(a, b)| a == b).count();
+                        let same_tenant = self.plan.requests.iter().filter(|o| o.req != r.req && o.tenant == r.tenant).map(common).max().unwrap_or(0);
+                        let own = if c.prefills > 1 { prompt } else { 0 };
+                        if !self.plan.prefix_cache || *cached_tokens as usize > same_tenant.max(own) {
+                            bad.push(format!("r{id} (tenant {}) reports {cached_tokens} cached tokens; its tenant's prompts share {same_tenant}", r.tenant));
+                        }
                     }
                     let text: String = c
                         .outputs
@@ -1177,6 +1213,11 @@ impl<'m, M: Models> Sim<'m, M> {
         self.tally.retractions += self.decodes.values().map(|d| d.driver.engine().retractions()).sum::<u64>()
             + self.dead.iter().map(|r| r.retractions).sum::<u64>();
         self.tally.retried += self.gw.role.stats().retried;
+        let caches = self.prefills.values().filter_map(|p| p.driver.cache()).map(PrefixCache::stats).chain(self.dead.iter().map(|r| r.cache));
+        for c in caches {
+            self.tally.cache_hit_tokens += c.hit_tokens;
+            self.tally.cache_evictions += c.evicted_pages;
+        }
         for why in bad {
             self.violate(why);
         }
@@ -1219,7 +1260,8 @@ impl Tally {
 /// audit violation on the way.
 fn check_pool(bad: &mut Vec<String>, w: WorkerId, pool: &KvPool, read_faults: u64, quarantine_explained: bool) {
     let s = pool.stats();
-    let full = (s.free_pages, s.leased_pages, s.quarantined_pages) == (s.total_pages, 0, 0);
+    // Cached pages nobody reads count as free: the cache gives them up on demand.
+    let full = (s.free_pages + s.cached_pages, s.leased_pages, s.quarantined_pages, s.shared_leases) == (s.total_pages, 0, 0, 0);
     let explained = quarantine_explained && s.leased_pages == 0 && s.free_pages + s.quarantined_pages == s.total_pages;
     if !(full || explained) {
         bad.push(format!("w{}: pool not back to full: {s:?}", w.0));
@@ -1232,8 +1274,8 @@ fn check_pool_stats(bad: &mut Vec<String>, w: WorkerId, s: &PoolStats, read_faul
     if read_faults > 0 {
         bad.push(format!("w{}: {read_faults} model reads refused, past a watermark or failing the pool's read checks", w.0));
     }
-    if s.poisoned_reads > 0 || s.audit_violations > 0 {
-        bad.push(format!("w{}: {} poisoned reads, {} audit violations", w.0, s.poisoned_reads, s.audit_violations));
+    if s.poisoned_reads > 0 || s.audit_violations > 0 || s.fence_failures > 0 {
+        bad.push(format!("w{}: {} poisoned reads, {} audit violations, {} tenant-fence failures", w.0, s.poisoned_reads, s.audit_violations, s.fence_failures));
     }
 }
 

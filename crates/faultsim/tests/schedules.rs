@@ -39,6 +39,7 @@ fn seeded_fault_schedules_keep_every_invariant() {
     assert!(n < 1_000 || (t.faults > n / 2 && t.client_gone > 0 && t.transfer_timeouts > 0 && t.late_chunks > 0), "faults did not happen: {t:?}");
     assert!(t.audited_slots > 0, "the KV auditor checked nothing: {t:?}");
     assert!(n < 1_000 || t.keepalives > 0, "no prefill role sent a keepalive: {t:?}");
+    assert!(n < 1_000 || (t.cache_hit_tokens > 0 && t.cache_evictions > 0 && t.cached_finished > 0), "the prefix cache never hit or evicted: {t:?}");
 }
 
 #[test]
