@@ -102,7 +102,7 @@ pub struct ServeArgs {
     /// A request not finished after this long fails (ms).
     #[arg(long, env = "BULKHEAD_REQUEST_TIMEOUT_MS", default_value_t = 600_000)]
     request_timeout_ms: u64,
-    /// Requests that may wait at the gateway for KV capacity or workers; one more gets 429 with Retry-After.
+    /// Requests one tenant may have waiting at the gateway for KV capacity or workers; one more gets 429 with Retry-After.
     #[arg(long, env = "BULKHEAD_MAX_QUEUED_REQUESTS", default_value_t = 1024)]
     max_queued_requests: usize,
     /// How long a request may wait at the gateway for KV capacity or workers before it gets 429 (ms).

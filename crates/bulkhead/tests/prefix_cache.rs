@@ -1,4 +1,4 @@
-//! Tenants and the prefix cache through `bulkhead serve` (design I7–I9): API keys pick the
+//! Tenants and the prefix cache through `bulkhead serve` (design I7): API keys pick the
 //! tenant, a prompt's cached prefix is reused only within one tenant and salt, reuse gives
 //! the same greedy answer, and `cached_tokens` matches the prefill pool's own counters.
 

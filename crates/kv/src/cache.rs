@@ -1,5 +1,5 @@
 //! [`PrefixCache`]: full pages of earlier prompts, kept read-only in the pool and shared
-//! with later requests of the same fence (design I7–I9).
+//! with later requests of the same fence (design I7).
 //!
 //! Entries are named by chained [`PageKey`]s, so an entry stands for its whole prefix: the
 //! map of keys is a radix tree over pages (a key's parent is the entry before it). The

@@ -171,7 +171,7 @@ pub enum KvError {
         page: PageId,
     },
     /// A shared page cannot be written; only its writer's own lease could, before it was
-    /// published (design I8).
+    /// published (design I7).
     #[error("position {pos} lies in a shared read-only page")]
     ReadOnly {
         /// The position.
@@ -187,7 +187,7 @@ pub enum KvError {
         /// Its watermark.
         watermark: usize,
     },
-    /// A cached page with readers cannot be evicted (design I9).
+    /// A cached page with readers cannot be evicted (design I7).
     #[error("page {page} has {readers} readers: it cannot be evicted")]
     InUse {
         /// The page.

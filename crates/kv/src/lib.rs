@@ -1,7 +1,7 @@
 //! Bulkhead's KV page pool: the page allocator and the only place KV bytes live.
 //!
 //! It enforces the isolation contract of the design (I1 ownership, I2 coverage, I4
-//! quarantine, I7–I9 sharing): every page is free, leased to one request at one
+//! quarantine, I7 sharing): every page is free, leased to one request at one
 //! generation, quarantined, or cached read-only for one tenant fence; every read and write goes through a [`Lease`] that is checked against the
 //! page's current state, generation and owner; reads see only the slots written in the
 //! lease's generation. No model, no I/O, no threads, no `unsafe`.
@@ -35,7 +35,7 @@
 //! - `sequence`: [`SequenceKv`], the page table of one sequence: its own pages after any
 //!   shared ones ([`SeqPage`]).
 //! - `cache`: [`PrefixCache`], full pages published read-only ([`CachedPage`]) and shared
-//!   ([`SharedLease`]) with later requests of the same [`Fence`] (I7–I9).
+//!   ([`SharedLease`]) with later requests of the same [`Fence`] (I7).
 //! - [`transfer`]: the verified handoff between pools: [`Inbound`] checks every chunk and
 //!   alone makes a [`VerifiedSequence`].
 #![forbid(unsafe_code)]

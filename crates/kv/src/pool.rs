@@ -65,7 +65,7 @@ pub struct Quarantined {
     tag: PageTag,
 }
 
-/// The cache's hold on a published page (design I8): the page is full, read-only, and
+/// The cache's hold on a published page (design I7): the page is full, read-only, and
 /// belongs to one fence. Not `Clone`; only [`KvPool::publish`] makes one and only
 /// [`KvPool::evict`] consumes it. Its tag's owner is the request that wrote the page.
 #[must_use = "a dropped cache handle keeps its page cached forever"]
@@ -82,10 +82,17 @@ impl CachedPage {
     }
 }
 
-/// A read-only lease of a cached page to one reader (design I8): [`KvPool::write`] and
+/// A read-only lease of a cached page to one reader (design I7): [`KvPool::write`] and
 /// [`KvPool::import_slots`] take only a [`Lease`], so nothing can write through it. Not
 /// `Clone`; [`KvPool::unshare`] consumes it. Its tag's owner is the reader; it also names
 /// the page's writer and fence, which every read checks against the page.
+///
+/// ```compile_fail
+/// # use bulkhead_kv::{KvPool, SharedLease};
+/// fn write_through(pool: &mut KvPool, shared: &SharedLease) {
+///     let _ = pool.write(shared, 0, 0, &[0.0], &[0.0]); // a shared lease cannot write
+/// }
+/// ```
 #[must_use = "a dropped shared lease keeps its page from being evicted"]
 #[derive(Debug)]
 pub struct SharedLease {
@@ -617,7 +624,7 @@ impl KvPool {
         }
     }
 
-    /// Publishes a full page of `lease` to a prefix cache under `fence` (design I8): from
+    /// Publishes a full page of `lease` to a prefix cache under `fence` (design I7): from
     /// now on nobody writes it, and only [`KvPool::share`] under the same fence reads it.
     /// Refused (the lease comes back) unless the lease is live and every layer is full.
     pub fn publish(&mut self, lease: Lease, fence: Fence) -> Result<CachedPage, (KvError, Lease)> {
@@ -667,7 +674,7 @@ impl KvPool {
         }
     }
 
-    /// Takes a cached page back to the free list (design I9): refused while any shared
+    /// Takes a cached page back to the free list (design I7): refused while any shared
     /// lease is out on it. Its next lease gets a fresh generation like any page's, so
     /// every handle of the cached generation is stale from here on.
     pub fn evict(&mut self, page: CachedPage) -> Result<(), (KvError, CachedPage)> {

@@ -4,7 +4,7 @@ use crate::pool::{PageHandle, PageTag, SharedLease};
 use crate::{KvError, KvPool, Lease, PoolId, Quarantined, RequestId};
 
 /// One page of a sequence: its own, which it writes, or a cached one it shares read-only
-/// (design I8). Shared pages always come first: they hold a cached prefix.
+/// (design I7). Shared pages always come first: they hold a cached prefix.
 #[derive(Debug)]
 pub enum SeqPage {
     /// Leased to the sequence's request.

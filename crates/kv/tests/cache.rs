@@ -1,4 +1,4 @@
-//! Shared pages and the prefix cache (design I7–I9): a cached page is read-only, readable
+//! Shared pages and the prefix cache (design I7): a cached page is read-only, readable
 //! only under its fence, never evicted while read, and stale once evicted.
 
 use bulkhead_kv::{Fence, KvChecks, KvError, KvLayout, KvPool, PageKey, PoolConfig, PrefixCache, RequestId, SequenceKv};

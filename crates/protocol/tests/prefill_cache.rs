@@ -1,4 +1,4 @@
-//! The prefill driver with a prefix cache (design I7–I9): a hit computes only the rest and
+//! The prefill driver with a prefix cache (design I7): a hit computes only the rest and
 //! still sends every prompt page; another tenant never hits; a cache under pressure serves
 //! what a cold pool serves; an abort during a hit gives every shared lease back.
 
