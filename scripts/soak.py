@@ -279,15 +279,19 @@ def main():
         m = metrics(s.host, s.port)
         pools = {}
         for name, labels, v in m:
-            if name in ("bulkhead:kv_free_pages", "bulkhead:kv_pool_pages") and "worker" in labels:
+            if name in ("bulkhead:kv_free_pages", "bulkhead:kv_cached_pages", "bulkhead:kv_pool_pages",
+                        "bulkhead:quarantined_pages", "bulkhead:kv_shared_leases") and "worker" in labels:
                 pools.setdefault(labels["worker"], {})[name.split(":")[1]] = v
-        busy = {w: p for w, p in pools.items() if p.get("kv_free_pages") != p.get("kv_pool_pages")}
+        # Whole: every page free, or held by the prefix cache with no reader.
+        busy = {w: p for w, p in pools.items()
+                if p.get("kv_free_pages", 0) + p.get("kv_cached_pages", 0) != p.get("kv_pool_pages")
+                or p.get("quarantined_pages", 0) or p.get("kv_shared_leases", 0)}
         if not busy or time.monotonic() > deadline:
             break
         time.sleep(1)
-    print("pages free at the end (free / pool; no prefix cache yet, so nothing is cached):")
+    print("pages at the end (free + cached by the prefix cache / pool):")
     for w, p in sorted(pools.items()):
-        print(f"  {w:<12} {p.get('kv_free_pages', 0):>8.0f} / {p.get('kv_pool_pages', 0):.0f}")
+        print(f"  {w:<12} {p.get('kv_free_pages', 0):>8.0f} + {p.get('kv_cached_pages', 0):.0f} / {p.get('kv_pool_pages', 0):.0f}")
     if busy:
         print(f"  NOT WHOLE: {sorted(busy)}")
         failed = True

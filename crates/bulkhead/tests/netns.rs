@@ -11,7 +11,7 @@ mod common;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{BIN, model, request, scrape, sum};
+use common::{BIN, model, pools_idle, request, scrape, sum};
 
 /// `ip` with arguments; Err with its stderr on failure.
 fn ip(args: &[&str]) -> Result<(), String> {
@@ -238,7 +238,7 @@ fn cutting_the_prefill_decode_link_mid_transfer_fails_one_request_and_frees_noth
         let m = scrape(HTTP);
         sum(&m, "bulkhead:quarantined_pages", &decode) == 0.0
             && sum(&m, "bulkhead:fenced_releases_total", &decode) > 0.0
-            && sum(&m, "bulkhead:kv_free_pages", &[]) == sum(&m, "bulkhead:kv_pool_pages", &[])
+            && pools_idle(&m)
     });
     let m = scrape(HTTP);
     eprintln!(
@@ -252,6 +252,6 @@ fn cutting_the_prefill_decode_link_mid_transfer_fails_one_request_and_frees_noth
     }
     wait_for("pools full after later requests", Duration::from_secs(10), &logs, || {
         let m = scrape(HTTP);
-        sum(&m, "bulkhead:kv_free_pages", &[]) == sum(&m, "bulkhead:kv_pool_pages", &[]) && sum(&m, "bulkhead:quarantined_pages", &[]) == 0.0
+        pools_idle(&m)
     });
 }

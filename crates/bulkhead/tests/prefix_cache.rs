@@ -8,7 +8,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::{BIN, model, rand_u64};
+use common::{BIN, model, polled_sum, rand_u64};
 use serde_json::{Value, json};
 
 struct Server {
@@ -89,24 +89,6 @@ fn cached(v: &Value) -> u64 {
     v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("usage.prompt_tokens_details.cached_tokens")
 }
 
-/// The sum of a metric's samples at `/metrics`, once the workers' reports show at least
-/// `enough` (polled for a few seconds).
-fn metric(s: &Server, name: &str, labels: &str, enough: f64) -> f64 {
-    let mut last = 0.0;
-    for _ in 0..50 {
-        let text = common::request(&s.http, "GET", "/metrics", &[], "").body;
-        last = text
-            .lines()
-            .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']) && l.contains(labels))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum();
-        if last >= enough {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    last
-}
 
 #[test]
 fn keys_pick_tenants_and_a_cached_prefix_is_reused_only_within_one_tenant_and_salt() {
@@ -165,9 +147,11 @@ fn keys_pick_tenants_and_a_cached_prefix_is_reused_only_within_one_tenant_and_sa
 
     // The pool's own counters agree with what the responses said.
     let total = (3 * want) as f64;
-    assert_eq!(metric(&s, "bulkhead:prefix_cache_hits_total", "", total), total);
-    assert!(metric(&s, "bulkhead:isolation_checks_total", "check=\"tenant_fence\"", 1.0) >= 1.0, "fence checks ran");
-    assert_eq!(metric(&s, "bulkhead:isolation_failures_total", "check=\"tenant_fence\"", 0.0), 0.0);
+    assert_eq!(polled_sum(&s.http, "bulkhead:prefix_cache_hits_total", &[], total), total);
+    let fence = [("check", "tenant_fence")];
+    assert!(polled_sum(&s.http, "bulkhead:isolation_checks_total", &fence, 1.0) >= 1.0, "fence checks ran");
+    assert_eq!(polled_sum(&s.http, "bulkhead:isolation_failures_total", &fence, 0.0), 0.0);
+    assert!(common::pools_idle(&common::scrape(&s.http)), "every pool idle: free or cached pages only");
     let log = std::fs::read_to_string(&s.log).unwrap();
     assert!(log.contains("tenant=alpha") && log.contains("tenant=beta"), "the tenant is on the request's log lines");
     assert!(log.contains("prefix cache on"), "the start-up line says the cache is on");

@@ -194,7 +194,7 @@ fn a_chunk_altered_on_the_wire_is_refused_and_counted_and_never_answers_wrong() 
     let s = serve(&[], &[("BULKHEAD_KV_LISTEN", &kv_s), ("BULKHEAD_KV_ADVERTISE", &proxy_s)]);
     let (status, v) = chat(&s.http, SYSTEM, PROMPTS[0], 32);
     assert!(status == 200 && content(&v) == want || status >= 500 && v.get("error").is_some(), "{status} {v}");
-    assert!(counter(&s, "bulkhead:bad_connections_total", "", 1.0) >= 1.0);
+    assert!(counter(&s, "bulkhead:bad_connections_total", &[], 1.0) >= 1.0);
     let log = std::fs::read_to_string(&s.stderr_log).unwrap();
     assert!(log.lines().any(|l| l.contains("bad frame on a KV connection") && l.contains("failed authentication")), "{log}");
     // The prefill worker rejoins under a new id; until it has, requests get a 503 that
@@ -214,9 +214,8 @@ fn a_chunk_altered_on_the_wire_is_refused_and_counted_and_never_answers_wrong() 
         }
     }
     assert_eq!(served, 2, "the cluster serves again after the tampered connection");
-    let metric = |name: &str| counter(&s, name, "", 0.0);
     for _ in 0..100 {
-        if metric("bulkhead:kv_free_pages") == metric("bulkhead:kv_pool_pages") && metric("bulkhead:quarantined_pages") == 0.0 {
+        if common::pools_idle(&common::scrape(&s.http)) {
             return;
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -460,23 +459,10 @@ fn kv_addr(s: &Server) -> String {
         .expect("decode worker logs its KV address")
 }
 
-/// A counter's value at `/metrics` for the series whose line contains `labels`, once the
-/// workers' latest reports have arrived (polled for a few seconds until `enough`).
-fn counter(s: &Server, name: &str, labels: &str, enough: f64) -> f64 {
-    let mut last = 0.0;
-    for _ in 0..50 {
-        let (_, text) = get(&s.http, "/metrics");
-        last = text
-            .lines()
-            .filter(|l| l.starts_with(name) && l.contains(labels))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum();
-        if last >= enough {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    last
+/// A counter's value at `/metrics` over the series with labels `want`, once the workers'
+/// latest reports have arrived (polled for a few seconds until `enough`).
+fn counter(s: &Server, name: &str, want: &[(&str, &str)], enough: f64) -> f64 {
+    common::polled_sum(&s.http, name, want, enough)
 }
 
 #[test]
@@ -517,7 +503,7 @@ fn a_worker_without_the_cluster_key_or_with_a_wrong_one_cannot_join_and_exits_no
     assert!(err.contains("refused this worker") && err.contains("needs its key"), "{err}");
     let err = stranger(&["--cluster-key-file", &key_file()]);
     assert!(err.contains("does not hold this cluster's key"), "{err}");
-    assert!(counter(&s, "bulkhead:auth_refusals_total", "worker=\"gateway\"", 2.0) >= 2.0);
+    assert!(counter(&s, "bulkhead:auth_refusals_total", &[("worker", "gateway")], 2.0) >= 2.0);
     let (_, metrics) = get(&s.http, "/metrics");
     assert!(metrics.contains("bulkhead:workers{role=\"decode\"} 1"), "only the real decode worker: {metrics}");
     assert_eq!(chat(&s.http, SYSTEM, "Hi", 4).0, 200);
@@ -545,7 +531,7 @@ fn a_kv_connection_must_prove_the_key_and_name_the_prefill_it_authenticated_as()
     // A control handshake replayed on the KV port.
     let control = internal(&kv, Some(&key), Purpose::Control, 0);
     assert!(control.is_err());
-    assert!(counter(&s, "bulkhead:auth_refusals_total", "role=\"decode\"", 4.0) >= 4.0);
+    assert!(counter(&s, "bulkhead:auth_refusals_total", &[("role", "decode")], 4.0) >= 4.0);
     assert_eq!(chat(&s.http, SYSTEM, "Hi", 4).0, 200);
 }
 

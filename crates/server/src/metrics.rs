@@ -162,9 +162,10 @@ impl Families {
 
 /// A KV pool's state and what it checked (both worker roles).
 pub fn pool_families(s: &PoolStats, f: &mut Families) {
-    let used = s.total_pages.saturating_sub(s.free_pages);
+    // Cached pages are reclaimable (evicted on demand), so they count as free here.
+    let used = s.leased_pages + s.quarantined_pages;
     let usage = if s.total_pages == 0 { 0.0 } else { used as f64 / s.total_pages as f64 };
-    f.gauge("bulkhead:kv_cache_usage_perc", "Fraction of KV pages not free (leased or quarantined), 0 to 1.", &[], usage);
+    f.gauge("bulkhead:kv_cache_usage_perc", "Fraction of KV pages leased or quarantined, 0 to 1 (prefix-cache pages count as free: they are evicted on demand).", &[], usage);
     f.gauge("bulkhead:kv_pool_pages", "KV pages in the pool.", &[], s.total_pages as f64);
     f.gauge("bulkhead:kv_free_pages", "KV pages free.", &[], s.free_pages as f64);
     f.gauge("bulkhead:kv_leased_pages", "KV pages leased to a request.", &[], s.leased_pages as f64);

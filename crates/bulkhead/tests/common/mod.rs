@@ -138,6 +138,30 @@ pub fn sum(samples: &[Sample], name: &str, want: &[(&str, &str)]) -> f64 {
     samples.iter().filter(|s| s.name == name && want.iter().all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v))).map(|s| s.value).sum()
 }
 
+/// Whether every worker's pool is idle: each page free or cached with no reader, nothing
+/// quarantined.
+pub fn pools_idle(m: &[Sample]) -> bool {
+    let s = |name: &str| sum(m, name, &[]);
+    s("bulkhead:kv_free_pages") + s("bulkhead:kv_cached_pages") == s("bulkhead:kv_pool_pages")
+        && s("bulkhead:quarantined_pages") == 0.0
+        && s("bulkhead:kv_shared_leases") == 0.0
+}
+
+/// The sum of the samples named `name` whose labels include `want`, polled until it
+/// reaches `enough` or 5 s pass (workers report their metrics every 500 ms and when a
+/// request ends).
+pub fn polled_sum(addr: &str, name: &str, want: &[(&str, &str)], enough: f64) -> f64 {
+    let mut last = 0.0;
+    for _ in 0..50 {
+        last = sum(&scrape(addr), name, want);
+        if last >= enough {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    last
+}
+
 /// `GET /metrics`, parsed strictly.
 pub fn scrape(addr: &str) -> Vec<Sample> {
     let r = request(addr, "GET", "/metrics", &[], "");
