@@ -168,3 +168,96 @@ fn a_full_cache_makes_room_for_new_pages_by_evicting_old_ones() {
     assert!(cache.contains(&key(5)) && cache.contains(&key(6)));
     p.check_invariants();
 }
+
+/// What the counters and accessors say is what happened (I6: the evidence must be right).
+#[test]
+fn the_cache_and_the_pool_count_exactly_what_they_did() {
+    let mut p = pool(8);
+    let mut cache = PrefixCache::new(5);
+    assert_eq!(cache.max_pages(), 5);
+    assert!(cache.is_empty());
+    let keys = [key(1), key(2), key(3)];
+    let seq = written(&mut p, RequestId(1), 3 * PS, 1.0);
+    assert_eq!(cache.finish(&mut p, seq, &keys, T1), 3);
+    assert!(!cache.is_empty());
+    assert_eq!((cache.stats().stored_pages, p.stats().published), (3, 3));
+    let hit = cache.lookup(&mut p, &keys, 2, RequestId(2), T1, 3 * PS).unwrap();
+    assert_eq!((cache.stats().query_tokens, cache.stats().hit_tokens), ((3 * PS) as u64, (2 * PS) as u64));
+    let _ = cache.lookup(&mut p, &keys[..1], 1, RequestId(3), T1, 5).map(|h| h.into_iter().for_each(|l| p.unshare(l).unwrap()));
+    assert_eq!((cache.stats().query_tokens, cache.stats().hit_tokens), ((3 * PS + 5) as u64, (3 * PS) as u64));
+    assert_eq!((p.stats().shares, p.stats().shared_leases), (3, 2));
+    for l in hit {
+        p.unshare(l).unwrap();
+    }
+    // Five free pages; asking for six evicts exactly one, the leaf (key 3): the other two
+    // have a child each, though all three are equally old.
+    assert_eq!(cache.make_room(&mut p, 6), 1);
+    assert!(cache.contains(&key(1)) && cache.contains(&key(2)) && !cache.contains(&key(3)));
+    assert_eq!((cache.stats().evicted_pages, p.stats().evictions), (1, 1));
+    // Enough free already: nothing more goes.
+    assert_eq!(cache.make_room(&mut p, 6), 0);
+    p.check_invariants();
+}
+
+/// The least recently used page is evicted first, but never one somebody reads: the read
+/// page is skipped and the next one goes.
+#[test]
+fn eviction_skips_the_pages_being_read_even_when_they_are_the_oldest() {
+    let mut p = pool(3);
+    let mut cache = PrefixCache::new(3);
+    let seq = written(&mut p, RequestId(1), PS, 1.0);
+    cache.finish(&mut p, seq, &[key(1)], T1);
+    let seq = written(&mut p, RequestId(2), PS, 2.0);
+    cache.finish(&mut p, seq, &[key(2)], T1);
+    // Key 1 is older, but read.
+    let reading = cache.lookup(&mut p, &[key(1)], 1, RequestId(3), T1, PS).unwrap();
+    let seq = written(&mut p, RequestId(4), PS, 3.0);
+    // The seq holds the third page; the cache must give one back for another page.
+    assert_eq!(cache.make_room(&mut p, 1), 1);
+    assert!(cache.contains(&key(1)) && !cache.contains(&key(2)));
+    seq.release(&mut p).unwrap();
+    reading.into_iter().for_each(|l| p.unshare(l).unwrap());
+    p.check_invariants();
+}
+
+/// A cache at its limit whose pages are all read cannot make room: a new page goes back to
+/// the pool instead of growing the cache past its limit. A page already cached is not
+/// published twice (its second copy goes back to the pool).
+#[test]
+fn a_full_cache_that_cannot_evict_stays_within_its_limit_and_never_holds_a_key_twice() {
+    let mut p = pool(4);
+    let mut cache = PrefixCache::new(1);
+    let seq = written(&mut p, RequestId(1), PS, 1.0);
+    cache.finish(&mut p, seq, &[key(1)], T1);
+    let reading = cache.lookup(&mut p, &[key(1)], 1, RequestId(2), T1, PS).unwrap();
+    let seq = written(&mut p, RequestId(3), PS, 2.0);
+    assert_eq!(cache.finish(&mut p, seq, &[key(5)], T1), 0);
+    assert_eq!((cache.len(), p.stats().cached_pages), (1, 1));
+    reading.into_iter().for_each(|l| p.unshare(l).unwrap());
+    // The same prompt computed again (a cache that was off for it): one copy is kept.
+    let seq = written(&mut p, RequestId(4), PS, 1.0);
+    assert_eq!(cache.finish(&mut p, seq, &[key(1)], T1), 0);
+    assert_eq!((cache.len(), p.stats().cached_pages, p.stats().free_pages), (1, 1, 3));
+    p.check_invariants();
+}
+
+/// A shared lease from before an eviction stays stale even when the same writer publishes
+/// the same page again and the same reader shares it anew: the generation differs.
+#[test]
+fn a_shared_lease_of_an_earlier_generation_is_stale_whoever_writes_the_page_again() {
+    let mut p = pool(1);
+    let seq = written(&mut p, RequestId(1), PS, 1.0);
+    let Some(bulkhead_kv::SeqPage::Own(lease)) = seq.into_pages().pop() else { panic!() };
+    let cached = p.publish(lease, T1).unwrap();
+    let old = p.share(&cached, RequestId(2), T1).unwrap();
+    drop(p.revoke_owner(RequestId(2)));
+    p.evict(cached).unwrap();
+    let seq = written(&mut p, RequestId(1), PS, 2.0);
+    let Some(bulkhead_kv::SeqPage::Own(lease)) = seq.into_pages().pop() else { panic!() };
+    let cached = p.publish(lease, T1).unwrap();
+    let new = p.share(&cached, RequestId(2), T1).unwrap();
+    assert!(matches!(p.read(&old, 0), Err(KvError::StaleLease { .. })));
+    assert_eq!(p.read(&new, 0).unwrap().len(), PS);
+    p.unshare(new).unwrap();
+    p.check_invariants();
+}

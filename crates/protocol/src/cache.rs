@@ -118,4 +118,11 @@ mod tests {
         assert_ne!(a, CacheSecret::from_random([8; 32]).scope("a", None).page_keys(1, &toks, 4));
         assert_ne!(CacheSecret::from_cluster_key(&ClusterKey::from_bytes([1; 32])).0, [1; 32]);
     }
+
+    #[test]
+    fn debug_output_names_the_type_and_never_the_bytes() {
+        let s = CacheSecret::from_random([0xab; 32]);
+        assert_eq!(format!("{s:?}"), "CacheSecret(..)");
+        assert_eq!(format!("{:?}", s.scope("t", None)), "CacheScope(..)");
+    }
 }

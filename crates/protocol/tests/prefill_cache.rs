@@ -96,6 +96,8 @@ impl Worker {
                 assert_eq!(unreleased, None);
                 self.pool.check_invariants();
                 assert_eq!(self.pool.stats().shared_leases, 0, "every shared lease is given back");
+                let empty = self.link.gateway.iter().any(|m| matches!(m, Message::CacheReport { stored, evicted } if stored.is_empty() && evicted.is_empty()));
+                assert!(!empty, "no empty cache report");
                 return (outcome, self.sent_values());
             }
         }
