@@ -207,10 +207,10 @@ fn eviction_skips_the_pages_being_read_even_when_they_are_the_oldest() {
     let mut cache = PrefixCache::new(3);
     let seq = written(&mut p, RequestId(1), PS, 1.0);
     cache.finish(&mut p, seq, &[key(1)], T1);
+    // Key 1 is older (its hit came before key 2 was published), but read.
+    let reading = cache.lookup(&mut p, &[key(1)], 1, RequestId(3), T1, PS).unwrap();
     let seq = written(&mut p, RequestId(2), PS, 2.0);
     cache.finish(&mut p, seq, &[key(2)], T1);
-    // Key 1 is older, but read.
-    let reading = cache.lookup(&mut p, &[key(1)], 1, RequestId(3), T1, PS).unwrap();
     let seq = written(&mut p, RequestId(4), PS, 3.0);
     // The seq holds the third page; the cache must give one back for another page.
     assert_eq!(cache.make_room(&mut p, 1), 1);
@@ -259,5 +259,39 @@ fn a_shared_lease_of_an_earlier_generation_is_stale_whoever_writes_the_page_agai
     assert!(matches!(p.read(&old, 0), Err(KvError::StaleLease { .. })));
     assert_eq!(p.read(&new, 0).unwrap().len(), PS);
     p.unshare(new).unwrap();
+    p.check_invariants();
+}
+
+/// Least recently used goes first: by when a page was published or last hit, whatever its
+/// key; and of a chain published at once, the leaf, never a parent.
+#[test]
+fn eviction_takes_the_least_recently_used_leaf() {
+    let mut p = pool(5);
+    let mut cache = PrefixCache::new(5);
+    // A chain of three pages published together: the leaf goes first, although the
+    // parents are as old and their keys sort first.
+    let seq = written(&mut p, RequestId(1), 3 * PS, 1.0);
+    cache.finish(&mut p, seq, &[key(1), key(2), key(3)], T1);
+    assert_eq!(cache.make_room(&mut p, 3), 1);
+    assert!(!cache.contains(&key(3)) && cache.contains(&key(2)));
+    // Key 9 published after the chain, then key 1 hit: key 2 (touched with the chain's
+    // publication only) is now the oldest leaf, before key 9.
+    let seq = written(&mut p, RequestId(2), PS, 2.0);
+    cache.finish(&mut p, seq, &[key(9)], T1);
+    let hit = cache.lookup(&mut p, &[key(1)], 1, RequestId(3), T1, PS).unwrap();
+    hit.into_iter().for_each(|l| p.unshare(l).unwrap());
+    assert_eq!(cache.make_room(&mut p, 3), 1);
+    assert!(!cache.contains(&key(2)) && cache.contains(&key(9)) && cache.contains(&key(1)));
+    // Then key 9 (published before key 1's hit), then key 1.
+    assert_eq!(cache.make_room(&mut p, 4), 1);
+    assert!(!cache.contains(&key(9)) && cache.contains(&key(1)));
+    // Of two pages published one after the other, the first goes first (after key 1,
+    // hit before both).
+    let seq = written(&mut p, RequestId(4), PS, 3.0);
+    cache.finish(&mut p, seq, &[key(8)], T1);
+    let seq = written(&mut p, RequestId(5), PS, 4.0);
+    cache.finish(&mut p, seq, &[key(7)], T1);
+    assert_eq!(cache.make_room(&mut p, 4), 2);
+    assert!(!cache.contains(&key(1)) && !cache.contains(&key(8)) && cache.contains(&key(7)));
     p.check_invariants();
 }
