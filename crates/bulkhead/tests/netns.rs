@@ -160,17 +160,20 @@ fn rogue_host_is_refused_by_the_gateway_and_the_kv_port(h: &mut Hosts, logs: &[&
     let err = String::from_utf8_lossy(&out.stderr);
     eprintln!("rogue worker: {}\n{err}", out.status);
     assert!(!out.status.success() && err.contains("refused"), "the rogue worker must fail and say why: {err}");
-    // A plain KvHello (protocol version 8, kind 4) naming prefill worker 1.
-    let inject = "import socket,sys\n\
+    // A plain KvHello (this build's protocol version, kind 4) naming prefill worker 1.
+    let inject = format!(
+        "import socket,sys\n\
         s=socket.create_connection(('10.231.3.2',7100),timeout=10)\n\
-        s.sendall(b'BH\\x08\\x04\\x04\\x00\\x00\\x00\\x01\\x00\\x00\\x00')\n\
+        s.sendall(b'BH\\x{:02x}\\x04\\x04\\x00\\x00\\x00\\x01\\x00\\x00\\x00')\n\
         got=b''\n\
         while True:\n\
         \x20   b=s.recv(4096)\n\
         \x20   if not b: break\n\
         \x20   got+=b\n\
-        sys.stdout.write(repr(got))\n";
-    let out = Command::new("ip").args(["netns", "exec", &h.ns("x"), "python3", "-c", inject]).output().expect("run the rogue KV client");
+        sys.stdout.write(repr(got))\n",
+        bulkhead_protocol::VERSION
+    );
+    let out = Command::new("ip").args(["netns", "exec", &h.ns("x"), "python3", "-c", &inject]).output().expect("run the rogue KV client");
     assert!(out.status.success(), "the rogue KV client: {}", String::from_utf8_lossy(&out.stderr));
     wait_for("both rogue attempts counted", Duration::from_secs(10), logs, || refusals() >= before + 2.0);
     let r = chat(8, "Name a fruit.");
