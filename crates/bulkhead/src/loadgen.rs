@@ -175,14 +175,23 @@ pub fn run(a: LoadgenArgs) -> anyhow::Result<()> {
             warmup: a.warmup,
         };
         let report = loadgen::run(&client, &cfg).await?;
-        if a.json {
-            println!("{}", serde_json::to_string_pretty(&report)?);
-        } else {
-            print!("{report}");
-        }
+        print_report(a.json, &report)?;
         anyhow::ensure!(report.ok > 0, "no request succeeded");
         Ok(())
     })
+}
+
+/// A report on stdout: pretty JSON with `--json`, else its text.
+pub fn print_report<R: serde::Serialize + std::fmt::Display>(json: bool, report: &R) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    if json {
+        writeln!(out, "{}", serde_json::to_string_pretty(report)?)?;
+    } else {
+        write!(out, "{report}")?;
+    }
+    out.flush()?;
+    Ok(())
 }
 
 /// `--scenario multi-turn`.
@@ -213,11 +222,7 @@ fn run_multi_turn(a: LoadgenArgs) -> anyhow::Result<()> {
             temperature: a.temperature,
         };
         let report = multiturn::run(&clients, &cfg).await?;
-        if a.json {
-            println!("{}", serde_json::to_string_pretty(&report)?);
-        } else {
-            print!("{report}");
-        }
+        print_report(a.json, &report)?;
         anyhow::ensure!(report.ok > 0, "no request succeeded");
         Ok(())
     })

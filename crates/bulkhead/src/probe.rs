@@ -7,16 +7,16 @@
 //! verdict (it is a measurement, not a pass/fail check), 1 when requests failed or the audit
 //! could not run.
 
-use std::io::Write;
 use std::time::Duration;
 
 use anyhow::Context;
+use bulkhead_client::Client;
 use bulkhead_client::dist::Rng;
 use bulkhead_client::probe::{self, ProbeConfig};
 use bulkhead_client::timing::{self, TimingConfig};
 use clap::Args;
 
-use crate::loadgen::{TargetArgs, runtime};
+use crate::loadgen::{TargetArgs, print_report, runtime};
 
 /// Exit status when the probe found something.
 pub const EXIT_FINDINGS: i32 = 2;
@@ -98,9 +98,7 @@ pub fn run(a: ProbeArgs) -> anyhow::Result<()> {
     anyhow::ensure!((0.0..=1.0).contains(&a.fact_min_pass), "--fact-min-pass must be in [0, 1]");
     anyhow::ensure!(a.rounds > 0, "--rounds must be at least 1");
     let report = runtime()?.block_on(async {
-        let key = |k: &Option<String>| k.clone().or_else(|| a.target.api_key.clone());
-        let tenant_a = a.target.client(key(&a.tenant_a_key), a.tenant_a_header.clone())?;
-        let tenant_b = a.target.client(key(&a.tenant_b_key), a.tenant_b_header.clone())?;
+        let (tenant_a, tenant_b) = tenant_clients(&a)?;
         let cfg = ProbeConfig {
             api: a.target.api.into(),
             model: a.target.model.clone(),
@@ -115,17 +113,19 @@ pub fn run(a: ProbeArgs) -> anyhow::Result<()> {
         };
         probe::run(&tenant_a, &tenant_b, &cfg).await.context("the probe could not run")
     })?;
-    let mut out = std::io::stdout().lock();
-    if a.json {
-        writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
-    } else {
-        write!(out, "{report}")?;
-    }
-    out.flush()?;
+    print_report(a.json, &report)?;
     if !report.passed() {
         std::process::exit(EXIT_FINDINGS);
     }
     Ok(())
+}
+
+/// The two tenants' clients: their own keys (else `--api-key`) and headers.
+fn tenant_clients(a: &ProbeArgs) -> anyhow::Result<(Client, Client)> {
+    let key = |k: &Option<String>| k.clone().or_else(|| a.target.api_key.clone());
+    let tenant_a = a.target.client(key(&a.tenant_a_key), a.tenant_a_header.clone())?;
+    let tenant_b = a.target.client(key(&a.tenant_b_key), a.tenant_b_header.clone())?;
+    Ok((tenant_a, tenant_b))
 }
 
 /// `--timing`: the prompt-cache timing audit.
@@ -140,9 +140,7 @@ fn run_timing(a: ProbeArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.timing_alpha > 0.0 && a.timing_alpha < 1.0, "--timing-alpha must be in (0, 1)");
     anyhow::ensure!(a.timing_prompt_words > 0, "--timing-prompt-words must be at least 1");
     let report = runtime()?.block_on(async {
-        let key = |k: &Option<String>| k.clone().or_else(|| a.target.api_key.clone());
-        let tenant_a = a.target.client(key(&a.tenant_a_key), a.tenant_a_header.clone())?;
-        let tenant_b = a.target.client(key(&a.tenant_b_key), a.tenant_b_header.clone())?;
+        let (tenant_a, tenant_b) = tenant_clients(&a)?;
         let cfg = TimingConfig {
             api: a.target.api.into(),
             model: a.target.model.clone(),
@@ -154,13 +152,7 @@ fn run_timing(a: ProbeArgs) -> anyhow::Result<()> {
         };
         timing::run(&tenant_a, &tenant_b, &cfg).await.context("the timing audit could not run")
     })?;
-    let mut out = std::io::stdout().lock();
-    if a.json {
-        writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
-    } else {
-        write!(out, "{report}")?;
-    }
-    out.flush()?;
+    print_report(a.json, &report)?;
     anyhow::ensure!(report.failed_requests == 0, "{} requests of the timing audit failed (their rounds are left out of the report)", report.failed_requests);
     Ok(())
 }

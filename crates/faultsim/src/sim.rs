@@ -938,11 +938,7 @@ impl<'m, M: Models> Sim<'m, M> {
         }
         let keepalives = p.driver.role().stats().keepalives;
         let mut pool = p.pool;
-        let before = p.driver.cache().map(PrefixCache::stats).unwrap_or_default();
-        let held = p.driver.cache().map_or(0, PrefixCache::len) as u64;
-        p.driver.abandon(&mut pool);
-        // Abandoning evicts every cached page.
-        let cache = CacheStats { evicted_pages: before.evicted_pages + held, ..before };
+        let cache = p.driver.abandon(&mut pool).unwrap_or_default();
         self.dead.push(Remains { id: w, pool: pool.stats(), read_faults: p.model.read_faults(), decode: None, keepalives, retractions: 0, cache });
         self.tally.rejoins += 1;
         self.schedule(self.now + REJOIN_DELAY_MS, Planned::Start(self.plan.prefill));

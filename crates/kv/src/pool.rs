@@ -546,10 +546,12 @@ impl KvPool {
         }
     }
 
-    /// Verifies a lease is live: made by this pool, page leased, same generation, same owner.
-    /// Every access runs this first; it is public so callers can check before long work.
-    pub fn check(&self, lease: &Lease) -> Result<(), KvError> {
-        self.counted(self.verify(&lease.tag, Want::Leased))
+    /// Verifies a handle is live: made by this pool, same generation; an own lease's page
+    /// leased to the same owner, a shared lease's page cached under its fence with it among
+    /// the readers. Every access runs this first; it is public so callers can check before
+    /// long work.
+    pub fn check<'h>(&self, lease: impl Into<PageHandle<'h>>) -> Result<(), KvError> {
+        self.counted(self.verify_handle(lease.into()))
     }
 
     /// The isolation check (I1) shared by every handle. Each condition is separate so that a

@@ -275,10 +275,7 @@ impl SequenceKv {
     }
 
     fn check_all(&self, pool: &KvPool) -> Result<(), KvError> {
-        self.pages.iter().try_for_each(|page| match page {
-            SeqPage::Own(lease) => pool.check(lease),
-            SeqPage::Shared(_) => pool.watermark(page, 0).map(drop),
-        })
+        self.pages.iter().try_for_each(|page| pool.check(page))
     }
 }
 

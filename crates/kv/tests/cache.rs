@@ -26,6 +26,13 @@ fn written(pool: &mut KvPool, req: RequestId, tokens: usize, seed: f32) -> Seque
     seq
 }
 
+/// One full page written by `req` (value `seed`) and published under `T1`.
+fn published(pool: &mut KvPool, req: RequestId, seed: f32) -> bulkhead_kv::CachedPage {
+    let seq = written(pool, req, PS, seed);
+    let Some(bulkhead_kv::SeqPage::Own(lease)) = seq.into_pages().pop() else { panic!("one own page") };
+    pool.publish(lease, T1).unwrap()
+}
+
 fn key(n: u8) -> PageKey {
     PageKey([n; 16])
 }
@@ -85,9 +92,7 @@ fn a_full_page_is_published_shared_under_its_fence_only_and_read_only() {
 #[test]
 fn an_evicted_page_reused_by_another_tenant_fails_every_old_shared_lease() {
     let mut p = pool(1);
-    let seq = written(&mut p, RequestId(1), PS, 1.0);
-    let Some(bulkhead_kv::SeqPage::Own(lease)) = seq.into_pages().pop() else { panic!() };
-    let cached = p.publish(lease, T1).unwrap();
+    let cached = published(&mut p, RequestId(1), 1.0);
     let reader = p.share(&cached, RequestId(2), T1).unwrap();
     // A reader that lost its share (revoked) is stale at once.
     drop(p.revoke_owner(RequestId(2)));
@@ -246,15 +251,11 @@ fn a_full_cache_that_cannot_evict_stays_within_its_limit_and_never_holds_a_key_t
 #[test]
 fn a_shared_lease_of_an_earlier_generation_is_stale_whoever_writes_the_page_again() {
     let mut p = pool(1);
-    let seq = written(&mut p, RequestId(1), PS, 1.0);
-    let Some(bulkhead_kv::SeqPage::Own(lease)) = seq.into_pages().pop() else { panic!() };
-    let cached = p.publish(lease, T1).unwrap();
+    let cached = published(&mut p, RequestId(1), 1.0);
     let old = p.share(&cached, RequestId(2), T1).unwrap();
     drop(p.revoke_owner(RequestId(2)));
     p.evict(cached).unwrap();
-    let seq = written(&mut p, RequestId(1), PS, 2.0);
-    let Some(bulkhead_kv::SeqPage::Own(lease)) = seq.into_pages().pop() else { panic!() };
-    let cached = p.publish(lease, T1).unwrap();
+    let cached = published(&mut p, RequestId(1), 2.0);
     let new = p.share(&cached, RequestId(2), T1).unwrap();
     assert!(matches!(p.read(&old, 0), Err(KvError::StaleLease { .. })));
     assert_eq!(p.read(&new, 0).unwrap().len(), PS);

@@ -18,9 +18,9 @@ use crate::world::{Prop, Values, FIRST_TOKEN};
 /// The mock prefill model: position `p` of request `r` holds [`Values::of`]`(r, p)` in
 /// every layer, head and element; the first token is [`FIRST_TOKEN`].
 #[derive(Debug)]
-pub struct MockPrefill(pub Values);
+pub struct MockPrefill<'v>(pub &'v Values);
 
-impl PrefillCompute for MockPrefill {
+impl PrefillCompute for MockPrefill<'_> {
     type Error = KvError;
     fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: FirstToken<'_>) -> Result<Option<u32>, KvError> {
         for pos in from..to {

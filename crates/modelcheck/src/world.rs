@@ -202,6 +202,8 @@ pub struct World<'c> {
     ghosts: BTreeMap<RequestId, Ghost>,
     budget: Budget,
     violations: BTreeMap<Prop, String>,
+    /// The mock model's values, of the configuration's requests.
+    values: Values,
 }
 
 fn pool(pages: usize) -> KvPool {
@@ -400,6 +402,7 @@ impl<'c> World<'c> {
                 prefill_ticks: f.prefill_ticks,
             },
             violations: BTreeMap::new(),
+            values: Values::new(cfg),
         }
     }
 
@@ -826,7 +829,7 @@ impl<'c> World<'c> {
         let alive = self.alive();
         let Some(p) = self.prefills.iter_mut().find(|p| p.id == w) else { return };
         let mut link = PrefillWire { me: w, net: &mut self.net, alive: &alive, ghosts: &self.ghosts, seen: Vec::new() };
-        let step = p.driver.step(&mut MockPrefill(Values::new(self.cfg)), &mut p.pool, &mut link);
+        let step = p.driver.step(&mut MockPrefill(&self.values), &mut p.pool, &mut link);
         let mut seen = link.seen;
         if let Step::Computed { req, .. } | Step::Ended { req, .. } = step
             && self.ghosts.get(&client_of(req)).is_some_and(|g| g.rejected)

@@ -563,8 +563,9 @@ impl GatewayRole {
         }
         let keys = match (self.inflight.get(&req), self.shape) {
             (Some(f), Some(shape)) => f.cache.map(|scope| {
-                let mut tokens = f.tokens.clone();
-                tokens.extend_from_slice(&f.resume);
+                // The attempt's prompt: the client's, then what earlier attempts generated.
+                let tokens: std::borrow::Cow<'_, [u32]> =
+                    if f.resume.is_empty() { (&f.tokens[..]).into() } else { [&f.tokens[..], &f.resume[..]].concat().into() };
                 scope.page_keys(self.cfg.model_digest, &tokens, shape.page_size as usize)
             }),
             _ => None,

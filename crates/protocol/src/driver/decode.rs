@@ -47,7 +47,7 @@ impl GenEvent {
         match self {
             GenEvent::Token { req, token, text } => Message::Token { req, token, text },
             GenEvent::Finished { req, finish, text, prompt_tokens, completion_tokens } => {
-                Message::Finished { req, finish, text, prompt_tokens, completion_tokens, cached_tokens: cached_tokens.min(prompt_tokens) }
+                Message::Finished { req, finish, text, prompt_tokens, completion_tokens, cached_tokens }
             }
             GenEvent::Failed { req, error } => {
                 Message::Failed { req, reason: FailReason::Internal, detail: format!("KV read check failed: {error}") }

@@ -16,7 +16,7 @@
 use std::collections::VecDeque;
 
 use bulkhead_kv::transfer::{export_chunks, Manifest};
-use bulkhead_kv::{Fence, KvError, KvPool, PageKey, PrefixCache, RequestId, SequenceKv};
+use bulkhead_kv::{CacheStats, Fence, KvError, KvPool, PageKey, PrefixCache, RequestId, SequenceKv};
 
 use crate::cache::CacheScope;
 use crate::driver::Honest;
@@ -232,16 +232,18 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
 
     /// Give up this driver (the worker rejoins under a new id): the running job's pages
     /// go back to `pool`, and so does the cache (the gateway's index of it was of the old
-    /// id). Nothing is sent: the connections close.
-    pub fn abandon(self, pool: &mut KvPool) {
+    /// id). Nothing is sent: the connections close. Returns the cache's final counts, its
+    /// evictions here included.
+    pub fn abandon(self, pool: &mut KvPool) -> Option<CacheStats> {
         if let Some(j) = self.job
             && let Err(u) = j.seq.release(pool)
         {
             u.reclaim(pool);
         }
-        if let Some(mut c) = self.cache {
+        self.cache.map(|mut c| {
             c.cache.make_room(pool, pool.total_pages());
-        }
+            c.cache.stats()
+        })
     }
 
     /// Starts `job`: shares its cached prefix (if it uses the cache), makes room and
