@@ -21,7 +21,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use axum::body::Body;
 use axum::http::{Request, header};
 use bulkhead_api::openai::{MAX_STOP, MAX_TEMPERATURE};
-use bulkhead_api::{ApiError, Backend, FinishReason, GenEvent, GenerationRequest, ModelCard, router};
+use bulkhead_api::testing::byte_level_encoder;
+use bulkhead_api::{ApiError, Backend, FinishReason, GenEvent, GenerationRequest, ModelCard, PromptEncoder, router};
 use serde_json::Value;
 use tokio::sync::mpsc;
 use tower::ServiceExt;
@@ -32,12 +33,22 @@ pub const MODEL: &str = "fuzz-model";
 pub const MAX_LEN: usize = 64;
 
 /// Admits every request with a two-event answer, keeping what it was asked.
-#[derive(Default)]
 struct Admit {
     seen: Mutex<Option<GenerationRequest>>,
+    encoder: PromptEncoder,
+}
+
+impl Default for Admit {
+    fn default() -> Self {
+        Admit { seen: Mutex::new(None), encoder: byte_level_encoder() }
+    }
 }
 
 impl Backend for Admit {
+    fn encoder(&self) -> &PromptEncoder {
+        &self.encoder
+    }
+
     fn models(&self) -> Vec<ModelCard> {
         vec![ModelCard { id: MODEL.into(), max_model_len: MAX_LEN, created: 0, owned_by: "fuzz".into() }]
     }
@@ -46,7 +57,7 @@ impl Backend for Admit {
         *self.seen.lock().unwrap_or_else(|e| e.into_inner()) = Some(req);
         let (tx, rx) = mpsc::channel(2);
         let done = GenEvent::Finished { reason: FinishReason::Stop, prompt_tokens: 1, completion_tokens: 1, cached_tokens: 0 };
-        for ev in [GenEvent::Text("ok".into()), done] {
+        for ev in [GenEvent::Text { text: "ok".into(), logprobs: None }, done] {
             tx.try_send(ev).map_err(|e| ApiError::internal(e.to_string()))?;
         }
         Ok(rx)

@@ -3,11 +3,13 @@
 //! gateway.
 
 pub use bulkhead_protocol::FinishReason;
-use bulkhead_protocol::Sampling;
+use bulkhead_protocol::{Sampling, TokenLogprobs};
 use bulkhead_tokenizer::ChatMessage;
 use tokio::sync::mpsc::Receiver;
 
 use crate::error::ApiError;
+use crate::prompt::PromptEncoder;
+use crate::tools::Tools;
 use crate::tenants::Tenant;
 use crate::trace::TraceId;
 
@@ -25,13 +27,30 @@ pub struct ModelCard {
 }
 
 /// The input of a generation.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Prompt {
-    /// Chat messages; the backend applies the model's chat template (with the generation
-    /// prompt appended).
-    Chat(Vec<ChatMessage>),
+    /// Chat messages and the request's tools; the backend applies the model's chat template
+    /// (with the generation prompt appended).
+    Chat {
+        /// The conversation.
+        messages: Vec<ChatMessage>,
+        /// The tools, if any (they reach the prompt unless `tool_choice` is `none`).
+        tools: Option<Tools>,
+    },
     /// Raw text, tokenised as is (`/v1/completions`).
     Text(String),
+    /// Token ids, used as they are (`/v1/completions`).
+    Tokens(Vec<u32>),
+}
+
+impl Prompt {
+    /// The request field the prompt came from, for errors about it.
+    pub fn param(&self) -> &'static str {
+        match self {
+            Prompt::Chat { .. } => "messages",
+            Prompt::Text(_) | Prompt::Tokens(_) => "prompt",
+        }
+    }
 }
 
 /// One generation request, validated by the HTTP layer.
@@ -58,10 +77,16 @@ pub struct GenerationRequest {
 }
 
 /// What a backend streams for one request. The stream ends after `Finished` or `Failed`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum GenEvent {
-    /// More text (a delta; may be empty).
-    Text(String),
+    /// More text (a delta; may be empty) and, when the request asked for log-probabilities,
+    /// the token that released it with its log-probabilities.
+    Text {
+        /// The text.
+        text: String,
+        /// The token and its log-probabilities.
+        logprobs: Option<(u32, TokenLogprobs)>,
+    },
     /// The generation ended normally, with its token counts.
     Finished {
         /// Why it ended.
@@ -84,6 +109,10 @@ pub enum GenEvent {
 pub trait Backend: Send + Sync + 'static {
     /// The models served.
     fn models(&self) -> Vec<ModelCard>;
+
+    /// The served model's tokenizer and chat template (`/tokenize`, `/detokenize`, token
+    /// names in log-probabilities, grammar checks).
+    fn encoder(&self) -> &PromptEncoder;
 
     /// Admit a request and start generating. Admission happens here: errors (context
     /// length, unknown model, overload) come back before any stream exists. May block

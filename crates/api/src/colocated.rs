@@ -18,7 +18,7 @@ use bulkhead_protocol::admission::{admit, default_max_tokens, Generate};
 use bulkhead_kv::{KvError, KvPool, KvChecks, PoolConfig, RequestId};
 use tokio::sync::mpsc;
 
-use crate::backend::{Backend, GenEvent, GenerationRequest, ModelCard, Prompt};
+use crate::backend::{Backend, GenEvent, GenerationRequest, ModelCard};
 use crate::error::ApiError;
 use crate::prompt::PromptEncoder;
 use crate::ids::unix_now;
@@ -157,6 +157,10 @@ impl Backend for ColocatedBackend {
         vec![self.card.clone()]
     }
 
+    fn encoder(&self) -> &PromptEncoder {
+        &self.encoder
+    }
+
     fn generate(&self, req: GenerationRequest) -> Result<mpsc::Receiver<GenEvent>, ApiError> {
         if req.model != self.card.id {
             return Err(ApiError::model_not_found(&req.model));
@@ -165,8 +169,7 @@ impl Backend for ColocatedBackend {
         // Refuse what cannot fit before the engine reserves anything.
         let limit = self.context_limit;
         let max_tokens = req.max_tokens.unwrap_or_else(|| default_max_tokens(prompt.len(), limit));
-        let prompt_param = if matches!(req.prompt, Prompt::Chat(_)) { "messages" } else { "prompt" };
-        admit(prompt.len(), Generate::Tokens(max_tokens), limit).map_err(|r| ApiError::refused(&r, prompt_param))?;
+        admit(prompt.len(), Generate::Tokens(max_tokens), limit).map_err(|r| ApiError::refused(&r, req.prompt.param()))?;
         // Every step sends at most one event per request, plus the final text and Finished:
         // this capacity means the engine thread never finds the channel full.
         let (events, rx) = mpsc::channel(max_tokens.saturating_add(4));
@@ -320,14 +323,14 @@ impl EngineLoop {
     fn route(&mut self, events: Vec<Event>) {
         for ev in events {
             match ev {
-                Event::Token { req, text, .. } => {
-                    if !text.is_empty() {
-                        self.send(req, GenEvent::Text(text));
+                Event::Token { req, token, text, logprobs } => {
+                    if !text.is_empty() || logprobs.is_some() {
+                        self.send(req, GenEvent::Text { text, logprobs: logprobs.map(|l| (token, l)) });
                     }
                 }
-                Event::Failed { req, error } => {
+                Event::Failed { req, detail } => {
                     if let Some(live) = self.live.remove(&req) {
-                        let err = ApiError::internal(format!("KV read check failed: {error}"));
+                        let err = ApiError::internal(detail);
                         let _ = live.events.try_send(GenEvent::Failed(err));
                     }
                 }
@@ -347,7 +350,7 @@ impl EngineLoop {
                     completion_tokens,
                 } => {
                     if !text.is_empty() {
-                        self.send(req, GenEvent::Text(text));
+                        self.send(req, GenEvent::Text { text, logprobs: None });
                     }
                     if let Some(live) = self.live.remove(&req) {
                         tracing::debug!(

@@ -19,6 +19,10 @@
 //! - [`trace`]: W3C `traceparent`: [`trace::TraceParent`] continued or started per request.
 //! - [`prompt`]: [`PromptEncoder`], chat template and tokenizer applied to a prompt.
 //! - [`colocated`]: [`ColocatedBackend`], the engine on a dedicated thread in this process.
+//! - [`testing`]: a byte-level vocabulary for mock backends in tests and fuzzing.
+//! - [`tools`]: tool calling: `tools`/`tool_choice`, the default tool preamble, the grammar
+//!   of `required` and named calls, and the `<tool_call>` parser.
+//! - `respond`: one request's generations merged into one response or event stream.
 //! - `ids`: completion and request ids.
 
 pub mod backend;
@@ -28,8 +32,11 @@ mod ids;
 pub mod openai;
 pub mod openapi;
 pub mod prompt;
+mod respond;
 pub mod routes;
 pub mod tenants;
+pub mod testing;
+pub mod tools;
 pub mod trace;
 
 pub use backend::{Backend, FinishReason, GenEvent, GenerationRequest, ModelCard, Prompt};

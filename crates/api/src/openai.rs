@@ -4,6 +4,8 @@
 
 use bulkhead_protocol::Sampling;
 use bulkhead_tokenizer::ChatMessage;
+use std::collections::BTreeMap;
+
 use serde::Serialize;
 use serde_json::{Map, Number, Value};
 use utoipa::openapi::RefOr;
@@ -12,6 +14,9 @@ use utoipa::{PartialSchema, ToSchema};
 
 use crate::backend::{FinishReason, ModelCard, Prompt};
 use crate::error::ApiError;
+use crate::tools::{self, Tools};
+
+mod grammar;
 
 /// Most stop strings a request may give (OpenAI's limit).
 pub const MAX_STOP: usize = 4;
@@ -19,17 +24,49 @@ pub const MAX_STOP: usize = 4;
 pub const MAX_CACHE_SALT: usize = 256;
 /// Largest accepted `temperature` (OpenAI's range is `0..=2`).
 pub const MAX_TEMPERATURE: f64 = 2.0;
+/// Most choices (`n`, `best_of`) one request may ask for.
+pub const MAX_N: usize = 16;
+/// Most generations (prompts × `best_of`) one request may start.
+pub const MAX_GENERATIONS: usize = 64;
+/// Most `top_logprobs` of a chat completion (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: u64 = 20;
+/// Most `logprobs` of a text completion (OpenAI's limit).
+pub const MAX_TEXT_LOGPROBS: u64 = 5;
+/// Most `logit_bias` entries and `stop_token_ids` one request may give.
+pub const MAX_TOKEN_LIST: usize = 1024;
+
+/// OpenAI request fields Bulkhead does not implement: each gets 400 naming it, never a
+/// silent 200 that did not do what was asked.
+const UNSUPPORTED: &[(&str, &str)] = &[
+    ("audio", "audio output is not supported"),
+    ("prediction", "predicted outputs are not supported"),
+    ("web_search_options", "web search is not supported"),
+    ("functions", "the deprecated 'functions' are not supported; send 'tools'"),
+    ("function_call", "the deprecated 'function_call' is not supported; send 'tool_choice'"),
+    ("reasoning_effort", "this model does not reason; 'reasoning_effort' is not supported"),
+    ("suffix", "'suffix' (insertion) is not supported"),
+];
+
+/// Request fields the parser reads (or refuses); any other is accepted and logged.
+const KNOWN: &[&str] = &[
+    "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+    "n", "best_of", "stream", "stream_options", "stop", "ignore_eos", "skip_special_tokens", "cache_salt", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "min_tokens", "stop_token_ids",
+    "echo", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+    "structured_outputs", "tools", "tool_choice", "parallel_tool_calls", "user", "metadata", "store", "service_tier",
+    "modalities",
+];
 
 /// A completion request (chat or text), checked and reduced to what generation needs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CompletionParams {
     /// The model asked for.
     pub model: String,
-    /// Messages or text.
-    pub prompt: Prompt,
+    /// The prompts: one for chat, one or more (a batch) for text completions.
+    pub prompts: Vec<Prompt>,
     /// `max_completion_tokens`, else `max_tokens`; at least 1 when given.
     pub max_tokens: Option<usize>,
-    /// temperature, top_p, top_k, seed.
+    /// How each token is picked (penalties, bias, log-probabilities and grammar included).
     pub sampling: Sampling,
     /// Stop strings (empty ones dropped).
     pub stop: Vec<String>,
@@ -39,6 +76,18 @@ pub struct CompletionParams {
     pub include_usage: bool,
     /// `cache_salt` (vLLM's): splits the tenant's prefix cache further.
     pub cache_salt: Option<String>,
+    /// Choices returned per prompt.
+    pub n: usize,
+    /// Generations per prompt, of which the `n` most likely are returned (at least `n`).
+    pub best_of: usize,
+    /// Text completions: the prompt's text comes first in each choice.
+    pub echo: bool,
+    /// Chat: the request's tools.
+    pub tools: Option<Tools>,
+    /// The field the grammar came from, for a 400 when it does not compile.
+    pub grammar_param: Option<&'static str>,
+    /// Fields the parser does not know (accepted, as OpenAI does, and logged).
+    pub unknown: Vec<String>,
 }
 
 impl CompletionParams {
@@ -57,73 +106,133 @@ impl CompletionParams {
             _ => Ok(()),
         }
     }
+
+    /// Refuse token ids (`logit_bias`, `stop_token_ids`) outside a vocabulary of `vocab`.
+    pub fn check_vocab(&self, vocab: usize) -> Result<(), ApiError> {
+        if let Some(&(id, _)) = self.sampling.logit_bias.iter().find(|(id, _)| *id as usize >= vocab) {
+            return Err(ApiError::invalid_request("logit_bias", format!("Invalid 'logit_bias': token id {id} is not in the vocabulary of {vocab} tokens.")));
+        }
+        if let Some(&id) = self.sampling.stop_token_ids.iter().find(|id| **id as usize >= vocab) {
+            return Err(ApiError::invalid_request("stop_token_ids", format!("Invalid 'stop_token_ids': token id {id} is not in the vocabulary of {vocab} tokens.")));
+        }
+        Ok(())
+    }
 }
 
 /// Parse a `POST /v1/chat/completions` body.
 pub fn parse_chat(body: &Value) -> Result<CompletionParams, ApiError> {
     let obj = as_object(body)?;
     let messages = parse_messages(obj)?;
-    common(obj, Prompt::Chat(messages))
+    let tools = tools::parse(obj)?;
+    let mut p = common(obj, vec![Prompt::Chat { messages, tools: tools.clone() }], Endpoint::Chat)?;
+    if let Some(t) = &tools
+        && let Some(g) = t.grammar()
+    {
+        if p.sampling.grammar.is_some() {
+            return Err(ApiError::invalid_request("tool_choice", "tool_choice 'required' or a named function cannot be combined with another output constraint."));
+        }
+        p.sampling.grammar = Some(g);
+        p.grammar_param = Some("tools");
+    }
+    p.tools = tools;
+    Ok(p)
 }
 
 /// Parse a `POST /v1/completions` body.
 pub fn parse_completion(body: &Value) -> Result<CompletionParams, ApiError> {
     let obj = as_object(body)?;
-    let prompt = match field(obj, "prompt") {
+    let prompts = match field(obj, "prompt") {
         None => {
             return Err(ApiError::invalid_request(
                 "prompt",
                 "Missing required parameter: 'prompt'.",
             ));
         }
-        Some(Value::String(s)) => s.clone(),
-        Some(Value::Array(items)) => match items.as_slice() {
-            [Value::String(s)] => s.clone(),
-            [] => {
-                return Err(ApiError::invalid_request(
-                    "prompt",
-                    "Invalid 'prompt': empty array.",
-                ));
-            }
-            items if items.iter().all(|v| v.is_number() || v.is_array()) => {
-                return Err(ApiError::invalid_request(
-                    "prompt",
-                    "Invalid 'prompt': token-id prompts are not supported yet; send the prompt as a string (or an array of one string).",
-                ));
-            }
-            [_] => {
-                return Err(ApiError::invalid_request(
-                    "prompt",
-                    "Invalid 'prompt': only a string (or an array of one string) is supported.",
-                ));
-            }
-            _ => {
-                return Err(ApiError::invalid_request(
-                    "prompt",
-                    "Invalid 'prompt': only one prompt per request is supported.",
-                ));
-            }
-        },
+        Some(Value::String(s)) => vec![text_prompt(s, "prompt")?],
+        Some(Value::Array(items)) if items.is_empty() => {
+            return Err(ApiError::invalid_request("prompt", "Invalid 'prompt': empty array."));
+        }
+        Some(Value::Array(items)) if items.iter().all(Value::is_number) => vec![token_prompt(items, "prompt")?],
+        Some(Value::Array(items)) => items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| {
+                let param = format!("prompt[{i}]");
+                match item {
+                    Value::String(s) => text_prompt(s, &param),
+                    Value::Array(ids) => token_prompt(ids, &param),
+                    v => Err(type_error(&param, "a string or an array of token ids", v)),
+                }
+            })
+            .collect::<Result<_, _>>()?,
         Some(v) => {
             return Err(type_error(
                 "prompt",
-                "a string or an array of one string",
+                "a string, an array of strings, an array of token ids or an array of such arrays",
                 v,
             ));
         }
     };
-    // Nothing to continue from (vLLM refuses it too); the workers would refuse it later.
-    if prompt.is_empty() {
-        return Err(ApiError::invalid_request(
-            "prompt",
-            "Invalid 'prompt': it is empty. Send at least one character.",
-        ));
+    common(obj, prompts, Endpoint::Text)
+}
+
+/// A text prompt; empty is refused (nothing to continue from; vLLM refuses it too).
+fn text_prompt(s: &str, param: &str) -> Result<Prompt, ApiError> {
+    if s.is_empty() {
+        return Err(ApiError::invalid_request(param, format!("Invalid '{param}': it is empty. Send at least one character.")));
     }
-    common(obj, Prompt::Text(prompt))
+    Ok(Prompt::Text(s.to_owned()))
+}
+
+/// A token-id prompt (checked against the vocabulary by the backend).
+fn token_prompt(ids: &[Value], param: &str) -> Result<Prompt, ApiError> {
+    if ids.is_empty() {
+        return Err(ApiError::invalid_request(param, format!("Invalid '{param}': empty array of token ids.")));
+    }
+    let ids = ids
+        .iter()
+        .enumerate()
+        .map(|(i, v)| u32::try_from(int(v, &format!("{param}[{i}]"), 0)?).map_err(|_| range_error(&format!("{param}[{i}]"), "a token id".into(), v)))
+        .collect::<Result<_, _>>()?;
+    Ok(Prompt::Tokens(ids))
+}
+
+/// Which endpoint a body came to: some fields belong to one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Endpoint {
+    Chat,
+    Text,
 }
 
 /// The fields chat and text completions share.
-fn common(obj: &Map<String, Value>, prompt: Prompt) -> Result<CompletionParams, ApiError> {
+fn common(obj: &Map<String, Value>, prompts: Vec<Prompt>, endpoint: Endpoint) -> Result<CompletionParams, ApiError> {
+    for (name, why) in UNSUPPORTED {
+        if field(obj, name).is_some() && (*name != "suffix" || endpoint == Endpoint::Text) {
+            return Err(ApiError::invalid_request(*name, format!("'{name}': {why}.")).with_code("unsupported_parameter"));
+        }
+    }
+    match field(obj, "modalities") {
+        None => {}
+        Some(Value::Array(m)) if m.iter().all(|x| x.as_str() == Some("text")) => {}
+        Some(_) => return Err(ApiError::invalid_request("modalities", "Only the 'text' modality is supported.").with_code("unsupported_parameter")),
+    }
+    if let Some(Value::Bool(true)) = field(obj, "store") {
+        return Err(ApiError::invalid_request("store", "Stored completions are not supported: this server keeps no completions.").with_code("unsupported_parameter"));
+    }
+    match field(obj, "service_tier") {
+        None => {}
+        Some(Value::String(t)) if t == "auto" || t == "default" => {}
+        Some(_) => return Err(ApiError::invalid_request("service_tier", "Only the 'auto' and 'default' service tiers exist here.").with_code("unsupported_parameter")),
+    }
+    match field(obj, "user") {
+        None | Some(Value::String(_)) => {}
+        Some(v) => return Err(type_error("user", "a string", v)),
+    }
+    match field(obj, "metadata") {
+        None => {}
+        Some(Value::Object(m)) if m.values().all(Value::is_string) => {}
+        Some(v) => return Err(type_error("metadata", "an object of strings", v)),
+    }
     let model = match field(obj, "model") {
         None => {
             return Err(ApiError::invalid_request(
@@ -167,6 +276,37 @@ fn common(obj: &Map<String, Value>, prompt: Prompt) -> Result<CompletionParams, 
             _ => u32::try_from(int(v, "top_k", 0)?).unwrap_or(u32::MAX),
         };
     }
+    sampling.min_p = bounded(obj, "min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32;
+    sampling.presence_penalty = bounded(obj, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
+    sampling.frequency_penalty = bounded(obj, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
+    if let Some(v) = field(obj, "repetition_penalty") {
+        let r = number(v, "repetition_penalty")?;
+        if !(r > 0.0 && r <= 2.0) {
+            return Err(range_error("repetition_penalty", "a value in (0, 2]".into(), v));
+        }
+        sampling.repetition_penalty = r as f32;
+    }
+    sampling.logit_bias = parse_logit_bias(obj)?;
+    if let Some(v) = field(obj, "min_tokens") {
+        sampling.min_tokens = u32::try_from(int(v, "min_tokens", 0)?).map_err(|_| range_error("min_tokens", "a value that fits the context".into(), v))?;
+        if max_tokens.is_some_and(|m| sampling.min_tokens as usize > m) {
+            return Err(ApiError::invalid_request("min_tokens", "min_tokens must not be larger than max_tokens."));
+        }
+    }
+    sampling.stop_token_ids = match field(obj, "stop_token_ids") {
+        None => Vec::new(),
+        Some(Value::Array(ids)) if ids.len() <= MAX_TOKEN_LIST => ids
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let p = format!("stop_token_ids[{i}]");
+                u32::try_from(int(v, &p, 0)?).map_err(|_| range_error(&p, "a token id".into(), v))
+            })
+            .collect::<Result<_, _>>()?,
+        Some(Value::Array(_)) => return Err(ApiError::invalid_request("stop_token_ids", format!("At most {MAX_TOKEN_LIST} stop_token_ids."))),
+        Some(v) => return Err(type_error("stop_token_ids", "an array of token ids", v)),
+    };
+    sampling.logprobs = parse_logprobs(obj, endpoint)?;
     if let Some(v) = field(obj, "seed") {
         sampling.seed = Some(seed(v)?);
     }
@@ -182,15 +322,44 @@ fn common(obj: &Map<String, Value>, prompt: Prompt) -> Result<CompletionParams, 
         Some(Value::Bool(b)) => sampling.skip_special_tokens = *b,
         Some(v) => return Err(type_error("skip_special_tokens", "a boolean", v)),
     }
-    match field(obj, "n").map(|v| int(v, "n", 1)).transpose()? {
-        None | Some(1) => {}
-        Some(_) => return Err(ApiError::invalid_request("n", "Only n=1 is supported.")),
-    }
+    let (grammar, grammar_param) = match grammar::parse(obj)? {
+        Some((g, param)) => (Some(g), Some(param)),
+        None => (None, None),
+    };
+    sampling.grammar = grammar;
+    let n = match field(obj, "n") {
+        None => 1,
+        Some(v) => choices(v, "n")?,
+    };
+    let best_of = match (endpoint, field(obj, "best_of")) {
+        (Endpoint::Text, Some(v)) => {
+            let b = choices(v, "best_of")?;
+            if b < n {
+                return Err(ApiError::invalid_request("best_of", "best_of must be at least n."));
+            }
+            b
+        }
+        _ => n,
+    };
     let stream = match field(obj, "stream") {
         None => false,
         Some(Value::Bool(b)) => *b,
         Some(v) => return Err(type_error("stream", "a boolean", v)),
     };
+    if stream && best_of > n {
+        return Err(ApiError::invalid_request("best_of", "best_of larger than n cannot be streamed (the best are known only at the end)."));
+    }
+    if prompts.len().saturating_mul(best_of) > MAX_GENERATIONS {
+        return Err(ApiError::invalid_request("prompt", format!("{} prompts times {best_of} generations each is over the limit of {MAX_GENERATIONS} per request.", prompts.len())));
+    }
+    let echo = match (endpoint, field(obj, "echo")) {
+        (Endpoint::Text, Some(Value::Bool(b))) => *b,
+        (Endpoint::Text, Some(v)) => return Err(type_error("echo", "a boolean", v)),
+        _ => false,
+    };
+    if echo && sampling.logprobs.is_some() {
+        return Err(ApiError::invalid_request("echo", "echo with logprobs is not supported: the prompt's log-probabilities are not computed.").with_code("unsupported_parameter"));
+    }
     let include_usage = match field(obj, "stream_options") {
         None => false,
         Some(Value::Object(o)) => match field(o, "include_usage") {
@@ -209,16 +378,95 @@ fn common(obj: &Map<String, Value>, prompt: Prompt) -> Result<CompletionParams, 
         }
         Some(v) => return Err(type_error("cache_salt", "a string", v)),
     };
+    let unknown = obj.keys().filter(|k| !KNOWN.contains(&k.as_str())).cloned().collect();
     Ok(CompletionParams {
         model,
-        prompt,
+        prompts,
         max_tokens,
         sampling,
         stop,
         stream,
         include_usage,
         cache_salt,
+        n,
+        best_of,
+        echo,
+        tools: None,
+        grammar_param,
+        unknown,
     })
+}
+
+/// `n` or `best_of`: 1 to [`MAX_N`].
+fn choices(v: &Value, param: &str) -> Result<usize, ApiError> {
+    match int(v, param, 1)? {
+        x if x as usize <= MAX_N => Ok(x as usize),
+        _ => Err(range_error(param, format!("a value in [1, {MAX_N}]"), v)),
+    }
+}
+
+/// An optional number in `[lo, hi]`.
+fn bounded(obj: &Map<String, Value>, param: &str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
+    let Some(v) = field(obj, param) else { return Ok(None) };
+    let x = number(v, param)?;
+    if !(lo..=hi).contains(&x) {
+        return Err(range_error(param, format!("a value in [{lo}, {hi}]"), v));
+    }
+    Ok(Some(x))
+}
+
+/// `logit_bias`: token ids (as strings, OpenAI's form) to a bias in [-100, 100].
+fn parse_logit_bias(obj: &Map<String, Value>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let Some(v) = field(obj, "logit_bias") else { return Ok(Vec::new()) };
+    let Value::Object(map) = v else { return Err(type_error("logit_bias", "an object of token ids to numbers", v)) };
+    if map.len() > MAX_TOKEN_LIST {
+        return Err(ApiError::invalid_request("logit_bias", format!("At most {MAX_TOKEN_LIST} logit_bias entries.")));
+    }
+    let mut out = Vec::with_capacity(map.len());
+    for (k, b) in map {
+        let param = format!("logit_bias.{k}");
+        let id: u32 = k.parse().map_err(|_| ApiError::invalid_request(param.clone(), format!("Invalid 'logit_bias': '{k}' is not a token id.")))?;
+        let bias = number(b, &param)?;
+        if !(-100.0..=100.0).contains(&bias) {
+            return Err(range_error(&param, "a value in [-100, 100]".into(), b));
+        }
+        out.push((id, bias as f32));
+    }
+    out.sort_unstable_by_key(|e| e.0);
+    Ok(out)
+}
+
+/// Chat: `logprobs` (boolean) and `top_logprobs` (0–20, only with `logprobs`). Text:
+/// `logprobs` (0–5 alternatives).
+fn parse_logprobs(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<Option<u8>, ApiError> {
+    match endpoint {
+        Endpoint::Chat => {
+            let on = match field(obj, "logprobs") {
+                None => false,
+                Some(Value::Bool(b)) => *b,
+                Some(v) => return Err(type_error("logprobs", "a boolean", v)),
+            };
+            let top = match field(obj, "top_logprobs") {
+                None => None,
+                Some(v) => match int(v, "top_logprobs", 0)? {
+                    x if x <= MAX_TOP_LOGPROBS => Some(x as u8),
+                    _ => return Err(range_error("top_logprobs", format!("a value in [0, {MAX_TOP_LOGPROBS}]"), v)),
+                },
+            };
+            match (on, top) {
+                (false, Some(_)) => Err(ApiError::invalid_request("top_logprobs", "top_logprobs requires logprobs: true.")),
+                (false, None) => Ok(None),
+                (true, top) => Ok(Some(top.unwrap_or(0))),
+            }
+        }
+        Endpoint::Text => match field(obj, "logprobs") {
+            None => Ok(None),
+            Some(v) => match int(v, "logprobs", 0)? {
+                x if x <= MAX_TEXT_LOGPROBS => Ok(Some(x as u8)),
+                _ => Err(range_error("logprobs", format!("a value in [0, {MAX_TEXT_LOGPROBS}]"), v)),
+            },
+        },
+    }
 }
 
 fn parse_messages(obj: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError> {
@@ -296,7 +544,47 @@ fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
             ));
         }
     };
-    Ok(ChatMessage::new(role, content))
+    let mut msg = ChatMessage::new(role, content);
+    match field(m, "tool_calls") {
+        None => {}
+        Some(Value::Array(calls)) if msg.role == "assistant" => msg.tool_calls = Some(Value::Array(parse_tool_calls(i, calls)?)),
+        Some(Value::Array(_)) => return Err(ApiError::invalid_request(p("tool_calls"), "Only assistant messages carry tool_calls.")),
+        Some(v) => return Err(type_error(&p("tool_calls"), "an array", v)),
+    }
+    for (key, slot) in [("tool_call_id", &mut msg.tool_call_id), ("name", &mut msg.name)] {
+        match field(m, key) {
+            None => {}
+            Some(Value::String(s)) => *slot = Some(s.clone()),
+            Some(v) => return Err(type_error(&p(key), "a string", v)),
+        }
+    }
+    if msg.role == "tool" && msg.tool_call_id.is_none() {
+        return Err(ApiError::invalid_request(p("tool_call_id"), format!("Missing required parameter: '{}'.", p("tool_call_id"))));
+    }
+    Ok(msg)
+}
+
+/// An assistant message's `tool_calls`, checked: each has an `id` and a `function` with a
+/// `name` and `arguments` (a JSON text, parsed into an object for the template where it is
+/// one, as Hugging Face templates expect).
+fn parse_tool_calls(i: usize, calls: &[Value]) -> Result<Vec<Value>, ApiError> {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(j, c)| {
+            let p = format!("messages[{i}].tool_calls[{j}]");
+            let bad = |what: &str| ApiError::invalid_request(p.clone(), format!("Invalid '{p}': {what}."));
+            let f = c.get("function").and_then(Value::as_object).ok_or_else(|| bad("'function' must be an object"))?;
+            let name = f.get("name").and_then(Value::as_str).ok_or_else(|| bad("'function.name' must be a string"))?;
+            let arguments = match f.get("arguments") {
+                None | Some(Value::Null) => Value::Object(Map::new()),
+                Some(Value::String(s)) => serde_json::from_str::<Value>(s).unwrap_or_else(|_| Value::String(s.clone())),
+                Some(v) => v.clone(),
+            };
+            let id = c.get("id").and_then(Value::as_str).unwrap_or_default();
+            Ok(serde_json::json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}}))
+        })
+        .collect()
 }
 
 fn text_part<'a>(param: &str, part: &'a Value) -> Result<&'a str, ApiError> {
@@ -474,6 +762,23 @@ pub struct ChatCompletionRequest {
     /// The conversation so far; the model's chat template is applied to it.
     #[schema(min_items = 1)]
     pub messages: Vec<ChatMessageParam>,
+    /// Functions the model may call (`{"type": "function", "function": {name, description,
+    /// parameters}}`). They reach the chat template's `tools`, or a default tool preamble in
+    /// the system message where the template has none.
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub tools: Option<Vec<Value>>,
+    /// `none` (tools left out), `auto` (the default), `required`, or
+    /// `{"type": "function", "function": {"name": ...}}`; the last two are enforced by a
+    /// grammar, so the call always parses against the function's schema.
+    #[schema(value_type = Option<Object>)]
+    pub tool_choice: Option<Value>,
+    /// Whether several calls may come in one reply (default true).
+    pub parallel_tool_calls: Option<bool>,
+    /// Return each generated token's log-probability.
+    pub logprobs: Option<bool>,
+    /// With `logprobs`: this many most likely alternatives per token.
+    #[schema(minimum = 0, maximum = 20)]
+    pub top_logprobs: Option<u32>,
     /// Settings shared with text completions.
     #[serde(flatten)]
     pub options: CompletionOptions,
@@ -484,8 +789,18 @@ pub struct ChatCompletionRequest {
 pub struct CompletionRequest {
     /// The model to use (see `GET /v1/models`).
     pub model: String,
-    /// The text to continue, tokenised as is.
+    /// The text to continue, tokenised as is: a string, token ids, or a batch of either.
     pub prompt: PromptParam,
+    /// Return each generated token's log-probability and this many most likely
+    /// alternatives.
+    #[schema(minimum = 0, maximum = 5)]
+    pub logprobs: Option<u32>,
+    /// Start each choice's text with the prompt's (not with `logprobs`).
+    pub echo: Option<bool>,
+    /// Generate this many per prompt and return the `n` most likely (by the sum of their
+    /// tokens' log-probabilities); not with `stream`.
+    #[schema(minimum = 1, maximum = 16)]
+    pub best_of: Option<u32>,
     /// Settings shared with chat completions.
     #[serde(flatten)]
     pub options: CompletionOptions,
@@ -513,9 +828,63 @@ pub struct CompletionOptions {
     /// Same seed, same parameters, same prompt: same output, also with `temperature > 0`.
     #[schema(minimum = 0)]
     pub seed: Option<u64>,
-    /// Number of choices; only 1 is supported.
-    #[schema(minimum = 1, maximum = 1)]
+    /// Choices per prompt, each sampled independently (a seed gives each its own
+    /// derived seed).
+    #[schema(minimum = 1, maximum = 16)]
     pub n: Option<u32>,
+    /// Keep only tokens at least this fraction as likely as the most likely one (vLLM's).
+    #[schema(minimum = 0.0, maximum = 1.0)]
+    pub min_p: Option<f64>,
+    /// Lowers the logit of every token already generated, once.
+    #[schema(minimum = -2.0, maximum = 2.0)]
+    pub presence_penalty: Option<f64>,
+    /// Lowers the logit of every token already generated, per occurrence.
+    #[schema(minimum = -2.0, maximum = 2.0)]
+    pub frequency_penalty: Option<f64>,
+    /// Divides the positive logits (multiplies the negative ones) of tokens in the prompt
+    /// or generated so far (vLLM's); 1 is off.
+    #[schema(exclusive_minimum = 0.0, maximum = 2.0)]
+    pub repetition_penalty: Option<f64>,
+    /// Token ids (as strings) to a bias in [-100, 100] added to their logits.
+    #[schema(value_type = Option<HashMap<String, f64>>)]
+    pub logit_bias: Option<Value>,
+    /// End-of-generation and `stop_token_ids` tokens are held back until this many tokens
+    /// were generated (vLLM's).
+    #[schema(minimum = 0)]
+    pub min_tokens: Option<u64>,
+    /// Tokens that end the generation like the end-of-generation token (vLLM's).
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// `{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema",
+    /// "json_schema": {"name", "schema", "strict"}}`: the output is constrained to it at
+    /// every token (llguidance), the first one included.
+    #[schema(value_type = Option<Object>)]
+    pub response_format: Option<Value>,
+    /// vLLM's: the output is JSON valid under this JSON Schema (an object or its text).
+    #[schema(value_type = Option<Object>)]
+    pub guided_json: Option<Value>,
+    /// vLLM's: the output matches this regular expression.
+    pub guided_regex: Option<String>,
+    /// vLLM's: the output is exactly one of these strings.
+    pub guided_choice: Option<Vec<String>>,
+    /// vLLM's: the output follows this Lark grammar (llguidance's dialect).
+    pub guided_grammar: Option<String>,
+    /// vLLM's: `auto`, `llguidance` or `guidance` (all llguidance here).
+    pub guided_decoding_backend: Option<String>,
+    /// vLLM's newer form: one of `json`, `regex`, `choice`, `grammar` or `json_object`.
+    #[schema(value_type = Option<Object>)]
+    pub structured_outputs: Option<Value>,
+    /// Only `["text"]`.
+    pub modalities: Option<Vec<String>>,
+    /// Only false: completions are not stored.
+    pub store: Option<bool>,
+    /// Only `auto` or `default`.
+    pub service_tier: Option<String>,
+    /// An end-user id, for the logs.
+    #[schema(max_length = 256)]
+    pub user: Option<String>,
+    /// Up to 16 string pairs, for the logs.
+    #[schema(value_type = Option<HashMap<String, String>>)]
+    pub metadata: Option<Value>,
     /// Answer with server-sent events (`text/event-stream`), one chunk object per `data:`
     /// line, ending with `data: [DONE]`.
     pub stream: Option<bool>,
@@ -564,28 +933,29 @@ impl PartialSchema for StopParam {
 
 impl ToSchema for StopParam {}
 
-/// The prompt of a text completion: a string, or an array holding one string.
+/// The prompt of a text completion: a string, token ids, or a batch of either.
 #[derive(Debug, Clone)]
 pub enum PromptParam {
     /// The prompt.
     Text(String),
-    /// An array of exactly one prompt (token-id prompts are not supported).
+    /// A batch of prompts: one choice (or `n`) each.
     Batch(Vec<String>),
+    /// Token ids.
+    Tokens(Vec<u32>),
+    /// A batch of token-id prompts.
+    TokenBatch(Vec<Vec<u32>>),
 }
 
 impl PartialSchema for PromptParam {
     fn schema() -> RefOr<Schema> {
-        string_or_array(
-            ObjectBuilder::new()
-                .min_length(Some(1))
-                .description(Some("The prompt (not empty).")),
-            ArrayBuilder::new()
-                .min_items(Some(1))
-                .max_items(Some(1))
-                .description(Some(
-                    "An array of exactly one prompt (token-id prompts are not supported).",
-                )),
-        )
+        let text = || ObjectBuilder::new().schema_type(Type::String).min_length(Some(1));
+        let ids = || ArrayBuilder::new().min_items(Some(1)).items(ObjectBuilder::new().schema_type(Type::Integer).minimum(Some(0)));
+        OneOfBuilder::new()
+            .item(text().description(Some("The prompt (not empty).")))
+            .item(ArrayBuilder::new().min_items(Some(1)).max_items(Some(MAX_GENERATIONS)).items(text()).description(Some("A batch of prompts.")))
+            .item(ids().description(Some("Token ids.")))
+            .item(ArrayBuilder::new().min_items(Some(1)).max_items(Some(MAX_GENERATIONS)).items(ids()).description(Some("A batch of token-id prompts.")))
+            .into()
     }
 }
 
@@ -608,6 +978,14 @@ pub struct ChatMessageParam {
     pub role: Role,
     /// Its text, or text parts (joined with newlines). An `assistant` message may omit it.
     pub content: MessageContent,
+    /// An assistant message's tool calls (`id`, `type`, `function` with `name` and
+    /// `arguments`).
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub tool_calls: Option<Vec<Value>>,
+    /// A `tool` message: the call it answers.
+    pub tool_call_id: Option<String>,
+    /// A participant's or function's name.
+    pub name: Option<String>,
 }
 
 /// The author of a chat message.
@@ -652,11 +1030,6 @@ pub struct ContentPart {
 pub enum ContentPartType {
     /// A text part.
     Text,
-}
-
-/// The schema of a field that is always `null` (`logprobs`: not supported).
-fn null_schema() -> ObjectBuilder {
-    ObjectBuilder::new().schema_type(Type::Null)
 }
 
 /// Token counts of one completion.
@@ -704,7 +1077,7 @@ pub struct ChatCompletion {
     pub created: u64,
     /// The model that answered.
     pub model: String,
-    /// The single choice.
+    /// One choice per `n`, by `index`.
     pub choices: Vec<ChatChoice>,
     /// Token counts.
     pub usage: Usage,
@@ -713,15 +1086,15 @@ pub struct ChatCompletion {
 /// One choice of a [`ChatCompletion`].
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ChatChoice {
-    /// Always 0 (n = 1).
+    /// Its place among the request's `n` choices.
     pub index: u32,
     /// The reply.
     pub message: AssistantMessage,
-    /// Always null (logprobs are not supported).
-    #[schema(schema_with = null_schema, required = true)]
-    pub logprobs: Option<()>,
-    /// `stop` or `length`.
-    #[schema(value_type = FinishReason)]
+    /// The tokens' log-probabilities, when `logprobs` was asked for; else null.
+    #[schema(required = true)]
+    pub logprobs: Option<ChatLogprobs>,
+    /// `stop`, `length`, `tool_calls` or `abort`.
+    #[schema(value_type = String, example = "stop")]
     pub finish_reason: &'static str,
 }
 
@@ -730,8 +1103,94 @@ pub struct ChatChoice {
 pub struct AssistantMessage {
     /// Always `assistant`.
     pub role: &'static str,
-    /// The generated text.
-    pub content: String,
+    /// The generated text; null when the reply is only tool calls.
+    #[schema(required = true)]
+    pub content: Option<String>,
+    /// The tool calls parsed from the reply (absent when none).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallObject>,
+}
+
+/// One tool call of a reply.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ToolCallObject {
+    /// `call_...`.
+    pub id: String,
+    /// Always `function`.
+    #[serde(rename = "type")]
+    #[schema(example = "function")]
+    pub kind: &'static str,
+    /// The function and its arguments.
+    pub function: FunctionCall,
+}
+
+/// A function called by name with arguments.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct FunctionCall {
+    /// The function's name.
+    pub name: String,
+    /// Its arguments, as a JSON text.
+    pub arguments: String,
+}
+
+/// One tool call in a stream chunk: complete in one delta.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ToolCallDelta {
+    /// Its place among the choice's calls.
+    pub index: u32,
+    /// `call_...`.
+    pub id: String,
+    /// Always `function`.
+    #[serde(rename = "type")]
+    #[schema(example = "function")]
+    pub kind: &'static str,
+    /// The function and its whole arguments.
+    pub function: FunctionCall,
+}
+
+/// `logprobs` of a chat choice or chunk.
+#[derive(Debug, Clone, Default, Serialize, ToSchema)]
+pub struct ChatLogprobs {
+    /// One entry per generated token.
+    pub content: Vec<TokenLogprob>,
+}
+
+/// A generated token's log-probability and the most likely alternatives at its step, under
+/// the model (before penalties, bias and grammar).
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct TokenLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its natural-log probability.
+    pub logprob: f32,
+    /// Its bytes (a token may hold part of a UTF-8 character).
+    pub bytes: Vec<u8>,
+    /// The `top_logprobs` most likely tokens, most likely first.
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+/// One alternative in [`TokenLogprob::top_logprobs`].
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct TopLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its natural-log probability.
+    pub logprob: f32,
+    /// Its bytes.
+    pub bytes: Vec<u8>,
+}
+
+/// `logprobs` of a text completion choice (the legacy form).
+#[derive(Debug, Clone, Default, Serialize, ToSchema)]
+pub struct TextLogprobs {
+    /// The generated tokens' texts.
+    pub tokens: Vec<String>,
+    /// Their log-probabilities.
+    pub token_logprobs: Vec<f32>,
+    /// Per token, the `logprobs` most likely tokens' texts and log-probabilities.
+    pub top_logprobs: Vec<BTreeMap<String, f32>>,
+    /// Where each token's text starts in the choice's `text`, in bytes.
+    pub text_offset: Vec<usize>,
 }
 
 /// A `text_completion` object.
@@ -746,7 +1205,7 @@ pub struct TextCompletion {
     pub created: u64,
     /// The model that answered.
     pub model: String,
-    /// The single choice.
+    /// One choice per prompt and `n`, by `index`.
     pub choices: Vec<TextChoice>,
     /// Token counts (absent in stream chunks unless `include_usage`).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -756,14 +1215,14 @@ pub struct TextCompletion {
 /// One choice of a [`TextCompletion`] (also a stream chunk's choice).
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct TextChoice {
-    /// Always 0.
+    /// Its place: prompt number × `n` + choice number.
     pub index: u32,
     /// The generated text (a delta in stream chunks).
     pub text: String,
-    /// Always null.
-    #[schema(schema_with = null_schema, required = true)]
-    pub logprobs: Option<()>,
-    /// `stop` or `length`; null in stream chunks before the last.
+    /// The tokens' log-probabilities when `logprobs` was asked for; else null.
+    #[schema(required = true)]
+    pub logprobs: Option<TextLogprobs>,
+    /// `stop`, `length` or `abort`; null in stream chunks before the last.
     #[schema(value_type = Option<FinishReason>, required = true)]
     pub finish_reason: Option<&'static str>,
 }
@@ -790,15 +1249,15 @@ pub struct ChatChunk {
 /// One choice of a [`ChatChunk`].
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ChunkChoice {
-    /// Always 0.
+    /// Which of the request's `n` choices it continues.
     pub index: u32,
     /// What changed.
     pub delta: Delta,
-    /// Always null.
-    #[schema(schema_with = null_schema, required = true)]
-    pub logprobs: Option<()>,
-    /// Null until the last content chunk.
-    #[schema(value_type = Option<FinishReason>, required = true)]
+    /// The log-probabilities of this chunk's tokens, when asked for; else null.
+    #[schema(required = true)]
+    pub logprobs: Option<ChatLogprobs>,
+    /// Null until the choice's last chunk.
+    #[schema(value_type = Option<String>, required = true)]
     pub finish_reason: Option<&'static str>,
 }
 
@@ -811,6 +1270,9 @@ pub struct Delta {
     /// New text.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    /// Tool calls completed in this chunk.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallDelta>,
 }
 
 /// A model in `GET /v1/models`.
@@ -911,23 +1373,110 @@ mod tests {
     // Found by schemathesis: the decode worker refused it with its own wording, no `param`.
     #[test]
     fn an_empty_prompt_is_refused_naming_prompt() {
-        for prompt in [json!(""), json!([""])] {
+        for (prompt, param) in [(json!(""), "prompt"), (json!([""]), "prompt[0]")] {
             let e = parse_completion(&json!({"model": "m", "prompt": prompt})).expect_err("empty");
-            assert_eq!(e.param.as_deref(), Some("prompt"));
+            assert_eq!(e.param.as_deref(), Some(param));
             assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
         }
     }
 
     #[test]
-    fn token_id_prompts_are_refused_saying_so_and_special_tokens_are_skipped_unless_asked() {
-        for prompt in [json!([1, 2, 3]), json!([7]), json!([[1, 2], [3]])] {
-            let e = parse_completion(&json!({"model": "m", "prompt": prompt})).expect_err("token ids");
-            assert!(e.message.contains("token-id prompts are not supported"), "{prompt}: {}", e.message);
+    fn token_id_and_batch_prompts_parse_and_special_tokens_are_skipped_unless_asked() {
+        let prompts = |prompt: Value| parse_completion(&json!({"model": "m", "prompt": prompt})).map(|p| p.prompts);
+        assert_eq!(prompts(json!([1, 2, 3])).unwrap(), vec![Prompt::Tokens(vec![1, 2, 3])]);
+        assert_eq!(prompts(json!([[1, 2], [3]])).unwrap(), vec![Prompt::Tokens(vec![1, 2]), Prompt::Tokens(vec![3])]);
+        assert_eq!(prompts(json!(["a", "b"])).unwrap(), vec![Prompt::Text("a".into()), Prompt::Text("b".into())]);
+        for (bad, param) in [(json!([-1]), "prompt[0]"), (json!([[]]), "prompt[0]"), (json!([1.5]), "prompt[0]"), (json!(["a", 3]), "prompt[1]"), (json!([1e12]), "prompt[0]")] {
+            let e = prompts(bad.clone()).expect_err("refused");
+            assert_eq!(e.param.as_deref(), Some(param), "{bad}: {}", e.message);
         }
-        let e = parse_completion(&json!({"model": "m", "prompt": ["a", "b"]})).expect_err("two prompts");
-        assert!(e.message.contains("only one prompt"), "{}", e.message);
+        let many: Vec<String> = (0..=MAX_GENERATIONS).map(|i| format!("p{i}")).collect();
+        assert_eq!(prompts(json!(many)).expect_err("too many").param.as_deref(), Some("prompt"));
         assert!(text(json!({})).expect("default").sampling.skip_special_tokens);
         assert!(!text(json!({ "skip_special_tokens": false })).expect("off").sampling.skip_special_tokens);
         assert_eq!(refused(json!({ "skip_special_tokens": 1 })).as_deref(), Some("skip_special_tokens"));
+    }
+
+    #[test]
+    fn unsupported_fields_are_refused_by_name_and_unknown_ones_listed() {
+        for f in ["audio", "prediction", "web_search_options", "functions", "function_call", "reasoning_effort", "suffix"] {
+            assert_eq!(refused(json!({ f: {"x": 1} })).as_deref(), Some(f), "{f}");
+        }
+        assert_eq!(refused(json!({ "modalities": ["text", "audio"] })).as_deref(), Some("modalities"));
+        assert_eq!(refused(json!({ "store": true })).as_deref(), Some("store"));
+        assert!(text(json!({ "store": false, "modalities": ["text"], "user": "u", "metadata": {"a": "b"} })).is_ok());
+        let p = text(json!({ "frobnicate": 1, "user": "u" })).expect("unknown fields are accepted");
+        assert_eq!(p.unknown, vec!["frobnicate".to_string()]);
+        // Chat has no `suffix` to refuse: it is unknown there.
+        let chat = parse_chat(&json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "suffix": "x"})).expect("chat");
+        assert_eq!(chat.unknown, vec!["suffix".to_string()]);
+    }
+
+    #[test]
+    fn sampling_controls_are_range_checked_and_carried() {
+        let p = text(json!({
+            "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2, "min_p": 0.1,
+            "logit_bias": {"7": -100, "3": 5.5}, "min_tokens": 2, "max_tokens": 4, "stop_token_ids": [9, 8], "logprobs": 3
+        }))
+        .expect("accepted");
+        let s = p.sampling;
+        assert_eq!((s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p), (0.5, -1.0, 1.2, 0.1));
+        assert_eq!(s.logit_bias, vec![(3, 5.5), (7, -100.0)]);
+        assert_eq!((s.min_tokens, s.stop_token_ids.as_slice(), s.logprobs), (2, &[9, 8][..], Some(3)));
+        for (extra, param) in [
+            (json!({ "presence_penalty": 2.5 }), "presence_penalty"),
+            (json!({ "frequency_penalty": -3 }), "frequency_penalty"),
+            (json!({ "repetition_penalty": 0 }), "repetition_penalty"),
+            (json!({ "min_p": 1.5 }), "min_p"),
+            (json!({ "logit_bias": {"x": 1} }), "logit_bias.x"),
+            (json!({ "logit_bias": {"1": 101} }), "logit_bias.1"),
+            (json!({ "min_tokens": 5, "max_tokens": 4 }), "min_tokens"),
+            (json!({ "stop_token_ids": [-1] }), "stop_token_ids[0]"),
+            (json!({ "logprobs": 6 }), "logprobs"),
+            (json!({ "n": 0 }), "n"),
+            (json!({ "n": 17 }), "n"),
+            (json!({ "n": 3, "best_of": 2 }), "best_of"),
+            (json!({ "best_of": 3, "stream": true }), "best_of"),
+            (json!({ "echo": true, "logprobs": 1 }), "echo"),
+        ] {
+            assert_eq!(refused(extra.clone()).as_deref(), Some(param), "{extra}");
+        }
+        let chat = |extra: Value| {
+            let mut body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+            if let (Value::Object(b), Value::Object(e)) = (&mut body, extra) {
+                b.extend(e);
+            }
+            parse_chat(&body)
+        };
+        assert_eq!(chat(json!({"logprobs": true, "top_logprobs": 5})).expect("chat").sampling.logprobs, Some(5));
+        assert_eq!(chat(json!({"top_logprobs": 5})).expect_err("needs logprobs").param.as_deref(), Some("top_logprobs"));
+        assert_eq!(chat(json!({"logprobs": true, "top_logprobs": 21})).expect_err("too many").param.as_deref(), Some("top_logprobs"));
+    }
+
+    #[test]
+    fn one_output_constraint_at_most_from_any_of_its_fields() {
+        use bulkhead_protocol::GrammarSpec;
+        let g = |extra: Value| text(extra).map(|p| (p.sampling.grammar, p.grammar_param));
+        assert_eq!(g(json!({"response_format": {"type": "json_object"}})).unwrap(), (Some(GrammarSpec::JsonObject), Some("response_format")));
+        assert_eq!(g(json!({"response_format": {"type": "text"}})).unwrap(), (None, None));
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        assert_eq!(
+            g(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": true}}})).unwrap().0,
+            Some(GrammarSpec::JsonSchema(schema.to_string()))
+        );
+        assert_eq!(g(json!({"guided_json": schema.to_string()})).unwrap().0, Some(GrammarSpec::JsonSchema(schema.to_string())));
+        assert_eq!(g(json!({"guided_regex": "[0-9]+"})).unwrap().0, Some(GrammarSpec::Regex("[0-9]+".into())));
+        assert_eq!(g(json!({"guided_choice": ["a", "b"]})).unwrap().0, Some(GrammarSpec::Choice(vec!["a".into(), "b".into()])));
+        assert_eq!(g(json!({"structured_outputs": {"grammar": "start: \"x\""}})).unwrap().1, Some("structured_outputs"));
+        for (extra, param) in [
+            (json!({"response_format": {"type": "json_object"}, "guided_regex": "a"}), "guided_regex"),
+            (json!({"response_format": {"type": "yaml"}}), "response_format.type"),
+            (json!({"response_format": {"type": "json_schema"}}), "response_format.json_schema"),
+            (json!({"guided_choice": []}), "guided_choice"),
+            (json!({"guided_json": "not json"}), "guided_json"),
+            (json!({"guided_decoding_backend": "xgrammar"}), "guided_decoding_backend"),
+        ] {
+            assert_eq!(refused(extra.clone()).as_deref(), Some(param), "{extra}");
+        }
     }
 }

@@ -4,12 +4,11 @@
 //! document ([`crate::openapi`]).
 
 use std::collections::BTreeMap;
-use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::Json;
 use axum::Router;
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::rejection::PathRejection;
 use axum::extract::{DefaultBodyLimit, Extension, FromRequest, Path, Request, State};
 use axum::http::{HeaderName, HeaderValue, Method, StatusCode, Uri, header};
@@ -18,21 +17,17 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Serialize;
 use serde_json::Value;
-use tokio::sync::mpsc::Receiver;
 use tracing::{Instrument, Span};
 use utoipa::openapi::{ContentBuilder, Ref, RefOr, ResponseBuilder};
 use utoipa::{IntoResponses, ToSchema};
 
-use crate::backend::{Backend, GenEvent, GenerationRequest, ModelCard};
+use crate::backend::{Backend, GenEvent, GenerationRequest, ModelCard, Prompt};
 use crate::error::{ApiError, ErrorBody, ErrorKind};
 use crate::ids::{random_hex, unix_now};
 use crate::tenants::{Tenant, Tenants};
 use crate::trace::{TRACEPARENT, TraceParent};
-use crate::openai::{
-    self, AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChatCompletionRequest,
-    ChunkChoice, CompletionParams, CompletionRequest, Delta, ModelList, ModelObject, TextChoice,
-    TextCompletion, Usage,
-};
+use crate::openai::{self, ChatChunk, ChatCompletion, ChatCompletionRequest, CompletionParams, CompletionRequest, ModelList, ModelObject, TextCompletion};
+use crate::respond::{collect_response, stream_response, Endpoint, Generation, Meta};
 
 /// Largest accepted request body; larger ones get 413.
 pub const MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
@@ -202,13 +197,6 @@ fn is_json(content_type: &str) -> bool {
     mime == "application/json" || (mime.starts_with("application/") && mime.ends_with("+json"))
 }
 
-/// Which completion endpoint a request came through.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Endpoint {
-    Chat,
-    Text,
-}
-
 /// The errors a completion request may get, as OpenAPI responses; every body is an
 /// `ErrorResponse` ([`ErrorBody`]).
 struct CompletionErrors;
@@ -334,28 +322,68 @@ async fn complete(
 ) -> Result<Response, ApiError> {
     let card = find_model(st.backend.as_ref(), &p.model)?;
     p.check_against(&card)?;
-    let req = GenerationRequest {
-        request_id: rid.0,
-        trace_id: trace.trace_id,
-        model: card.id.clone(),
-        prompt: p.prompt,
-        max_tokens: p.max_tokens,
-        sampling: p.sampling,
-        stop: p.stop,
-        tenant,
-        cache_salt: p.cache_salt,
+    p.check_vocab(st.backend.encoder().tokenizer().vocab_size())?;
+    if !p.unknown.is_empty() {
+        tracing::warn!(fields = ?p.unknown, "request fields this server does not know were accepted and ignored");
+    }
+    let echo = if p.echo {
+        p.prompts
+            .iter()
+            .map(|pr| match pr {
+                Prompt::Text(t) => Ok(t.clone()),
+                Prompt::Tokens(ids) => st.backend.encoder().decode(ids),
+                Prompt::Chat { .. } => Ok(String::new()),
+            })
+            .collect::<Result<_, _>>()?
+    } else {
+        Vec::new()
     };
+    // best_of ranks generations by their log-probabilities, asked for here if not by the
+    // client (and then left out of the answer).
+    let mut sampling = p.sampling.clone();
+    if p.best_of > p.n && sampling.logprobs.is_none() {
+        sampling.logprobs = Some(0);
+    }
+    let mut reqs = Vec::with_capacity(p.prompts.len() * p.best_of);
+    for (i, prompt) in p.prompts.iter().enumerate() {
+        for j in 0..p.best_of {
+            let mut sampling = sampling.clone();
+            // Each choice draws its own tokens: a seed gives each a seed of its own.
+            sampling.seed = sampling.seed.map(|s| sibling_seed(s, j));
+            reqs.push((i, GenerationRequest {
+                request_id: rid.0.clone(),
+                trace_id: trace.trace_id,
+                model: card.id.clone(),
+                prompt: prompt.clone(),
+                max_tokens: p.max_tokens,
+                sampling,
+                stop: p.stop.clone(),
+                tenant: tenant.clone(),
+                cache_salt: p.cache_salt.clone(),
+            }));
+        }
+    }
     let backend = Arc::clone(&st.backend);
-    // Admission may block (tokenising, waiting for the engine between steps).
-    let rx = tokio::task::spawn_blocking(move || backend.generate(req))
-        .await
-        .map_err(|e| ApiError::internal(format!("the backend failed to admit the request: {e}")))?
-        .map_err(|mut e| {
-            if endpoint == Endpoint::Text && e.param.as_deref() == Some("messages") {
-                e.param = Some("prompt".into());
-            }
-            e
-        })?;
+    let (grammar, grammar_param) = (p.sampling.grammar.clone(), p.grammar_param.unwrap_or("response_format"));
+    // Compiling the grammar and admission may block (tokenising, the engine between steps).
+    let gens = tokio::task::spawn_blocking(move || -> Result<Vec<Generation>, ApiError> {
+        if let Some(g) = &grammar {
+            backend
+                .encoder()
+                .check_grammar(g)
+                .map_err(|e| ApiError::invalid_request(grammar_param, format!("The output constraint is not a grammar this server can follow: {e}")))?;
+        }
+        // All or none: on a refusal the generations started so far are dropped (aborted).
+        reqs.into_iter().map(|(prompt, req)| Ok(Generation { prompt, rx: backend.generate(req)?, first: None })).collect()
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("the backend failed to admit the request: {e}")))?
+    .map_err(|mut e| {
+        if endpoint == Endpoint::Text && e.param.as_deref() == Some("messages") {
+            e.param = Some("prompt".into());
+        }
+        e
+    })?;
     let meta = Meta {
         id: match endpoint {
             Endpoint::Chat => format!("chatcmpl-{}", random_hex()),
@@ -365,286 +393,41 @@ async fn complete(
         model: card.id,
         endpoint,
         include_usage: p.include_usage,
+        n: p.n,
+        parse_calls: p.tools.as_ref().filter(|t| t.parses()).map(|t| t.parallel),
+        logprobs: p.sampling.logprobs.is_some(),
+        echo,
     };
     if p.stream {
-        // Wait for the first event before answering 200: a refusal that only a worker can
-        // make (its own admission, I3) still reaches the client as its HTTP status.
-        let mut rx = rx;
-        let first = rx.recv().await;
-        if let Some(GenEvent::Failed(e)) = first {
-            return Err(e);
+        // Wait for each generation's first event before answering 200: a refusal that only
+        // a worker can make (its own admission, I3) still reaches the client as its HTTP
+        // status.
+        let mut gens = gens;
+        for g in &mut gens {
+            let first = g.rx.recv().await;
+            if let Some(GenEvent::Failed(e)) = first {
+                return Err(e);
+            }
+            g.first = first;
         }
-        Ok(stream_response(meta, first, rx))
+        Ok(stream_response(meta, Arc::clone(&st.backend), gens))
     } else {
-        collect_response(meta, rx).await
+        collect_response(meta, st.backend.encoder(), gens).await
     }
 }
 
-/// What every response object of one completion shares.
-struct Meta {
-    id: String,
-    created: u64,
-    model: String,
-    endpoint: Endpoint,
-    include_usage: bool,
-}
-
-async fn collect_response(meta: Meta, mut rx: Receiver<GenEvent>) -> Result<Response, ApiError> {
-    let mut text = String::new();
-    let (reason, usage) = loop {
-        match rx.recv().await {
-            Some(GenEvent::Text(t)) => text.push_str(&t),
-            Some(GenEvent::Finished {
-                reason,
-                prompt_tokens,
-                completion_tokens,
-                cached_tokens,
-            }) => {
-                break (reason, Usage::new(prompt_tokens, completion_tokens, cached_tokens));
-            }
-            Some(GenEvent::Failed(e)) => return Err(e),
-            None => return Err(ApiError::internal("The generation ended without a result.")),
-        }
-    };
-    tracing::info!(
-        prompt_tokens = usage.prompt_tokens,
-        completion_tokens = usage.completion_tokens,
-        finish_reason = reason.as_str(),
-        "completed"
-    );
-    let Meta {
-        id,
-        created,
-        model,
-        endpoint,
-        ..
-    } = meta;
-    Ok(match endpoint {
-        Endpoint::Chat => Json(ChatCompletion {
-            id,
-            object: "chat.completion",
-            created,
-            model,
-            choices: vec![ChatChoice {
-                index: 0,
-                message: AssistantMessage {
-                    role: "assistant",
-                    content: text,
-                },
-                logprobs: None,
-                finish_reason: reason.as_str(),
-            }],
-            usage,
-        })
-        .into_response(),
-        Endpoint::Text => Json(TextCompletion {
-            id,
-            object: "text_completion",
-            created,
-            model,
-            choices: vec![TextChoice {
-                index: 0,
-                text,
-                logprobs: None,
-                finish_reason: Some(reason.as_str()),
-            }],
-            usage: Some(Some(usage)),
-        })
-        .into_response(),
-    })
-}
-
-/// State of one SSE stream. Dropping it (the client went away) drops the receiver, which
-/// tells the backend to abort.
-struct StreamState {
-    /// An event already taken from `rx`, delivered first.
-    first: Option<GenEvent>,
-    rx: Receiver<GenEvent>,
-    meta: Meta,
-    started: bool,
-    done: bool,
-}
-
-fn stream_response(meta: Meta, first: Option<GenEvent>, rx: Receiver<GenEvent>) -> Response {
-    let span = Span::current();
-    let state = StreamState {
-        first,
-        rx,
-        meta,
-        started: false,
-        done: false,
-    };
-    let stream = futures_util::stream::unfold(state, move |mut st| {
-        async move {
-            if st.done {
-                return None;
-            }
-            let frame = next_frames(&mut st).await;
-            Some((Ok::<_, Infallible>(Bytes::from(frame)), st))
-        }
-        .instrument(span.clone())
-    });
-    (
-        [
-            (header::CONTENT_TYPE, "text/event-stream"),
-            (header::CACHE_CONTROL, "no-cache"),
-        ],
-        Body::from_stream(stream),
-    )
-        .into_response()
-}
-
-/// The next SSE frame(s) of a stream; sets `done` after the last.
-async fn next_frames(st: &mut StreamState) -> String {
-    if !st.started {
-        st.started = true;
-        if st.meta.endpoint == Endpoint::Chat {
-            let delta = Delta {
-                role: Some("assistant"),
-                content: Some(String::new()),
-            };
-            return data(&chunk(&st.meta, Some(delta), None, None));
-        }
+/// The seed of choice `j` of a request seeded with `seed`: the seed itself for the first,
+/// a fixed mix for the others, so a seeded request with `n > 1` is reproducible and its
+/// choices differ.
+fn sibling_seed(seed: u64, j: usize) -> u64 {
+    if j == 0 {
+        return seed;
     }
-    loop {
-        let ev = match st.first.take() {
-            Some(e) => Some(e),
-            None => st.rx.recv().await,
-        };
-        match ev {
-            Some(GenEvent::Text(t)) if t.is_empty() => continue,
-            Some(GenEvent::Text(t)) => {
-                return match st.meta.endpoint {
-                    Endpoint::Chat => data(&chunk(
-                        &st.meta,
-                        Some(Delta {
-                            role: None,
-                            content: Some(t),
-                        }),
-                        None,
-                        None,
-                    )),
-                    Endpoint::Text => data(&text_chunk(&st.meta, t, None, None)),
-                };
-            }
-            Some(GenEvent::Finished {
-                reason,
-                prompt_tokens,
-                completion_tokens,
-                cached_tokens,
-            }) => {
-                st.done = true;
-                let usage = Usage::new(prompt_tokens, completion_tokens, cached_tokens);
-                tracing::info!(
-                    prompt_tokens,
-                    completion_tokens,
-                    finish_reason = reason.as_str(),
-                    "completed (streamed)"
-                );
-                let m = &st.meta;
-                let reason = Some(reason.as_str());
-                let mut out = match m.endpoint {
-                    Endpoint::Chat => data(&chunk(m, Some(Delta::default()), reason, None)),
-                    Endpoint::Text => data(&text_chunk(m, String::new(), reason, None)),
-                };
-                if m.include_usage {
-                    out.push_str(&match m.endpoint {
-                        Endpoint::Chat => data(&chunk(m, None, None, Some(usage))),
-                        Endpoint::Text => data(&TextCompletion {
-                            id: m.id.clone(),
-                            object: "text_completion",
-                            created: m.created,
-                            model: m.model.clone(),
-                            choices: Vec::new(),
-                            usage: Some(Some(usage)),
-                        }),
-                    });
-                }
-                out.push_str("data: [DONE]\n\n");
-                return out;
-            }
-            Some(GenEvent::Failed(e)) => {
-                st.done = true;
-                tracing::warn!(
-                    kind = e.error_type(),
-                    code = e.code,
-                    "generation failed mid-stream: {}",
-                    e.message
-                );
-                return error_end(&e);
-            }
-            None => {
-                st.done = true;
-                let e = ApiError::internal("The generation ended without a result.");
-                tracing::warn!("{}", e.message);
-                return error_end(&e);
-            }
-        }
-    }
-}
-
-/// The end of a stream that failed: an error body, then `[DONE]` so that clients which wait
-/// for it (as the OpenAI ones do) stop reading.
-fn error_end(e: &ApiError) -> String {
-    data(&e.body()) + "data: [DONE]\n\n"
-}
-
-/// A chat chunk: with one choice carrying `delta` (and `finish_reason`), or with no choices
-/// and `usage` set (the usage chunk).
-fn chunk(
-    m: &Meta,
-    delta: Option<Delta>,
-    finish_reason: Option<&'static str>,
-    usage: Option<Usage>,
-) -> ChatChunk {
-    ChatChunk {
-        id: m.id.clone(),
-        object: "chat.completion.chunk",
-        created: m.created,
-        model: m.model.clone(),
-        choices: delta
-            .map(|delta| ChunkChoice {
-                index: 0,
-                delta,
-                logprobs: None,
-                finish_reason,
-            })
-            .into_iter()
-            .collect(),
-        usage: m.include_usage.then_some(usage),
-    }
-}
-
-fn text_chunk(
-    m: &Meta,
-    text: String,
-    finish_reason: Option<&'static str>,
-    usage: Option<Usage>,
-) -> TextCompletion {
-    TextCompletion {
-        id: m.id.clone(),
-        object: "text_completion",
-        created: m.created,
-        model: m.model.clone(),
-        choices: vec![TextChoice {
-            index: 0,
-            text,
-            logprobs: None,
-            finish_reason,
-        }],
-        usage: m.include_usage.then_some(usage),
-    }
-}
-
-/// One SSE `data:` frame. JSON never contains a raw newline, so one line suffices.
-fn data<T: Serialize>(v: &T) -> String {
-    match serde_json::to_string(v) {
-        Ok(s) => format!("data: {s}\n\n"),
-        Err(e) => {
-            let body = ApiError::internal(format!("cannot encode a stream chunk: {e}")).body();
-            format!("data: {body}\n\n")
-        }
-    }
+    // SplitMix64's finaliser over the seed and the choice number.
+    let mut z = seed ^ (j as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// List the models served.

@@ -7,8 +7,9 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, Request, StatusCode, header};
+use bulkhead_api::testing::byte_level_encoder;
 use bulkhead_api::{
-    ApiError, Backend, FinishReason, GenEvent, GenerationRequest, ModelCard, Prompt, router,
+    ApiError, Backend, FinishReason, GenEvent, GenerationRequest, ModelCard, Prompt, PromptEncoder, router,
 };
 use bulkhead_tokenizer::ChatMessage;
 use futures_util::StreamExt;
@@ -28,6 +29,7 @@ struct Mock {
     senders: Mutex<Vec<mpsc::Sender<GenEvent>>>,
     requests: Mutex<Vec<GenerationRequest>>,
     ready: AtomicBool,
+    encoder: PromptEncoder,
 }
 
 impl Mock {
@@ -39,15 +41,16 @@ impl Mock {
             senders: Mutex::new(Vec::new()),
             requests: Mutex::new(Vec::new()),
             ready: AtomicBool::new(true),
+            encoder: byte_level_encoder(),
         })
     }
 
     /// "Hello" + ", world", finished by length after 7 prompt and 2 completion tokens.
     fn hello() -> Arc<Mock> {
         Mock::new(vec![
-            GenEvent::Text("Hello".into()),
-            GenEvent::Text(String::new()),
-            GenEvent::Text(", world".into()),
+            GenEvent::Text { text: "Hello".into(), logprobs: None },
+            GenEvent::Text { text: String::new(), logprobs: None },
+            GenEvent::Text { text: ", world".into(), logprobs: None },
             GenEvent::Finished {
                 reason: FinishReason::Length,
                 prompt_tokens: 7,
@@ -92,6 +95,10 @@ impl Backend for Mock {
                 owned_by: "test".into(),
             },
         ]
+    }
+
+    fn encoder(&self) -> &PromptEncoder {
+        &self.encoder
     }
 
     fn generate(&self, req: GenerationRequest) -> Result<mpsc::Receiver<GenEvent>, ApiError> {
@@ -265,7 +272,7 @@ async fn a_chat_completion_returns_the_backend_text_with_usage() {
     let req = mock.last_request();
     assert_eq!(
         req.prompt,
-        Prompt::Chat(vec![ChatMessage::new("user", "Hi")])
+        Prompt::Chat { messages: vec![ChatMessage::new("user", "Hi")], tools: None }
     );
     assert_eq!(req.max_tokens, None);
     assert_eq!(req.sampling, bulkhead_engine::Sampling::default());
@@ -274,7 +281,7 @@ async fn a_chat_completion_returns_the_backend_text_with_usage() {
 #[tokio::test]
 async fn a_text_completion_returns_a_text_completion_object() {
     let mock = Mock::new(vec![
-        GenEvent::Text(" a time".into()),
+        GenEvent::Text { text: " a time".into(), logprobs: None },
         GenEvent::Finished {
             reason: FinishReason::Stop,
             prompt_tokens: 2,
@@ -399,7 +406,7 @@ async fn a_text_completion_stream_sends_text_chunks_then_usage_then_done() {
 #[tokio::test]
 async fn a_backend_failure_mid_stream_sends_an_error_chunk_then_done() {
     let mock = Mock::new(vec![
-        GenEvent::Text("partial".into()),
+        GenEvent::Text { text: "partial".into(), logprobs: None },
         GenEvent::Failed(ApiError::internal("engine fell over")),
     ]);
     let (status, _, raw) = send(
@@ -421,7 +428,7 @@ async fn a_backend_failure_mid_stream_sends_an_error_chunk_then_done() {
 
 #[tokio::test]
 async fn a_stream_whose_backend_vanishes_without_finishing_ends_with_an_error_chunk_then_done() {
-    let mock = Mock::new(vec![GenEvent::Text("partial".into())]);
+    let mock = Mock::new(vec![GenEvent::Text { text: "partial".into(), logprobs: None }]);
     mock.keep_open.store(false, Ordering::SeqCst);
     let (_, _, raw) = send(
         app(&mock),
@@ -633,8 +640,8 @@ async fn wrong_types_of_known_fields_are_400s_that_name_the_field() {
     }
     let text_cases = [
         (json!({ "prompt": 5 }), "prompt"),
-        (json!({ "prompt": [1, 2, 3] }), "prompt"),
-        (json!({ "prompt": ["a", "b"] }), "prompt"),
+        (json!({ "prompt": [true] }), "prompt[0]"),
+        (json!({ "prompt": [[1, -2]] }), "prompt[0][1]"),
         (json!({ "prompt": [] }), "prompt"),
         (json!({ "max_tokens": [] }), "max_tokens"),
     ];
@@ -680,9 +687,9 @@ async fn wrong_types_of_known_fields_are_400s_that_name_the_field() {
 }
 
 #[tokio::test]
-async fn n_other_than_one_is_rejected() {
+async fn n_outside_one_to_sixteen_is_rejected() {
     let mock = Mock::hello();
-    for n in [json!(2), json!(0), json!(-1), json!(100)] {
+    for n in [json!(0), json!(-1), json!(17), json!(100)] {
         expect_error(
             &mock,
             "/v1/chat/completions",
@@ -807,11 +814,14 @@ async fn request_fields_reach_the_backend() {
     assert_eq!(r.model, MODEL);
     assert_eq!(
         r.prompt,
-        Prompt::Chat(vec![
-            ChatMessage::new("system", "Be brief."),
-            ChatMessage::new("user", "one\ntwo"),
-            ChatMessage::new("assistant", ""),
-        ])
+        Prompt::Chat {
+            messages: vec![
+                ChatMessage::new("system", "Be brief."),
+                ChatMessage::new("user", "one\ntwo"),
+                ChatMessage::new("assistant", ""),
+            ],
+            tools: None
+        }
     );
     assert_eq!(
         r.max_tokens,
@@ -861,7 +871,7 @@ async fn ignore_eos_reaches_the_backend_and_must_be_a_boolean() {
 async fn unknown_fields_are_ignored_and_null_means_not_given() {
     let mock = Mock::hello();
     let extra = json!({
-        "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "metadata": { "a": 1 },
+        "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "metadata": { "a": "1" },
         "store": false, "parallel_tool_calls": null, "x-vendor-extension": [1, 2],
         "max_tokens": null, "temperature": null, "stop": null, "seed": null, "stream": null, "n": null,
     });
@@ -944,8 +954,8 @@ async fn an_oversize_body_is_a_413_with_an_openai_error_body() {
 #[tokio::test]
 async fn dropping_a_stream_closes_the_backend_channel() {
     let mock = Mock::new(vec![
-        GenEvent::Text("one".into()),
-        GenEvent::Text("two".into()),
+        GenEvent::Text { text: "one".into(), logprobs: None },
+        GenEvent::Text { text: "two".into(), logprobs: None },
     ]);
     let resp = app(&mock)
         .oneshot(post(
@@ -975,7 +985,7 @@ async fn dropping_a_stream_closes_the_backend_channel() {
 
 #[tokio::test]
 async fn dropping_a_pending_non_streaming_request_closes_the_backend_channel() {
-    let mock = Mock::new(vec![GenEvent::Text("never finishes".into())]);
+    let mock = Mock::new(vec![GenEvent::Text { text: "never finishes".into(), logprobs: None }]);
     let fut = app(&mock).oneshot(post("/v1/chat/completions", chat(json!({})).to_string()));
     tokio::select! {
         r = fut => panic!("the request cannot finish: {r:?}"),

@@ -8,7 +8,7 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use bulkhead_api::openai::{parse_chat, parse_completion};
 use bulkhead_api::openapi::document;
-use bulkhead_api::{ApiError, Backend, FinishReason, GenerationRequest, ModelCard, router};
+use bulkhead_api::{ApiError, Backend, FinishReason, GenerationRequest, ModelCard, PromptEncoder, router};
 use serde_json::{Value, json};
 use tokio::sync::mpsc::Receiver;
 use tower::ServiceExt;
@@ -47,9 +47,12 @@ fn checked_in_document_is_the_generated_one() {
 }
 
 /// A backend that serves nothing: enough to route `/openapi.json`.
-struct NoBackend;
+struct NoBackend(PromptEncoder);
 
 impl Backend for NoBackend {
+    fn encoder(&self) -> &PromptEncoder {
+        &self.0
+    }
     fn models(&self) -> Vec<ModelCard> {
         Vec::new()
     }
@@ -66,7 +69,7 @@ async fn the_server_serves_the_document() {
     let req = Request::get("/openapi.json")
         .body(Body::empty())
         .expect("request");
-    let resp = router(Arc::new(NoBackend))
+    let resp = router(Arc::new(NoBackend(bulkhead_api::testing::byte_level_encoder())))
         .oneshot(req)
         .await
         .expect("response");

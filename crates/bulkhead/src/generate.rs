@@ -68,7 +68,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
                     writeln!(out)?;
                     tracing::info!(reason = finish.as_str(), prompt_tokens, completion_tokens, "finished");
                 }
-                Event::Failed { error, .. } => anyhow::bail!("generation failed a KV read check: {error}"),
+                Event::Failed { detail, .. } => anyhow::bail!("generation failed: {detail}"),
                 // Only sequences verified from a prefill worker leave the engine retracted.
                 Event::Retracted { .. } => anyhow::bail!("the engine retracted the request"),
             }

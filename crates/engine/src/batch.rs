@@ -20,15 +20,17 @@
 
 use std::sync::Arc;
 
-use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv, Unreleased, VerifiedSequence};
+use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv, Unreleased};
 use bulkhead_model::{Llama, ModelError, SeqInput};
 use bulkhead_protocol::admission::{admit, Generate, Refusal};
+use bulkhead_protocol::decode::DecodeStart;
 use bulkhead_protocol::driver::decode::{make_room, GenEvent, Growing};
-use bulkhead_protocol::{FinishReason, Sampling};
+use bulkhead_protocol::{FinishReason, Sampling, TokenLogprobs};
 use bulkhead_tokenizer::{TokenType, Tokenizer};
 
+use crate::choose::{ChooseError, Chooser, Vocabulary};
 use crate::detok::Utf8Stream;
-use crate::sampling::{Sampler, SamplingError};
+use crate::sampling::SamplingError;
 use crate::stop::StopMatcher;
 
 /// What one step produced for one request: the protocol's [`GenEvent`], so the engine's
@@ -81,6 +83,8 @@ pub enum EngineError {
     #[error(transparent)]
     Sampling(#[from] SamplingError),
     #[error(transparent)]
+    Choose(#[from] ChooseError),
+    #[error(transparent)]
     Model(#[from] ModelError),
     #[error(transparent)]
     Kv(#[from] KvError),
@@ -107,7 +111,7 @@ struct Seq {
     next: Option<u32>,
     /// Most tokens to generate, in all.
     max_tokens: usize,
-    sampler: Sampler,
+    chooser: Chooser,
     utf8: Utf8Stream,
     stop: StopMatcher,
 }
@@ -131,6 +135,7 @@ impl Growing for Seq {
 pub struct Engine {
     model: Arc<Llama>,
     tokenizer: Arc<Tokenizer>,
+    vocab: Arc<Vocabulary>,
     pool: KvPool,
     seqs: Vec<Seq>,
     next_id: u64,
@@ -148,6 +153,7 @@ impl Engine {
         let context_limit = cfg.context_limit.min(model.config.context_length).min(pool.capacity_tokens());
         Engine {
             model,
+            vocab: Arc::new(Vocabulary::new(Arc::clone(&tokenizer))),
             tokenizer,
             pool,
             seqs: Vec::new(),
@@ -194,7 +200,7 @@ impl Engine {
     /// generates.
     pub fn add(&mut self, req: GenRequest) -> Result<RequestId, EngineError> {
         admit(req.prompt.len(), Generate::Tokens(req.max_tokens), self.context_limit)?;
-        let sampler = Sampler::new(req.sampling)?;
+        let chooser = self.vocab.chooser(req.sampling, &req.prompt)?;
         let id = RequestId(self.next_id);
         self.next_id += 1;
         let mut kv = SequenceKv::new(id);
@@ -210,7 +216,7 @@ impl Engine {
             history: Vec::new(),
             next: None,
             max_tokens: req.max_tokens,
-            sampler,
+            chooser,
             utf8: Utf8Stream::new(),
             stop: StopMatcher::new(req.stop),
         });
@@ -236,27 +242,28 @@ impl Engine {
     /// Whether `tok` shows no text: an end-of-generation token, or a special (control)
     /// token unless the request asked to see them.
     fn hidden(&self, s: &Seq, tok: u32) -> bool {
-        self.tokenizer.is_eog(tok) || (s.sampler.params().skip_special_tokens && self.tokenizer.token_type(tok) == Some(TokenType::Control))
+        self.tokenizer.is_eog(tok) || (s.chooser.params().skip_special_tokens && self.tokenizer.token_type(tok) == Some(TokenType::Control))
     }
 
-    /// Take the next token of `i` (sampled here or by a prefill worker): emit its text, and
-    /// return why the sequence ends if it does.
-    fn on_token(&mut self, i: usize, tok: u32, events: &mut Vec<Event>) -> Option<(FinishReason, String)> {
+    /// Take the next token of `i` (sampled here or by a prefill worker), with its
+    /// log-probabilities if asked for: emit its text, and return why the sequence ends if
+    /// it does.
+    fn on_token(&mut self, i: usize, tok: u32, logprobs: Option<TokenLogprobs>, events: &mut Vec<Event>) -> Option<(FinishReason, String)> {
         let hidden = self.hidden(&self.seqs[i], tok);
         let s = &mut self.seqs[i];
         s.history.push(tok);
-        if self.tokenizer.is_eog(tok) && !s.sampler.params().ignore_eos {
-            let mut text = s.stop.push(&s.utf8.finish()).emit;
-            text.push_str(&s.stop.finish());
-            return Some((FinishReason::Stop, text));
-        }
-        // Under ignore_eos an end-of-generation token counts but shows no text; nor does a
-        // special token, unless `skip_special_tokens` is off.
-        let bytes = if hidden { &[][..] } else { self.tokenizer.token_bytes(tok).unwrap_or(&[]) };
+        let ends = (self.tokenizer.is_eog(tok) && !s.chooser.params().ignore_eos) || s.chooser.is_stop_token(tok);
+        // An end token shows no text but still reports its log-probability.
+        let bytes = if hidden || ends { &[][..] } else { self.tokenizer.token_bytes(tok).unwrap_or(&[]) };
         let piece = s.utf8.push(bytes);
         let out = s.stop.push(&piece);
-        events.push(Event::Token { req: s.id, token: tok, text: out.emit });
-        if out.stopped {
+        events.push(Event::Token { req: s.id, token: tok, text: out.emit, logprobs });
+        if ends || s.chooser.grammar_done() {
+            // A finished grammar ends the answer as an end-of-generation token would.
+            let mut text = s.stop.push(&s.utf8.finish()).emit;
+            text.push_str(&s.stop.finish());
+            Some((FinishReason::Stop, text))
+        } else if out.stopped {
             Some((FinishReason::Stop, String::new()))
         } else if s.history.len() >= s.max_tokens {
             let mut text = s.stop.push(&s.utf8.finish()).emit;
@@ -269,38 +276,39 @@ impl Engine {
     }
 
     /// Admit a request whose prompt KV arrived from a prefill worker and was verified, with
-    /// the first token that worker sampled. `resume` holds the tokens an earlier attempt
-    /// generated (the client has them; they end the verified prompt): the detokeniser, the
-    /// stop matcher and the sampler replay them silently, so the answer carries on where it
-    /// was. `max_tokens` counts what is left to generate. Returns the events of the first
-    /// token (its text, and `Finished` if it already ends the request).
-    pub fn add_verified(
-        &mut self,
-        seq: VerifiedSequence,
-        first_token: u32,
-        max_tokens: usize,
-        sampling: Sampling,
-        stop: Vec<String>,
-        resume: &[u32],
-    ) -> Result<(RequestId, Vec<Event>), EngineError> {
+    /// the first token that worker sampled (and its log-probabilities). `resume` holds the
+    /// tokens an earlier attempt generated (the client has them; they end the verified
+    /// prompt): the detokeniser, the stop matcher and the chooser replay them silently, so
+    /// the answer carries on where it was. `prompt` is the prompt's tokens when the
+    /// repetition penalty needs them. `max_tokens` counts what is left to generate. Returns
+    /// the events of the first token (its text, and `Finished` if it already ends the
+    /// request).
+    pub fn add_verified(&mut self, start: DecodeStart) -> Result<(RequestId, Vec<Event>), EngineError> {
+        let DecodeStart { seq, first_token, first_logprobs, max_tokens, sampling, stop, resume, prompt, .. } = start;
+        let max_tokens = max_tokens as usize;
         let verified = seq.prompt_tokens();
         let kv = seq.into_sequence();
         let checked = if resume.len() >= verified {
             Err(EngineError::BadResume { prompt: verified, resumed: resume.len() })
         } else {
-            admit(verified, Generate::Tokens(max_tokens), self.context_limit).map_err(EngineError::from).and_then(|_| Ok(Sampler::new(sampling)?))
+            admit(verified, Generate::Tokens(max_tokens), self.context_limit)
+                .map_err(EngineError::from)
+                .and_then(|_| Ok(self.vocab.chooser(sampling, &prompt)?))
+                .and_then(|mut c| {
+                    // The picks made so far: the resumed ones and the prefill's.
+                    for &t in resume.iter().chain([&first_token]) {
+                        c.replay(t)?;
+                    }
+                    Ok(c)
+                })
         };
-        let mut sampler = match checked {
-            Ok(s) => s,
+        let chooser = match checked {
+            Ok(c) => c,
             Err(e) => {
                 self.give_back(kv);
                 return Err(e);
             }
         };
-        // The draws of every token made so far: the resumed ones and the prefill's.
-        for _ in 0..=resume.len() {
-            sampler.skip_draw();
-        }
         let id = kv.owner();
         let order = self.order();
         let mut s = Seq {
@@ -313,11 +321,11 @@ impl Engine {
             history: Vec::new(),
             next: None,
             max_tokens: max_tokens + resume.len(),
-            sampler,
+            chooser,
             utf8: Utf8Stream::new(),
             stop: StopMatcher::new(stop),
         };
-        for &tok in resume {
+        for &tok in &resume {
             // Already shown to the client: only the state that follows from it matters.
             let hidden = self.hidden(&s, tok);
             let bytes = if hidden { &[][..] } else { self.tokenizer.token_bytes(tok).unwrap_or(&[]) };
@@ -328,7 +336,7 @@ impl Engine {
         self.seqs.push(s);
         let i = self.seqs.len() - 1;
         let mut events = Vec::new();
-        if let Some((reason, text)) = self.on_token(i, first_token, &mut events) {
+        if let Some((reason, text)) = self.on_token(i, first_token, first_logprobs, &mut events) {
             self.finish(i, reason, text, &mut events);
         }
         Ok((id, events))
@@ -375,7 +383,7 @@ impl Engine {
                     tracing::error!(request = s.id.0, ?pages, error = %source, "KV read check failed; request failed");
                     let owner = s.id;
                     self.give_back(s.kv);
-                    events.push(Event::Failed { req: owner, error: source });
+                    events.push(Event::Failed { req: owner, detail: format!("KV read check failed: {source}") });
                 }
                 Ok(mut more) => {
                     events.append(&mut more);
@@ -437,21 +445,38 @@ impl Engine {
         let vocab = self.model.config.vocab;
         let mut events = Vec::new();
         let mut finished = Vec::new();
+        let mut failed = Vec::new();
         let mut rows = logits.chunks_exact(vocab);
         for (i, _, want) in &feeds {
             if !want {
                 continue;
             }
             let Some(l) = rows.next() else { break };
-            let tok = self.seqs[*i].sampler.sample(l)?;
-            if let Some((reason, text)) = self.on_token(*i, tok, &mut events) {
-                finished.push((*i, reason, text));
+            match self.seqs[*i].chooser.choose(l) {
+                Ok(c) => {
+                    if let Some((reason, text)) = self.on_token(*i, c.token, c.logprobs, &mut events) {
+                        finished.push((*i, reason, text));
+                    }
+                }
+                // A grammar that cannot go on fails its own request, not the batch.
+                Err(e) => failed.push((*i, e)),
             }
         }
         // Remove from the back so indices stay valid.
-        finished.sort_by_key(|f| std::cmp::Reverse(f.0));
-        for (i, reason, text) in finished {
-            self.finish(i, reason, text, &mut events);
+        let mut ends: Vec<(usize, Result<(FinishReason, String), ChooseError>)> =
+            finished.into_iter().map(|(i, r, t)| (i, Ok((r, t)))).chain(failed.into_iter().map(|(i, e)| (i, Err(e)))).collect();
+        ends.sort_by_key(|f| std::cmp::Reverse(f.0));
+        for (i, end) in ends {
+            match end {
+                Ok((reason, text)) => self.finish(i, reason, text, &mut events),
+                Err(e) => {
+                    let s = self.seqs.swap_remove(i);
+                    tracing::warn!(request = s.id.0, error = %e, "could not pick a token; request failed");
+                    let req = s.id;
+                    self.give_back(s.kv);
+                    events.push(Event::Failed { req, detail: format!("could not pick a token: {e}") });
+                }
+            }
         }
         Ok(events)
     }

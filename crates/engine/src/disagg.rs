@@ -10,9 +10,11 @@ use bulkhead_model::{Llama, SeqInput};
 use bulkhead_protocol::decode::DecodeStart;
 use bulkhead_protocol::driver::decode::{DecodeEngine, GenEvent};
 use bulkhead_protocol::driver::prefill::{FirstToken, PrefillCompute};
+use bulkhead_protocol::TokenLogprobs;
+use bulkhead_tokenizer::Tokenizer;
 
 use crate::batch::{Engine, EngineError};
-use crate::sampling::Sampler;
+use crate::choose::Vocabulary;
 
 impl DecodeEngine for Engine {
     type Error = EngineError;
@@ -22,7 +24,7 @@ impl DecodeEngine for Engine {
     }
 
     fn add_verified(&mut self, s: DecodeStart) -> Result<Vec<GenEvent>, EngineError> {
-        let (_, events) = Engine::add_verified(self, s.seq, s.first_token, s.max_tokens as usize, s.sampling, s.stop, &s.resume)?;
+        let (_, events) = Engine::add_verified(self, s)?;
         Ok(events)
     }
 
@@ -44,23 +46,39 @@ impl DecodeEngine for Engine {
 }
 
 /// A prefill worker's compute: the model's paged forward pass over the worker's own pool,
-/// and the first token sampled from the last position's logits.
+/// and the first token picked from the last position's logits as the request's sampling
+/// says (penalties, bias and grammar included), with its log-probabilities.
 #[derive(Clone)]
-pub struct Prefiller(pub Arc<Llama>);
+pub struct Prefiller {
+    model: Arc<Llama>,
+    vocab: Arc<Vocabulary>,
+}
+
+impl Prefiller {
+    /// The compute of `model`, picking tokens over `tokenizer`'s vocabulary.
+    pub fn new(model: Arc<Llama>, tokenizer: Arc<Tokenizer>) -> Self {
+        Prefiller { model, vocab: Arc::new(Vocabulary::new(tokenizer)) }
+    }
+}
 
 impl PrefillCompute for Prefiller {
     type Error = EngineError;
 
-    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, first: FirstToken<'_>) -> Result<Option<u32>, EngineError> {
+    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, first: FirstToken<'_>) -> Result<Option<(u32, Option<TokenLogprobs>)>, EngineError> {
         let last = to == tokens.len();
-        let logits = self.0.forward(pool, &mut [SeqInput { kv: seq, tokens: &tokens[from..to], want_logits: last }])?;
+        let logits = self.model.forward(pool, &mut [SeqInput { kv: seq, tokens: &tokens[from..to], want_logits: last }])?;
         if !last {
             return Ok(None);
         }
-        let mut sampler = Sampler::new(first.sampling.clone())?;
-        for _ in 0..first.skip_draws {
-            sampler.skip_draw();
+        // The prompt ends with the tokens a retracted request already generated: the
+        // chooser follows them as if it had picked them (draws, penalties, grammar).
+        let generated = (first.skip_draws as usize).min(tokens.len());
+        let (prompt, earlier) = tokens.split_at(tokens.len() - generated);
+        let mut chooser = self.vocab.chooser(first.sampling.clone(), prompt)?;
+        for &t in earlier {
+            chooser.replay(t)?;
         }
-        Ok(Some(sampler.sample(&logits)?))
+        let c = chooser.choose(&logits)?;
+        Ok(Some((c.token, c.logprobs)))
     }
 }

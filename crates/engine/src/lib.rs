@@ -8,6 +8,8 @@
 //!   no external `rand` dependency.
 //! - [`sampling`]: the per-sequence [`Sampler`] over the protocol's `Sampling`
 //!   (greedy, temperature, top-k, top-p).
+//! - [`choose`]: [`Chooser`], one sequence's next token from the model's logits under its
+//!   penalties, bias, `min_tokens` and grammar, with log-probabilities.
 //! - [`stop`]: [`StopMatcher`], stop-string matching over streamed text.
 //! - [`detok`]: [`Utf8Stream`], incremental UTF-8 assembly of token byte pieces.
 //! - [`batch`]: [`Engine`], continuous batching of requests over one model and KV pool.
@@ -16,6 +18,7 @@
 //! - [`load`]: model, tokenizer and chat template from one GGUF file.
 
 pub mod batch;
+pub mod choose;
 pub mod detok;
 pub mod disagg;
 pub mod load;
@@ -29,5 +32,6 @@ pub use disagg::Prefiller;
 pub use detok::Utf8Stream;
 pub use load::{load_model, LoadError, LoadedModel};
 pub use rng::Rng;
+pub use choose::{ChooseError, Choice, Chooser, Vocabulary};
 pub use sampling::{Sampler, SamplingError};
 pub use stop::{StopMatcher, StopOutcome};

@@ -375,7 +375,7 @@ fn argmax(logits: &[f32]) -> Option<(u32, f32)> {
 /// are buffered, and when the buffer fills it is cut back to the best `k`
 /// with `select_nth_unstable_by`, whose k-th value becomes the threshold.
 /// Later ids lose ties, so only values strictly above it can still qualify.
-fn top_k_into(logits: &[f32], k: usize, out: &mut Vec<Cand>) {
+pub(crate) fn top_k_into(logits: &[f32], k: usize, out: &mut Vec<Cand>) {
     debug_assert!(k > 0);
     out.clear();
     let cap = k + k.max(256);

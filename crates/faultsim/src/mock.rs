@@ -22,7 +22,7 @@ use bulkhead_kv::{KvChecks, KvError, KvLayout, KvPool, PoolConfig, RequestId, Se
 use bulkhead_protocol::decode::DecodeStart;
 use bulkhead_protocol::driver::decode::{make_room, DecodeEngine, GenEvent, Growing};
 use bulkhead_protocol::driver::prefill::{FirstToken, PrefillCompute};
-use bulkhead_protocol::FinishReason;
+use bulkhead_protocol::{FinishReason, TokenLogprobs};
 use half::f16;
 
 use crate::model::{DecodeModel, Expected, ModelFault, Models, PrefillModel, Shape};
@@ -199,7 +199,7 @@ impl Gen {
         let finish = if is_eog(token) {
             Some(FinishReason::Stop)
         } else {
-            events.push(GenEvent::Token { req, token, text: format!("{token} ") });
+            events.push(GenEvent::Token { req, token, text: format!("{token} "), logprobs: None });
             (self.history.len() as u32 >= self.max_tokens).then_some(FinishReason::Length)
         };
         match finish {
@@ -245,8 +245,8 @@ pub struct MockPrefill {
 
 impl PrefillCompute for MockPrefill {
     type Error = ModelFault;
-    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: FirstToken<'_>) -> Result<Option<u32>, ModelFault> {
-        Ok(prefill(pool, seq, tokens, from, to, &mut self.faults)?)
+    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: FirstToken<'_>) -> Result<Option<(u32, Option<TokenLogprobs>)>, ModelFault> {
+        Ok(prefill(pool, seq, tokens, from, to, &mut self.faults)?.map(|t| (t, None)))
     }
 }
 

@@ -70,7 +70,7 @@ impl Models for RealModels {
     }
 
     fn prefill(&self) -> Prefiller {
-        Prefiller(self.model.clone())
+        Prefiller::new(self.model.clone(), self.tokenizer.clone())
     }
 
     fn decode(&self, pool: KvPool, max_context: usize) -> Engine {

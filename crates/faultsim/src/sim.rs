@@ -403,7 +403,7 @@ fn brief(m: &Message) -> String {
 
 fn client_brief(out: &ClientOutput) -> String {
     match out {
-        ClientOutput::Token { text } => format!("token {text:?}"),
+        ClientOutput::Token { text, .. } => format!("token {text:?}"),
         ClientOutput::Finished { finish, completion_tokens, .. } => format!("finished {finish:?} {completion_tokens} tokens"),
         ClientOutput::Rejected { reason, .. } => format!("rejected {reason:?}"),
         ClientOutput::Failed { reason, .. } => format!("failed {reason:?}"),
@@ -1129,7 +1129,7 @@ impl<'m, M: Models> Sim<'m, M> {
                         .outputs
                         .iter()
                         .map(|o| match o {
-                            ClientOutput::Token { text } | ClientOutput::Finished { text, .. } => text.as_str(),
+                            ClientOutput::Token { text, .. } | ClientOutput::Finished { text, .. } => text.as_str(),
                             _ => "",
                         })
                         .collect();

@@ -10,7 +10,7 @@ use bulkhead_protocol::decode::{DecodeAction, DecodeEvent, DecodeStart};
 use bulkhead_protocol::driver::decode::{make_room, DecodeEngine, DecodePolicy, GenEvent, Growing};
 use bulkhead_protocol::driver::prefill::{FirstToken, PrefillCompute, PrefillPolicy};
 use bulkhead_protocol::prefill::PrefillJob;
-use bulkhead_protocol::{FinishReason, Message};
+use bulkhead_protocol::{FinishReason, Message, TokenLogprobs};
 
 use crate::config::{Variant, LAYOUT};
 use crate::world::{Prop, Values, FIRST_TOKEN};
@@ -22,7 +22,7 @@ pub struct MockPrefill<'v>(pub &'v Values);
 
 impl PrefillCompute for MockPrefill<'_> {
     type Error = KvError;
-    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: FirstToken<'_>) -> Result<Option<u32>, KvError> {
+    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: FirstToken<'_>) -> Result<Option<(u32, Option<TokenLogprobs>)>, KvError> {
         for pos in from..to {
             let row = [self.0.of(seq.owner(), pos); LAYOUT.kv_heads * LAYOUT.head_dim];
             let (lease, slot) = seq.locate(pos)?;
@@ -31,7 +31,7 @@ impl PrefillCompute for MockPrefill<'_> {
             }
         }
         seq.commit(pool, to - from)?;
-        Ok((to == tokens.len()).then_some(FIRST_TOKEN))
+        Ok((to == tokens.len()).then_some((FIRST_TOKEN, None)))
     }
 }
 

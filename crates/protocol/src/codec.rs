@@ -24,8 +24,11 @@ use crate::msg::*;
 /// `Prefill.skip_draws`, `PeerLeft` for prefill workers that reconnect, and `Room`;
 /// 7: the cluster handshake (`AuthHello`, `AuthChallenge`, `AuthProof`, `AuthRefused`)
 /// and a 16-byte MAC after every frame that follows it; 8: both sides of the handshake say
-/// whether they want encryption, and an encrypted session's payloads are AES-256-GCM).
-pub const VERSION: u8 = 9;
+/// whether they want encryption, and an encrypted session's payloads are AES-256-GCM;
+/// 9: prefix-cache scopes and reports; 10: `Sampling` carries penalties, `logit_bias`,
+/// `min_p`, `min_tokens`, `stop_token_ids`, log-probabilities and a grammar, `Token` and
+/// `Done` carry log-probabilities, `Reserve` the prompt when the sampling needs it).
+pub const VERSION: u8 = 10;
 /// Default largest payload accepted (a KV chunk of one page is ~370 KB for the default model).
 pub const DEFAULT_MAX_FRAME: usize = 16 << 20;
 const MAGIC: [u8; 2] = *b"BH";
@@ -130,10 +133,55 @@ impl W<'_> {
         self.f32(s.temperature);
         self.u32(s.top_k);
         self.f32(s.top_p);
+        self.f32(s.min_p);
         self.u8(u8::from(s.seed.is_some()));
         self.u64(s.seed.unwrap_or(0));
         self.u8(u8::from(s.ignore_eos));
         self.u8(u8::from(s.skip_special_tokens));
+        self.f32(s.presence_penalty);
+        self.f32(s.frequency_penalty);
+        self.f32(s.repetition_penalty);
+        self.u32(s.logit_bias.len() as u32);
+        for &(t, b) in &s.logit_bias {
+            self.u32(t);
+            self.f32(b);
+        }
+        self.u32(s.min_tokens);
+        self.tokens(&s.stop_token_ids);
+        // 0 = off, else 1 + the number of alternatives.
+        self.u8(s.logprobs.map_or(0, |n| n.saturating_add(1)));
+        match &s.grammar {
+            None => self.u8(0),
+            Some(GrammarSpec::JsonObject) => self.u8(1),
+            Some(GrammarSpec::JsonSchema(t)) => {
+                self.u8(2);
+                self.str(t);
+            }
+            Some(GrammarSpec::Regex(t)) => {
+                self.u8(3);
+                self.str(t);
+            }
+            Some(GrammarSpec::Choice(c)) => {
+                self.u8(4);
+                self.u32(c.len() as u32);
+                c.iter().for_each(|c| self.str(c));
+            }
+            Some(GrammarSpec::Lark(t)) => {
+                self.u8(5);
+                self.str(t);
+            }
+        }
+    }
+    fn logprobs(&mut self, l: &Option<TokenLogprobs>) {
+        self.u8(u8::from(l.is_some()));
+        if let Some(l) = l {
+            self.f32(l.logprob);
+            self.u32(l.top.len() as u32);
+            for &(t, lp) in &l.top {
+                self.u32(t);
+                self.f32(lp);
+            }
+        }
     }
 }
 
@@ -233,6 +281,7 @@ impl<'a> R<'a> {
         let temperature = self.f32()?;
         let top_k = self.u32()?;
         let top_p = self.f32()?;
+        let min_p = self.f32()?;
         // One message, one encoding: the flag is 0 or 1 and an absent seed is sent as 0.
         let seed = match (self.enum_u8("seed flag", flag)?, self.u64()?) {
             (true, seed) => Some(seed),
@@ -241,7 +290,50 @@ impl<'a> R<'a> {
         };
         let ignore_eos = self.enum_u8("ignore_eos", flag)?;
         let skip_special_tokens = self.enum_u8("skip_special_tokens", flag)?;
-        Ok(Sampling { temperature, top_k, top_p, seed, ignore_eos, skip_special_tokens })
+        let (presence_penalty, frequency_penalty, repetition_penalty) = (self.f32()?, self.f32()?, self.f32()?);
+        let n = self.count(8)?;
+        let logit_bias = (0..n).map(|_| Ok((self.u32()?, self.f32()?))).collect::<Result<_, CodecError>>()?;
+        let min_tokens = self.u32()?;
+        let stop_token_ids = self.tokens()?;
+        let logprobs = self.u8()?.checked_sub(1);
+        let grammar = match self.u8()? {
+            0 => None,
+            1 => Some(GrammarSpec::JsonObject),
+            2 => Some(GrammarSpec::JsonSchema(self.str("json schema")?)),
+            3 => Some(GrammarSpec::Regex(self.str("regex")?)),
+            4 => {
+                let n = self.count(4)?;
+                Some(GrammarSpec::Choice((0..n).map(|_| self.str("choice")).collect::<Result<_, _>>()?))
+            }
+            5 => Some(GrammarSpec::Lark(self.str("grammar")?)),
+            v => return Err(CodecError::Invalid { field: "grammar kind", value: v.into() }),
+        };
+        Ok(Sampling {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            seed,
+            ignore_eos,
+            skip_special_tokens,
+            presence_penalty,
+            frequency_penalty,
+            repetition_penalty,
+            logit_bias,
+            min_tokens,
+            stop_token_ids,
+            logprobs,
+            grammar,
+        })
+    }
+    fn logprobs(&mut self) -> Result<Option<TokenLogprobs>, CodecError> {
+        if !self.enum_u8("logprobs flag", flag)? {
+            return Ok(None);
+        }
+        let logprob = self.f32()?;
+        let n = self.count(8)?;
+        let top = (0..n).map(|_| Ok((self.u32()?, self.f32()?))).collect::<Result<_, CodecError>>()?;
+        Ok(Some(TokenLogprobs { logprob, top }))
     }
     fn enum_u8<T>(&mut self, field: &'static str, f: impl Fn(u8) -> Option<T>) -> Result<T, CodecError> {
         let v = self.u8()?;
@@ -346,7 +438,7 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
             w.str(reason);
             28
         }
-        Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, trace } => {
+        Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, prompt, trace } => {
             w.req(*req);
             w.u32(*prompt_tokens);
             w.u32(*max_tokens);
@@ -355,6 +447,7 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
             w.u32(stop.len() as u32);
             stop.iter().for_each(|s| w.str(s));
             w.tokens(resume);
+            w.tokens(prompt);
             w.trace(trace);
             5
         }
@@ -390,22 +483,24 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
             w.bytes(data);
             9
         }
-        Message::Done { req, tokens, first_token, manifest, cached } => {
+        Message::Done { req, tokens, first_token, manifest, cached, first_logprobs } => {
             w.req(*req);
             w.u32(*tokens);
             w.u32(*first_token);
             w.u64(*manifest);
             w.u32(*cached);
+            w.logprobs(first_logprobs);
             10
         }
         Message::Fenced { req } => {
             w.req(*req);
             11
         }
-        Message::Token { req, token, text } => {
+        Message::Token { req, token, text, logprobs } => {
             w.req(*req);
             w.u32(*token);
             w.str(text);
+            w.logprobs(logprobs);
             12
         }
         Message::Finished { req, finish, text, prompt_tokens, completion_tokens, cached_tokens } => {
@@ -476,7 +571,8 @@ fn decode_payload(kind: u8, b: &[u8]) -> Result<Message, CodecError> {
             let n = r.count(4)?;
             let stop = (0..n).map(|_| r.str("stop")).collect::<Result<_, _>>()?;
             let resume = r.tokens()?;
-            Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, trace: r.trace()? }
+            let prompt = r.tokens()?;
+            Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, prompt, trace: r.trace()? }
         }
         6 => Message::Reserved { req: r.req()?, pages: r.pages()? },
         7 => Message::Rejected { req: r.req()?, reason: r.enum_u8("reject reason", reject)?, detail: r.str("detail")? },
@@ -497,9 +593,9 @@ fn decode_payload(kind: u8, b: &[u8]) -> Result<Message, CodecError> {
             };
             Message::KvChunk { req, header, data: r.bytes()?.to_vec() }
         }
-        10 => Message::Done { req: r.req()?, tokens: r.u32()?, first_token: r.u32()?, manifest: r.u64()?, cached: r.u32()? },
+        10 => Message::Done { req: r.req()?, tokens: r.u32()?, first_token: r.u32()?, manifest: r.u64()?, cached: r.u32()?, first_logprobs: r.logprobs()? },
         11 => Message::Fenced { req: r.req()? },
-        12 => Message::Token { req: r.req()?, token: r.u32()?, text: r.str("text")? },
+        12 => Message::Token { req: r.req()?, token: r.u32()?, text: r.str("text")?, logprobs: r.logprobs()? },
         13 => Message::Finished {
             req: r.req()?,
             finish: r.enum_u8("finish", finish)?,
@@ -635,10 +731,23 @@ mod tests {
     use super::*;
 
     fn samples() -> Vec<Message> {
-        let s = Sampling { temperature: 0.7, top_k: 40, top_p: 0.9, seed: Some(7), ignore_eos: true, skip_special_tokens: false };
+        let s = Sampling { temperature: 0.7, top_k: 40, top_p: 0.9, seed: Some(7), ignore_eos: true, skip_special_tokens: false, ..Sampling::default() };
+        let constrained = Sampling {
+            min_p: 0.05,
+            presence_penalty: 0.5,
+            frequency_penalty: -0.25,
+            repetition_penalty: 1.1,
+            logit_bias: vec![(3, -100.0), (9, 2.5)],
+            min_tokens: 4,
+            stop_token_ids: vec![7, 8],
+            logprobs: Some(5),
+            grammar: Some(GrammarSpec::JsonSchema("{\"type\":\"object\"}".into())),
+            ..s.clone()
+        };
+        let grammars = [GrammarSpec::JsonObject, GrammarSpec::Regex("[0-9]+".into()), GrammarSpec::Choice(vec!["yes".into(), "no".into()]), GrammarSpec::Lark("start: \"a\"".into())];
         let pages = vec![PageRef { page: PageId(3), generation: Generation(9) }];
         let trace = TraceContext { trace_id: *b"0123456789abcdef", request_id: "req-1".into(), tenant: "acme".into() };
-        vec![
+        let mut all = vec![
             Message::Hello(Hello {
                 role: Role::Decode,
                 model_digest: 42,
@@ -662,6 +771,7 @@ mod tests {
                 sampling: s.clone(),
                 stop: vec!["x".into(), "".into()],
                 resume: vec![8, 9],
+                prompt: vec![1, 2, 3],
                 trace: trace.clone(),
             },
             Message::Reserved { req: RequestId(5), pages: pages.clone() },
@@ -681,9 +791,11 @@ mod tests {
                 header: ChunkHeader { page: PageId(3), generation: Generation(9), slot_start: 0, slot_count: 2, checksum: 77 },
                 data: vec![1, 2, 3, 4],
             },
-            Message::Done { req: RequestId(5), tokens: 3, first_token: 11, manifest: 99, cached: 2 },
+            Message::Done { req: RequestId(5), tokens: 3, first_token: 11, manifest: 99, cached: 2, first_logprobs: None },
+            Message::Done { req: RequestId(5), tokens: 3, first_token: 11, manifest: 99, cached: 2, first_logprobs: Some(TokenLogprobs { logprob: -0.5, top: vec![(11, -0.5), (3, -1.5)] }) },
             Message::Fenced { req: RequestId(5) },
-            Message::Token { req: RequestId(5), token: 4, text: "héllo".into() },
+            Message::Token { req: RequestId(5), token: 4, text: "héllo".into(), logprobs: None },
+            Message::Token { req: RequestId(5), token: 4, text: String::new(), logprobs: Some(TokenLogprobs { logprob: -2.0, top: vec![] }) },
             Message::Finished { req: RequestId(5), finish: FinishReason::Length, text: String::new(), prompt_tokens: 3, completion_tokens: 1, cached_tokens: 2 },
             Message::Failed { req: RequestId(5), reason: FailReason::TransferRefused, detail: "checksum".into() },
             Message::Abort { req: RequestId(5), reason: AbortReason::ClientGone },
@@ -709,7 +821,11 @@ mod tests {
                     },
                 ],
             },
-        ]
+        ];
+        let prefill = |req: u64, sampling: Sampling| Message::Prefill { req: RequestId(req), tokens: vec![1], decode: WorkerId(2), pages: vec![], sampling, skip_draws: 0, trace: TraceContext::default(), cache: None };
+        all.push(prefill(7, constrained.clone()));
+        all.extend(grammars.into_iter().enumerate().map(|(i, g)| prefill(8 + i as u64, Sampling { grammar: Some(g), ..constrained.clone() })));
+        all
     }
 
     #[test]

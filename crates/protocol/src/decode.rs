@@ -55,6 +55,8 @@ pub struct DecodeStart {
     pub seq: VerifiedSequence,
     /// First generated token (sampled by the prefill worker).
     pub first_token: u32,
+    /// Its log-probabilities, when the request asked for them.
+    pub first_logprobs: Option<TokenLogprobs>,
     /// Most tokens to generate, the first included.
     pub max_tokens: u32,
     /// Sampling settings.
@@ -64,6 +66,8 @@ pub struct DecodeStart {
     /// Tokens an earlier attempt generated (the client has them): the last ones of the
     /// verified prompt, replayed by the decode loop so it picks up where it was.
     pub resume: Vec<u32>,
+    /// The prompt's tokens, when the sampling's repetition penalty needs them (else empty).
+    pub prompt: Vec<u32>,
 }
 
 /// What the driver must do.
@@ -167,6 +171,7 @@ struct Pending {
     sampling: Sampling,
     stop: Vec<String>,
     resume: Vec<u32>,
+    prompt: Vec<u32>,
     /// `transfer_timeout_ms` after the reservation or the last frame from its prefill worker,
     /// whichever is later: a prefill that keeps talking (chunks for any request, keepalives)
     /// may have this prompt queued behind others; one silent that long is cut off or hung.
@@ -408,7 +413,7 @@ impl DecodeRole {
 
     fn on_gateway(&mut self, pool: &mut KvPool, m: Message, out: &mut Vec<DecodeAction>) {
         match m {
-            Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, .. } => {
+            Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, prompt, .. } => {
                 if self.known(req) {
                     out.push(self.reject(req, RejectReason::Duplicate, format!("request {req} is already in flight")));
                     return;
@@ -433,7 +438,7 @@ impl DecodeRole {
                         self.stats.reserved += 1;
                         let pages = inbound.prompt_pages(pool.layout().page_size);
                         let deadline_ms = self.now_ms.saturating_add(self.cfg.transfer_timeout_ms);
-                        self.pending.insert(req, Pending { inbound, prefill, max_tokens, sampling, stop, resume, deadline_ms });
+                        self.pending.insert(req, Pending { inbound, prefill, max_tokens, sampling, stop, resume, prompt, deadline_ms });
                         out.push(DecodeAction::ToGateway(Message::Reserved { req, pages }));
                     }
                     Err(KvError::Exhausted { requested, free }) => {
@@ -499,7 +504,7 @@ impl DecodeRole {
                     }
                 }
             }
-            Message::Done { req, tokens, first_token, manifest, cached } => {
+            Message::Done { req, tokens, first_token, manifest, cached, first_logprobs } => {
                 if self.pending.get(&req).is_some_and(|p| p.prefill == from) {
                     let Some(p) = self.pending.remove(&req) else { return };
                     // Done is the sender's last message for req: from here it is fenced.
@@ -511,10 +516,12 @@ impl DecodeRole {
                                 req,
                                 seq,
                                 first_token,
+                                first_logprobs,
                                 max_tokens: p.max_tokens,
                                 sampling: p.sampling,
                                 stop: p.stop,
                                 resume: p.resume,
+                                prompt: p.prompt,
                             }));
                         }
                         Err((e, seq)) => {

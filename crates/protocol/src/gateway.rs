@@ -109,8 +109,9 @@ impl BusyReason {
 /// The one terminal outcome of a request, or a streamed token.
 #[derive(Clone, Debug, PartialEq)]
 pub enum ClientOutput {
-    /// Text released by one generated token.
-    Token { text: String },
+    /// One generated token, the text it released, and its log-probabilities when the
+    /// request asked for them.
+    Token { token: u32, text: String, logprobs: Option<TokenLogprobs> },
     /// Ended normally. `cached_tokens`: prompt tokens its prefill took from the cache.
     Finished { finish: FinishReason, text: String, prompt_tokens: u32, completion_tokens: u32, cached_tokens: u32 },
     /// Refused before running (over-context: HTTP 400).
@@ -527,6 +528,7 @@ impl GatewayRole {
                 sampling: f.sampling.clone(),
                 stop: f.stop.clone(),
                 resume: f.resume.clone(),
+                prompt: if f.sampling.needs_prompt() { f.tokens.clone() } else { Vec::new() },
                 trace: f.trace.clone(),
             };
             out.push(GatewayAction::ToWorker { to: route.decode, msg });
@@ -767,9 +769,9 @@ impl GatewayRole {
                 };
                 out.push(GatewayAction::ToWorker { to: route.prefill, msg });
             }
-            Message::Token { text, .. } if from == route.decode => {
+            Message::Token { token, text, logprobs, .. } if from == route.decode => {
                 f.phase = Phase::Decoding;
-                out.push(GatewayAction::ToClient { req, out: ClientOutput::Token { text } });
+                out.push(GatewayAction::ToClient { req, out: ClientOutput::Token { token, text, logprobs } });
             }
             Message::Finished { finish, text, prompt_tokens, completion_tokens, cached_tokens, .. } if from == route.decode => {
                 self.inflight.remove(&req);

@@ -61,7 +61,12 @@ impl Hello {
 }
 
 /// How to pick each token: the one sampling vocabulary of the gateway, the workers and the
-/// engine. The default is greedy.
+/// engine. The default is greedy, with nothing else applied.
+///
+/// The order every sampler applies them in (vLLM's): the model's logits give the
+/// log-probabilities that are reported ([`Sampling::logprobs`]); then the repetition,
+/// frequency and presence penalties, `logit_bias`, `min_tokens` and the grammar's mask
+/// change the logits; then temperature, `min_p`, `top_k` and `top_p` pick the token.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Sampling {
     /// Softmax temperature; 0 = greedy (argmax).
@@ -71,17 +76,56 @@ pub struct Sampling {
     /// Nucleus sampling: keep the smallest set of most likely tokens whose mass reaches
     /// `top_p`; 1 = off.
     pub top_p: f32,
+    /// Keep only tokens at least `min_p` times as likely as the most likely one; 0 = off.
+    pub min_p: f32,
     /// Seed, if reproducibility was asked for.
     pub seed: Option<u64>,
     /// Generate past end-of-generation tokens (only max_tokens or a stop string ends).
     pub ignore_eos: bool,
     /// Show no text for special (control) tokens such as `<|im_start|>` (vLLM's default).
     pub skip_special_tokens: bool,
+    /// Subtracted from the logit of every token generated so far, once (OpenAI's range
+    /// -2..=2); 0 = off.
+    pub presence_penalty: f32,
+    /// Subtracted from the logit of every token generated so far, once per occurrence;
+    /// 0 = off.
+    pub frequency_penalty: f32,
+    /// vLLM's: the logits of tokens in the prompt or generated so far are divided by it
+    /// (multiplied when negative); 1 = off.
+    pub repetition_penalty: f32,
+    /// Added to the logits of these tokens (OpenAI's range -100..=100), ascending by id.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// End-of-generation and `stop_token_ids` tokens cannot be picked before this many
+    /// tokens were generated.
+    pub min_tokens: u32,
+    /// Tokens that end the generation like an end-of-generation token (shown as no text).
+    pub stop_token_ids: Vec<u32>,
+    /// Report each picked token's log-probability and this many most likely alternatives
+    /// (0..=20); `None` = off.
+    pub logprobs: Option<u8>,
+    /// What the output must match (structured outputs); `None` = anything.
+    pub grammar: Option<GrammarSpec>,
 }
 
 impl Default for Sampling {
     fn default() -> Self {
-        Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, ignore_eos: false, skip_special_tokens: true }
+        Sampling {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: None,
+            ignore_eos: false,
+            skip_special_tokens: true,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
+            min_tokens: 0,
+            stop_token_ids: Vec::new(),
+            logprobs: None,
+            grammar: None,
+        }
     }
 }
 
@@ -90,6 +134,39 @@ impl Sampling {
     pub fn is_greedy(&self) -> bool {
         self.temperature == 0.0
     }
+
+    /// Whether the repetition penalty needs the prompt's tokens (a decode worker gets them
+    /// in `Reserve` only then).
+    pub fn needs_prompt(&self) -> bool {
+        self.repetition_penalty != 1.0
+    }
+}
+
+/// What a request's output must match (structured outputs). Every worker that samples a
+/// token compiles it over its vocabulary (the grammar crate, with llguidance) and masks
+/// every token it does not allow, the first token on the prefill worker included.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GrammarSpec {
+    /// Any JSON object (`response_format: {"type": "json_object"}`).
+    JsonObject,
+    /// JSON valid under this JSON Schema (its text).
+    JsonSchema(String),
+    /// Text matching this regular expression (vLLM's `guided_regex`).
+    Regex(String),
+    /// Exactly one of these strings (vLLM's `guided_choice`).
+    Choice(Vec<String>),
+    /// A grammar in llguidance's Lark dialect (vLLM's `guided_grammar`; tool calls).
+    Lark(String),
+}
+
+/// One generated token's log-probability under the model (before penalties, bias and
+/// grammar), and the most likely tokens at that step with theirs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    /// The log-probability of the picked token.
+    pub logprob: f32,
+    /// The most likely tokens and their log-probabilities, most likely first.
+    pub top: Vec<(u32, f32)>,
 }
 
 /// Where a request came from, carried to every worker so that its log lines can be found
@@ -261,7 +338,9 @@ pub enum Message {
     /// Gateway → decode: reserve pages for a prompt that `prefill` will write. `resume`
     /// holds the tokens a retracted request already generated (and the client already has):
     /// they end the prompt, and the decode loop replays them to pick up where it was.
-    Reserve { req: RequestId, prompt_tokens: u32, max_tokens: u32, prefill: WorkerId, sampling: Sampling, stop: Vec<String>, resume: Vec<u32>, trace: TraceContext },
+    /// `prompt` holds the prompt's tokens only when the sampling needs them
+    /// ([`Sampling::needs_prompt`]), else it is empty.
+    Reserve { req: RequestId, prompt_tokens: u32, max_tokens: u32, prefill: WorkerId, sampling: Sampling, stop: Vec<String>, resume: Vec<u32>, prompt: Vec<u32>, trace: TraceContext },
     /// Decode → gateway: reserved; these are the prompt pages the prefill may write.
     Reserved { req: RequestId, pages: Vec<PageRef> },
     /// Worker → gateway: refused before running. Terminal for the request.
@@ -276,11 +355,13 @@ pub enum Message {
     /// Prefill → decode: all chunks sent. The last message for `req` on this connection.
     /// `cached`: how many of the `tokens` came from the prefill's cache (they were sent and
     /// are verified like the others).
-    Done { req: RequestId, tokens: u32, first_token: u32, manifest: u64, cached: u32 },
+    /// `first_logprobs`: the first token's, when the request asked for them.
+    Done { req: RequestId, tokens: u32, first_token: u32, manifest: u64, cached: u32, first_logprobs: Option<TokenLogprobs> },
     /// Prefill → decode: nothing (more) will be sent for `req`. The last message for `req`.
     Fenced { req: RequestId },
-    /// Decode → gateway: one generated token and the text it released.
-    Token { req: RequestId, token: u32, text: String },
+    /// Decode → gateway: one generated token, the text it released, and its
+    /// log-probabilities when the request asked for them.
+    Token { req: RequestId, token: u32, text: String, logprobs: Option<TokenLogprobs> },
     /// Decode → gateway: the request ended normally. Terminal. `cached_tokens`: the prompt
     /// tokens its prefill took from the cache (as `Done` said).
     Finished { req: RequestId, finish: FinishReason, text: String, prompt_tokens: u32, completion_tokens: u32, cached_tokens: u32 },

@@ -88,11 +88,11 @@ pub enum PrefillFailure {
 }
 
 /// How the driver's work on a job ended.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum JobOutcome {
     /// All chunks sent.
     /// `cached`: the leading prompt tokens taken from the prefix cache.
-    Done { tokens: u32, first_token: u32, manifest: u64, cached: u32 },
+    Done { tokens: u32, first_token: u32, first_logprobs: Option<TokenLogprobs>, manifest: u64, cached: u32 },
     /// Stopped early because [`PrefillRole::keep_going`] said so.
     Stopped,
     /// The job could not be finished.
@@ -406,9 +406,9 @@ impl PrefillRole {
         self.running = None;
         let to = r.decode;
         match outcome {
-            JobOutcome::Done { tokens, first_token, manifest, cached } if !r.aborted => {
+            JobOutcome::Done { tokens, first_token, first_logprobs, manifest, cached } if !r.aborted => {
                 self.stats.completed += 1;
-                vec![PrefillAction::ToDecode { to, msg: Message::Done { req, tokens, first_token, manifest, cached } }]
+                vec![PrefillAction::ToDecode { to, msg: Message::Done { req, tokens, first_token, manifest, cached, first_logprobs } }]
             }
             JobOutcome::Done { .. } | JobOutcome::Stopped => {
                 self.stats.aborted += 1;

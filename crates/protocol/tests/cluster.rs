@@ -34,7 +34,7 @@ struct MockCompute;
 
 impl PrefillCompute for MockCompute {
     type Error = KvError;
-    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: FirstToken<'_>) -> Result<Option<u32>, KvError> {
+    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: FirstToken<'_>) -> Result<Option<(u32, Option<TokenLogprobs>)>, KvError> {
         for pos in from..to {
             let (lease, slot) = seq.locate(pos)?;
             let v = kv_value(seq.owner(), pos);
@@ -43,7 +43,7 @@ impl PrefillCompute for MockCompute {
             }
         }
         seq.commit(pool, to - from)?;
-        Ok((to == tokens.len()).then_some(7))
+        Ok((to == tokens.len()).then_some((7, None)))
     }
 }
 
@@ -76,7 +76,7 @@ impl DecodeEngine for MockEngine {
             let Some((_, left)) = self.decoding.get_mut(&req) else { continue };
             *left -= 1;
             if *left > 0 {
-                out.push(GenEvent::Token { req, token: 9, text: "x".into() });
+                out.push(GenEvent::Token { req, token: 9, text: "x".into(), logprobs: None });
                 continue;
             }
             let Some((seq, _)) = self.decoding.remove(&req) else { continue };

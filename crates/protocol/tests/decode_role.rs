@@ -48,7 +48,7 @@ impl Rig {
     fn reserve(&mut self, req: u64, prompt: u32, max_tokens: u32, prefill: WorkerId) -> Vec<DecodeAction> {
         let sampling = Sampling::default();
         let trace = TraceContext::default();
-        self.gateway(Message::Reserve { req: RequestId(req), prompt_tokens: prompt, max_tokens, prefill, sampling, stop: vec![], resume: vec![], trace })
+        self.gateway(Message::Reserve { req: RequestId(req), prompt_tokens: prompt, max_tokens, prefill, sampling, stop: vec![], resume: vec![], prompt: vec![], trace })
     }
 
     /// Reserves and returns the prompt pages granted.
@@ -75,7 +75,7 @@ impl Rig {
         let chunks = export_chunks(&self.ppool, &seq, pages, 0, prompt, &mut manifest).expect("export");
         seq.release(&mut self.ppool).expect("release");
         let chunks = chunks.into_iter().map(|(header, data)| Message::KvChunk { req, header, data }).collect();
-        (chunks, Message::Done { req, tokens: prompt as u32, first_token: 7, manifest: manifest.digest(), cached: 0 })
+        (chunks, Message::Done { req, tokens: prompt as u32, first_token: 7, manifest: manifest.digest(), cached: 0, first_logprobs: None })
     }
 
     /// (pending, fencing, decoding) of the role; (free, leased, quarantined) pages of the pool.
@@ -159,7 +159,7 @@ fn only_the_assigned_prefill_worker_can_fence_a_quarantined_reservation() {
     r.gateway(Message::Abort { req: RequestId(1), reason: AbortReason::ClientGone });
     assert_eq!(r.state(), ((0, 1, 0), (13, 0, 3)));
     // B never wrote these pages; its word says nothing about A's writes in flight.
-    let done = Message::Done { req: RequestId(1), tokens: 8, first_token: 7, manifest: 0, cached: 0 };
+    let done = Message::Done { req: RequestId(1), tokens: 8, first_token: 7, manifest: 0, cached: 0, first_logprobs: None };
     r.prefill(B, done.clone());
     r.prefill(B, Message::Fenced { req: RequestId(1) });
     assert_eq!(r.state(), ((0, 1, 0), (13, 0, 3)), "fenced by the wrong worker");

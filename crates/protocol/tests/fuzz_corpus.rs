@@ -45,12 +45,13 @@ fn a_seed_flag_other_than_0_or_1_and_a_seed_sent_without_its_flag_are_refused() 
         sampling,
         stop: Vec::new(),
         resume: Vec::new(),
+        prompt: Vec::new(),
         trace: Default::default(),
     };
     let mut frame = Vec::new();
     encode(&m, &mut frame);
-    // Header 8, request 8, three u32 counts 12, temperature, top_k, top_p 12: the flag.
-    let flag = 40;
+    // Header 8, request 8, three u32 counts 12, temperature, top_k, top_p, min_p 16: the flag.
+    let flag = 44;
     assert_eq!(frame[flag..flag + 9], [0; 9], "the flag and the seed are where this test expects");
     let decode = |b: &[u8]| {
         let mut d = FrameDecoder::new(1 << 16);

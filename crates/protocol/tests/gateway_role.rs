@@ -46,7 +46,7 @@ fn reserved(req: u64) -> Message {
 }
 
 fn token(req: u64) -> Message {
-    Message::Token { req: RequestId(req), token: 9, text: "x".into() }
+    Message::Token { req: RequestId(req), token: 9, text: "x".into(), logprobs: None }
 }
 
 /// (decode, prefill) a Reserve was routed to.
@@ -98,7 +98,7 @@ fn only_the_assigned_decode_worker_moves_a_request_on_and_speaks_to_the_client()
     assert!(matches!(acts.as_slice(), [GatewayAction::ToWorker { to: P1, msg: Message::Prefill { .. } }]), "{acts:?}");
     assert!(from(&mut g, D2, reserved(1)).is_empty(), "a second Reserved sends no second Prefill");
     assert!(from(&mut g, P1, token(1)).is_empty());
-    assert_eq!(to_client(&from(&mut g, D2, token(1))), [&ClientOutput::Token { text: "x".into() }]);
+    assert_eq!(to_client(&from(&mut g, D2, token(1))), [&ClientOutput::Token { token: 9, text: "x".into(), logprobs: None }]);
     let finished = Message::Finished { req: RequestId(1), finish: FinishReason::Stop, text: String::new(), prompt_tokens: 4, completion_tokens: 1, cached_tokens: 0 };
     assert!(from(&mut g, P1, finished.clone()).is_empty());
     assert_eq!(g.in_flight(), 1);

@@ -24,7 +24,7 @@ fn kv_of(tokens: &[u32], pos: usize) -> f32 {
 
 impl PrefillCompute for PrefixModel {
     type Error = KvError;
-    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: FirstToken<'_>) -> Result<Option<u32>, KvError> {
+    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: FirstToken<'_>) -> Result<Option<(u32, Option<TokenLogprobs>)>, KvError> {
         for pos in from..to {
             let (lease, slot) = seq.locate(pos)?;
             let v = kv_of(tokens, pos);
@@ -34,7 +34,7 @@ impl PrefillCompute for PrefixModel {
         }
         seq.commit(pool, to - from)?;
         self.computed += to - from;
-        Ok((to == tokens.len()).then_some(1))
+        Ok((to == tokens.len()).then_some((1, None)))
     }
 }
 

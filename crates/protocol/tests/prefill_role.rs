@@ -107,10 +107,10 @@ fn an_abort_ends_a_queued_job_at_once_and_a_running_one_at_its_next_chunk_with_a
     assert!(p.handle(abort(1)).is_empty(), "the running job is told at its next chunk");
     assert!(!p.keep_going(RequestId(1)));
     // It finished computing anyway: the decode worker gets a fence, never a Done.
-    let acts = sent(p.job_ended(RequestId(1), JobOutcome::Done { tokens: 4, first_token: 7, manifest: 1, cached: 0 }));
+    let acts = sent(p.job_ended(RequestId(1), JobOutcome::Done { tokens: 4, first_token: 7, manifest: 1, cached: 0, first_logprobs: None }));
     assert!(matches!(acts.as_slice(), [a] if fenced(1)(a)), "{acts:?}");
     assert!(p.next_job().is_some_and(|j| j.req == RequestId(3)), "the aborted job never runs");
-    let acts = sent(p.job_ended(RequestId(3), JobOutcome::Done { tokens: 4, first_token: 7, manifest: 1, cached: 0 }));
+    let acts = sent(p.job_ended(RequestId(3), JobOutcome::Done { tokens: 4, first_token: 7, manifest: 1, cached: 0, first_logprobs: None }));
     assert!(matches!(acts.as_slice(), [(false, Message::Done { .. })]), "{acts:?}");
     assert_eq!(p.stats(), PrefillStats { admitted: 3, aborted: 2, completed: 1, ..PrefillStats::default() });
 }

@@ -28,6 +28,7 @@ fn aborted_reservation(connected: bool) -> (DecodeRole, KvPool) {
         sampling,
         stop: vec![],
         resume: vec![],
+        prompt: vec![],
         trace: TraceContext::default(),
     };
     dec.handle(&mut pool, DecodeEvent::Gateway(reserve));

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bulkhead_api::{ApiError, Backend, GenEvent, GenerationRequest, ModelCard, Prompt};
+use bulkhead_api::{ApiError, Backend, GenEvent, GenerationRequest, ModelCard};
 
 use bulkhead_api::{PromptEncoder, Tenants};
 use bulkhead_protocol::cache::{CacheScope, CacheSecret};
@@ -145,13 +145,17 @@ impl Backend for ClusterBackend {
         vec![c]
     }
 
+    fn encoder(&self) -> &PromptEncoder {
+        &self.0.encoder
+    }
+
     fn generate(&self, req: GenerationRequest) -> Result<mpsc::Receiver<GenEvent>, ApiError> {
         let arrived = Instant::now();
         let s = &self.0;
         let tokens = s.encoder.encode(&req.prompt).inspect_err(|_| count(&s.refused.invalid))?;
         let limit = s.max_context.load(Ordering::Acquire);
         let max_tokens = req.max_tokens.unwrap_or_else(|| default_max_tokens(tokens.len(), limit));
-        let prompt_param = if matches!(req.prompt, Prompt::Chat(_)) { "messages" } else { "prompt" };
+        let prompt_param = req.prompt.param();
         if s.admission_check
             && let Err(r) = admit(tokens.len(), Generate::Tokens(max_tokens), limit)
         {
@@ -485,16 +489,16 @@ impl Actor {
         let Some(c) = self.clients.get_mut(&req) else { return };
         let mut events = Vec::new();
         match out {
-            ClientOutput::Token { text } => {
+            ClientOutput::Token { token, text, logprobs } => {
                 self.requests.token(c.arrived, c.last_token);
                 c.last_token = Some(Instant::now());
-                if !text.is_empty() {
-                    events.push(GenEvent::Text(text));
+                if !text.is_empty() || logprobs.is_some() {
+                    events.push(GenEvent::Text { text, logprobs: logprobs.map(|l| (token, l)) });
                 }
             }
             ClientOutput::Finished { finish, text, prompt_tokens, completion_tokens, cached_tokens } => {
                 if !text.is_empty() {
-                    events.push(GenEvent::Text(text));
+                    events.push(GenEvent::Text { text, logprobs: None });
                 }
                 if c.last_token.is_none() && completion_tokens > 0 {
                     self.requests.token(c.arrived, None);

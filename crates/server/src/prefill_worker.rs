@@ -152,7 +152,7 @@ const STABLE_INCARNATION: Duration = Duration::from_secs(10);
 /// and register again under a new id (see `protocol::prefill`), with backoff.
 pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     let crate::worker::Loaded { model, mut pool, context, digest } = load(&cfg)?;
-    let compute = Prefiller(Arc::new(model.model));
+    let compute = Prefiller::new(Arc::new(model.model), Arc::new(model.tokenizer));
     let cache_pages = cfg.prefix_cache_pages.min(pool.total_pages());
     if cache_pages > 0 {
         let tokens = cache_pages * pool.layout().page_size;

@@ -20,16 +20,27 @@ const TEMPLATE_NAME: &str = "chat_template";
 /// One chat message, as in an OpenAI-style request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
-    /// `system`, `user`, `assistant`, ...
+    /// `system`, `user`, `assistant`, `tool`, ...
     pub role: String,
     /// The message text.
     pub content: String,
+    /// An assistant turn's tool calls, as OpenAI sends them (`id`, `type`, `function` with
+    /// `name` and `arguments`; the arguments parsed into an object where they are JSON,
+    /// which is what templates that loop over `tool_calls` expect).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A tool result's call id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A tool result's function name, or a participant's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
     /// A message with the given role and content.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage { role: role.into(), content: content.into(), tool_calls: None, tool_call_id: None, name: None }
     }
 }
 
@@ -95,17 +106,37 @@ impl ChatTemplate {
     /// Render the prompt for `messages`; with `add_generation_prompt` the template appends the
     /// opening of the assistant's turn.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TokenizerError> {
+        self.render_with_tools(messages, add_generation_prompt, &[])
+    }
+
+    /// [`ChatTemplate::render`] with the request's tools (OpenAI's `tools` entries) in the
+    /// template's `tools` variable (left undefined when there are none, as Hugging Face's
+    /// renderer does).
+    pub fn render_with_tools(&self, messages: &[ChatMessage], add_generation_prompt: bool, tools: &[serde_json::Value]) -> Result<String, TokenizerError> {
         let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(TokenizerError::TemplateRender)?;
+        let tools = (!tools.is_empty()).then_some(tools);
         let ctx = context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
+            tools => tools,
         };
         tmpl.render(ctx).map_err(|e| match raised_message(&e) {
             Some(message) => TokenizerError::TemplateRaised { message },
             None => TokenizerError::TemplateRender(e),
         })
+    }
+
+    /// Whether the template reads the `tools` variable (else a caller must put the tools
+    /// into the prompt itself).
+    pub fn uses_tools(&self) -> bool {
+        self.source.contains("tools")
+    }
+
+    /// Whether the template renders assistant `tool_calls` and `tool` messages itself.
+    pub fn uses_tool_calls(&self) -> bool {
+        self.source.contains("tool_calls")
     }
 }
 

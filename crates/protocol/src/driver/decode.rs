@@ -9,19 +9,21 @@ use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv};
 
 use crate::decode::{DecodeAction, DecodeEvent, DecodeRole, DecodeStart};
 use crate::driver::Honest;
-use crate::msg::{FailReason, FinishReason, Message, WorkerId};
+use crate::msg::{FailReason, FinishReason, Message, TokenLogprobs, WorkerId};
 
 /// What a decode loop produced for one request.
 #[derive(Clone, Debug, PartialEq)]
 pub enum GenEvent {
     /// A token was generated; `text` is what may be shown now (possibly empty while a
-    /// UTF-8 character or a possible stop string is incomplete).
-    Token { req: RequestId, token: u32, text: String },
+    /// UTF-8 character or a possible stop string is incomplete), with the token's
+    /// log-probabilities when the request asked for them.
+    Token { req: RequestId, token: u32, text: String, logprobs: Option<TokenLogprobs> },
     /// The request ended; `text` is any text released at the end.
     Finished { req: RequestId, finish: FinishReason, text: String, prompt_tokens: u32, completion_tokens: u32 },
-    /// The request failed a KV read check (a stale lease, the poison canary or the
-    /// auditor) and left the loop before its step ran; its pages are given back.
-    Failed { req: RequestId, error: KvError },
+    /// The request failed alone and left the loop, its pages given back: a KV read check
+    /// (a stale lease, the poison canary or the auditor) before its step ran, or no token
+    /// could be picked for it (its grammar failed). `detail` says which.
+    Failed { req: RequestId, detail: String },
     /// The loop could not grow the pages of its sequences and gave this request's back
     /// (through the pool's release: new generations) so the others go on. `tokens` is
     /// everything it generated, which the client has: it resumes from there later.
@@ -45,13 +47,11 @@ impl GenEvent {
     /// `cached_tokens` prompt tokens from the prefill's cache.
     pub fn into_message(self, cached_tokens: u32) -> Message {
         match self {
-            GenEvent::Token { req, token, text } => Message::Token { req, token, text },
+            GenEvent::Token { req, token, text, logprobs } => Message::Token { req, token, text, logprobs },
             GenEvent::Finished { req, finish, text, prompt_tokens, completion_tokens } => {
                 Message::Finished { req, finish, text, prompt_tokens, completion_tokens, cached_tokens }
             }
-            GenEvent::Failed { req, error } => {
-                Message::Failed { req, reason: FailReason::Internal, detail: format!("KV read check failed: {error}") }
-            }
+            GenEvent::Failed { req, detail } => Message::Failed { req, reason: FailReason::Internal, detail },
             GenEvent::Retracted { req, tokens } => Message::Retracted { req, tokens },
         }
     }

@@ -20,7 +20,7 @@ use bulkhead_kv::{CacheStats, Fence, KvError, KvPool, PageKey, PrefixCache, Requ
 
 use crate::cache::CacheScope;
 use crate::driver::Honest;
-use crate::msg::{Message, Sampling, WorkerId};
+use crate::msg::{Message, Sampling, TokenLogprobs, WorkerId};
 
 use crate::prefill::{JobOutcome, PrefillAction, PrefillEvent, PrefillFailure, PrefillJob, PrefillRole};
 
@@ -40,8 +40,9 @@ pub trait PrefillCompute {
     type Error: std::fmt::Display;
     /// Compute and commit the KV of prompt positions `from..to` into `seq` (in `pool`,
     /// reserved for the whole prompt, `from` positions committed). After the last
-    /// position, the first generated token, picked as `first` says.
-    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, first: FirstToken<'_>) -> Result<Option<u32>, Self::Error>;
+    /// position, the first generated token, picked as `first` says, with its
+    /// log-probabilities if the request asked for them.
+    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, first: FirstToken<'_>) -> Result<Option<(u32, Option<TokenLogprobs>)>, Self::Error>;
 }
 
 /// The KV connection to the target decode worker is gone: the job stops.
@@ -119,7 +120,7 @@ struct Cache {
 }
 
 /// What one step did, for the caller's logs.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Step {
     /// Nothing to do.
     Idle,
@@ -330,7 +331,7 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
             return Step::Computed { req, from, to, chunks: sent };
         }
         let outcome = match first {
-            Some(first_token) => JobOutcome::Done { tokens: n as u32, first_token, manifest: j.manifest.digest(), cached: j.cached as u32 },
+            Some((first_token, first_logprobs)) => JobOutcome::Done { tokens: n as u32, first_token, first_logprobs, manifest: j.manifest.digest(), cached: j.cached as u32 },
             None => JobOutcome::Failed(PrefillFailure::NoFirstToken),
         };
         self.finish(j, outcome, pool, link)
@@ -363,8 +364,8 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
             }
         }
         if j.rogue {
-            if let JobOutcome::Done { tokens, first_token, manifest, cached } = outcome {
-                let _ = link.to_decode(j.job.decode, Message::Done { req, tokens, first_token, manifest, cached });
+            if let JobOutcome::Done { tokens, first_token, first_logprobs, manifest, cached } = outcome.clone() {
+                let _ = link.to_decode(j.job.decode, Message::Done { req, tokens, first_token, manifest, cached, first_logprobs });
             }
         } else {
             act(self.role.job_ended(req, outcome.clone()), link);
