@@ -107,8 +107,17 @@ impl CompletionParams {
         }
     }
 
-    /// Refuse token ids (`logit_bias`, `stop_token_ids`) outside a vocabulary of `vocab`.
+    /// Refuse token ids (token-id prompts, `logit_bias`, `stop_token_ids`) outside a
+    /// vocabulary of `vocab`.
     pub fn check_vocab(&self, vocab: usize) -> Result<(), ApiError> {
+        for (i, p) in self.prompts.iter().enumerate() {
+            if let Prompt::Tokens(ids) = p
+                && let Some(&id) = ids.iter().find(|id| **id as usize >= vocab)
+            {
+                let param = if self.prompts.len() == 1 { "prompt".to_string() } else { format!("prompt[{i}]") };
+                return Err(ApiError::invalid_request(param, format!("Invalid 'prompt': token id {id} is not in the vocabulary of {vocab} tokens.")));
+            }
+        }
         if let Some(&(id, _)) = self.sampling.logit_bias.iter().find(|(id, _)| *id as usize >= vocab) {
             return Err(ApiError::invalid_request("logit_bias", format!("Invalid 'logit_bias': token id {id} is not in the vocabulary of {vocab} tokens.")));
         }

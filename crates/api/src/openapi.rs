@@ -13,7 +13,7 @@ use crate::routes;
         title = "Bulkhead",
         description = "OpenAI-compatible completions from a disaggregated prefill/decode server \
                        whose KV cache cannot leak across requests. Every error is an OpenAI error \
-                       body (`ErrorResponse`). Unknown request fields are ignored. `bulkhead serve` \
+                       body (`ErrorResponse`). Unknown request fields are accepted and logged; OpenAI fields this server does not implement are refused with 400 naming them. `bulkhead serve` \
                        also serves Prometheus metrics at `GET /metrics` (text), not described here."
     ),
     paths(
@@ -21,6 +21,9 @@ use crate::routes;
         routes::completions,
         routes::list_models,
         routes::get_model,
+        routes::embeddings,
+        routes::tokenize,
+        routes::detokenize,
         routes::health,
         routes::ready,
         routes::openapi_json,
@@ -30,6 +33,7 @@ use crate::routes;
     tags(
         (name = "completions", description = "Chat and text completions."),
         (name = "models", description = "The models served."),
+        (name = "tokens", description = "Tokenising and detokenising with the served model's vocabulary (vLLM's endpoints)."),
         (name = "operations", description = "Health, readiness and this document."),
     )
 )]

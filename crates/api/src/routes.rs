@@ -64,6 +64,9 @@ pub fn router_with_tenants(backend: Arc<dyn Backend>, tenants: Arc<Tenants>) -> 
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{*id}", get(get_model))
+        .route("/v1/embeddings", post(embeddings))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route_layer(middleware::from_fn_with_state(tenants, authenticate));
     Router::new()
         .merge(v1)
@@ -428,6 +431,114 @@ fn sibling_seed(seed: u64, j: usize) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
+}
+
+/// The body of `POST /tokenize`: a text `prompt`, or chat `messages` (templated as a
+/// completion would be).
+#[derive(Debug, Clone, ToSchema)]
+pub struct TokenizeRequest {
+    /// The model (optional; the served one).
+    pub model: Option<String>,
+    /// Text, tokenised as `/v1/completions` would.
+    pub prompt: Option<String>,
+    /// Messages, templated and tokenised as `/v1/chat/completions` would.
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub messages: Option<Vec<Value>>,
+}
+
+/// The answer of `POST /tokenize` (vLLM's form).
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct TokenizeResponse {
+    /// How many tokens.
+    pub count: usize,
+    /// The served context, for comparison.
+    pub max_model_len: usize,
+    /// The token ids.
+    pub tokens: Vec<u32>,
+}
+
+/// The body of `POST /detokenize`.
+#[derive(Debug, Clone, ToSchema)]
+pub struct DetokenizeRequest {
+    /// The model (optional; the served one).
+    pub model: Option<String>,
+    /// Token ids.
+    pub tokens: Vec<u32>,
+}
+
+/// The answer of `POST /detokenize` (vLLM's form).
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct DetokenizeResponse {
+    /// The ids' text.
+    pub prompt: String,
+}
+
+/// The served model's card, or 404 for another `model`.
+fn model_of(backend: &dyn Backend, body: &serde_json::Map<String, Value>) -> Result<ModelCard, ApiError> {
+    match body.get("model").filter(|v| !v.is_null()) {
+        None => backend.models().into_iter().next().ok_or_else(|| ApiError::model_not_found("")),
+        Some(Value::String(m)) => find_model(backend, m),
+        Some(_) => Err(ApiError::invalid_request("model", "Invalid type for 'model': expected a string.")),
+    }
+}
+
+fn body_object(body: &Value) -> Result<&serde_json::Map<String, Value>, ApiError> {
+    body.as_object().ok_or_else(|| ApiError::bad_request("The request body must be a JSON object."))
+}
+
+/// Tokenise a prompt (vLLM's endpoint).
+#[utoipa::path(
+    post,
+    path = "/tokenize",
+    tag = "tokens",
+    request_body = TokenizeRequest,
+    responses((status = 200, body = TokenizeResponse), (status = 400, description = "Invalid body.", body = ErrorBody), (status = 404, description = "Unknown model.", body = ErrorBody))
+)]
+async fn tokenize(State(st): State<AppState>, OpenAiJson(body): OpenAiJson) -> Result<Json<TokenizeResponse>, ApiError> {
+    let obj = body_object(&body)?;
+    let card = model_of(st.backend.as_ref(), obj)?;
+    let prompt = match (obj.get("prompt").filter(|v| !v.is_null()), obj.get("messages").filter(|v| !v.is_null())) {
+        (Some(Value::String(p)), None) => Prompt::Text(p.clone()),
+        (Some(_), None) => return Err(ApiError::invalid_request("prompt", "Invalid type for 'prompt': expected a string.")),
+        (None, Some(_)) => match openai::parse_chat(&serde_json::json!({"model": card.id, "messages": obj["messages"]}))?.prompts.pop() {
+            Some(p) => p,
+            None => return Err(ApiError::invalid_request("messages", "No messages.")),
+        },
+        _ => return Err(ApiError::bad_request("Send exactly one of 'prompt' and 'messages'.")),
+    };
+    let backend = Arc::clone(&st.backend);
+    let tokens = tokio::task::spawn_blocking(move || backend.encoder().encode(&prompt))
+        .await
+        .map_err(|e| ApiError::internal(format!("tokenising failed: {e}")))??;
+    Ok(Json(TokenizeResponse { count: tokens.len(), max_model_len: card.max_model_len, tokens }))
+}
+
+/// The text of token ids (vLLM's endpoint).
+#[utoipa::path(
+    post,
+    path = "/detokenize",
+    tag = "tokens",
+    request_body = DetokenizeRequest,
+    responses((status = 200, body = DetokenizeResponse), (status = 400, description = "Invalid body or a token id outside the vocabulary.", body = ErrorBody), (status = 404, description = "Unknown model.", body = ErrorBody))
+)]
+async fn detokenize(State(st): State<AppState>, OpenAiJson(body): OpenAiJson) -> Result<Json<DetokenizeResponse>, ApiError> {
+    let obj = body_object(&body)?;
+    model_of(st.backend.as_ref(), obj)?;
+    let ids: Vec<u32> = match obj.get("tokens") {
+        Some(Value::Array(items)) => items
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v.as_u64().and_then(|x| u32::try_from(x).ok()).ok_or_else(|| ApiError::invalid_request(format!("tokens[{i}]"), format!("Invalid 'tokens[{i}]': expected a token id."))))
+            .collect::<Result<_, _>>()?,
+        _ => return Err(ApiError::invalid_request("tokens", "Missing or invalid 'tokens': expected an array of token ids.")),
+    };
+    Ok(Json(DetokenizeResponse { prompt: st.backend.encoder().decode(&ids)? }))
+}
+
+/// Embeddings: this model is a generator and serves none.
+#[utoipa::path(post, path = "/v1/embeddings", tag = "models", responses((status = 404, description = "The served model does not produce embeddings (`code: model_not_supported`).", body = ErrorBody)))]
+async fn embeddings() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, ErrorKind::NotFound, "The served model generates text and does not produce embeddings.").with_code("model_not_supported")
 }
 
 /// List the models served.

@@ -23,6 +23,8 @@ const MAX_LEN: usize = 2048;
 /// A backend that answers every request with a scripted list of events.
 struct Mock {
     script: Mutex<Vec<GenEvent>>,
+    /// Scripts for the next calls, one each, before `script` is used again.
+    next_scripts: Mutex<std::collections::VecDeque<Vec<GenEvent>>>,
     /// Keep the sender after the script (the stream stays open until Finished or a drop).
     keep_open: AtomicBool,
     admit_error: Mutex<Option<ApiError>>,
@@ -36,6 +38,7 @@ impl Mock {
     fn new(script: Vec<GenEvent>) -> Arc<Mock> {
         Arc::new(Mock {
             script: Mutex::new(script),
+            next_scripts: Mutex::new(Default::default()),
             keep_open: AtomicBool::new(true),
             admit_error: Mutex::new(None),
             senders: Mutex::new(Vec::new()),
@@ -107,8 +110,9 @@ impl Backend for Mock {
             return Err(e);
         }
         let (tx, rx) = mpsc::channel(64);
-        for ev in self.script.lock().unwrap().iter() {
-            tx.try_send(ev.clone()).expect("script fits the channel");
+        let script = self.next_scripts.lock().unwrap().pop_front().unwrap_or_else(|| self.script.lock().unwrap().clone());
+        for ev in script {
+            tx.try_send(ev).expect("script fits the channel");
         }
         if self.keep_open.load(Ordering::SeqCst) {
             self.senders.lock().unwrap().push(tx);
@@ -1117,4 +1121,174 @@ async fn the_request_span_carries_the_request_id() {
         .find(|l| l.contains("completed"))
         .unwrap_or_else(|| panic!("no completion log in {logs:?}"));
     assert!(line.contains("request_id=trace-me-42"), "{line}");
+}
+
+fn text(t: &str) -> GenEvent {
+    GenEvent::Text { text: t.into(), logprobs: None }
+}
+
+/// Text released by byte-level token `t` (the mock's vocabulary: token b is byte b), with
+/// log-probability `lp` and one alternative.
+fn token(t: char, lp: f32) -> GenEvent {
+    let id = t as u32;
+    GenEvent::Text { text: t.to_string(), logprobs: Some((id, bulkhead_protocol::TokenLogprobs { logprob: lp, top: vec![(id, lp), (u32::from(b'z'), lp - 1.0)] })) }
+}
+
+fn finished(reason: FinishReason, completion_tokens: usize) -> GenEvent {
+    GenEvent::Finished { reason, prompt_tokens: 5, completion_tokens, cached_tokens: 1 }
+}
+
+#[tokio::test]
+async fn n_choices_come_back_by_index_each_with_its_own_seed_and_usage_counts_the_prompt_once() {
+    let mock = Mock::new(vec![text("same"), finished(FinishReason::Stop, 3)]);
+    let (status, v) = send_json(app(&mock), post("/v1/chat/completions", chat(json!({ "n": 3, "seed": 42 })).to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.iter().map(|c| c["index"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1, 2]);
+    assert_eq!(v["usage"], json!({ "prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14, "prompt_tokens_details": { "cached_tokens": 1 } }));
+    let seeds: Vec<Option<u64>> = mock.requests.lock().unwrap().iter().map(|r| r.sampling.seed).collect();
+    assert_eq!(seeds.len(), 3);
+    assert_eq!(seeds[0], Some(42), "the first choice keeps the seed");
+    assert!(seeds[1] != seeds[0] && seeds[2] != seeds[1] && seeds[2] != seeds[0], "{seeds:?}");
+    // A batch of two prompts with n = 2: indices prompt * n + choice.
+    let mock = Mock::new(vec![text("x"), finished(FinishReason::Length, 1)]);
+    let (_, v) = send_json(app(&mock), post("/v1/completions", completion(json!({ "prompt": ["a", "b"], "n": 2 })).to_string())).await;
+    assert_eq!(v["choices"].as_array().unwrap().len(), 4, "{v}");
+    let prompts: Vec<Prompt> = mock.requests.lock().unwrap().iter().map(|r| r.prompt.clone()).collect();
+    assert_eq!(prompts, [Prompt::Text("a".into()), Prompt::Text("a".into()), Prompt::Text("b".into()), Prompt::Text("b".into())]);
+    assert_eq!(v["usage"]["prompt_tokens"], 10, "each prompt once");
+}
+
+#[tokio::test]
+async fn n_choices_stream_each_under_its_index_and_end_once() {
+    let mock = Mock::new(vec![text("hi"), finished(FinishReason::Stop, 1)]);
+    let body = chat(json!({ "n": 2, "stream": true, "stream_options": { "include_usage": true } }));
+    let (status, _, bytes) = send(app(&mock), post("/v1/chat/completions", body.to_string())).await;
+    assert_eq!(status, StatusCode::OK);
+    let payloads = sse_payloads(&bytes);
+    assert_eq!(payloads.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = payloads[..payloads.len() - 1].iter().map(|p| parse(p)).collect();
+    for i in [0, 1] {
+        let mine: Vec<&Value> = chunks.iter().filter(|c| c["choices"][0]["index"] == i).collect();
+        assert_eq!(mine[0]["choices"][0]["delta"]["role"], "assistant");
+        let text: String = mine.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+        assert_eq!(text, "hi");
+        assert_eq!(mine.iter().filter(|c| !c["choices"][0]["finish_reason"].is_null()).count(), 1);
+    }
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 2);
+}
+
+#[tokio::test]
+async fn best_of_keeps_the_most_likely_generations() {
+    let mock = Mock::new(vec![]);
+    mock.next_scripts.lock().unwrap().extend([
+        vec![token('a', -3.0), finished(FinishReason::Stop, 1)],
+        vec![token('b', -0.5), finished(FinishReason::Stop, 1)],
+        vec![token('c', -2.0), finished(FinishReason::Stop, 1)],
+    ]);
+    let (status, v) = send_json(app(&mock), post("/v1/completions", completion(json!({ "best_of": 3, "n": 2 })).to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let texts: Vec<&str> = v["choices"].as_array().unwrap().iter().map(|c| c["text"].as_str().unwrap()).collect();
+    assert_eq!(texts, ["b", "c"]);
+    assert!(v["choices"][0]["logprobs"].is_null(), "not asked for: {v}");
+    assert!(mock.requests.lock().unwrap().iter().all(|r| r.sampling.logprobs == Some(0)), "best_of asks for them itself");
+}
+
+#[tokio::test]
+async fn log_probabilities_are_named_by_their_tokens_in_both_forms() {
+    let mock = Mock::new(vec![token('o', -0.25), token('k', -1.5), finished(FinishReason::Stop, 2)]);
+    let (_, v) = send_json(app(&mock), post("/v1/chat/completions", chat(json!({ "logprobs": true, "top_logprobs": 1 })).to_string())).await;
+    let content = &v["choices"][0]["logprobs"]["content"];
+    assert_eq!(content[0], json!({ "token": "o", "logprob": -0.25, "bytes": [111], "top_logprobs": [{ "token": "o", "logprob": -0.25, "bytes": [111] }, { "token": "z", "logprob": -1.25, "bytes": [122] }] }));
+    assert_eq!(content[1]["token"], "k");
+    let (_, v) = send_json(app(&mock), post("/v1/completions", completion(json!({ "logprobs": 1 })).to_string())).await;
+    let lp = &v["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"], json!(["o", "k"]));
+    assert_eq!(lp["token_logprobs"], json!([-0.25, -1.5]));
+    assert_eq!(lp["text_offset"], json!([0, 1]));
+    assert_eq!(lp["top_logprobs"][0], json!({ "o": -0.25, "z": -1.25 }));
+    // Streamed: each token's entry rides on its chunk.
+    let (_, _, bytes) = send(app(&mock), post("/v1/chat/completions", chat(json!({ "logprobs": true, "stream": true })).to_string())).await;
+    let entries: Vec<Value> = sse_payloads(&bytes).iter().filter(|p| *p != "[DONE]").map(|p| parse(p)).filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array().cloned()).flatten().collect();
+    assert_eq!(entries.iter().map(|e| e["token"].as_str().unwrap()).collect::<String>(), "ok");
+    // Echo puts the prompt first, and shifts the text offsets.
+    let (_, v) = send_json(app(&mock), post("/v1/completions", completion(json!({ "echo": true })).to_string())).await;
+    assert_eq!(v["choices"][0]["text"], "Once uponok");
+}
+
+#[tokio::test]
+async fn tool_calls_are_parsed_into_the_message_and_streamed_as_deltas() {
+    let call = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+    let script = vec![text("Checking."), text(&call[..9]), text(&call[9..]), finished(FinishReason::Stop, 30)];
+    let mock = Mock::new(script);
+    let tools = json!([{ "type": "function", "function": { "name": "get_weather", "parameters": { "type": "object", "properties": { "city": { "type": "string" } } } } }]);
+    let (status, v) = send_json(app(&mock), post("/v1/chat/completions", chat(json!({ "tools": tools })).to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls");
+    assert_eq!(choice["message"]["content"], "Checking.");
+    let tc = &choice["message"]["tool_calls"][0];
+    assert_eq!(tc["type"], "function");
+    assert_eq!(tc["function"]["name"], "get_weather");
+    assert_eq!(serde_json::from_str::<Value>(tc["function"]["arguments"].as_str().unwrap()).unwrap(), json!({ "city": "Paris" }));
+    assert!(tc["id"].as_str().unwrap().starts_with("call_"));
+    let Prompt::Chat { tools: Some(t), .. } = mock.last_request().prompt else { panic!("the tools reach the backend") };
+    assert_eq!(t.defs.len(), 1);
+    // Streaming: text deltas, then one delta holding the whole call, then tool_calls.
+    let (_, _, bytes) = send(app(&mock), post("/v1/chat/completions", chat(json!({ "tools": tools, "stream": true })).to_string())).await;
+    let chunks: Vec<Value> = sse_payloads(&bytes).iter().filter(|p| *p != "[DONE]").map(|p| parse(p)).collect();
+    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(text, "Checking.", "no call text leaks into content");
+    let calls: Vec<&Value> = chunks.iter().filter_map(|c| c["choices"][0]["delta"].get("tool_calls")).collect();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0][0]["index"], 0);
+    assert_eq!(calls[0][0]["function"]["name"], "get_weather");
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "tool_calls");
+    // `required` is enforced by a grammar; `none` leaves the text alone.
+    send_json(app(&mock), post("/v1/chat/completions", chat(json!({ "tools": tools, "tool_choice": "required" })).to_string())).await;
+    assert!(matches!(mock.last_request().sampling.grammar, Some(bulkhead_protocol::GrammarSpec::Lark(_))));
+    let (_, v) = send_json(app(&mock), post("/v1/chat/completions", chat(json!({ "tools": tools, "tool_choice": "none" })).to_string())).await;
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert!(v["choices"][0]["message"]["content"].as_str().unwrap().contains("<tool_call>"));
+}
+
+#[tokio::test]
+async fn a_grammar_that_does_not_compile_or_an_id_outside_the_vocabulary_is_a_400_before_the_backend() {
+    let mock = Mock::hello();
+    for (extra, param) in [
+        (json!({ "guided_regex": "(unclosed" }), "guided_regex"),
+        (json!({ "guided_grammar": "start: undefined_rule" }), "guided_grammar"),
+        (json!({ "response_format": { "type": "json_schema", "json_schema": { "name": "x", "schema": { "type": "frobnicate" } } } }), "response_format"),
+        (json!({ "logit_bias": { "999999": 1 } }), "logit_bias"),
+        (json!({ "stop_token_ids": [999999] }), "stop_token_ids"),
+    ] {
+        expect_error(&mock, "/v1/chat/completions", chat(extra), StatusCode::BAD_REQUEST, Some(param)).await;
+    }
+    expect_error(&mock, "/v1/completions", completion(json!({ "prompt": [999999] })), StatusCode::BAD_REQUEST, Some("prompt")).await;
+    assert!(mock.requests.lock().unwrap().is_empty(), "no bad request reached the backend");
+    // A good one compiles and reaches it.
+    let (status, v) = send_json(app(&mock), post("/v1/chat/completions", chat(json!({ "guided_regex": "[0-9]+" })).to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+}
+
+#[tokio::test]
+async fn tokenize_and_detokenize_use_the_served_vocabulary_and_embeddings_are_a_404() {
+    let mock = Mock::hello();
+    let (status, v) = send_json(app(&mock), post("/tokenize", json!({ "model": MODEL, "prompt": "hi" }).to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v, json!({ "count": 2, "max_model_len": MAX_LEN, "tokens": [104, 105] }));
+    let (_, v) = send_json(app(&mock), post("/tokenize", json!({ "messages": [{ "role": "user", "content": "A" }] }).to_string())).await;
+    // <|im_start|>user\nA<|im_end|>\n<|im_start|>assistant\n in the byte-level vocabulary.
+    assert_eq!(v["tokens"][0], 256);
+    assert_eq!(v["count"], v["tokens"].as_array().unwrap().len());
+    let (_, v) = send_json(app(&mock), post("/detokenize", json!({ "tokens": [104, 105] }).to_string())).await;
+    assert_eq!(v, json!({ "prompt": "hi" }));
+    expect_error(&mock, "/detokenize", json!({ "tokens": [1, 99999] }), StatusCode::BAD_REQUEST, Some("tokens")).await;
+    expect_error(&mock, "/detokenize", json!({ "tokens": [-1] }), StatusCode::BAD_REQUEST, Some("tokens[0]")).await;
+    expect_error(&mock, "/tokenize", json!({ "model": "other", "prompt": "x" }), StatusCode::NOT_FOUND, Some("model")).await;
+    let (status, v) = send_json(app(&mock), post("/v1/embeddings", json!({ "model": MODEL, "input": "x" }).to_string())).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_error(&v, "not_found_error", None);
 }

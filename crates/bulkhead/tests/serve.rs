@@ -239,10 +239,13 @@ fn the_incident_replayed_gets_400_and_never_leaks_the_marker_with_or_without_the
         let (status, a) = chat(&s.http, SYSTEM, &format!("Remember the code {marker}. Repeat it: {marker}"), 24);
         assert_eq!(status, 200, "{a}");
         let long = "hello ".repeat(1500);
-        for stream in [false, true] {
-            let body = serde_json::json!({"model": "bulkhead", "prompt": long, "max_tokens": 16, "stream": stream});
+        // Also with several choices and an output constraint: each choice is refused the same.
+        let variants = [serde_json::json!({}), serde_json::json!({"n": 2, "guided_regex": "[a-z ]+"})];
+        for (stream, extra) in [false, true].into_iter().flat_map(|s| variants.iter().map(move |v| (s, v))) {
+            let mut body = serde_json::json!({"model": "bulkhead", "prompt": long, "max_tokens": 16, "stream": stream});
+            body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
             let (status, b) = request(&s.http, "POST", "/v1/completions", &body.to_string());
-            assert_eq!(status, 400, "gateway check {gateway_check}, stream {stream}: {b}");
+            assert_eq!(status, 400, "gateway check {gateway_check}, stream {stream}, {extra}: {b}");
             assert!(b.contains("context_length_exceeded"), "{b}");
             assert!(!b.contains(&marker));
         }
@@ -250,6 +253,11 @@ fn the_incident_replayed_gets_400_and_never_leaks_the_marker_with_or_without_the
         let (status, b) = chat(&s.http, SYSTEM, "Say something.", 24);
         assert_eq!(status, 200);
         assert!(!b.to_string().contains(&marker), "tenant B saw tenant A's marker: {b}");
+        let body = serde_json::json!({"model": "bulkhead", "n": 3, "temperature": 1.0, "max_tokens": 24, "guided_regex": "[A-Za-z0-9 -]{1,40}",
+            "messages": [{"role": "user", "content": "Say something."}]});
+        let (status, b) = request(&s.http, "POST", "/v1/chat/completions", &body.to_string());
+        assert_eq!(status, 200, "{b}");
+        assert!(!b.contains(&marker), "tenant B saw tenant A's marker: {b}");
     }
 }
 
@@ -583,4 +591,77 @@ fn slow_headers_idle_keepalives_and_slow_bodies_are_cut_and_extra_connections_wa
     let (got, _) = read_until_closed(&mut third, Duration::from_secs(5));
     assert!(got.starts_with("HTTP/1.1 200"), "{got:?}");
     assert!(start.elapsed() >= Duration::from_millis(400), "answered while both slots were held: {:?}", start.elapsed());
+}
+
+/// The request's output constraint, log-probabilities, `n` and tools across the prefill →
+/// decode handoff: the first token (the prefill worker's) obeys the grammar as the rest
+/// do, greedy log-probabilities are the model's own (computed here in-process), and each
+/// of `n` choices is sampled on its own.
+#[test]
+fn structured_outputs_logprobs_n_and_tools_hold_across_the_handoff() {
+    let s = serve(&[], &[]);
+    let post = |path: &str, body: serde_json::Value| {
+        let (status, b) = request(&s.http, "POST", path, &body.to_string());
+        assert_eq!(status, 200, "{body} -> {b}");
+        serde_json::from_str::<serde_json::Value>(&b).expect("JSON")
+    };
+    let user = |text: &str| serde_json::json!([{"role": "user", "content": text}]);
+
+    // A JSON schema, greedy: the answer parses and follows it.
+    let schema = serde_json::json!({"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer"}},
+        "required": ["city", "population"], "additionalProperties": false});
+    let v = post("/v1/chat/completions", serde_json::json!({"model": "bulkhead", "max_tokens": 64, "messages": user("Give a city and its population as JSON."),
+        "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": true}}}));
+    let answer: serde_json::Value = serde_json::from_str(&content(&v)).unwrap_or_else(|e| panic!("{e}: {v}"));
+    assert!(answer["city"].is_string() && answer["population"].is_i64(), "{answer}");
+
+    // A regex whose first character the model would not pick: the prefill's token obeys it.
+    for temperature in [0.0, 1.0] {
+        let v = post("/v1/chat/completions", serde_json::json!({"model": "bulkhead", "max_tokens": 6, "temperature": temperature, "seed": 5,
+            "messages": user("What is the capital of France?"), "guided_regex": "[0-9]{3}"}));
+        let c = content(&v);
+        assert!(c.len() == 3 && c.bytes().all(|b| b.is_ascii_digit()), "{c:?}");
+    }
+
+    // Greedy log-probabilities against the model run here.
+    let messages = user("Name a fruit.");
+    let tokenized = post("/tokenize", serde_json::json!({"messages": messages}));
+    let mut ctx: Vec<u32> = serde_json::from_value(tokenized["tokens"].clone()).expect("ids");
+    let v = post("/v1/chat/completions", serde_json::json!({"model": "bulkhead", "max_tokens": 4, "messages": messages, "logprobs": true, "top_logprobs": 2}));
+    let served = v["choices"][0]["logprobs"]["content"].as_array().expect("logprobs").clone();
+    assert!(!served.is_empty());
+    let m = bulkhead_engine::load_model(&model(), 1).expect("model");
+    for entry in &served {
+        let mut pool = bulkhead_kv::KvPool::new(bulkhead_kv::PoolConfig { layout: m.model.kv_layout(16), pages: ctx.len().div_ceil(16) + 1, checks: bulkhead_kv::KvChecks::all() }).expect("pool");
+        let mut seq = bulkhead_kv::SequenceKv::new(bulkhead_kv::RequestId(1));
+        seq.reserve(&mut pool, ctx.len()).expect("reserve");
+        let logits = m.model.forward(&mut pool, &mut [bulkhead_model::SeqInput { kv: &mut seq, tokens: &ctx, want_logits: true }]).expect("forward");
+        let (best, max) = logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &l)| if l > b.1 { (i, l) } else { b });
+        let z: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+        let want = -z.ln();
+        assert!((entry["logprob"].as_f64().unwrap() - want).abs() < 1e-3, "{entry} vs {want}");
+        let bytes: Vec<u8> = serde_json::from_value(entry["bytes"].clone()).expect("bytes");
+        assert_eq!(bytes, m.tokenizer.token_bytes(best as u32).unwrap_or_default(), "{entry}");
+        assert_eq!(entry["top_logprobs"][0]["logprob"], entry["logprob"]);
+        ctx.push(best as u32);
+    }
+
+    // n = 3, sampled: three choices, by index, not all the same.
+    let v = post("/v1/chat/completions", serde_json::json!({"model": "bulkhead", "max_tokens": 16, "temperature": 1.0, "seed": 9, "n": 3, "messages": user("Tell me a story.")}));
+    let texts: Vec<String> = (0..3).map(|i| {
+        assert_eq!(v["choices"][i]["index"], i);
+        v["choices"][i]["message"]["content"].as_str().unwrap_or_default().to_string()
+    }).collect();
+    assert!(texts[0] != texts[1] || texts[1] != texts[2], "{texts:?}");
+
+    // tool_choice "required": the call parses and follows the function's schema.
+    let tools = serde_json::json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"], "additionalProperties": false}}}]);
+    let v = post("/v1/chat/completions", serde_json::json!({"model": "bulkhead", "max_tokens": 64, "messages": user("What is the weather in Paris?"), "tools": tools, "tool_choice": "required"}));
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    let call = &choice["message"]["tool_calls"][0]["function"];
+    assert_eq!(call["name"], "get_weather");
+    let args: serde_json::Value = serde_json::from_str(call["arguments"].as_str().expect("arguments")).expect("JSON arguments");
+    assert!(args["city"].is_string(), "{args}");
 }
