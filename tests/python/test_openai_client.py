@@ -155,3 +155,125 @@ def test_invalid_parameter_names_its_param(server):
     with pytest.raises(openai.BadRequestError) as e:
         chat(server, "hi", temperature=3)
     assert e.value.param == "temperature" and e.value.type == "invalid_request_error"
+
+
+# Issue 15: what OpenAI-client code sends after `messages`.
+
+import json
+
+from pydantic import BaseModel, Field
+
+
+class City(BaseModel):
+    # Bounds keep a 135M model's answer short; the grammar holds them.
+    name: str = Field(max_length=40)
+    country: str = Field(max_length=40)
+    population: int = Field(ge=0, le=100_000_000)
+
+
+def test_parse_returns_a_parsed_object_under_a_pydantic_schema(server):
+    # `client.beta.chat.completions.parse` where the client still has it, else its successor.
+    completions = getattr(getattr(server, "beta", None), "chat", server.chat).completions
+    r = completions.parse(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Give the largest city of France as JSON."}],
+        response_format=City,
+        max_tokens=80,
+        temperature=0,
+    )
+    c = r.choices[0]
+    assert c.finish_reason == "stop", c.message.content
+    assert isinstance(c.message.parsed, City), c.message.content
+    assert c.message.parsed.population >= 0
+
+
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 24}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+]
+
+
+def test_a_required_tool_call_round_trips_with_its_result(server):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    # One call: with parallel calls allowed this small model goes on calling until max_tokens.
+    r = server.chat.completions.create(
+        model=MODEL, messages=messages, tools=WEATHER, tool_choice="required", parallel_tool_calls=False, max_tokens=64, temperature=0
+    )
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c.message
+    (call,) = c.message.tool_calls[:1]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    args = json.loads(call.function.arguments)
+    assert isinstance(args["city"], str)
+    # The call and its result go back into the conversation; the next turn answers.
+    messages.append(c.message.model_dump(exclude_none=True))
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 21, "sky": "clear"})})
+    r = server.chat.completions.create(model=MODEL, messages=messages, tools=WEATHER, tool_choice="none", max_tokens=24, temperature=0)
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+    # A named function is enforced the same way.
+    r = server.chat.completions.create(
+        model=MODEL, messages=messages[:1], tools=WEATHER, max_tokens=64, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+
+def test_streamed_tool_calls_arrive_as_deltas(server):
+    chunks = list(
+        server.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Weather in Rome?"}], tools=WEATHER,
+            tool_choice="required", parallel_tool_calls=False, max_tokens=64, temperature=0, stream=True,
+        )
+    )
+    deltas = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert deltas, chunks
+    assert deltas[0].index == 0 and deltas[0].function.name == "get_weather"
+    args = "".join(d.function.arguments or "" for d in deltas if d.index == 0)
+    assert isinstance(json.loads(args)["city"], str)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_logprobs_are_consistent_in_both_endpoints_and_streamed(server):
+    r = chat(server, "Name a fruit.", max_tokens=6, logprobs=True, top_logprobs=3)
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == r.usage.completion_tokens
+    for e in entries:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        # Greedy: the picked token is the most likely one.
+        assert e.top_logprobs[0].logprob == e.logprob and bytes(e.bytes) == bytes(e.top_logprobs[0].bytes)
+        assert sum(2.718281828 ** t.logprob for t in e.top_logprobs) <= 1.0001
+    streamed = list(chat(server, "Name a fruit.", max_tokens=6, logprobs=True, top_logprobs=3, stream=True))
+    got = [e for ch in streamed if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 5)) for e in got] == [(e.token, round(e.logprob, 5)) for e in entries]
+    t = server.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=2)
+    lp = t.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == t.choices[0].text
+
+
+def test_n_gives_that_many_choices(server):
+    r = chat(server, "Tell me a story.", n=3, temperature=1.0, seed=4, max_tokens=12)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.message.content for c in r.choices}) > 1
+    streamed = list(chat(server, "Tell me a story.", n=2, temperature=1.0, seed=4, max_tokens=8, stream=True))
+    assert {ch.choices[0].index for ch in streamed if ch.choices} == {0, 1}
+
+
+def test_unsupported_fields_are_refused_by_name(server):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server, "hi", extra_body={"prediction": {"type": "content", "content": "x"}})
+    assert e.value.param == "prediction"
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server, "hi", modalities=["text", "audio"])
+    assert e.value.param == "modalities"

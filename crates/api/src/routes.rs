@@ -25,6 +25,7 @@ use crate::backend::{Backend, GenEvent, GenerationRequest, ModelCard, Prompt};
 use crate::error::{ApiError, ErrorBody, ErrorKind};
 use crate::ids::{random_hex, unix_now};
 use crate::tenants::{Tenant, Tenants};
+use crate::tools::Tools;
 use crate::trace::{TRACEPARENT, TraceParent};
 use crate::openai::{self, ChatChunk, ChatCompletion, ChatCompletionRequest, CompletionParams, CompletionRequest, ModelList, ModelObject, TextCompletion};
 use crate::respond::{collect_response, stream_response, Endpoint, Generation, Meta};
@@ -397,7 +398,7 @@ async fn complete(
         endpoint,
         include_usage: p.include_usage,
         n: p.n,
-        parse_calls: p.tools.as_ref().filter(|t| t.parses()).map(|t| t.parallel),
+        parse_calls: p.tools.as_ref().filter(|t| t.parses()).map(Tools::parallel_calls),
         logprobs: p.sampling.logprobs.is_some(),
         echo,
     };

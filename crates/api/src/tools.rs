@@ -57,6 +57,12 @@ pub struct Tools {
 }
 
 impl Tools {
+    /// Whether several calls may come in one answer: `parallel_tool_calls`, except under a
+    /// named function, which is one call (OpenAI's "call this function").
+    pub fn parallel_calls(&self) -> bool {
+        self.parallel && !matches!(self.choice, ToolChoice::Function(_))
+    }
+
     /// Whether the model's output is parsed for calls.
     pub fn parses(&self) -> bool {
         !self.defs.is_empty() && self.choice != ToolChoice::None
@@ -88,7 +94,7 @@ impl Tools {
             })
             .collect();
         let schema = if calls.len() == 1 { calls[0].clone() } else { json!({"anyOf": calls}) };
-        let repeat = if self.parallel { "+" } else { "" };
+        let repeat = if self.parallel_calls() { "+" } else { "" };
         Some(GrammarSpec::Lark(format!(
             "start: call{repeat}\ncall: {open} \"\\n\" body \"\\n\" {close} \"\\n\"?\nbody: %json {schema}\n",
             open = Value::String(CALL_OPEN.into()),
