@@ -22,7 +22,7 @@ use bulkhead_kv::{KvChecks, KvError, KvLayout, KvPool, PoolConfig, RequestId, Se
 use bulkhead_protocol::decode::DecodeStart;
 use bulkhead_protocol::driver::decode::{make_room, DecodeEngine, GenEvent, Growing};
 use bulkhead_protocol::driver::prefill::{FirstToken, PrefillCompute};
-use bulkhead_protocol::{FinishReason, TokenLogprobs};
+use bulkhead_protocol::{FinishReason, Sampling, TokenLogprobs};
 use half::f16;
 
 use crate::model::{DecodeModel, Expected, ModelFault, Models, PrefillModel, Shape};
@@ -389,7 +389,8 @@ impl Models for MockModels {
         MockDecode { pool, seqs: Vec::new(), next_order: 0, faults: 0, retractions: 0 }
     }
 
-    fn reference(&self, layout: KvLayout, prompt: &[u32], max_tokens: u32) -> Result<Expected, ModelFault> {
+    /// The mock picks no tokens: its output does not depend on `sampling`.
+    fn reference(&self, layout: KvLayout, prompt: &[u32], max_tokens: u32, _: &Sampling) -> Result<Expected, ModelFault> {
         reference(layout, prompt, max_tokens)
     }
 }

@@ -6,7 +6,7 @@
 use bulkhead_kv::{KvLayout, KvPool};
 use bulkhead_protocol::driver::decode::{DecodeEngine, GenEvent};
 use bulkhead_protocol::driver::prefill::PrefillCompute;
-use bulkhead_protocol::FinishReason;
+use bulkhead_protocol::{FinishReason, Sampling};
 
 /// A model step failed (a refused KV access, an engine error).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -102,6 +102,7 @@ pub trait Models {
     fn prefill(&self) -> Self::Prefill;
     /// A decode worker's loop over `pool`, admitting requests up to `max_context`.
     fn decode(&self, pool: KvPool, max_context: usize) -> Self::Decode;
-    /// What `prompt` with `max_tokens` must produce, computed alone on a fresh pool.
-    fn reference(&self, layout: KvLayout, prompt: &[u32], max_tokens: u32) -> Result<Expected, ModelFault>;
+    /// What `prompt` with `max_tokens`, its tokens picked as `sampling` says, must produce,
+    /// computed alone on a fresh pool.
+    fn reference(&self, layout: KvLayout, prompt: &[u32], max_tokens: u32, sampling: &Sampling) -> Result<Expected, ModelFault>;
 }

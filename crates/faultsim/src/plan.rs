@@ -8,7 +8,7 @@
 //! connection a fault hits is drawn when it fires, among those alive then.
 
 use bulkhead_kv::{KvLayout, RequestId};
-use bulkhead_protocol::Role;
+use bulkhead_protocol::{GrammarSpec, Role, Sampling};
 
 use crate::dice::Dice;
 use crate::model::Shape;
@@ -41,7 +41,7 @@ pub enum RequestKind {
 }
 
 /// One client request.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct RequestPlan {
     /// Its id at the gateway.
     pub req: RequestId,
@@ -56,6 +56,11 @@ pub struct RequestPlan {
     pub max_tokens: u32,
     /// Its tenant (0 or 1): its prefix-cache scope.
     pub tenant: u32,
+    /// How its tokens are picked: mostly greedy; some requests carry a grammar,
+    /// log-probabilities, penalties or seeded sampling, which every worker that picks a
+    /// token (the prefill's first, the decode's after a handoff or a retraction) must
+    /// follow alike.
+    pub sampling: Sampling,
 }
 
 /// A fault; its target is drawn when it fires.
@@ -276,6 +281,12 @@ impl Plan {
                 plan.requests[i].tokens[..shared].copy_from_slice(&prefix);
             }
         }
+        // Drawn after the cache, for the same reason.
+        for r in &mut plan.requests {
+            if dice.chance(300) {
+                r.sampling = sampling_variant(dice.below(3));
+            }
+        }
         plan.events = events;
         plan
     }
@@ -324,11 +335,21 @@ impl Plan {
                 (prompt_of(dice, n), 0)
             }
         };
-        RequestPlan { req, kind, tokens, max_tokens, tenant: 0 }
+        RequestPlan { req, kind, tokens, max_tokens, tenant: 0, sampling: Sampling::default() }
     }
 
     /// The request with id `req`.
     pub fn request(&self, req: RequestId) -> Option<&RequestPlan> {
         self.requests.iter().find(|r| r.req == req)
+    }
+}
+
+/// A request's sampling other than plain greedy: a grammar with log-probabilities, seeded
+/// sampling with penalties, or a JSON grammar with a repetition penalty.
+fn sampling_variant(which: u64) -> Sampling {
+    match which {
+        0 => Sampling { grammar: Some(GrammarSpec::Regex("[a-z]+( [a-z]+)*".into())), logprobs: Some(2), ..Sampling::default() },
+        1 => Sampling { temperature: 0.9, top_k: 40, seed: Some(7), frequency_penalty: 0.5, presence_penalty: 0.25, logprobs: Some(0), ..Sampling::default() },
+        _ => Sampling { grammar: Some(GrammarSpec::JsonObject), repetition_penalty: 1.3, min_p: 0.05, ..Sampling::default() },
     }
 }

@@ -41,7 +41,7 @@ pub struct RealModels {
     tokenizer: Arc<Tokenizer>,
     page_size: usize,
     /// The same prompt is asked for again when a schedule repeats; the engine is slow.
-    references: RefCell<BTreeMap<(Vec<u32>, u32), Expected>>,
+    references: RefCell<BTreeMap<(Vec<u32>, u32, String), Expected>>,
 }
 
 impl RealModels {
@@ -77,15 +77,15 @@ impl Models for RealModels {
         Engine::new(self.model.clone(), self.tokenizer.clone(), pool, EngineConfig::for_context(max_context))
     }
 
-    fn reference(&self, layout: KvLayout, prompt: &[u32], max_tokens: u32) -> Result<Expected, ModelFault> {
-        let key = (prompt.to_vec(), max_tokens);
+    fn reference(&self, layout: KvLayout, prompt: &[u32], max_tokens: u32, sampling: &Sampling) -> Result<Expected, ModelFault> {
+        let key = (prompt.to_vec(), max_tokens, format!("{sampling:?}"));
         if let Some(e) = self.references.borrow().get(&key) {
             return Ok(e.clone());
         }
         let total = prompt.len() + max_tokens as usize;
         let pool = KvPool::new(PoolConfig { layout, pages: layout.pages_for_tokens(total).max(1), checks: KvChecks::all() })?;
         let mut engine = Engine::new(self.model.clone(), self.tokenizer.clone(), pool, EngineConfig::for_context(total));
-        let req = GenRequest { prompt: prompt.to_vec(), max_tokens: max_tokens as usize, sampling: Sampling::default(), stop: Vec::new() };
+        let req = GenRequest { prompt: prompt.to_vec(), max_tokens: max_tokens as usize, sampling: sampling.clone(), stop: Vec::new() };
         engine.add(req).map_err(fault)?;
         let mut evs = Vec::new();
         while engine.active() > 0 {

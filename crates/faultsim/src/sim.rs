@@ -23,7 +23,7 @@ use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeEngine, DecodeLink};
 use bulkhead_protocol::driver::prefill::{LinkDown, PrefillDriver, PrefillLink, Step};
 use bulkhead_protocol::gateway::{client_of, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, TenantId};
 use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillRole};
-use bulkhead_protocol::{Hello, Message, RejectReason, Role, Sampling, TraceContext, WorkerId};
+use bulkhead_protocol::{Hello, Message, RejectReason, Role, TraceContext, WorkerId};
 
 use crate::dice::Dice;
 use crate::model::{DecodeModel, Models, PrefillModel};
@@ -624,7 +624,7 @@ impl<'m, M: Models> Sim<'m, M> {
                     req,
                     tokens: r.tokens,
                     max_tokens: r.max_tokens,
-                    sampling: Sampling::default(),
+                    sampling: r.sampling.clone(),
                     stop: Vec::new(),
                     trace: TraceContext::default(),
                     tenant: TenantId(r.tenant),
@@ -1133,7 +1133,7 @@ impl<'m, M: Models> Sim<'m, M> {
                             _ => "",
                         })
                         .collect();
-                    match self.models.reference(self.plan.layout, &r.tokens, r.max_tokens) {
+                    match self.models.reference(self.plan.layout, &r.tokens, r.max_tokens, &r.sampling) {
                         Ok(want) => {
                             let got = (&text, *finish, *completion_tokens, *prompt_tokens as usize);
                             if got != (&want.text, want.finish, want.completion_tokens, prompt) {
