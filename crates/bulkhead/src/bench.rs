@@ -42,11 +42,16 @@ pub struct BenchArgs {
     /// repetitions; prints the throughput ratios. Needs a CPU with AVX-512 VNNI.
     #[arg(long, env = "BULKHEAD_BENCH_COMPARE_KERNELS", value_parser = clap::builder::BoolishValueParser::new())]
     compare_kernels: bool,
+    /// Instead of the usual figures, measure constrained decoding: the engine's decode loop
+    /// with every sequence under a ten-field JSON schema against none (at the largest batch
+    /// size), and time to first token with and without it, in alternating repetitions.
+    #[arg(long, env = "BULKHEAD_BENCH_COMPARE_GRAMMAR", value_parser = clap::builder::BoolishValueParser::new())]
+    compare_grammar: bool,
 }
 
 /// Runs `a` and `b` alternately `reps` times, so that drift on a noisy machine hits both
 /// sides: the medians of each and the median of the per-pair ratios a / b.
-fn alternate(reps: usize, mut a: impl FnMut() -> anyhow::Result<f64>, mut b: impl FnMut() -> anyhow::Result<f64>) -> anyhow::Result<(f64, f64, f64)> {
+pub(crate) fn alternate(reps: usize, mut a: impl FnMut() -> anyhow::Result<f64>, mut b: impl FnMut() -> anyhow::Result<f64>) -> anyhow::Result<(f64, f64, f64)> {
     let (mut av, mut bv, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..reps.max(1) {
         let (x, y) = (a()?, b()?);
@@ -173,6 +178,10 @@ fn compare_kernels(vnni: &Llama, a: &BenchArgs, pages: usize) -> anyhow::Result<
 }
 
 pub fn run(a: BenchArgs) -> anyhow::Result<()> {
+    if a.compare_grammar {
+        let batch = a.batches.iter().copied().max().unwrap_or(16);
+        return crate::bench_grammar::run(a.model.load()?, a.model.page_size as usize, batch, a.decode_steps, a.reps, a.json);
+    }
     let m = a.model.load()?.model;
     let layout = m.kv_layout(a.model.page_size as usize);
     let max_batch = a.batches.iter().copied().max().unwrap_or(1);

@@ -13,6 +13,7 @@
 #![forbid(unsafe_code)]
 
 mod bench;
+mod bench_grammar;
 mod bench_transfer;
 mod config;
 mod generate;
