@@ -35,16 +35,35 @@ pub const MAX_TEXT_LOGPROBS: u64 = 5;
 /// Most `logit_bias` entries and `stop_token_ids` one request may give.
 pub const MAX_TOKEN_LIST: usize = 1024;
 
-/// OpenAI request fields Bulkhead does not implement: each gets 400 naming it, never a
-/// silent 200 that did not do what was asked.
-const UNSUPPORTED: &[(&str, &str)] = &[
-    ("audio", "audio output is not supported"),
-    ("prediction", "predicted outputs are not supported"),
-    ("web_search_options", "web search is not supported"),
-    ("functions", "the deprecated 'functions' are not supported; send 'tools'"),
-    ("function_call", "the deprecated 'function_call' is not supported; send 'tool_choice'"),
-    ("reasoning_effort", "this model does not reason; 'reasoning_effort' is not supported"),
-    ("suffix", "'suffix' (insertion) is not supported"),
+/// OpenAI (and vLLM) request fields Bulkhead does not implement: each gets 400 naming it,
+/// never a silent 200 that did not do what was asked. A field with a default is accepted
+/// when it asks for just that (`"use_beam_search": false` changes nothing).
+const UNSUPPORTED: &[(&str, &str, Option<bool>)] = &[
+    ("audio", "audio output is not supported", None),
+    ("prediction", "predicted outputs are not supported", None),
+    ("web_search_options", "web search is not supported", None),
+    ("functions", "the deprecated 'functions' are not supported; send 'tools'", None),
+    ("function_call", "the deprecated 'function_call' is not supported; send 'tool_choice'", None),
+    ("reasoning_effort", "this model does not reason; 'reasoning_effort' is not supported", None),
+    ("suffix", "'suffix' (insertion) is not supported", None),
+    // vLLM's extras that are not built here.
+    ("use_beam_search", "beam search is not supported", Some(false)),
+    ("length_penalty", "length_penalty (beam search) is not supported", None),
+    ("include_stop_str_in_output", "the stop string is never included in the output here", Some(false)),
+    ("prompt_logprobs", "prompt log-probabilities are not computed", None),
+    ("allowed_token_ids", "allowed_token_ids is not supported; use logit_bias or a grammar", None),
+    ("bad_words", "bad_words is not supported; use logit_bias", None),
+    ("truncate_prompt_tokens", "prompts are never truncated here: an over-long prompt is refused", None),
+    ("chat_template", "a per-request chat template is not supported", None),
+    ("chat_template_kwargs", "chat_template_kwargs is not supported", None),
+    ("continue_final_message", "continuing the final message is not supported", Some(false)),
+    ("add_generation_prompt", "the generation prompt is always added", Some(true)),
+    ("documents", "documents (RAG templates) are not supported", None),
+    ("return_tokens_as_token_ids", "tokens are returned as text", Some(false)),
+    ("logits_processors", "logits processors are not supported", None),
+    ("guided_whitespace_pattern", "guided_whitespace_pattern is not supported", None),
+    ("spaces_between_special_tokens", "special tokens are detokenised as they are", Some(true)),
+    ("priority", "request priorities are not supported (the queue is fair across tenants)", None),
 ];
 
 /// Request fields the parser reads (or refuses); any other is accepted and logged.
@@ -88,6 +107,8 @@ pub struct CompletionParams {
     pub grammar_param: Option<&'static str>,
     /// Fields the parser does not know (accepted, as OpenAI does, and logged).
     pub unknown: Vec<String>,
+    /// `user`: the client's end-user id, for the logs.
+    pub user: Option<String>,
 }
 
 impl CompletionParams {
@@ -215,8 +236,10 @@ enum Endpoint {
 
 /// The fields chat and text completions share.
 fn common(obj: &Map<String, Value>, prompts: Vec<Prompt>, endpoint: Endpoint) -> Result<CompletionParams, ApiError> {
-    for (name, why) in UNSUPPORTED {
-        if field(obj, name).is_some() && (*name != "suffix" || endpoint == Endpoint::Text) {
+    for (name, why, default) in UNSUPPORTED {
+        let Some(v) = field(obj, name) else { continue };
+        let harmless = default.is_some_and(|d| v.as_bool() == Some(d));
+        if !harmless && (*name != "suffix" || endpoint == Endpoint::Text) {
             return Err(ApiError::invalid_request(*name, format!("'{name}': {why}.")).with_code("unsupported_parameter"));
         }
     }
@@ -233,10 +256,11 @@ fn common(obj: &Map<String, Value>, prompts: Vec<Prompt>, endpoint: Endpoint) ->
         Some(Value::String(t)) if t == "auto" || t == "default" => {}
         Some(_) => return Err(ApiError::invalid_request("service_tier", "Only the 'auto' and 'default' service tiers exist here.").with_code("unsupported_parameter")),
     }
-    match field(obj, "user") {
-        None | Some(Value::String(_)) => {}
+    let user = match field(obj, "user") {
+        None => None,
+        Some(Value::String(u)) => Some(u.chars().take(256).collect()),
         Some(v) => return Err(type_error("user", "a string", v)),
-    }
+    };
     match field(obj, "metadata") {
         None => {}
         Some(Value::Object(m)) if m.values().all(Value::is_string) => {}
@@ -403,6 +427,7 @@ fn common(obj: &Map<String, Value>, prompts: Vec<Prompt>, endpoint: Endpoint) ->
         tools: None,
         grammar_param,
         unknown,
+        user,
     })
 }
 
@@ -1408,9 +1433,11 @@ mod tests {
 
     #[test]
     fn unsupported_fields_are_refused_by_name_and_unknown_ones_listed() {
-        for f in ["audio", "prediction", "web_search_options", "functions", "function_call", "reasoning_effort", "suffix"] {
-            assert_eq!(refused(json!({ f: {"x": 1} })).as_deref(), Some(f), "{f}");
+        for (f, ..) in UNSUPPORTED {
+            assert_eq!(refused(json!({ *f: {"x": 1} })).as_deref(), Some(*f), "{f}");
         }
+        assert!(text(json!({ "use_beam_search": false, "add_generation_prompt": true })).is_ok(), "the defaults change nothing");
+        assert_eq!(refused(json!({ "use_beam_search": true })).as_deref(), Some("use_beam_search"));
         assert_eq!(refused(json!({ "modalities": ["text", "audio"] })).as_deref(), Some("modalities"));
         assert_eq!(refused(json!({ "store": true })).as_deref(), Some("store"));
         assert!(text(json!({ "store": false, "modalities": ["text"], "user": "u", "metadata": {"a": "b"} })).is_ok());

@@ -330,6 +330,9 @@ async fn complete(
     if !p.unknown.is_empty() {
         tracing::warn!(fields = ?p.unknown, "request fields this server does not know were accepted and ignored");
     }
+    if let Some(user) = &p.user {
+        tracing::info!(user = %user, "end user");
+    }
     let echo = if p.echo {
         p.prompts
             .iter()

@@ -653,6 +653,15 @@ fn structured_outputs_logprobs_n_and_tools_hold_across_the_handoff() {
         v["choices"][i]["message"]["content"].as_str().unwrap_or_default().to_string()
     }).collect();
     assert!(texts[0] != texts[1] || texts[1] != texts[2], "{texts:?}");
+    // The siblings share the prompt's full pages on the prefill worker: the later two hit
+    // what the first one published (its own scope: the same tenant and salt).
+    let before = common::sum(&common::scrape(&s.http), "bulkhead:prefix_cache_hits_total", &[]);
+    let long = format!("Summarise this. {}", "The quick brown fox jumps over the lazy dog. ".repeat(12));
+    post("/v1/chat/completions", serde_json::json!({"model": "bulkhead", "max_tokens": 2, "n": 3, "messages": user(&long)}));
+    let prompt = post("/tokenize", serde_json::json!({"messages": user(&long)}))["count"].as_u64().expect("count") as f64;
+    let full_pages_tokens = ((prompt - 1.0) / 16.0).floor() * 16.0;
+    let hits = counter(&s, "bulkhead:prefix_cache_hits_total", &[], before + 2.0 * full_pages_tokens) - before;
+    assert!(hits >= 2.0 * full_pages_tokens, "siblings hit {hits} cached tokens of a {prompt}-token prompt");
 
     // tool_choice "required": the call parses and follows the function's schema.
     let tools = serde_json::json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
