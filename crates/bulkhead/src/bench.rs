@@ -62,7 +62,7 @@ pub(crate) fn alternate(reps: usize, mut a: impl FnMut() -> anyhow::Result<f64>,
     Ok((median(av), median(bv), median(ratio)))
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
