@@ -275,10 +275,10 @@ impl StreamState {
             let mut out = String::new();
             for c in &self.choices {
                 match self.meta.endpoint {
-                    Endpoint::Chat => out.push_str(&data(&self.chat_chunk(c.index, Delta { role: Some("assistant"), content: Some(String::new()), ..Delta::default() }, None, None))),
+                    Endpoint::Chat => out.push_str(&data(&self.chat_chunk(c.index, Delta { role: Some("assistant"), content: Some(String::new()), ..Delta::default() }, None))),
                     Endpoint::Text => {
                         if let Some(echo) = self.meta.echo.get(c.prompt).filter(|e| !e.is_empty()) {
-                            out.push_str(&data(&self.text_chunk(c.index, echo.clone(), None, None)));
+                            out.push_str(&data(&self.text_chunk(c.index, echo.clone(), None)));
                         }
                     }
                 }
@@ -318,13 +318,14 @@ impl StreamState {
         let index = c.index;
         match self.meta.endpoint {
             Endpoint::Chat => {
+                let calls = c.parser.as_ref().map_or(0, CallParser::calls);
                 let pieces = match c.parser.as_mut() {
                     Some(p) => p.push(&text),
                     None if text.is_empty() => Vec::new(),
                     None => vec![Piece::Text(text)],
                 };
                 let lp = logprobs.map(|(id, l)| ChatLogprobs { content: vec![chat_logprob(self.backend.encoder(), id, &l)] });
-                self.chat_pieces(index, pieces, lp)
+                self.chat_pieces(index, pieces, calls, lp)
             }
             Endpoint::Text => {
                 if text.is_empty() && logprobs.is_none() {
@@ -336,33 +337,32 @@ impl StreamState {
                     out
                 });
                 c.sent += text.len();
-                let mut chunk = self.text_chunk(index, text, None, None);
+                let mut chunk = self.text_chunk(index, text, None);
                 chunk.choices[0].logprobs = lp;
                 data(&chunk)
             }
         }
     }
 
-    /// Chat chunks for `pieces` of choice `index`; `logprobs` ride on the first (an empty
-    /// content chunk carries them when there is nothing else).
-    fn chat_pieces(&self, index: u32, pieces: Vec<Piece>, mut logprobs: Option<ChatLogprobs>) -> String {
+    /// Chat chunks for `pieces` of choice `index`, whose calls so far numbered `calls`;
+    /// `logprobs` ride on the first (an empty content chunk carries them when there is
+    /// nothing else).
+    fn chat_pieces(&self, index: u32, pieces: Vec<Piece>, mut calls: usize, mut logprobs: Option<ChatLogprobs>) -> String {
         let mut out = String::new();
-        let calls_before = self.choices.iter().find(|c| c.index == index).and_then(|c| c.parser.as_ref()).map_or(0, CallParser::calls);
-        let mut call_no = calls_before.saturating_sub(pieces.iter().filter(|p| matches!(p, Piece::Call(_))).count());
         for p in pieces {
             let delta = match p {
                 Piece::Text(t) => Delta { content: Some(t), ..Delta::default() },
                 Piece::Call(c) => {
-                    call_no += 1;
-                    Delta { tool_calls: vec![ToolCallDelta { index: (call_no - 1) as u32, id: c.id, kind: "function", function: FunctionCall { name: c.name, arguments: c.arguments } }], ..Delta::default() }
+                    calls += 1;
+                    Delta { tool_calls: vec![ToolCallDelta { index: (calls - 1) as u32, id: c.id, kind: "function", function: FunctionCall { name: c.name, arguments: c.arguments } }], ..Delta::default() }
                 }
             };
-            let mut chunk = self.chat_chunk(index, delta, None, None);
+            let mut chunk = self.chat_chunk(index, delta, None);
             chunk.choices[0].logprobs = logprobs.take();
             out.push_str(&data(&chunk));
         }
         if let Some(lp) = logprobs {
-            let mut chunk = self.chat_chunk(index, Delta { content: Some(String::new()), ..Delta::default() }, None, None);
+            let mut chunk = self.chat_chunk(index, Delta { content: Some(String::new()), ..Delta::default() }, None);
             chunk.choices[0].logprobs = Some(lp);
             out.push_str(&data(&chunk));
         }
@@ -373,17 +373,21 @@ impl StreamState {
         let c = &mut self.choices[i];
         c.finished = Some(counts);
         let index = c.index;
-        let (rest, calls) = match c.parser.as_mut() {
-            Some(p) => (p.finish(), p.calls()),
-            None => (Vec::new(), 0),
+        let (before, rest, calls) = match c.parser.as_mut() {
+            Some(p) => {
+                let before = p.calls();
+                let rest = p.finish();
+                (before, rest, p.calls())
+            }
+            None => (0, Vec::new(), 0),
         };
         let mut out = match self.meta.endpoint {
             Endpoint::Chat => {
-                let mut out = self.chat_pieces(index, rest, None);
-                out.push_str(&data(&self.chat_chunk(index, Delta::default(), Some(finish_str(reason, calls)), None)));
+                let mut out = self.chat_pieces(index, rest, before, None);
+                out.push_str(&data(&self.chat_chunk(index, Delta::default(), Some(finish_str(reason, calls)))));
                 out
             }
-            Endpoint::Text => data(&self.text_chunk(index, String::new(), Some(reason.as_str()), None)),
+            Endpoint::Text => data(&self.text_chunk(index, String::new(), Some(reason.as_str()))),
         };
         if self.choices.iter().all(|c| c.finished.is_some()) {
             self.done = true;
@@ -416,8 +420,9 @@ impl StreamState {
         out
     }
 
-    /// A chat chunk with one choice.
-    fn chat_chunk(&self, index: u32, delta: Delta, finish_reason: Option<&'static str>, usage: Option<Usage>) -> ChatChunk {
+    /// A chat chunk with one choice (`usage` null when the client asked for usage: only the
+    /// last chunk carries it).
+    fn chat_chunk(&self, index: u32, delta: Delta, finish_reason: Option<&'static str>) -> ChatChunk {
         let m = &self.meta;
         ChatChunk {
             id: m.id.clone(),
@@ -425,11 +430,11 @@ impl StreamState {
             created: m.created,
             model: m.model.clone(),
             choices: vec![ChunkChoice { index, delta, logprobs: None, finish_reason }],
-            usage: m.include_usage.then_some(usage),
+            usage: m.include_usage.then_some(None),
         }
     }
 
-    fn text_chunk(&self, index: u32, text: String, finish_reason: Option<&'static str>, usage: Option<Usage>) -> TextCompletion {
+    fn text_chunk(&self, index: u32, text: String, finish_reason: Option<&'static str>) -> TextCompletion {
         let m = &self.meta;
         TextCompletion {
             id: m.id.clone(),
@@ -437,7 +442,7 @@ impl StreamState {
             created: m.created,
             model: m.model.clone(),
             choices: vec![TextChoice { index, text, logprobs: None, finish_reason }],
-            usage: m.include_usage.then_some(usage),
+            usage: m.include_usage.then_some(None),
         }
     }
 }
