@@ -95,54 +95,67 @@ impl Value {
     }
 }
 
-/// Tensor element types. Only the ones Bulkhead computes with have names; the rest are kept
-/// as their code so that the error can say which type a file uses.
+/// Tensor element types, by ggml's names. Only the ones Bulkhead computes with have names;
+/// the rest are kept as their code so that the error can say which type a file uses.
+#[allow(non_camel_case_types)] // ggml's own names (Q4_K), which users see in their files
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum GgmlType {
     F32,
     F16,
+    BF16,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
     Q8_0,
+    Q2_K,
+    Q3_K,
+    Q4_K,
+    Q5_K,
+    Q6_K,
     /// Any other ggml type, by its code.
     Other(u32),
 }
 
+/// Every type with a known layout: (type, ggml code, name, elements per block, bytes per block).
+const KNOWN: [(GgmlType, u32, &str, usize, usize); 13] = [
+    (GgmlType::F32, 0, "F32", 1, 4),
+    (GgmlType::F16, 1, "F16", 1, 2),
+    (GgmlType::Q4_0, 2, "Q4_0", 32, 18),
+    (GgmlType::Q4_1, 3, "Q4_1", 32, 20),
+    (GgmlType::Q5_0, 6, "Q5_0", 32, 22),
+    (GgmlType::Q5_1, 7, "Q5_1", 32, 24),
+    (GgmlType::Q8_0, 8, "Q8_0", 32, 34),
+    (GgmlType::Q2_K, 10, "Q2_K", 256, 84),
+    (GgmlType::Q3_K, 11, "Q3_K", 256, 110),
+    (GgmlType::Q4_K, 12, "Q4_K", 256, 144),
+    (GgmlType::Q5_K, 13, "Q5_K", 256, 176),
+    (GgmlType::Q6_K, 14, "Q6_K", 256, 210),
+    (GgmlType::BF16, 30, "BF16", 1, 2),
+];
+
 impl GgmlType {
     /// Type from its ggml code.
     pub fn from_code(code: u32) -> Self {
-        match code {
-            0 => GgmlType::F32,
-            1 => GgmlType::F16,
-            2 => GgmlType::Q4_0,
-            3 => GgmlType::Q4_1,
-            8 => GgmlType::Q8_0,
-            other => GgmlType::Other(other),
-        }
+        KNOWN.iter().find(|k| k.1 == code).map_or(GgmlType::Other(code), |k| k.0)
     }
 
     /// The ggml code.
     pub fn code(self) -> u32 {
         match self {
-            GgmlType::F32 => 0,
-            GgmlType::F16 => 1,
-            GgmlType::Q4_0 => 2,
-            GgmlType::Q4_1 => 3,
-            GgmlType::Q8_0 => 8,
             GgmlType::Other(c) => c,
+            t => KNOWN.iter().find(|k| k.0 == t).map_or(u32::MAX, |k| k.1),
         }
     }
 
     /// (elements per block, bytes per block), or None for a type we do not know the size of.
     pub fn block(self) -> Option<(usize, usize)> {
-        match self {
-            GgmlType::F32 => Some((1, 4)),
-            GgmlType::F16 => Some((1, 2)),
-            GgmlType::Q4_0 => Some((32, 18)),
-            GgmlType::Q4_1 => Some((32, 20)),
-            GgmlType::Q8_0 => Some((32, 34)),
-            GgmlType::Other(_) => None,
-        }
+        KNOWN.iter().find(|k| k.0 == self).map(|k| (k.3, k.4))
+    }
+
+    /// Every type whose layout this crate knows.
+    pub fn known() -> impl Iterator<Item = GgmlType> {
+        KNOWN.iter().map(|k| k.0)
     }
 
     /// Bytes needed for `elems` elements, None when unknown, not a whole number of blocks,
@@ -159,13 +172,9 @@ impl GgmlType {
 
 impl fmt::Display for GgmlType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            GgmlType::F32 => f.write_str("F32"),
-            GgmlType::F16 => f.write_str("F16"),
-            GgmlType::Q4_0 => f.write_str("Q4_0"),
-            GgmlType::Q4_1 => f.write_str("Q4_1"),
-            GgmlType::Q8_0 => f.write_str("Q8_0"),
-            GgmlType::Other(c) => write!(f, "ggml type {c}"),
+        match KNOWN.iter().find(|k| k.0 == *self) {
+            Some(k) => f.write_str(k.2),
+            None => write!(f, "ggml type {}", self.code()),
         }
     }
 }

@@ -16,6 +16,7 @@
 pub mod config;
 pub mod forward;
 pub mod kernels;
+pub mod kquant;
 pub mod matmul;
 pub mod quant;
 pub mod reference;
@@ -40,7 +41,7 @@ pub enum ModelError {
     Gguf(#[from] GgufError),
     #[error("unsupported architecture `{arch}` (general.architecture); Bulkhead runs llama-architecture models")]
     UnsupportedArchitecture { arch: String },
-    #[error("tensor `{tensor}` has unsupported type {ty} (supported: F32, F16, Q4_0, Q4_1, Q8_0)")]
+    #[error("tensor `{tensor}` has unsupported type {ty} (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)")]
     UnsupportedTensorType { tensor: String, ty: String },
     #[error("tensor `{tensor}`: {why}")]
     BadShape { tensor: String, why: String },

@@ -28,12 +28,14 @@ pub struct Matrix {
 impl Matrix {
     /// Build from raw ggml bytes; shape and type are checked.
     pub fn new(name: &str, ty: GgmlType, rows: usize, cols: usize, data: Vec<u8>) -> Result<Self, ModelError> {
-        let supported = matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0);
+        let supported = matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) || crate::kernels::is_block_quantized(ty);
         if !supported {
             return Err(ModelError::UnsupportedTensorType { tensor: name.to_string(), ty: ty.to_string() });
         }
-        if ty.block().is_some_and(|(be, _)| be == QK) && !cols.is_multiple_of(QK) {
-            return Err(ModelError::BadShape { tensor: name.to_string(), why: format!("{cols} columns is not a multiple of the {QK}-element block") });
+        if let Some((be, _)) = ty.block().filter(|(be, _)| *be > 1)
+            && !cols.is_multiple_of(be)
+        {
+            return Err(ModelError::BadShape { tensor: name.to_string(), why: format!("{cols} columns is not a multiple of the {be}-element {ty} block") });
         }
         let row_bytes = ty.bytes_for(cols as u64).map(|b| b as usize).unwrap_or(0);
         if data.len() != rows * row_bytes {
@@ -52,7 +54,7 @@ impl Matrix {
         if let (true, Some(p)) = (self.data.is_empty(), &self.packed) {
             self.data = packed::unpack(self.ty, self.rows, self.row_bytes, p);
         }
-        self.packed = isa.packs_weights().then(|| packed::pack(self.ty, self.rows, self.row_bytes, &self.data));
+        self.packed = (isa.packs_weights() && packed::supports(self.ty)).then(|| packed::pack(self.ty, self.rows, self.row_bytes, &self.data));
         if self.packed.is_some() && !keep_rows {
             self.data = Vec::new();
         }
@@ -106,7 +108,7 @@ impl Matrix {
 
     /// True for the block-quantised types (which take 8-bit activations).
     pub fn is_quantized(&self) -> bool {
-        matches!(self.ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
+        crate::kernels::is_block_quantized(self.ty)
     }
 
     /// Row `r` as f32 values.

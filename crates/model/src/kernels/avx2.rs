@@ -13,7 +13,8 @@ use bulkhead_gguf::GgmlType;
 use half::f16;
 
 use super::TILE;
-use crate::quant::{Q8Acts, QK};
+use crate::kquant::{self, KBlock};
+use crate::quant::{f16_at, Q8Acts, QK};
 
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
@@ -88,6 +89,33 @@ unsafe fn tile<const N: usize>(ty: GgmlType, w: *const u8, a: ActPtrs, out: &mut
                     }
                 }
             }
+            GgmlType::Q5_0 | GgmlType::Q5_1 => {
+                let has_min = ty == GgmlType::Q5_1;
+                let bs = if has_min { 24 } else { 22 };
+                let at = if has_min { 4 } else { 2 };
+                for b in 0..nb {
+                    let blk = w.add(b * bs);
+                    let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(std::ptr::read_unaligned(blk.cast::<u16>())))));
+                    let m = if has_min { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(std::ptr::read_unaligned(blk.add(2).cast::<u16>()))))) } else { 0.0 };
+                    let qh = std::ptr::read_unaligned(blk.add(at).cast::<u32>());
+                    let lo = _mm_loadu_si128(blk.add(at + 4).cast());
+                    let nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(lo, 4), lo), mask);
+                    let mut qx = _mm256_or_si256(nib, _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10)));
+                    if !has_min {
+                        qx = _mm256_sub_epi8(qx, _mm256_set1_epi8(16));
+                    }
+                    let ax = _mm256_sign_epi8(qx, qx);
+                    for n in 0..N {
+                        let ab = n * nb + b;
+                        let qy = _mm256_loadu_si256(a.qs.add(ab * QK).cast());
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(qy, qx)), ones);
+                        acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * *a.d.add(ab)), _mm256_cvtepi32_ps(p), acc[n]);
+                        if has_min {
+                            summ[n] += m * *a.s.add(ab);
+                        }
+                    }
+                }
+            }
             other => unreachable!("{other} is not a quantised block type"),
         }
     }
@@ -96,42 +124,151 @@ unsafe fn tile<const N: usize>(ty: GgmlType, w: *const u8, a: ActPtrs, out: &mut
     }
 }
 
+/// 32 bytes, byte `j` 0xFF where bit `j` of `bits` is set and 0 elsewhere.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn bits_to_bytes(bits: u32) -> __m256i {
+    // Byte j takes the byte of `bits` that holds bit j, then keeps that bit alone.
+    let spread = _mm256_shuffle_epi8(_mm256_set1_epi32(bits as i32), _mm256_setr_epi64x(0, 0x0101_0101_0101_0101, 0x0202_0202_0202_0202, 0x0303_0303_0303_0303));
+    let pick = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
+    _mm256_cmpeq_epi8(_mm256_and_si256(spread, pick), pick)
+}
+
+/// One k-quant weight row (`nsb` superblocks at `w`) against `N` activation rows. Per
+/// superblock the 256 weights are unpacked to bytes once: Q4_K and Q6_K in registers, the
+/// other k-quants through [`kquant::unpack`]. Then for each activation row and 32-element
+/// block: `maddubs` and `madd` to sums of four products, multiplied by the two 16-element
+/// groups' integer scales, converted and accumulated with one FMA by `d · d_a`. The min
+/// terms come from the activations' group sums.
+///
+/// # Safety
+/// AVX2, FMA and F16C are available; `w` holds `nsb` superblocks of `ty`; `a` points to `N`
+/// rows of `a.nb = 8 * nsb` blocks and `sums` to their `2 * a.nb` group sums each.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)] // `n` indexes acc, summ and the activation rows alike
+unsafe fn ktile<const N: usize>(ty: GgmlType, w: &[u8], a: ActPtrs, sums: *const i32, out: &mut [f32]) {
+    let nb = a.nb;
+    let bb = ty.block().map_or(0, |b| b.1);
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut summ = [0.0f32; N];
+    let ones = _mm256_set1_epi16(1);
+    let (m4, m2) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3));
+    let mut qx = [_mm256_setzero_si256(); 8];
+    let mut kb = KBlock::default();
+    let has_mins = matches!(ty, GgmlType::Q2_K | GgmlType::Q4_K | GgmlType::Q5_K);
+    for (sb, blk) in w.chunks_exact(bb).enumerate() {
+        // SAFETY (loads): every 32-byte load below is inside `blk`, whose layout the offsets
+        // follow (kquant's module docs); unaligned loads throughout.
+        let (d, dmin, sc, mn) = unsafe {
+            match ty {
+                GgmlType::Q4_K => {
+                    for c in 0..4 {
+                        let v = _mm256_loadu_si256(blk[16 + 32 * c..].as_ptr().cast());
+                        qx[2 * c] = _mm256_and_si256(v, m4);
+                        qx[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    }
+                    let (mut sc, mut mn) = ([0i32; 16], [0i32; 16]);
+                    for j in 0..8 {
+                        let (s, m) = kquant::scale_min_k4(j, &blk[4..16]);
+                        (sc[2 * j], sc[2 * j + 1], mn[2 * j], mn[2 * j + 1]) = (i32::from(s), i32::from(s), i32::from(m), i32::from(m));
+                    }
+                    (f16_at(blk), f16_at(&blk[2..]), sc, mn)
+                }
+                GgmlType::Q6_K => {
+                    let minus32 = _mm256_set1_epi8(32);
+                    for h in 0..2 {
+                        let ql0 = _mm256_loadu_si256(blk[64 * h..].as_ptr().cast());
+                        let ql1 = _mm256_loadu_si256(blk[64 * h + 32..].as_ptr().cast());
+                        let qh = _mm256_loadu_si256(blk[128 + 32 * h..].as_ptr().cast());
+                        let high = |shift: i32| match shift {
+                            0 => _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4),
+                            2 => _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4),
+                            4 => _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4),
+                            _ => _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4),
+                        };
+                        qx[4 * h] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(ql0, m4), high(0)), minus32);
+                        qx[4 * h + 1] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(ql1, m4), high(2)), minus32);
+                        qx[4 * h + 2] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), high(4)), minus32);
+                        qx[4 * h + 3] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), high(6)), minus32);
+                    }
+                    let mut sc = [0i32; 16];
+                    for (g, s) in sc.iter_mut().enumerate() {
+                        *s = i32::from(blk[192 + g] as i8);
+                    }
+                    (f16_at(&blk[208..]), 0.0, sc, [0; 16])
+                }
+                _ => {
+                    kquant::unpack(ty, blk, &mut kb);
+                    for (j, q) in qx.iter_mut().enumerate() {
+                        *q = _mm256_loadu_si256(kb.q[32 * j..].as_ptr().cast());
+                    }
+                    (kb.d, kb.dmin, kb.sc, kb.mn)
+                }
+            }
+        };
+        let sv: [__m256i; 8] = std::array::from_fn(|j| {
+            let (s0, s1) = (sc[2 * j], sc[2 * j + 1]);
+            _mm256_setr_epi32(s0, s0, s0, s0, s1, s1, s1, s1)
+        });
+        let ax: [__m256i; 8] = std::array::from_fn(|j| _mm256_sign_epi8(qx[j], qx[j]));
+        for n in 0..N {
+            for j in 0..8 {
+                let ab = n * nb + sb * 8 + j;
+                // SAFETY: ab < N * nb: inside the activation rows the caller guarantees.
+                let (qy, da) = unsafe { (_mm256_loadu_si256(a.qs.add(ab * QK).cast()), *a.d.add(ab)) };
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax[j], _mm256_sign_epi8(qy, qx[j])), ones);
+                acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * da), _mm256_cvtepi32_ps(_mm256_mullo_epi32(p, sv[j])), acc[n]);
+                if has_mins {
+                    // SAFETY: 2 * ab + 1 < 2 * N * nb, inside the group sums.
+                    let (s0, s1) = unsafe { (*sums.add(2 * ab), *sums.add(2 * ab + 1)) };
+                    summ[n] += da * (dmin * (mn[2 * j] * s0 + mn[2 * j + 1] * s1) as f32);
+                }
+            }
+        }
+    }
+    for n in 0..N {
+        out[n] = hsum(acc[n]) - summ[n];
+    }
+}
+
 /// `out[r * n + i] = dot(row r of w, activation row first + i)` for `rows` weight rows of
 /// `row_bytes` each and `n` activation rows.
 pub(super) fn dot_q_rows(ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8Acts, first: usize, n: usize, out: &mut [f32]) {
     let nb = acts.blocks_per_row();
-    let bs = match ty {
-        GgmlType::Q4_0 => 18,
-        GgmlType::Q4_1 => 20,
-        GgmlType::Q8_0 => 34,
-        other => unreachable!("{other} is not a quantised block type"),
-    };
-    // These bounds are what `tile` relies on.
+    let kq = kquant::is_kquant(ty);
+    // These bounds are what `tile` and `ktile` rely on.
     let end = (first + n) * nb;
-    assert!(row_bytes == nb * bs && w.len().is_multiple_of(row_bytes), "weight rows of {row_bytes} bytes for {nb} blocks");
+    assert!(ty.bytes_for((nb * QK) as u64) == Some(row_bytes as u64) && w.len().is_multiple_of(row_bytes), "weight rows of {row_bytes} bytes for {nb} blocks");
     assert!(out.len() == w.len() / row_bytes * n, "output shape");
-    assert!(acts.qs.len() >= end * QK && acts.d.len() >= end && acts.s.len() >= end, "activations too short");
+    assert!(acts.qs.len() >= end * QK && acts.d.len() >= end && acts.s.len() >= end && acts.sums.len() >= 2 * end, "activations too short");
     for (row, o_row) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(n)) {
         let mut i = 0;
         while i < n {
-            let k = (n - i).min(TILE);
-            let o = &mut o_row[i..i + k];
+            let rows = (n - i).min(TILE);
+            let o = &mut o_row[i..i + rows];
             let base = (first + i) * nb;
-            // SAFETY: base + k * nb <= end, within the asserted lengths.
+            // SAFETY: base + rows * nb <= end, within the asserted lengths.
             let a = unsafe {
                 ActPtrs { qs: acts.qs.as_ptr().add(base * QK), d: acts.d.as_ptr().add(base), s: acts.s.as_ptr().add(base), nb }
             };
+            // SAFETY: base * 2 + 2 * k * nb <= 2 * end, within the asserted group sums.
+            let sums = unsafe { acts.sums.as_ptr().add(base * 2) };
             // SAFETY: only reached through an Isa at level Avx2 or Avx512Vnni (detection made it: AVX2, FMA,
-            // F16C); `row` holds nb blocks and `a` k rows of nb blocks, checked above.
+            // F16C); `row` holds nb blocks (nb / 8 superblocks for a k-quant) and `a` `rows` rows of nb
+            // blocks with their group sums, checked above.
             unsafe {
-                match k {
-                    4 => tile::<4>(ty, row.as_ptr(), a, o),
-                    3 => tile::<3>(ty, row.as_ptr(), a, o),
-                    2 => tile::<2>(ty, row.as_ptr(), a, o),
-                    _ => tile::<1>(ty, row.as_ptr(), a, o),
+                match (kq, rows) {
+                    (true, 4) => ktile::<4>(ty, row, a, sums, o),
+                    (true, 3) => ktile::<3>(ty, row, a, sums, o),
+                    (true, 2) => ktile::<2>(ty, row, a, sums, o),
+                    (true, _) => ktile::<1>(ty, row, a, sums, o),
+                    (false, 4) => tile::<4>(ty, row.as_ptr(), a, o),
+                    (false, 3) => tile::<3>(ty, row.as_ptr(), a, o),
+                    (false, 2) => tile::<2>(ty, row.as_ptr(), a, o),
+                    (false, _) => tile::<1>(ty, row.as_ptr(), a, o),
                 }
             }
-            i += k;
+            i += rows;
         }
     }
 }

@@ -115,14 +115,9 @@ impl Isa {
     }
 }
 
-/// Bytes of one block of a quantised type and the activation format it pairs with.
-fn block_bytes(ty: GgmlType) -> usize {
-    match ty {
-        GgmlType::Q4_0 => 18,
-        GgmlType::Q4_1 => 20,
-        GgmlType::Q8_0 => 34,
-        other => unreachable!("{other} is not a quantised block type"),
-    }
+/// Whether `ty` is a block-quantised weight type, multiplied against 8-bit activations.
+pub fn is_block_quantized(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0) || crate::kquant::is_kquant(ty)
 }
 
 /// `out[i * rows + r] = dot(row r, activation row first_act + i)` for the `rows` rows of a
@@ -139,12 +134,14 @@ pub fn dot_q_packed(isa: Isa, ty: GgmlType, p: &[u8], rows: usize, acts: &Q8Acts
 }
 
 /// `out[r * n + i] = dot(weight row r, activation row first_act + i)` for the consecutive
-/// rows in `w` (`row_bytes` each, Q4_0, Q4_1 or Q8_0 with `acts.cols` columns) and `n`
-/// activation rows.
+/// rows in `w` (`row_bytes` each, of a block-quantised type with `acts.cols` columns) and
+/// `n` activation rows.
 #[allow(clippy::too_many_arguments)] // mirrors the kernel: matrix rows, activation rows, output
 pub fn dot_q_rows(isa: Isa, ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8Acts, first_act: usize, n: usize, out: &mut [f32]) {
     let nb = acts.blocks_per_row();
-    assert!(row_bytes == nb * block_bytes(ty) && w.len().is_multiple_of(row_bytes), "weight rows of {row_bytes} bytes for {nb} blocks of {ty}");
+    let want = ty.bytes_for(acts.cols as u64).filter(|_| is_block_quantized(ty)).map(|b| b as usize);
+    assert!(want == Some(row_bytes) && w.len().is_multiple_of(row_bytes), "weight rows of {row_bytes} bytes for {nb} blocks of {ty}");
+    assert!(acts.sums.len() == acts.qs.len() / 16, "activation sums");
     assert!(out.len() == w.len() / row_bytes * n, "output of {} for {} rows x {n}", out.len(), w.len() / row_bytes);
     assert!(first_act + n <= acts.rows, "activation rows {first_act}+{n} of {}", acts.rows);
     match isa.level() {
@@ -172,14 +169,20 @@ pub fn quantize_acts(isa: Isa, x: &[f32], rows: usize, cols: usize, acts: &mut Q
         IsaLevel::Avx2 | IsaLevel::Avx512Vnni => avx2::quantize(x, d, s, qs),
         _ => scalar::quantize(x, d, s, qs),
     });
+    acts.sums.resize(rows * cols / 16, 0);
+    acts.qs.par_chunks(rows_per_task * cols).zip(acts.sums.par_chunks_mut(rows_per_task * cols / 16)).for_each(|(q, s)| {
+        for (g, o) in q.chunks_exact(16).zip(s) {
+            *o = g.iter().map(|&v| i32::from(v)).sum();
+        }
+    });
 }
 
-/// `out[i] = dot(w_row, x row i)` for a row of an F32 or F16 matrix; `x` holds
+/// `out[i] = dot(w_row, x row i)` for a row of an F32, F16 or BF16 matrix; `x` holds
 /// `out.len()` rows of `cols` values.
 pub fn dot_f_row(isa: Isa, ty: GgmlType, w_row: &[u8], x: &[f32], cols: usize, out: &mut [f32]) {
     let eb = match ty {
         GgmlType::F32 => 4,
-        GgmlType::F16 => 2,
+        GgmlType::F16 | GgmlType::BF16 => 2,
         other => unreachable!("{other} is not a float type"),
     };
     assert!(w_row.len() == cols * eb && x.len() == out.len() * cols, "float row shapes");
@@ -188,6 +191,7 @@ pub fn dot_f_row(isa: Isa, ty: GgmlType, w_row: &[u8], x: &[f32], cols: usize, o
             #[cfg(target_arch = "x86_64")]
             (IsaLevel::Avx2 | IsaLevel::Avx512Vnni, GgmlType::F16) => avx2::dot_f16_bytes(w_row, xr),
             (_, GgmlType::F16) => scalar::dot_f16_bytes(w_row, xr),
+            (_, GgmlType::BF16) => scalar::dot_bf16_bytes(w_row, xr),
             _ => scalar::dot_f32_bytes(w_row, xr),
         };
     }
@@ -282,8 +286,9 @@ mod tests {
     #[allow(clippy::needless_range_loop)]
     fn quantised_dots_match_a_dequantised_reference_on_every_isa() {
         let mut seed = 0x9E3779B97F4A7C15;
-        let cols = 256;
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        let cols = 512;
+        let types = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K];
+        for ty in types {
             let w: Vec<f32> = (0..cols).map(|_| rng(&mut seed)).collect();
             let wq = quantize_row(ty, &w);
             let mut wd = vec![0.0; cols];

@@ -18,7 +18,21 @@
 
 use bulkhead_gguf::GgmlType;
 
-use super::block_bytes;
+/// Whether the VNNI kernel has a packed layout for `ty` (the others stay in rows and run
+/// the AVX2 row kernel).
+pub fn supports(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
+}
+
+/// Bytes of one 32-element block of a type the packed layout supports.
+fn block_bytes(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q4_0 => 18,
+        GgmlType::Q4_1 => 20,
+        GgmlType::Q8_0 => 34,
+        other => unreachable!("{other} has no packed layout"),
+    }
+}
 
 /// Rows in a group.
 pub const GROUP: usize = 8;

@@ -3,11 +3,45 @@
 use bulkhead_gguf::GgmlType;
 use half::f16;
 
-use crate::quant::{f16_at, Q8Acts, QK};
+use crate::kquant::{self, KBlock, QK_K};
+use crate::quant::{f16_at, q5_values, Q8Acts, QK};
 
 pub(super) fn dot_q_rows(ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8Acts, first: usize, n: usize, out: &mut [f32]) {
     for (row, o) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(n)) {
-        dot_q_row(ty, row, acts, first, o);
+        if kquant::is_kquant(ty) {
+            dot_k_row(ty, row, acts, first, o);
+        } else {
+            dot_q_row(ty, row, acts, first, o);
+        }
+    }
+}
+
+/// A k-quant row against activation rows: per 32-element activation block (two scale
+/// groups), `d_a * (d * (sc0 * I0 + sc1 * I1) - dmin * (mn0 * A0 + mn1 * A1))` with `I` the
+/// integer dot products and `A` the activations' integer sums of each group.
+fn dot_k_row(ty: GgmlType, w: &[u8], acts: &Q8Acts, first: usize, out: &mut [f32]) {
+    let nb = acts.blocks_per_row();
+    let bb = ty.block().map_or(0, |b| b.1);
+    let mut kb = KBlock::default();
+    for o in out.iter_mut() {
+        *o = 0.0;
+    }
+    for (sb, blk) in w.chunks_exact(bb).enumerate() {
+        kquant::unpack(ty, blk, &mut kb);
+        for (i, o) in out.iter_mut().enumerate() {
+            let row = first + i;
+            let mut sum = 0.0f32;
+            for j in 0..QK_K / QK {
+                let ab = row * nb + sb * (QK_K / QK) + j;
+                let y = &acts.qs[ab * QK..(ab + 1) * QK];
+                let (g0, g1) = (2 * j, 2 * j + 1);
+                let dot = |g: usize, ys: &[i8]| -> i32 { kb.q[g * 16..(g + 1) * 16].iter().zip(ys).map(|(&a, &b)| i32::from(a) * i32::from(b)).sum() };
+                let isum = kb.sc[g0] * dot(g0, &y[..16]) + kb.sc[g1] * dot(g1, &y[16..]);
+                let msum = kb.mn[g0] * acts.sums[ab * 2] + kb.mn[g1] * acts.sums[ab * 2 + 1];
+                sum += acts.d[ab] * (kb.d * isum as f32 - kb.dmin * msum as f32);
+            }
+            *o += sum;
+        }
     }
 }
 
@@ -57,6 +91,15 @@ fn dot_q_row(ty: GgmlType, w: &[u8], acts: &Q8Acts, first: usize, out: &mut [f32
                     }
                     f16_at(blk) * dy * si as f32 + f16_at(&blk[2..]) * acts.s[ab]
                 }
+                GgmlType::Q5_0 | GgmlType::Q5_1 => {
+                    let has_min = ty == GgmlType::Q5_1;
+                    let bs = if has_min { 24 } else { 22 };
+                    let blk = &w[b * bs..(b + 1) * bs];
+                    let (q, _) = q5_values(blk, has_min);
+                    let si: i32 = q.iter().zip(y).map(|(&a, &b)| i32::from(a) * i32::from(b)).sum();
+                    let v = f16_at(blk) * dy * si as f32;
+                    if has_min { v + f16_at(&blk[2..]) * acts.s[ab] } else { v }
+                }
                 GgmlType::Q8_0 => {
                     let blk = &w[b * 34..(b + 1) * 34];
                     let si: i32 = (0..QK).map(|j| i32::from(blk[2 + j] as i8) * i32::from(y[j])).sum();
@@ -71,6 +114,10 @@ fn dot_q_row(ty: GgmlType, w: &[u8], acts: &Q8Acts, first: usize, out: &mut [f32
 
 pub(super) fn dot_f16_bytes(w: &[u8], x: &[f32]) -> f32 {
     w.chunks_exact(2).zip(x).map(|(c, v)| f16_at(c) * v).sum()
+}
+
+pub(super) fn dot_bf16_bytes(w: &[u8], x: &[f32]) -> f32 {
+    w.chunks_exact(2).zip(x).map(|(c, v)| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16) * v).sum()
 }
 
 pub(super) fn dot_f32_bytes(w: &[u8], x: &[f32]) -> f32 {
