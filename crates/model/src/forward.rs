@@ -10,6 +10,9 @@
 use bulkhead_kv::{KvPool, SequenceKv};
 use rayon::prelude::*;
 
+use half::f16;
+
+use crate::config::{Activation, RopeStyle};
 use crate::kernels::{dot_kv_rows, weighted_sum_kv, widen_f16, Isa, KvElem};
 use crate::matmul::{matmul, MatmulScratch};
 use crate::{Llama, ModelError};
@@ -47,19 +50,56 @@ fn add_rows(x: &mut [f32], y: &[f32], width: usize) {
     x.par_chunks_mut(width).zip(y.par_chunks(width)).with_min_len(ROWS_PER_TASK).for_each(|(a, b)| a.iter_mut().zip(b).for_each(|(a, b)| *a += b));
 }
 
-/// Rotate adjacent pairs of each head by position (llama's "normal" RoPE; GGUF stores Q and
-/// K already permuted for it). Angles are built iteratively in f32, as ggml does.
-pub(crate) fn rope(x: &mut [f32], head_dim: usize, pos: usize, base: f32) {
-    let scale = base.powf(-2.0 / head_dim as f32);
+/// Rotate each head of `x` by position `pos` (ggml's RoPE: angle `scale · pos · base^(-2i/d)
+/// / freqs[i]` for pair `i`, built iteratively in f32). `Adjacent` pairs dimensions `(2i,
+/// 2i + 1)`, `Halves` pairs `(i, i + d/2)`.
+pub(crate) fn rope(x: &mut [f32], head_dim: usize, pos: usize, r: Rope<'_>) {
+    let step = r.base.powf(-2.0 / head_dim as f32);
+    let half = head_dim / 2;
     for head in x.chunks_exact_mut(head_dim) {
         let mut theta = pos as f32;
-        for pair in head.chunks_exact_mut(2) {
-            let (s, c) = theta.sin_cos();
-            let (a, b) = (pair[0], pair[1]);
-            pair[0] = a * c - b * s;
-            pair[1] = a * s + b * c;
-            theta *= scale;
+        for i in 0..half {
+            let ff = r.freqs.map_or(1.0, |f| f[i]);
+            let (s, c) = (r.scale * (theta / ff)).sin_cos();
+            let (ia, ib) = match r.style {
+                RopeStyle::Adjacent => (2 * i, 2 * i + 1),
+                RopeStyle::Halves => (i, i + half),
+            };
+            let (a, b) = (head[ia], head[ib]);
+            head[ia] = a * c - b * s;
+            head[ib] = a * s + b * c;
+            theta *= step;
         }
+    }
+}
+
+/// A layer's RoPE: base, position scale, pairing and per-pair frequency divisors.
+#[derive(Clone, Copy)]
+pub(crate) struct Rope<'a> {
+    pub base: f32,
+    pub scale: f32,
+    pub style: RopeStyle,
+    pub freqs: Option<&'a [f32]>,
+}
+
+/// ggml's CPU GELU (tanh approximation), which evaluates it on the input rounded to f16 and
+/// rounds the result to f16 (its lookup table), and is exact outside [-10, 10].
+pub(crate) fn gelu(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const COEF_A: f32 = 0.044_715;
+    if x <= -10.0 {
+        return 0.0;
+    }
+    if x >= 10.0 {
+        return x;
+    }
+    let h = f16::from_f32(x).to_f32();
+    f16::from_f32(0.5 * h * (1.0 + (SQRT_2_OVER_PI * h * (1.0 + COEF_A * h * h)).tanh())).to_f32()
+}
+
+pub(crate) fn gelu_mul(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = gelu(*g) * u;
     }
 }
 
@@ -119,21 +159,39 @@ struct AttnScratch {
     v: Vec<f32>,
 }
 
-/// Attention of one query head over the positions `0..=pos` of each row's sequence, for
-/// consecutive rows of one sequence (`positions` increasing, `q` their query vectors for
-/// this head, `head_dim` apart), read page by page through the sequence's leases.
+/// What one layer's attention needs besides the queries.
+#[derive(Clone, Copy)]
+struct AttnAt {
+    layer: usize,
+    /// Scores are multiplied by this.
+    scale: f32,
+    /// Keys a query sees, its own included (a sliding-window layer); `None`: all before it.
+    window: Option<usize>,
+}
+
+/// The first position a query at `pos` attends to.
+#[inline]
+fn first_seen(pos: usize, window: Option<usize>) -> usize {
+    window.map_or(0, |w| (pos + 1).saturating_sub(w))
+}
+
+/// Attention of one query head over the positions `first_seen(pos)..=pos` of each row's
+/// sequence, for consecutive rows of one sequence (`positions` increasing, `q` their query
+/// vectors for this head, `head_dim` apart), read page by page through the sequence's
+/// leases. Positions a row does not see get weight 0; pages no row sees are not read.
 #[allow(clippy::too_many_arguments)]
 fn attend(
     isa: Isa,
     pool: &KvPool,
     kv: &SequenceKv,
-    layer: usize,
+    at: AttnAt,
     g: usize,
     positions: &[usize],
     q: &[f32],
     out: &mut [f32],
     scr: &mut AttnScratch,
 ) -> Result<(), ModelError> {
+    let layer = at.layer;
     let head_dim = q.len() / positions.len();
     let page_size = pool.layout().page_size;
     let n_max = positions.last().map_or(0, |p| p + 1);
@@ -141,11 +199,12 @@ fn attend(
     if kv.pages().len() < pages {
         return Err(ModelError::NotReserved { pos: n_max - 1 });
     }
-    let scale = 1.0 / (head_dim as f32).sqrt();
+    let scale = at.scale;
+    let first_page = positions.first().map_or(0, |&p| first_seen(p, at.window) / page_size);
     let rows = positions.len();
     scr.scores.clear();
     scr.scores.resize(rows * n_max, 0.0);
-    for (pi, lease) in kv.pages().iter().take(pages).enumerate() {
+    for (pi, lease) in kv.pages().iter().enumerate().take(pages).skip(first_page) {
         let page = pool.read(lease, layer)?;
         let need = (n_max - pi * page_size).min(page_size);
         if page.len() < need {
@@ -161,10 +220,13 @@ fn attend(
         }
     }
     for (r, &pos) in positions.iter().enumerate() {
-        softmax_in_place(&mut scr.scores[r * n_max..r * n_max + pos + 1]);
+        let lo = first_seen(pos, at.window);
+        let row = &mut scr.scores[r * n_max..r * n_max + pos + 1];
+        softmax_in_place(&mut row[lo..]);
+        row[..lo].fill(0.0);
     }
     out.fill(0.0);
-    for (pi, lease) in kv.pages().iter().take(pages).enumerate() {
+    for (pi, lease) in kv.pages().iter().enumerate().take(pages).skip(first_page) {
         let page = pool.read(lease, layer)?;
         let need = (n_max - pi * page_size).min(page_size);
         let v = &page.v_head(g)[..need * head_dim];
@@ -227,13 +289,14 @@ impl Llama {
         }
         let mut x = vec![0.0f32; t * c.hidden];
         for (xr, tok) in x.chunks_exact_mut(c.hidden).zip(seqs.iter().flat_map(|s| s.tokens.iter())) {
-            self.weights.embedding.dequantize_row(*tok as usize, xr);
+            self.embed(*tok, xr);
         }
         let mut xn = vec![0.0f32; t * c.hidden];
         let (mut q, mut k, mut v) = (vec![0.0f32; t * q_dim], vec![0.0f32; t * kv_dim], vec![0.0f32; t * kv_dim]);
         let mut att = vec![0.0f32; t * q_dim];
         let mut o = vec![0.0f32; t * c.hidden];
         let (mut gate, mut up) = (vec![0.0f32; t * c.ffn], vec![0.0f32; t * c.ffn]);
+        let mut xn_heads = Vec::new();
         let mut scratch = MatmulScratch::default();
         let isa = self.isa;
         // Attention tasks: (first row, end row, query head), rows of one sequence at a time.
@@ -252,10 +315,13 @@ impl Llama {
         for (li, l) in self.weights.layers.iter().enumerate() {
             rms_norm(&x, &l.attn_norm, c.norm_eps, &mut xn);
             matmul(isa, &[&l.wq, &l.wk, &l.wv], &xn, t, &mut scratch, &mut [&mut q, &mut k, &mut v]);
+            self.prepare_qkv(li, &mut q, &mut k, &mut v, &mut xn_heads);
+            let r = self.rope_of(li);
             q.par_chunks_mut(q_dim).zip(k.par_chunks_mut(kv_dim)).zip(&rows).with_min_len(ROWS_PER_TASK).for_each(|((qr, kr), &(_, pos))| {
-                rope(qr, hd, pos, c.rope_base);
-                rope(kr, hd, pos, c.rope_base);
+                rope(qr, hd, pos, r);
+                rope(kr, hd, pos, r);
             });
+            let at = AttnAt { layer: li, scale: c.attn_scale, window: c.window(li) };
             for (r, &(s, pos)) in rows.iter().enumerate() {
                 let (lease, slot) = seqs[s].kv.locate(pos)?;
                 pool.write(lease, li, slot, &k[r * kv_dim..(r + 1) * kv_dim], &v[r * kv_dim..(r + 1) * kv_dim])?;
@@ -271,7 +337,7 @@ impl Llama {
                         let (r, h) = (i / c.heads, i % c.heads);
                         let (s, pos) = rows[r];
                         let qh = &q[r * q_dim + h * hd..r * q_dim + (h + 1) * hd];
-                        attend(isa, pool, kvs[s], li, h / group, &[pos], qh, out, scr)
+                        attend(isa, pool, kvs[s], at, h / group, &[pos], qh, out, scr)
                     })?;
                 } else {
                     // Blocks of up to ATTN_ROWS consecutive rows of a sequence per query head:
@@ -282,7 +348,7 @@ impl Llama {
                             let positions: Vec<usize> = rows[r0..r1].iter().map(|&(_, p)| p).collect();
                             let qh: Vec<f32> = (r0..r1).flat_map(|r| q[r * q_dim + h * hd..r * q_dim + (h + 1) * hd].iter().copied()).collect();
                             let mut out = vec![0.0f32; (r1 - r0) * hd];
-                            attend(isa, pool, kvs[rows[r0].0], li, h / group, &positions, &qh, &mut out, scr).map(|()| out)
+                            attend(isa, pool, kvs[rows[r0].0], at, h / group, &positions, &qh, &mut out, scr).map(|()| out)
                         })
                         .collect::<Result<_, _>>()?;
                     for (&(r0, r1, h), out) in tasks.iter().zip(&outs) {
@@ -293,11 +359,14 @@ impl Llama {
                 }
             }
             matmul(isa, &[&l.wo], &att, t, &mut scratch, &mut [&mut o]);
+            self.post_norm(l.post_attn_norm.as_deref(), &mut o, &mut xn);
             add_rows(&mut x, &o, c.hidden);
             rms_norm(&x, &l.ffn_norm, c.norm_eps, &mut xn);
             matmul(isa, &[&l.w_gate, &l.w_up], &xn, t, &mut scratch, &mut [&mut gate, &mut up]);
-            gate.par_chunks_mut(c.ffn).zip(up.par_chunks(c.ffn)).with_min_len(ROWS_PER_TASK).for_each(|(g, u)| silu_mul(g, u));
+            let act = c.activation;
+            gate.par_chunks_mut(c.ffn).zip(up.par_chunks(c.ffn)).with_min_len(ROWS_PER_TASK).for_each(|(g, u)| activate(act, g, u));
             matmul(isa, &[&l.w_down], &gate, t, &mut scratch, &mut [&mut o]);
+            self.post_norm(l.post_ffn_norm.as_deref(), &mut o, &mut xn);
             add_rows(&mut x, &o, c.hidden);
         }
 
@@ -319,11 +388,78 @@ impl Llama {
             let mut seln = vec![0.0f32; sel.len()];
             rms_norm(&sel, &self.weights.out_norm, c.norm_eps, &mut seln);
             matmul(isa, &[self.weights.output()], &seln, last.len(), &mut scratch, &mut [&mut logits]);
+            self.soft_cap(&mut logits);
         }
         for seq in seqs.iter_mut() {
             let n = seq.tokens.len();
             seq.kv.commit(pool, n)?;
         }
         Ok(logits)
+    }
+}
+
+/// The MLP's activation of `gate`, times `up`.
+pub(crate) fn activate(act: Activation, gate: &mut [f32], up: &[f32]) {
+    match act {
+        Activation::Silu => silu_mul(gate, up),
+        Activation::GeluTanh => gelu_mul(gate, up),
+    }
+}
+
+/// `x += bias` for every row of `x`.
+fn add_bias(x: &mut [f32], bias: &[f32]) {
+    x.par_chunks_mut(bias.len()).with_min_len(ROWS_PER_TASK).for_each(|r| r.iter_mut().zip(bias).for_each(|(a, b)| *a += b));
+}
+
+/// The steps of a layer that differ by family, shared by the paged pass and the reference
+/// pass so that the two stay bit-identical.
+impl Llama {
+    /// Token `tok`'s embedding, scaled as the family says.
+    pub(crate) fn embed(&self, tok: u32, out: &mut [f32]) {
+        self.weights.embedding.dequantize_row(tok as usize, out);
+        let s = self.config.embed_scale;
+        if s != 1.0 {
+            out.iter_mut().for_each(|v| *v *= s);
+        }
+    }
+
+    /// Q, K and V of any number of rows, after their projections: biases (Qwen2), then an
+    /// RMS norm of each head of Q and K (Qwen3, Gemma 3). `tmp` is scratch.
+    pub(crate) fn prepare_qkv(&self, li: usize, q: &mut [f32], k: &mut [f32], v: &mut [f32], tmp: &mut Vec<f32>) {
+        let l = &self.weights.layers[li];
+        for (x, b) in [(&mut *q, &l.bq), (&mut *k, &l.bk), (&mut *v, &l.bv)] {
+            if let Some(b) = b {
+                add_bias(x, b);
+            }
+        }
+        for (x, w) in [(q, &l.q_norm), (k, &l.k_norm)] {
+            if let Some(w) = w {
+                tmp.clear();
+                tmp.extend_from_slice(x);
+                rms_norm(tmp, w, self.config.norm_eps, x);
+            }
+        }
+    }
+
+    /// Layer `li`'s RoPE.
+    pub(crate) fn rope_of(&self, li: usize) -> Rope<'_> {
+        let (base, scale) = self.config.rope_of(li);
+        Rope { base, scale, style: self.config.rope_style, freqs: self.weights.rope_freqs.as_deref() }
+    }
+
+    /// `x = rms_norm(x) · w` when the layer has the norm (Gemma 3's post-norms); `tmp` is
+    /// scratch of `x`'s size.
+    pub(crate) fn post_norm(&self, w: Option<&[f32]>, x: &mut [f32], tmp: &mut [f32]) {
+        if let Some(w) = w {
+            rms_norm(x, w, self.config.norm_eps, tmp);
+            x.copy_from_slice(&tmp[..x.len()]);
+        }
+    }
+
+    /// Final logits soft-capped, for models that ask.
+    pub(crate) fn soft_cap(&self, logits: &mut [f32]) {
+        if let Some(cap) = self.config.final_softcap {
+            logits.iter_mut().for_each(|l| *l = cap * (*l / cap).tanh());
+        }
     }
 }

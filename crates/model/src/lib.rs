@@ -1,8 +1,10 @@
-//! A llama-architecture model from a GGUF file, run over paged KV.
+//! A decoder of the llama family (llama, mistral, qwen2, qwen3, gemma3) from a GGUF file,
+//! run over paged KV.
 //!
 //! # Layout
 //! - [`config`]: hyperparameters from GGUF metadata.
-//! - [`weights`]: weight tensors, checked for shape and type (F32, F16, Q4_0, Q4_1, Q8_0).
+//! - [`weights`]: weight tensors, checked for shape and type.
+//! - [`kquant`]: ggml's k-quant superblocks in one integer form.
 //! - [`quant`]: ggml block formats; 8-bit activation quantisation.
 //! - [`kernels`]: dot products and attention helpers, portable, AVX2 and AVX-512 VNNI
 //!   (detected at run time; an [`Isa`] can only be made by detection).
@@ -27,7 +29,7 @@ use std::path::{Path, PathBuf};
 use bulkhead_gguf::{GgufError, GgufFile};
 use bulkhead_kv::{KvError, KvLayout};
 
-pub use config::LlamaConfig;
+pub use config::{Activation, Arch, LlamaConfig, RopeStyle};
 pub use forward::SeqInput;
 pub use kernels::{Isa, IsaLevel};
 pub use weights::Weights;
@@ -39,7 +41,7 @@ pub enum ModelError {
     InFile { path: PathBuf, source: Box<ModelError> },
     #[error(transparent)]
     Gguf(#[from] GgufError),
-    #[error("unsupported architecture `{arch}` (general.architecture); Bulkhead runs llama-architecture models")]
+    #[error("unsupported architecture `{arch}` (general.architecture); Bulkhead runs: llama, mistral, qwen2, qwen3, gemma3")]
     UnsupportedArchitecture { arch: String },
     #[error("tensor `{tensor}` has unsupported type {ty} (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)")]
     UnsupportedTensorType { tensor: String, ty: String },

@@ -10,7 +10,7 @@
 
 use half::f16;
 
-use crate::forward::{rms_norm, rope, silu_mul, softmax_in_place};
+use crate::forward::{activate, rms_norm, rope, softmax_in_place};
 use crate::kernels::{axpy_kv, dot_kv};
 use crate::matmul::{matmul, MatmulScratch};
 use crate::Llama;
@@ -40,41 +40,48 @@ impl Llama {
         let pos = st.pos;
         let mut s = MatmulScratch::default();
         let mut x = vec![0.0; c.hidden];
-        self.weights.embedding.dequantize_row(token as usize, &mut x);
+        self.embed(token, &mut x);
+        let mut tmp = Vec::new();
         let mut xn = vec![0.0; c.hidden];
         let (mut q, mut k, mut v) = (vec![0.0; q_dim], vec![0.0; kv_dim], vec![0.0; kv_dim]);
         for (li, l) in self.weights.layers.iter().enumerate() {
             rms_norm(&x, &l.attn_norm, c.norm_eps, &mut xn);
             matmul(self.isa, &[&l.wq, &l.wk, &l.wv], &xn, 1, &mut s, &mut [&mut q, &mut k, &mut v]);
-            rope(&mut q, hd, pos, c.rope_base);
-            rope(&mut k, hd, pos, c.rope_base);
+            self.prepare_qkv(li, &mut q, &mut k, &mut v, &mut tmp);
+            let r = self.rope_of(li);
+            rope(&mut q, hd, pos, r);
+            rope(&mut k, hd, pos, r);
+            let lo = c.window(li).map_or(0, |w| (pos + 1).saturating_sub(w));
             st.k[li].extend(k.iter().map(|&a| f16::from_f32(a)));
             st.v[li].extend(v.iter().map(|&a| f16::from_f32(a)));
             let mut att = vec![0.0; q_dim];
-            let scale = 1.0 / (hd as f32).sqrt();
             for h in 0..c.heads {
                 let g = h / c.group();
                 let qh = &q[h * hd..(h + 1) * hd];
                 let at = |p: usize| p * kv_dim + g * hd..p * kv_dim + (g + 1) * hd;
-                let mut w: Vec<f32> = (0..=pos).map(|p| dot_kv(self.isa, &st.k[li][at(p)], qh) * scale).collect();
+                // Positions outside a sliding window take no part.
+                let mut w: Vec<f32> = (lo..=pos).map(|p| dot_kv(self.isa, &st.k[li][at(p)], qh) * c.attn_scale).collect();
                 softmax_in_place(&mut w);
-                for (p, &wp) in w.iter().enumerate() {
+                for (p, &wp) in (lo..=pos).zip(&w) {
                     axpy_kv(self.isa, &mut att[h * hd..(h + 1) * hd], wp, &st.v[li][at(p)]);
                 }
             }
             let mut o = vec![0.0; c.hidden];
             matmul(self.isa, &[&l.wo], &att, 1, &mut s, &mut [&mut o]);
+            self.post_norm(l.post_attn_norm.as_deref(), &mut o, &mut xn);
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
             rms_norm(&x, &l.ffn_norm, c.norm_eps, &mut xn);
             let (mut gate, mut up) = (vec![0.0; c.ffn], vec![0.0; c.ffn]);
             matmul(self.isa, &[&l.w_gate, &l.w_up], &xn, 1, &mut s, &mut [&mut gate, &mut up]);
-            silu_mul(&mut gate, &up);
+            activate(c.activation, &mut gate, &up);
             matmul(self.isa, &[&l.w_down], &gate, 1, &mut s, &mut [&mut o]);
+            self.post_norm(l.post_ffn_norm.as_deref(), &mut o, &mut xn);
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
         }
         rms_norm(&x.clone(), &self.weights.out_norm, c.norm_eps, &mut x);
         let mut logits = vec![0.0; c.vocab];
         matmul(self.isa, &[self.weights.output()], &x, 1, &mut s, &mut [&mut logits]);
+        self.soft_cap(&mut logits);
         st.pos += 1;
         logits
     }

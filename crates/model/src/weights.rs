@@ -2,7 +2,7 @@
 
 use bulkhead_gguf::{GgmlType, GgufFile};
 
-use crate::config::LlamaConfig;
+use crate::config::{Arch, LlamaConfig};
 use crate::kernels::{packed, Isa};
 use crate::quant::{dequantize_row, QK};
 use crate::ModelError;
@@ -122,21 +122,32 @@ impl Matrix {
     }
 }
 
-/// One transformer block.
+/// One transformer block. The optional parts are what the families add to llama's.
 #[derive(Debug)]
 pub struct Layer {
     pub attn_norm: Vec<f32>,
     pub wq: Matrix,
     pub wk: Matrix,
     pub wv: Matrix,
+    /// Biases of Q, K and V (Qwen2).
+    pub bq: Option<Vec<f32>>,
+    pub bk: Option<Vec<f32>>,
+    pub bv: Option<Vec<f32>>,
+    /// RMS-norm weights applied to each head of Q and K (Qwen3, Gemma 3).
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
     pub wo: Matrix,
+    /// RMS norm of the attention output before the residual add (Gemma 3).
+    pub post_attn_norm: Option<Vec<f32>>,
     pub ffn_norm: Vec<f32>,
     pub w_gate: Matrix,
     pub w_up: Matrix,
     pub w_down: Matrix,
+    /// RMS norm of the MLP output before the residual add (Gemma 3).
+    pub post_ffn_norm: Option<Vec<f32>>,
 }
 
-/// All weights of a llama model.
+/// All weights of a model.
 #[derive(Debug)]
 pub struct Weights {
     pub embedding: Matrix,
@@ -144,11 +155,13 @@ pub struct Weights {
     pub out_norm: Vec<f32>,
     /// `None` when the output projection is tied to the embedding.
     pub output: Option<Matrix>,
+    /// Per-pair RoPE frequency divisors (`rope_freqs.weight`: Llama 3's scaling), if any.
+    pub rope_freqs: Option<Vec<f32>>,
 }
 
 fn vector(f: &GgufFile, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
     let (info, bytes) = f.tensor(name)?;
-    if info.dims != [len as u64] || !matches!(info.ty, GgmlType::F32 | GgmlType::F16) {
+    if info.dims != [len as u64] || !matches!(info.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
         return Err(ModelError::BadShape { tensor: name.to_string(), why: format!("{} {:?}, expected F32 [{len}]", info.ty, info.dims) });
     }
     let mut v = vec![0.0; len];
@@ -156,23 +169,43 @@ fn vector(f: &GgufFile, name: &str, len: usize) -> Result<Vec<f32>, ModelError> 
     Ok(v)
 }
 
+/// A vector the file may have; `required` makes its absence an error naming it.
+fn optional_vector(f: &GgufFile, name: &str, len: usize, required: bool) -> Result<Option<Vec<f32>>, ModelError> {
+    match f.tensor_info(name) {
+        Ok(_) => vector(f, name, len).map(Some),
+        Err(_) if required => Err(ModelError::BadShape { tensor: name.to_string(), why: "missing: this architecture needs it".into() }),
+        Err(_) => Ok(None),
+    }
+}
+
 impl Weights {
     /// Load every tensor the config implies.
     pub fn load(f: &GgufFile, c: &LlamaConfig) -> Result<Self, ModelError> {
         let (q_dim, kv_dim) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let qk_norm = matches!(c.arch, Arch::Qwen3 | Arch::Gemma3);
+        let post_norms = c.arch == Arch::Gemma3;
+        let biases = c.arch == Arch::Qwen2;
         let mut layers = Vec::with_capacity(c.layers);
         for i in 0..c.layers {
             let n = |s: &str| format!("blk.{i}.{s}.weight");
+            let b = |s: &str| format!("blk.{i}.{s}.bias");
             layers.push(Layer {
                 attn_norm: vector(f, &n("attn_norm"), c.hidden)?,
                 wq: Matrix::load(f, &n("attn_q"), q_dim, c.hidden)?,
                 wk: Matrix::load(f, &n("attn_k"), kv_dim, c.hidden)?,
                 wv: Matrix::load(f, &n("attn_v"), kv_dim, c.hidden)?,
+                bq: optional_vector(f, &b("attn_q"), q_dim, biases)?,
+                bk: optional_vector(f, &b("attn_k"), kv_dim, biases)?,
+                bv: optional_vector(f, &b("attn_v"), kv_dim, biases)?,
+                q_norm: optional_vector(f, &n("attn_q_norm"), c.head_dim, qk_norm)?,
+                k_norm: optional_vector(f, &n("attn_k_norm"), c.head_dim, qk_norm)?,
                 wo: Matrix::load(f, &n("attn_output"), c.hidden, q_dim)?,
+                post_attn_norm: optional_vector(f, &n("post_attention_norm"), c.hidden, post_norms)?,
                 ffn_norm: vector(f, &n("ffn_norm"), c.hidden)?,
                 w_gate: Matrix::load(f, &n("ffn_gate"), c.ffn, c.hidden)?,
                 w_up: Matrix::load(f, &n("ffn_up"), c.ffn, c.hidden)?,
                 w_down: Matrix::load(f, &n("ffn_down"), c.hidden, c.ffn)?,
+                post_ffn_norm: optional_vector(f, &n("post_ffw_norm"), c.hidden, post_norms)?,
             });
         }
         let output = match f.tensor_info("output.weight") {
@@ -184,6 +217,7 @@ impl Weights {
             layers,
             out_norm: vector(f, "output_norm.weight", c.hidden)?,
             output,
+            rope_freqs: optional_vector(f, "rope_freqs.weight", c.head_dim / 2, false)?,
         })
     }
 
