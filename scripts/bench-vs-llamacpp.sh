@@ -63,7 +63,7 @@ die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 
 [[ -x "$LLAMA_SERVER" ]] || bash scripts/bench-llamacpp.sh --build-only
 [[ -x "$LLAMA_SERVER" ]] || die "no llama-server at $LLAMA_SERVER"
-[[ -f "$MODEL" ]] || cargo run --quiet -p bulkhead-fetch --example fetch-default-model
+[[ -f "$MODEL" ]] || cargo run --quiet -p bulkhead-fetch --example fetch-model smollm2-135m
 [[ -f "$MODEL" ]] || die "model not found: $MODEL"
 log "building bulkhead (release)"
 cargo build --release -p bulkhead

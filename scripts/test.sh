@@ -7,8 +7,9 @@ cd "$(dirname "$0")/.."
 # Every `bulkhead serve` the tests start runs the KV auditor (design I6).
 export BULKHEAD_AUDIT_KV=1
 
-# Fetch the model once up front so the first tests do not all wait on the fetch lock.
-cargo run --quiet -p bulkhead-fetch --example fetch-default-model
+# Fetch the models (the default and Gemma 3 270M) once up front, so the first tests do not
+# all wait on the fetch lock.
+cargo run --quiet -p bulkhead-fetch --example fetch-model
 
 log=$(mktemp)
 trap 'rm -f "$log" "$log.py"' EXIT

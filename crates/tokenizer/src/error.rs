@@ -29,8 +29,9 @@ pub enum TokenizerError {
         /// What is wrong with it.
         why: String,
     },
-    /// `tokenizer.ggml.model` names a tokenizer other than byte-level BPE (`gpt2`).
-    #[error("unsupported tokenizer model `{value}` in GGUF key `tokenizer.ggml.model` (supported: \"gpt2\")")]
+    /// `tokenizer.ggml.model` names a tokenizer other than byte-level BPE (`gpt2`) or
+    /// SentencePiece (`llama`).
+    #[error("unsupported tokenizer model `{value}` in GGUF key `tokenizer.ggml.model` (supported: \"gpt2\", \"llama\")")]
     UnsupportedModel {
         /// The value found.
         value: String,

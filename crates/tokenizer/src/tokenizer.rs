@@ -222,22 +222,83 @@ pub struct Tokenizer {
     /// `token_bytes`: token `i` is `bytes[offsets[i]..offsets[i + 1]]`.
     bytes: Vec<u8>,
     offsets: Vec<usize>,
-    byte_level: ByteLevel,
-    /// Piece id of each byte's character.
-    byte_piece: [u32; 256],
     /// Token for a byte when its piece is not a token (`<0xXX>`), if any.
     byte_token: [Option<u32>; 256],
-    merges: MergeMap,
     /// Special tokens in matching order: longest text first, then lowest id.
     specials: Vec<u32>,
-    pre: PreTokenizer,
-    ignore_merges: bool,
+    kind: Kind,
     bos: Option<u32>,
     eos: u32,
     unk: Option<u32>,
     pad: Option<u32>,
     eog: Vec<u32>,
     add_bos: bool,
+}
+
+/// How plain text becomes tokens: the tokenizer model the GGUF names.
+#[derive(Debug, Clone)]
+enum Kind {
+    /// `gpt2`: byte-level BPE by merge rank.
+    Bpe(Bpe),
+    /// `llama`: SentencePiece by token score ([`crate::spm`]).
+    Spm(crate::spm::Spm),
+}
+
+/// What byte-level BPE needs beyond the vocabulary.
+#[derive(Debug, Clone)]
+struct Bpe {
+    byte_level: ByteLevel,
+    /// Piece id of each byte's character.
+    byte_piece: [u32; 256],
+    merges: MergeMap,
+    pre: PreTokenizer,
+    ignore_merges: bool,
+}
+
+impl Bpe {
+    /// The merges (on piece ids) and the pre-tokenizer; also the default of `add_bos`.
+    fn from_gguf(gguf: &GgufFile, token_to_id: &HashMap<String, u32>, n_vocab: u32) -> Result<(Bpe, bool), TokenizerError> {
+        let pre_name = optional(KEY_PRE, gguf.get_str(KEY_PRE))?;
+        let spec = pretok::spec_for(pre_name)?;
+        let pre = PreTokenizer::new(pre_name.unwrap_or("default"), &spec)?;
+        let merge_strs = required(KEY_MERGES, gguf.get_str_array(KEY_MERGES))?;
+        let byte_level = ByteLevel::new();
+        let mut pieces = Pieces { token_to_id, extra: HashMap::new(), next: n_vocab };
+        let mut byte_piece = [0u32; 256];
+        let mut buf = [0u8; 4];
+        for (b, slot) in (0u8..=255).zip(byte_piece.iter_mut()) {
+            *slot = pieces.id(byte_level.char_of(b).encode_utf8(&mut buf));
+        }
+        let mut merges = MergeMap::with_capacity_and_hasher(merge_strs.len(), Default::default());
+        let mut joined = String::new();
+        for (rank, m) in merge_strs.iter().enumerate() {
+            // llama.cpp splits at the first space after the first byte.
+            let Some(sp) = m.as_bytes().iter().skip(1).position(|&b| b == b' ').map(|p| p + 1) else {
+                continue;
+            };
+            let rank = u32::try_from(rank)
+                .map_err(|_| TokenizerError::InvalidValue { key: KEY_MERGES, why: "too many merges".into() })?;
+            let (left, right) = (&m[..sp], &m[sp + 1..]);
+            joined.clear();
+            joined.push_str(left);
+            joined.push_str(right);
+            let key = pair_key(pieces.id(left), pieces.id(right));
+            let result = pieces.id(&joined);
+            // The first occurrence of a pair keeps its rank, like llama.cpp's `emplace`.
+            merges.entry(key).or_insert(Merge { rank, result });
+        }
+        Ok((Bpe { byte_level, byte_piece, merges, pre, ignore_merges: spec.ignore_merges }, spec.add_bos))
+    }
+}
+
+fn push_bigram(bpe: &Bpe, syms: &[Symbol], heap: &mut BinaryHeap<Bigram>, left: i32, right: i32) {
+    if left < 0 || right < 0 {
+        return;
+    }
+    let (lp, rp) = (syms[left as usize].piece, syms[right as usize].piece);
+    if let Some(m) = bpe.merges.get(&pair_key(lp, rp)) {
+        heap.push(Reverse((m.rank, left as u32, right as u32, lp, rp, m.result)));
+    }
 }
 
 /// Builds the piece table: the token id of a string, or a new id above the vocabulary.
@@ -266,18 +327,17 @@ impl Pieces<'_> {
 impl Tokenizer {
     /// Build the tokenizer from a GGUF file's `tokenizer.*` metadata.
     ///
-    /// Requires `tokenizer.ggml.model = "gpt2"`, `tokenizer.ggml.tokens` and
-    /// `tokenizer.ggml.merges`; `tokenizer.ggml.pre` selects the pre-tokenizer (absent means
-    /// llama.cpp's "default"). Token types, special-token ids and `add_bos_token` are optional,
-    /// with llama.cpp's defaults. Every failure names the offending key.
+    /// Requires `tokenizer.ggml.model` (`gpt2`: byte-level BPE, which needs
+    /// `tokenizer.ggml.merges`; `llama`: SentencePiece, which needs `tokenizer.ggml.scores`)
+    /// and `tokenizer.ggml.tokens`; for BPE `tokenizer.ggml.pre` selects the pre-tokenizer
+    /// (absent means llama.cpp's "default"). Token types, special-token ids and
+    /// `add_bos_token` are optional, with llama.cpp's defaults. Every failure names the
+    /// offending key.
     pub fn from_gguf(gguf: &GgufFile) -> Result<Tokenizer, TokenizerError> {
         let model = required(KEY_MODEL, gguf.get_str(KEY_MODEL))?;
-        if model != "gpt2" {
+        if model != "gpt2" && model != "llama" {
             return Err(TokenizerError::UnsupportedModel { value: model.to_string() });
         }
-        let pre_name = optional(KEY_PRE, gguf.get_str(KEY_PRE))?;
-        let spec = pretok::spec_for(pre_name)?;
-        let pre = PreTokenizer::new(pre_name.unwrap_or("default"), &spec)?;
 
         let raw_tokens = required(KEY_TOKENS, gguf.get_str_array(KEY_TOKENS))?;
         if raw_tokens.is_empty() {
@@ -313,33 +373,16 @@ impl Tokenizer {
             }
         };
 
-        // Merges, on piece ids.
-        let merge_strs = required(KEY_MERGES, gguf.get_str_array(KEY_MERGES))?;
+        let (kind, default_bos, default_eos, default_unk, default_add_bos) = if model == "llama" {
+            let spm = crate::spm::Spm::from_gguf(gguf, texts.len())?;
+            // llama.cpp's SentencePiece defaults: unk 0, bos 1, eos 2, a BOS added.
+            (Kind::Spm(spm), Some(1), Some(2), Some(0), true)
+        } else {
+            let (bpe, add_bos) = Bpe::from_gguf(gguf, &token_to_id, n_vocab)?;
+            let default_id = (GPT2_DEFAULT_BOS_EOS < n_vocab).then_some(GPT2_DEFAULT_BOS_EOS);
+            (Kind::Bpe(bpe), default_id, default_id, None, add_bos)
+        };
         let byte_level = ByteLevel::new();
-        let mut pieces = Pieces { token_to_id: &token_to_id, extra: HashMap::new(), next: n_vocab };
-        let mut byte_piece = [0u32; 256];
-        let mut buf = [0u8; 4];
-        for (b, slot) in (0u8..=255).zip(byte_piece.iter_mut()) {
-            *slot = pieces.id(byte_level.char_of(b).encode_utf8(&mut buf));
-        }
-        let mut merges = MergeMap::with_capacity_and_hasher(merge_strs.len(), Default::default());
-        let mut joined = String::new();
-        for (rank, m) in merge_strs.iter().enumerate() {
-            // llama.cpp splits at the first space after the first byte.
-            let Some(sp) = m.as_bytes().iter().skip(1).position(|&b| b == b' ').map(|p| p + 1) else {
-                continue;
-            };
-            let rank = u32::try_from(rank)
-                .map_err(|_| TokenizerError::InvalidValue { key: KEY_MERGES, why: "too many merges".into() })?;
-            let (left, right) = (&m[..sp], &m[sp + 1..]);
-            joined.clear();
-            joined.push_str(left);
-            joined.push_str(right);
-            let key = pair_key(pieces.id(left), pieces.id(right));
-            let result = pieces.id(&joined);
-            // The first occurrence of a pair keeps its rank, like llama.cpp's `emplace`.
-            merges.entry(key).or_insert(Merge { rank, result });
-        }
 
         // Special ids from the file, checked against the vocabulary.
         let id_key = |key: &'static str| -> Result<Option<u32>, TokenizerError> {
@@ -352,12 +395,13 @@ impl Tokenizer {
                 }),
             }
         };
-        let default_id = (GPT2_DEFAULT_BOS_EOS < n_vocab).then_some(GPT2_DEFAULT_BOS_EOS);
-        let bos = id_key(KEY_BOS)?.or(default_id);
-        let eos = id_key(KEY_EOS)?.or(default_id).ok_or(TokenizerError::MissingKey { key: KEY_EOS })?;
-        let unk = id_key(KEY_UNK)?;
+        let in_vocab = |id: Option<u32>| id.filter(|&i| i < n_vocab);
+        let bos = id_key(KEY_BOS)?.or(in_vocab(default_bos));
+        let eos = id_key(KEY_EOS)?.or(in_vocab(default_eos)).ok_or(TokenizerError::MissingKey { key: KEY_EOS })?;
+        let unk = id_key(KEY_UNK)?.or(in_vocab(default_unk));
         let pad = id_key(KEY_PAD)?;
-        let add_bos = optional(KEY_ADD_BOS, gguf.get_bool(KEY_ADD_BOS))?.unwrap_or(spec.add_bos);
+        let add_bos = optional(KEY_ADD_BOS, gguf.get_bool(KEY_ADD_BOS))?.unwrap_or(default_add_bos);
+        let spm = matches!(kind, Kind::Spm(_));
 
         // End-of-generation set, and the type overrides llama.cpp applies on the way.
         let mut eog = Vec::new();
@@ -409,6 +453,8 @@ impl Tokenizer {
             match ty {
                 _ if ty.is_special() => bytes.extend_from_slice(t.as_bytes()),
                 TokenType::Byte if parse_byte_token(t).is_some() => bytes.extend(parse_byte_token(t)),
+                // SentencePiece writes spaces as U+2581.
+                _ if spm => bytes.extend_from_slice(t.replace('\u{2581}', " ").as_bytes()),
                 _ => byte_level.decode_into(t, &mut bytes),
             }
             offsets.push(bytes.len());
@@ -424,13 +470,9 @@ impl Tokenizer {
             token_to_id,
             bytes,
             offsets,
-            byte_level,
-            byte_piece,
             byte_token,
-            merges,
             specials,
-            pre,
-            ignore_merges: spec.ignore_merges,
+            kind,
             bos,
             eos,
             unk,
@@ -446,10 +488,20 @@ impl Tokenizer {
     pub fn encode(&self, text: &str, parse_special: bool) -> Vec<u32> {
         let mut out = Vec::with_capacity(text.len() / 3 + 1);
         let mut scratch = Scratch::default();
+        // SentencePiece: a fragment that starts the text or follows a special token gets
+        // the space prefix, where the model asks for one (llama.cpp's `is_prev_special`).
+        let mut after_special = true;
         for frag in self.partition(text, parse_special) {
-            match frag {
-                Fragment::Token(id) => out.push(id),
-                Fragment::Text(s, e) => self.encode_plain(&text[s..e], &mut out, &mut scratch),
+            match (frag, &self.kind) {
+                (Fragment::Token(id), _) => {
+                    out.push(id);
+                    after_special = true;
+                }
+                (Fragment::Text(s, e), Kind::Bpe(bpe)) => self.encode_plain(bpe, &text[s..e], &mut out, &mut scratch),
+                (Fragment::Text(s, e), Kind::Spm(spm)) => {
+                    spm.encode(self, &text[s..e], after_special, &mut out);
+                    after_special = false;
+                }
             }
         }
         out
@@ -495,23 +547,23 @@ impl Tokenizer {
     }
 
     /// Pre-tokenize and BPE-encode text that holds no special tokens.
-    fn encode_plain(&self, text: &str, out: &mut Vec<u32>, scratch: &mut Scratch) {
+    fn encode_plain(&self, bpe: &Bpe, text: &str, out: &mut Vec<u32>, scratch: &mut Scratch) {
         let mut ranges = std::mem::take(&mut scratch.ranges);
-        self.pre.split(text, &mut ranges, &mut scratch.tmp);
+        bpe.pre.split(text, &mut ranges, &mut scratch.tmp);
         for &(s, e) in &ranges {
-            self.encode_word(&text.as_bytes()[s..e], out, scratch);
+            self.encode_word(bpe, &text.as_bytes()[s..e], out, scratch);
         }
         scratch.ranges = ranges;
     }
 
     /// BPE-encode one word (llama.cpp's `llm_tokenizer_bpe_session::tokenize`, per word).
-    fn encode_word(&self, word: &[u8], out: &mut Vec<u32>, scratch: &mut Scratch) {
+    fn encode_word(&self, bpe: &Bpe, word: &[u8], out: &mut Vec<u32>, scratch: &mut Scratch) {
         if word.is_empty() {
             return;
         }
-        if self.ignore_merges {
+        if bpe.ignore_merges {
             scratch.word.clear();
-            self.byte_level.encode_into(word, &mut scratch.word);
+            bpe.byte_level.encode_into(word, &mut scratch.word);
             if let Some(&id) = self.token_to_id.get(scratch.word.as_str()) {
                 out.push(id);
                 return;
@@ -525,7 +577,7 @@ impl Tokenizer {
             syms.push(Symbol {
                 start: i as u32,
                 len: 1,
-                piece: self.byte_piece[usize::from(b)],
+                piece: bpe.byte_piece[usize::from(b)],
                 prev: i as i32 - 1,
                 next: if i + 1 == n { -1 } else { i as i32 + 1 },
             });
@@ -533,7 +585,7 @@ impl Tokenizer {
         let heap = &mut scratch.heap;
         heap.clear();
         for i in 1..n {
-            self.push_bigram(syms, heap, i as i32 - 1, i as i32);
+            push_bigram(bpe, syms, heap, i as i32 - 1, i as i32);
         }
         while let Some(Reverse((_, left, right, lp, rp, result))) = heap.pop() {
             let (l, r) = (syms[left as usize], syms[right as usize]);
@@ -550,8 +602,8 @@ impl Tokenizer {
             if r.next >= 0 {
                 syms[r.next as usize].prev = left as i32;
             }
-            self.push_bigram(syms, heap, prev, left as i32);
-            self.push_bigram(syms, heap, left as i32, r.next);
+            push_bigram(bpe, syms, heap, prev, left as i32);
+            push_bigram(bpe, syms, heap, left as i32, r.next);
         }
         let n_vocab = self.texts.len() as u32;
         let mut i = 0i32;
@@ -563,7 +615,7 @@ impl Tokenizer {
                 // Not a token: one token per byte, where the vocabulary has one.
                 let span = &word[sym.start as usize..(sym.start + sym.len) as usize];
                 for &b in span {
-                    let p = self.byte_piece[usize::from(b)];
+                    let p = bpe.byte_piece[usize::from(b)];
                     if p < n_vocab {
                         out.push(p);
                     } else if let Some(t) = self.byte_token[usize::from(b)] {
@@ -575,15 +627,6 @@ impl Tokenizer {
         }
     }
 
-    fn push_bigram(&self, syms: &[Symbol], heap: &mut BinaryHeap<Bigram>, left: i32, right: i32) {
-        if left < 0 || right < 0 {
-            return;
-        }
-        let (lp, rp) = (syms[left as usize].piece, syms[right as usize].piece);
-        if let Some(m) = self.merges.get(&pair_key(lp, rp)) {
-            heap.push(Reverse((m.rank, left as u32, right as u32, lp, rp, m.result)));
-        }
-    }
 
     /// The bytes token `id` stands for: byte-level decoded for ordinary tokens, the literal text
     /// for control, user-defined and unknown tokens. `None` if `id` is not in the vocabulary.
@@ -652,6 +695,12 @@ impl Tokenizer {
     /// tokens, e.g. `"Ġthe"`; literal text for special tokens, e.g. `"<|im_end|>"`).
     pub fn token_to_id(&self, text: &str) -> Option<u32> {
         self.token_to_id.get(text).copied()
+    }
+
+    /// The token for byte `b` when a piece has no token of its own: `<0xXX>`, else the
+    /// byte's own one-character token, else the unknown token (llama.cpp's `byte_to_token`).
+    pub(crate) fn byte_fallback(&self, b: u8) -> Option<u32> {
+        self.byte_token[usize::from(b)].or_else(|| char::from_u32(u32::from(b)).filter(|_| b.is_ascii()).and_then(|c| self.token_to_id(c.encode_utf8(&mut [0; 4])))).or(self.unk)
     }
 
     /// The vocabulary text of token `id`, as stored in the GGUF.
