@@ -87,6 +87,7 @@ impl ColocatedBackend {
             model,
             tokenizer,
             chat,
+            ..
         } = model;
         let layout = model.kv_layout(page_size);
         let pool = KvPool::new(PoolConfig {

@@ -14,13 +14,14 @@ use crate::{ApiError, Prompt};
 /// Turns an API prompt into token ids.
 pub struct PromptEncoder {
     tokenizer: Arc<Tokenizer>,
-    chat: ChatTemplate,
+    /// `None` for a base model: chat requests are refused.
+    chat: Option<ChatTemplate>,
     grammars: OnceLock<Result<Grammars, GrammarError>>,
 }
 
 impl PromptEncoder {
-    /// An encoder over the model's tokenizer and chat template.
-    pub fn new(tokenizer: Arc<Tokenizer>, chat: ChatTemplate) -> Self {
+    /// An encoder over the model's tokenizer and chat template (`None`: a base model).
+    pub fn new(tokenizer: Arc<Tokenizer>, chat: Option<ChatTemplate>) -> Self {
         PromptEncoder { tokenizer, chat, grammars: OnceLock::new() }
     }
 
@@ -56,9 +57,16 @@ impl PromptEncoder {
     /// template that does not read it, the default preamble in the system message; calls and
     /// tool results are written in the call form for templates that do not render them.
     fn render(&self, messages: &[ChatMessage], tools: Option<&Tools>) -> Result<String, ApiError> {
+        let Some(chat) = &self.chat else {
+            return Err(ApiError::invalid_request(
+                "messages",
+                "This model has no chat template (it is a base model): send the text to /v1/completions, or start the server with --chat-template FILE.",
+            )
+            .with_code("no_chat_template"));
+        };
         let shown = tools.map_or(&[][..], Tools::in_prompt);
         let mut messages = messages.to_vec();
-        if !self.chat.uses_tool_calls() {
+        if !chat.uses_tool_calls() {
             for m in &mut messages {
                 if let Some(calls) = m.tool_calls.take() {
                     let text = tools::render_calls(&calls);
@@ -69,15 +77,15 @@ impl PromptEncoder {
                 }
             }
         }
-        let rendered = if !shown.is_empty() && !self.chat.uses_tools() {
+        let rendered = if !shown.is_empty() && !chat.uses_tools() {
             let preamble = tools.map(Tools::preamble).unwrap_or_default();
             match messages.first_mut() {
                 Some(first) if first.role == "system" => first.content = format!("{}\n\n{preamble}", first.content),
                 _ => messages.insert(0, ChatMessage::new("system", preamble)),
             }
-            self.chat.render(&messages, true)
+            chat.render(&messages, true)
         } else {
-            self.chat.render_with_tools(&messages, true, shown)
+            chat.render_with_tools(&messages, true, shown)
         };
         rendered.map_err(|e| match e {
             TokenizerError::TemplateRaised { message } => ApiError::invalid_request("messages", message),

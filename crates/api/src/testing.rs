@@ -17,7 +17,7 @@ const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['r
 /// 257 is `<|im_end|>`.
 pub fn byte_level_encoder() -> PromptEncoder {
     let (tokenizer, chat) = byte_level_vocabulary();
-    PromptEncoder::new(Arc::new(tokenizer), chat)
+    PromptEncoder::new(Arc::new(tokenizer), Some(chat))
 }
 
 /// The tokenizer and chat template of [`byte_level_encoder`].

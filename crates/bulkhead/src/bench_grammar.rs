@@ -73,7 +73,11 @@ pub fn run(m: LoadedModel, page_size: usize, batch: usize, steps: usize, reps: u
     let prompts: Vec<Vec<u32>> = (0..batch.max(1))
         .map(|i| {
             let user = format!("Make up user number {i} as a JSON object with id, name, email, age, city, country, active, score, role and tags.");
-            m.chat.render(&[ChatMessage::new("user", user)], true).map(|t| tokenizer.encode(&t, true))
+            let text = match &m.chat {
+                Some(chat) => chat.render(&[ChatMessage::new("user", user)], true)?,
+                None => user,
+            };
+            Ok::<_, anyhow::Error>(tokenizer.encode(&text, true))
         })
         .collect::<Result<_, _>>()?;
     // The grammar vocabulary is built once per process, before the first constrained request.

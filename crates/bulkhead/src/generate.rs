@@ -1,4 +1,5 @@
-//! `bulkhead generate`: apply the chat template, stream the reply to stdout.
+//! `bulkhead generate`: apply the chat template (a base model continues the prompt as
+//! raw text), stream the reply to stdout.
 
 use std::io::Write;
 use std::sync::Arc;
@@ -44,13 +45,27 @@ pub struct GenerateArgs {
 
 pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
     let m = a.model.load()?;
-    let mut messages = Vec::new();
-    if let Some(s) = &a.system {
-        messages.push(ChatMessage::new("system", s.clone()));
+    let mut prompt = match &m.chat {
+        Some(chat) => {
+            let mut messages = Vec::new();
+            if let Some(s) = &a.system {
+                messages.push(ChatMessage::new("system", s.clone()));
+            }
+            messages.push(ChatMessage::new("user", a.prompt.clone()));
+            m.tokenizer.encode(&chat.render(&messages, true).context("chat template")?, true)
+        }
+        // A base model continues the text itself.
+        None => {
+            anyhow::ensure!(a.system.is_none(), "this model has no chat template (a base model), so --system has no place; pass --chat-template FILE");
+            eprintln!("bulkhead: the model has no chat template (a base model): continuing --prompt as raw text");
+            m.tokenizer.encode(&a.prompt, false)
+        }
+    };
+    if let Some(bos) = m.tokenizer.bos_id().filter(|_| m.tokenizer.add_bos())
+        && prompt.first() != Some(&bos)
+    {
+        prompt.insert(0, bos);
     }
-    messages.push(ChatMessage::new("user", a.prompt.clone()));
-    let text = m.chat.render(&messages, true).context("chat template")?;
-    let prompt = m.tokenizer.encode(&text, true);
     let context = m.model.config.context_length;
     let needed = admit(prompt.len(), Generate::Tokens(a.max_tokens), context).context("--prompt with --max-tokens")?;
     let layout = m.model.kv_layout(a.model.page_size as usize);

@@ -72,6 +72,10 @@ pub struct ModelArgs {
     /// (Gemma 3 270M Q4_K_M, a base model).
     #[arg(long, env = "BULKHEAD_MODEL")]
     pub model: Option<PathBuf>,
+    /// A chat template (Jinja, Hugging Face's conventions) to use instead of the model's, or
+    /// for a base model that has none (without one, chat requests get 400).
+    #[arg(long, env = "BULKHEAD_CHAT_TEMPLATE")]
+    pub chat_template: Option<PathBuf>,
     /// Compute threads (0 = one per core).
     #[arg(long, env = "BULKHEAD_THREADS", default_value_t = 0)]
     pub threads: usize,
@@ -96,7 +100,7 @@ impl ModelArgs {
     /// Load the model named by the flags (fetching a known one if needed).
     pub fn load(&self) -> anyhow::Result<bulkhead_engine::LoadedModel> {
         let path = self.path()?;
-        let m = bulkhead_engine::load_model(&path, self.threads)?;
+        let m = bulkhead_engine::load_model_with(&path, self.threads, self.chat_template.as_deref())?;
         tracing::info!(
             model = %path.display(),
             isa = m.model.isa().name(),

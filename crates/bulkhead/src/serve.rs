@@ -251,7 +251,7 @@ impl ServeArgs {
 
     fn worker(&self, model: PathBuf, gateway: String, trust: Trust) -> anyhow::Result<WorkerConfig> {
         // The model's shape decides bytes per token; read it without loading weights.
-        let f = bulkhead_gguf::GgufFile::open(&model)?;
+        let f = bulkhead_gguf::GgufFile::open_metadata(&model)?;
         let c = bulkhead_model::LlamaConfig::from_gguf(&f)?;
         let context = self.context_length.unwrap_or(c.context_length);
         Ok(WorkerConfig {
@@ -304,6 +304,7 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
     let access = if tenants.authenticates() { format!("{} tenant(s), API keys required", tenants.len()) } else { "open (no API key)".into() };
     let cache = if a.no_prefix_cache { "off".to_string() } else { a.prefix_cache_pages.map_or("on (up to the prefill pool)".into(), |p| format!("on (up to {p} pages per prefill worker)")) };
     let opts = GatewayOptions {
+        chat_template: a.model.chat_template.clone(),
         http_addr: format!("{}:{}", a.host, a.port),
         workers: a.worker_listen.clone(),
         model: model.clone(),

@@ -478,7 +478,7 @@ fn the_gateway_refuses_a_worker_with_another_model_or_kv_layout() {
     use bulkhead_protocol::{Hello, Message, Purpose, Role};
     let key = key_file();
     let s = serve(&["--cluster-key-file", &key], &[]);
-    let digest = bulkhead_server::wire::model_digest(&model()).unwrap();
+    let digest = bulkhead_gguf::GgufFile::open(model()).unwrap().digest().unwrap();
     let right = Hello { role: Role::Decode, model_digest: digest, page_size: 16, kv_bytes_per_token: 23040, capacity_tokens: 16384, max_context: 8192, kv_addr: "127.0.0.1:9".into() };
     let other_model = Hello { model_digest: digest ^ 1, ..right.clone() };
     let other_layout = Hello { page_size: 32, ..right };

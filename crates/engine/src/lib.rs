@@ -30,7 +30,7 @@ pub use batch::{Engine, EngineConfig, EngineError, Event, GenRequest, DEFAULT_PR
 pub use bulkhead_protocol::{FinishReason, Sampling};
 pub use disagg::Prefiller;
 pub use detok::Utf8Stream;
-pub use load::{load_model, LoadError, LoadedModel};
+pub use load::{load_model, load_model_with, LoadError, LoadedModel};
 pub use rng::Rng;
 pub use choose::{ChooseError, Choice, Chooser, Vocabulary};
 pub use sampling::{Sampler, SamplingError};

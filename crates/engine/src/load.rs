@@ -1,4 +1,5 @@
-//! Model, tokenizer and chat template from one GGUF file, read once.
+//! Model, tokenizer, chat template and digest from one GGUF file, read once: the digest is
+//! of the bytes already in memory, and the weights are laid out (packed) straight from them.
 
 use std::path::{Path, PathBuf};
 
@@ -13,8 +14,11 @@ pub struct LoadedModel {
     pub model: Llama,
     /// Text to tokens and back.
     pub tokenizer: Tokenizer,
-    /// The file's chat template.
-    pub chat: ChatTemplate,
+    /// The chat template: the file's, or the one given instead; `None` for a base model
+    /// that has none.
+    pub chat: Option<ChatTemplate>,
+    /// xxh3-64 of the file: the identity gateway and workers compare.
+    pub digest: u64,
 }
 
 /// A GGUF file that could not be loaded; the message names the file.
@@ -26,14 +30,35 @@ pub enum LoadError {
     Model { path: PathBuf, source: ModelError },
     #[error("{path}: {source}")]
     Tokenizer { path: PathBuf, source: TokenizerError },
+    #[error("chat template {path}: {why}")]
+    ChatTemplate { path: PathBuf, why: String },
 }
 
 /// Load a model file with `threads` compute threads (0 = one per core).
 pub fn load_model(path: &Path, threads: usize) -> Result<LoadedModel, LoadError> {
+    load_model_with(path, threads, None)
+}
+
+/// [`load_model`], with the chat template read from `chat_template` (a Jinja file) instead
+/// of the model's.
+pub fn load_model_with(path: &Path, threads: usize, chat_template: Option<&Path>) -> Result<LoadedModel, LoadError> {
     let f = GgufFile::open(path)?;
     let p = || path.to_path_buf();
     let model = Llama::from_gguf(&f, threads).map_err(|source| LoadError::Model { path: p(), source })?;
     let tokenizer = Tokenizer::from_gguf(&f).map_err(|source| LoadError::Tokenizer { path: p(), source })?;
-    let chat = ChatTemplate::from_gguf(&f).map_err(|source| LoadError::Tokenizer { path: p(), source })?;
-    Ok(LoadedModel { model, tokenizer, chat })
+    let chat = chat_template_of(&f, path, chat_template)?;
+    let digest = f.digest().unwrap_or_default();
+    Ok(LoadedModel { model, tokenizer, chat, digest })
+}
+
+/// The chat template of the model file `f` (at `path`): from `file` if given, else the
+/// model's own, else none (a base model).
+pub fn chat_template_of(f: &GgufFile, path: &Path, file: Option<&Path>) -> Result<Option<ChatTemplate>, LoadError> {
+    match file {
+        Some(t) => {
+            let source = std::fs::read_to_string(t).map_err(|e| LoadError::ChatTemplate { path: t.to_path_buf(), why: e.to_string() })?;
+            ChatTemplate::with_tokens_of(f, source).map(Some).map_err(|e| LoadError::ChatTemplate { path: t.to_path_buf(), why: e.to_string() })
+        }
+        None => ChatTemplate::from_gguf_if_any(f).map_err(|source| LoadError::Tokenizer { path: path.to_path_buf(), source }),
+    }
 }

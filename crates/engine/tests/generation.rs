@@ -21,7 +21,7 @@ fn shared() -> &'static Shared {
     S.get_or_init(|| {
         let p = bulkhead_fetch::ensure_default_model(false).expect("default model");
         let m = load_model(&p, 2).expect("load");
-        Shared { model: Arc::new(m.model), tok: Arc::new(m.tokenizer), chat: m.chat }
+        Shared { model: Arc::new(m.model), tok: Arc::new(m.tokenizer), chat: m.chat.expect("the default model has a chat template") }
     })
 }
 

@@ -27,7 +27,7 @@ fn shared() -> &'static Shared {
         let m = load_model(&p, 2).expect("load");
         let tok = Arc::new(m.tokenizer);
         let grammars = Grammars::new(Arc::clone(&tok)).expect("grammar vocabulary");
-        Shared { model: Arc::new(m.model), tok, chat: m.chat, grammars }
+        Shared { model: Arc::new(m.model), tok, chat: m.chat.expect("the default model has a chat template"), grammars }
     })
 }
 

@@ -71,6 +71,8 @@ pub struct GgufFile {
     tensors: Vec<TensorInfo>,
     data: Vec<u8>,
     data_offset: usize,
+    /// False for [`GgufFile::open_metadata`]: no tensor can be read.
+    has_data: bool,
 }
 
 // Metadata arrays nest; real files use one level. Refuse deeper nesting rather than recurse on
@@ -158,8 +160,41 @@ impl GgufFile {
         Self::parse(bytes).map_err(|e| GgufError::InFile { path: path.to_path_buf(), source: Box::new(e) })
     }
 
+    /// Read only a file's metadata and tensor table (not the tensors' data, which cannot be
+    /// read from the result): what deciding a model's shape needs, for a fraction of the I/O.
+    pub fn open_metadata(path: impl AsRef<Path>) -> Result<Self, GgufError> {
+        use std::io::Read;
+        let path = path.as_ref();
+        let io = |source| GgufError::Io { path: path.to_path_buf(), source };
+        let file = std::fs::File::open(path).map_err(io)?;
+        let mut head = Vec::new();
+        // Read more until the header parses: metadata sizes vary from kilobytes to tens of
+        // megabytes (a large vocabulary).
+        let mut want = 1 << 20;
+        loop {
+            let have = head.len() as u64;
+            (&file).take(want - have).read_to_end(&mut head).map_err(io)?;
+            let eof = (head.len() as u64) < want;
+            match Self::parse_inner(head.clone(), false) {
+                Err(GgufError::Truncated { .. }) if !eof => want *= 2,
+                r => return r.map_err(|e| GgufError::InFile { path: path.to_path_buf(), source: Box::new(e) }),
+            }
+        }
+    }
+
+    /// xxh3-64 of the whole file: the identity a gateway and its workers compare (`None` for
+    /// a file opened for its metadata only). One pass over the bytes already read.
+    pub fn digest(&self) -> Option<u64> {
+        self.has_data.then(|| xxhash_rust::xxh3::xxh3_64(&self.data))
+    }
+
     /// Parse a file's bytes.
     pub fn parse(data: Vec<u8>) -> Result<Self, GgufError> {
+        Self::parse_inner(data, true)
+    }
+
+    /// Parse; `with_data`: the tensors' data must be there (else only the header is read).
+    fn parse_inner(data: Vec<u8>, with_data: bool) -> Result<Self, GgufError> {
         let mut c = Cursor { bytes: &data, pos: 0 };
         let magic: [u8; 4] = c.array()?;
         if &magic != MAGIC {
@@ -213,7 +248,7 @@ impl GgufFile {
         let data_offset = (c.pos as u64).div_ceil(alignment) * alignment;
         // Every tensor, even one of no bytes, is read from the data section: it must start
         // within the file.
-        if !tensors.is_empty() && data_offset > data.len() as u64 {
+        if with_data && !tensors.is_empty() && data_offset > data.len() as u64 {
             return Err(GgufError::Truncated { offset: c.pos as u64, needed: data_offset - c.pos as u64, len: data.len() as u64 });
         }
         let data_len = (data.len() as u64).saturating_sub(data_offset);
@@ -235,7 +270,7 @@ impl GgufFile {
                     why: format!("{elems} elements is not a whole number of {} blocks", t.ty),
                 })?;
                 let end = t.offset.checked_add(t.size);
-                if end.is_none_or(|e| e > data_len) {
+                if end.is_none() || (with_data && end.is_some_and(|e| e > data_len)) {
                     return Err(GgufError::BadTensor {
                         name: t.name.clone(),
                         why: format!(
@@ -246,7 +281,7 @@ impl GgufFile {
                 }
             }
         }
-        Ok(GgufFile { version, metadata, tensors, data_offset: data_offset as usize, data })
+        Ok(GgufFile { version, metadata, tensors, data_offset: data_offset as usize, data, has_data: with_data })
     }
 
     /// GGUF format version.
@@ -348,6 +383,9 @@ impl GgufFile {
     /// A tensor's entry and raw bytes. Fails for a type whose size is unknown.
     pub fn tensor(&self, name: &str) -> Result<(&TensorInfo, &[u8]), GgufError> {
         let t = self.tensor_info(name)?;
+        if !self.has_data {
+            return Err(GgufError::BadTensor { name: name.to_string(), why: "the file was opened for its metadata only".into() });
+        }
         if t.ty.block().is_none() {
             return Err(GgufError::BadTensor { name: name.to_string(), why: format!("unsupported tensor type {}", t.ty) });
         }

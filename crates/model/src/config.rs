@@ -170,7 +170,7 @@ impl LlamaConfig {
             Arch::Qwen2 | Arch::Qwen3 => (RopeStyle::Halves, Activation::Silu),
             Arch::Gemma3 => (RopeStyle::Halves, Activation::GeluTanh),
         };
-        let (embd, _) = f.tensor("token_embd.weight").map_err(ModelError::from)?;
+        let embd = f.tensor_info("token_embd.weight").map_err(ModelError::from)?;
         let vocab = embd.dims.get(1).copied().unwrap_or(0) as usize;
         let final_softcap = missing_ok(f.get_f64(&k("final_logit_softcapping")))?.map(|c| c as f32).filter(|c| *c > 0.0);
         Ok(LlamaConfig {

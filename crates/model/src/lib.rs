@@ -96,9 +96,8 @@ impl Llama {
     /// Build from a parsed file, with `threads` compute threads (0 = one per core).
     pub fn from_gguf(f: &GgufFile, threads: usize) -> Result<Self, ModelError> {
         let config = LlamaConfig::from_gguf(f)?;
-        let mut weights = Weights::load(f, &config)?;
         let isa = Isa::detect();
-        weights.set_layout(isa);
+        let weights = Weights::load(f, &config, isa)?;
         let threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)

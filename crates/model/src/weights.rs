@@ -28,6 +28,22 @@ pub struct Matrix {
 impl Matrix {
     /// Build from raw ggml bytes; shape and type are checked.
     pub fn new(name: &str, ty: GgmlType, rows: usize, cols: usize, data: Vec<u8>) -> Result<Self, ModelError> {
+        let row_bytes = Self::check(name, ty, rows, cols, data.len())?;
+        Ok(Matrix { ty, rows, cols, row_bytes, data, packed: None })
+    }
+
+    /// Build from the file's bytes in the layout `isa` multiplies (packed straight from
+    /// them, without a copy in rows first, unless `keep_rows`).
+    pub fn from_bytes(name: &str, ty: GgmlType, rows: usize, cols: usize, data: &[u8], isa: Isa, keep_rows: bool) -> Result<Self, ModelError> {
+        let row_bytes = Self::check(name, ty, rows, cols, data.len())?;
+        let packs = isa.packs_weights() && packed::supports(ty);
+        let packed = packs.then(|| packed::pack(ty, rows, row_bytes, data));
+        let data = if packs && !keep_rows { Vec::new() } else { data.to_vec() };
+        Ok(Matrix { ty, rows, cols, row_bytes, data, packed })
+    }
+
+    /// Check `ty` and the shape against `len` bytes; the bytes of one row.
+    fn check(name: &str, ty: GgmlType, rows: usize, cols: usize, len: usize) -> Result<usize, ModelError> {
         let supported = matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) || crate::kernels::is_block_quantized(ty);
         if !supported {
             return Err(ModelError::UnsupportedTensorType { tensor: name.to_string(), ty: ty.to_string() });
@@ -38,10 +54,10 @@ impl Matrix {
             return Err(ModelError::BadShape { tensor: name.to_string(), why: format!("{cols} columns is not a multiple of the {be}-element {ty} block") });
         }
         let row_bytes = ty.bytes_for(cols as u64).map(|b| b as usize).unwrap_or(0);
-        if data.len() != rows * row_bytes {
-            return Err(ModelError::BadShape { tensor: name.to_string(), why: format!("{} bytes for {rows}x{cols} {ty}", data.len()) });
+        if len != rows * row_bytes {
+            return Err(ModelError::BadShape { tensor: name.to_string(), why: format!("{len} bytes for {rows}x{cols} {ty}") });
         }
-        Ok(Matrix { ty, rows, cols, row_bytes, data, packed: None })
+        Ok(row_bytes)
     }
 
     /// Store a quantised matrix packed for `isa` when it multiplies packed weights, in rows
@@ -74,7 +90,7 @@ impl Matrix {
         Some(&p[r0 / packed::GROUP * gb..r1.div_ceil(packed::GROUP) * gb])
     }
 
-    fn load(f: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<Self, ModelError> {
+    fn load(f: &GgufFile, name: &str, rows: usize, cols: usize, isa: Isa, keep_rows: bool) -> Result<Self, ModelError> {
         let (info, bytes) = f.tensor(name).map_err(|e| match e {
             bulkhead_gguf::GgufError::BadTensor { name, why } if why.starts_with("unsupported") => {
                 ModelError::UnsupportedTensorType { tensor: name, ty: why.trim_start_matches("unsupported tensor type ").to_string() }
@@ -85,7 +101,7 @@ impl Matrix {
         if info.dims != want {
             return Err(ModelError::BadShape { tensor: name.to_string(), why: format!("dims {:?}, expected {want:?}", info.dims) });
         }
-        Matrix::new(name, info.ty, rows, cols, bytes.to_vec())
+        Matrix::from_bytes(name, info.ty, rows, cols, bytes, isa, keep_rows)
     }
 
     /// Raw bytes of row `r` (ggml's layout; panics on a matrix packed without keeping rows,
@@ -179,8 +195,8 @@ fn optional_vector(f: &GgufFile, name: &str, len: usize, required: bool) -> Resu
 }
 
 impl Weights {
-    /// Load every tensor the config implies.
-    pub fn load(f: &GgufFile, c: &LlamaConfig) -> Result<Self, ModelError> {
+    /// Load every tensor the config implies, laid out for `isa` (see [`Weights::set_layout`]).
+    pub fn load(f: &GgufFile, c: &LlamaConfig, isa: Isa) -> Result<Self, ModelError> {
         let (q_dim, kv_dim) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
         let qk_norm = matches!(c.arch, Arch::Qwen3 | Arch::Gemma3);
         let post_norms = c.arch == Arch::Gemma3;
@@ -191,29 +207,31 @@ impl Weights {
             let b = |s: &str| format!("blk.{i}.{s}.bias");
             layers.push(Layer {
                 attn_norm: vector(f, &n("attn_norm"), c.hidden)?,
-                wq: Matrix::load(f, &n("attn_q"), q_dim, c.hidden)?,
-                wk: Matrix::load(f, &n("attn_k"), kv_dim, c.hidden)?,
-                wv: Matrix::load(f, &n("attn_v"), kv_dim, c.hidden)?,
+                wq: Matrix::load(f, &n("attn_q"), q_dim, c.hidden, isa, false)?,
+                wk: Matrix::load(f, &n("attn_k"), kv_dim, c.hidden, isa, false)?,
+                wv: Matrix::load(f, &n("attn_v"), kv_dim, c.hidden, isa, false)?,
                 bq: optional_vector(f, &b("attn_q"), q_dim, biases)?,
                 bk: optional_vector(f, &b("attn_k"), kv_dim, biases)?,
                 bv: optional_vector(f, &b("attn_v"), kv_dim, biases)?,
                 q_norm: optional_vector(f, &n("attn_q_norm"), c.head_dim, qk_norm)?,
                 k_norm: optional_vector(f, &n("attn_k_norm"), c.head_dim, qk_norm)?,
-                wo: Matrix::load(f, &n("attn_output"), c.hidden, q_dim)?,
+                wo: Matrix::load(f, &n("attn_output"), c.hidden, q_dim, isa, false)?,
                 post_attn_norm: optional_vector(f, &n("post_attention_norm"), c.hidden, post_norms)?,
                 ffn_norm: vector(f, &n("ffn_norm"), c.hidden)?,
-                w_gate: Matrix::load(f, &n("ffn_gate"), c.ffn, c.hidden)?,
-                w_up: Matrix::load(f, &n("ffn_up"), c.ffn, c.hidden)?,
-                w_down: Matrix::load(f, &n("ffn_down"), c.hidden, c.ffn)?,
+                w_gate: Matrix::load(f, &n("ffn_gate"), c.ffn, c.hidden, isa, false)?,
+                w_up: Matrix::load(f, &n("ffn_up"), c.ffn, c.hidden, isa, false)?,
+                w_down: Matrix::load(f, &n("ffn_down"), c.hidden, c.ffn, isa, false)?,
                 post_ffn_norm: optional_vector(f, &n("post_ffw_norm"), c.hidden, post_norms)?,
             });
         }
         let output = match f.tensor_info("output.weight") {
-            Ok(_) => Some(Matrix::load(f, "output.weight", c.vocab, c.hidden)?),
+            Ok(_) => Some(Matrix::load(f, "output.weight", c.vocab, c.hidden, isa, false)?),
             Err(_) => None,
         };
+        // Token lookups read the embedding's rows; it is packed only when it is the output.
+        let embed_isa = if output.is_some() { Isa::scalar() } else { isa };
         Ok(Weights {
-            embedding: Matrix::load(f, "token_embd.weight", c.vocab, c.hidden)?,
+            embedding: Matrix::load(f, "token_embd.weight", c.vocab, c.hidden, embed_isa, true)?,
             layers,
             out_norm: vector(f, "output_norm.weight", c.hidden)?,
             output,

@@ -38,6 +38,8 @@ pub struct GatewayOptions {
     pub workers: String,
     /// Model file (for the tokenizer, chat template and the digest workers must match).
     pub model: PathBuf,
+    /// A chat template to use instead of the model's (or for a model without one).
+    pub chat_template: Option<PathBuf>,
     /// Name served in the API.
     pub model_id: String,
     /// Check the context limit at the gateway (tests switch it off).
@@ -71,6 +73,8 @@ pub enum GatewayError {
     Tokenizer(#[from] bulkhead_tokenizer::TokenizerError),
     #[error("{0}")]
     Model(#[from] bulkhead_model::ModelError),
+    #[error(transparent)]
+    Load(#[from] bulkhead_engine::LoadError),
     #[error(transparent)]
     Trust(#[from] crate::trust::TrustError),
 }
@@ -224,9 +228,13 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
     let f = bulkhead_gguf::GgufFile::open(&opts.model)?;
     let config = bulkhead_model::LlamaConfig::from_gguf(&f)?;
     let tokenizer = bulkhead_tokenizer::Tokenizer::from_gguf(&f)?;
-    let chat = bulkhead_tokenizer::ChatTemplate::from_gguf(&f)?;
+    let chat = bulkhead_engine::load::chat_template_of(&f, &opts.model, opts.chat_template.as_deref())?;
+    if chat.is_none() {
+        tracing::warn!(model = %opts.model.display(), "the model has no chat template (a base model): /v1/chat/completions answers 400; use /v1/completions or --chat-template");
+    }
+    // The digest of the bytes already read: one pass over the file in all.
+    let digest = f.digest().unwrap_or_default();
     drop(f);
-    let digest = crate::wire::model_digest(&opts.model)?;
     // Derived from the cluster key, or random per run: only this process needs it.
     let cache_secret = match (&opts.trust.key, opts.prefix_cache) {
         (_, false) => None,

@@ -191,7 +191,3 @@ fn seal(r: &mut FrameReader, w: &mut FrameWriter, s: Session) -> Authenticated {
     done
 }
 
-/// Digest of a model file, the identity workers and gateway compare (xxh3-64 of the bytes).
-pub fn model_digest(path: &std::path::Path) -> std::io::Result<u64> {
-    Ok(xxhash_rust::xxh3::xxh3_64(&std::fs::read(path)?))
-}

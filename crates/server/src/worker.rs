@@ -131,7 +131,7 @@ pub fn load(cfg: &WorkerConfig) -> Result<Loaded, WorkerError> {
     let pages = layout.pages_for_tokens(cfg.pool_tokens.max(1));
     let pool = KvPool::new(PoolConfig { layout, pages, checks: cfg.kv_checks })?;
     let context = advertised_context(model.model.config.context_length, cfg.context_length, pool.capacity_tokens(), cfg.clamp_context)?;
-    let digest = crate::wire::model_digest(&cfg.model)?;
+    let digest = model.digest;
     tracing::info!(
         pool_tokens = pool.capacity_tokens(),
         kv_bytes_per_token = layout.bytes_per_token(),

@@ -63,6 +63,20 @@ impl ChatTemplate {
     /// the tokens `tokenizer.ggml.bos_token_id` / `eos_token_id` name (empty when absent).
     pub fn from_gguf(gguf: &GgufFile) -> Result<ChatTemplate, TokenizerError> {
         let source = required(KEY_TEMPLATE, gguf.get_str(KEY_TEMPLATE))?;
+        Self::with_tokens_of(gguf, source)
+    }
+
+    /// The file's template, or `None` when it has none (a base model).
+    pub fn from_gguf_if_any(gguf: &GgufFile) -> Result<Option<ChatTemplate>, TokenizerError> {
+        match optional(KEY_TEMPLATE, gguf.get_str(KEY_TEMPLATE))? {
+            Some(source) => Self::with_tokens_of(gguf, source).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Compile `source` with the BOS and EOS texts of `gguf`'s vocabulary (`--chat-template`
+    /// gives a template for a model that has none, or another one).
+    pub fn with_tokens_of(gguf: &GgufFile, source: impl Into<String>) -> Result<ChatTemplate, TokenizerError> {
         let token_text = |key: &'static str| -> Result<String, TokenizerError> {
             let Some(id) = optional(key, gguf.get_u64(key))? else {
                 return Ok(String::new());
