@@ -2,115 +2,27 @@
 //! architecture loads and runs (paged pass bit-identical to the reference), each family's
 //! parts take effect, and bad files fail with errors that name what is wrong.
 
-use bulkhead_gguf::{GgmlType, GgufFile, GgufWriter, Value};
+use bulkhead_gguf::{GgmlType, GgufFile, GgufWriter};
 use bulkhead_kv::{KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
-use bulkhead_model::quant::quantize_row;
 use bulkhead_model::reference::ReferenceState;
 use bulkhead_model::{Isa, Llama, ModelError, SeqInput};
+
+mod support;
+use support::Shape;
 
 const VOCAB: usize = 50;
 const LAYERS: usize = 2;
 
-/// A tiny model's shape: wide enough for its weight type's blocks (k-quants need 256
-/// columns).
-#[derive(Clone, Copy)]
-struct Shape {
-    hidden: usize,
-    ffn: usize,
-    heads: usize,
-    kv_heads: usize,
-    layers: usize,
-}
-
-const SMALL: Shape = Shape { hidden: 64, ffn: 96, heads: 4, kv_heads: 2, layers: LAYERS };
-const WIDE: Shape = Shape { hidden: 256, ffn: 256, heads: 4, kv_heads: 2, layers: LAYERS };
+/// Wide enough for the weight type's blocks (k-quants need 256 columns).
+const SMALL: Shape = Shape { vocab: VOCAB, hidden: 64, ffn: 96, heads: 4, kv_heads: 2, layers: LAYERS };
+const WIDE: Shape = Shape { vocab: VOCAB, hidden: 256, ffn: 256, heads: 4, kv_heads: 2, layers: LAYERS };
 
 fn shape_for(ty: GgmlType) -> Shape {
     if ty.block().is_some_and(|b| b.0 == 256) { WIDE } else { SMALL }
 }
 
-struct Rng(u64);
-impl Rng {
-    fn f(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-}
-
-fn matrix(w: &mut GgufWriter, rng: &mut Rng, name: &str, rows: usize, cols: usize, ty: GgmlType) {
-    let vals: Vec<f32> = (0..rows * cols).map(|_| rng.f() * 0.3).collect();
-    let bytes: Vec<u8> = vals.chunks(cols).flat_map(|r| quantize_row(ty, r)).collect();
-    w.tensor(name, &[cols as u64, rows as u64], ty, bytes);
-}
-
-fn vector(w: &mut GgufWriter, rng: &mut Rng, name: &str, len: usize, around: f32) {
-    let v: Vec<f32> = (0..len).map(|_| around + 0.2 * rng.f()).collect();
-    w.tensor_f32(name, &[len as u64], &v);
-}
-
 fn synthetic(ty: GgmlType, arch: &str) -> GgufWriter {
-    synthetic_shaped(ty, arch, shape_for(ty), None)
-}
-
-/// A tiny random model of `arch` (llama, mistral, qwen2, qwen3, gemma3) with its layer
-/// matrices in `ty`, and a sliding window of `window` tokens where given.
-fn synthetic_shaped(ty: GgmlType, arch: &str, sh: Shape, window: Option<u32>) -> GgufWriter {
-    let mut rng = Rng(0x1234_5678_9abc_def1);
-    let mut w = GgufWriter::new();
-    let hd = sh.hidden / sh.heads;
-    w.meta("general.architecture", Value::String(arch.into()))
-        .meta(&format!("{arch}.block_count"), Value::U32(sh.layers as u32))
-        .meta(&format!("{arch}.context_length"), Value::U32(256))
-        .meta(&format!("{arch}.embedding_length"), Value::U32(sh.hidden as u32))
-        .meta(&format!("{arch}.feed_forward_length"), Value::U32(sh.ffn as u32))
-        .meta(&format!("{arch}.attention.head_count"), Value::U32(sh.heads as u32))
-        .meta(&format!("{arch}.attention.head_count_kv"), Value::U32(sh.kv_heads as u32))
-        .meta(&format!("{arch}.rope.freq_base"), Value::F32(10000.0))
-        .meta(&format!("{arch}.attention.layer_norm_rms_epsilon"), Value::F32(1e-5));
-    if let Some(win) = window {
-        w.meta(&format!("{arch}.attention.sliding_window"), Value::U32(win));
-    }
-    matrix(&mut w, &mut rng, "token_embd.weight", VOCAB, sh.hidden, GgmlType::Q8_0);
-    let ones = vec![1.0f32; sh.hidden];
-    w.tensor_f32("output_norm.weight", &[sh.hidden as u64], &ones);
-    // Gemma 3 ties the output to the embedding.
-    if arch != "gemma3" {
-        matrix(&mut w, &mut rng, "output.weight", VOCAB, sh.hidden, ty);
-    }
-    if arch == "llama" {
-        // Llama 3's RoPE factors: the low frequencies slowed down.
-        let f: Vec<f32> = (0..hd / 2).map(|i| if i < hd / 4 { 1.0 } else { 4.0 }).collect();
-        w.tensor_f32("rope_freqs.weight", &[(hd / 2) as u64], &f);
-    }
-    for l in 0..sh.layers {
-        let n = |s: &str| format!("blk.{l}.{s}.weight");
-        w.tensor_f32(&n("attn_norm"), &[sh.hidden as u64], &ones);
-        w.tensor_f32(&n("ffn_norm"), &[sh.hidden as u64], &ones);
-        matrix(&mut w, &mut rng, &n("attn_q"), sh.heads * hd, sh.hidden, ty);
-        matrix(&mut w, &mut rng, &n("attn_k"), sh.kv_heads * hd, sh.hidden, ty);
-        matrix(&mut w, &mut rng, &n("attn_v"), sh.kv_heads * hd, sh.hidden, ty);
-        matrix(&mut w, &mut rng, &n("attn_output"), sh.hidden, sh.heads * hd, ty);
-        matrix(&mut w, &mut rng, &n("ffn_gate"), sh.ffn, sh.hidden, ty);
-        matrix(&mut w, &mut rng, &n("ffn_up"), sh.ffn, sh.hidden, ty);
-        matrix(&mut w, &mut rng, &n("ffn_down"), sh.hidden, sh.ffn, ty);
-        if arch == "qwen2" {
-            let b = |s: &str| format!("blk.{l}.{s}.bias");
-            vector(&mut w, &mut rng, &b("attn_q"), sh.heads * hd, 0.0);
-            vector(&mut w, &mut rng, &b("attn_k"), sh.kv_heads * hd, 0.0);
-            vector(&mut w, &mut rng, &b("attn_v"), sh.kv_heads * hd, 0.0);
-        }
-        if arch == "qwen3" || arch == "gemma3" {
-            vector(&mut w, &mut rng, &n("attn_q_norm"), hd, 1.0);
-            vector(&mut w, &mut rng, &n("attn_k_norm"), hd, 1.0);
-        }
-        if arch == "gemma3" {
-            vector(&mut w, &mut rng, &n("post_attention_norm"), sh.hidden, 1.0);
-            vector(&mut w, &mut rng, &n("post_ffw_norm"), sh.hidden, 1.0);
-        }
-    }
-    w
+    support::model(ty, arch, shape_for(ty), None)
 }
 
 fn load(w: &GgufWriter) -> Result<Llama, ModelError> {
@@ -152,7 +64,7 @@ fn every_architecture_runs_and_the_paged_pass_equals_the_reference() {
     for arch in bulkhead_model::config::SUPPORTED {
         for (ty, window) in [(GgmlType::Q8_0, None), (GgmlType::Q4_K, Some(9))] {
             for isa in Isa::available() {
-                let m = load(&synthetic_shaped(ty, arch, shape_for(ty), window)).unwrap().with_isa(isa);
+                let m = load(&support::model(ty, arch, shape_for(ty), window)).unwrap().with_isa(isa);
                 let (got, want) = paged_and_reference(&m, &prompt());
                 assert!(want.iter().all(|v| v.is_finite()), "{arch}");
                 assert_eq!(got, want, "{arch} {ty} window {window:?} on {isa:?}: paged logits differ from the reference");
@@ -171,7 +83,7 @@ fn every_family_part_and_the_sliding_window_take_effect() {
     for arch in ["llama", "qwen2", "qwen3", "gemma3"] {
         assert_ne!(logits(&synthetic(GgmlType::Q8_0, arch), &p), plain, "{arch} computes what mistral (plain llama) does");
     }
-    let windowed = synthetic_shaped(GgmlType::Q8_0, "mistral", SMALL, Some(9));
+    let windowed = support::model(GgmlType::Q8_0, "mistral", SMALL, Some(9));
     assert_eq!(logits(&windowed, &p[..9]), logits(&synthetic(GgmlType::Q8_0, "mistral"), &p[..9]), "within the window nothing is masked");
     assert_ne!(logits(&windowed, &p), plain, "past the window, early positions are masked");
 }
