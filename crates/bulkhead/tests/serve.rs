@@ -9,6 +9,9 @@ use std::time::Duration;
 
 use common::{BIN, model, rand_u64};
 
+#[path = "../../model/tests/support/mod.rs"]
+mod support;
+
 /// A running `bulkhead serve`, killed (with its workers) on drop.
 struct Server {
     child: Child,
@@ -26,9 +29,13 @@ impl Drop for Server {
 }
 
 fn serve(args: &[&str], env: &[(&str, &str)]) -> Server {
+    serve_model(&model(), args, env)
+}
+
+fn serve_model(model: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> Server {
     let log = std::env::temp_dir().join(format!("bulkhead-serve-{}-{}.log", std::process::id(), rand_u64()));
     let mut cmd = Command::new(BIN);
-    cmd.args(["serve", "--port", "0", "--threads", "1", "--model"]).arg(model()).args(args);
+    cmd.args(["serve", "--port", "0", "--threads", "1", "--model"]).arg(model).args(args);
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -259,6 +266,37 @@ fn the_incident_replayed_gets_400_and_never_leaks_the_marker_with_or_without_the
         assert_eq!(status, 200, "{b}");
         assert!(!b.contains(&marker), "tenant B saw tenant A's marker: {b}");
     }
+}
+
+/// The incident on every other architecture (qwen2, qwen3, llama 3, gemma3 with its
+/// sliding window), on the tiny models held to llama.cpp's logits: base models, so the
+/// marker goes in through `/v1/completions`; the prefill pool holds 64 tokens of their 256.
+#[test]
+fn the_incident_replayed_on_every_architecture_gets_400_and_never_leaks_the_marker() {
+    let dir = std::env::temp_dir().join(format!("bulkhead-serve-tiny-{}-{}", std::process::id(), rand_u64()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let marker = format!("CANARY-{:x}", rand_u64());
+    let complete = |s: &Server, body: serde_json::Value| request(&s.http, "POST", "/v1/completions", &body.to_string());
+    for (arch, window) in support::LLAMACPP_TINY {
+        let path = dir.join(format!("{arch}.gguf"));
+        std::fs::write(&path, support::llamacpp_tiny(arch, window).to_bytes()).unwrap();
+        for gateway_check in [true, false] {
+            let env: &[(&str, &str)] = if gateway_check { &[] } else { &[("BULKHEAD_NO_GATEWAY_ADMISSION", "1")] };
+            let s = serve_model(&path, &["--prefill-kv-pool-tokens", "64", "--clamp-context"], env);
+            let (status, a) = complete(&s, serde_json::json!({"model": "bulkhead", "prompt": format!("code {marker}"), "max_tokens": 8}));
+            assert_eq!(status, 200, "{arch}: {a}");
+            for (stream, n) in [(false, 1), (true, 1), (false, 2)] {
+                let body = serde_json::json!({"model": "bulkhead", "prompt": "hello ".repeat(40), "max_tokens": 8, "stream": stream, "n": n});
+                let (status, b) = complete(&s, body);
+                assert_eq!(status, 400, "{arch}, gateway check {gateway_check}, stream {stream}, n {n}: {b}");
+                assert!(b.contains("context_length_exceeded") && !b.contains(&marker), "{arch}: {b}");
+            }
+            let (status, b) = complete(&s, serde_json::json!({"model": "bulkhead", "prompt": "say", "max_tokens": 24, "n": 2, "temperature": 1.0}));
+            assert_eq!(status, 200, "{arch}: {b}");
+            assert!(!b.contains(&marker), "{arch}: tenant B saw tenant A's marker: {b}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[test]

@@ -27,7 +27,8 @@ fn logits_per_position(m: &Llama, tokens: &[u32]) -> Vec<Vec<f32>> {
 }
 
 /// At every step of llama.cpp's greedy continuations, its choice is our argmax or within
-/// 0.3 logits of it, and at least 95% of the steps agree.
+/// 0.25 logits of it, and at least 95% of the steps agree (the target was 0.2; one step
+/// of 160 is at 0.21, the others within 0.14).
 #[test]
 fn gemma_agrees_with_llama_cpp_along_its_greedy_paths() {
     let path = bulkhead_fetch::ensure(&bulkhead_fetch::GEMMA3_270M, false).expect("Gemma 3 270M");
@@ -43,7 +44,7 @@ fn gemma_agrees_with_llama_cpp_along_its_greedy_paths() {
         for &theirs in &completion {
             let ours = argmax(&logits);
             let gap = logits[ours] - logits[theirs as usize];
-            assert!(gap <= 0.3, "{:?}: llama.cpp picked {theirs}, {gap} below our {ours}", c["prompt"]);
+            assert!(gap <= 0.25, "{:?}: llama.cpp picked {theirs}, {gap} below our {ours}", c["prompt"]);
             worst = worst.max(gap);
             agree += usize::from(ours == theirs as usize);
             steps += 1;
