@@ -20,7 +20,8 @@
 # What it does:
 #   1. fetches the llama-cpp-python 0.3.36 sdist with `pip download` (it vendors
 #      llama.cpp) and builds llama-bench, llama-batched-bench and llama-server
-#      with CMake (Release, GGML_NATIVE=ON). Everything is cached under
+#      with CMake (Release, GGML_NATIVE=ON; on an AMX host the same ISA without
+#      AMX, whose kernels crash there). Everything is cached under
 #      ${BULKHEAD_HOME:-~/.cache/bulkhead}/llama.cpp-0.3.36/, so reruns skip
 #      download and build (delete that directory to force a rebuild).
 #   2. llama-bench -m MODEL -t 1,THREADS -p 512 -n 128 -r 5
@@ -129,11 +130,22 @@ build() {
     return
   fi
   ensure_cmake
+  # ggml's AMX kernels crash (SIGSEGV in ggml_backend_amx_mul_mat) on an AMX Xeon under a
+  # VM, and Bulkhead has no AMX kernels either: there, build the host's ISA without AMX.
+  local ISA_FLAGS=(-DGGML_NATIVE=ON)
+  if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
+    ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON)
+    local f
+    for f in avx512f:AVX512 avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16 avx_vnni:AVX_VNNI; do
+      grep -qw "${f%%:*}" /proc/cpuinfo && ISA_FLAGS+=("-DGGML_${f##*:}=ON")
+    done
+    log "AMX host: building without AMX (${ISA_FLAGS[*]})"
+  fi
   log "configuring llama.cpp ($BUILD_DIR)"
   # Server: no embedded web UI (it would be downloaded from Hugging Face or
   # built with npm) and no OpenSSL/HTTPS; neither matters for benchmarking.
   cmake -S "$LLAMA_DIR" -B "$BUILD_DIR" \
-    -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DCMAKE_BUILD_TYPE=Release "${ISA_FLAGS[@]}" \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON \
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
   log "building ${want[*]} with -j$JOBS"

@@ -136,6 +136,27 @@ fn a_missing_hyperparameter_or_tensor_is_named() {
     }
 }
 
+/// A tensor of the wrong shape for its architecture (here K with Q's rows, which a GQA
+/// model must not have) is a start-up error naming it.
+#[test]
+fn a_tensor_whose_shape_does_not_match_the_architecture_is_named() {
+    let f = GgufFile::parse(synthetic(GgmlType::Q8_0, "qwen3").to_bytes()).unwrap();
+    let mut w = GgufWriter::new();
+    for (k, v) in f.metadata() {
+        w.meta(k, v.clone());
+    }
+    let (q_info, q_bytes) = f.tensor("blk.0.attn_q.weight").unwrap();
+    for t in f.tensors() {
+        if t.name == "blk.0.attn_k.weight" {
+            w.tensor(&t.name, &q_info.dims, q_info.ty, q_bytes.to_vec());
+        } else {
+            w.tensor(&t.name, &t.dims, t.ty, f.tensor(&t.name).unwrap().1.to_vec());
+        }
+    }
+    let err = load(&w).unwrap_err().to_string();
+    assert!(err.contains("blk.0.attn_k.weight") && err.contains("expected"), "{err}");
+}
+
 #[test]
 fn a_truncated_model_file_is_an_error_naming_the_file() {
     let bytes = synthetic(GgmlType::Q4_1, "llama").to_bytes();
