@@ -299,6 +299,32 @@ fn the_incident_replayed_on_every_architecture_gets_400_and_never_leaks_the_mark
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A base model (no chat template in the file) answers chat requests with 400
+/// `no_chat_template` and completions as usual; `--chat-template FILE` gives it one.
+#[test]
+fn a_base_model_refuses_chat_until_given_a_chat_template() {
+    let dir = std::env::temp_dir().join(format!("bulkhead-serve-base-{}-{}", std::process::id(), rand_u64()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("qwen3.gguf");
+    std::fs::write(&path, support::llamacpp_tiny("qwen3", None).to_bytes()).unwrap();
+    let s = serve_model(&path, &[], &[]);
+    let (status, b) = chat(&s.http, SYSTEM, "hello", 4);
+    assert_eq!((status, b["error"]["code"].as_str()), (400, Some("no_chat_template")), "{b}");
+    assert!(b["error"]["message"].as_str().unwrap().contains("/v1/completions"), "{b}");
+    let (status, b) = request(&s.http, "POST", "/v1/completions", r#"{"model": "bulkhead", "prompt": "hello", "max_tokens": 4}"#);
+    assert_eq!(status, 200, "{b}");
+    drop(s);
+    let template = dir.join("chat.jinja");
+    std::fs::write(&template, "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:").unwrap();
+    let s = serve_model(&path, &["--chat-template", template.to_str().unwrap()], &[]);
+    let (status, b) = chat(&s.http, SYSTEM, "hello", 4);
+    assert_eq!(status, 200, "{b}");
+    // The template's text is in the prompt (the tiny vocabulary spells it byte by byte).
+    let rendered = format!("system: {SYSTEM}\nuser: hello\nassistant:");
+    assert!(b["usage"]["prompt_tokens"].as_u64().unwrap() >= rendered.len() as u64 - 4, "{b}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[test]
 fn a_client_that_disconnects_mid_stream_does_not_hang_the_server() {
     let s = serve(&[], &[]);

@@ -93,8 +93,18 @@ pub(crate) fn gelu(x: f32) -> f32 {
     if x >= 10.0 {
         return x;
     }
-    let h = f16::from_f32(x).to_f32();
-    f16::from_f32(0.5 * h * (1.0 + (SQRT_2_OVER_PI * h * (1.0 + COEF_A * h * h)).tanh())).to_f32()
+    // A table of every f16 input, as ggml keeps: tanh per element cost more than the matrix
+    // products it sits between.
+    static TABLE: std::sync::OnceLock<Box<[f32]>> = std::sync::OnceLock::new();
+    let table = TABLE.get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|bits| {
+                let h = f16::from_bits(bits).to_f32();
+                f16::from_f32(0.5 * h * (1.0 + (SQRT_2_OVER_PI * h * (1.0 + COEF_A * h * h)).tanh())).to_f32()
+            })
+            .collect()
+    });
+    table[usize::from(f16::from_f32(x).to_bits())]
 }
 
 pub(crate) fn gelu_mul(gate: &mut [f32], up: &[f32]) {

@@ -137,9 +137,9 @@ fn bits_to_bytes(bits: u32) -> __m256i {
 /// One k-quant weight row (`nsb` superblocks at `w`) against `N` activation rows. Per
 /// superblock the 256 weights are unpacked to bytes once: Q4_K and Q6_K in registers, the
 /// other k-quants through [`kquant::unpack`]. Then for each activation row and 32-element
-/// block: `maddubs` and `madd` to sums of four products, multiplied by the two 16-element
-/// groups' integer scales, converted and accumulated with one FMA by `d · d_a`. The min
-/// terms come from the activations' group sums.
+/// block: `maddubs` to pair sums, one `madd` by the two 16-element groups' integer scales
+/// to scaled sums of four products, converted and accumulated with one FMA by `d · d_a`.
+/// The min terms come from the activations' group sums.
 ///
 /// # Safety
 /// AVX2, FMA and F16C are available; `w` holds `nsb` superblocks of `ty`; `a` points to `N`
@@ -151,7 +151,6 @@ unsafe fn ktile<const N: usize>(ty: GgmlType, w: &[u8], a: ActPtrs, sums: *const
     let bb = ty.block().map_or(0, |b| b.1);
     let mut acc = [_mm256_setzero_ps(); N];
     let mut summ = [0.0f32; N];
-    let ones = _mm256_set1_epi16(1);
     let (m4, m2) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3));
     let mut qx = [_mm256_setzero_si256(); 8];
     let mut kb = KBlock::default();
@@ -206,9 +205,11 @@ unsafe fn ktile<const N: usize>(ty: GgmlType, w: &[u8], a: ActPtrs, sums: *const
                 }
             }
         };
+        // The groups' scales as 16-bit multipliers of maddubs' pair sums (exact: a pair sum
+        // is at most 2 * 32 * 127 and a scale at most 127, so madd's i32 sums cannot overflow).
         let sv: [__m256i; 8] = std::array::from_fn(|j| {
-            let (s0, s1) = (sc[2 * j], sc[2 * j + 1]);
-            _mm256_setr_epi32(s0, s0, s0, s0, s1, s1, s1, s1)
+            let (s0, s1) = (sc[2 * j] as i16, sc[2 * j + 1] as i16);
+            _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0))
         });
         let ax: [__m256i; 8] = std::array::from_fn(|j| _mm256_sign_epi8(qx[j], qx[j]));
         for n in 0..N {
@@ -216,8 +217,8 @@ unsafe fn ktile<const N: usize>(ty: GgmlType, w: &[u8], a: ActPtrs, sums: *const
                 let ab = n * nb + sb * 8 + j;
                 // SAFETY: ab < N * nb: inside the activation rows the caller guarantees.
                 let (qy, da) = unsafe { (_mm256_loadu_si256(a.qs.add(ab * QK).cast()), *a.d.add(ab)) };
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax[j], _mm256_sign_epi8(qy, qx[j])), ones);
-                acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * da), _mm256_cvtepi32_ps(_mm256_mullo_epi32(p, sv[j])), acc[n]);
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax[j], _mm256_sign_epi8(qy, qx[j])), sv[j]);
+                acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * da), _mm256_cvtepi32_ps(p), acc[n]);
                 if has_mins {
                     // SAFETY: 2 * ab + 1 < 2 * N * nb, inside the group sums.
                     let (s0, s1) = unsafe { (*sums.add(2 * ab), *sums.add(2 * ab + 1)) };

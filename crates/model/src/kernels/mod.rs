@@ -342,7 +342,7 @@ mod tests {
         };
         let mut seed = 7;
         let cols = 128;
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0] {
             for rows in [1, 5, 8, 13, 24] {
                 let mut w: Vec<u8> = (0..rows).flat_map(|_| quantize_row(ty, &(0..cols).map(|_| rng(&mut seed)).collect::<Vec<_>>())).collect();
                 let row_bytes = w.len() / rows;

@@ -4,7 +4,9 @@
 //!
 //! Per group of eight rows and per 32-element block (`8 * block_bytes(ty)` bytes, the same
 //! size as the eight rows' blocks it replaces):
-//! - `d[8]` (f16), then for Q4_1 `m[8]` (f16);
+//! - `d[8]` (f16), then for Q4_1 and Q5_1 `m[8]` (f16);
+//! - Q5_0 and Q5_1: then one 32-byte vector of the eight rows' `qh` (a u32 each: bit `e`
+//!   is element `e`'s fifth bit), and their nibbles as for Q4_0;
 //! - Q4_0 and Q4_1: four 32-byte vectors; vector `k` holds bytes `4k..4k+4` of each row's
 //!   16 nibble bytes, row after row: low nibbles are elements `4k..4k+4`, high nibbles
 //!   elements `16+4k..16+4k+4`;
@@ -21,7 +23,7 @@ use bulkhead_gguf::GgmlType;
 /// Whether the VNNI kernel has a packed layout for `ty` (the others stay in rows and run
 /// the AVX2 row kernel).
 pub fn supports(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
+    matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0)
 }
 
 /// Bytes of one 32-element block of a type the packed layout supports.
@@ -29,6 +31,8 @@ fn block_bytes(ty: GgmlType) -> usize {
     match ty {
         GgmlType::Q4_0 => 18,
         GgmlType::Q4_1 => 20,
+        GgmlType::Q5_0 => 22,
+        GgmlType::Q5_1 => 24,
         GgmlType::Q8_0 => 34,
         other => unreachable!("{other} has no packed layout"),
     }
@@ -37,9 +41,14 @@ fn block_bytes(ty: GgmlType) -> usize {
 /// Rows in a group.
 pub const GROUP: usize = 8;
 
-/// Bytes of one block's scales (`d`, and `m` for Q4_1) in the source row layout.
+/// Whether `ty`'s blocks carry a min `m` after `d` (the weights are then unsigned).
+pub fn has_min(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1)
+}
+
+/// Bytes of one block's scales (`d`, and `m` for Q4_1 and Q5_1) in the source row layout.
 fn scale_bytes(ty: GgmlType) -> usize {
-    if ty == GgmlType::Q4_1 {
+    if has_min(ty) {
         4
     } else {
         2
@@ -56,7 +65,7 @@ pub fn block_offset(ty: GgmlType, nb: usize, g: usize, b: usize) -> usize {
 fn dest(ty: GgmlType, r: usize, j: usize) -> usize {
     let sb = scale_bytes(ty);
     if j < sb {
-        // d at 0, m at 2: d[r] then (Q4_1) m[r], each an f16 array of eight.
+        // d at 0, m at 2: d[r] then (Q4_1, Q5_1) m[r], each an f16 array of eight.
         return (j / 2) * 2 * GROUP + r * 2 + j % 2;
     }
     let q = j - sb;
@@ -104,7 +113,7 @@ mod tests {
 
     #[test]
     fn packing_is_a_lossless_permutation() {
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0] {
             let bs = block_bytes(ty);
             for rows in [1, 7, 8, 9, 24] {
                 let row_bytes = 3 * bs;

@@ -7,7 +7,7 @@
 //! Same numbers as the AVX2 row kernel (and ggml), bit for bit: lane `k` of a block's
 //! integer dot product is the sum over its bytes `4k..4k+4` (exact in i32), each lane keeps
 //! its own f32 accumulator (`fma(d_w * d_a, lane, acc)`, blocks in order), the eight lanes
-//! are summed in `hsum`'s order at the end, and Q4_1's `m_w * s_a` terms are summed apart
+//! are summed in `hsum`'s order at the end, and Q4_1's and Q5_1's `m_w * s_a` terms are summed apart
 //! and added last. So results do not depend on which kernel the CPU gets, nor on what else
 //! shares the call.
 
@@ -15,7 +15,7 @@ use std::arch::x86_64::*;
 
 use bulkhead_gguf::GgmlType;
 
-use super::packed::{block_offset, GROUP};
+use super::packed::{block_offset, has_min, GROUP};
 use crate::quant::{Q8Acts, QK};
 
 /// Activation rows handled together against one packed group (eight lane accumulators
@@ -35,17 +35,31 @@ unsafe fn group<const N: usize>(ty: GgmlType, g: *const u8, nb: usize, acts: &Q8
     let mut summ = [_mm256_setzero_ps(); N];
     let mask = _mm256_set1_epi8(0x0F);
     let gb = block_offset(ty, nb, 0, 1);
-    // Q4_0 and Q8_0 weights are signed: multiply |w| by a * sign(w), as the AVX2 kernel does.
-    let signed = ty != GgmlType::Q4_1;
+    // Q4_0, Q5_0 and Q8_0 weights are signed: multiply |w| by a * sign(w), as the AVX2
+    // kernel does; Q4_1's and Q5_1's are unsigned, with a min.
+    let with_min = has_min(ty);
+    let signed = !with_min;
+    let five = matches!(ty, GgmlType::Q5_0 | GgmlType::Q5_1);
+    // Byte i of every 4-byte lane: bit i of the lane's low byte (fifth bits, see below).
+    let spread = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+    let pick = _mm256_set1_epi32(0x0804_0201);
     // SAFETY (whole body): offsets stay within nb blocks of the group and N rows of nb
     // activation blocks, as the caller guarantees; loads are unaligned.
     unsafe {
         for b in 0..nb {
             let blk = g.add(b * gb);
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
-            let (mw, quants) = match ty {
-                GgmlType::Q4_1 => (_mm256_cvtph_ps(_mm_loadu_si128(blk.add(16).cast())), blk.add(32)),
-                _ => (_mm256_setzero_ps(), blk.add(16)),
+            let (mw, mut quants) = if with_min {
+                (_mm256_cvtph_ps(_mm_loadu_si128(blk.add(16).cast())), blk.add(32))
+            } else {
+                (_mm256_setzero_ps(), blk.add(16))
+            };
+            let qh = if five {
+                let v = _mm256_loadu_si256(quants.cast());
+                quants = quants.add(32);
+                v
+            } else {
+                zero
             };
             // w: the weights of lane k (bytes 4k..4k+4 of each row), u: what vpdpbusd takes
             // unsigned (w itself for Q4_1, |w| otherwise).
@@ -60,8 +74,20 @@ unsafe fn group<const N: usize>(ty: GgmlType, g: *const u8, nb: usize, acts: &Q8
                     w[k] = _mm256_and_si256(p, mask);
                     w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), mask);
                 }
-                if ty == GgmlType::Q4_0 {
-                    w.iter_mut().for_each(|x| *x = _mm256_sub_epi8(*x, _mm256_set1_epi8(8)));
+                if five {
+                    // Lane k of vector k covers elements 4k..4k+4 of its row (low nibbles for
+                    // k < 4, high ones 16 + 4(k - 4) = 4k for k >= 4): their fifth bits are
+                    // bits 4k..4k+4 of the row's qh.
+                    for (k, wk) in w.iter_mut().enumerate() {
+                        let bits = _mm256_shuffle_epi8(_mm256_srlv_epi32(qh, _mm256_set1_epi32(4 * k as i32)), spread);
+                        let high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bits, pick), pick), _mm256_set1_epi8(0x10));
+                        *wk = _mm256_or_si256(*wk, high);
+                    }
+                }
+                match ty {
+                    GgmlType::Q4_0 => w.iter_mut().for_each(|x| *x = _mm256_sub_epi8(*x, _mm256_set1_epi8(8))),
+                    GgmlType::Q5_0 => w.iter_mut().for_each(|x| *x = _mm256_sub_epi8(*x, _mm256_set1_epi8(16))),
+                    _ => {}
                 }
             }
             for k in 0..8 {
@@ -77,7 +103,7 @@ unsafe fn group<const N: usize>(ty: GgmlType, g: *const u8, nb: usize, acts: &Q8
                     let lane = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(zero, u[k], a));
                     acc[n][k] = _mm256_fmadd_ps(scale, lane, acc[n][k]);
                 }
-                if ty == GgmlType::Q4_1 {
+                if with_min {
                     summ[n] = _mm256_add_ps(summ[n], _mm256_mul_ps(mw, _mm256_set1_ps(*acts.s.get_unchecked(ab))));
                 }
             }
