@@ -134,107 +134,138 @@ fn bits_to_bytes(bits: u32) -> __m256i {
     _mm256_cmpeq_epi8(_mm256_and_si256(spread, pick), pick)
 }
 
-/// One k-quant weight row (`nsb` superblocks at `w`) against `N` activation rows. Per
-/// superblock the 256 weights are unpacked to bytes once: Q4_K and Q6_K in registers, the
-/// other k-quants through [`kquant::unpack`]. Then for each activation row and 32-element
-/// block: `maddubs` to pair sums, one `madd` by the two 16-element groups' integer scales
-/// to scaled sums of four products, converted and accumulated with one FMA by `d · d_a`.
-/// The min terms come from the activations' group sums.
-///
-/// # Safety
-/// AVX2, FMA and F16C are available; `w` holds `nsb` superblocks of `ty`; `a` points to `N`
-/// rows of `a.nb = 8 * nsb` blocks and `sums` to their `2 * a.nb` group sums each.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::needless_range_loop)] // `n` indexes acc, summ and the activation rows alike
-unsafe fn ktile<const N: usize>(ty: GgmlType, w: &[u8], a: ActPtrs, sums: *const i32, out: &mut [f32]) {
-    let nb = a.nb;
-    let bb = ty.block().map_or(0, |b| b.1);
-    let mut acc = [_mm256_setzero_ps(); N];
-    let mut summ = [0.0f32; N];
-    let (m4, m2) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3));
-    let mut qx = [_mm256_setzero_si256(); 8];
-    let mut kb = KBlock::default();
-    let has_mins = matches!(ty, GgmlType::Q2_K | GgmlType::Q4_K | GgmlType::Q5_K);
-    for (sb, blk) in w.chunks_exact(bb).enumerate() {
-        // SAFETY (loads): every 32-byte load below is inside `blk`, whose layout the offsets
-        // follow (kquant's module docs); unaligned loads throughout.
-        let (d, dmin, sc, mn) = unsafe {
-            match ty {
-                GgmlType::Q4_K => {
-                    for c in 0..4 {
-                        let v = _mm256_loadu_si256(blk[16 + 32 * c..].as_ptr().cast());
-                        qx[2 * c] = _mm256_and_si256(v, m4);
-                        qx[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+/// Defines a k-quant tile kernel (see [`ktile`]) compiled for `$features`: the same source
+/// for AVX2 and, with AVX-512VL's 32 vector registers (fewer spills), for CPUs that have it.
+macro_rules! ktile_kernel {
+    ($(#[$doc:meta])* $name:ident, $features:literal) => {
+        $(#[$doc])*
+        #[target_feature(enable = $features)]
+        #[allow(clippy::needless_range_loop)] // `n` indexes acc, summ and the activation rows alike
+        unsafe fn $name<const N: usize>(ty: GgmlType, w: &[u8], a: ActPtrs, sums: *const i32, out: &mut [f32]) {
+            let nb = a.nb;
+            let bb = ty.block().map_or(0, |b| b.1);
+            let mut acc = [_mm256_setzero_ps(); N];
+            let mut summ = [_mm256_setzero_ps(); N];
+            let (m4, m2) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3));
+            let mut qx = [_mm256_setzero_si256(); 8];
+            let mut kb = KBlock::default();
+            let has_mins = matches!(ty, GgmlType::Q2_K | GgmlType::Q4_K | GgmlType::Q5_K);
+            for (sb, blk) in w.chunks_exact(bb).enumerate() {
+                // SAFETY (loads): every 32-byte load below is inside `blk`, whose layout the offsets
+                // follow (kquant's module docs); unaligned loads throughout.
+                let (d, dmin, sc, mn) = unsafe {
+                    match ty {
+                        GgmlType::Q4_K => {
+                            for c in 0..4 {
+                                let v = _mm256_loadu_si256(blk[16 + 32 * c..].as_ptr().cast());
+                                qx[2 * c] = _mm256_and_si256(v, m4);
+                                qx[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                            }
+                            let (mut sc, mut mn) = ([0i32; 16], [0i32; 16]);
+                            for j in 0..8 {
+                                let (s, m) = kquant::scale_min_k4(j, &blk[4..16]);
+                                (sc[2 * j], sc[2 * j + 1], mn[2 * j], mn[2 * j + 1]) = (i32::from(s), i32::from(s), i32::from(m), i32::from(m));
+                            }
+                            (f16_at(blk), f16_at(&blk[2..]), sc, mn)
+                        }
+                        GgmlType::Q6_K => {
+                            let minus32 = _mm256_set1_epi8(32);
+                            for h in 0..2 {
+                                let ql0 = _mm256_loadu_si256(blk[64 * h..].as_ptr().cast());
+                                let ql1 = _mm256_loadu_si256(blk[64 * h + 32..].as_ptr().cast());
+                                let qh = _mm256_loadu_si256(blk[128 + 32 * h..].as_ptr().cast());
+                                let high = |shift: i32| match shift {
+                                    0 => _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4),
+                                    2 => _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4),
+                                    4 => _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4),
+                                    _ => _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4),
+                                };
+                                qx[4 * h] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(ql0, m4), high(0)), minus32);
+                                qx[4 * h + 1] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(ql1, m4), high(2)), minus32);
+                                qx[4 * h + 2] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), high(4)), minus32);
+                                qx[4 * h + 3] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), high(6)), minus32);
+                            }
+                            let mut sc = [0i32; 16];
+                            for (g, s) in sc.iter_mut().enumerate() {
+                                *s = i32::from(blk[192 + g] as i8);
+                            }
+                            (f16_at(&blk[208..]), 0.0, sc, [0; 16])
+                        }
+                        _ => {
+                            kquant::unpack(ty, blk, &mut kb);
+                            for (j, q) in qx.iter_mut().enumerate() {
+                                *q = _mm256_loadu_si256(kb.q[32 * j..].as_ptr().cast());
+                            }
+                            (kb.d, kb.dmin, kb.sc, kb.mn)
+                        }
                     }
-                    let (mut sc, mut mn) = ([0i32; 16], [0i32; 16]);
+                };
+                // The groups' scales as 16-bit multipliers of maddubs' pair sums (exact: a pair sum
+                // is at most 2 * 32 * 127 and a scale at most 127, so madd's i32 sums cannot overflow).
+                let sv: [__m256i; 8] = std::array::from_fn(|j| {
+                    let (s0, s1) = (sc[2 * j] as i16, sc[2 * j + 1] as i16);
+                    _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0))
+                });
+                let ax: [__m256i; 8] = std::array::from_fn(|j| _mm256_sign_epi8(qx[j], qx[j]));
+                // SAFETY: mn has 16 i32.
+                let (mn_lo, mn_hi) = unsafe { (_mm256_loadu_si256(mn.as_ptr().cast()), _mm256_loadu_si256(mn.as_ptr().add(8).cast())) };
+                for n in 0..N {
+                    let first = n * nb + sb * 8;
                     for j in 0..8 {
-                        let (s, m) = kquant::scale_min_k4(j, &blk[4..16]);
-                        (sc[2 * j], sc[2 * j + 1], mn[2 * j], mn[2 * j + 1]) = (i32::from(s), i32::from(s), i32::from(m), i32::from(m));
+                        let ab = first + j;
+                        // SAFETY: ab < N * nb: inside the activation rows the caller guarantees.
+                        let (qy, da) = unsafe { (_mm256_loadu_si256(a.qs.add(ab * QK).cast()), *a.d.add(ab)) };
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax[j], _mm256_sign_epi8(qy, qx[j])), sv[j]);
+                        acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * da), _mm256_cvtepi32_ps(p), acc[n]);
                     }
-                    (f16_at(blk), f16_at(&blk[2..]), sc, mn)
-                }
-                GgmlType::Q6_K => {
-                    let minus32 = _mm256_set1_epi8(32);
-                    for h in 0..2 {
-                        let ql0 = _mm256_loadu_si256(blk[64 * h..].as_ptr().cast());
-                        let ql1 = _mm256_loadu_si256(blk[64 * h + 32..].as_ptr().cast());
-                        let qh = _mm256_loadu_si256(blk[128 + 32 * h..].as_ptr().cast());
-                        let high = |shift: i32| match shift {
-                            0 => _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4),
-                            2 => _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4),
-                            4 => _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4),
-                            _ => _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4),
-                        };
-                        qx[4 * h] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(ql0, m4), high(0)), minus32);
-                        qx[4 * h + 1] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(ql1, m4), high(2)), minus32);
-                        qx[4 * h + 2] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), high(4)), minus32);
-                        qx[4 * h + 3] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), high(6)), minus32);
+                    if has_mins {
+                        // The eight blocks' min terms at once: mn[g] * sum[g] per group, pairs added
+                        // (hadd leaves blocks 0 1 4 5 2 3 6 7, put back in order), times dmin and d_a.
+                        // SAFETY: 2 * (first + 8) <= 2 * N * nb and first + 8 <= N * nb: inside the
+                        // group sums and scales.
+                        let (s_lo, s_hi, da) = unsafe { (_mm256_loadu_si256(sums.add(2 * first).cast()), _mm256_loadu_si256(sums.add(2 * first + 8).cast()), _mm256_loadu_ps(a.d.add(first))) };
+                        let pairs = _mm256_hadd_epi32(_mm256_mullo_epi32(s_lo, mn_lo), _mm256_mullo_epi32(s_hi, mn_hi));
+                        let per_block = _mm256_permutevar8x32_epi32(pairs, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+                        summ[n] = _mm256_fmadd_ps(da, _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(per_block)), summ[n]);
                     }
-                    let mut sc = [0i32; 16];
-                    for (g, s) in sc.iter_mut().enumerate() {
-                        *s = i32::from(blk[192 + g] as i8);
-                    }
-                    (f16_at(&blk[208..]), 0.0, sc, [0; 16])
-                }
-                _ => {
-                    kquant::unpack(ty, blk, &mut kb);
-                    for (j, q) in qx.iter_mut().enumerate() {
-                        *q = _mm256_loadu_si256(kb.q[32 * j..].as_ptr().cast());
-                    }
-                    (kb.d, kb.dmin, kb.sc, kb.mn)
                 }
             }
-        };
-        // The groups' scales as 16-bit multipliers of maddubs' pair sums (exact: a pair sum
-        // is at most 2 * 32 * 127 and a scale at most 127, so madd's i32 sums cannot overflow).
-        let sv: [__m256i; 8] = std::array::from_fn(|j| {
-            let (s0, s1) = (sc[2 * j] as i16, sc[2 * j + 1] as i16);
-            _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0))
-        });
-        let ax: [__m256i; 8] = std::array::from_fn(|j| _mm256_sign_epi8(qx[j], qx[j]));
-        for n in 0..N {
-            for j in 0..8 {
-                let ab = n * nb + sb * 8 + j;
-                // SAFETY: ab < N * nb: inside the activation rows the caller guarantees.
-                let (qy, da) = unsafe { (_mm256_loadu_si256(a.qs.add(ab * QK).cast()), *a.d.add(ab)) };
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax[j], _mm256_sign_epi8(qy, qx[j])), sv[j]);
-                acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * da), _mm256_cvtepi32_ps(p), acc[n]);
-                if has_mins {
-                    // SAFETY: 2 * ab + 1 < 2 * N * nb, inside the group sums.
-                    let (s0, s1) = unsafe { (*sums.add(2 * ab), *sums.add(2 * ab + 1)) };
-                    summ[n] += da * (dmin * (mn[2 * j] * s0 + mn[2 * j + 1] * s1) as f32);
-                }
+            for n in 0..N {
+                out[n] = hsum(acc[n]) - hsum(summ[n]);
             }
         }
-    }
-    for n in 0..N {
-        out[n] = hsum(acc[n]) - summ[n];
-    }
+    };
 }
 
+ktile_kernel!(
+    /// One k-quant weight row (`nsb` superblocks at `w`) against `N` activation rows. Per
+    /// superblock the 256 weights are unpacked to bytes once: Q4_K and Q6_K in registers, the
+    /// other k-quants through [`kquant::unpack`]. Then for each activation row and 32-element
+    /// block: `maddubs` to pair sums, one `madd` by the two 16-element groups' integer scales
+    /// to scaled sums of four products, converted and accumulated with one FMA by `d · d_a`.
+    /// The min terms come from the activations' group sums, eight blocks at a time.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C are available; `w` holds `nsb` superblocks of `ty`; `a` points to `N`
+    /// rows of `a.nb = 8 * nsb` blocks and `sums` to their `2 * a.nb` group sums each.
+    ktile,
+    "avx2,fma,f16c"
+);
+
+ktile_kernel!(
+    /// [`ktile`] with AVX-512VL available (same instructions, same results).
+    ///
+    /// # Safety
+    /// As [`ktile`], and the CPU has AVX-512F and AVX-512VL.
+    ktile_evex,
+    "avx2,fma,f16c,avx512f,avx512vl"
+);
+
 /// `out[r * n + i] = dot(row r of w, activation row first + i)` for `rows` weight rows of
-/// `row_bytes` each and `n` activation rows.
-pub(super) fn dot_q_rows(ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8Acts, first: usize, n: usize, out: &mut [f32]) {
+/// `row_bytes` each and `n` activation rows; `evex`: the CPU has AVX-512F and AVX-512VL
+/// (k-quants then run [`ktile_evex`]).
+#[allow(clippy::too_many_arguments)] // mirrors kernels::dot_q_rows, plus the ISA's choice
+pub(super) fn dot_q_rows(ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8Acts, first: usize, n: usize, out: &mut [f32], evex: bool) {
     let nb = acts.blocks_per_row();
     let kq = kquant::is_kquant(ty);
     // These bounds are what `tile` and `ktile` rely on.
@@ -257,8 +288,13 @@ pub(super) fn dot_q_rows(ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8Acts
             // SAFETY: only reached through an Isa at level Avx2 or Avx512Vnni (detection made it: AVX2, FMA,
             // F16C); `row` holds nb blocks (nb / 8 superblocks for a k-quant) and `a` `rows` rows of nb
             // blocks with their group sums, checked above.
+            // With `evex`, ktile_evex's AVX-512F/VL too (the caller's Isa is at Avx512Vnni).
             unsafe {
                 match (kq, rows) {
+                    (true, 4) if evex => ktile_evex::<4>(ty, row, a, sums, o),
+                    (true, 3) if evex => ktile_evex::<3>(ty, row, a, sums, o),
+                    (true, 2) if evex => ktile_evex::<2>(ty, row, a, sums, o),
+                    (true, _) if evex => ktile_evex::<1>(ty, row, a, sums, o),
                     (true, 4) => ktile::<4>(ty, row, a, sums, o),
                     (true, 3) => ktile::<3>(ty, row, a, sums, o),
                     (true, 2) => ktile::<2>(ty, row, a, sums, o),

@@ -146,7 +146,9 @@ pub fn dot_q_rows(isa: Isa, ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8A
     assert!(first_act + n <= acts.rows, "activation rows {first_act}+{n} of {}", acts.rows);
     match isa.level() {
         #[cfg(target_arch = "x86_64")]
-        IsaLevel::Avx2 | IsaLevel::Avx512Vnni => avx2::dot_q_rows(ty, w, row_bytes, acts, first_act, n, out),
+        IsaLevel::Avx2 => avx2::dot_q_rows(ty, w, row_bytes, acts, first_act, n, out, false),
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx512Vnni => avx2::dot_q_rows(ty, w, row_bytes, acts, first_act, n, out, true),
         _ => scalar::dot_q_rows(ty, w, row_bytes, acts, first_act, n, out),
     }
 }
@@ -315,17 +317,20 @@ mod tests {
                     let want: f32 = wd.iter().zip(&xd[r * cols..(r + 1) * cols]).map(|(a, b)| a * b).sum();
                     assert!((s[r] - want).abs() < 1e-2 * (1.0 + want.abs()), "{ty} scalar row {r}: {} vs {want}", s[r]);
                 }
-                let isa = Isa::detect();
-                let mut v = vec![0.0; n];
-                dot_q_rows(isa, ty, &wq, wq.len(), &acts, 0, n, &mut v);
-                for r in 0..n {
-                    assert!((s[r] - v[r]).abs() < 1e-4 * (1.0 + s[r].abs()), "{ty} {isa:?} n={n} row {r}: {} vs {}", v[r], s[r]);
-                }
-                // Row determinism: each row alone gives bit-identical results to the tile.
-                for r in 0..n {
-                    let mut one = [0.0];
-                    dot_q_rows(isa, ty, &wq, wq.len(), &acts, r, 1, &mut one);
-                    assert_eq!(one[0].to_bits(), v[r].to_bits(), "{ty} row {r} alone vs in a tile of {n}");
+                // Every SIMD level gives the same bits (AVX-512 CPUs run the k-quants' AVX2
+                // kernel compiled for 32 registers), and each row alone those of the tile.
+                let mut simd_bits: Option<Vec<u32>> = None;
+                for isa in Isa::available().into_iter().filter(|i| i.level() != IsaLevel::Scalar) {
+                    let mut v = vec![0.0f32; n];
+                    dot_q_rows(isa, ty, &wq, wq.len(), &acts, 0, n, &mut v);
+                    for r in 0..n {
+                        assert!((s[r] - v[r]).abs() < 1e-4 * (1.0 + s[r].abs()), "{ty} {isa:?} n={n} row {r}: {} vs {}", v[r], s[r]);
+                        let mut one = [0.0];
+                        dot_q_rows(isa, ty, &wq, wq.len(), &acts, r, 1, &mut one);
+                        assert_eq!(one[0].to_bits(), v[r].to_bits(), "{ty} {isa:?} row {r} alone vs in a tile of {n}");
+                    }
+                    let bits: Vec<u32> = v.iter().map(|x| x.to_bits()).collect();
+                    assert_eq!(simd_bits.get_or_insert_with(|| bits.clone()), &bits, "{ty} n={n}: {isa:?} differs from another SIMD level");
                 }
             }
         }
