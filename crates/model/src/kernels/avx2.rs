@@ -80,13 +80,7 @@ unsafe fn tile<const N: usize>(ty: GgmlType, w: *const u8, a: ActPtrs, out: &mut
                     } else {
                         _mm256_loadu_si256(blk.add(2).cast())
                     };
-                    let ax = _mm256_sign_epi8(qx, qx);
-                    for n in 0..N {
-                        let ab = n * nb + b;
-                        let qy = _mm256_loadu_si256(a.qs.add(ab * QK).cast());
-                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(qy, qx)), ones);
-                        acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * *a.d.add(ab)), _mm256_cvtepi32_ps(p), acc[n]);
-                    }
+                    signed_block_dots(&mut acc, qx, d, a, b);
                 }
             }
             GgmlType::Q5_0 | GgmlType::Q5_1 => {
@@ -104,14 +98,10 @@ unsafe fn tile<const N: usize>(ty: GgmlType, w: *const u8, a: ActPtrs, out: &mut
                     if !has_min {
                         qx = _mm256_sub_epi8(qx, _mm256_set1_epi8(16));
                     }
-                    let ax = _mm256_sign_epi8(qx, qx);
-                    for n in 0..N {
-                        let ab = n * nb + b;
-                        let qy = _mm256_loadu_si256(a.qs.add(ab * QK).cast());
-                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(qy, qx)), ones);
-                        acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * *a.d.add(ab)), _mm256_cvtepi32_ps(p), acc[n]);
-                        if has_min {
-                            summ[n] += m * *a.s.add(ab);
+                    signed_block_dots(&mut acc, qx, d, a, b);
+                    if has_min {
+                        for n in 0..N {
+                            summ[n] += m * *a.s.add(n * nb + b);
                         }
                     }
                 }
@@ -121,6 +111,26 @@ unsafe fn tile<const N: usize>(ty: GgmlType, w: *const u8, a: ActPtrs, out: &mut
     }
     for n in 0..N {
         out[n] = hsum(acc[n]) + summ[n];
+    }
+}
+
+/// Adds one block's dot products of signed weight bytes `qx` (scale `d`) with block `b` of
+/// each of the `N` activation rows into `acc`.
+///
+/// # Safety
+/// As [`tile`]: `a` holds `N` rows of `a.nb` blocks and `b < a.nb`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+#[allow(clippy::needless_range_loop)]
+unsafe fn signed_block_dots<const N: usize>(acc: &mut [__m256; N], qx: __m256i, d: f32, a: ActPtrs, b: usize) {
+    let ax = _mm256_sign_epi8(qx, qx);
+    let ones = _mm256_set1_epi16(1);
+    for n in 0..N {
+        let ab = n * a.nb + b;
+        // SAFETY: `ab` is block `b` of row `n < N`, inside `a` as the caller guarantees.
+        let (qy, da) = unsafe { (_mm256_loadu_si256(a.qs.add(ab * QK).cast()), *a.d.add(ab)) };
+        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(qy, qx)), ones);
+        acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * da), _mm256_cvtepi32_ps(p), acc[n]);
     }
 }
 
