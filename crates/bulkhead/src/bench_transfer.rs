@@ -83,12 +83,12 @@ fn transfer_times(checks: KvChecks, key: Option<(&ClusterKey, bool)>, n: usize, 
                 Ok(m.digest())
             });
             let (mut conn, _) = listener.accept()?;
-            let mut buf = vec![0u8; 1 << 20];
             let recv = (|| -> anyhow::Result<()> {
                 while inbound.received_tokens() < n {
-                    let k = std::io::Read::read(&mut conn, &mut buf)?;
+                    // As the production reader does (server::wire::FrameReader).
+                    let k = std::io::Read::read(&mut conn, dec.spare(256 << 10))?;
                     anyhow::ensure!(k > 0, "sender closed early");
-                    dec.push(&buf[..k]);
+                    dec.filled(k);
                     while let Some(Message::KvChunk { header, data, .. }) = dec.next_message()? {
                         inbound.accept(&mut dst, &header, &data)?;
                     }

@@ -1019,7 +1019,7 @@ impl KvPool {
         }
         out.reserve(count * self.layout.bytes_per_token());
         for seg in self.transfer_segments(page, start, count) {
-            out.extend(self.storage[seg].iter().flat_map(|x| x.to_bits().to_le_bytes()));
+            f16_to_le(&self.storage[seg], out);
         }
         Ok(())
     }
@@ -1049,11 +1049,11 @@ impl KvPool {
                 return Err(KvError::NonSequentialWrite { page, layer, slot: start, watermark });
             }
         }
-        let mut src = data.chunks_exact(2);
+        let mut at = 0;
         for seg in self.transfer_segments(page, start, count) {
-            for (dst, b) in self.storage[seg].iter_mut().zip(&mut src) {
-                *dst = f16::from_bits(u16::from_le_bytes([b[0], b[1]]));
-            }
+            let bytes = seg.len() * 2;
+            f16_from_le(&data[at..at + bytes], &mut self.storage[seg]);
+            at += bytes;
         }
         for layer in 0..self.layout.layers {
             let wm = self.wm_index(page, layer);
@@ -1211,6 +1211,29 @@ impl KvPool {
             self.last_generation, self.leases_granted,
             "one generation per lease granted"
         );
+    }
+}
+
+
+/// Appends `src` to `out` as f16 little-endian: on a little-endian host one copy of the
+/// slice's bytes (the transfer runs at memory speed), elsewhere element by element.
+fn f16_to_le(src: &[f16], out: &mut Vec<u8>) {
+    if cfg!(target_endian = "little") {
+        out.extend_from_slice(zerocopy::IntoBytes::as_bytes(src));
+    } else {
+        out.extend(src.iter().flat_map(|x| x.to_bits().to_le_bytes()));
+    }
+}
+
+/// Fills `dst` from f16 little-endian `bytes` (exactly `2 × dst.len()` of them), the
+/// inverse of [`f16_to_le`].
+fn f16_from_le(bytes: &[u8], dst: &mut [f16]) {
+    if cfg!(target_endian = "little") {
+        zerocopy::IntoBytes::as_mut_bytes(dst).copy_from_slice(bytes);
+    } else {
+        for (d, b) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
+            *d = f16::from_bits(u16::from_le_bytes([b[0], b[1]]));
+        }
     }
 }
 

@@ -662,7 +662,12 @@ impl FrameEncoder {
 /// handshake ([`crate::auth`]) it checks each frame's MAC before decoding it.
 #[derive(Debug)]
 pub struct FrameDecoder {
+    /// Received bytes are `buf[taken..end]`; `buf` beyond `end` is room for the next read.
     buf: Vec<u8>,
+    /// Bytes already decoded: moved out at the next push or read, so taking many frames out
+    /// of one read moves the rest once, not once per frame.
+    taken: usize,
+    end: usize,
     max_frame: usize,
     opener: Option<Opener>,
 }
@@ -670,7 +675,7 @@ pub struct FrameDecoder {
 impl FrameDecoder {
     /// A decoder refusing payloads over `max_frame` bytes.
     pub fn new(max_frame: usize) -> Self {
-        FrameDecoder { buf: Vec::new(), max_frame, opener: None }
+        FrameDecoder { buf: Vec::new(), taken: 0, end: 0, max_frame, opener: None }
     }
 
     /// From now on every frame must carry a MAC that `opener` accepts (bytes already
@@ -681,20 +686,41 @@ impl FrameDecoder {
 
     /// Add received bytes.
     pub fn push(&mut self, bytes: &[u8]) {
-        self.buf.extend_from_slice(bytes);
+        self.spare(bytes.len())[..bytes.len()].copy_from_slice(bytes);
+        self.end += bytes.len();
+    }
+
+    /// Room for at least `n` more bytes, for a transport to read into directly (one copy
+    /// less than [`FrameDecoder::push`]); then [`FrameDecoder::filled`] with the count.
+    pub fn spare(&mut self, n: usize) -> &mut [u8] {
+        if self.taken > 0 {
+            self.buf.copy_within(self.taken..self.end, 0);
+            self.end -= self.taken;
+            self.taken = 0;
+        }
+        if self.buf.len() < self.end + n {
+            self.buf.resize(self.end + n, 0);
+        }
+        &mut self.buf[self.end..]
+    }
+
+    /// `n` bytes were written at the start of the last [`FrameDecoder::spare`].
+    pub fn filled(&mut self, n: usize) {
+        self.end = (self.end + n).min(self.buf.len());
     }
 
     /// The next whole message, `Ok(None)` if more bytes are needed. After an error the
     /// decoder is unusable: close the connection.
     pub fn next_message(&mut self) -> Result<Option<Message>, CodecError> {
-        if self.buf.len() < HEADER {
+        let buf = &mut self.buf[self.taken..self.end];
+        if buf.len() < HEADER {
             // Refuse garbage as early as the magic is visible.
-            if self.buf.len() >= 2 && self.buf[..2] != MAGIC {
-                return Err(CodecError::BadMagic([self.buf[0], self.buf[1]]));
+            if buf.len() >= 2 && buf[..2] != MAGIC {
+                return Err(CodecError::BadMagic([buf[0], buf[1]]));
             }
             return Ok(None);
         }
-        let h = &self.buf[..HEADER];
+        let h = &buf[..HEADER];
         if h[..2] != MAGIC {
             return Err(CodecError::BadMagic([h[0], h[1]]));
         }
@@ -707,22 +733,22 @@ impl FrameDecoder {
             return Err(CodecError::TooLarge { len, max: self.max_frame });
         }
         let tag = if self.opener.is_some() { TAG_LEN } else { 0 };
-        if self.buf.len() < HEADER + len + tag {
+        if buf.len() < HEADER + len + tag {
             return Ok(None);
         }
         if let Some(o) = &mut self.opener {
-            let (header, rest) = self.buf.split_at_mut(HEADER);
+            let (header, rest) = buf.split_at_mut(HEADER);
             let (payload, rest) = rest.split_at_mut(len);
             o.open(header, payload, &rest[..tag])?;
         }
-        let m = decode_payload(kind, &self.buf[HEADER..HEADER + len]);
-        self.buf.drain(..HEADER + len + tag);
+        let m = decode_payload(kind, &buf[HEADER..HEADER + len]);
+        self.taken += HEADER + len + tag;
         m.map(Some)
     }
 
     /// Bytes received but not yet decoded.
     pub fn buffered(&self) -> usize {
-        self.buf.len()
+        self.end - self.taken
     }
 }
 

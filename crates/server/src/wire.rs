@@ -40,17 +40,19 @@ pub enum WireError {
     Auth(#[from] AuthError),
 }
 
+/// Bytes asked of the socket per read.
+const READ_BYTES: usize = 256 << 10;
+
 /// Reads whole messages from a stream.
 pub struct FrameReader {
     stream: TcpStream,
     decoder: FrameDecoder,
-    buf: Vec<u8>,
 }
 
 impl FrameReader {
     /// Wrap a stream (typically a `try_clone` of the writer's).
     pub fn new(stream: TcpStream) -> Self {
-        FrameReader { stream, decoder: FrameDecoder::new(DEFAULT_MAX_FRAME), buf: vec![0; 64 << 10] }
+        FrameReader { stream, decoder: FrameDecoder::new(DEFAULT_MAX_FRAME) }
     }
 
     /// From now on, check every frame's MAC (after a handshake).
@@ -64,11 +66,12 @@ impl FrameReader {
             if let Some(m) = self.decoder.next_message()? {
                 return Ok(m);
             }
-            let n = self.stream.read(&mut self.buf)?;
+            // Straight into the decoder's buffer: KV chunks are most of these bytes.
+            let n = self.stream.read(self.decoder.spare(READ_BYTES))?;
             if n == 0 {
                 return Err(WireError::Closed);
             }
-            self.decoder.push(&self.buf[..n]);
+            self.decoder.filled(n);
         }
     }
 }
