@@ -26,6 +26,12 @@
 # Each rep uses its own seed (same for both servers) so no server can reuse a cached
 # prompt from an earlier rep. Ratios are Bulkhead / llama.cpp of the medians over reps.
 #
+# The ceiling (issue 17): before the servers start, `bulkhead bench-engine` measures the
+# engine's prefill-512 and batch-16 decode rates on this machine, with --threads; conc16's
+# work, 16 x 512 prompt tokens and 16 x 128 output tokens, cannot finish faster than
+# 16*512/prefill + 16*128/decode16 seconds on these cores, so 16*128 over that is the most
+# output tok/s any schedule of this engine gets. conc16 prints Bulkhead / ceiling.
+#
 # llama-server comes from scripts/bench-llamacpp.sh's cached build (built there on first
 # use, ~10 min on 2 cores). Needs: bash, python3, cargo, and what bench-llamacpp.sh needs.
 set -euo pipefail
@@ -71,6 +77,9 @@ BULKHEAD="$PWD/target/release/bulkhead"
 
 [[ -n "$OUT" ]] || OUT="$CACHE_DIR/vs/$(date -u +%Y%m%dT%H%M%SZ)"
 mkdir -p "$OUT"
+log "bench-engine for the ceiling (--threads $THREADS)"
+BULKHEAD_LOG=warn "$BULKHEAD" bench-engine --model "$MODEL" --threads "$THREADS" --batches 16 --reps 3 \
+  | tee "$OUT/bench-engine.txt"
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 LPORT=$(free_port)
 BPORT=$(free_port)
@@ -146,6 +155,19 @@ figs = [("output tok/s", lambda r: r["output_tokens_per_s"]),
         ("ITL p50 ms", lambda r: r["itl_ms"]["p50"]),
         ("ITL p99 ms", lambda r: r["itl_ms"]["p99"])]
 print(open(os.path.join(out, "setup.txt")).read())
+prefill = decode16 = None
+for line in open(os.path.join(out, "bench-engine.txt")):
+    w = line.split()
+    if w[:2] == ["prefill", "512"]:
+        prefill = float(w[w.index("tok/s") - 1])
+    if w[:3] == ["decode", "batch", "16"]:
+        decode16 = float(w[w.index("tok/s") - 1])
+ceiling = 16 * 128 / (16 * 512 / prefill + 16 * 128 / decode16) if prefill and decode16 else None
+if ceiling:
+    print(f"ceiling for conc16 (bench-engine: prefill 512 {prefill:.1f} tok/s, batch-16 decode {decode16:.1f} tok/s): "
+          f"{ceiling:.1f} output tok/s\n")
+else:
+    print("ceiling: bench-engine's figures not found in bench-engine.txt\n")
 for sc, title in (("single", "1 stream, 512-token prompt, 128 output tokens"),
                   ("conc16", "16 concurrent streams, 512-token prompts, 128 output tokens")):
     L, B = load(sc, "llamacpp"), load(sc, "bulkhead")
@@ -159,6 +181,9 @@ for sc, title in (("single", "1 stream, 512-token prompt, 128 output tokens"),
         ml, mb = statistics.median(l), statistics.median(b)
         fmt = lambda xs: ", ".join(f"{x:.1f}" for x in xs)
         print(f"| {name} | {ml:.1f} ({fmt(l)}) | {mb:.1f} ({fmt(b)}) | {mb / ml:.2f} |")
+    if sc == "conc16" and ceiling:
+        mb = statistics.median(r["output_tokens_per_s"] for r in B)
+        print(f"\nBulkhead output tok/s / ceiling: {mb:.1f} / {ceiling:.1f} = {mb / ceiling:.2f} (issue 17 target >= 0.9)")
     print(f"\nprompt tokens (server count, mean): llama.cpp {L[0]['prompt_tokens_mean']}, bulkhead {B[0]['prompt_tokens_mean']}; "
           f"problems: {'; '.join(bad) if bad else 'none'}\n")
 print("load average (1, 5, 15 min) after each run:")
