@@ -1049,11 +1049,12 @@ impl KvPool {
                 return Err(KvError::NonSequentialWrite { page, layer, slot: start, watermark });
             }
         }
-        let mut at = 0;
+        // `data` is exactly the segments' bytes (checked above), so every split is in range.
+        let mut rest = data;
         for seg in self.transfer_segments(page, start, count) {
-            let bytes = seg.len() * 2;
-            f16_from_le(&data[at..at + bytes], &mut self.storage[seg]);
-            at += bytes;
+            let (bytes, tail) = rest.split_at(seg.len() * 2);
+            f16_from_le(bytes, &mut self.storage[seg]);
+            rest = tail;
         }
         for layer in 0..self.layout.layers {
             let wm = self.wm_index(page, layer);
@@ -1213,7 +1214,6 @@ impl KvPool {
         );
     }
 }
-
 
 /// Appends `src` to `out` as f16 little-endian: on a little-endian host one copy of the
 /// slice's bytes (the transfer runs at memory speed), elsewhere element by element.

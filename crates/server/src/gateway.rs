@@ -584,22 +584,22 @@ async fn accept_workers(l: TcpListener, cmds: mpsc::Sender<Cmd>, trust: Trust) {
     }
 }
 
-async fn read_msg(r: &mut tokio::net::tcp::OwnedReadHalf, d: &mut FrameDecoder, buf: &mut [u8]) -> std::io::Result<Message> {
+async fn read_msg(r: &mut tokio::net::tcp::OwnedReadHalf, d: &mut FrameDecoder) -> std::io::Result<Message> {
     loop {
         if let Some(m) = d.next_message().map_err(std::io::Error::other)? {
             return Ok(m);
         }
-        let n = r.read(buf).await?;
+        let n = r.read(d.spare(crate::wire::READ_BYTES)).await?;
         if n == 0 {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
-        d.push(&buf[..n]);
+        d.filled(n);
     }
 }
 
 /// Read the next message within the time a worker has to introduce itself.
-async fn read_hello(r: &mut tokio::net::tcp::OwnedReadHalf, d: &mut FrameDecoder, buf: &mut [u8]) -> std::io::Result<Message> {
-    tokio::time::timeout(Duration::from_secs(10), read_msg(r, d, buf)).await.map_err(|_| std::io::Error::other("no Hello within 10 s"))?
+async fn read_hello(r: &mut tokio::net::tcp::OwnedReadHalf, d: &mut FrameDecoder) -> std::io::Result<Message> {
+    tokio::time::timeout(Duration::from_secs(10), read_msg(r, d)).await.map_err(|_| std::io::Error::other("no Hello within 10 s"))?
 }
 
 async fn write_msg(w: &mut tokio::net::tcp::OwnedWriteHalf, enc: &mut FrameEncoder, m: &Message) -> std::io::Result<()> {
@@ -621,7 +621,6 @@ async fn authenticate(
     w: &mut tokio::net::tcp::OwnedWriteHalf,
     d: &mut FrameDecoder,
     enc: &mut FrameEncoder,
-    buf: &mut [u8],
 ) -> std::io::Result<Message> {
     let refused = |reason: String| std::io::Error::new(std::io::ErrorKind::PermissionDenied, reason);
     let key = match (trust.key.as_deref(), &first) {
@@ -637,7 +636,7 @@ async fn authenticate(
     let result = match Server::start(key, Purpose::Control, first, trust.wants_encryption(peer), nonce) {
         Ok((server, challenge)) => {
             write_msg(w, enc, &challenge).await?;
-            server.finish(read_hello(r, d, buf).await?)
+            server.finish(read_hello(r, d).await?)
         }
         Err(e) => Err(e),
     };
@@ -646,7 +645,7 @@ async fn authenticate(
             tracing::info!(?peer, encrypted = session.encrypted, "worker connection authenticated");
             d.open_with(session.recv);
             *enc = FrameEncoder::sealed(session.send);
-            read_hello(r, d, buf).await
+            read_hello(r, d).await
         }
         Err(e) => {
             let _ = write_msg(w, enc, &Message::AuthRefused { reason: e.to_string() }).await;
@@ -661,9 +660,8 @@ async fn serve_worker(s: TcpStream, cmds: mpsc::Sender<Cmd>, trust: &Trust) -> s
     let (mut r, mut w) = s.into_split();
     let mut d = FrameDecoder::new(DEFAULT_MAX_FRAME);
     let mut enc = FrameEncoder::plain();
-    let mut buf = vec![0u8; 64 << 10];
-    let first = read_hello(&mut r, &mut d, &mut buf).await?;
-    let first = authenticate(first, trust, peer, &mut r, &mut w, &mut d, &mut enc, &mut buf).await?;
+    let first = read_hello(&mut r, &mut d).await?;
+    let first = authenticate(first, trust, peer, &mut r, &mut w, &mut d, &mut enc).await?;
     let Message::Hello(hello) = first else { return Err(std::io::Error::other("first message was not Hello")) };
     let (wtx, mut wrx) = mpsc::channel::<Message>(WORKER_OUTBOX);
     let (reply, answer) = oneshot::channel();
@@ -688,7 +686,7 @@ async fn serve_worker(s: TcpStream, cmds: mpsc::Sender<Cmd>, trust: &Trust) -> s
         }
     });
     let result = loop {
-        match read_msg(&mut r, &mut d, &mut buf).await {
+        match read_msg(&mut r, &mut d).await {
             Ok(msg) => {
                 if cmds.send(Cmd::Worker { from: id, msg }).await.is_err() {
                     break Ok(());

@@ -40,8 +40,8 @@ pub enum WireError {
     Auth(#[from] AuthError),
 }
 
-/// Bytes asked of the socket per read.
-const READ_BYTES: usize = 256 << 10;
+/// Bytes asked of the socket per read (the readers here and the gateway's).
+pub(crate) const READ_BYTES: usize = 256 << 10;
 
 /// Reads whole messages from a stream.
 pub struct FrameReader {
