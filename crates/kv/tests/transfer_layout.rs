@@ -121,6 +121,13 @@ fn export_refuses_slots_past_the_watermark_and_import_refuses_empty_or_overflowi
     let spill = vec![0u8; 3 * bpt];
     assert!(matches!(rp.import_slots(target, 3, 3, &spill), Err(KvError::PageFull { .. })));
     assert_eq!(rp.watermark(target, 0).expect("watermark"), 3, "nothing written on refusal");
+    // Bytes that are not exactly the slots' KV (one short, one over) are refused whole: a
+    // short import must not mark a slot written whose bytes never came.
+    for len in [bpt - 1, bpt + 1] {
+        let r = rp.import_slots(target, 3, 1, &vec![0u8; len]);
+        assert!(matches!(r, Err(KvError::RowLength { .. })), "{len} bytes for one slot: {r:?}");
+    }
+    assert_eq!(rp.watermark(target, 0).expect("watermark"), 3, "nothing written on refusal");
 }
 
 #[test]
