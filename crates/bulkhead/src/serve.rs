@@ -96,6 +96,9 @@ pub struct ServeArgs {
     /// Pages per KV transfer batch (also the prefill chunk).
     #[arg(long, env = "BULKHEAD_TRANSFER_BATCH_PAGES", default_value_t = 32)]
     transfer_batch_pages: usize,
+    /// Prompt tokens one prefill step computes in all, over as many queued prompts as fit (each at most one chunk of --transfer-batch-pages per step), so short prompts are not held behind a long one; at least one chunk.
+    #[arg(long, env = "BULKHEAD_MAX_PREFILL_TOKENS", default_value_t = 2048, value_parser = clap::value_parser!(u32).range(1..))]
+    max_prefill_tokens: u32,
     /// How long a decode worker waits for a reservation's prefill worker to send anything (a chunk for any request, or a keepalive) before it fails the transfer (ms); a prefill worker sends keepalives every quarter of this, at most every second, so give both the same value. Queueing at a busy prefill is bounded by --request-timeout-ms.
     #[arg(long, env = "BULKHEAD_TRANSFER_TIMEOUT_MS", default_value_t = 60_000)]
     transfer_timeout_ms: u64,
@@ -265,6 +268,7 @@ impl ServeArgs {
             kv_listen: self.kv_listen.clone(),
             kv_advertise: self.kv_advertise.clone(),
             transfer_batch_pages: self.transfer_batch_pages,
+            max_prefill_tokens: self.max_prefill_tokens as usize,
             transfer_timeout_ms: self.transfer_timeout_ms,
             kv_checks: self.checks.checks(),
             trust,
@@ -330,6 +334,7 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
                 cmd.args(["serve", "--role", role, "--gateway", &gw_addr, "--model"]).arg(&model);
                 cmd.args(["--threads", &a.model.threads.to_string(), "--page-size", &a.model.page_size.to_string()]);
                 cmd.args(["--transfer-batch-pages", &a.transfer_batch_pages.to_string()]);
+                cmd.args(["--max-prefill-tokens", &a.max_prefill_tokens.to_string()]);
                 cmd.args(["--transfer-timeout-ms", &a.transfer_timeout_ms.to_string()]);
                 let pool = if role == "prefill" { a.prefill_kv_pool_tokens.or(a.kv_pool_tokens) } else { a.kv_pool_tokens };
                 if let Some(t) = pool {

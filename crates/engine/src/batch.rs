@@ -90,6 +90,9 @@ pub enum EngineError {
     Kv(#[from] KvError),
     #[error("pages could not be given back: {0}")]
     Unreleased(#[from] Unreleased),
+    /// A bug: the forward pass returned fewer logit rows than sequences asked for.
+    #[error("the model returned no logits for a sequence that asked for them")]
+    MissingLogits,
 }
 
 struct Seq {

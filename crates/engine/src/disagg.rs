@@ -5,12 +5,11 @@
 
 use std::sync::Arc;
 
-use bulkhead_kv::{KvPool, RequestId, SequenceKv};
+use bulkhead_kv::{KvPool, RequestId};
 use bulkhead_model::{Llama, SeqInput};
 use bulkhead_protocol::decode::DecodeStart;
 use bulkhead_protocol::driver::decode::{DecodeEngine, GenEvent};
-use bulkhead_protocol::driver::prefill::{FirstToken, PrefillCompute};
-use bulkhead_protocol::TokenLogprobs;
+use bulkhead_protocol::driver::prefill::{Chunk, First, PrefillCompute};
 use bulkhead_tokenizer::Tokenizer;
 
 use crate::batch::{Engine, EngineError};
@@ -64,21 +63,36 @@ impl Prefiller {
 impl PrefillCompute for Prefiller {
     type Error = EngineError;
 
-    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, first: FirstToken<'_>) -> Result<Option<(u32, Option<TokenLogprobs>)>, EngineError> {
-        let last = to == tokens.len();
-        let logits = self.model.forward(pool, &mut [SeqInput { kv: seq, tokens: &tokens[from..to], want_logits: last }])?;
-        if !last {
-            return Ok(None);
-        }
-        // The prompt ends with the tokens a retracted request already generated: the
-        // chooser follows them as if it had picked them (draws, penalties, grammar).
-        let generated = (first.skip_draws as usize).min(tokens.len());
-        let (prompt, earlier) = tokens.split_at(tokens.len() - generated);
-        let mut chooser = self.vocab.chooser(first.sampling.clone(), prompt)?;
-        for &t in earlier {
-            chooser.replay(t)?;
-        }
-        let c = chooser.choose(&logits)?;
-        Ok(Some((c.token, c.logprobs)))
+    /// One forward pass over every chunk (each weight read once for all of them), then the
+    /// first token of each prompt that ended.
+    fn compute(&mut self, pool: &mut KvPool, chunks: &mut [Chunk<'_>]) -> Result<Vec<Option<First>>, EngineError> {
+        let mut inputs: Vec<SeqInput<'_>> = chunks
+            .iter_mut()
+            .map(|c| SeqInput { kv: &mut *c.seq, tokens: &c.tokens[c.from..c.to], want_logits: c.to == c.tokens.len() })
+            .collect();
+        let logits = self.model.forward(pool, &mut inputs)?;
+        drop(inputs);
+        let vocab = self.model.config.vocab;
+        let mut rows = logits.chunks_exact(vocab);
+        chunks
+            .iter()
+            .map(|c| {
+                if c.to != c.tokens.len() {
+                    return Ok(None);
+                }
+                let logits = rows.next().ok_or(EngineError::MissingLogits)?;
+                // The prompt ends with the tokens a retracted request already generated:
+                // the chooser follows them as if it had picked them (draws, penalties,
+                // grammar).
+                let generated = (c.first.skip_draws as usize).min(c.tokens.len());
+                let (prompt, earlier) = c.tokens.split_at(c.tokens.len() - generated);
+                let mut chooser = self.vocab.chooser(c.first.sampling.clone(), prompt)?;
+                for &t in earlier {
+                    chooser.replay(t)?;
+                }
+                let choice = chooser.choose(logits)?;
+                Ok(Some((choice.token, choice.logprobs)))
+            })
+            .collect()
     }
 }

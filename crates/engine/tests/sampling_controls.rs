@@ -9,7 +9,7 @@ use bulkhead_engine::{load_model, Engine, EngineConfig, Event, FinishReason, Gen
 use bulkhead_grammar::Grammars;
 use bulkhead_kv::{KvChecks, KvPool, PoolConfig, RequestId, SequenceKv};
 use bulkhead_model::{Llama, SeqInput};
-use bulkhead_protocol::driver::prefill::{FirstToken, PrefillCompute};
+use bulkhead_protocol::driver::prefill::{Chunk, FirstToken, PrefillCompute};
 use bulkhead_protocol::{GrammarSpec, TokenLogprobs};
 use bulkhead_tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
 
@@ -128,13 +128,55 @@ fn the_prefill_workers_first_token_obeys_the_grammar() {
         let mut seq = SequenceKv::new(RequestId(2));
         seq.reserve(&mut p, prompt.len()).expect("reserve");
         let mut pre = Prefiller::new(s.model.clone(), s.tok.clone());
-        let (first, _) = pre
-            .compute(&mut p, &mut seq, &prompt, 0, prompt.len(), FirstToken { sampling: &sampling, skip_draws: 0 })
-            .expect("compute")
-            .expect("a first token");
+        let first = FirstToken { sampling: &sampling, skip_draws: 0 };
+        let firsts = pre.compute(&mut p, &mut [Chunk { seq: &mut seq, tokens: &prompt, from: 0, to: prompt.len(), first }]).expect("compute");
+        let Some((first, _)) = firsts[0] else { panic!("no first token") };
         let text = s.tok.decode(&[first]);
         assert!(!text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()), "first token {first} {text:?}");
     }
+}
+
+/// Batched prefill: prompts computed together in one pass (one of them only part of the
+/// way, another under a grammar) get exactly the first tokens and log-probabilities each
+/// gets alone, and the part-way one ends the same when its last chunk comes.
+#[test]
+fn prompts_prefilled_in_one_pass_get_what_each_gets_alone() {
+    let s = shared();
+    let prompts = [chat_prompt("What is the capital of France?"), chat_prompt("Name three colours of the rainbow, please."), chat_prompt("Count to ten.")];
+    let digits = Sampling { grammar: Some(GrammarSpec::Regex("[0-9]{2,4}".into())), logprobs: Some(3), ..Sampling::default() };
+    let plain = Sampling { logprobs: Some(3), ..Sampling::default() };
+    let samplings = [&plain, &digits, &plain];
+    let mut pre = Prefiller::new(s.model.clone(), s.tok.clone());
+    let alone: Vec<_> = prompts
+        .iter()
+        .zip(samplings)
+        .map(|(prompt, sampling)| {
+            let mut p = pool(8);
+            let mut seq = SequenceKv::new(RequestId(1));
+            seq.reserve(&mut p, prompt.len()).expect("reserve");
+            let first = FirstToken { sampling, skip_draws: 0 };
+            let mut out = pre.compute(&mut p, &mut [Chunk { seq: &mut seq, tokens: prompt, from: 0, to: prompt.len(), first }]).expect("compute");
+            out.pop().flatten().expect("a first token")
+        })
+        .collect();
+    let mut p = pool(24);
+    let mut seqs: Vec<SequenceKv> = (0..3).map(|i| SequenceKv::new(RequestId(10 + i))).collect();
+    for (seq, prompt) in seqs.iter_mut().zip(&prompts) {
+        seq.reserve(&mut p, prompt.len()).expect("reserve");
+    }
+    // The middle prompt stops at its first page this pass.
+    let ends = [prompts[0].len(), 16, prompts[2].len()];
+    let mut chunks: Vec<Chunk<'_>> = seqs
+        .iter_mut()
+        .zip(&prompts)
+        .zip(samplings.iter().zip(ends))
+        .map(|((seq, tokens), (sampling, to))| Chunk { seq, tokens, from: 0, to, first: FirstToken { sampling, skip_draws: 0 } })
+        .collect();
+    let together = pre.compute(&mut p, &mut chunks).expect("compute");
+    assert_eq!(together, vec![Some(alone[0].clone()), None, Some(alone[2].clone())]);
+    let first = FirstToken { sampling: &digits, skip_draws: 0 };
+    let rest = pre.compute(&mut p, &mut [Chunk { seq: &mut seqs[1], tokens: &prompts[1], from: 16, to: prompts[1].len(), first }]).expect("compute");
+    assert_eq!(rest, vec![Some(alone[1].clone())]);
 }
 
 #[test]

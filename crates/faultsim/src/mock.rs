@@ -21,8 +21,8 @@
 use bulkhead_kv::{KvChecks, KvError, KvLayout, KvPool, PoolConfig, RequestId, SequenceKv};
 use bulkhead_protocol::decode::DecodeStart;
 use bulkhead_protocol::driver::decode::{make_room, DecodeEngine, GenEvent, Growing};
-use bulkhead_protocol::driver::prefill::{FirstToken, PrefillCompute};
-use bulkhead_protocol::{FinishReason, Sampling, TokenLogprobs};
+use bulkhead_protocol::driver::prefill::{Chunk, First, PrefillCompute};
+use bulkhead_protocol::{FinishReason, Sampling};
 use half::f16;
 
 use crate::model::{DecodeModel, Expected, ModelFault, Models, PrefillModel, Shape};
@@ -245,8 +245,8 @@ pub struct MockPrefill {
 
 impl PrefillCompute for MockPrefill {
     type Error = ModelFault;
-    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: FirstToken<'_>) -> Result<Option<(u32, Option<TokenLogprobs>)>, ModelFault> {
-        Ok(prefill(pool, seq, tokens, from, to, &mut self.faults)?.map(|t| (t, None)))
+    fn compute(&mut self, pool: &mut KvPool, chunks: &mut [Chunk<'_>]) -> Result<Vec<Option<First>>, ModelFault> {
+        chunks.iter_mut().map(|c| Ok(prefill(pool, c.seq, c.tokens, c.from, c.to, &mut self.faults)?.map(|t| (t, None)))).collect()
     }
 }
 

@@ -163,6 +163,8 @@ pub struct Plan {
     pub transfer_timeout_ms: u64,
     /// Prefill compute chunk and transfer batch, in pages.
     pub chunk_pages: usize,
+    /// Chunks one prefill step computes in all, of as many jobs (batched prefill).
+    pub step_chunks: usize,
     /// Virtual time one prefill chunk takes, smallest and largest.
     pub prefill_cost_ms: (u64, u64),
     /// Virtual time one decode step takes, smallest and largest.
@@ -212,6 +214,7 @@ impl Plan {
             request_timeout_ms: if dice.chance(200) { dice.range(30, 400) } else { dice.range(1_500, 4_000) },
             transfer_timeout_ms: if dice.chance(200) { dice.range(10, 200) } else { dice.range(800, 3_000) },
             chunk_pages: dice.range(1, 2) as usize,
+            step_chunks: dice.range(1, 3) as usize,
             prefill_cost_ms: (1, dice.range(1, 10)),
             decode_cost_ms: (1, dice.range(1, 5)),
             slow_links: if dice.chance(300) { 300 } else { 0 },

@@ -20,7 +20,7 @@ use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole, DecodeSta
 use bulkhead_modelcheck::drivers::DecodeVariant;
 use bulkhead_modelcheck::Variant;
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeEngine, DecodeLink};
-use bulkhead_protocol::driver::prefill::{LinkDown, PrefillDriver, PrefillLink, Step};
+use bulkhead_protocol::driver::prefill::{Batching, LinkDown, PrefillDriver, PrefillLink, Step};
 use bulkhead_protocol::gateway::{client_of, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, TenantId};
 use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillRole};
 use bulkhead_protocol::{Hello, Message, RejectReason, Role, TraceContext, WorkerId};
@@ -472,8 +472,8 @@ impl<'m, M: Models> Sim<'m, M> {
         };
         let p = &sim.plan;
         let head = format!(
-            "seed {} layout {:?} prefill {:?} decode {:?} gateway check {} timeouts {}/{} ms chunk {} pages",
-            p.seed, p.layout, p.prefill, p.decode, p.gateway_check, p.request_timeout_ms, p.transfer_timeout_ms, p.chunk_pages
+            "seed {} layout {:?} prefill {:?} decode {:?} gateway check {} timeouts {}/{} ms chunk {} pages, {} per step",
+            p.seed, p.layout, p.prefill, p.decode, p.gateway_check, p.request_timeout_ms, p.transfer_timeout_ms, p.chunk_pages, p.step_chunks
         );
         sim.log(head);
         for r in sim.plan.requests.clone() {
@@ -663,7 +663,8 @@ impl<'m, M: Models> Sim<'m, M> {
             Role::Prefill => {
                 let keepalive_ms = PrefillConfig::keepalive_for(self.plan.transfer_timeout_ms);
                 let role = PrefillRole::new(PrefillConfig { max_prompt: wp.context, page_size: l.page_size, keepalive_ms });
-                let driver = PrefillDriver::new(role, self.plan.chunk_pages * l.page_size);
+                let chunk_tokens = self.plan.chunk_pages * l.page_size;
+                let driver = PrefillDriver::new(role, Batching { chunk_tokens, step_tokens: self.plan.step_chunks * chunk_tokens });
                 let driver = if self.plan.prefix_cache { driver.with_cache(PrefixCache::new(wp.pool_pages), DIGEST) } else { driver };
                 let model = self.models.prefill();
                 self.prefills.insert(id, PrefillWorker { driver, model, pool, gw, kv: BTreeMap::new(), busy_until: 0, next_tick });
@@ -944,22 +945,24 @@ impl<'m, M: Models> Sim<'m, M> {
         self.schedule(self.now + REJOIN_DELAY_MS, Planned::Start(self.plan.prefill));
     }
 
-    /// One step of `prefill_worker`'s loop, through the production driver: take the next
-    /// job and compute its first chunk, or compute and send the next chunk, or end the job.
+    /// One step of `prefill_worker`'s loop, through the production driver: end stopped
+    /// jobs, take queued ones within the step's budget, compute and send the next chunk of
+    /// each, end the finished ones.
     fn prefill_work(&mut self, w: WorkerId) {
         let cost = self.dice.range(self.plan.prefill_cost_ms.0, self.plan.prefill_cost_ms.1);
         let busy_until = self.now + cost;
-        let Some((step, aftermath)) = self.with_prefill(w, |driver, model, pool, wire| driver.step(model, pool, wire)) else { return };
+        let Some((steps, aftermath)) = self.with_prefill(w, |driver, model, pool, wire| driver.step(model, pool, wire)) else { return };
         if let Some(p) = self.prefills.get_mut(&w) {
             p.busy_until = busy_until;
         }
-        match &step {
-            Step::Idle => {}
-            Step::Computed { req, from, to, chunks } => self.log(format!("w{} r{req}: positions {from}..{to} computed, {chunks} chunks sent", w.0)),
-            Step::Ended { req, outcome, unreleased } => {
-                self.log(format!("w{} r{req} ends: {outcome:?}", w.0));
-                if let Some(e) = unreleased {
-                    self.violate(format!("w{} cannot release the pages of r{req}: {e}", w.0));
+        for step in &steps {
+            match step {
+                Step::Computed { req, from, to, chunks } => self.log(format!("w{} r{req}: positions {from}..{to} computed, {chunks} chunks sent", w.0)),
+                Step::Ended { req, outcome, unreleased } => {
+                    self.log(format!("w{} r{req} ends: {outcome:?}", w.0));
+                    if let Some(e) = unreleased {
+                        self.violate(format!("w{} cannot release the pages of r{req}: {e}", w.0));
+                    }
                 }
             }
         }
@@ -1224,7 +1227,7 @@ impl<'m, M: Models> Sim<'m, M> {
         let mut s = String::new();
         let _ = write!(s, "gateway in flight {}; ", self.gw.role.in_flight());
         for (w, p) in &self.prefills {
-            let _ = write!(s, "w{} prefill queued {} job {:?} pool {:?}; ", w.0, p.driver.role().queued(), p.driver.current(), p.pool.stats());
+            let _ = write!(s, "w{} prefill queued {} jobs {:?} pool {:?}; ", w.0, p.driver.role().queued(), p.driver.running().map(|j| j.req).collect::<Vec<_>>(), p.pool.stats());
         }
         for (w, d) in &self.decodes {
             let r = d.driver.role();

@@ -48,7 +48,7 @@ fn seeded_fault_schedules_on_the_real_model_keep_every_invariant() {
 #[test]
 fn seeded_fault_schedules_on_gemma3_keep_every_invariant() {
     let path = bulkhead_fetch::ensure(&bulkhead_fetch::GEMMA3_270M, false).expect("Gemma 3 270M (bulkhead-fetch)");
-    schedules_on(&path, 8, "seeded_fault_schedules_on_gemma3_keep_every_invariant");
+    schedules_on(&path, 10, "seeded_fault_schedules_on_gemma3_keep_every_invariant");
 }
 
 /// Every architecture with no small real model here, on the tiny models that are held to

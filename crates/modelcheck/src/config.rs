@@ -271,6 +271,22 @@ impl Config {
         }
     }
 
+    /// Batched prefill (issue 17): two requests of two pages each on one prefill worker
+    /// whose pool holds both, so one step may compute a page of each and their chunks
+    /// interleave on the KV connection. One client goes away at any point; one transfer
+    /// timeout at any point.
+    pub fn batched_prefill() -> Self {
+        Config {
+            name: "batched-prefill",
+            requests: vec![Request { prompt: 3, max_tokens: 1, tenant: None }, Request { prompt: 3, max_tokens: 1, tenant: None }],
+            prefill_workers: 1,
+            prefill_pool_pages: 4,
+            decode_pool_pages: 4,
+            faults: Faults { client_aborts: 1, decode_ticks: 1, ..Faults::default() },
+            ..Self::faulty_network()
+        }
+    }
+
     /// The same configuration with another driver variant.
     pub fn with_variant(mut self, variant: Variant) -> Self {
         self.variant = variant;

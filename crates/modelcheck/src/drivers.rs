@@ -8,9 +8,9 @@ use bulkhead_kv::{KvError, KvPool, PageKey, RequestId, SequenceKv};
 use bulkhead_protocol::cache::CacheScope;
 use bulkhead_protocol::decode::{DecodeAction, DecodeEvent, DecodeStart};
 use bulkhead_protocol::driver::decode::{make_room, DecodeEngine, DecodePolicy, GenEvent, Growing};
-use bulkhead_protocol::driver::prefill::{FirstToken, PrefillCompute, PrefillPolicy};
+use bulkhead_protocol::driver::prefill::{Chunk, First, PrefillCompute, PrefillPolicy};
 use bulkhead_protocol::prefill::PrefillJob;
-use bulkhead_protocol::{FinishReason, Message, TokenLogprobs};
+use bulkhead_protocol::{FinishReason, Message};
 
 use crate::config::{Variant, LAYOUT};
 use crate::world::{Prop, Values, FIRST_TOKEN};
@@ -18,20 +18,38 @@ use crate::world::{Prop, Values, FIRST_TOKEN};
 /// The mock prefill model: position `p` of request `r` holds [`Values::of`]`(r, p)` in
 /// every layer, head and element; the first token is [`FIRST_TOKEN`].
 #[derive(Debug)]
-pub struct MockPrefill<'v>(pub &'v Values);
+pub struct MockPrefill<'v> {
+    values: &'v Values,
+    /// The requests of the last pass that computed more than one job's chunk.
+    pub batched: Vec<RequestId>,
+}
+
+impl<'v> MockPrefill<'v> {
+    /// The mock over `values`.
+    pub fn new(values: &'v Values) -> Self {
+        MockPrefill { values, batched: Vec::new() }
+    }
+}
 
 impl PrefillCompute for MockPrefill<'_> {
     type Error = KvError;
-    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: FirstToken<'_>) -> Result<Option<(u32, Option<TokenLogprobs>)>, KvError> {
-        for pos in from..to {
-            let row = [self.0.of(seq.owner(), pos); LAYOUT.kv_heads * LAYOUT.head_dim];
-            let (lease, slot) = seq.locate(pos)?;
-            for layer in 0..LAYOUT.layers {
-                pool.write(lease, layer, slot, &row, &row)?;
-            }
+    fn compute(&mut self, pool: &mut KvPool, chunks: &mut [Chunk<'_>]) -> Result<Vec<Option<First>>, KvError> {
+        if chunks.len() > 1 {
+            self.batched = chunks.iter().map(|c| c.seq.owner()).collect();
         }
-        seq.commit(pool, to - from)?;
-        Ok((to == tokens.len()).then_some((FIRST_TOKEN, None)))
+        let mut firsts = Vec::new();
+        for c in chunks {
+            for pos in c.from..c.to {
+                let row = [self.values.of(c.seq.owner(), pos); LAYOUT.kv_heads * LAYOUT.head_dim];
+                let (lease, slot) = c.seq.locate(pos)?;
+                for layer in 0..LAYOUT.layers {
+                    pool.write(lease, layer, slot, &row, &row)?;
+                }
+            }
+            c.seq.commit(pool, c.to - c.from)?;
+            firsts.push((c.to == c.tokens.len()).then_some((FIRST_TOKEN, None)));
+        }
+        Ok(firsts)
     }
 }
 

@@ -5,7 +5,8 @@
 //! - `explore`: serve stateright's web explorer (default `localhost:3000`).
 //!
 //! CONFIG: `three-requests` (default), `faulty-network`, `duplicating-network`,
-//! `reordering-network`, `prefill-restart`, `keepalive`, `growth`, `prefix-cache`. VARIANT:
+//! `reordering-network`, `prefill-restart`, `keepalive`, `growth`, `prefix-cache`,
+//! `batched-prefill`. VARIANT:
 //! `production` (default), `trust-done`, `read-past-watermark`, `keep-rejected-job`,
 //! `release-quarantine-on-tick`, `retry-after-reject`, `drop-fence`,
 //! `keep-retracted-running`, `unscoped-cache-keys`.
@@ -27,8 +28,9 @@ fn main() -> ExitCode {
         "keepalive" => Config::keepalive(),
         "growth" => Config::growth(),
         "prefix-cache" => Config::prefix_cache(),
+        "batched-prefill" => Config::batched_prefill(),
         other => {
-            eprintln!("unknown configuration {other:?}: three-requests | faulty-network | duplicating-network | reordering-network | prefill-restart | keepalive | growth | prefix-cache");
+            eprintln!("unknown configuration {other:?}: three-requests | faulty-network | duplicating-network | reordering-network | prefill-restart | keepalive | growth | prefix-cache | batched-prefill");
             return ExitCode::FAILURE;
         }
     };

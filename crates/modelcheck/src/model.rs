@@ -54,6 +54,7 @@ impl HandoffModel {
             served: w.all_served() && w.is_clean(),
             resumed: w.all_served() && w.is_clean() && w.retractions() > 0,
             shared: w.all_served() && w.is_clean() && w.cache_hit_and_eviction(),
+            batched: w.all_served() && w.is_clean() && w.batched(),
             history,
         }
     }
@@ -82,6 +83,8 @@ pub struct State {
     pub resumed: bool,
     /// `served`, after a prompt page was shared from the prefix cache and one was evicted.
     pub shared: bool,
+    /// `served`, after a prefill step interleaved the chunks of two jobs.
+    pub batched: bool,
 }
 
 impl State {
@@ -143,6 +146,8 @@ pub mod names {
     pub const SERVED: &str = "sometimes: every request that fits finishes, the other is rejected, all pools full";
     /// Reachability of a prefix-cache hit and an eviction, on the happy path.
     pub const SHARED: &str = "sometimes: a cached page is shared within its tenant and one is evicted for another prompt, and every request finishes, all pools idle";
+    /// Reachability of batched prefill, on the happy path.
+    pub const BATCHED: &str = "sometimes: one prefill step computes the chunks of two jobs, and every request still finishes, all pools full";
     /// Reachability of KV on demand's retraction, on the happy path.
     pub const RESUMED: &str = "sometimes: a sequence is retracted for another to grow, and every request still finishes, all pools full";
 }
@@ -195,6 +200,7 @@ impl Model for HandoffModel {
         }
         p.push(Property::sometimes(names::SERVED, |_, s: &State| s.served));
         p.push(Property::sometimes(names::RESUMED, |_, s: &State| s.resumed));
+        p.push(Property::sometimes(names::BATCHED, |_, s: &State| s.batched));
         if self.cfg.prefix_cache {
             p.push(Property::sometimes(names::SHARED, |_, s: &State| s.shared));
         }

@@ -16,7 +16,7 @@ use bulkhead_kv::{KvChecks, KvPool, PoolConfig, PrefixCache, RequestId};
 use bulkhead_protocol::cache::CacheSecret;
 use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeLink};
-use bulkhead_protocol::driver::prefill::{LinkDown, PrefillDriver, PrefillLink, Step};
+use bulkhead_protocol::driver::prefill::{Batching, LinkDown, PrefillDriver, PrefillLink, Step};
 use bulkhead_protocol::gateway::{client_of, BusyReason, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, Phase, TenantId};
 use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillRole};
 use bulkhead_protocol::{FailReason, Hello, Message, RejectReason, Role, Sampling, TraceContext, WorkerId};
@@ -144,6 +144,9 @@ pub struct Ghost {
     pub rejected: bool,
     /// The gateway driver retried it (the `RetryAfterReject` variant).
     pub retried: bool,
+    /// A prefill step computed a chunk of it together with another job's chunk, in one
+    /// pass (batched prefill).
+    pub batched: bool,
 }
 
 /// A live handle on a decode page: a lease or a quarantine.
@@ -163,6 +166,10 @@ struct WriteRef {
     req: RequestId,
     via: &'static str,
 }
+
+/// The prefill driver's budget in the model: a page of each job and two pages in all per
+/// step, so two jobs of one prefill worker can share a step (batched prefill).
+const BATCHING: Batching = Batching { chunk_tokens: LAYOUT.page_size, step_tokens: 2 * LAYOUT.page_size };
 
 struct PrefillWorker {
     id: WorkerId,
@@ -415,7 +422,7 @@ impl<'c> World<'c> {
         let mut role = PrefillRole::new(PrefillConfig { max_prompt: cfg.prefill_max_prompt, page_size: LAYOUT.page_size, keepalive_ms: TICK_MS });
         role.handle(PrefillEvent::DecodeConnected { decode: DECODE });
         dec.handle(DecodeEvent::PrefillConnected { from: id }, &mut Nowhere);
-        let driver = PrefillDriver::with_policy(role, LAYOUT.page_size, PrefillVariant::new(cfg.variant));
+        let driver = PrefillDriver::with_policy(role, BATCHING, PrefillVariant::new(cfg.variant));
         let driver = if cfg.prefix_cache { driver.with_cache(PrefixCache::new(cfg.prefill_pool_pages), DIGEST) } else { driver };
         PrefillWorker { id, driver, pool: ppool, now: 0 }
     }
@@ -819,26 +826,32 @@ impl<'c> World<'c> {
         (r.prompt as usize > self.cfg.prefill_max_prompt).then_some(RejectReason::ContextLength)
     }
 
-    /// One unit of prefill work, through the production driver: take the next job and
-    /// compute its first page, or compute and send the next page, or end the job (no
-    /// message is handled between the last chunk and `Done`, as in the server). Taking a
-    /// job and computing its first page are one step: an abort that would arrive between
-    /// them has the same effect on every other role as one arriving just before (`Fenced`,
-    /// no chunk).
+    /// One step of prefill work, through the production driver: end stopped jobs, take
+    /// queued ones while the budget has room, and compute and send the next page of each
+    /// running job (up to two), ending those that finished (no message is handled between
+    /// a job's last chunk and its `Done`, as in the server). Taking a job and computing its
+    /// first page are one step: an abort that would arrive between them has the same
+    /// effect on every other role as one arriving just before (`Fenced`, no chunk).
     fn prefill_step(&mut self, w: WorkerId) {
         let alive = self.alive();
         let Some(p) = self.prefills.iter_mut().find(|p| p.id == w) else { return };
         let mut link = PrefillWire { me: w, net: &mut self.net, alive: &alive, ghosts: &self.ghosts, seen: Vec::new() };
-        let step = p.driver.step(&mut MockPrefill(&self.values), &mut p.pool, &mut link);
+        let mut model = MockPrefill::new(&self.values);
+        let steps = p.driver.step(&mut model, &mut p.pool, &mut link);
         let mut seen = link.seen;
-        if let Step::Computed { req, .. } | Step::Ended { req, .. } = step
-            && self.ghosts.get(&client_of(req)).is_some_and(|g| g.rejected)
-            && !matches!(step, Step::Ended { outcome: bulkhead_protocol::prefill::JobOutcome::Stopped, .. })
-        {
-            seen.push((Prop::RejectionTerminal, format!("prefill computes {req} after it was rejected")));
+        for req in model.batched {
+            self.ghosts.entry(client_of(req)).or_default().batched = true;
         }
-        if let Step::Ended { req, unreleased: Some(e), .. } = &step {
-            seen.push((Prop::SingleLease, format!("the prefill could not release the pages of {req}: {e}")));
+        for step in steps {
+            if let Step::Computed { req, .. } | Step::Ended { req, .. } = step
+                && self.ghosts.get(&client_of(req)).is_some_and(|g| g.rejected)
+                && !matches!(step, Step::Ended { outcome: bulkhead_protocol::prefill::JobOutcome::Stopped, .. })
+            {
+                seen.push((Prop::RejectionTerminal, format!("prefill computes {req} after it was rejected")));
+            }
+            if let Step::Ended { req, unreleased: Some(e), .. } = &step {
+                seen.push((Prop::SingleLease, format!("the prefill could not release the pages of {req}: {e}")));
+            }
         }
         self.violate_all(seen);
     }
@@ -1037,6 +1050,11 @@ impl<'c> World<'c> {
     pub fn cache_hit_and_eviction(&self) -> bool {
         let stats = || self.prefills.iter().filter_map(|p| p.driver.cache()).map(|c| c.stats());
         stats().any(|s| s.hit_tokens > 0) && stats().any(|s| s.evicted_pages > 0)
+    }
+
+    /// Whether some prefill step interleaved the chunks of two jobs.
+    pub fn batched(&self) -> bool {
+        self.ghosts.values().any(|g| g.batched)
     }
 
     /// Sequences the decode loop retracted so far.

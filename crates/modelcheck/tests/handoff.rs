@@ -252,6 +252,18 @@ fn the_prefix_cache_shares_within_a_tenant_only_and_holds_every_property() {
     assert_eq!(report.unique_states, 9_693, "the model changed: {report}");
 }
 
+/// Batched prefill (issue 17): one prefill worker runs two two-page prompts at once, so a
+/// step computes a page of each and their chunks interleave on the KV connection, while a
+/// client may leave and a transfer may time out at any point. Every property holds and the
+/// interleaving is reached on the happy path.
+#[test]
+fn batched_prefill_interleaves_two_jobs_and_holds_every_property() {
+    let (report, model) = check_all(Config::batched_prefill());
+    assert_holds(&report, &model);
+    assert!(report.discoveries.contains_key(names::BATCHED), "no batched step on the happy path: {report}");
+    assert_eq!(report.unique_states, 16_696, "the model changed: {report}");
+}
+
 /// Page keys that leave the tenant out give both tenants' equal prompts equal keys: the
 /// second tenant's lookup finds the first one's page, and the pool's fence refuses it (the
 /// request fails instead of reading). The checker reports the refused lookup.

@@ -3,7 +3,8 @@
 //!
 //! I3: a job refused at admission or aborted is answered (to the gateway and, with
 //! `Fenced`, to the decode worker waiting for it) and never computed or transferred
-//! afterwards; a running job stops at the next chunk boundary. Every job ends with exactly
+//! afterwards; a running job stops at the next chunk boundary. Several jobs may run at
+//! once (the driver batches their chunks); each is tracked on its own. Every job ends with exactly
 //! one final message to its decode worker: `Done` or `Fenced`.
 //!
 //! Link liveness is part of the protocol: on every [`PrefillEvent::Tick`] past the
@@ -164,7 +165,7 @@ enum Link {
     Lost { at_ms: u64 },
 }
 
-/// The job being computed.
+/// A job being computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Running {
     req: RequestId,
@@ -180,7 +181,8 @@ pub struct PrefillRole {
     now_ms: u64,
     last_keepalive_ms: u64,
     queue: VecDeque<PrefillJob>,
-    running: Option<Running>,
+    /// Jobs taken and not yet ended, in the order they were taken.
+    running: Vec<Running>,
     /// Decode workers known, and the state of the KV connection to each.
     peers: BTreeMap<WorkerId, Link>,
     /// A rejoin was asked for: the role takes nothing more.
@@ -196,7 +198,7 @@ impl PrefillRole {
             now_ms: 0,
             last_keepalive_ms: 0,
             queue: VecDeque::new(),
-            running: None,
+            running: Vec::new(),
             peers: BTreeMap::new(),
             rejoining: false,
             stats: PrefillStats::default(),
@@ -218,19 +220,19 @@ impl PrefillRole {
         self.queue.iter()
     }
 
-    /// The request being computed, if any.
-    pub fn running(&self) -> Option<RequestId> {
-        self.running.map(|r| r.req)
+    /// The requests being computed, in the order they were taken.
+    pub fn running(&self) -> impl Iterator<Item = RequestId> + '_ {
+        self.running.iter().map(|r| r.req)
     }
 
     /// Whether a job is being computed.
     pub fn busy(&self) -> bool {
-        self.running.is_some()
+        !self.running.is_empty()
     }
 
     /// Whether `req` is queued or running here.
     pub fn has_job(&self, req: RequestId) -> bool {
-        self.running() == Some(req) || self.queue.iter().any(|j| j.req == req)
+        self.running().any(|r| r == req) || self.queue.iter().any(|j| j.req == req)
     }
 
     /// Whether the KV connection to `decode` is open.
@@ -331,7 +333,7 @@ impl PrefillRole {
                 self.stats.aborted += 1;
                 out.push(PrefillAction::ToDecode { to: j.decode, msg: Message::Fenced { req } });
             }
-        } else if let Some(r) = self.running.as_mut().filter(|r| r.req == req) {
+        } else if let Some(r) = self.running.iter_mut().find(|r| r.req == req) {
             r.aborted = true;
         }
     }
@@ -362,7 +364,7 @@ impl PrefillRole {
         out.push(PrefillAction::Rejoin);
     }
 
-    /// The jobs for `decode` cannot be delivered: queued ones fail, a running one stops.
+    /// The jobs for `decode` cannot be delivered: queued ones fail, running ones stop.
     fn fail_jobs_for(&mut self, decode: WorkerId, why: &str, out: &mut Vec<PrefillAction>) {
         self.queue.retain(|j| {
             if j.decode != decode {
@@ -372,38 +374,59 @@ impl PrefillRole {
             out.push(PrefillAction::ToGateway(Message::Failed { req: j.req, reason: FailReason::WorkerLost, detail }));
             false
         });
-        if let Some(r) = self.running.as_mut().filter(|r| r.decode == decode) {
+        for r in self.running.iter_mut().filter(|r| r.decode == decode) {
             r.aborted = true;
         }
     }
 
     /// Take the next job to compute: the first in the queue whose KV connection is open
-    /// (the others wait for theirs to open). One runs at a time.
-    pub fn next_job(&mut self) -> Option<PrefillJob> {
-        if self.running.is_some() {
+    /// (the others wait for theirs to open), if `take` accepts it (the driver asks whether
+    /// its pages fit beside the jobs already running). Jobs are taken in queue order: one
+    /// that `take` refuses is not overtaken.
+    pub fn next_job_if(&mut self, take: impl FnOnce(&PrefillJob) -> bool) -> Option<PrefillJob> {
+        let i = self.queue.iter().position(|j| self.connected(j.decode))?;
+        if !take(&self.queue[i]) {
             return None;
         }
-        let i = self.queue.iter().position(|j| self.connected(j.decode))?;
         let j = self.queue.remove(i)?;
-        self.running = Some(Running { req: j.req, decode: j.decode, aborted: false });
+        self.running.push(Running { req: j.req, decode: j.decode, aborted: false });
         Some(j)
+    }
+
+    /// [`PrefillRole::next_job_if`] accepting any job.
+    pub fn next_job(&mut self) -> Option<PrefillJob> {
+        self.next_job_if(|_| true)
+    }
+
+    /// Put the running job `job` back at the head of the queue, untouched: the driver
+    /// took it but could not lease its pages while other jobs hold theirs. An aborted one
+    /// ends instead (returns its `Fenced`), as if it had been aborted while queued.
+    pub fn requeue(&mut self, job: PrefillJob) -> Vec<PrefillAction> {
+        let Some(i) = self.running.iter().position(|r| r.req == job.req) else { return Vec::new() };
+        let r = self.running.remove(i);
+        if r.aborted || !self.connected(r.decode) {
+            self.stats.aborted += 1;
+            return vec![PrefillAction::ToDecode { to: r.decode, msg: Message::Fenced { req: r.req } }];
+        }
+        self.queue.push_front(job);
+        Vec::new()
     }
 
     /// Whether a queued job can be taken now.
     pub fn has_ready_job(&self) -> bool {
-        self.running.is_none() && self.queue.iter().any(|j| self.connected(j.decode))
+        self.queue.iter().any(|j| self.connected(j.decode))
     }
 
     /// Between chunks: whether the running job `req` should go on (false once aborted, or
     /// once its decode worker's KV connection is gone).
     pub fn keep_going(&self, req: RequestId) -> bool {
-        self.running.is_some_and(|r| r.req == req && !r.aborted && self.connected(r.decode))
+        self.running.iter().any(|r| r.req == req && !r.aborted && self.connected(r.decode))
     }
 
-    /// The driver ended the running job; returns the final message(s) for it.
+    /// The driver ended the running job `req`; returns the final message(s) for it.
     pub fn job_ended(&mut self, req: RequestId, outcome: JobOutcome) -> Vec<PrefillAction> {
-        let Some(r) = self.running.filter(|r| r.req == req) else { return Vec::new() };
-        self.running = None;
+        let Some(i) = self.running.iter().position(|r| r.req == req) else { return Vec::new() };
+        let r = self.running.remove(i);
         let to = r.decode;
         match outcome {
             JobOutcome::Done { tokens, first_token, first_logprobs, manifest, cached } if !r.aborted => {

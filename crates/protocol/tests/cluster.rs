@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, VecDeque};
 use bulkhead_kv::{KvError, KvLayout, KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
 use bulkhead_protocol::decode::{DecodeAction, DecodeConfig, DecodeEvent, DecodeRole, DecodeStart};
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeEngine, DecodeLink, DecodePolicy, GenEvent};
-use bulkhead_protocol::driver::prefill::{FirstToken, LinkDown, PrefillCompute, PrefillDriver, PrefillLink, PrefillPolicy, Step};
+use bulkhead_protocol::driver::prefill::{Batching, Chunk, First, LinkDown, PrefillCompute, PrefillDriver, PrefillLink, PrefillPolicy};
 use bulkhead_protocol::driver::Honest;
 use bulkhead_protocol::gateway::{BusyReason, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, TenantId};
 use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillJob, PrefillRole};
@@ -34,17 +34,21 @@ struct MockCompute;
 
 impl PrefillCompute for MockCompute {
     type Error = KvError;
-    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: FirstToken<'_>) -> Result<Option<(u32, Option<TokenLogprobs>)>, KvError> {
-        for pos in from..to {
-            let (lease, slot) = seq.locate(pos)?;
-            let v = kv_value(seq.owner(), pos);
-            for layer in 0..LAYOUT.layers {
-                pool.write(lease, layer, slot, &[v, v], &[v, v])?;
-            }
-        }
-        seq.commit(pool, to - from)?;
-        Ok((to == tokens.len()).then_some((7, None)))
+    fn compute(&mut self, pool: &mut KvPool, chunks: &mut [Chunk<'_>]) -> Result<Vec<Option<First>>, KvError> {
+        chunks.iter_mut().map(|c| compute_one(pool, c)).collect()
     }
+}
+
+fn compute_one(pool: &mut KvPool, c: &mut Chunk<'_>) -> Result<Option<First>, KvError> {
+    for pos in c.from..c.to {
+        let (lease, slot) = c.seq.locate(pos)?;
+        let v = kv_value(c.seq.owner(), pos);
+        for layer in 0..LAYOUT.layers {
+            pool.write(lease, layer, slot, &[v, v], &[v, v])?;
+        }
+    }
+    c.seq.commit(pool, c.to - c.from)?;
+    Ok((c.to == c.tokens.len()).then_some((7, None)))
 }
 
 /// The mock decode loop: every prompt position must read back the mock model's value;
@@ -163,7 +167,7 @@ impl<PP: PrefillPolicy, DP: DecodePolicy> Cluster<PP, DP> {
         let mut c = Cluster {
             gw,
             dec: DecodeDriver::with_policy(DecodeRole::new(DecodeConfig { max_context: decode_pool_tokens, transfer_timeout_ms: 1_000 }), engine, dp),
-            pre: PrefillDriver::with_policy(role, LAYOUT.page_size, pp),
+            pre: PrefillDriver::with_policy(role, Batching::one_chunk(LAYOUT.page_size), pp),
             ppool,
             net: VecDeque::new(),
             outputs: BTreeMap::new(),
@@ -213,7 +217,7 @@ impl<PP: PrefillPolicy, DP: DecodePolicy> Cluster<PP, DP> {
     /// One unit of prefill work: start a job and compute its first page, or compute and
     /// send the next page, or end it.
     fn prefill_step(&mut self) -> bool {
-        self.pre.step(&mut MockCompute, &mut self.ppool, &mut PrefillWire(&mut self.net)) != Step::Idle
+        !self.pre.step(&mut MockCompute, &mut self.ppool, &mut PrefillWire(&mut self.net)).is_empty()
     }
 
     /// One decode step for every running sequence: a token, or the end.
@@ -385,7 +389,7 @@ fn a_transfer_that_times_out_fails_once_and_its_pages_stay_quarantined_until_the
     c.submit(1, 10, 3);
     // Reserve, Reserved, Prefill delivered; one page computed, sent and verified at decode
     // (re-arming the timer); the prefill then falls silent.
-    while c.pre.current().is_none() {
+    while c.pre.running().next().is_none() {
         assert!(c.deliver() || c.prefill_step());
     }
     c.prefill_step();
@@ -447,7 +451,7 @@ fn a_prefill_worker_lost_mid_transfer_fences_its_pages_and_its_request_waits_for
         assert!(c.deliver() || c.prefill_step());
     }
     // The prefill process dies: its queue, job and pool vanish, its connections close.
-    c.pre = PrefillDriver::new(PrefillRole::new(PrefillConfig { max_prompt: 64, page_size: LAYOUT.page_size, keepalive_ms: 250 }), LAYOUT.page_size);
+    c.pre = PrefillDriver::new(PrefillRole::new(PrefillConfig { max_prompt: 64, page_size: LAYOUT.page_size, keepalive_ms: 250 }), Batching::one_chunk(LAYOUT.page_size));
     c.ppool = KvPool::new(PoolConfig { layout: LAYOUT, pages: 16, checks: KvChecks::all() }).unwrap();
     c.net.retain(|(to, _)| !matches!(to, To::Decode { from_prefill: true } | To::Prefill));
     c.decode_event(DecodeEvent::PrefillClosed { from: PREFILL });

@@ -2,9 +2,9 @@
 //! still sends every prompt page; another tenant never hits; a cache under pressure serves
 //! what a cold pool serves; an abort during a hit gives every shared lease back.
 
-use bulkhead_kv::{Generation, KvChecks, KvError, KvLayout, KvPool, PageId, PageRef, PoolConfig, PrefixCache, RequestId, SequenceKv};
+use bulkhead_kv::{Generation, KvChecks, KvError, KvLayout, KvPool, PageId, PageRef, PoolConfig, PrefixCache, RequestId};
 use bulkhead_protocol::cache::{CacheScope, CacheSecret};
-use bulkhead_protocol::driver::prefill::{FirstToken, LinkDown, PrefillCompute, PrefillDriver, PrefillLink, Step};
+use bulkhead_protocol::driver::prefill::{Batching, Chunk, First, LinkDown, PrefillCompute, PrefillDriver, PrefillLink, Step};
 use bulkhead_protocol::prefill::{JobOutcome, PrefillConfig, PrefillEvent, PrefillRole};
 use bulkhead_protocol::*;
 
@@ -24,17 +24,21 @@ fn kv_of(tokens: &[u32], pos: usize) -> f32 {
 
 impl PrefillCompute for PrefixModel {
     type Error = KvError;
-    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, _: FirstToken<'_>) -> Result<Option<(u32, Option<TokenLogprobs>)>, KvError> {
-        for pos in from..to {
-            let (lease, slot) = seq.locate(pos)?;
-            let v = kv_of(tokens, pos);
-            for layer in 0..LAYOUT.layers {
-                pool.write(lease, layer, slot, &[v, v], &[v, v])?;
+    fn compute(&mut self, pool: &mut KvPool, chunks: &mut [Chunk<'_>]) -> Result<Vec<Option<First>>, KvError> {
+        let mut firsts = Vec::new();
+        for c in chunks {
+            for pos in c.from..c.to {
+                let (lease, slot) = c.seq.locate(pos)?;
+                let v = kv_of(c.tokens, pos);
+                for layer in 0..LAYOUT.layers {
+                    pool.write(lease, layer, slot, &[v, v], &[v, v])?;
+                }
             }
+            c.seq.commit(pool, c.to - c.from)?;
+            self.computed += c.to - c.from;
+            firsts.push((c.to == c.tokens.len()).then_some((1, None)));
         }
-        seq.commit(pool, to - from)?;
-        self.computed += to - from;
-        Ok((to == tokens.len()).then_some((1, None)))
+        Ok(firsts)
     }
 }
 
@@ -67,7 +71,7 @@ fn worker(pages: usize) -> Worker {
     let pool = KvPool::new(PoolConfig { layout: LAYOUT, pages, checks: KvChecks::all() }).unwrap();
     let mut role = PrefillRole::new(PrefillConfig { max_prompt: pages * 4, page_size: 4, keepalive_ms: 1000 });
     role.handle(PrefillEvent::DecodeConnected { decode: DECODE });
-    let driver = PrefillDriver::new(role, 4).with_cache(PrefixCache::new(pages), DIGEST);
+    let driver = PrefillDriver::new(role, Batching::one_chunk(4)).with_cache(PrefixCache::new(pages), DIGEST);
     Worker { driver, pool, model: PrefixModel { computed: 0 }, link: Link::default() }
 }
 
@@ -82,8 +86,11 @@ impl Worker {
         self.driver.handle(PrefillEvent::Gateway(m), &mut self.link);
     }
 
+    /// One step; these tests run one job at a time.
     fn step(&mut self) -> Step {
-        self.driver.step(&mut self.model, &mut self.pool, &mut self.link)
+        let mut steps = self.driver.step(&mut self.model, &mut self.pool, &mut self.link);
+        assert_eq!(steps.len(), 1, "one job per step: {steps:?}");
+        steps.remove(0)
     }
 
     /// Runs the submitted job to its end; its outcome and the KV values it sent, in

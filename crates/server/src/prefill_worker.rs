@@ -4,11 +4,12 @@
 //! The driver decides and computes; this file only moves frames, keeps the clock, and
 //! logs. Threads: one reader per connection (gateway, each decode worker) feeding one
 //! bounded channel; the main thread owns the driver, the model and the pool, and handles
-//! its inputs between chunks, so an aborted request stops at the next chunk boundary.
+//! its inputs between steps (one forward pass over the chunks of every prompt it
+//! batches), so an aborted request stops at the next chunk boundary.
 //!
 //! Each job's log lines run in a span naming its request and trace; the worker's metrics
-//! go to the gateway every [`PUSH_INTERVAL`](crate::metrics::PUSH_INTERVAL) and at the end
-//! of each job.
+//! go to the gateway every [`PUSH_INTERVAL`](crate::metrics::PUSH_INTERVAL) and after each
+//! step that ended a job.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::TcpStream;
@@ -18,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use bulkhead_engine::Prefiller;
 use bulkhead_kv::{KvPool, PrefixCache, RequestId};
-use bulkhead_protocol::driver::prefill::{LinkDown, PrefillDriver, PrefillLink, Step};
+use bulkhead_protocol::driver::prefill::{Batching, LinkDown, PrefillDriver, PrefillLink, Step};
 use bulkhead_protocol::prefill::{JobOutcome, PrefillConfig, PrefillEvent, PrefillRole};
 use crate::trust::Trust;
 use bulkhead_protocol::{Hello, Message, Purpose, Role, WorkerId};
@@ -130,8 +131,9 @@ struct Worker<'p> {
     /// Time to send each step's chunks.
     transfer: Histogram,
     pusher: Pusher,
-    /// The job being computed and when it was taken, for its log line.
-    job_started: Option<(RequestId, Instant)>,
+    /// When each running job was taken (about: the start of the step that took it), for
+    /// its log line.
+    job_started: BTreeMap<RequestId, Instant>,
     started: Instant,
 }
 
@@ -199,9 +201,10 @@ fn incarnation(
         keepalive_ms: PrefillConfig::keepalive_for(cfg.transfer_timeout_ms),
     });
     let chunk_tokens = cfg.transfer_batch_pages.max(1) * page_size;
+    let batching = Batching { chunk_tokens, step_tokens: cfg.max_prefill_tokens };
     let trust = cfg.trust.clone();
     let link = Link { me, gw, gw_error: None, decodes: BTreeMap::new(), trust, inbox, events: Vec::new(), sent_bytes: 0, sending: None, rejoin: false };
-    let driver = PrefillDriver::new(role, chunk_tokens);
+    let driver = PrefillDriver::new(role, batching);
     let mut w = Worker {
         driver: match cache {
             Some((cache, digest)) => driver.with_cache(cache, digest),
@@ -212,7 +215,7 @@ fn incarnation(
         pool,
         transfer: Histogram::new(metrics::TRANSFER_BUCKETS),
         pusher: Pusher::new(),
-        job_started: None,
+        job_started: BTreeMap::new(),
         started: Instant::now(),
     };
     loop {
@@ -288,20 +291,25 @@ impl Worker<'_> {
         }
     }
 
-    /// One unit of prefill work, in the span of the job it is for.
+    /// One step of prefill work; each job's ending is logged in its own span.
     fn step(&mut self) -> Result<(), WorkerError> {
-        let job = self.driver.current_job().or_else(|| self.driver.role().queued_jobs().next());
-        let span = job.map_or_else(tracing::Span::none, |j| request_span(j.req, &j.trace));
-        let _in_span = span.enter();
-        if self.driver.current().is_none() {
-            self.job_started = job.map(|j| (j.req, Instant::now()));
-        }
-        let step = self.driver.step(&mut self.compute, self.pool, &mut self.link);
+        let started = Instant::now();
+        // Spans of the jobs this step may end: the running ones and those it may take.
+        let spans: BTreeMap<RequestId, tracing::Span> =
+            self.driver.running().chain(self.driver.role().queued_jobs()).map(|j| (j.req, request_span(j.req, &j.trace))).collect();
+        let steps = self.driver.step(&mut self.compute, self.pool, &mut self.link);
         if let Some(sending) = self.link.sending.take() {
             self.transfer.observe_since(sending);
         }
-        if let Step::Ended { req, outcome, unreleased } = step {
-            let ms = self.job_started.take().filter(|(r, _)| *r == req).map_or(0, |(_, t)| t.elapsed().as_millis() as u64);
+        for j in self.driver.running() {
+            self.job_started.entry(j.req).or_insert(started);
+        }
+        let mut ended = false;
+        for step in steps {
+            let Step::Ended { req, outcome, unreleased } = step else { continue };
+            ended = true;
+            let _in_span = spans.get(&req).map(tracing::Span::enter);
+            let ms = self.job_started.remove(&req).unwrap_or(started).elapsed().as_millis() as u64;
             match outcome {
                 JobOutcome::Done { tokens, cached, .. } => tracing::info!(tokens, cached, ms, "prefill done"),
                 JobOutcome::Stopped => tracing::info!(ms, "prefill stopped"),
@@ -310,6 +318,8 @@ impl Worker<'_> {
             if let Some(e) = unreleased {
                 tracing::error!(error = %e, "releasing prefill pages");
             }
+        }
+        if ended {
             self.push_metrics()?;
         }
         match self.link.gw_error.take() {
@@ -322,7 +332,7 @@ impl Worker<'_> {
     fn push_metrics(&mut self) -> Result<(), WorkerError> {
         let mut f = Families::new();
         let role = self.driver.role();
-        let requests = [("queued", role.queued()), ("running", usize::from(role.busy()))];
+        let requests = [("queued", role.queued()), ("running", role.running().count())];
         metrics::worker_families(&mut f, &self.pool.stats(), &requests, self.link.sent_bytes);
         metrics::prefill_families(&role.stats(), &mut f);
         metrics::transfer_seconds(&mut f, &self.transfer);

@@ -43,6 +43,8 @@ pub struct WorkerConfig {
     pub kv_advertise: Option<String>,
     /// Prefill only: pages per transfer batch (also the prefill compute chunk).
     pub transfer_batch_pages: usize,
+    /// Prefill only: prompt tokens per step over all the prompts it batches.
+    pub max_prefill_tokens: usize,
     /// Decode: how long a reservation may go without any frame from its prefill worker
     /// before it fails. Prefill: sets how often it sends `KvKeepalive` (a quarter of this,
     /// at most every second).

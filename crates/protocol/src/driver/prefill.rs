@@ -1,11 +1,19 @@
 //! The prefill job loop, over any transport and any model.
 //!
-//! One [`PrefillDriver::step`] is one unit of work: take the next job and lease its pages
-//! in the worker's own pool, then (if the role says it may go on and its KV connection is
-//! up) compute one chunk of it, export the chunk's KV addressed to the decode worker's
-//! pages, send those chunks, and after the last one end the job with the role. Between
-//! steps the caller feeds events ([`PrefillDriver::handle`]), so an abort that arrives
-//! while a long prompt is computed takes effect at the next chunk boundary (I3).
+//! One [`PrefillDriver::step`] is one forward pass over a batch of jobs: end the jobs the
+//! role stopped, take queued jobs (leasing their pages in the worker's own pool) while the
+//! step's token budget has room and their pages fit, give each running job its next chunk
+//! within that budget, compute all the chunks together, then for each job export its
+//! chunk's KV addressed to the decode worker's pages, send it, and after its last chunk
+//! end the job with the role. Between steps the caller feeds events
+//! ([`PrefillDriver::handle`]), so an abort that arrives while a long prompt is computed
+//! takes effect at the next chunk boundary (I3).
+//!
+//! Budget ([`Batching`]): jobs are served in the order they were taken, each at most
+//! `chunk_tokens` per step, until `step_tokens` are planned; a chunk that does not end its
+//! prompt is a whole number of pages. So a long prompt takes one chunk a step and the rest
+//! of the budget goes to the jobs behind it: it does not hold short prompts back, and no
+//! job waits for ever (the oldest is always served first).
 //!
 //! With a prefix cache ([`PrefillDriver::with_cache`]), a job first shares the longest
 //! cached run of its prompt's full pages under its own scope (the pool checks the fence,
@@ -34,15 +42,50 @@ pub struct FirstToken<'a> {
     pub skip_draws: u32,
 }
 
+/// One job's part of a prefill step: prompt positions `from..to` of `tokens`, into `seq`
+/// (reserved for the whole prompt, `from` positions committed).
+#[derive(Debug)]
+pub struct Chunk<'a> {
+    /// The job's pages in the worker's pool.
+    pub seq: &'a mut SequenceKv,
+    /// The whole prompt.
+    pub tokens: &'a [u32],
+    /// First position to compute.
+    pub from: usize,
+    /// One past the last position to compute.
+    pub to: usize,
+    /// How to pick the first token, when `to` ends the prompt.
+    pub first: FirstToken<'a>,
+}
+
+/// The first token after a prompt, with its log-probabilities if the request asked.
+pub type First = (u32, Option<TokenLogprobs>);
+
 /// What computes prompt KV: a model, over the worker's own pool.
 pub trait PrefillCompute {
     /// The model's error.
     type Error: std::fmt::Display;
-    /// Compute and commit the KV of prompt positions `from..to` into `seq` (in `pool`,
-    /// reserved for the whole prompt, `from` positions committed). After the last
-    /// position, the first generated token, picked as `first` says, with its
-    /// log-probabilities if the request asked for them.
-    fn compute(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, first: FirstToken<'_>) -> Result<Option<(u32, Option<TokenLogprobs>)>, Self::Error>;
+    /// Compute and commit the KV of every chunk (in `pool`) in one pass. Returns, for each
+    /// chunk in order, the first generated token if the chunk ends its prompt, picked as
+    /// its `first` says. On an error nothing is committed (a chunk's KV may be half
+    /// written; a later pass overwrites it).
+    fn compute(&mut self, pool: &mut KvPool, chunks: &mut [Chunk<'_>]) -> Result<Vec<Option<First>>, Self::Error>;
+}
+
+/// How much a step computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Batching {
+    /// Most prompt positions of one job per step (a whole number of pages).
+    pub chunk_tokens: usize,
+    /// Most prompt positions of all jobs together per step (`--max-prefill-tokens`).
+    pub step_tokens: usize,
+}
+
+impl Batching {
+    /// One job's chunk at a time: `chunk_tokens` per step in all.
+    pub fn one_chunk(chunk_tokens: usize) -> Self {
+        Batching { chunk_tokens, step_tokens: chunk_tokens }
+    }
 }
 
 /// The KV connection to the target decode worker is gone: the job stops.
@@ -119,11 +162,10 @@ struct Cache {
     model_digest: u64,
 }
 
-/// What one step did, for the caller's logs.
+/// What one step did to one job, for the caller's logs ([`PrefillDriver::step`] returns
+/// one per job it touched; none when there was nothing to do).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Step {
-    /// Nothing to do.
-    Idle,
     /// Computed positions `from..to` of `req` and sent `chunks` chunks of it.
     Computed { req: RequestId, from: usize, to: usize, chunks: usize },
     /// `req` ended; the role sent its final messages. `unreleased` says why its own pages
@@ -131,13 +173,13 @@ pub enum Step {
     Ended { req: RequestId, outcome: JobOutcome, unreleased: Option<KvError> },
 }
 
-/// The prefill driver: the role, the running job and the chunk size.
+/// The prefill driver: the role, the running jobs and the step budget.
 #[derive(Debug)]
 pub struct PrefillDriver<P: PrefillPolicy = Honest> {
     role: PrefillRole,
-    job: Option<Job>,
-    /// Prompt positions per step (a whole number of pages).
-    chunk_tokens: usize,
+    /// Jobs in progress, in the order they were taken.
+    jobs: Vec<Job>,
+    batching: Batching,
     /// Jobs the policy keeps running outside the role.
     rogue: VecDeque<PrefillJob>,
     policy: P,
@@ -145,16 +187,18 @@ pub struct PrefillDriver<P: PrefillPolicy = Honest> {
 }
 
 impl PrefillDriver<Honest> {
-    /// The production driver over `role`, computing `chunk_tokens` positions per step.
-    pub fn new(role: PrefillRole, chunk_tokens: usize) -> Self {
-        Self::with_policy(role, chunk_tokens, Honest)
+    /// The production driver over `role`, computing as `batching` says.
+    pub fn new(role: PrefillRole, batching: Batching) -> Self {
+        Self::with_policy(role, batching, Honest)
     }
 }
 
 impl<P: PrefillPolicy> PrefillDriver<P> {
     /// A driver that departs from the role where `policy` says so.
-    pub fn with_policy(role: PrefillRole, chunk_tokens: usize, policy: P) -> Self {
-        PrefillDriver { role, job: None, chunk_tokens: chunk_tokens.max(1), rogue: VecDeque::new(), policy, cache: None }
+    pub fn with_policy(role: PrefillRole, batching: Batching, policy: P) -> Self {
+        let chunk_tokens = batching.chunk_tokens.max(1);
+        let batching = Batching { chunk_tokens, step_tokens: batching.step_tokens.max(chunk_tokens) };
+        PrefillDriver { role, jobs: Vec::new(), batching, rogue: VecDeque::new(), policy, cache: None }
     }
 
     /// The same driver with a prefix cache over the worker's pool, for the model with
@@ -179,30 +223,25 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
         &mut self.policy
     }
 
-    /// The request being computed, if any (a job taken and not yet ended).
-    pub fn current(&self) -> Option<RequestId> {
-        self.current_job().map(|j| j.req)
+    /// The jobs being computed (taken and not yet ended), in the order they were taken.
+    pub fn running(&self) -> impl Iterator<Item = &PrefillJob> {
+        self.jobs.iter().map(|j| &j.job)
     }
 
-    /// The job being computed, if any.
-    pub fn current_job(&self) -> Option<&PrefillJob> {
-        self.job.as_ref().map(|j| &j.job)
-    }
-
-    /// The decode pages every job in progress here may still write: the running job's
+    /// The decode pages every job in progress here may still write: the running jobs'
     /// and the queued ones' (for the model checker's no-late-write property).
     pub fn targets(&self) -> impl Iterator<Item = &PrefillJob> {
-        self.job.iter().map(|j| &j.job).chain(self.role.queued_jobs()).chain(self.rogue.iter())
+        self.running().chain(self.role.queued_jobs()).chain(self.rogue.iter())
     }
 
     /// Whether a step would do something (queued jobs whose KV connection is down wait).
     pub fn has_work(&self) -> bool {
-        self.job.is_some() || self.role.has_ready_job() || !self.rogue.is_empty()
+        !self.jobs.is_empty() || self.role.has_ready_job() || !self.rogue.is_empty()
     }
 
     /// Whether nothing is queued, running or held.
     pub fn is_idle(&self) -> bool {
-        self.job.is_none() && self.role.queued() == 0 && !self.role.busy() && self.rogue.is_empty()
+        self.jobs.is_empty() && self.role.queued() == 0 && !self.role.busy() && self.rogue.is_empty()
     }
 
     /// Process one event and carry out the role's actions.
@@ -231,15 +270,15 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
         act(acts, link);
     }
 
-    /// Give up this driver (the worker rejoins under a new id): the running job's pages
+    /// Give up this driver (the worker rejoins under a new id): the running jobs' pages
     /// go back to `pool`, and so does the cache (the gateway's index of it was of the old
     /// id). Nothing is sent: the connections close. Returns the cache's final counts, its
     /// evictions here included.
     pub fn abandon(self, pool: &mut KvPool) -> Option<CacheStats> {
-        if let Some(j) = self.job
-            && let Err(u) = j.seq.release(pool)
-        {
-            u.reclaim(pool);
+        for j in self.jobs {
+            if let Err(u) = j.seq.release(pool) {
+                u.reclaim(pool);
+            }
         }
         self.cache.map(|mut c| {
             c.cache.make_room(pool, pool.total_pages());
@@ -284,57 +323,129 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
         Ok(j)
     }
 
-    /// One unit of work (see the module docs), computing with `model` into the worker's
-    /// own `pool`.
-    pub fn step(&mut self, model: &mut impl PrefillCompute, pool: &mut KvPool, link: &mut impl PrefillLink) -> Step {
-        if self.job.is_none() {
-            let (job, rogue) = match self.role.next_job() {
+    /// One step (see the module docs), computing with `model` into the worker's own
+    /// `pool`. Returns what happened to each job it touched, in order.
+    pub fn step(&mut self, model: &mut impl PrefillCompute, pool: &mut KvPool, link: &mut impl PrefillLink) -> Vec<Step> {
+        let mut out = Vec::new();
+        // Stopped jobs end first, so their pages are free for the jobs taken next.
+        for j in std::mem::take(&mut self.jobs) {
+            if j.rogue || self.role.keep_going(j.job.req) {
+                self.jobs.push(j);
+            } else {
+                out.push(self.finish(j, JobOutcome::Stopped, pool, link));
+            }
+        }
+        self.take_jobs(pool, link, &mut out);
+        let plan = self.plan(pool.layout().page_size);
+        if plan.iter().all(|&(from, to)| from == to) {
+            return out;
+        }
+        let results = compute(model, pool, &mut self.jobs, &plan);
+        for ((mut j, (from, to)), result) in std::mem::take(&mut self.jobs).into_iter().zip(plan).zip(results) {
+            if from == to {
+                self.jobs.push(j);
+                continue;
+            }
+            let req = j.job.req;
+            let first = match result {
+                Ok(first) => first,
+                Err(e) => {
+                    out.push(self.finish(j, JobOutcome::Failed(PrefillFailure::Compute(e)), pool, link));
+                    continue;
+                }
+            };
+            // The cached prefix travels with the first computed chunk: the decode worker
+            // verifies every prompt page, wherever its KV came from.
+            let chunks = match export_chunks(pool, &j.seq, &j.job.pages, j.sent, to, &mut j.manifest) {
+                Ok(chunks) => chunks,
+                Err(e) => {
+                    out.push(self.finish(j, JobOutcome::Failed(PrefillFailure::Export(e)), pool, link));
+                    continue;
+                }
+            };
+            let sent = chunks.len();
+            let delivered = chunks.into_iter().all(|(header, data)| link.to_decode(j.job.decode, Message::KvChunk { req, header, data }).is_ok());
+            if !delivered {
+                out.push(self.finish(j, JobOutcome::Stopped, pool, link));
+                continue;
+            }
+            j.done = to;
+            j.sent = to;
+            let n = j.job.tokens.len();
+            if to < n {
+                self.jobs.push(j);
+                out.push(Step::Computed { req, from, to, chunks: sent });
+                continue;
+            }
+            let outcome = match first {
+                Some((first_token, first_logprobs)) => JobOutcome::Done { tokens: n as u32, first_token, first_logprobs, manifest: j.manifest.digest(), cached: j.cached as u32 },
+                None => JobOutcome::Failed(PrefillFailure::NoFirstToken),
+            };
+            out.push(self.finish(j, outcome, pool, link));
+        }
+        out
+    }
+
+    /// Each running job's positions this step, `(from, to)` (equal: none), within the
+    /// budget and in the order the jobs were taken.
+    fn plan(&self, page_size: usize) -> Vec<(usize, usize)> {
+        // At least a page per step, or a job whose prompt is longer would never move.
+        let chunk = self.batching.chunk_tokens.max(page_size);
+        let mut left = self.batching.step_tokens.max(chunk);
+        self.jobs
+            .iter()
+            .map(|j| {
+                let rest = j.job.tokens.len() - j.done;
+                let mut n = rest.min(chunk).min(left);
+                if n < rest {
+                    n -= n % page_size;
+                }
+                left -= n;
+                (j.done, j.done + n)
+            })
+            .collect()
+    }
+
+    /// Take queued jobs (the role's, then the policy's) while the step's budget has room
+    /// for them and their pages fit beside the running jobs'. A job is always taken when
+    /// none runs, so one that can never fit fails instead of waiting for ever.
+    fn take_jobs(&mut self, pool: &mut KvPool, link: &mut impl PrefillLink, out: &mut Vec<Step>) {
+        let ps = pool.layout().page_size;
+        loop {
+            let alone = self.jobs.is_empty();
+            let planned: usize = self.plan(ps).iter().map(|(from, to)| to - from).sum();
+            // A job taken now gets at least a page (or its whole prompt) this step.
+            if !alone && planned + ps > self.batching.step_tokens {
+                return;
+            }
+            let stats = pool.stats();
+            // Cached pages nobody reads can be evicted to make room.
+            let room = stats.free_pages + stats.cached_pages;
+            let fits = |j: &PrefillJob| alone || pool.layout().pages_for_tokens(j.tokens.len()) <= room;
+            let (job, rogue) = match self.role.next_job_if(|j| fits(j)) {
                 Some(job) => (job, false),
-                None => match self.rogue.pop_front() {
-                    Some(job) => (job, true),
-                    None => return Step::Idle,
+                None => match self.rogue.front() {
+                    Some(j) if fits(j) => match self.rogue.pop_front() {
+                        Some(j) => (j, true),
+                        None => return,
+                    },
+                    _ => return,
                 },
             };
             match self.start(job, rogue, pool) {
-                Ok(j) => self.job = Some(j),
-                Err((j, why)) => return self.finish(j, JobOutcome::Failed(why), pool, link),
+                Ok(j) => self.jobs.push(j),
+                Err((j, PrefillFailure::NoPages(_))) if !alone && !j.rogue => {
+                    // Shared cache pages the running jobs read could not be evicted: wait
+                    // for them to end.
+                    if let Err(u) = j.seq.release(pool) {
+                        u.reclaim(pool);
+                    }
+                    act(self.role.requeue(j.job), link);
+                    return;
+                }
+                Err((j, why)) => out.push(self.finish(j, JobOutcome::Failed(why), pool, link)),
             }
         }
-        let Some(mut j) = self.job.take() else { return Step::Idle };
-        let req = j.job.req;
-        if !j.rogue && !self.role.keep_going(req) {
-            return self.finish(j, JobOutcome::Stopped, pool, link);
-        }
-        let n = j.job.tokens.len();
-        let (from, to) = (j.done, (j.done + self.chunk_tokens).min(n));
-        let first_token = FirstToken { sampling: &j.job.sampling, skip_draws: j.job.skip_draws };
-        let first = match model.compute(pool, &mut j.seq, &j.job.tokens, from, to, first_token) {
-            Ok(first) => first,
-            Err(e) => return self.finish(j, JobOutcome::Failed(PrefillFailure::Compute(e.to_string())), pool, link),
-        };
-        // The cached prefix travels with the first computed chunk: the decode worker
-        // verifies every prompt page, wherever its KV came from.
-        let chunks = match export_chunks(pool, &j.seq, &j.job.pages, j.sent, to, &mut j.manifest) {
-            Ok(chunks) => chunks,
-            Err(e) => return self.finish(j, JobOutcome::Failed(PrefillFailure::Export(e)), pool, link),
-        };
-        let sent = chunks.len();
-        for (header, data) in chunks {
-            if link.to_decode(j.job.decode, Message::KvChunk { req, header, data }).is_err() {
-                return self.finish(j, JobOutcome::Stopped, pool, link);
-            }
-        }
-        j.done = to;
-        j.sent = to;
-        if to < n {
-            self.job = Some(j);
-            return Step::Computed { req, from, to, chunks: sent };
-        }
-        let outcome = match first {
-            Some((first_token, first_logprobs)) => JobOutcome::Done { tokens: n as u32, first_token, first_logprobs, manifest: j.manifest.digest(), cached: j.cached as u32 },
-            None => JobOutcome::Failed(PrefillFailure::NoFirstToken),
-        };
-        self.finish(j, outcome, pool, link)
     }
 
     /// End a job: a finished one's new full pages go to the cache, every other page goes
@@ -372,6 +483,34 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
         }
         Step::Ended { req, outcome, unreleased }
     }
+}
+
+/// Computes the planned chunks of `jobs` in one pass. If that fails and there were several,
+/// each is computed alone, so one job's failure fails only that job.
+fn compute<M: PrefillCompute>(model: &mut M, pool: &mut KvPool, jobs: &mut [Job], plan: &[(usize, usize)]) -> Vec<Result<Option<First>, String>> {
+    let planned = plan.iter().filter(|(from, to)| from < to).count();
+    let mut chunks: Vec<Chunk<'_>> = jobs
+        .iter_mut()
+        .zip(plan)
+        .filter(|(_, (from, to))| from < to)
+        .map(|(j, &(from, to))| Chunk { seq: &mut j.seq, tokens: &j.job.tokens, from, to, first: FirstToken { sampling: &j.job.sampling, skip_draws: j.job.skip_draws } })
+        .collect();
+    let results: Vec<Result<Option<First>, String>> = match model.compute(pool, &mut chunks) {
+        Ok(firsts) if firsts.len() == planned => firsts.into_iter().map(Ok).collect(),
+        Ok(firsts) => vec![Err(format!("{} results for {planned} chunks", firsts.len())); planned],
+        Err(e) if planned == 1 => vec![Err(e.to_string())],
+        Err(_) => chunks
+            .iter_mut()
+            .map(|c| match model.compute(pool, std::slice::from_mut(c)) {
+                Ok(mut first) if first.len() == 1 => Ok(first.pop().flatten()),
+                Ok(first) => Err(format!("{} results for 1 chunk", first.len())),
+                Err(e) => Err(e.to_string()),
+            })
+            .collect(),
+    };
+    // One result per job, planned or not (an unplanned one's is never read).
+    let mut results = results.into_iter();
+    plan.iter().map(|(from, to)| if from < to { results.next().unwrap_or(Ok(None)) } else { Ok(None) }).collect()
 }
 
 fn act(acts: Vec<PrefillAction>, link: &mut impl PrefillLink) {
