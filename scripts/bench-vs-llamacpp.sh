@@ -4,7 +4,8 @@
 #
 # Usage:
 #   scripts/bench-vs-llamacpp.sh [--model PATH] [--threads N] [--bulkhead-threads N]
-#                                [--ctx N] [--reps N] [--out DIR] [--probe]
+#                                [--ctx N] [--slots N] [--reps N] [--scenarios LIST]
+#                                [--out DIR] [--probe]
 #
 #   --model PATH          GGUF (env MODEL; default
 #                         $BULKHEAD_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf)
@@ -14,15 +15,23 @@
 #                         its prefill AND its decode worker process, so N per worker
 #                         means up to 2N compute threads when both are busy.
 #   --ctx N               context per request/slot (env CTX; default 8192):
-#                         llama-server -np 16 -c 16*N, bulkhead --context-length N
-#                         (its KV pool defaults to 2*N tokens per worker)
+#                         llama-server -c SLOTS*N, bulkhead --context-length N
+#   --slots N             llama-server -np N (env SLOTS; default 64). Both servers get
+#                         the same KV capacity, SLOTS*CTX tokens: llama-server's -c and
+#                         bulkhead's decode pool (--kv-pool-tokens); bulkhead's prefill
+#                         pool holds 8*CTX (--prefill-kv-pool-tokens): it keeps only the
+#                         prompts being computed and its prefix cache
 #   --reps N              alternations A B A B ... per scenario (env REPS; default 2)
+#   --scenarios LIST      comma-separated, from single,conc16,mixed64 (env SCENARIOS;
+#                         default all three)
 #   --out DIR             results (env OUT; default $CACHE_DIR/vs/<UTC timestamp>)
 #   --probe               afterwards, run `bulkhead probe` against both servers
 #
 # Scenarios (each a `bulkhead loadgen` run; ignore_eos keeps outputs at max_tokens):
 #   single: 1 stream,  prompt 512 words (~512 tokens), 128 output tokens, 8 requests
 #   conc16: 16 streams, prompt 512, 128 output tokens, 32 requests
+#   mixed64: 64 streams, prompts uniform over 50..2000 words, 128 output tokens,
+#            64 requests, one wave (needs --ctx >= 2300 or so: a word may be more than a token)
 # Each rep uses its own seed (same for both servers) so no server can reuse a cached
 # prompt from an earlier rep. Ratios are Bulkhead / llama.cpp of the medians over reps.
 #
@@ -45,7 +54,9 @@ MODEL="${MODEL:-$BULKHEAD_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
 THREADS="${THREADS:-$(nproc 2>/dev/null || echo 2)}"
 BH_THREADS="${BULKHEAD_THREADS_PER_WORKER:-}"
 CTX="${CTX:-8192}"
+SLOTS="${SLOTS:-64}"
 REPS="${REPS:-2}"
+SCENARIO_LIST="${SCENARIOS:-single,conc16,mixed64}"
 OUT="${OUT:-}"
 PROBE=0
 
@@ -56,6 +67,8 @@ while [[ $# -gt 0 ]]; do
     --threads) THREADS="$2"; shift 2 ;;
     --bulkhead-threads) BH_THREADS="$2"; shift 2 ;;
     --ctx) CTX="$2"; shift 2 ;;
+    --slots) SLOTS="$2"; shift 2 ;;
+    --scenarios) SCENARIO_LIST="$2"; shift 2 ;;
     --reps) REPS="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --probe) PROBE=1; shift ;;
@@ -93,12 +106,14 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM   # run the EXIT trap on signals too
 
-log "llama-server on :$LPORT (-t $THREADS -np 16 -c $((16 * CTX)))"
-"$LLAMA_SERVER" -m "$MODEL" -t "$THREADS" -tb "$THREADS" -np 16 -c $((16 * CTX)) \
+KV_TOKENS=$((SLOTS * CTX))
+log "llama-server on :$LPORT (-t $THREADS -np $SLOTS -c $KV_TOKENS)"
+"$LLAMA_SERVER" -m "$MODEL" -t "$THREADS" -tb "$THREADS" -np "$SLOTS" -c "$KV_TOKENS" \
   --host 127.0.0.1 --port "$LPORT" > "$OUT/llama-server.log" 2>&1 &
 PIDS+=($!)
-log "bulkhead serve on :$BPORT (--threads $BH_THREADS per worker, --context-length $CTX)"
+log "bulkhead serve on :$BPORT (--threads $BH_THREADS per worker, --context-length $CTX, --kv-pool-tokens $KV_TOKENS)"
 BULKHEAD_LOG=warn "$BULKHEAD" serve --model "$MODEL" --threads "$BH_THREADS" --context-length "$CTX" \
+  --kv-pool-tokens "$KV_TOKENS" --prefill-kv-pool-tokens $((8 * CTX)) \
   --port "$BPORT" > "$OUT/bulkhead-serve.log" 2>&1 &
 PIDS+=($!)
 
@@ -121,16 +136,18 @@ declare -A URL=([llamacpp]="http://127.0.0.1:$LPORT" [bulkhead]="http://127.0.0.
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "host: $(uname -srm); $(nproc) CPUs; $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //')"
   echo "model: $MODEL"
-  echo "llama-server: -t $THREADS -tb $THREADS -np 16 -c $((16 * CTX)) (llama-cpp-python $LLAMA_CPP_PY_VERSION vendor)"
-  echo "bulkhead serve: --threads $BH_THREADS (each of 1 prefill + 1 decode worker) --context-length $CTX"
+  echo "llama-server: -t $THREADS -tb $THREADS -np $SLOTS -c $KV_TOKENS (llama-cpp-python $LLAMA_CPP_PY_VERSION vendor)"
+  echo "bulkhead serve: --threads $BH_THREADS (each of 1 prefill + 1 decode worker) --context-length $CTX --kv-pool-tokens $KV_TOKENS --prefill-kv-pool-tokens $((8 * CTX))"
   echo "bulkhead: $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo ' (dirty tree)')"
 } | tee "$OUT/setup.txt"
 
-SCENARIOS=(single conc16)
+IFS=, read -r -a SCENARIOS <<< "$SCENARIO_LIST"
 declare -A ARGS=(
   [single]="-c 1 -n 8 --prompt-tokens 512 --output-tokens 128 --warmup 1"
   [conc16]="-c 16 -n 32 --prompt-tokens 512 --output-tokens 128 --warmup 1"
+  [mixed64]="-c 64 -n 64 --prompt-tokens uniform:50:2000 --output-tokens 128 --warmup 1"
 )
+for sc in "${SCENARIOS[@]}"; do [[ -n "${ARGS[$sc]:-}" ]] || die "unknown scenario: $sc"; done
 for sc in "${SCENARIOS[@]}"; do
   for ((rep = 1; rep <= REPS; rep++)); do
     for server in llamacpp bulkhead; do
@@ -144,9 +161,9 @@ for sc in "${SCENARIOS[@]}"; do
   done
 done
 
-python3 - "$OUT" "$REPS" <<'PY' | tee "$OUT/summary.md"
+python3 - "$OUT" "$REPS" "$SCENARIO_LIST" <<'PY' | tee "$OUT/summary.md"
 import json, statistics, sys, os
-out, reps = sys.argv[1], int(sys.argv[2])
+out, reps, scenarios = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")
 def load(sc, server):
     return [json.load(open(os.path.join(out, f"{sc}.{server}.{r}.json"))) for r in range(1, reps + 1)]
 figs = [("output tok/s", lambda r: r["output_tokens_per_s"]),
@@ -168,8 +185,11 @@ if ceiling:
           f"{ceiling:.1f} output tok/s\n")
 else:
     print("ceiling: bench-engine's figures not found in bench-engine.txt\n")
-for sc, title in (("single", "1 stream, 512-token prompt, 128 output tokens"),
-                  ("conc16", "16 concurrent streams, 512-token prompts, 128 output tokens")):
+titles = {"single": "1 stream, 512-token prompt, 128 output tokens",
+          "conc16": "16 concurrent streams, 512-token prompts, 128 output tokens",
+          "mixed64": "64 concurrent streams, prompts of 50..2000 words, 128 output tokens"}
+for sc in scenarios:
+    title = titles[sc]
     L, B = load(sc, "llamacpp"), load(sc, "bulkhead")
     bad = [f"{s} rep {i+1}: {r['failed']} failed, {r['short_outputs']} short" for s, rs in (("llama.cpp", L), ("bulkhead", B))
            for i, r in enumerate(rs) if r["failed"] or r["short_outputs"]]

@@ -97,7 +97,7 @@ pub struct ServeArgs {
     #[arg(long, env = "BULKHEAD_TRANSFER_BATCH_PAGES", default_value_t = 32)]
     transfer_batch_pages: usize,
     /// Prompt tokens one prefill step computes in all, over as many queued prompts as fit (each at most one chunk of --transfer-batch-pages per step), so short prompts are not held behind a long one; at least one chunk.
-    #[arg(long, env = "BULKHEAD_MAX_PREFILL_TOKENS", default_value_t = 2048, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, env = "BULKHEAD_MAX_PREFILL_TOKENS", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
     max_prefill_tokens: u32,
     /// How long a decode worker waits for a reservation's prefill worker to send anything (a chunk for any request, or a keepalive) before it fails the transfer (ms); a prefill worker sends keepalives every quarter of this, at most every second, so give both the same value. Queueing at a busy prefill is bounded by --request-timeout-ms.
     #[arg(long, env = "BULKHEAD_TRANSFER_TIMEOUT_MS", default_value_t = 60_000)]
