@@ -4,10 +4,13 @@
 //! them (and fails only when it cannot fit alone); a model error fails only the job it
 //! belongs to; every job's chunks go to its own decode pages.
 
+mod support;
+use support::Recorder;
+
 use std::collections::BTreeMap;
 
 use bulkhead_kv::{Generation, KvChecks, KvLayout, KvPool, PageId, PageRef, PoolConfig, RequestId};
-use bulkhead_protocol::driver::prefill::{Batching, Chunk, First, LinkDown, PrefillCompute, PrefillDriver, PrefillLink, Step};
+use bulkhead_protocol::driver::prefill::{Batching, Chunk, First, PrefillCompute, PrefillDriver, Step};
 use bulkhead_protocol::prefill::{JobOutcome, PrefillConfig, PrefillEvent, PrefillFailure, PrefillRole};
 use bulkhead_protocol::*;
 
@@ -52,29 +55,11 @@ impl PrefillCompute for Model {
     }
 }
 
-#[derive(Default)]
-struct Link {
-    gateway: Vec<Message>,
-    decode: Vec<Message>,
-}
-
-impl PrefillLink for Link {
-    fn to_gateway(&mut self, msg: Message) {
-        self.gateway.push(msg);
-    }
-    fn to_decode(&mut self, _: WorkerId, msg: Message) -> Result<(), LinkDown> {
-        self.decode.push(msg);
-        Ok(())
-    }
-    fn connect(&mut self, _: WorkerId, _: &str) {}
-    fn rejoin(&mut self) {}
-}
-
 struct Worker {
     driver: PrefillDriver,
     pool: KvPool,
     model: Model,
-    link: Link,
+    link: Recorder,
     /// Decode page of each request's first page (its pages follow on).
     first_page: BTreeMap<RequestId, u32>,
 }
@@ -86,7 +71,7 @@ fn worker(pages: usize, chunk: usize, step: usize) -> Worker {
     let mut role = PrefillRole::new(PrefillConfig { max_prompt: 1024, page_size: ps, keepalive_ms: 1000 });
     role.handle(PrefillEvent::DecodeConnected { decode: DECODE });
     let driver = PrefillDriver::new(role, Batching { chunk_tokens: chunk * ps, step_tokens: step * ps });
-    Worker { driver, pool, model: Model::default(), link: Link::default(), first_page: BTreeMap::new() }
+    Worker { driver, pool, model: Model::default(), link: Recorder::default(), first_page: BTreeMap::new() }
 }
 
 impl Worker {

@@ -2,9 +2,12 @@
 //! still sends every prompt page; another tenant never hits; a cache under pressure serves
 //! what a cold pool serves; an abort during a hit gives every shared lease back.
 
+mod support;
+use support::Recorder;
+
 use bulkhead_kv::{Generation, KvChecks, KvError, KvLayout, KvPool, PageId, PageRef, PoolConfig, PrefixCache, RequestId};
 use bulkhead_protocol::cache::{CacheScope, CacheSecret};
-use bulkhead_protocol::driver::prefill::{Batching, Chunk, First, LinkDown, PrefillCompute, PrefillDriver, PrefillLink, Step};
+use bulkhead_protocol::driver::prefill::{Batching, Chunk, First, PrefillCompute, PrefillDriver, Step};
 use bulkhead_protocol::prefill::{JobOutcome, PrefillConfig, PrefillEvent, PrefillRole};
 use bulkhead_protocol::*;
 
@@ -42,29 +45,11 @@ impl PrefillCompute for PrefixModel {
     }
 }
 
-#[derive(Default)]
-struct Link {
-    gateway: Vec<Message>,
-    decode: Vec<Message>,
-}
-
-impl PrefillLink for Link {
-    fn to_gateway(&mut self, msg: Message) {
-        self.gateway.push(msg);
-    }
-    fn to_decode(&mut self, _: WorkerId, msg: Message) -> Result<(), LinkDown> {
-        self.decode.push(msg);
-        Ok(())
-    }
-    fn connect(&mut self, _: WorkerId, _: &str) {}
-    fn rejoin(&mut self) {}
-}
-
 struct Worker {
     driver: PrefillDriver,
     pool: KvPool,
     model: PrefixModel,
-    link: Link,
+    link: Recorder,
 }
 
 fn worker(pages: usize) -> Worker {
@@ -72,7 +57,7 @@ fn worker(pages: usize) -> Worker {
     let mut role = PrefillRole::new(PrefillConfig { max_prompt: pages * 4, page_size: 4, keepalive_ms: 1000 });
     role.handle(PrefillEvent::DecodeConnected { decode: DECODE });
     let driver = PrefillDriver::new(role, Batching::one_chunk(4)).with_cache(PrefixCache::new(pages), DIGEST);
-    Worker { driver, pool, model: PrefixModel { computed: 0 }, link: Link::default() }
+    Worker { driver, pool, model: PrefixModel { computed: 0 }, link: Recorder::default() }
 }
 
 fn scope(tenant: &str) -> CacheScope {
