@@ -380,11 +380,12 @@ impl PrefillRole {
     }
 
     /// Take the next job to compute: the first in the queue whose KV connection is open
-    /// (the others wait for theirs to open), if `take` accepts it (the driver asks whether
-    /// its pages fit beside the jobs already running). Jobs are taken in queue order: one
-    /// that `take` refuses is not overtaken.
-    pub fn next_job_if(&mut self, take: impl FnOnce(&PrefillJob) -> bool) -> Option<PrefillJob> {
-        let i = self.queue.iter().position(|j| self.connected(j.decode))?;
+    /// (the others wait for theirs to open) and that the driver does not `defer` (a job
+    /// that will find its prefix in the cache once a running job ends), if `take` accepts
+    /// it (the driver asks whether its pages fit beside the jobs already running). A
+    /// deferred job may be overtaken; one that `take` refuses is not.
+    pub fn next_job_if(&mut self, defer: impl Fn(&PrefillJob) -> bool, take: impl FnOnce(&PrefillJob) -> bool) -> Option<PrefillJob> {
+        let i = self.queue.iter().position(|j| self.connected(j.decode) && !defer(j))?;
         if !take(&self.queue[i]) {
             return None;
         }
@@ -393,9 +394,9 @@ impl PrefillRole {
         Some(j)
     }
 
-    /// [`PrefillRole::next_job_if`] accepting any job.
+    /// [`PrefillRole::next_job_if`] deferring none and accepting any job.
     pub fn next_job(&mut self) -> Option<PrefillJob> {
-        self.next_job_if(|_| true)
+        self.next_job_if(|_| false, |_| true)
     }
 
     /// Put the running job `job` back at the head of the queue, untouched: the driver

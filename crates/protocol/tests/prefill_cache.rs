@@ -53,10 +53,14 @@ struct Worker {
 }
 
 fn worker(pages: usize) -> Worker {
+    worker_batching(pages, Batching::one_chunk(4))
+}
+
+fn worker_batching(pages: usize, batching: Batching) -> Worker {
     let pool = KvPool::new(PoolConfig { layout: LAYOUT, pages, checks: KvChecks::all() }).unwrap();
     let mut role = PrefillRole::new(PrefillConfig { max_prompt: pages * 4, page_size: 4, keepalive_ms: 1000 });
     role.handle(PrefillEvent::DecodeConnected { decode: DECODE });
-    let driver = PrefillDriver::new(role, Batching::one_chunk(4)).with_cache(PrefixCache::new(pages), DIGEST);
+    let driver = PrefillDriver::new(role, batching).with_cache(PrefixCache::new(pages), DIGEST);
     Worker { driver, pool, model: PrefixModel { computed: 0 }, link: Recorder::default() }
 }
 
@@ -182,4 +186,36 @@ fn an_abort_during_a_hit_gives_every_shared_lease_back_and_leaves_the_cache_whol
     // Still there for the next request of the tenant.
     let (o, _) = w.run(3, &prompt, Some(scope("a")));
     assert_eq!(cached(&o), 12);
+}
+
+/// Batched prefill with a cache: a job that starts with the same full page as a running job
+/// of its scope waits for it and shares its pages (the siblings of `n > 1`), instead of
+/// computing the same prefix beside it; another scope's equal prompt is not held back and
+/// shares nothing. With the deferral removed the second job computes its whole prompt.
+#[test]
+fn a_job_whose_prefix_a_running_job_computes_waits_for_it_and_shares_its_pages() {
+    let mut w = worker_batching(32, Batching { chunk_tokens: 4, step_tokens: 32 });
+    let prompt: Vec<u32> = (0..13).collect();
+    w.submit(1, &prompt, Some(scope("a")));
+    w.submit(2, &prompt, Some(scope("a")));
+    w.submit(3, &prompt, Some(scope("b")));
+    let mut ended = std::collections::BTreeMap::new();
+    let mut first_step_jobs = None;
+    for _ in 0..20 {
+        let steps = w.driver.step(&mut w.model, &mut w.pool, &mut w.link);
+        first_step_jobs.get_or_insert(steps.len());
+        for s in steps {
+            if let Step::Ended { req, outcome, unreleased } = s {
+                assert_eq!(unreleased, None);
+                ended.insert(req, outcome);
+            }
+        }
+    }
+    assert_eq!(first_step_jobs, Some(2), "requests 1 and 3 run together, 2 waits");
+    assert_eq!(cached(&ended[&RequestId(1)]), 0);
+    assert_eq!(cached(&ended[&RequestId(2)]), 12, "{ended:?}");
+    assert_eq!(cached(&ended[&RequestId(3)]), 0, "another scope shares nothing");
+    // 13 + 1 + 13 positions computed: the waiting job only its last one.
+    assert_eq!(w.model.computed, 27);
+    w.pool.check_invariants();
 }

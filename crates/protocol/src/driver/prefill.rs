@@ -13,7 +13,9 @@
 //! `chunk_tokens` per step, until `step_tokens` are planned; a chunk that does not end its
 //! prompt is a whole number of pages. So a long prompt takes one chunk a step and the rest
 //! of the budget goes to the jobs behind it: it does not hold short prompts back, and no
-//! job waits for ever (the oldest is always served first).
+//! job waits for ever (the oldest is always served first). With a cache, a queued job that
+//! starts with the same full page as a running job of its scope waits for that job to end,
+//! so it shares the pages instead of computing them again beside it.
 //!
 //! With a prefix cache ([`PrefillDriver::with_cache`]), a job first shares the longest
 //! cached run of its prompt's full pages under its own scope (the pool checks the fence,
@@ -422,7 +424,18 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
             // Cached pages nobody reads can be evicted to make room.
             let room = stats.free_pages + stats.cached_pages;
             let fits = |j: &PrefillJob| alone || pool.layout().pages_for_tokens(j.tokens.len()) <= room;
-            let (job, rogue) = match self.role.next_job_if(|j| fits(j)) {
+            // A job whose first full page a running job of its scope is computing waits for
+            // it to end and publish its pages (the siblings of `n > 1`, a conversation's
+            // next turn), rather than computing the same prefix beside it.
+            let cache = self.cache.is_some();
+            let jobs = &self.jobs;
+            let defer = |j: &PrefillJob| {
+                cache
+                    && j.cache.is_some()
+                    && j.tokens.len() > ps
+                    && jobs.iter().any(|r| !r.rogue && r.job.cache == j.cache && r.job.tokens.len() > ps && r.job.tokens[..ps] == j.tokens[..ps])
+            };
+            let (job, rogue) = match self.role.next_job_if(defer, |j| fits(j)) {
                 Some(job) => (job, false),
                 None => match self.rogue.front() {
                     Some(j) if fits(j) => match self.rogue.pop_front() {
