@@ -12,7 +12,7 @@ trap 'git checkout -q -- "$core"' EXIT
 
 # name | file | text to replace | replacement
 bugs=(
-  "decode role never told a request left the loop|decode.rs|            self.role.finished(e.req());|            let _ = e.req();"
+  "decode role never told a request left the loop|decode.rs|            cached.push(if terminal { self.role.finished(e.req()) } else { 0 });|            cached.push(if terminal { let _ = e.req(); 0 } else { 0 });"
   "prefill job's own pages never given back|prefill.rs|            _ => match j.seq.release(pool) {|            _ => match { std::mem::forget(j.seq); Ok::<usize, bulkhead_kv::Unreleased>(0) } {"
   "fences dropped on the way to the decode worker|prefill.rs|            PrefillAction::ToDecode { to, msg } => {|            PrefillAction::ToDecode { msg: Message::Fenced { .. }, .. } => {}\n            PrefillAction::ToDecode { to, msg } => {"
 )
