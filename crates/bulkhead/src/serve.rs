@@ -16,6 +16,7 @@ use bulkhead_server::gateway::{self, GatewayOptions};
 use bulkhead_server::http::HttpLimits;
 use bulkhead_server::trust::{self, Trust};
 use bulkhead_kv::KvChecks;
+use bulkhead_server::kv_transport::KvTransport;
 use bulkhead_server::worker::WorkerConfig;
 use clap::{Args, ValueEnum};
 
@@ -38,6 +39,27 @@ impl From<ClusterEncryption> for trust::Encryption {
             ClusterEncryption::Auto => trust::Encryption::Auto,
             ClusterEncryption::On => trust::Encryption::On,
             ClusterEncryption::Off => trust::Encryption::Off,
+        }
+    }
+}
+
+/// `--kv-transport`: which road KV frames take from prefill to decode workers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum KvTransportArg {
+    /// UCX where it loads, the cluster has a key and the peers share shared memory, CMA or RDMA; TCP otherwise.
+    Auto,
+    /// UCX on every KV connection (its TCP included), or the connection fails; needs UCX and a cluster key.
+    Ucx,
+    /// Bulkhead's TCP framing only.
+    Tcp,
+}
+
+impl From<KvTransportArg> for KvTransport {
+    fn from(t: KvTransportArg) -> Self {
+        match t {
+            KvTransportArg::Auto => KvTransport::Auto,
+            KvTransportArg::Ucx => KvTransport::Ucx,
+            KvTransportArg::Tcp => KvTransport::Tcp,
         }
     }
 }
@@ -102,6 +124,9 @@ pub struct ServeArgs {
     /// How long a decode worker waits for a reservation's prefill worker to send anything (a chunk for any request, or a keepalive) before it fails the transfer (ms); a prefill worker sends keepalives every quarter of this, at most every second, so give both the same value. Queueing at a busy prefill is bounded by --request-timeout-ms.
     #[arg(long, env = "BULKHEAD_TRANSFER_TIMEOUT_MS", default_value_t = 60_000)]
     transfer_timeout_ms: u64,
+    /// Which road KV frames take from prefill to decode workers, chosen per connection and logged with it (`bulkhead:kv_connections_total{transport}`); the frames, their MACs and the chunk checks are the same on both.
+    #[arg(long, env = "BULKHEAD_KV_TRANSPORT", value_enum, default_value_t = KvTransportArg::Auto)]
+    kv_transport: KvTransportArg,
     /// A request not finished after this long fails (ms).
     #[arg(long, env = "BULKHEAD_REQUEST_TIMEOUT_MS", default_value_t = 600_000)]
     request_timeout_ms: u64,
@@ -273,6 +298,7 @@ impl ServeArgs {
             kv_checks: self.checks.checks(),
             trust,
             prefix_cache_pages: if self.no_prefix_cache { 0 } else { self.prefix_cache_pages.unwrap_or(usize::MAX) },
+            kv_transport: self.kv_transport.into(),
         })
     }
 }
@@ -280,6 +306,9 @@ impl ServeArgs {
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     let model = a.model.path()?;
     let trust = a.trust()?;
+    if a.role != ServeRole::Gateway {
+        KvTransport::from(a.kv_transport).check(&trust).map_err(anyhow::Error::msg)?;
+    }
     match a.role {
         ServeRole::Prefill | ServeRole::Decode => {
             let gw = a.gateway.clone().context("--gateway HOST:PORT is required for a worker role")?;
@@ -359,6 +388,9 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
                 }
                 if let Some(e) = a.cluster_encryption.to_possible_value() {
                     cmd.args(["--cluster-encryption", e.get_name()]);
+                }
+                if let Some(t) = a.kv_transport.to_possible_value() {
+                    cmd.args(["--kv-transport", t.get_name()]);
                 }
                 // Workers must not bind the gateway's HTTP port or inherit its role.
                 cmd.env_remove("BULKHEAD_ROLE").env_remove("BULKHEAD_PORT").env_remove("BULKHEAD_CONFIG").env_remove("BULKHEAD_API_KEY").env_remove("BULKHEAD_TENANTS");

@@ -396,8 +396,14 @@ fn brief(m: &Message) -> String {
         Message::Cancel { req } => format!("Cancel r{req}"),
         Message::Metrics { .. } => "Metrics".into(),
         Message::Room => "Room".into(),
-        // The handshake is the transport's, under the roles: never on the simulated wire.
-        Message::AuthHello { .. } | Message::AuthChallenge { .. } | Message::AuthProof { .. } | Message::AuthRefused { .. } => m.kind_name().into(),
+        // The handshake and the KV transport negotiation are the transport's, under the
+        // roles: never on the simulated wire.
+        Message::AuthHello { .. }
+        | Message::AuthChallenge { .. }
+        | Message::AuthProof { .. }
+        | Message::AuthRefused { .. }
+        | Message::KvUcxAddress { .. }
+        | Message::KvUcxUse { .. } => m.kind_name().into(),
     }
 }
 

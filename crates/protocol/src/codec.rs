@@ -27,8 +27,9 @@ use crate::msg::*;
 /// whether they want encryption, and an encrypted session's payloads are AES-256-GCM;
 /// 9: prefix-cache scopes and reports; 10: `Sampling` carries penalties, `logit_bias`,
 /// `min_p`, `min_tokens`, `stop_token_ids`, log-probabilities and a grammar, `Token` and
-/// `Done` carry log-probabilities, `Reserve` the prompt when the sampling needs it).
-pub const VERSION: u8 = 10;
+/// `Done` carry log-probabilities, `Reserve` the prompt when the sampling needs it);
+/// 11: the KV transport is negotiated after `KvHello` (`KvUcxAddress`, `KvUcxUse`).
+pub const VERSION: u8 = 11;
 /// Default largest payload accepted (a KV chunk of one page is ~370 KB for the default model).
 pub const DEFAULT_MAX_FRAME: usize = 16 << 20;
 const MAGIC: [u8; 2] = *b"BH";
@@ -438,6 +439,14 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
             w.str(reason);
             28
         }
+        Message::KvUcxAddress { address } => {
+            w.bytes(address);
+            30
+        }
+        Message::KvUcxUse { ucx } => {
+            w.u8(u8::from(*ucx));
+            31
+        }
         Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, prompt, trace } => {
             w.req(*req);
             w.u32(*prompt_tokens);
@@ -620,6 +629,8 @@ fn decode_payload(kind: u8, b: &[u8]) -> Result<Message, CodecError> {
         27 => Message::AuthProof { proof: r.arr()? },
         28 => Message::AuthRefused { reason: r.str("reason")? },
         29 => Message::CacheReport { stored: r.keys()?, evicted: r.keys()? },
+        30 => Message::KvUcxAddress { address: r.bytes()?.to_vec() },
+        31 => Message::KvUcxUse { ucx: r.enum_u8("ucx", flag)? },
         k => return Err(CodecError::UnknownKind(k)),
     };
     if !r.b.is_empty() {
@@ -702,6 +713,24 @@ impl FrameDecoder {
             self.buf.resize(self.end + n, 0);
         }
         &mut self.buf[self.end..]
+    }
+
+    /// Take `whole`, a buffer of whole received frames (one UCX message), as the bytes to
+    /// decode: without a copy when nothing is buffered, else appended. Gives back a buffer
+    /// to receive the next message into.
+    pub fn feed_owned(&mut self, mut whole: Vec<u8>) -> Vec<u8> {
+        if self.buffered() > 0 {
+            self.push(&whole);
+            return whole;
+        }
+        std::mem::swap(&mut self.buf, &mut whole);
+        (self.taken, self.end) = (0, self.buf.len());
+        whole
+    }
+
+    /// The most bytes one frame can take on the wire (header, largest payload, MAC).
+    pub fn max_wire_frame(&self) -> usize {
+        HEADER + self.max_frame + TAG_LEN
     }
 
     /// `n` bytes were written at the start of the last [`FrameDecoder::spare`].
@@ -812,6 +841,9 @@ mod tests {
             Message::AuthChallenge { nonce: [8; 32], proof: [9; 32], encrypt: false },
             Message::AuthProof { proof: [10; 32] },
             Message::AuthRefused { reason: "no key".into() },
+            Message::KvUcxAddress { address: vec![1, 2, 3] },
+            Message::KvUcxAddress { address: Vec::new() },
+            Message::KvUcxUse { ucx: true },
             Message::KvChunk {
                 req: RequestId(5),
                 header: ChunkHeader { page: PageId(3), generation: Generation(9), slot_start: 0, slot_count: 2, checksum: 77 },
@@ -871,6 +903,32 @@ mod tests {
             assert_eq!(got, msgs);
             assert_eq!(d.buffered(), 0);
         }
+    }
+
+    /// One frame per owned buffer (as UCX delivers them), with a part-frame left over in
+    /// between: the same messages as from a byte stream, through the same opener.
+    #[test]
+    fn owned_buffers_decode_like_a_stream() {
+        let (mut enc, mut d) = sealed_pair(true);
+        let msgs = samples();
+        let mut frame = Vec::new();
+        let mut got = Vec::new();
+        for (i, m) in msgs.iter().enumerate() {
+            frame.clear();
+            enc.encode(m, &mut frame);
+            if i == 3 {
+                // Half a frame through the stream path, the rest as an owned buffer.
+                d.push(&frame[..5]);
+                frame.drain(..5);
+            }
+            // The decoder's old buffer comes back, to receive the next frame into.
+            frame = d.feed_owned(frame);
+            while let Some(m) = d.next_message().unwrap() {
+                got.push(m);
+            }
+        }
+        assert_eq!(got, msgs);
+        assert_eq!(d.buffered(), 0);
     }
 
     /// Sealer and opener of one direction of a fresh session.

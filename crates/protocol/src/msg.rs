@@ -317,6 +317,14 @@ pub enum Message {
     DecodePeer { worker: WorkerId, addr: String },
     /// Prefill → decode, first message on a KV connection.
     KvHello { prefill: WorkerId },
+    /// Decode → prefill, the answer to every `KvHello`: the UCX worker address this
+    /// connection's KV frames may go to, or empty (TCP only). Sent only over an
+    /// authenticated session (I9): UCX parses it in C.
+    KvUcxAddress { address: Vec<u8> },
+    /// Prefill → decode, after a non-empty `KvUcxAddress`: whether the frames that follow
+    /// go over UCX (this is then the last frame on the TCP connection from the prefill) or
+    /// stay on TCP.
+    KvUcxUse { ucx: bool },
     /// Prefill → decode, about every second on each KV connection: the prefill worker is
     /// alive and the link carries its frames. Like every frame from it, it re-arms the
     /// transfer timer of the reservations assigned to it, so prompts queued behind others
@@ -406,6 +414,8 @@ impl Message {
             | Message::Refuse { .. }
             | Message::DecodePeer { .. }
             | Message::KvHello { .. }
+            | Message::KvUcxAddress { .. }
+            | Message::KvUcxUse { .. }
             | Message::KvKeepalive
             | Message::KvLost { .. }
             | Message::PrefillUnreachable { .. }
@@ -432,6 +442,8 @@ impl Message {
             Message::Refuse { .. } => "Refuse",
             Message::DecodePeer { .. } => "DecodePeer",
             Message::KvHello { .. } => "KvHello",
+            Message::KvUcxAddress { .. } => "KvUcxAddress",
+            Message::KvUcxUse { .. } => "KvUcxUse",
             Message::KvKeepalive => "KvKeepalive",
             Message::KvLost { .. } => "KvLost",
             Message::PrefillUnreachable { .. } => "PrefillUnreachable",

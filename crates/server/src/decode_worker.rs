@@ -25,6 +25,7 @@ use bulkhead_engine::{Engine, EngineConfig};
 use bulkhead_kv::{KvPool, RequestId};
 use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeLink};
+use crate::kv_transport::KvTransport;
 use crate::trust::Trust;
 use bulkhead_protocol::{Hello, Message, Purpose, Role, WorkerId};
 use tracing::Span;
@@ -61,8 +62,8 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     let (tx, rx) = sync_channel::<In>(INBOX);
     crate::wire::spawn_reader(gw_reader, tx.clone(), In::Gateway, In::GatewayClosed);
     {
-        let (tx, trust) = (tx.clone(), cfg.trust.clone());
-        std::thread::spawn(move || accept_prefills(listener, tx, trust));
+        let (tx, trust, transport) = (tx.clone(), cfg.trust.clone(), cfg.kv_transport);
+        std::thread::spawn(move || accept_prefills(listener, tx, trust, transport));
     }
     let crate::worker::Loaded { model, pool, context, .. } = loaded;
     let engine = Engine::new(Arc::new(model.model), Arc::new(model.tokenizer), pool, EngineConfig::for_context(context));
@@ -216,7 +217,7 @@ impl DecodeLink for Link {
 /// [`HELLO_TIMEOUT`]. Anything else (garbage, a port scanner, an HTTP client, silence, no
 /// key or a wrong one, another prefill's id) closes that connection and the worker serves
 /// on.
-fn accept_prefills(listener: TcpListener, tx: SyncSender<In>, trust: Trust) {
+fn accept_prefills(listener: TcpListener, tx: SyncSender<In>, trust: Trust, transport: KvTransport) {
     let open = Arc::new(AtomicUsize::new(0));
     for conn in listener.incoming() {
         let Ok(stream) = conn else { continue };
@@ -228,13 +229,13 @@ fn accept_prefills(listener: TcpListener, tx: SyncSender<In>, trust: Trust) {
         open.fetch_add(1, Ordering::AcqRel);
         let (tx, open, trust) = (tx.clone(), open.clone(), trust.clone());
         std::thread::spawn(move || {
-            serve_prefill(stream, &tx, &trust);
+            serve_prefill(stream, &tx, &trust, transport);
             open.fetch_sub(1, Ordering::AcqRel);
         });
     }
 }
 
-fn serve_prefill(stream: TcpStream, tx: &SyncSender<In>, trust: &Trust) {
+fn serve_prefill(stream: TcpStream, tx: &SyncSender<In>, trust: &Trust, transport: KvTransport) {
     let _ = stream.set_nodelay(true);
     let Ok(writer) = stream.try_clone() else { return };
     let mut writer = FrameWriter::new(writer);
@@ -248,11 +249,8 @@ fn serve_prefill(stream: TcpStream, tx: &SyncSender<In>, trust: &Trust) {
         let hello = if auth.is_some() { reader.recv()? } else { first };
         Ok((auth, hello))
     });
-    let from = match hello {
-        Ok((auth, Message::KvHello { prefill })) if auth.is_none_or(|a| a.claim == prefill.0) => {
-            tracing::info!(%peer, %prefill, authenticated = auth.is_some(), encrypted = auth.is_some_and(|a| a.encrypted), "KV connection from a prefill worker");
-            prefill
-        }
+    let (from, auth) = match hello {
+        Ok((auth, Message::KvHello { prefill })) if auth.is_none_or(|a| a.claim == prefill.0) => (prefill, auth),
         Ok((Some(auth), Message::KvHello { prefill })) => {
             let claim = auth.claim;
             let total = count_auth_refusal();
@@ -276,6 +274,20 @@ fn serve_prefill(stream: TcpStream, tx: &SyncSender<In>, trust: &Trust) {
             return;
         }
     };
+    let chosen = match transport.accept(auth.is_some(), &mut reader, &mut writer) {
+        Ok(c) => c,
+        Err(e) => {
+            if matches!(e, WireError::Codec(_)) {
+                count_bad_connection();
+            }
+            tracing::warn!(%peer, prefill = %from, error = %e, "KV connection: no transport agreed; closed");
+            return;
+        }
+    };
+    tracing::info!(
+        %peer, prefill = %from, authenticated = auth.is_some(), encrypted = auth.is_some_and(|a| a.encrypted),
+        transport = chosen.name(), detail = chosen.detail(), "KV connection from a prefill worker"
+    );
     // Once introduced, a prefill may stay quiet between keepalives as long as it likes.
     let _ = unlimited.set_read_timeout(None);
     if tx.send(In::PrefillConnected(from, writer)).is_err() {

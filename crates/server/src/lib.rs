@@ -5,7 +5,9 @@
 //! - [`gateway`]: tokio; the OpenAI API (from `bulkhead-api`) over the protocol's gateway role.
 //! - [`prefill_worker`], [`decode_worker`]: blocking threads around the protocol's roles.
 //! - [`worker`]: what both workers share: loading, the capacity contract (I5), registration.
-//! - [`wire`]: frames over blocking TCP, and the cluster handshake over them.
+//! - [`wire`]: frames over blocking TCP (or UCX), and the cluster handshake over them.
+//! - [`kv_transport`]: which road a KV connection's frames take (UCX or TCP), chosen per
+//!   connection over its authenticated session.
 //! - [`trust`]: where the cluster key comes from, and which listeners may run without one.
 //! - [`metrics`]: what each process counts, the workers' reports, the `/metrics` exposition.
 #![forbid(unsafe_code)]
@@ -13,6 +15,7 @@
 pub mod decode_worker;
 pub mod gateway;
 pub mod http;
+pub mod kv_transport;
 pub mod metrics;
 pub mod prefill_worker;
 pub mod trust;

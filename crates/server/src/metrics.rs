@@ -236,6 +236,10 @@ pub fn worker_families(f: &mut Families, pool: &PoolStats, requests: &[(&str, us
     }
     let help = "KV bytes in transfer chunks: sent (prefill worker) or received (decode worker).";
     f.counter("bulkhead:kv_transfer_bytes_total", help, &[], transfer_bytes);
+    for (transport, n) in crate::kv_transport::connections() {
+        let help = "KV connections opened (prefill) or accepted (decode), by the road their frames take: ucx or tcp.";
+        f.counter("bulkhead:kv_connections_total", help, &[("transport", transport)], n);
+    }
     f.refused_connections(&[]);
 }
 

@@ -21,6 +21,7 @@ use bulkhead_engine::Prefiller;
 use bulkhead_kv::{KvPool, PrefixCache, RequestId};
 use bulkhead_protocol::driver::prefill::{Batching, LinkDown, PrefillDriver, PrefillLink, Step};
 use bulkhead_protocol::prefill::{JobOutcome, PrefillConfig, PrefillEvent, PrefillRole};
+use crate::kv_transport::KvTransport;
 use crate::trust::Trust;
 use bulkhead_protocol::{Hello, Message, Purpose, Role, WorkerId};
 
@@ -45,6 +46,8 @@ struct Link {
     decodes: BTreeMap<WorkerId, FrameWriter>,
     /// The cluster's trust settings: each KV connection authenticates with its key as `me`.
     trust: Trust,
+    /// Which road each KV connection's frames may take.
+    transport: KvTransport,
     inbox: SyncSender<In>,
     /// Events about the connections this thread opened, for the driver after its call.
     events: Vec<PrefillEvent>,
@@ -88,15 +91,21 @@ impl PrefillLink for Link {
             s.set_nodelay(true)?;
             let mut reader = FrameReader::new(s.try_clone()?);
             let mut writer = FrameWriter::new(s);
+            reader.set_timeout(Some(crate::decode_worker::HELLO_TIMEOUT))?;
             let auth = connect_handshake(&mut reader, &mut writer, &self.trust, Purpose::Kv, self.me.0)?;
             writer.send(&Message::KvHello { prefill: self.me })?;
-            Ok((reader, writer, auth))
+            let chosen = self.transport.connect(auth.is_some(), &mut reader, &mut writer)?;
+            reader.set_timeout(None)?;
+            Ok((reader, writer, auth, chosen))
         });
         match conn {
-            Ok((reader, writer, auth)) => {
+            Ok((reader, writer, auth, chosen)) => {
                 spawn_reader(reader, self.inbox.clone(), move |m| In::Decode(decode, m), In::DecodeClosed(decode));
                 self.decodes.insert(decode, writer);
-                tracing::info!(%decode, addr, authenticated = auth.is_some(), encrypted = auth.is_some_and(|a| a.encrypted), "KV connection open");
+                tracing::info!(
+                    %decode, addr, authenticated = auth.is_some(), encrypted = auth.is_some_and(|a| a.encrypted),
+                    transport = chosen.name(), detail = chosen.detail(), "KV connection open"
+                );
                 self.events.push(PrefillEvent::DecodeConnected { decode });
             }
             Err(e) => {
@@ -203,7 +212,7 @@ fn incarnation(
     let chunk_tokens = cfg.transfer_batch_pages.max(1) * page_size;
     let batching = Batching { chunk_tokens, step_tokens: cfg.max_prefill_tokens };
     let trust = cfg.trust.clone();
-    let link = Link { me, gw, gw_error: None, decodes: BTreeMap::new(), trust, inbox, events: Vec::new(), sent_bytes: 0, sending: None, rejoin: false };
+    let link = Link { me, gw, gw_error: None, decodes: BTreeMap::new(), trust, transport: cfg.kv_transport, inbox, events: Vec::new(), sent_bytes: 0, sending: None, rejoin: false };
     let driver = PrefillDriver::new(role, batching);
     let mut w = Worker {
         driver: match cache {

@@ -1,7 +1,11 @@
-//! Moving protocol frames over blocking TCP (the workers use plain threads).
+//! Moving protocol frames over blocking TCP (the workers use plain threads), or over UCX
+//! once a KV connection chose it ([`crate::kv_transport`]): the same frames, encoder and
+//! decoder (MACs, checks) either way; only the bytes' road differs.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+use std::time::Duration;
 
 use bulkhead_protocol::auth::{AuthError, Client, ClusterKey, Server, Session};
 
@@ -38,7 +42,15 @@ pub enum WireError {
     Codec(#[from] CodecError),
     #[error("cluster handshake: {0}")]
     Auth(#[from] AuthError),
+    #[error("UCX: {0}")]
+    Ucx(#[from] bulkhead_ucx::UcxError),
+    #[error("{0}")]
+    Transport(String),
 }
+
+/// How long one frame may take over UCX before the link counts as down (a stalled or
+/// vanished peer: UCX's shared-memory transports do not report a dead one).
+const UCX_FRAME_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Bytes asked of the socket per read (the readers here and the gateway's).
 pub(crate) const READ_BYTES: usize = 256 << 10;
@@ -47,12 +59,30 @@ pub(crate) const READ_BYTES: usize = 256 << 10;
 pub struct FrameReader {
     stream: TcpStream,
     decoder: FrameDecoder,
+    /// Once the connection chose UCX: where its frames arrive (and a buffer for the next),
+    /// while the TCP stream only says when the peer is gone.
+    ucx: Option<(bulkhead_ucx::Receiver, Vec<u8>)>,
 }
 
 impl FrameReader {
     /// Wrap a stream (typically a `try_clone` of the writer's).
     pub fn new(stream: TcpStream) -> Self {
-        FrameReader { stream, decoder: FrameDecoder::new(DEFAULT_MAX_FRAME) }
+        FrameReader { stream, decoder: FrameDecoder::new(DEFAULT_MAX_FRAME), ucx: None }
+    }
+
+    /// From now on, frames come over UCX. The peer's last frame on TCP must have been the
+    /// last bytes it sent there.
+    pub fn use_ucx(&mut self, receiver: bulkhead_ucx::Receiver) -> Result<(), WireError> {
+        if self.decoder.buffered() > 0 {
+            return Err(WireError::Transport("bytes on TCP after the switch to UCX".into()));
+        }
+        self.ucx = Some((receiver, Vec::new()));
+        Ok(())
+    }
+
+    /// Set (or clear) the TCP read timeout, for the first frames of a connection.
+    pub fn set_timeout(&self, t: Option<Duration>) -> Result<(), WireError> {
+        Ok(self.stream.set_read_timeout(t)?)
     }
 
     /// From now on, check every frame's MAC (after a handshake).
@@ -65,6 +95,20 @@ impl FrameReader {
         loop {
             if let Some(m) = self.decoder.next_message()? {
                 return Ok(m);
+            }
+            if let Some((rx, spare)) = &mut self.ucx {
+                let limit = self.decoder.max_wire_frame();
+                match rx.recv(self.stream.as_raw_fd(), limit, UCX_FRAME_TIMEOUT, std::mem::take(spare))? {
+                    bulkhead_ucx::Received::Message(frame) => *spare = self.decoder.feed_owned(frame),
+                    // The peer sends nothing more on TCP once on UCX: this is its end.
+                    bulkhead_ucx::Received::Watch => {
+                        return match self.stream.read(&mut [0u8; 1])? {
+                            0 => Err(WireError::Closed),
+                            _ => Err(WireError::Transport("bytes on TCP after the switch to UCX".into())),
+                        };
+                    }
+                }
+                continue;
             }
             // Straight into the decoder's buffer: KV chunks are most of these bytes.
             let n = self.stream.read(self.decoder.spare(READ_BYTES))?;
@@ -100,19 +144,30 @@ pub struct FrameWriter {
     stream: TcpStream,
     encoder: FrameEncoder,
     buf: Vec<u8>,
+    /// Once the connection chose UCX: where its frames go (one message each); the TCP
+    /// stream then carries none and only says when the peer is gone.
+    ucx: Option<bulkhead_ucx::Sender>,
 }
 
 impl FrameWriter {
     /// Frames without MACs (before a handshake, or in a cluster without a key).
     pub fn new(stream: TcpStream) -> Self {
-        FrameWriter { stream, encoder: FrameEncoder::plain(), buf: Vec::new() }
+        FrameWriter { stream, encoder: FrameEncoder::plain(), buf: Vec::new(), ucx: None }
+    }
+
+    /// From now on, frames go over UCX.
+    pub fn use_ucx(&mut self, sender: bulkhead_ucx::Sender) {
+        self.ucx = Some(sender);
     }
 
     /// Write one message (a whole frame, and its MAC).
     pub fn send(&mut self, m: &Message) -> Result<(), WireError> {
         self.buf.clear();
         self.encoder.encode(m, &mut self.buf);
-        self.stream.write_all(&self.buf)?;
+        match &mut self.ucx {
+            Some(tx) => self.buf = tx.send(std::mem::take(&mut self.buf), self.stream.as_raw_fd(), UCX_FRAME_TIMEOUT)?,
+            None => self.stream.write_all(&self.buf)?,
+        }
         Ok(())
     }
 

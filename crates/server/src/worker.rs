@@ -55,6 +55,8 @@ pub struct WorkerConfig {
     pub trust: Trust,
     /// Prefill only: most pages of the pool the prefix cache keeps (0: no cache).
     pub prefix_cache_pages: usize,
+    /// Which road KV frames may take between prefill and decode workers.
+    pub kv_transport: crate::kv_transport::KvTransport,
 }
 
 /// Why a worker could not start or stopped.

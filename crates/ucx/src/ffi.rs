@@ -32,12 +32,17 @@ pub struct Params {
     pub rest: [u64; 8],
 }
 
-/// `ucp_worker_params_t` (200 bytes); all defaults (single-threaded).
+/// `ucp_worker_params_t` (200 bytes); only the thread mode is set.
 #[repr(C)]
 pub struct WorkerParams {
     pub field_mask: u64,
-    pub rest: [u64; 24],
+    pub thread_mode: c_int,
+    pub rest: [u32; 47],
 }
+
+pub const UCP_WORKER_PARAM_FIELD_THREAD_MODE: u64 = 1 << 0;
+/// `UCS_THREAD_MODE_SERIALIZED`: any thread, one at a time.
+pub const UCS_THREAD_MODE_SERIALIZED: c_int = 1;
 
 /// `ucp_ep_params_t` (104 bytes).
 #[repr(C)]
@@ -176,6 +181,7 @@ mod tests {
     fn struct_sizes_match_the_headers() {
         assert_eq!(std::mem::size_of::<Params>(), 80);
         assert_eq!(std::mem::size_of::<WorkerParams>(), 200);
+        assert_eq!(std::mem::offset_of!(WorkerParams, thread_mode), 8);
         assert_eq!(std::mem::size_of::<EpParams>(), 104);
         assert_eq!(std::mem::offset_of!(EpParams, err_mode), 16);
         assert_eq!(std::mem::offset_of!(EpParams, err_handler_cb), 24);

@@ -15,9 +15,9 @@
 //! pages or otherwise. The receiver copies nothing into the KV pool itself: the caller
 //! verifies each chunk and imports it, as for TCP.
 //!
-//! Threads: a [`Sender`] or [`Receiver`] owns its own UCP context and worker in
-//! single-thread mode, is created on the thread that uses it and is not `Send` (its raw
-//! handles make it so).
+//! Threads: a [`Sender`] or [`Receiver`] owns its own UCP context and worker, the worker in
+//! serialized mode (any thread, one at a time). It is `Send`, not `Sync`, and every call
+//! takes it by `&mut` or by value, so one thread at a time is what the compiler enforces.
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod ffi;
@@ -115,6 +115,12 @@ struct Node {
     parked: Vec<Vec<u8>>,
 }
 
+// SAFETY: the worker is created with UCS_THREAD_MODE_SERIALIZED, which allows any thread
+// to use it one at a time; the context serves only this worker. `Node` is not `Sync`, and
+// it is used only through `&mut` of its owner or `&self` within one such call, so no two
+// threads use it at once. Parked buffers are plain `Vec`s.
+unsafe impl Send for Node {}
+
 /// What woke a wait.
 enum Woke {
     Ucx,
@@ -133,8 +139,8 @@ impl Node {
         // SAFETY: `config` came from ucp_config_read and is released once, after use.
         unsafe { (api.config_release)(config) };
         node.context = context?;
-        let params = ffi::WorkerParams { field_mask: 0, rest: [0; 24] };
-        // SAFETY: a live context; params with no fields set (single-threaded worker).
+        let params = ffi::WorkerParams { field_mask: ffi::UCP_WORKER_PARAM_FIELD_THREAD_MODE, thread_mode: ffi::UCS_THREAD_MODE_SERIALIZED, rest: [0; 47] };
+        // SAFETY: a live context; params valid for the call.
         let s = unsafe { (api.worker_create)(node.context, &params, &mut node.worker) };
         node.check("ucp_worker_create", s)?;
         // SAFETY: a live worker of a context created with UCP_FEATURE_WAKEUP.
@@ -181,7 +187,7 @@ impl Node {
     }
 
     fn progress(&self) {
-        // SAFETY: a live worker, used only by this thread (the type is not Send).
+        // SAFETY: a live worker, used by one thread at a time (see `impl Send for Node`).
         while unsafe { (self.api.worker_progress)(self.worker) } != 0 {}
     }
 
@@ -345,6 +351,10 @@ pub struct Sender {
     node: Node,
     ep: Handle,
 }
+
+// SAFETY: the endpoint belongs to `node`'s worker and is used only with it, under the same
+// one-thread-at-a-time rule as `Node` (Sender is not Sync; every use takes `&mut` or `self`).
+unsafe impl Send for Sender {}
 
 impl Sender {
     /// Connect to the receiver whose [`Receiver::address`] is `address`.

@@ -1,0 +1,149 @@
+//! Which road a KV connection's frames take from the prefill to the decode worker: UCX
+//! (shared memory or CMA on one host, RDMA between hosts) or Bulkhead's own TCP framing.
+//!
+//! The choice is made once per connection, right after `KvHello`, over the TCP connection
+//! and its authenticated session (I9): the decode worker answers every `KvHello` with
+//! `KvUcxAddress` (its UCX worker's address, or empty), and after a non-empty one the
+//! prefill says `KvUcxUse`. Either way the frames are the same: the same encoder (MAC,
+//! encryption) on the prefill side, the same decoder and chunk verifier before any byte
+//! reaches a pool page on the decode side. The decode side never registers memory for a
+//! peer ([`bulkhead_ucx`]), so no peer can write into it late (I4). The decode→prefill
+//! direction always stays on TCP, and the TCP connection stays open on both sides: its end
+//! is how either side learns that the other is gone.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bulkhead_protocol::Message;
+
+use crate::trust::Trust;
+use crate::wire::{FrameReader, FrameWriter, WireError};
+
+/// `--kv-transport`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvTransport {
+    /// UCX where it loads, the session is authenticated, and the peers share a transport
+    /// faster than TCP (shared memory, CMA, RDMA); TCP otherwise.
+    #[default]
+    Auto,
+    /// UCX on every KV connection (any transport UCX finds, its TCP included); a
+    /// connection that cannot use it fails.
+    Ucx,
+    /// Bulkhead's TCP framing only.
+    Tcp,
+}
+
+/// KV connections opened or accepted in this process, by the road their frames took.
+static UCX_CONNECTIONS: AtomicU64 = AtomicU64::new(0);
+static TCP_CONNECTIONS: AtomicU64 = AtomicU64::new(0);
+
+/// `(transport, connections)` so far, for `bulkhead:kv_connections_total`.
+pub fn connections() -> [(&'static str, u64); 2] {
+    [("ucx", UCX_CONNECTIONS.load(Ordering::Relaxed)), ("tcp", TCP_CONNECTIONS.load(Ordering::Relaxed))]
+}
+
+/// What a KV connection chose, and why (for its log line).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Chosen {
+    /// UCX, with the lanes it uses where this side knows them.
+    Ucx(String),
+    /// TCP, and why not UCX.
+    Tcp(String),
+}
+
+impl Chosen {
+    fn counted(self) -> Self {
+        let c = if matches!(self, Chosen::Ucx(_)) { &UCX_CONNECTIONS } else { &TCP_CONNECTIONS };
+        c.fetch_add(1, Ordering::Relaxed);
+        self
+    }
+
+    /// `"ucx"` or `"tcp"`.
+    pub fn name(&self) -> &'static str {
+        if matches!(self, Chosen::Ucx(_)) { "ucx" } else { "tcp" }
+    }
+
+    /// The lanes (UCX) or the reason (TCP).
+    pub fn detail(&self) -> &str {
+        match self {
+            Chosen::Ucx(d) | Chosen::Tcp(d) => d,
+        }
+    }
+}
+
+impl KvTransport {
+    /// Refuse a setting that cannot work here, at start: `ucx` needs UCX and a cluster key
+    /// (worker addresses only travel over an authenticated session, I9).
+    pub fn check(self, trust: &Trust) -> Result<(), String> {
+        if self != KvTransport::Ucx {
+            return Ok(());
+        }
+        if trust.key.is_none() {
+            return Err("--kv-transport ucx needs a cluster key (--cluster-key-file FILE): UCX addresses are only exchanged over an authenticated session".into());
+        }
+        bulkhead_ucx::version().map(drop).map_err(|e| format!("--kv-transport ucx: {e}"))
+    }
+
+    fn transports(self) -> bulkhead_ucx::Transports {
+        if self == KvTransport::Ucx { bulkhead_ucx::Transports::Any } else { bulkhead_ucx::Transports::Fast }
+    }
+
+    /// Decode side, after a valid `KvHello` on a connection whose session is
+    /// `authenticated`: offer a UCX address (or none), then learn which road the prefill's
+    /// frames take and set `r` up for it.
+    pub fn accept(self, authenticated: bool, r: &mut FrameReader, w: &mut FrameWriter) -> Result<Chosen, WireError> {
+        let receiver = match (self, authenticated) {
+            (KvTransport::Tcp, _) => Err("--kv-transport tcp".to_string()),
+            (_, false) => Err("the cluster has no key (UCX addresses only travel over an authenticated session)".into()),
+            _ => bulkhead_ucx::Receiver::new(self.transports()).map_err(|e| e.to_string()),
+        };
+        let address = receiver.as_ref().map(|rx| rx.address().to_vec()).unwrap_or_default();
+        w.send(&Message::KvUcxAddress { address })?;
+        let rx = match receiver {
+            Ok(rx) => rx,
+            Err(why) if self == KvTransport::Ucx => return Err(WireError::Transport(format!("--kv-transport ucx, and UCX cannot be used: {why}"))),
+            Err(why) => return Ok(Chosen::Tcp(why).counted()),
+        };
+        match r.recv()? {
+            Message::KvUcxUse { ucx: true } => {
+                r.use_ucx(rx)?;
+                Ok(Chosen::Ucx("ucx".into()).counted())
+            }
+            Message::KvUcxUse { ucx: false } if self == KvTransport::Ucx => {
+                Err(WireError::Transport("the prefill worker would not use UCX, and this decode worker runs with --kv-transport ucx".into()))
+            }
+            Message::KvUcxUse { ucx: false } => Ok(Chosen::Tcp("the prefill worker chose TCP".into()).counted()),
+            other => Err(WireError::Transport(format!("{} where KvUcxUse was due", other.kind_name()))),
+        }
+    }
+
+    /// Prefill side, after sending `KvHello` on a connection whose session is
+    /// `authenticated`: read the decode worker's answer, choose, say so, and set `w` up.
+    pub fn connect(self, authenticated: bool, r: &mut FrameReader, w: &mut FrameWriter) -> Result<Chosen, WireError> {
+        let address = match r.recv()? {
+            Message::KvUcxAddress { address } => address,
+            other => return Err(WireError::Transport(format!("{} where KvUcxAddress was due", other.kind_name()))),
+        };
+        if address.is_empty() {
+            if self == KvTransport::Ucx {
+                return Err(WireError::Transport("the decode worker offers no UCX address, and this prefill worker runs with --kv-transport ucx".into()));
+            }
+            return Ok(Chosen::Tcp("the decode worker offers TCP only".into()).counted());
+        }
+        let sender = match (self, authenticated) {
+            (KvTransport::Tcp, _) => Err("--kv-transport tcp".to_string()),
+            // Never hand UCX an address that did not come over an authenticated session.
+            (_, false) => Err("the session is not authenticated".into()),
+            _ => bulkhead_ucx::Sender::connect(&address, self.transports()).map_err(|e| e.to_string()),
+        };
+        w.send(&Message::KvUcxUse { ucx: sender.is_ok() })?;
+        match sender {
+            Ok(tx) => {
+                let lanes = tx.transports();
+                w.use_ucx(tx);
+                Ok(Chosen::Ucx(lanes).counted())
+            }
+            Err(why) if self == KvTransport::Ucx => Err(WireError::Transport(format!("--kv-transport ucx, and UCX cannot reach the decode worker: {why}"))),
+            Err(why) => Ok(Chosen::Tcp(why).counted()),
+        }
+    }
+}
