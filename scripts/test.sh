@@ -7,6 +7,18 @@ cd "$(dirname "$0")/.."
 # Every `bulkhead serve` the tests start runs the KV auditor (design I6).
 export BULKHEAD_AUDIT_KV=1
 
+# UCX (issue 19): the KV transport's UCX road is tested where libucp loads, and every
+# `bulkhead serve` here takes it by default. As root (CI), install Debian's libucx0 when it
+# is missing; otherwise the tests that need it say so and skip.
+if ! ldconfig -p 2>/dev/null | grep -q 'libucp\.so\.0'; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        { apt-get install -y -q libucx0 || { apt-get update -q && apt-get install -y -q libucx0; }; } >/dev/null 2>&1 ||
+            echo "note: could not install libucx0; the UCX tests will skip"
+    else
+        echo "note: UCX (libucp.so.0) is not installed; the UCX tests will skip"
+    fi
+fi
+
 # Fetch the models (the default and Gemma 3 270M) once up front, so the first tests do not
 # all wait on the fetch lock.
 cargo run --quiet -p bulkhead-fetch --example fetch-model

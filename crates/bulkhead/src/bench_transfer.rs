@@ -1,17 +1,23 @@
-//! `bulkhead bench-transfer`: KV handoff throughput over loopback TCP — export from a
-//! prefill pool, frame, send, decode, verify and import into a decode pool, exactly the
-//! production path minus the model — next to plain memcpy of the same bytes, with the
-//! cluster MAC (issue 18) on every frame, and with every frame encrypted as well.
+//! `bulkhead bench-transfer`: KV handoff throughput between two threads over loopback —
+//! export from a prefill pool, frame, send, decode, verify and import into a decode pool,
+//! exactly the production path minus the model (the production `FrameWriter`,
+//! `FrameReader` and transport negotiation, over TCP or UCX) — next to plain memcpy of the
+//! same bytes, with the cluster MAC (issue 18) on every frame, and with every frame
+//! encrypted as well.
 
-use std::io::Write;
 use std::net::{TcpListener, TcpStream};
+use std::sync::mpsc;
 use std::time::Instant;
 
 use bulkhead_kv::transfer::{export_chunks, Manifest};
 use bulkhead_kv::{Inbound, KvLayout, KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
 use bulkhead_protocol::auth::{Client, ClusterKey, Server, Session};
-use bulkhead_protocol::{FrameDecoder, FrameEncoder, Message, Purpose, DEFAULT_MAX_FRAME};
+use bulkhead_protocol::{Message, Purpose};
+use bulkhead_server::kv_transport::{Chosen, KvTransport};
+use bulkhead_server::wire::{FrameReader, FrameWriter};
 use clap::Args;
+
+use crate::serve::KvTransportArg;
 
 #[derive(Args, Debug)]
 pub struct TransferArgs {
@@ -21,28 +27,41 @@ pub struct TransferArgs {
     /// Transfers timed (the median is reported).
     #[arg(long, env = "BULKHEAD_BENCH_TRANSFER_REPS", default_value_t = 5)]
     reps: usize,
+    /// The road the chunks take, chosen as `serve` chooses it; other than tcp, the TCP figure is measured beside it.
+    #[arg(long, env = "BULKHEAD_KV_TRANSPORT", value_enum, default_value_t = KvTransportArg::Auto)]
+    kv_transport: KvTransportArg,
 }
 
 /// The default model's KV shape.
 const LAYOUT: KvLayout = KvLayout { layers: 30, kv_heads: 3, head_dim: 64, page_size: 16 };
 
-/// The two ends of one direction of a session under `key`, encrypted or not (the
-/// production handshake, in memory): what the prefill side seals with and what the decode
-/// side opens with.
-fn session(key: &ClusterKey, encrypt: bool) -> anyhow::Result<(FrameEncoder, FrameDecoder)> {
+/// Both sides of a session under `key`, encrypted or not (the production handshake, in
+/// memory): the prefill side's and the decode side's.
+fn sessions(key: &ClusterKey, encrypt: bool) -> anyhow::Result<(Session, Session)> {
     let (client, hello) = Client::start(key, Purpose::Kv, 1, encrypt, bulkhead_server::trust::random()?);
     let (server, challenge) = Server::start(key, Purpose::Kv, hello, encrypt, bulkhead_server::trust::random()?)?;
-    let (proof, sender): (Message, Session) = client.finish(challenge)?;
-    let receiver = server.finish(proof)?;
-    anyhow::ensure!(receiver.encrypted == encrypt, "the session's encryption is not what was asked");
-    let mut dec = FrameDecoder::new(DEFAULT_MAX_FRAME);
-    dec.open_with(receiver.recv);
-    Ok((FrameEncoder::sealed(sender.send), dec))
+    let (proof, prefill) = client.finish(challenge)?;
+    let decode = server.finish(proof)?;
+    anyhow::ensure!(decode.encrypted == encrypt, "the session's encryption is not what was asked");
+    Ok((prefill, decode))
+}
+
+/// A connection's two ends as the workers hold them, sealed under `session` if any.
+fn ends(stream: TcpStream, session: Option<Session>) -> anyhow::Result<(FrameReader, FrameWriter)> {
+    stream.set_nodelay(true)?;
+    let mut r = FrameReader::new(stream.try_clone()?);
+    let mut w = FrameWriter::new(stream);
+    if let Some(s) = session {
+        r.open_with(s.recv);
+        w.seal_with(s.send);
+    }
+    Ok((r, w))
 }
 
 /// Seconds per verified transfer of `n` tokens between two pools running `checks`, `reps`
-/// times; with `key`, every frame is sealed as in production (encrypted if its flag says so).
-fn transfer_times(checks: KvChecks, key: Option<(&ClusterKey, bool)>, n: usize, reps: usize) -> anyhow::Result<Vec<f64>> {
+/// times over one connection (set up untimed, as a worker's lives long), and the road it
+/// took; with `key`, every frame is sealed as in production (encrypted if its flag says so).
+fn transfer_times(checks: KvChecks, key: Option<(&ClusterKey, bool)>, transport: KvTransport, n: usize, reps: usize) -> anyhow::Result<(Vec<f64>, Chosen)> {
     let pages = LAYOUT.pages_for_tokens(n);
     let mut src = KvPool::new(PoolConfig { layout: LAYOUT, pages, checks })?;
     let mut seq = SequenceKv::new(RequestId(1));
@@ -58,52 +77,51 @@ fn transfer_times(checks: KvChecks, key: Option<(&ClusterKey, bool)>, n: usize, 
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
     let mut dst = KvPool::new(PoolConfig { layout: LAYOUT, pages, checks })?;
-    let mut times = Vec::new();
-    for rep in 0..reps {
-        let req = RequestId(100 + rep as u64);
-        let mut inbound = Inbound::reserve(&mut dst, req, n, n)?;
-        let targets = inbound.prompt_pages(LAYOUT.page_size);
-        let (mut enc, mut dec) = match key {
-            Some((k, encrypt)) => session(k, encrypt)?,
-            None => (FrameEncoder::plain(), FrameDecoder::new(DEFAULT_MAX_FRAME)),
-        };
-        let t = Instant::now();
-        let (srcref, seqref) = (&src, &seq);
-        let (manifest, received) = std::thread::scope(|s| -> anyhow::Result<(u64, anyhow::Result<()>)> {
-            let sender = s.spawn(move || -> anyhow::Result<u64> {
-                let mut c = TcpStream::connect(addr)?;
-                c.set_nodelay(true)?;
+    let (prefill_session, decode_session) = match key {
+        Some((k, encrypt)) => sessions(k, encrypt).map(|(p, d)| (Some(p), Some(d)))?,
+        None => (None, None),
+    };
+    let (targets_tx, targets_rx) = mpsc::channel::<(RequestId, Vec<bulkhead_kv::PageRef>)>();
+    let (digest_tx, digest_rx) = mpsc::channel();
+    let (srcref, seqref) = (&src, &seq);
+    std::thread::scope(|s| -> anyhow::Result<(Vec<f64>, Chosen)> {
+        let sender = s.spawn(move || -> anyhow::Result<Chosen> {
+            let (mut r, mut w) = ends(TcpStream::connect(addr)?, prefill_session)?;
+            // The bench's peers are its own two threads: "authenticated" even unsealed, so
+            // the unsealed figures can take UCX too.
+            let chosen = transport.connect(true, &mut r, &mut w)?;
+            for (req, targets) in targets_rx {
                 let mut m = Manifest::default();
-                let mut buf = Vec::new();
                 for (header, data) in export_chunks(srcref, seqref, &targets, 0, n, &mut m)? {
-                    buf.clear();
-                    enc.encode(&Message::KvChunk { req, header, data }, &mut buf);
-                    c.write_all(&buf)?;
+                    w.send(&Message::KvChunk { req, header, data })?;
                 }
-                Ok(m.digest())
-            });
-            let (mut conn, _) = listener.accept()?;
-            let recv = (|| -> anyhow::Result<()> {
-                while inbound.received_tokens() < n {
-                    // As the production reader does (server::wire::FrameReader).
-                    let k = std::io::Read::read(&mut conn, dec.spare(256 << 10))?;
-                    anyhow::ensure!(k > 0, "sender closed early");
-                    dec.filled(k);
-                    while let Some(Message::KvChunk { header, data, .. }) = dec.next_message()? {
-                        inbound.accept(&mut dst, &header, &data)?;
-                    }
+                digest_tx.send(m.digest())?;
+            }
+            Ok(chosen)
+        });
+        let (conn, _) = listener.accept()?;
+        let (mut r, mut w) = ends(conn, decode_session)?;
+        transport.accept(true, &mut r, &mut w)?;
+        let mut times = Vec::new();
+        for rep in 0..reps {
+            let req = RequestId(100 + rep as u64);
+            let mut inbound = Inbound::reserve(&mut dst, req, n, n)?;
+            let t = Instant::now();
+            targets_tx.send((req, inbound.prompt_pages(LAYOUT.page_size)))?;
+            while inbound.received_tokens() < n {
+                match r.recv()? {
+                    Message::KvChunk { header, data, .. } => inbound.accept(&mut dst, &header, &data)?,
+                    other => anyhow::bail!("{} where a KV chunk was due", other.kind_name()),
                 }
-                Ok(())
-            })();
-            let digest = sender.join().map_err(|_| anyhow::anyhow!("sender panicked"))??;
-            Ok((digest, recv))
-        })?;
-        received?;
-        let v = inbound.finish(&dst, n, manifest).map_err(|(e, _)| e)?;
-        times.push(t.elapsed().as_secs_f64());
-        v.into_sequence().release(&mut dst)?;
-    }
-    Ok(times)
+            }
+            let v = inbound.finish(&dst, n, digest_rx.recv()?).map_err(|(e, _)| e)?;
+            times.push(t.elapsed().as_secs_f64());
+            v.into_sequence().release(&mut dst)?;
+        }
+        drop(targets_tx);
+        let chosen = sender.join().map_err(|_| anyhow::anyhow!("sender panicked"))??;
+        Ok((times, chosen))
+    })
 }
 
 /// One core's rate (GB/s) of sealing `bytes` in 1 MiB frames with each candidate for the
@@ -139,18 +157,18 @@ fn cipher_rates(bytes: usize) -> anyhow::Result<Vec<(&'static str, f64)>> {
 
 pub fn run(a: TransferArgs) -> anyhow::Result<()> {
     let n = a.tokens.max(1);
+    let reps = a.reps.max(1);
     let bytes = n * LAYOUT.bytes_per_token();
+    let transport = KvTransport::from(a.kv_transport);
     // Production checks (checksums on) without and with the cluster MAC, encrypted, and
-    // checksums off, alternating, for the ratios.
+    // checksums off, each over one connection, and plain TCP beside them.
     let no_checksums = KvChecks { checksums: false, ..KvChecks::default() };
     let key = bulkhead_server::trust::generate_key()?;
-    let (mut times, mut sealed, mut encrypted, mut unchecked) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..a.reps.max(1) {
-        times.extend(transfer_times(KvChecks::default(), None, n, 1)?);
-        sealed.extend(transfer_times(KvChecks::default(), Some((&key, false)), n, 1)?);
-        encrypted.extend(transfer_times(KvChecks::default(), Some((&key, true)), n, 1)?);
-        unchecked.extend(transfer_times(no_checksums, None, n, 1)?);
-    }
+    let (times, chosen) = transfer_times(KvChecks::default(), None, transport, n, reps)?;
+    let (sealed, _) = transfer_times(KvChecks::default(), Some((&key, false)), transport, n, reps)?;
+    let (encrypted, _) = transfer_times(KvChecks::default(), Some((&key, true)), transport, n, reps)?;
+    let (unchecked, _) = transfer_times(no_checksums, None, transport, n, reps)?;
+    let tcp = if matches!(chosen, Chosen::Ucx(_)) { Some(transfer_times(KvChecks::default(), None, KvTransport::Tcp, n, reps)?.0) } else { None };
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
@@ -169,8 +187,16 @@ pub fn run(a: TransferArgs) -> anyhow::Result<()> {
     copies.sort_by(f64::total_cmp);
     let copy = copies[copies.len() / 2];
     let gb = bytes as f64 / 1e9;
-    println!("KV transfer of {n} tokens ({:.1} MB): {:.3} s, {:.2} GB/s verified over loopback TCP", bytes as f64 / 1e6, transfer, gb / transfer);
+    let road = match &chosen {
+        Chosen::Ucx(lanes) => format!("UCX {} ({lanes})", bulkhead_ucx::version().map(|v| v.to_string()).unwrap_or_default()),
+        Chosen::Tcp(why) => format!("loopback TCP ({why})"),
+    };
+    println!("KV transfer of {n} tokens ({:.1} MB) over {road}: {:.3} s, {:.2} GB/s verified", bytes as f64 / 1e6, transfer, gb / transfer);
     println!("memcpy of the same bytes: {:.2} GB/s; transfer / memcpy = {:.3}", gb / copy, copy / transfer);
+    if let Some(tcp) = tcp {
+        let tcp = median(tcp);
+        println!("the same over loopback TCP: {:.2} GB/s, transfer / memcpy = {:.3}; UCX / TCP throughput = {:.2}", gb / tcp, copy / tcp, tcp / transfer);
+    }
     println!(
         "with the cluster MAC on every frame (keyed BLAKE3): {:.2} GB/s; throughput with / without the MAC = {:.3}",
         gb / transfer_sealed,
@@ -184,8 +210,9 @@ pub fn run(a: TransferArgs) -> anyhow::Result<()> {
     let rates: Vec<String> = cipher_rates(bytes)?.iter().map(|(name, r)| format!("{name} {r:.2} GB/s")).collect();
     println!("one core sealing the same bytes in 1 MiB frames: {}", rates.join(", "));
     println!(
-        "without checksums (measurement only): {:.2} GB/s; throughput with / without checksums = {:.3}",
+        "without checksums (measurement only): {:.2} GB/s, transfer / memcpy = {:.3}; throughput with / without checksums = {:.3}",
         gb / transfer_unchecked,
+        copy / transfer_unchecked,
         transfer_unchecked / transfer
     );
     Ok(())

@@ -181,7 +181,9 @@ impl FrameWriter {
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
     }
 
-    fn seal_with(&mut self, session_send: bulkhead_protocol::auth::Sealer) {
+    /// From now on, seal every frame (after a handshake; `bench-transfer` uses it with an
+    /// in-memory one).
+    pub fn seal_with(&mut self, session_send: bulkhead_protocol::auth::Sealer) {
         self.encoder = FrameEncoder::sealed(session_send);
     }
 }
