@@ -2,7 +2,8 @@
 //! veth links, real TCP between them. The prefill–decode link is cut in the middle of a KV
 //! transfer: the request fails cleanly, its decode pages stay quarantined (nothing is freed
 //! before the writer is fenced), and once the link is back later requests succeed and both
-//! pools return to full.
+//! pools return to full. Before that, the same three hosts with the default KV transport:
+//! on one machine UCX finds shared memory between the namespaces, and the KV takes it.
 //!
 //! Needs root and `ip` (iproute2); elsewhere it says why and passes without running.
 
@@ -134,6 +135,29 @@ fn chat(max_tokens: usize, user: &str) -> common::Response {
     request(HTTP, "POST", "/v1/chat/completions", &[], &body.to_string())
 }
 
+/// Three hosts with the default `--kv-transport auto`: where UCX loads, the KV connection
+/// takes its shared memory (the namespaces share one machine's memory), the answer is the
+/// same greedy text as over TCP, and both sides log the road; without UCX, TCP.
+fn kv_over_ucx_between_namespaces() {
+    let mut h = hosts().expect("namespaces");
+    let g = h.spawn("g", &["--role", "gateway", "--host", "10.231.0.2", "--port", "8080", "--worker-listen", "0.0.0.0:7000"]);
+    let p = h.spawn("p", &["--role", "prefill", "--gateway", "10.231.1.1:7000", "--transfer-batch-pages", "8"]);
+    let d = h.spawn("d", &["--role", "decode", "--gateway", "10.231.2.1:7000", "--kv-listen", "10.231.3.2:7100"]);
+    let logs = [g.as_path(), p.as_path(), d.as_path()];
+    wait_for("all roles registered", Duration::from_secs(60), &logs, || {
+        std::net::TcpStream::connect(HTTP).is_ok() && request(HTTP, "GET", "/ready", &[], "").status == 200
+    });
+    let long = "The quick brown fox jumps over the lazy dog. ".repeat(100);
+    let r = chat(8, &long);
+    assert_eq!(r.status, 200, "across three hosts: {}", r.body);
+    let road = if bulkhead_ucx::version().is_ok() { "transport=\"ucx\"" } else { "transport=\"tcp\"" };
+    for (log, line) in [(&p, "KV connection open"), (&d, "KV connection from a prefill worker")] {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        assert!(text.lines().any(|l| l.contains(line) && l.contains(road) && l.contains("encrypted=true")), "{line} {road} in {}:\n{text}", log.display());
+    }
+    eprintln!("between namespaces: {}", std::fs::read_to_string(&p).unwrap_or_default().lines().filter(|l| l.contains("KV connection open")).collect::<Vec<_>>().join("\n"));
+}
+
 /// A fourth host on the cluster's networks, with a key of its own: it tries to register as
 /// a decode worker, and to open a KV connection as prefill worker 1 without a handshake.
 /// Both are refused and counted.
@@ -182,18 +206,30 @@ fn rogue_host_is_refused_by_the_gateway_and_the_kv_port(h: &mut Hosts, logs: &[&
 
 #[test]
 fn cutting_the_prefill_decode_link_mid_transfer_fails_one_request_and_frees_nothing_before_the_fence() {
-    let mut h = match hosts() {
-        Ok(h) => h,
-        Err(e) => {
-            eprintln!("SKIPPED: network namespaces are not available here (needs root and iproute2): {e}");
-            return;
-        }
-    };
+    if let Err(e) = hosts() {
+        eprintln!("SKIPPED: network namespaces are not available here (needs root and iproute2): {e}");
+        return;
+    }
+    kv_over_ucx_between_namespaces();
+    let mut h = hosts().expect("the namespaces again");
     let g = h.spawn("g", &["--role", "gateway", "--host", "10.231.0.2", "--port", "8080", "--worker-listen", "0.0.0.0:7000"]);
-    let p = h.spawn("p", &["--role", "prefill", "--gateway", "10.231.1.1:7000", "--transfer-batch-pages", "8"]);
+    // The cut is of the network link, which only TCP takes (UCX's shared memory between the
+    // namespaces does not cross it).
+    let p = h.spawn("p", &["--role", "prefill", "--gateway", "10.231.1.1:7000", "--transfer-batch-pages", "8", "--kv-transport", "tcp"]);
     let d = h.spawn(
         "d",
-        &["--role", "decode", "--gateway", "10.231.2.1:7000", "--kv-listen", "10.231.3.2:7100", "--transfer-timeout-ms", "2000"],
+        &[
+            "--role",
+            "decode",
+            "--gateway",
+            "10.231.2.1:7000",
+            "--kv-listen",
+            "10.231.3.2:7100",
+            "--transfer-timeout-ms",
+            "2000",
+            "--kv-transport",
+            "tcp",
+        ],
     );
     let logs = [g.as_path(), p.as_path(), d.as_path()];
     wait_for("all roles registered", Duration::from_secs(60), &logs, || {

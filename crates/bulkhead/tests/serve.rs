@@ -198,7 +198,8 @@ fn a_chunk_altered_on_the_wire_is_refused_and_counted_and_never_answers_wrong() 
     let kv = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
     let proxy = tampering_proxy(kv);
     let (kv_s, proxy_s) = (kv.to_string(), proxy.to_string());
-    let s = serve(&[], &[("BULKHEAD_KV_LISTEN", &kv_s), ("BULKHEAD_KV_ADVERTISE", &proxy_s)]);
+    // The proxy sits on TCP: the frames must take it (over UCX they would not pass it).
+    let s = serve(&["--kv-transport", "tcp"], &[("BULKHEAD_KV_LISTEN", &kv_s), ("BULKHEAD_KV_ADVERTISE", &proxy_s)]);
     let (status, v) = chat(&s.http, SYSTEM, PROMPTS[0], 32);
     assert!(status == 200 && content(&v) == want || status >= 500 && v.get("error").is_some(), "{status} {v}");
     assert!(counter(&s, "bulkhead:bad_connections_total", &[], 1.0) >= 1.0);
@@ -737,4 +738,71 @@ fn structured_outputs_logprobs_n_and_tools_hold_across_the_handoff() {
     assert_eq!(call["name"], "get_weather");
     let args: serde_json::Value = serde_json::from_str(call["arguments"].as_str().expect("arguments")).expect("JSON arguments");
     assert!(args["city"].is_string(), "{args}");
+}
+
+/// The KV road (issue 19): `auto` takes UCX where it loads (`scripts/test.sh` installs it
+/// as root), `--kv-transport tcp` keeps TCP, each connection is logged and counted by its
+/// road, and the answers are the same greedy text either way, a multi-chunk prompt too.
+#[test]
+fn kv_frames_take_ucx_where_it_loads_and_tcp_when_asked_with_the_same_answers() {
+    let want = generate(PROMPTS[0]);
+    let ucx = bulkhead_ucx::version().is_ok();
+    if !ucx {
+        eprintln!("UCX is not usable here: checking only that auto keeps TCP");
+    }
+    let long = "Tell me everything you know about lighthouses and the sea. ".repeat(90);
+    let mut long_answers = Vec::new();
+    for (args, road) in [(&[][..], if ucx { "ucx" } else { "tcp" }), (&["--kv-transport", "tcp"][..], "tcp")] {
+        let s = serve(args, &[]);
+        let (status, v) = chat(&s.http, SYSTEM, PROMPTS[0], 32);
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(content(&v), want, "over {road}");
+        let (status, v) = chat(&s.http, SYSTEM, &long, 16);
+        assert_eq!(status, 200, "{v}");
+        assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 1024, "several prefill chunks: {v}");
+        long_answers.push(content(&v));
+        for role in ["prefill", "decode"] {
+            assert_eq!(counter(&s, "bulkhead:kv_connections_total", &[("role", role), ("transport", road)], 1.0), 1.0, "{role} over {road}");
+        }
+        let other = if road == "ucx" { "tcp" } else { "ucx" };
+        assert_eq!(common::sum(&common::scrape(&s.http), "bulkhead:kv_connections_total", &[("transport", other)]), 0.0);
+        let log = std::fs::read_to_string(&s.stderr_log).unwrap();
+        let open = format!("transport=\"{road}\"");
+        assert!(log.lines().any(|l| l.contains("KV connection open") && l.contains(&open)), "{log}");
+        assert!(log.lines().any(|l| l.contains("KV connection from a prefill worker") && l.contains(&open)), "{log}");
+    }
+    assert_eq!(long_answers[0], long_answers[1], "the same KV over either road");
+}
+
+/// Bytes that arrive over UCX meet the same MAC check as TCP's before anything reads them:
+/// a frame with a tag never sealed under the session closes its connection, is counted,
+/// and the cluster serves on.
+#[test]
+fn a_forged_frame_over_ucx_closes_its_connection_like_one_over_tcp() {
+    use bulkhead_protocol::{Message, Purpose, WorkerId};
+    if let Err(e) = bulkhead_ucx::version() {
+        eprintln!("skipped: UCX is not usable here ({e})");
+        return;
+    }
+    let key = key_file();
+    let s = serve(&["--cluster-key-file", &key], &[]);
+    let (mut r, mut w) = internal(&kv_addr(&s), Some(&key), Purpose::Kv, 77).unwrap();
+    w.send(&Message::KvHello { prefill: WorkerId(77) }).unwrap();
+    let address = match r.recv() {
+        Ok(Message::KvUcxAddress { address }) => address,
+        other => panic!("the decode worker answers KvHello with its UCX address: {other:?}"),
+    };
+    assert!(!address.is_empty(), "an authenticated session is offered UCX");
+    let mut tx = bulkhead_ucx::Sender::connect(&address, bulkhead_ucx::Transports::Any).unwrap();
+    w.send(&Message::KvUcxUse { address: tx.address().to_vec() }).unwrap();
+    let mut frame = Vec::new();
+    bulkhead_protocol::encode(&Message::KvKeepalive, &mut frame);
+    frame.extend_from_slice(&[0u8; 16]);
+    let (_a, watch) = std::os::unix::net::UnixStream::pair().unwrap();
+    tx.send(frame, std::os::fd::AsRawFd::as_raw_fd(&watch), Duration::from_secs(10)).unwrap();
+    assert!(r.recv().is_err(), "the decode worker closes the connection");
+    assert!(counter(&s, "bulkhead:bad_connections_total", &[("role", "decode")], 1.0) >= 1.0);
+    let log = std::fs::read_to_string(&s.stderr_log).unwrap();
+    assert!(log.lines().any(|l| l.contains("bad frame on a KV connection") && l.contains("failed authentication")), "{log}");
+    assert_eq!(chat(&s.http, SYSTEM, "Hi", 4).0, 200);
 }

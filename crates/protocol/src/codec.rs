@@ -443,8 +443,8 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
             w.bytes(address);
             30
         }
-        Message::KvUcxUse { ucx } => {
-            w.u8(u8::from(*ucx));
+        Message::KvUcxUse { address } => {
+            w.bytes(address);
             31
         }
         Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, prompt, trace } => {
@@ -630,7 +630,7 @@ fn decode_payload(kind: u8, b: &[u8]) -> Result<Message, CodecError> {
         28 => Message::AuthRefused { reason: r.str("reason")? },
         29 => Message::CacheReport { stored: r.keys()?, evicted: r.keys()? },
         30 => Message::KvUcxAddress { address: r.bytes()?.to_vec() },
-        31 => Message::KvUcxUse { ucx: r.enum_u8("ucx", flag)? },
+        31 => Message::KvUcxUse { address: r.bytes()?.to_vec() },
         k => return Err(CodecError::UnknownKind(k)),
     };
     if !r.b.is_empty() {
@@ -843,7 +843,7 @@ mod tests {
             Message::AuthRefused { reason: "no key".into() },
             Message::KvUcxAddress { address: vec![1, 2, 3] },
             Message::KvUcxAddress { address: Vec::new() },
-            Message::KvUcxUse { ucx: true },
+            Message::KvUcxUse { address: vec![4, 5] },
             Message::KvChunk {
                 req: RequestId(5),
                 header: ChunkHeader { page: PageId(3), generation: Generation(9), slot_start: 0, slot_count: 2, checksum: 77 },

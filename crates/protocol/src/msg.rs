@@ -321,10 +321,11 @@ pub enum Message {
     /// connection's KV frames may go to, or empty (TCP only). Sent only over an
     /// authenticated session (I9): UCX parses it in C.
     KvUcxAddress { address: Vec<u8> },
-    /// Prefill → decode, after a non-empty `KvUcxAddress`: whether the frames that follow
-    /// go over UCX (this is then the last frame on the TCP connection from the prefill) or
-    /// stay on TCP.
-    KvUcxUse { ucx: bool },
+    /// Prefill → decode, after a non-empty `KvUcxAddress`: the prefill's own UCX worker
+    /// address if the frames that follow go over UCX (this is then the last frame on the
+    /// TCP connection from the prefill; the decode side opens an endpoint back, which UCX
+    /// needs between network namespaces), or empty if they stay on TCP.
+    KvUcxUse { address: Vec<u8> },
     /// Prefill → decode, about every second on each KV connection: the prefill worker is
     /// alive and the link carries its frames. Like every frame from it, it re-arms the
     /// transfer timer of the reservations assigned to it, so prompts queued behind others

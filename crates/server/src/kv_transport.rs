@@ -4,7 +4,7 @@
 //! The choice is made once per connection, right after `KvHello`, over the TCP connection
 //! and its authenticated session (I9): the decode worker answers every `KvHello` with
 //! `KvUcxAddress` (its UCX worker's address, or empty), and after a non-empty one the
-//! prefill says `KvUcxUse`. Either way the frames are the same: the same encoder (MAC,
+//! prefill says `KvUcxUse` (its own address, or empty for TCP). Either way the frames are the same: the same encoder (MAC,
 //! encryption) on the prefill side, the same decoder and chunk verifier before any byte
 //! reaches a pool page on the decode side. The decode side never registers memory for a
 //! peer ([`bulkhead_ucx`]), so no peer can write into it late (I4). The decode→prefill
@@ -104,14 +104,16 @@ impl KvTransport {
             Err(why) => return Ok(Chosen::Tcp(why).counted()),
         };
         match r.recv()? {
-            Message::KvUcxUse { ucx: true } => {
+            Message::KvUcxUse { address } if !address.is_empty() => {
+                let mut rx = rx;
+                rx.connect_back(&address)?;
                 r.use_ucx(rx)?;
                 Ok(Chosen::Ucx("ucx".into()).counted())
             }
-            Message::KvUcxUse { ucx: false } if self == KvTransport::Ucx => {
+            Message::KvUcxUse { .. } if self == KvTransport::Ucx => {
                 Err(WireError::Transport("the prefill worker would not use UCX, and this decode worker runs with --kv-transport ucx".into()))
             }
-            Message::KvUcxUse { ucx: false } => Ok(Chosen::Tcp("the prefill worker chose TCP".into()).counted()),
+            Message::KvUcxUse { .. } => Ok(Chosen::Tcp("the prefill worker chose TCP".into()).counted()),
             other => Err(WireError::Transport(format!("{} where KvUcxUse was due", other.kind_name()))),
         }
     }
@@ -135,7 +137,7 @@ impl KvTransport {
             (_, false) => Err("the session is not authenticated".into()),
             _ => bulkhead_ucx::Sender::connect(&address, self.transports()).map_err(|e| e.to_string()),
         };
-        w.send(&Message::KvUcxUse { ucx: sender.is_ok() })?;
+        w.send(&Message::KvUcxUse { address: sender.as_ref().map(|tx| tx.address().to_vec()).unwrap_or_default() })?;
         match sender {
             Ok(tx) => {
                 let lanes = tx.transports();

@@ -33,6 +33,11 @@ use ffi::{Api, Handle, StatusPtr};
 const MIN_VERSION: (u32, u32) = (1, 10);
 /// The one tag every frame is sent under: a receiver serves one sender.
 const TAG: u64 = 0xb0_1c_4e_ad;
+/// The longest a wait sleeps before progressing UCX anyway. UCX's shared-memory wakeups
+/// travel over a Unix socket, which does not cross network namespaces (peers on one host in
+/// two namespaces still share memory): without this cap such a receiver sleeps through the
+/// frames that arrived.
+const WAKE_CHECK: Duration = Duration::from_millis(2);
 /// Most bytes of a peer's worker address accepted (UCX's own are a few hundred).
 pub const MAX_ADDRESS: usize = 64 << 10;
 
@@ -186,13 +191,48 @@ impl Node {
         unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
     }
 
+    fn address(&self) -> Result<Vec<u8>, UcxError> {
+        let mut a: Handle = std::ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: a live worker; valid out-pointers.
+        self.check("ucp_worker_get_address", unsafe { (self.api.worker_get_address)(self.worker, &mut a, &mut len) })?;
+        // SAFETY: UCX gave `len` readable bytes at `a`, copied before release.
+        let address = unsafe { std::slice::from_raw_parts(a as *const u8, len) }.to_vec();
+        // SAFETY: the address this worker gave, released once.
+        unsafe { (self.api.worker_release_address)(self.worker, a) };
+        Ok(address)
+    }
+
+    fn endpoint(&self, address: &[u8]) -> Result<Endpoint, UcxError> {
+        if address.is_empty() || address.len() > MAX_ADDRESS {
+            return Err(UcxError::BadAddress(address.len()));
+        }
+        let params = ffi::EpParams {
+            // No peer-failure mode: UCX 1.13's shared-memory transports do not support it. A
+            // peer that goes away is seen on the control connection instead.
+            field_mask: ffi::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS,
+            address: address.as_ptr().cast(),
+            err_mode: 0,
+            err_handler_cb: std::ptr::null_mut(),
+            err_handler_arg: std::ptr::null_mut(),
+            user_data: std::ptr::null_mut(),
+            flags: 0,
+            rest: [0; 13],
+        };
+        let mut ep: Handle = std::ptr::null_mut();
+        // SAFETY: a live worker; `address` is read during the call only; valid out-pointer.
+        self.check("ucp_ep_create", unsafe { (self.api.ep_create)(self.worker, &params, &mut ep) })?;
+        Ok(Endpoint { api: self.api, worker: self.worker, ep })
+    }
+
     fn progress(&self) {
         // SAFETY: a live worker, used by one thread at a time (see `impl Send for Node`).
         while unsafe { (self.api.worker_progress)(self.worker) } != 0 {}
     }
 
     /// Sleep until UCX has something to progress, `watch` has one of its events, or
-    /// `timeout` passes (`None`: no limit). Spurious wakeups are fine: callers re-check.
+    /// `timeout` passes (`None`: no limit), [`WAKE_CHECK`] at most. Spurious wakeups are
+    /// fine: callers re-check.
     fn wait(&self, watch: Option<(RawFd, i16)>, timeout: Option<Duration>) -> Result<Woke, UcxError> {
         // SAFETY: a live worker of a context created with UCP_FEATURE_WAKEUP.
         match unsafe { (self.api.worker_arm)(self.worker) } {
@@ -202,7 +242,7 @@ impl Node {
         }
         let (fd, events) = watch.unwrap_or((-1, 0));
         let mut fds = [libc::pollfd { fd: self.efd, events: libc::POLLIN, revents: 0 }, libc::pollfd { fd, events, revents: 0 }];
-        let ms = timeout.map_or(-1, |d| d.as_millis().clamp(1, i32::MAX as u128) as c_int);
+        let ms = timeout.map_or(WAKE_CHECK, |d| d.min(WAKE_CHECK)).as_millis().max(1) as c_int;
         // SAFETY: two valid pollfd entries (a negative fd is ignored by poll).
         if unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) } < 0 {
             let e = std::io::Error::last_os_error();
@@ -283,6 +323,9 @@ fn cstring(s: &str) -> CString {
 
 /// The receiving end (decode side) of one connection.
 pub struct Receiver {
+    /// The endpoint back to the sender (never sent on); declared first, so it closes
+    /// before the worker goes.
+    back: Option<Endpoint>,
     node: Node,
     address: Vec<u8>,
 }
@@ -300,15 +343,16 @@ impl Receiver {
     /// A new worker to receive on; its [`Receiver::address`] goes to the sender.
     pub fn new(transports: Transports) -> Result<Receiver, UcxError> {
         let node = Node::new(transports)?;
-        let mut a: Handle = std::ptr::null_mut();
-        let mut len = 0usize;
-        // SAFETY: a live worker; valid out-pointers.
-        node.check("ucp_worker_get_address", unsafe { (node.api.worker_get_address)(node.worker, &mut a, &mut len) })?;
-        // SAFETY: UCX gave `len` readable bytes at `a`, copied before release.
-        let address = unsafe { std::slice::from_raw_parts(a as *const u8, len) }.to_vec();
-        // SAFETY: the address this worker gave, released once.
-        unsafe { (node.api.worker_release_address)(node.worker, a) };
-        Ok(Receiver { node, address })
+        let address = node.address()?;
+        Ok(Receiver { back: None, node, address })
+    }
+
+    /// Open the endpoint back to the sender whose [`Sender::address`] is `address`. UCX
+    /// needs one on each side between network namespaces (its shared-memory wireup does not
+    /// complete there with one); nothing is ever sent on it.
+    pub fn connect_back(&mut self, address: &[u8]) -> Result<(), UcxError> {
+        self.back = Some(self.node.endpoint(address)?);
+        Ok(())
     }
 
     /// This worker's address, for the sender (over the authenticated control session only:
@@ -348,13 +392,12 @@ impl Receiver {
 
 /// The sending end (prefill side) of one connection.
 pub struct Sender {
+    // Field order: the endpoint closes before the worker is destroyed.
+    ep: Endpoint,
     node: Node,
-    ep: Handle,
+    address: Vec<u8>,
 }
 
-// SAFETY: the endpoint belongs to `node`'s worker and is used only with it, under the same
-// one-thread-at-a-time rule as `Node` (Sender is not Sync; every use takes `&mut` or `self`).
-unsafe impl Send for Sender {}
 
 impl Sender {
     /// Connect to the receiver whose [`Receiver::address`] is `address`.
@@ -363,22 +406,14 @@ impl Sender {
             return Err(UcxError::BadAddress(address.len()));
         }
         let node = Node::new(transports)?;
-        let params = ffi::EpParams {
-            // No peer-failure mode: UCX 1.13's shared-memory transports do not support it. A
-            // peer that goes away is seen on the control connection instead.
-            field_mask: ffi::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS,
-            address: address.as_ptr().cast(),
-            err_mode: 0,
-            err_handler_cb: std::ptr::null_mut(),
-            err_handler_arg: std::ptr::null_mut(),
-            user_data: std::ptr::null_mut(),
-            flags: 0,
-            rest: [0; 13],
-        };
-        let mut ep: Handle = std::ptr::null_mut();
-        // SAFETY: a live worker; `address` is read during the call only; valid out-pointer.
-        node.check("ucp_ep_create", unsafe { (node.api.ep_create)(node.worker, &params, &mut ep) })?;
-        Ok(Sender { node, ep })
+        let ep = node.endpoint(address)?;
+        let address = node.address()?;
+        Ok(Sender { node, ep, address })
+    }
+
+    /// This worker's address, for the receiver's [`Receiver::connect_back`].
+    pub fn address(&self) -> &[u8] {
+        &self.address
     }
 
     /// Send one message and wait until UCX is done with it, then give its buffer back;
@@ -387,7 +422,7 @@ impl Sender {
     pub fn send(&mut self, bytes: Vec<u8>, watch: RawFd, timeout: Duration) -> Result<Vec<u8>, UcxError> {
         // SAFETY: a live endpoint; `bytes` moves into `complete`, which gives it back only
         // once UCX is done with the request (or parks it).
-        let p = unsafe { (self.node.api.tag_send_nbx)(self.ep, bytes.as_ptr().cast(), bytes.len(), TAG, &ffi::RequestParam::none()) };
+        let p = unsafe { (self.node.api.tag_send_nbx)(self.ep.ep, bytes.as_ptr().cast(), bytes.len(), TAG, &ffi::RequestParam::none()) };
         self.node.complete(p, bytes, Some((watch, libc::POLLRDHUP)), timeout)
     }
 
@@ -403,7 +438,7 @@ impl Sender {
             if f.is_null() {
                 return "unknown".into();
             }
-            (self.node.api.ep_print_info)(self.ep, f);
+            (self.node.api.ep_print_info)(self.ep.ep, f);
             libc::fclose(f);
             let text = if buf.is_null() { String::new() } else { CStr::from_ptr(buf).to_string_lossy().into_owned() };
             libc::free(buf.cast());
@@ -413,22 +448,34 @@ impl Sender {
     }
 }
 
-impl Drop for Sender {
+/// An endpoint of a node's worker, force-closed on drop (before the worker: owners keep it
+/// in a field declared before their `Node`).
+struct Endpoint {
+    api: &'static Api,
+    worker: Handle,
+    ep: Handle,
+}
+
+// SAFETY: an endpoint belongs to one node's worker and is owned beside it (in a Sender or
+// Receiver), used under the same one-thread-at-a-time rule as `Node`; not Sync.
+unsafe impl Send for Endpoint {}
+
+impl Drop for Endpoint {
     fn drop(&mut self) {
         let mut p = ffi::RequestParam::none();
         p.op_attr_mask = ffi::UCP_OP_ATTR_FIELD_FLAGS;
         p.flags = ffi::UCP_EP_CLOSE_FLAG_FORCE;
         // SAFETY: a live endpoint, closed once; no buffer of ours is involved.
-        let r = unsafe { (self.node.api.ep_close_nbx)(self.ep, &p) };
+        let r = unsafe { (self.api.ep_close_nbx)(self.ep, &p) };
         if let StatusPtr::Pending(req) = ffi::status_ptr(r) {
             let until = Instant::now() + Duration::from_secs(1);
             // SAFETY: a live request until freed; freeing an unfinished one lets UCX release
             // it when it completes (ucp_request_free), before the worker is destroyed.
             unsafe {
-                while (self.node.api.request_check_status)(req) == ffi::UCS_INPROGRESS && Instant::now() < until {
-                    self.node.progress();
+                while (self.api.request_check_status)(req) == ffi::UCS_INPROGRESS && Instant::now() < until {
+                    while (self.api.worker_progress)(self.worker) != 0 {}
                 }
-                (self.node.api.request_free)(req);
+                (self.api.request_free)(req);
             }
         }
     }
