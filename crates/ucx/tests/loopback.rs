@@ -28,11 +28,16 @@ fn message(i: usize) -> Vec<u8> {
 }
 
 /// A receiver thread that takes `n` messages (or stops at the first other outcome) and
-/// returns what it got; the control "connection" is a socket pair.
-fn receive(n: usize, watch: UnixStream, addr_tx: mpsc::Sender<Vec<u8>>, limit: usize) -> std::thread::JoinHandle<Result<Vec<Vec<u8>>, String>> {
+/// returns what it got; the control "connection" is a socket pair. With `back`, it first
+/// opens the endpoint back to the sender whose address arrives there, as the decode worker
+/// does.
+fn receive(n: usize, watch: UnixStream, addr_tx: mpsc::Sender<Vec<u8>>, limit: usize, back: Option<mpsc::Receiver<Vec<u8>>>) -> std::thread::JoinHandle<Result<Vec<Vec<u8>>, String>> {
     std::thread::spawn(move || {
         let mut r = Receiver::new(Transports::Fast).map_err(|e| e.to_string())?;
         addr_tx.send(r.address().to_vec()).map_err(|e| e.to_string())?;
+        if let Some(back) = back {
+            r.connect_back(&back.recv().map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+        }
         let mut got = Vec::new();
         while got.len() < n {
             match r.recv(watch.as_raw_fd(), limit, T, Vec::new()) {
@@ -52,11 +57,13 @@ fn messages_arrive_whole_and_in_order() {
     }
     let (a, b) = UnixStream::pair().unwrap();
     let (tx, rx) = mpsc::channel();
+    let (back_tx, back_rx) = mpsc::channel();
     let n = 60;
-    let receiver = receive(n, a, tx, 16 << 20);
+    let receiver = receive(n, a, tx, 16 << 20, Some(back_rx));
     let address = rx.recv().unwrap();
     let sender = std::thread::spawn(move || -> Result<String, UcxError> {
         let mut s = Sender::connect(&address, Transports::Fast)?;
+        back_tx.send(s.address().to_vec()).unwrap();
         for i in 0..n {
             s.send(message(i), b.as_raw_fd(), T)?;
         }
@@ -78,7 +85,7 @@ fn a_message_over_the_limit_is_refused() {
     }
     let (a, b) = UnixStream::pair().unwrap();
     let (tx, rx) = mpsc::channel();
-    let receiver = receive(1, a, tx, 1000);
+    let receiver = receive(1, a, tx, 1000, None);
     let address = rx.recv().unwrap();
     let sender = std::thread::spawn(move || {
         let mut s = Sender::connect(&address, Transports::Fast).unwrap();
@@ -98,7 +105,7 @@ fn the_control_connection_ending_wakes_the_receiver() {
     }
     let (a, b) = UnixStream::pair().unwrap();
     let (tx, rx) = mpsc::channel();
-    let receiver = receive(1, a, tx, 1000);
+    let receiver = receive(1, a, tx, 1000, None);
     let _address = rx.recv().unwrap();
     drop(b);
     let err = receiver.join().unwrap().unwrap_err();
