@@ -50,6 +50,10 @@ pub struct Faults {
     pub gateway_ticks: u8,
     /// Prefill clock steps past the keepalive interval (each sends a `KvKeepalive`).
     pub prefill_ticks: u8,
+    /// Closes of a prefill's KV connection that reach the decode worker ahead of frames
+    /// sent before them: over UCX the frames and the TCP connection whose end reports the
+    /// peer gone are two roads (TCP alone never does this).
+    pub close_overtakes: u8,
 }
 
 /// Which driver wraps the production state machines. Everything but [`Variant::Production`]
@@ -85,6 +89,11 @@ pub enum Variant {
     /// salt), as if the salt entered no page's key: equal prompts of two tenants get
     /// equal keys.
     UnscopedCacheKeys,
+    /// The KV transport writes frames straight into the decode worker's memory (one-sided
+    /// RDMA or CMA puts) instead of handing them to its reader: a frame a close overtook
+    /// ([`Faults::close_overtakes`]) still lands after the decode worker saw the close and
+    /// fenced the writer. The driver is the production one; the transport is what breaks.
+    OneSidedWrites,
 }
 
 /// A model configuration.
@@ -177,6 +186,7 @@ impl Config {
                 decode_ticks: 1,
                 gateway_ticks: 1,
                 prefill_ticks: 0,
+                close_overtakes: 0,
             },
             decode_tick_ms: TICK_MS,
             check_original_error: false,
@@ -216,6 +226,18 @@ impl Config {
             prefill_workers: 1,
             faults: Faults { prefill_crashes: 1, ..Faults::default() },
             ..Self::faulty_network()
+        }
+    }
+
+    /// The UCX road's ordering: one prefill worker that crashes with frames on the wire,
+    /// and its close may overtake them (they are dropped with the decode side's reader),
+    /// two requests, the first of two pages.
+    pub fn ucx_restart() -> Self {
+        Config {
+            name: "ucx-restart",
+            requests: vec![Request { prompt: 3, max_tokens: 1, tenant: None }, Request { prompt: 1, max_tokens: 1, tenant: None }],
+            faults: Faults { prefill_crashes: 1, close_overtakes: 1, ..Faults::default() },
+            ..Self::prefill_restart()
         }
     }
 

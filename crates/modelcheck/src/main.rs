@@ -25,12 +25,13 @@ fn main() -> ExitCode {
         "duplicating-network" => Config::duplicating_network(),
         "reordering-network" => Config::reordering_network(),
         "prefill-restart" => Config::prefill_restart(),
+        "ucx-restart" => Config::ucx_restart(),
         "keepalive" => Config::keepalive(),
         "growth" => Config::growth(),
         "prefix-cache" => Config::prefix_cache(),
         "batched-prefill" => Config::batched_prefill(),
         other => {
-            eprintln!("unknown configuration {other:?}: three-requests | faulty-network | duplicating-network | reordering-network | prefill-restart | keepalive | growth | prefix-cache | batched-prefill");
+            eprintln!("unknown configuration {other:?}: three-requests | faulty-network | duplicating-network | reordering-network | prefill-restart | ucx-restart | keepalive | growth | prefix-cache | batched-prefill");
             return ExitCode::FAILURE;
         }
     };
@@ -44,6 +45,7 @@ fn main() -> ExitCode {
         "drop-fence" => Variant::DropFence,
         "keep-retracted-running" => Variant::KeepRetractedRunning,
         "unscoped-cache-keys" => Variant::UnscopedCacheKeys,
+        "one-sided-writes" => Variant::OneSidedWrites,
         other => {
             eprintln!("unknown variant {other:?}");
             return ExitCode::FAILURE;

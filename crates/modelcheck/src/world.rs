@@ -70,6 +70,11 @@ pub enum Action {
     GatewayTick,
     /// A prefill worker crashes and a fresh one registers under a new id.
     CrashPrefill(WorkerId),
+    /// The close of prefill `from`'s KV connection reaches the decode worker ahead of frames
+    /// it sent before closing (UCX: the frames and the control connection whose end says
+    /// the peer is gone travel apart). The frames it overtook are dropped with the reader,
+    /// or, in [`Variant::OneSidedWrites`], still land afterwards.
+    CloseOvertakes(Node),
     /// A prefill worker's clock passes its keepalive interval.
     PrefillTick(WorkerId),
 }
@@ -191,6 +196,7 @@ struct Budget {
     decode_ticks: u8,
     gateway_ticks: u8,
     prefill_ticks: u8,
+    close_overtakes: u8,
 }
 
 type Net = BTreeMap<(Node, Node), VecDeque<Envelope>>;
@@ -407,6 +413,7 @@ impl<'c> World<'c> {
                 decode_ticks: f.decode_ticks,
                 gateway_ticks: f.gateway_ticks,
                 prefill_ticks: f.prefill_ticks,
+                close_overtakes: f.close_overtakes,
             },
             violations: BTreeMap::new(),
             values: Values::new(cfg),
@@ -525,6 +532,13 @@ impl<'c> World<'c> {
             for p in &self.prefills {
                 if self.dec.role().awaits(p.id) {
                     out.push(Action::PrefillTick(p.id));
+                }
+            }
+        }
+        if self.budget.close_overtakes > 0 {
+            for (&(from, to), q) in &self.net {
+                if matches!(from, Node::Prefill(_)) && to == Node::Decode && q.iter().skip(1).any(|e| matches!(e, Envelope::Closed)) {
+                    out.push(Action::CloseOvertakes(from));
                 }
             }
         }
@@ -666,6 +680,25 @@ impl<'c> World<'c> {
                 self.gateway_actions(acts);
             }
             Action::CrashPrefill(id) => self.crash_prefill(id),
+            Action::CloseOvertakes(from) => {
+                self.budget.close_overtakes -= 1;
+                let Some(q) = self.net.get_mut(&(from, Node::Decode)) else { return };
+                let Some(at) = q.iter().position(|e| matches!(e, Envelope::Closed)) else { return };
+                let overtaken: Vec<Envelope> = q.drain(..at).collect();
+                let closed = q.pop_front();
+                if self.cfg.variant == Variant::OneSidedWrites {
+                    // Writes already issued cannot be withdrawn: they land after the close.
+                    for e in overtaken.into_iter().rev() {
+                        q.push_front(e);
+                    }
+                }
+                if q.is_empty() {
+                    self.net.remove(&(from, Node::Decode));
+                }
+                if let Some(env) = closed {
+                    self.deliver(from, Node::Decode, env);
+                }
+            }
             Action::PrefillTick(id) => {
                 self.budget.prefill_ticks -= 1;
                 let Some(p) = self.prefills.iter_mut().find(|p| p.id == id) else { return };

@@ -311,6 +311,25 @@ fn a_reservation_naming_a_closed_prefill_connection_is_released_not_quarantined_
     assert_holds(&report, &model);
 }
 
+/// The UCX road (issue 19): a prefill's close may reach the decode worker ahead of frames
+/// it sent, which are then dropped with the reader (two-sided delivery). Every property
+/// holds: nothing lands after the close, and what the close cut off fails cleanly.
+#[test]
+fn a_close_that_overtakes_frames_over_ucx_holds_every_property() {
+    let (report, model) = check_all(Config::ucx_restart());
+    assert_holds(&report, &model);
+    assert_eq!(report.unique_states, 3_113, "the model changed: {report}");
+}
+
+/// The design UCX must not have: frames written one-sided into the decode worker's memory
+/// land after it saw the close and fenced their writer (an RDMA write that was issued
+/// cannot be withdrawn), into pages already released.
+#[test]
+fn one_sided_writes_that_outlive_the_close_are_caught_by_the_late_write_property() {
+    let last = finds(Config::ucx_restart().with_variant(Variant::OneSidedWrites), names::NO_LATE_WRITES);
+    assert!(last.contains("may still write it"), "{last}");
+}
+
 /// Was a race, found by this checker: with the gateway's own check off, a prompt over the
 /// prefill workers' limit is refused by the prefill (`Rejected` to the gateway, `Fenced` to
 /// decode); decode used to answer the fence with `Failed(WorkerLost)`, and the gateway took
