@@ -31,7 +31,7 @@ fn message(i: usize) -> Vec<u8> {
 /// returns what it got; the control "connection" is a socket pair. With `back`, it first
 /// opens the endpoint back to the sender whose address arrives there, as the decode worker
 /// does.
-fn receive(n: usize, watch: UnixStream, addr_tx: mpsc::Sender<Vec<u8>>, limit: usize, back: Option<mpsc::Receiver<Vec<u8>>>) -> std::thread::JoinHandle<Result<Vec<Vec<u8>>, String>> {
+fn receive(n: usize, watch: UnixStream, addr_tx: mpsc::Sender<Vec<u8>>, limit: usize, back: Option<mpsc::Receiver<Vec<u8>>>) -> Got {
     std::thread::spawn(move || {
         let mut r = Receiver::new(Transports::Fast).map_err(|e| e.to_string())?;
         addr_tx.send(r.address().to_vec()).map_err(|e| e.to_string())?;
@@ -50,17 +50,26 @@ fn receive(n: usize, watch: UnixStream, addr_tx: mpsc::Sender<Vec<u8>>, limit: u
     })
 }
 
+/// Result of a [`receive`] thread.
+type Got = std::thread::JoinHandle<Result<Vec<Vec<u8>>, String>>;
+
+/// A started [`receive`] thread for `n` messages under `limit`, its address, and the
+/// sender's end of the control socket.
+fn started(n: usize, limit: usize, back: Option<mpsc::Receiver<Vec<u8>>>) -> (Got, Vec<u8>, UnixStream) {
+    let (a, b) = UnixStream::pair().unwrap();
+    let (tx, rx) = mpsc::channel();
+    let receiver = receive(n, a, tx, limit, back);
+    (receiver, rx.recv().unwrap(), b)
+}
+
 #[test]
 fn messages_arrive_whole_and_in_order() {
     if !ucx_here() {
         return;
     }
-    let (a, b) = UnixStream::pair().unwrap();
-    let (tx, rx) = mpsc::channel();
     let (back_tx, back_rx) = mpsc::channel();
     let n = 60;
-    let receiver = receive(n, a, tx, 16 << 20, Some(back_rx));
-    let address = rx.recv().unwrap();
+    let (receiver, address, b) = started(n, 16 << 20, Some(back_rx));
     let sender = std::thread::spawn(move || -> Result<String, UcxError> {
         let mut s = Sender::connect(&address, Transports::Fast)?;
         back_tx.send(s.address().to_vec()).unwrap();
@@ -83,10 +92,7 @@ fn a_message_over_the_limit_is_refused() {
     if !ucx_here() {
         return;
     }
-    let (a, b) = UnixStream::pair().unwrap();
-    let (tx, rx) = mpsc::channel();
-    let receiver = receive(1, a, tx, 1000, None);
-    let address = rx.recv().unwrap();
+    let (receiver, address, b) = started(1, 1000, None);
     let sender = std::thread::spawn(move || {
         let mut s = Sender::connect(&address, Transports::Fast).unwrap();
         // The receiver drops the connection: the send ends (error or not), it does not hang.
@@ -103,10 +109,7 @@ fn the_control_connection_ending_wakes_the_receiver() {
     if !ucx_here() {
         return;
     }
-    let (a, b) = UnixStream::pair().unwrap();
-    let (tx, rx) = mpsc::channel();
-    let receiver = receive(1, a, tx, 1000, None);
-    let _address = rx.recv().unwrap();
+    let (receiver, _address, b) = started(1, 1000, None);
     drop(b);
     let err = receiver.join().unwrap().unwrap_err();
     assert!(err.contains("watch fired after 0"), "{err}");
