@@ -964,7 +964,7 @@ impl<'m, M: Models> Sim<'m, M> {
         for step in &steps {
             match step {
                 Step::Computed { req, from, to, chunks } => self.log(format!("w{} r{req}: positions {from}..{to} computed, {chunks} chunks sent", w.0)),
-                Step::Ended { req, outcome, unreleased } => {
+                Step::Ended { req, outcome, unreleased, .. } => {
                     self.log(format!("w{} r{req} ends: {outcome:?}", w.0));
                     if let Some(e) = unreleased {
                         self.violate(format!("w{} cannot release the pages of r{req}: {e}", w.0));

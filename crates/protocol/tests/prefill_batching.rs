@@ -97,7 +97,7 @@ impl Worker {
                 break;
             }
             for s in steps {
-                if let Step::Ended { req, outcome, unreleased } = s {
+                if let Step::Ended { req, outcome, unreleased, .. } = s {
                     assert_eq!(unreleased, None);
                     ended.insert(req, (outcome, n));
                 }

@@ -205,7 +205,7 @@ fn a_job_whose_prefix_a_running_job_computes_waits_for_it_and_shares_its_pages()
         let steps = w.driver.step(&mut w.model, &mut w.pool, &mut w.link);
         first_step_jobs.get_or_insert(steps.len());
         for s in steps {
-            if let Step::Ended { req, outcome, unreleased } = s {
+            if let Step::Ended { req, outcome, unreleased, .. } = s {
                 assert_eq!(unreleased, None);
                 ended.insert(req, outcome);
             }

@@ -303,9 +303,6 @@ impl Worker<'_> {
     /// One step of prefill work; each job's ending is logged in its own span.
     fn step(&mut self) -> Result<(), WorkerError> {
         let started = Instant::now();
-        // Spans of the jobs this step may end: the running ones and those it may take.
-        let spans: BTreeMap<RequestId, tracing::Span> =
-            self.driver.running().chain(self.driver.role().queued_jobs()).map(|j| (j.req, request_span(j.req, &j.trace))).collect();
         let steps = self.driver.step(&mut self.compute, self.pool, &mut self.link);
         if let Some(sending) = self.link.sending.take() {
             self.transfer.observe_since(sending);
@@ -315,9 +312,9 @@ impl Worker<'_> {
         }
         let mut ended = false;
         for step in steps {
-            let Step::Ended { req, outcome, unreleased } = step else { continue };
+            let Step::Ended { req, outcome, unreleased, trace } = step else { continue };
             ended = true;
-            let _in_span = spans.get(&req).map(tracing::Span::enter);
+            let _in_span = request_span(req, &trace).entered();
             let ms = self.job_started.remove(&req).unwrap_or(started).elapsed().as_millis() as u64;
             match outcome {
                 JobOutcome::Done { tokens, cached, .. } => tracing::info!(tokens, cached, ms, "prefill done"),

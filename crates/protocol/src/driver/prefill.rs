@@ -30,7 +30,7 @@ use bulkhead_kv::{CacheStats, Fence, KvError, KvPool, PageKey, PrefixCache, Requ
 
 use crate::cache::CacheScope;
 use crate::driver::Honest;
-use crate::msg::{Message, Sampling, TokenLogprobs, WorkerId};
+use crate::msg::{Message, Sampling, TokenLogprobs, TraceContext, WorkerId};
 
 use crate::prefill::{JobOutcome, PrefillAction, PrefillEvent, PrefillFailure, PrefillJob, PrefillRole};
 
@@ -172,7 +172,8 @@ pub enum Step {
     Computed { req: RequestId, from: usize, to: usize, chunks: usize },
     /// `req` ended; the role sent its final messages. `unreleased` says why its own pages
     /// could not be given back normally (a stale lease: a bug), if so; they were reclaimed.
-    Ended { req: RequestId, outcome: JobOutcome, unreleased: Option<KvError> },
+    /// `trace` is the job's, for the worker's log line of its end.
+    Ended { req: RequestId, outcome: JobOutcome, unreleased: Option<KvError>, trace: TraceContext },
 }
 
 /// The prefill driver: the role, the running jobs and the step budget.
@@ -494,7 +495,7 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
         } else {
             act(self.role.job_ended(req, outcome.clone()), link);
         }
-        Step::Ended { req, outcome, unreleased }
+        Step::Ended { req, outcome, unreleased, trace: j.job.trace }
     }
 }
 
