@@ -684,14 +684,9 @@ impl<'c> World<'c> {
                 self.budget.close_overtakes -= 1;
                 let Some(q) = self.net.get_mut(&(from, Node::Decode)) else { return };
                 let Some(at) = q.iter().position(|e| matches!(e, Envelope::Closed)) else { return };
-                let overtaken: Vec<Envelope> = q.drain(..at).collect();
-                let closed = q.pop_front();
-                if self.cfg.variant == Variant::OneSidedWrites {
-                    // Writes already issued cannot be withdrawn: they land after the close.
-                    for e in overtaken.into_iter().rev() {
-                        q.push_front(e);
-                    }
-                }
+                // Two-sided: the frames it overtook go with the reader. One-sided: writes
+                // already issued cannot be withdrawn, so they land after the close.
+                let closed = if self.cfg.variant == Variant::OneSidedWrites { q.remove(at) } else { q.drain(..=at).last() };
                 if q.is_empty() {
                     self.net.remove(&(from, Node::Decode));
                 }

@@ -87,33 +87,48 @@ impl KvTransport {
         if self == KvTransport::Ucx { bulkhead_ucx::Transports::Any } else { bulkhead_ucx::Transports::Fast }
     }
 
+    /// Whether this side may put UCX to use on a connection whose session is
+    /// `authenticated`, or why not. Nothing from an unauthenticated session ever reaches
+    /// UCX's C parser (I9).
+    fn allowed(self, authenticated: bool) -> Result<(), String> {
+        match (self, authenticated) {
+            (KvTransport::Tcp, _) => Err("--kv-transport tcp".into()),
+            (_, false) => Err("the session is not authenticated (a cluster without a key)".into()),
+            _ => Ok(()),
+        }
+    }
+
+    /// TCP because of `why`, or an error where this side insists on UCX.
+    fn fall_back(self, why: String) -> Result<Chosen, WireError> {
+        match self {
+            KvTransport::Ucx => Err(WireError::Transport(format!("--kv-transport ucx, and UCX cannot be used: {why}"))),
+            _ => Ok(Chosen::Tcp(why)),
+        }
+    }
+
     /// Decode side, after a valid `KvHello` on a connection whose session is
     /// `authenticated`: offer a UCX address (or none), then learn which road the prefill's
     /// frames take and set `r` up for it.
     pub fn accept(self, authenticated: bool, r: &mut FrameReader, w: &mut FrameWriter) -> Result<Chosen, WireError> {
-        let receiver = match (self, authenticated) {
-            (KvTransport::Tcp, _) => Err("--kv-transport tcp".to_string()),
-            (_, false) => Err("the cluster has no key (UCX addresses only travel over an authenticated session)".into()),
-            _ => bulkhead_ucx::Receiver::new(self.transports()).map_err(|e| e.to_string()),
-        };
+        self.offer(authenticated, r, w).map(Chosen::counted)
+    }
+
+    fn offer(self, authenticated: bool, r: &mut FrameReader, w: &mut FrameWriter) -> Result<Chosen, WireError> {
+        let receiver = self.allowed(authenticated).and_then(|()| bulkhead_ucx::Receiver::new(self.transports()).map_err(|e| e.to_string()));
         let address = receiver.as_ref().map(|rx| rx.address().to_vec()).unwrap_or_default();
         w.send(&Message::KvUcxAddress { address })?;
-        let rx = match receiver {
+        let mut rx = match receiver {
             Ok(rx) => rx,
-            Err(why) if self == KvTransport::Ucx => return Err(WireError::Transport(format!("--kv-transport ucx, and UCX cannot be used: {why}"))),
-            Err(why) => return Ok(Chosen::Tcp(why).counted()),
+            Err(why) => return self.fall_back(why),
         };
         match r.recv()? {
             Message::KvUcxUse { address } if !address.is_empty() => {
-                let mut rx = rx;
                 rx.connect_back(&address)?;
                 r.use_ucx(rx)?;
-                Ok(Chosen::Ucx("ucx".into()).counted())
+                // The lanes are in the prefill side's log line: only the sender can see them.
+                Ok(Chosen::Ucx("lanes in the prefill worker's log".into()))
             }
-            Message::KvUcxUse { .. } if self == KvTransport::Ucx => {
-                Err(WireError::Transport("the prefill worker would not use UCX, and this decode worker runs with --kv-transport ucx".into()))
-            }
-            Message::KvUcxUse { .. } => Ok(Chosen::Tcp("the prefill worker chose TCP".into()).counted()),
+            Message::KvUcxUse { .. } => self.fall_back("the prefill worker chose TCP".into()),
             other => Err(WireError::Transport(format!("{} where KvUcxUse was due", other.kind_name()))),
         }
     }
@@ -121,31 +136,73 @@ impl KvTransport {
     /// Prefill side, after sending `KvHello` on a connection whose session is
     /// `authenticated`: read the decode worker's answer, choose, say so, and set `w` up.
     pub fn connect(self, authenticated: bool, r: &mut FrameReader, w: &mut FrameWriter) -> Result<Chosen, WireError> {
+        self.answer(authenticated, r, w).map(Chosen::counted)
+    }
+
+    fn answer(self, authenticated: bool, r: &mut FrameReader, w: &mut FrameWriter) -> Result<Chosen, WireError> {
         let address = match r.recv()? {
             Message::KvUcxAddress { address } => address,
             other => return Err(WireError::Transport(format!("{} where KvUcxAddress was due", other.kind_name()))),
         };
         if address.is_empty() {
-            if self == KvTransport::Ucx {
-                return Err(WireError::Transport("the decode worker offers no UCX address, and this prefill worker runs with --kv-transport ucx".into()));
-            }
-            return Ok(Chosen::Tcp("the decode worker offers TCP only".into()).counted());
+            return self.fall_back("the decode worker offers TCP only".into());
         }
-        let sender = match (self, authenticated) {
-            (KvTransport::Tcp, _) => Err("--kv-transport tcp".to_string()),
-            // Never hand UCX an address that did not come over an authenticated session.
-            (_, false) => Err("the session is not authenticated".into()),
-            _ => bulkhead_ucx::Sender::connect(&address, self.transports()).map_err(|e| e.to_string()),
-        };
+        let sender = self.allowed(authenticated).and_then(|()| bulkhead_ucx::Sender::connect(&address, self.transports()).map_err(|e| e.to_string()));
         w.send(&Message::KvUcxUse { address: sender.as_ref().map(|tx| tx.address().to_vec()).unwrap_or_default() })?;
         match sender {
             Ok(tx) => {
                 let lanes = tx.transports();
                 w.use_ucx(tx);
-                Ok(Chosen::Ucx(lanes).counted())
+                Ok(Chosen::Ucx(lanes))
             }
-            Err(why) if self == KvTransport::Ucx => Err(WireError::Transport(format!("--kv-transport ucx, and UCX cannot reach the decode worker: {why}"))),
-            Err(why) => Ok(Chosen::Tcp(why).counted()),
+            Err(why) => self.fall_back(why),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{TcpListener, TcpStream};
+
+    /// Run the decode side with `decode` on one end of a loopback connection and the
+    /// prefill side with `prefill` on the other, each told whether its session is
+    /// authenticated; both choices.
+    fn negotiate(decode: (KvTransport, bool), prefill: (KvTransport, bool)) -> (Result<Chosen, String>, Result<Chosen, String>) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let d = std::thread::spawn(move || {
+            let (s, _) = l.accept().unwrap();
+            let (mut r, mut w) = (FrameReader::new(s.try_clone().unwrap()), FrameWriter::new(s));
+            decode.0.accept(decode.1, &mut r, &mut w).map_err(|e| e.to_string())
+        });
+        let s = TcpStream::connect(addr).unwrap();
+        let (mut r, mut w) = (FrameReader::new(s.try_clone().unwrap()), FrameWriter::new(s));
+        let p = prefill.0.connect(prefill.1, &mut r, &mut w).map_err(|e| e.to_string());
+        (d.join().unwrap(), p)
+    }
+
+    #[test]
+    fn an_unauthenticated_session_never_takes_ucx() {
+        // The decode side offers nothing without a key...
+        let (d, p) = negotiate((KvTransport::Auto, false), (KvTransport::Auto, true));
+        assert!(matches!(&d, Ok(Chosen::Tcp(why)) if why.contains("not authenticated")), "{d:?}");
+        assert!(matches!(&p, Ok(Chosen::Tcp(_))), "{p:?}");
+        // ...and the prefill side hands UCX no address from an unauthenticated session, even
+        // one offered (where UCX loads, the decode side does offer it here).
+        let (d, p) = negotiate((KvTransport::Auto, true), (KvTransport::Auto, false));
+        assert!(matches!(&d, Ok(Chosen::Tcp(_))), "{d:?}");
+        assert!(matches!(&p, Ok(Chosen::Tcp(why)) if why.contains("not authenticated") || why.contains("offers TCP only")), "{p:?}");
+        // Insisting on UCX without one fails instead of falling back.
+        let (_, p) = negotiate((KvTransport::Auto, false), (KvTransport::Ucx, false));
+        assert!(p.is_err(), "{p:?}");
+    }
+
+    #[test]
+    fn tcp_on_either_side_keeps_tcp() {
+        for (d, p) in [(KvTransport::Tcp, KvTransport::Auto), (KvTransport::Auto, KvTransport::Tcp)] {
+            let (d, p) = negotiate((d, true), (p, true));
+            assert!(matches!(d, Ok(Chosen::Tcp(_))) && matches!(p, Ok(Chosen::Tcp(_))), "{d:?} {p:?}");
         }
     }
 }

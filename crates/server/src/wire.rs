@@ -51,6 +51,8 @@ pub enum WireError {
 /// How long one frame may take over UCX before the link counts as down (a stalled or
 /// vanished peer: UCX's shared-memory transports do not report a dead one).
 const UCX_FRAME_TIMEOUT: Duration = Duration::from_secs(30);
+/// Why a connection on UCX closes when its TCP side carries data.
+const STRAY_TCP: &str = "bytes on TCP after the switch to UCX";
 
 /// Bytes asked of the socket per read (the readers here and the gateway's).
 pub(crate) const READ_BYTES: usize = 256 << 10;
@@ -74,7 +76,7 @@ impl FrameReader {
     /// last bytes it sent there.
     pub fn use_ucx(&mut self, receiver: bulkhead_ucx::Receiver) -> Result<(), WireError> {
         if self.decoder.buffered() > 0 {
-            return Err(WireError::Transport("bytes on TCP after the switch to UCX".into()));
+            return Err(WireError::Transport(STRAY_TCP.into()));
         }
         self.ucx = Some((receiver, Vec::new()));
         Ok(())
@@ -104,7 +106,7 @@ impl FrameReader {
                     bulkhead_ucx::Received::Watch => {
                         return match self.stream.read(&mut [0u8; 1])? {
                             0 => Err(WireError::Closed),
-                            _ => Err(WireError::Transport("bytes on TCP after the switch to UCX".into())),
+                            _ => Err(WireError::Transport(STRAY_TCP.into())),
                         };
                     }
                 }

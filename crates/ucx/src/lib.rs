@@ -204,9 +204,7 @@ impl Node {
     }
 
     fn endpoint(&self, address: &[u8]) -> Result<Endpoint, UcxError> {
-        if address.is_empty() || address.len() > MAX_ADDRESS {
-            return Err(UcxError::BadAddress(address.len()));
-        }
+        check_address(address)?;
         let params = ffi::EpParams {
             // No peer-failure mode: UCX 1.13's shared-memory transports do not support it. A
             // peer that goes away is seen on the control connection instead.
@@ -316,6 +314,14 @@ impl Drop for Node {
     }
 }
 
+/// Refuse an address UCX should not be asked to parse (empty, or far larger than any real one).
+fn check_address(address: &[u8]) -> Result<(), UcxError> {
+    if address.is_empty() || address.len() > MAX_ADDRESS {
+        return Err(UcxError::BadAddress(address.len()));
+    }
+    Ok(())
+}
+
 fn cstring(s: &str) -> CString {
     // Our own constants, which hold no NUL.
     CString::new(s).unwrap_or_default()
@@ -402,9 +408,8 @@ pub struct Sender {
 impl Sender {
     /// Connect to the receiver whose [`Receiver::address`] is `address`.
     pub fn connect(address: &[u8], transports: Transports) -> Result<Sender, UcxError> {
-        if address.is_empty() || address.len() > MAX_ADDRESS {
-            return Err(UcxError::BadAddress(address.len()));
-        }
+        // Before any UCX is loaded, so a bad address says so even where there is none.
+        check_address(address)?;
         let node = Node::new(transports)?;
         let ep = node.endpoint(address)?;
         let address = node.address()?;
