@@ -9,7 +9,7 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::mpsc;
 use std::time::Instant;
 
-use bulkhead_kv::transfer::{export_chunks, Manifest};
+use bulkhead_kv::transfer::{ChunkExport, Manifest};
 use bulkhead_kv::{Inbound, KvLayout, KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
 use bulkhead_protocol::auth::{Client, ClusterKey, Server, Session};
 use bulkhead_protocol::{Message, Purpose};
@@ -92,9 +92,8 @@ fn transfer_times(checks: KvChecks, key: Option<(&ClusterKey, bool)>, transport:
             let chosen = transport.connect(true, &mut r, &mut w)?;
             for (req, targets) in targets_rx {
                 let mut m = Manifest::default();
-                for (header, data) in export_chunks(srcref, seqref, &targets, 0, n, &mut m)? {
-                    w.send(&Message::KvChunk { req, header, data })?;
-                }
+                let mut chunks = ChunkExport::new(srcref, seqref, &targets, 0, n, &mut m);
+                while w.send_kv_chunk(req, &mut chunks)?.is_some() {}
                 digest_tx.send(m.digest())?;
             }
             Ok(chosen)

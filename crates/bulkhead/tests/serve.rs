@@ -793,7 +793,7 @@ fn a_forged_frame_over_ucx_closes_its_connection_like_one_over_tcp() {
         other => panic!("the decode worker answers KvHello with its UCX address: {other:?}"),
     };
     assert!(!address.is_empty(), "an authenticated session is offered UCX");
-    let mut tx = bulkhead_ucx::Sender::connect(&address, bulkhead_ucx::Transports::Any).unwrap();
+    let mut tx = bulkhead_ucx::Sender::connect(&address, bulkhead_ucx::Transports::Any, bulkhead_ucx::Peer::SameHost).unwrap();
     w.send(&Message::KvUcxUse { address: tx.address().to_vec() }).unwrap();
     let mut frame = Vec::new();
     bulkhead_protocol::encode(&Message::KvKeepalive, &mut frame);

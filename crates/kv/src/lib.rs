@@ -55,4 +55,4 @@ pub use ids::{Fence, Generation, PageId, PageKey, PoolId, RequestId};
 pub use layout::{KvChecks, KvLayout, PoolConfig};
 pub use pool::{CachedPage, KvPool, Lease, POISON, PageHandle, PageRead, PageTag, PoolStats, Quarantined, SharedLease};
 pub use sequence::{SeqPage, SequenceKv, Unreleased};
-pub use transfer::{ChunkHeader, Inbound, Manifest, PageRef, TransferError, VerifiedSequence};
+pub use transfer::{ChunkExport, ChunkHeader, Inbound, Manifest, PageRef, TransferError, VerifiedSequence};

@@ -1,6 +1,6 @@
 //! The verified KV handoff (I1, I2): how KV computed in one pool lands in another.
 //!
-//! The sender exports written slots page by page ([`export_chunks`]); each chunk names the
+//! The sender exports written slots page by page ([`ChunkExport`]); each chunk names the
 //! receiver's page and generation (from its reservation), a slot range and an xxh3-64
 //! checksum of the bytes. The receiver's [`Inbound`] checks every chunk against its own
 //! leases as it lands, and only [`Inbound::finish`] — after checking that the written slots
@@ -40,8 +40,13 @@ pub struct ChunkHeader {
 }
 
 impl ChunkHeader {
-    fn bytes(&self) -> [u8; 28] {
-        let mut b = [0u8; 28];
+    /// Bytes of [`ChunkHeader::bytes`].
+    pub const LEN: usize = 28;
+
+    /// The header's fields, little-endian, in declaration order: what the manifest folds and
+    /// what a `KvChunk` frame carries.
+    pub fn bytes(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
         b[..4].copy_from_slice(&self.page.0.to_le_bytes());
         b[4..12].copy_from_slice(&self.generation.0.to_le_bytes());
         b[12..16].copy_from_slice(&self.slot_start.to_le_bytes());
@@ -231,9 +236,66 @@ impl Inbound {
     }
 }
 
-/// Chunks the sender produces for the positions `from..to` of its own sequence `src`,
+/// The chunks the sender makes for the positions `from..to` of its own sequence `src`,
 /// addressed to the receiver's `targets` (its prompt pages, in order), one chunk per page
-/// segment. The manifest is folded as chunks are made.
+/// segment, each exported into a buffer the caller gives: the frame it travels in, so a
+/// chunk's bytes are copied once, out of the pool, and hashed while hot in cache. The
+/// manifest is folded as chunks are made.
+pub struct ChunkExport<'a> {
+    pool: &'a KvPool,
+    src: &'a SequenceKv,
+    targets: &'a [PageRef],
+    pos: usize,
+    to: usize,
+    manifest: &'a mut Manifest,
+}
+
+impl<'a> ChunkExport<'a> {
+    /// The chunks for `from..to` (none if `from >= to`).
+    pub fn new(pool: &'a KvPool, src: &'a SequenceKv, targets: &'a [PageRef], from: usize, to: usize, manifest: &'a mut Manifest) -> Self {
+        ChunkExport { pool, src, targets, pos: from, to, manifest }
+    }
+
+    /// Append the next chunk's bytes to `out` and return its header; `None` once every chunk
+    /// is out. On an error `out` is as it was and no further chunk comes.
+    pub fn next_into(&mut self, out: &mut Vec<u8>) -> Option<Result<ChunkHeader, KvError>> {
+        if self.pos >= self.to {
+            return None;
+        }
+        let start = out.len();
+        let r = self.export_next(out);
+        if r.is_err() {
+            out.truncate(start);
+            self.pos = self.to;
+        }
+        Some(r)
+    }
+
+    fn export_next(&mut self, out: &mut Vec<u8>) -> Result<ChunkHeader, KvError> {
+        let page_size = self.pool.layout().page_size;
+        let pos = self.pos;
+        // Cached (shared) pages travel like the request's own: the receiver verifies both.
+        let (lease, slot) = self.src.locate_page(pos)?;
+        let count = (page_size - slot).min(self.to - pos);
+        let target = self.targets.get(pos / page_size).ok_or(KvError::NotReserved { pos, reserved: self.targets.len() * page_size })?;
+        let start = out.len();
+        self.pool.export_slots(lease, slot, count, out)?;
+        let h = ChunkHeader {
+            page: target.page,
+            generation: target.generation,
+            slot_start: slot as u32,
+            slot_count: count as u32,
+            // Without checksums (measurement only) the receiver must not verify either.
+            checksum: if self.pool.checks().checksums { checksum(&out[start..]) } else { 0 },
+        };
+        self.manifest.add(&h);
+        self.pos += count;
+        Ok(h)
+    }
+}
+
+/// Every chunk of [`ChunkExport`] for `from..to`, each in its own buffer (tests and the
+/// simulated links; the production link exports each straight into its frame).
 pub fn export_chunks(
     pool: &KvPool,
     src: &SequenceKv,
@@ -242,27 +304,13 @@ pub fn export_chunks(
     to: usize,
     manifest: &mut Manifest,
 ) -> Result<Vec<(ChunkHeader, Vec<u8>)>, KvError> {
-    let page_size = pool.layout().page_size;
+    let mut chunks = ChunkExport::new(pool, src, targets, from, to, manifest);
     let mut out = Vec::new();
-    let mut pos = from;
-    while pos < to {
-        // Cached (shared) pages travel like the request's own: the receiver verifies both.
-        let (lease, slot) = src.locate_page(pos)?;
-        let count = (page_size - slot).min(to - pos);
-        let target = targets.get(pos / page_size).ok_or(KvError::NotReserved { pos, reserved: targets.len() * page_size })?;
+    loop {
         let mut data = Vec::new();
-        pool.export_slots(lease, slot, count, &mut data)?;
-        let h = ChunkHeader {
-            page: target.page,
-            generation: target.generation,
-            slot_start: slot as u32,
-            slot_count: count as u32,
-            // Without checksums (measurement only) the receiver must not verify either.
-            checksum: if pool.checks().checksums { checksum(&data) } else { 0 },
-        };
-        manifest.add(&h);
-        out.push((h, data));
-        pos += count;
+        match chunks.next_into(&mut data) {
+            Some(header) => out.push((header?, data)),
+            None => return Ok(out),
+        }
     }
-    Ok(out)
 }

@@ -17,6 +17,8 @@ use crate::cache::CacheScope;
 
 use crate::auth::{AuthError, Opener, Sealer, TAG_LEN};
 use crate::msg::*;
+use crate::payload::PayloadPool;
+use std::sync::Arc;
 
 /// Protocol version spoken by this build (2: `Sampling` carries `ignore_eos`; 3: `Reserve`
 /// and `Prefill` carry a `TraceContext`, workers send `Metrics`; 4: `KvKeepalive`;
@@ -483,14 +485,9 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
             8
         }
         Message::KvChunk { req, header, data } => {
-            w.req(*req);
-            w.u32(header.page.0);
-            w.u64(header.generation.0);
-            w.u32(header.slot_start);
-            w.u32(header.slot_count);
-            w.u64(header.checksum);
-            w.bytes(data);
-            9
+            w.0.extend_from_slice(&kv_chunk_fields(*req, header, data.len()));
+            w.0.extend_from_slice(data);
+            KV_CHUNK
         }
         Message::Done { req, tokens, first_token, manifest, cached, first_logprobs } => {
             w.req(*req);
@@ -551,12 +548,31 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
             29
         }
     };
+    finish_header(out, start, kind);
+}
+
+/// Fill in the kind and payload length of the frame that starts at `out[start]` and runs to
+/// the end of `out`.
+fn finish_header(out: &mut [u8], start: usize, kind: u8) {
     let len = (out.len() - start - HEADER) as u32;
     out[start + 3] = kind;
     out[start + 4..start + 8].copy_from_slice(&len.to_le_bytes());
 }
 
-fn decode_payload(kind: u8, b: &[u8]) -> Result<Message, CodecError> {
+/// The kind of a `KvChunk` frame.
+const KV_CHUNK: u8 = 9;
+/// A `KvChunk` payload's bytes before its data: request, chunk header, data length.
+const KV_CHUNK_FIELDS: usize = 8 + ChunkHeader::LEN + 4;
+
+fn kv_chunk_fields(req: RequestId, header: &ChunkHeader, data_len: usize) -> [u8; KV_CHUNK_FIELDS] {
+    let mut f = [0u8; KV_CHUNK_FIELDS];
+    f[..8].copy_from_slice(&req.0.to_le_bytes());
+    f[8..8 + ChunkHeader::LEN].copy_from_slice(&header.bytes());
+    f[8 + ChunkHeader::LEN..].copy_from_slice(&(data_len as u32).to_le_bytes());
+    f
+}
+
+fn decode_payload(kind: u8, b: &[u8], payloads: &Arc<PayloadPool>) -> Result<Message, CodecError> {
     let mut r = R { b, what: "message" };
     let m = match kind {
         1 => Message::Hello(Hello {
@@ -591,7 +607,7 @@ fn decode_payload(kind: u8, b: &[u8]) -> Result<Message, CodecError> {
             let (decode, pages, sampling) = (WorkerId(r.u32()?), r.pages()?, r.sampling()?);
             Message::Prefill { req, tokens, decode, pages, sampling, skip_draws: r.u32()?, trace: r.trace()?, cache: r.scope()? }
         }
-        9 => {
+        KV_CHUNK => {
             let req = r.req()?;
             let header = ChunkHeader {
                 page: PageId(r.u32()?),
@@ -600,7 +616,7 @@ fn decode_payload(kind: u8, b: &[u8]) -> Result<Message, CodecError> {
                 slot_count: r.u32()?,
                 checksum: r.u64()?,
             };
-            Message::KvChunk { req, header, data: r.bytes()?.to_vec() }
+            Message::KvChunk { req, header, data: payloads.copy_of(r.bytes()?) }
         }
         10 => Message::Done { req: r.req()?, tokens: r.u32()?, first_token: r.u32()?, manifest: r.u64()?, cached: r.u32()?, first_logprobs: r.logprobs()? },
         11 => Message::Fenced { req: r.req()? },
@@ -661,6 +677,34 @@ impl FrameEncoder {
     pub fn encode(&mut self, m: &Message, out: &mut Vec<u8>) {
         let start = out.len();
         encode(m, out);
+        self.seal(out, start);
+    }
+
+    /// Append one `KvChunk` frame of `req` (and its MAC) to `out`, the same bytes as
+    /// [`FrameEncoder::encode`] of the message, with the chunk's data appended to `out` by
+    /// `fill`, which returns the chunk's header: the chunk is exported straight into its
+    /// frame. Where `fill` has no chunk or fails, `out` is left as it was.
+    pub fn encode_kv_chunk<E>(&mut self, req: RequestId, out: &mut Vec<u8>, fill: impl FnOnce(&mut Vec<u8>) -> Option<Result<ChunkHeader, E>>) -> Option<Result<(), E>> {
+        let start = out.len();
+        out.extend_from_slice(&[MAGIC[0], MAGIC[1], VERSION, 0, 0, 0, 0, 0]);
+        out.resize(start + HEADER + KV_CHUNK_FIELDS, 0);
+        let header = match fill(out) {
+            Some(Ok(header)) => header,
+            other => {
+                out.truncate(start);
+                return other.map(|r| r.map(|_| ()));
+            }
+        };
+        let fields = start + HEADER;
+        let data_len = out.len() - fields - KV_CHUNK_FIELDS;
+        out[fields..fields + KV_CHUNK_FIELDS].copy_from_slice(&kv_chunk_fields(req, &header, data_len));
+        finish_header(out, start, KV_CHUNK);
+        self.seal(out, start);
+        Some(Ok(()))
+    }
+
+    /// Seal the frame that starts at `out[start]`: append its MAC.
+    fn seal(&mut self, out: &mut Vec<u8>, start: usize) {
         if let Some(s) = &mut self.sealer {
             let (header, payload) = out[start..].split_at_mut(HEADER);
             let tag = s.seal(header, payload);
@@ -681,12 +725,14 @@ pub struct FrameDecoder {
     end: usize,
     max_frame: usize,
     opener: Option<Opener>,
+    /// Where decoded KV chunks' buffers come from and go back to.
+    payloads: Arc<PayloadPool>,
 }
 
 impl FrameDecoder {
     /// A decoder refusing payloads over `max_frame` bytes.
     pub fn new(max_frame: usize) -> Self {
-        FrameDecoder { buf: Vec::new(), taken: 0, end: 0, max_frame, opener: None }
+        FrameDecoder { buf: Vec::new(), taken: 0, end: 0, max_frame, opener: None, payloads: Arc::default() }
     }
 
     /// From now on every frame must carry a MAC that `opener` accepts (bytes already
@@ -770,7 +816,7 @@ impl FrameDecoder {
             let (payload, rest) = rest.split_at_mut(len);
             o.open(header, payload, &rest[..tag])?;
         }
-        let m = decode_payload(kind, &buf[HEADER..HEADER + len]);
+        let m = decode_payload(kind, &buf[HEADER..HEADER + len], &self.payloads);
         self.taken += HEADER + len + tag;
         m.map(Some)
     }
@@ -847,7 +893,7 @@ mod tests {
             Message::KvChunk {
                 req: RequestId(5),
                 header: ChunkHeader { page: PageId(3), generation: Generation(9), slot_start: 0, slot_count: 2, checksum: 77 },
-                data: vec![1, 2, 3, 4],
+                data: vec![1, 2, 3, 4].into(),
             },
             Message::Done { req: RequestId(5), tokens: 3, first_token: 11, manifest: 99, cached: 2, first_logprobs: None },
             Message::Done { req: RequestId(5), tokens: 3, first_token: 11, manifest: 99, cached: 2, first_logprobs: Some(TokenLogprobs { logprob: -0.5, top: vec![(11, -0.5), (3, -1.5)] }) },
@@ -942,6 +988,37 @@ mod tests {
         let mut d = FrameDecoder::new(DEFAULT_MAX_FRAME);
         d.open_with(s.recv);
         (FrameEncoder::sealed(c.send), d)
+    }
+
+    #[test]
+    fn a_chunk_exported_into_its_frame_is_the_frame_of_its_message() {
+        let (req, header) = (RequestId(5), ChunkHeader { page: PageId(4), generation: Generation(7), slot_start: 2, slot_count: 3, checksum: 99 });
+        let data: Vec<u8> = (0..=255).collect();
+        let m = Message::KvChunk { req, header, data: data.clone().into() };
+        for sealed in [false, true] {
+            let pair = || if sealed { sealed_pair(true) } else { (FrameEncoder::plain(), FrameDecoder::new(DEFAULT_MAX_FRAME)) };
+            let ((mut by_message, _), (mut in_place, mut d)) = (pair(), pair());
+            let mut want = vec![9];
+            by_message.encode(&m, &mut want);
+            let mut got = vec![9];
+            let filled = in_place.encode_kv_chunk(req, &mut got, |out| {
+                out.extend_from_slice(&data);
+                Some(Ok::<_, &str>(header))
+            });
+            assert_eq!((filled, &got), (Some(Ok(())), &want), "sealed: {sealed}");
+            // No chunk, or a failed export, writes nothing and seals nothing: the next frame
+            // still opens.
+            assert_eq!(in_place.encode_kv_chunk::<&str>(req, &mut got, |_| None), None);
+            let failed = in_place.encode_kv_chunk(req, &mut got, |out| {
+                out.push(1);
+                Some(Err("export"))
+            });
+            assert_eq!((failed, &got), (Some(Err("export")), &want));
+            in_place.encode(&Message::KvKeepalive, &mut got);
+            d.push(&got[1..]);
+            assert_eq!(d.next_message().unwrap(), Some(m.clone()));
+            assert_eq!(d.next_message().unwrap(), Some(Message::KvKeepalive));
+        }
     }
 
     #[test]

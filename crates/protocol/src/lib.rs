@@ -9,6 +9,7 @@
 //! - [`cache`]: the prefix cache's keys (I7): the secret, a request's scope from its
 //!   tenant and salt, chained page keys, the fence the pool checks.
 //! - [`codec`]: the versioned, length-prefixed, size-bounded wire format (sans-IO decoder).
+//! - [`payload`]: a received KV chunk's bytes, in a buffer its connection reuses.
 //! - [`decode`]: the decode worker's state machine: reservations, chunk verification,
 //!   fencing and quarantine (I1, I2, I4), admission (I3, I5).
 //! - [`prefill`]: the prefill worker's state machine: its queue, rejection and abort (I3).
@@ -31,7 +32,9 @@ pub mod decode;
 pub mod driver;
 pub mod gateway;
 pub mod msg;
+pub mod payload;
 pub mod prefill;
 
 pub use codec::{encode, CodecError, FrameDecoder, FrameEncoder, DEFAULT_MAX_FRAME, VERSION};
 pub use msg::*;
+pub use payload::Payload;

@@ -4,6 +4,7 @@
 use bulkhead_kv::{ChunkHeader, KvPool, PageKey, PageRef, RequestId};
 
 use crate::cache::CacheScope;
+use crate::payload::Payload;
 
 /// A worker's identity within one gateway (assigned at registration).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -360,7 +361,7 @@ pub enum Message {
     /// `None` when it must neither use nor fill the cache.
     Prefill { req: RequestId, tokens: Vec<u32>, decode: WorkerId, pages: Vec<PageRef>, sampling: Sampling, skip_draws: u32, trace: TraceContext, cache: Option<CacheScope> },
     /// Prefill → decode: KV bytes for one page segment.
-    KvChunk { req: RequestId, header: ChunkHeader, data: Vec<u8> },
+    KvChunk { req: RequestId, header: ChunkHeader, data: Payload },
     /// Prefill → decode: all chunks sent. The last message for `req` on this connection.
     /// `cached`: how many of the `tokens` came from the prefill's cache (they were sent and
     /// are verified like the others).

@@ -74,7 +74,7 @@ impl Rig {
         let mut manifest = Manifest::default();
         let chunks = export_chunks(&self.ppool, &seq, pages, 0, prompt, &mut manifest).expect("export");
         seq.release(&mut self.ppool).expect("release");
-        let chunks = chunks.into_iter().map(|(header, data)| Message::KvChunk { req, header, data }).collect();
+        let chunks = chunks.into_iter().map(|(header, data)| Message::KvChunk { req, header, data: data.into() }).collect();
         (chunks, Message::Done { req, tokens: prompt as u32, first_token: 7, manifest: manifest.digest(), cached: 0, first_logprobs: None })
     }
 

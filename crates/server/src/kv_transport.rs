@@ -70,6 +70,16 @@ impl Chosen {
     }
 }
 
+/// Where the connection's peer runs, for UCX: on this host when both ends of the TCP
+/// connection have one address (loopback included). Peers in two network namespaces of
+/// one host count as two hosts and take rendezvous, which works between them.
+fn peer(w: &FrameWriter) -> bulkhead_ucx::Peer {
+    match (w.peer_ip(), w.local_ip()) {
+        (Some(p), Some(l)) if p == l => bulkhead_ucx::Peer::SameHost,
+        _ => bulkhead_ucx::Peer::OtherHost,
+    }
+}
+
 impl KvTransport {
     /// Refuse a setting that cannot work here, at start: `ucx` needs UCX and a cluster key
     /// (worker addresses only travel over an authenticated session, I9).
@@ -114,7 +124,7 @@ impl KvTransport {
     }
 
     fn offer(self, authenticated: bool, r: &mut FrameReader, w: &mut FrameWriter) -> Result<Chosen, WireError> {
-        let receiver = self.allowed(authenticated).and_then(|()| bulkhead_ucx::Receiver::new(self.transports()).map_err(|e| e.to_string()));
+        let receiver = self.allowed(authenticated).and_then(|()| bulkhead_ucx::Receiver::new(self.transports(), peer(w)).map_err(|e| e.to_string()));
         let address = receiver.as_ref().map(|rx| rx.address().to_vec()).unwrap_or_default();
         w.send(&Message::KvUcxAddress { address })?;
         let mut rx = match receiver {
@@ -147,7 +157,7 @@ impl KvTransport {
         if address.is_empty() {
             return self.fall_back("the decode worker offers TCP only".into());
         }
-        let sender = self.allowed(authenticated).and_then(|()| bulkhead_ucx::Sender::connect(&address, self.transports()).map_err(|e| e.to_string()));
+        let sender = self.allowed(authenticated).and_then(|()| bulkhead_ucx::Sender::connect(&address, self.transports(), peer(w)).map_err(|e| e.to_string()));
         w.send(&Message::KvUcxUse { address: sender.as_ref().map(|tx| tx.address().to_vec()).unwrap_or_default() })?;
         match sender {
             Ok(tx) => {

@@ -18,15 +18,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bulkhead_engine::Prefiller;
+use bulkhead_kv::transfer::ChunkExport;
 use bulkhead_kv::{KvPool, PrefixCache, RequestId};
-use bulkhead_protocol::driver::prefill::{Batching, LinkDown, PrefillDriver, PrefillLink, Step};
+use bulkhead_protocol::driver::prefill::{Batching, ChunkSendError, LinkDown, PrefillDriver, PrefillLink, Step};
 use bulkhead_protocol::prefill::{JobOutcome, PrefillConfig, PrefillEvent, PrefillRole};
 use crate::kv_transport::KvTransport;
 use crate::trust::Trust;
 use bulkhead_protocol::{Hello, Message, Purpose, Role, WorkerId};
 
 use crate::metrics::{self, Families, Histogram, Pusher};
-use crate::wire::{connect_handshake, spawn_reader, FrameReader, FrameWriter, WireError};
+use crate::wire::{connect_handshake, spawn_reader, ChunkWriteError, FrameReader, FrameWriter, WireError};
 use crate::worker::{load, register, request_span, WorkerConfig, WorkerError, INBOX};
 
 enum In {
@@ -73,17 +74,27 @@ impl PrefillLink for Link {
 
     fn to_decode(&mut self, to: WorkerId, msg: Message) -> Result<(), LinkDown> {
         let Some(conn) = self.decodes.get_mut(&to) else { return Err(LinkDown(to)) };
-        if let Message::KvChunk { data, .. } = &msg {
-            self.sending.get_or_insert_with(Instant::now);
-            self.sent_bytes += data.len() as u64;
-        }
         if conn.send(&msg).is_err() {
-            // Its reader sees the close and reports it once, as `DecodeClosed`.
-            conn.shutdown();
-            self.decodes.remove(&to);
-            return Err(LinkDown(to));
+            return Err(self.lost(to));
         }
         Ok(())
+    }
+
+    fn to_decode_chunks(&mut self, to: WorkerId, req: RequestId, chunks: &mut ChunkExport<'_>) -> Result<usize, ChunkSendError> {
+        let Some(conn) = self.decodes.get_mut(&to) else { return Err(LinkDown(to).into()) };
+        self.sending.get_or_insert_with(Instant::now);
+        let mut sent = 0;
+        loop {
+            match conn.send_kv_chunk(req, chunks) {
+                Ok(Some(bytes)) => {
+                    self.sent_bytes += bytes as u64;
+                    sent += 1;
+                }
+                Ok(None) => return Ok(sent),
+                Err(ChunkWriteError::Export(e)) => return Err(e.into()),
+                Err(ChunkWriteError::Wire(_)) => return Err(self.lost(to).into()),
+            }
+        }
     }
 
     fn connect(&mut self, decode: WorkerId, addr: &str) {
@@ -122,6 +133,15 @@ impl PrefillLink for Link {
 }
 
 impl Link {
+    /// The KV connection to `to` failed: close it (its reader sees the close and reports it
+    /// once, as `DecodeClosed`).
+    fn lost(&mut self, to: WorkerId) -> LinkDown {
+        if let Some(conn) = self.decodes.remove(&to) {
+            conn.shutdown();
+        }
+        LinkDown(to)
+    }
+
     /// Close every connection of this incarnation.
     fn close_all(&mut self) {
         self.gw.shutdown();

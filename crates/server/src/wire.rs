@@ -7,6 +7,8 @@ use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::time::Duration;
 
+use bulkhead_kv::transfer::ChunkExport;
+use bulkhead_kv::{KvError, RequestId};
 use bulkhead_protocol::auth::{AuthError, Client, ClusterKey, Server, Session};
 
 use crate::trust::Trust;
@@ -141,6 +143,17 @@ pub fn spawn_reader<T: Send + 'static>(
     });
 }
 
+/// Why [`FrameWriter::send_kv_chunk`] sent nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum ChunkWriteError {
+    /// The chunk could not be exported; the connection is as it was.
+    #[error("exporting a KV chunk: {0}")]
+    Export(KvError),
+    /// The connection failed.
+    #[error(transparent)]
+    Wire(WireError),
+}
+
 /// Writes whole messages to a stream, sealed once a handshake gave it a session key.
 pub struct FrameWriter {
     stream: TcpStream,
@@ -166,6 +179,30 @@ impl FrameWriter {
     pub fn send(&mut self, m: &Message) -> Result<(), WireError> {
         self.buf.clear();
         self.encoder.encode(m, &mut self.buf);
+        self.write_buf()
+    }
+
+    /// Export the next chunk of `chunks` straight into a `KvChunk` frame of `req` (the
+    /// bytes [`FrameWriter::send`] of the message would write, without the chunk's own
+    /// buffer and its copy) and write it; the chunk's data bytes, or `None` once every
+    /// chunk is out.
+    pub fn send_kv_chunk(&mut self, req: RequestId, chunks: &mut ChunkExport<'_>) -> Result<Option<usize>, ChunkWriteError> {
+        self.buf.clear();
+        let mut len = 0;
+        let exported = self.encoder.encode_kv_chunk(req, &mut self.buf, |out| {
+            let start = out.len();
+            let header = chunks.next_into(out);
+            len = out.len() - start;
+            header
+        });
+        match exported {
+            None => Ok(None),
+            Some(Err(e)) => Err(ChunkWriteError::Export(e)),
+            Some(Ok(())) => self.write_buf().map(|()| Some(len)).map_err(ChunkWriteError::Wire),
+        }
+    }
+
+    fn write_buf(&mut self) -> Result<(), WireError> {
         match &mut self.ucx {
             Some(tx) => self.buf = tx.send(std::mem::take(&mut self.buf), self.stream.as_raw_fd(), UCX_FRAME_TIMEOUT)?,
             None => self.stream.write_all(&self.buf)?,
@@ -176,6 +213,11 @@ impl FrameWriter {
     /// The peer's address, if the socket still knows it.
     pub fn peer_ip(&self) -> Option<std::net::IpAddr> {
         self.stream.peer_addr().ok().map(|a| a.ip())
+    }
+
+    /// This end's address, if the socket still knows it.
+    pub fn local_ip(&self) -> Option<std::net::IpAddr> {
+        self.stream.local_addr().ok().map(|a| a.ip())
     }
 
     /// Close both directions (the connection's reader sees it end).

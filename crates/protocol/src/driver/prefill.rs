@@ -25,7 +25,7 @@
 
 use std::collections::VecDeque;
 
-use bulkhead_kv::transfer::{export_chunks, Manifest};
+use bulkhead_kv::transfer::{ChunkExport, Manifest};
 use bulkhead_kv::{CacheStats, Fence, KvError, KvPool, PageKey, PrefixCache, RequestId, SequenceKv};
 
 use crate::cache::CacheScope;
@@ -95,6 +95,17 @@ impl Batching {
 #[error("no KV connection to {0}")]
 pub struct LinkDown(pub WorkerId);
 
+/// Why a job's chunks stopped going out.
+#[derive(Debug, thiserror::Error)]
+pub enum ChunkSendError {
+    /// A chunk could not be exported: the job fails.
+    #[error("exporting a KV chunk: {0}")]
+    Export(#[from] KvError),
+    /// The KV connection is gone: the job stops.
+    #[error(transparent)]
+    Down(#[from] LinkDown),
+}
+
 /// Where a prefill worker's messages go.
 pub trait PrefillLink {
     /// Send to the gateway.
@@ -102,6 +113,19 @@ pub trait PrefillLink {
     /// Send on the KV connection to `to`. An error means no message reaches it any more;
     /// the transport reports the loss as [`PrefillEvent::DecodeLost`] as well.
     fn to_decode(&mut self, to: WorkerId, msg: Message) -> Result<(), LinkDown>;
+    /// Send every chunk of `chunks` to `to`, in order, as `KvChunk`s of `req`; returns how
+    /// many went. By default each is exported into its own message for
+    /// [`PrefillLink::to_decode`] (the simulated links look at them); the production link
+    /// exports each straight into its frame buffer.
+    fn to_decode_chunks(&mut self, to: WorkerId, req: RequestId, chunks: &mut ChunkExport<'_>) -> Result<usize, ChunkSendError> {
+        let mut sent = 0;
+        loop {
+            let mut data = Vec::new();
+            let Some(header) = chunks.next_into(&mut data) else { return Ok(sent) };
+            self.to_decode(to, Message::KvChunk { req, header: header?, data: data.into() })?;
+            sent += 1;
+        }
+    }
     /// Open a KV connection to `decode` at `addr` and send `KvHello` on it; report the
     /// outcome as [`PrefillEvent::DecodeConnected`] or [`PrefillEvent::DecodeLost`].
     fn connect(&mut self, decode: WorkerId, addr: &str);
@@ -359,19 +383,18 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
             };
             // The cached prefix travels with the first computed chunk: the decode worker
             // verifies every prompt page, wherever its KV came from.
-            let chunks = match export_chunks(pool, &j.seq, &j.job.pages, j.sent, to, &mut j.manifest) {
-                Ok(chunks) => chunks,
-                Err(e) => {
+            let mut chunks = ChunkExport::new(pool, &j.seq, &j.job.pages, j.sent, to, &mut j.manifest);
+            let sent = match link.to_decode_chunks(j.job.decode, req, &mut chunks) {
+                Ok(sent) => sent,
+                Err(ChunkSendError::Export(e)) => {
                     out.push(self.finish(j, JobOutcome::Failed(PrefillFailure::Export(e)), pool, link));
                     continue;
                 }
+                Err(ChunkSendError::Down(_)) => {
+                    out.push(self.finish(j, JobOutcome::Stopped, pool, link));
+                    continue;
+                }
             };
-            let sent = chunks.len();
-            let delivered = chunks.into_iter().all(|(header, data)| link.to_decode(j.job.decode, Message::KvChunk { req, header, data }).is_ok());
-            if !delivered {
-                out.push(self.finish(j, JobOutcome::Stopped, pool, link));
-                continue;
-            }
             j.done = to;
             j.sent = to;
             let n = j.job.tokens.len();
