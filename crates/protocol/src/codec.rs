@@ -18,6 +18,7 @@ use crate::cache::CacheScope;
 use crate::auth::{AuthError, Opener, Sealer, TAG_LEN};
 use crate::msg::*;
 use crate::payload::PayloadPool;
+use std::ops::Range;
 use std::sync::Arc;
 
 /// Protocol version spoken by this build (2: `Sampling` carries `ignore_eos`; 3: `Reserve`
@@ -572,6 +573,24 @@ fn kv_chunk_fields(req: RequestId, header: &ChunkHeader, data_len: usize) -> [u8
     f
 }
 
+/// A `KvChunk` payload's request, chunk header and where in `b` its data lies.
+fn decode_kv_chunk(b: &[u8]) -> Result<(RequestId, ChunkHeader, Range<usize>), CodecError> {
+    let mut r = R { b, what: "message" };
+    let req = r.req()?;
+    let header = ChunkHeader {
+        page: PageId(r.u32()?),
+        generation: Generation(r.u64()?),
+        slot_start: r.u32()?,
+        slot_count: r.u32()?,
+        checksum: r.u64()?,
+    };
+    let len = r.bytes()?.len();
+    if !r.b.is_empty() {
+        return Err(CodecError::Trailing(r.b.len()));
+    }
+    Ok((req, header, b.len() - len..b.len()))
+}
+
 fn decode_payload(kind: u8, b: &[u8], payloads: &Arc<PayloadPool>) -> Result<Message, CodecError> {
     let mut r = R { b, what: "message" };
     let m = match kind {
@@ -608,15 +627,8 @@ fn decode_payload(kind: u8, b: &[u8], payloads: &Arc<PayloadPool>) -> Result<Mes
             Message::Prefill { req, tokens, decode, pages, sampling, skip_draws: r.u32()?, trace: r.trace()?, cache: r.scope()? }
         }
         KV_CHUNK => {
-            let req = r.req()?;
-            let header = ChunkHeader {
-                page: PageId(r.u32()?),
-                generation: Generation(r.u64()?),
-                slot_start: r.u32()?,
-                slot_count: r.u32()?,
-                checksum: r.u64()?,
-            };
-            Message::KvChunk { req, header, data: payloads.copy_of(r.bytes()?) }
+            let (req, header, data) = decode_kv_chunk(b)?;
+            return Ok(Message::KvChunk { req, header, data: payloads.copy_of(&b[data]) });
         }
         10 => Message::Done { req: r.req()?, tokens: r.u32()?, first_token: r.u32()?, manifest: r.u64()?, cached: r.u32()?, first_logprobs: r.logprobs()? },
         11 => Message::Fenced { req: r.req()? },
@@ -816,8 +828,18 @@ impl FrameDecoder {
             let (payload, rest) = rest.split_at_mut(len);
             o.open(header, payload, &rest[..tag])?;
         }
-        let m = decode_payload(kind, &buf[HEADER..HEADER + len], &self.payloads);
-        self.taken += HEADER + len + tag;
+        let frame = HEADER + len + tag;
+        if kind == KV_CHUNK && self.taken == 0 && self.end == frame && self.buf.len() == frame {
+            // The buffer is this one frame (one UCX message): it becomes the chunk's payload
+            // instead of being copied into one, and a pooled buffer takes its place.
+            let (req, header, data) = decode_kv_chunk(&self.buf[HEADER..HEADER + len])?;
+            let buf = std::mem::replace(&mut self.buf, self.payloads.spare());
+            (self.taken, self.end) = (0, 0);
+            return Ok(Some(Message::KvChunk { req, header, data: self.payloads.adopt(buf, HEADER + data.start..HEADER + data.end) }));
+        }
+        let at = self.taken + HEADER;
+        let m = decode_payload(kind, &self.buf[at..at + len], &self.payloads);
+        self.taken += frame;
         m.map(Some)
     }
 
@@ -988,6 +1010,31 @@ mod tests {
         let mut d = FrameDecoder::new(DEFAULT_MAX_FRAME);
         d.open_with(s.recv);
         (FrameEncoder::sealed(c.send), d)
+    }
+
+    #[test]
+    fn a_chunk_that_is_a_whole_received_buffer_becomes_its_payload_and_buffers_rotate() {
+        let header = ChunkHeader { page: PageId(1), generation: Generation(2), slot_start: 0, slot_count: 1, checksum: 3 };
+        let m = Message::KvChunk { req: RequestId(8), header, data: vec![5u8; 4096].into() };
+        let mut frame = Vec::new();
+        encode(&m, &mut frame);
+        let mut d = FrameDecoder::new(DEFAULT_MAX_FRAME);
+        let (mut spare, mut seen) = (Vec::new(), Vec::new());
+        for round in 0..6 {
+            // As a UCX receive into the spare buffer does.
+            let mut buf = std::mem::take(&mut spare);
+            buf.clear();
+            buf.extend_from_slice(&frame);
+            let at = buf.as_ptr() as usize;
+            spare = d.feed_owned(buf);
+            let got = d.next_message().unwrap().unwrap();
+            let Message::KvChunk { data, .. } = &got else { panic!("{got:?}") };
+            assert_eq!(data.as_ptr() as usize, at + frame.len() - 4096, "round {round}: the payload is the received buffer, not a copy");
+            assert_eq!(got, m);
+            assert_eq!(d.next_message().unwrap(), None);
+            seen.push(at);
+        }
+        assert!(seen[3..].iter().all(|p| seen[..3].contains(p)), "three buffers take turns, none is allocated after them: {seen:x?}");
     }
 
     #[test]

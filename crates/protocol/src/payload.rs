@@ -4,7 +4,7 @@
 //! (same-sized blocks stay above its moving mmap threshold): page faults and zeroing on
 //! every chunk, which cost the transfer more than its copies did.
 
-use std::ops::{Deref, DerefMut};
+use std::ops::{Deref, DerefMut, Range};
 use std::sync::{Arc, Mutex};
 
 /// Buffers a pool keeps for reuse; more coming back are freed. A decode worker imports each
@@ -19,14 +19,27 @@ pub struct PayloadPool(Mutex<Vec<Vec<u8>>>);
 impl PayloadPool {
     /// A payload holding a copy of `bytes`, in a buffer from this pool.
     pub fn copy_of(self: &Arc<Self>, bytes: &[u8]) -> Payload {
-        // A poisoned lock only means a thread panicked holding it; the list is still sound.
-        let mut buf = self.0.lock().unwrap_or_else(|e| e.into_inner()).pop().unwrap_or_default();
+        let mut buf = self.spare();
+        buf.clear();
         buf.extend_from_slice(bytes);
-        Payload { bytes: buf, home: Some(Arc::clone(self)) }
+        self.adopt(buf, 0..bytes.len())
     }
 
-    fn put(&self, mut buf: Vec<u8>) {
-        buf.clear();
+    /// A payload of `buf[range]`, whose buffer comes back to this pool when it is dropped.
+    /// An out-of-range `range` is clamped to the buffer.
+    pub fn adopt(self: &Arc<Self>, buf: Vec<u8>, range: Range<usize>) -> Payload {
+        let end = range.end.min(buf.len());
+        Payload { range: range.start.min(end)..end, bytes: buf, home: Some(Arc::clone(self)) }
+    }
+
+    /// A buffer from the pool (empty if it has none), to receive into. What it held before
+    /// is still in it: whoever fills it overwrites what it exposes.
+    pub fn spare(&self) -> Vec<u8> {
+        // A poisoned lock only means a thread panicked holding it; the list is still sound.
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).pop().unwrap_or_default()
+    }
+
+    fn put(&self, buf: Vec<u8>) {
         let mut free = self.0.lock().unwrap_or_else(|e| e.into_inner());
         if free.len() < KEEP {
             free.push(buf);
@@ -39,30 +52,32 @@ impl PayloadPool {
     }
 }
 
-/// Bytes of a message, in a buffer of its own or lent by a [`PayloadPool`]. Compares,
-/// prints and clones as the bytes (a clone owns its buffer).
+/// Bytes of a message: `bytes[range]`, in a buffer of its own or lent by a
+/// [`PayloadPool`] (a received frame's whole buffer, say, of which the payload is the
+/// chunk's data). Compares, prints and clones as those bytes (a clone owns its buffer).
 #[derive(Default)]
 pub struct Payload {
     bytes: Vec<u8>,
+    range: Range<usize>,
     home: Option<Arc<PayloadPool>>,
 }
 
 impl From<Vec<u8>> for Payload {
     fn from(bytes: Vec<u8>) -> Self {
-        Payload { bytes, home: None }
+        Payload { range: 0..bytes.len(), bytes, home: None }
     }
 }
 
 impl Deref for Payload {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        &self.bytes
+        &self.bytes[self.range.clone()]
     }
 }
 
 impl DerefMut for Payload {
     fn deref_mut(&mut self) -> &mut [u8] {
-        &mut self.bytes
+        &mut self.bytes[self.range.clone()]
     }
 }
 
@@ -76,19 +91,19 @@ impl Drop for Payload {
 
 impl Clone for Payload {
     fn clone(&self) -> Self {
-        Payload::from(self.bytes.clone())
+        Payload::from(self.to_vec())
     }
 }
 
 impl PartialEq for Payload {
     fn eq(&self, other: &Self) -> bool {
-        self.bytes == other.bytes
+        **self == **other
     }
 }
 
 impl std::fmt::Debug for Payload {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.bytes.fmt(f)
+        (**self).fmt(f)
     }
 }
 
@@ -109,6 +124,16 @@ mod tests {
         let clone = second.clone();
         drop(clone);
         assert_eq!(pool.free(), 0, "a clone owns its buffer and does not return one");
+    }
+
+    #[test]
+    fn an_adopted_buffer_shows_only_its_range_and_comes_back_whole() {
+        let pool = Arc::new(PayloadPool::default());
+        let p = pool.adopt(vec![9, 1, 2, 3, 9], 1..4);
+        assert_eq!((&p[..], p.clone()), (&[1u8, 2, 3][..], Payload::from(vec![1, 2, 3])));
+        assert_eq!(&pool.adopt(vec![1, 2], 1..7)[..], &[2u8][..], "a range past the end is clamped");
+        drop(p);
+        assert_eq!(pool.spare().len(), 5, "the whole buffer returns, for the next receive");
     }
 
     #[test]
