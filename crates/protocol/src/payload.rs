@@ -1,8 +1,8 @@
 //! A KV chunk's bytes as a received message holds them: a buffer that goes back to its
 //! connection's pool when the message is dropped, so a steady stream of chunks reuses a few
-//! warm buffers. A fresh `Vec` per ~370 KB chunk is a fresh `mmap` under glibc's allocator
-//! (same-sized blocks stay above its moving mmap threshold): page faults and zeroing on
-//! every chunk, which cost the transfer more than its copies did.
+//! warm buffers. A fresh `Vec` per ~370 KB chunk came with fresh pages under glibc's
+//! allocator (blocks that size are mapped and unmapped each time): page faults and zeroing
+//! on every chunk, which `bench-transfer`'s profile showed costing more than the copies.
 
 use std::ops::{Deref, DerefMut, Range};
 use std::sync::{Arc, Mutex};
