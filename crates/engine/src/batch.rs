@@ -146,6 +146,8 @@ pub struct Engine {
     prefill_chunk: usize,
     context_limit: usize,
     retractions: u64,
+    /// The last step's logits; its memory serves the next step.
+    logits: Vec<f32>,
 }
 
 impl Engine {
@@ -162,6 +164,7 @@ impl Engine {
             seqs: Vec::new(),
             next_id: 1,
             next_order: 0,
+            logits: Vec::new(),
             prefill_chunk: cfg.prefill_chunk.max(1),
             context_limit,
             retractions: 0,
@@ -428,7 +431,8 @@ impl Engine {
         if feeds.is_empty() {
             return Ok(Vec::new());
         }
-        let logits = {
+        let mut logits = std::mem::take(&mut self.logits);
+        {
             let mut inputs: Vec<SeqInput<'_>> = Vec::with_capacity(feeds.len());
             let mut it = feeds.iter().peekable();
             for (i, s) in self.seqs.iter_mut().enumerate() {
@@ -436,15 +440,15 @@ impl Engine {
                     inputs.push(SeqInput { kv: &mut s.kv, tokens: toks, want_logits: *want });
                 }
             }
-            match self.model.forward(&mut self.pool, &mut inputs) {
-                Ok(logits) => logits,
+            match self.model.forward_into(&mut self.pool, &mut inputs, &mut logits) {
+                Ok(()) => {}
                 // The forward call numbers only the fed sequences.
                 Err(ModelError::ReadCheck { seq, source }) => {
                     return Err(ModelError::ReadCheck { seq: feeds[seq].0, source }.into());
                 }
                 Err(e) => return Err(e.into()),
             }
-        };
+        }
         let vocab = self.model.config.vocab;
         let mut events = Vec::new();
         let mut finished = Vec::new();
@@ -481,6 +485,7 @@ impl Engine {
                 }
             }
         }
+        self.logits = logits;
         Ok(events)
     }
 }

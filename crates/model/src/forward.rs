@@ -169,6 +169,54 @@ struct AttnScratch {
     v: Vec<f32>,
 }
 
+/// What a compute thread reuses from one attention task to the next: [`attend`]'s buffers,
+/// and a block task's positions and gathered queries.
+#[derive(Default)]
+struct TaskScratch {
+    attn: AttnScratch,
+    positions: Vec<usize>,
+    q: Vec<f32>,
+}
+
+thread_local! {
+    /// One per compute thread (rayon's threads live as long as the model), so a warm step
+    /// allocates nothing for attention.
+    static TASK: std::cell::RefCell<TaskScratch> = std::cell::RefCell::default();
+}
+
+/// Buffers a forward pass reuses from one call to the next: once grown to a batch's shape,
+/// a decode step allocates nothing. Every buffer is written before it is read (activations
+/// of one call never reach another).
+#[derive(Debug, Default)]
+pub(crate) struct ForwardScratch {
+    rows: Vec<(usize, usize)>,
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    att: Vec<f32>,
+    o: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    heads: Vec<f32>,
+    matmul: MatmulScratch,
+    /// Attention tasks: (first row, end row, query head).
+    tasks: Vec<(usize, usize, usize)>,
+    /// Block tasks' outputs, `ATTN_ROWS * head_dim` values per task.
+    blocks: Vec<f32>,
+    last: Vec<usize>,
+    sel: Vec<f32>,
+    seln: Vec<f32>,
+}
+
+/// `v` as `n` zeros, reusing its memory.
+fn zeroed(v: &mut Vec<f32>, n: usize) -> &mut Vec<f32> {
+    v.clear();
+    v.resize(n, 0.0);
+    v
+}
+
 /// What one layer's attention needs besides the queries.
 #[derive(Clone, Copy)]
 struct AttnAt {
@@ -263,15 +311,33 @@ impl Llama {
     /// returning logits (`vocab` values each) for every sequence with `want_logits`, in order.
     /// On success each sequence's committed length grows by its token count.
     pub fn forward(&self, pool: &mut KvPool, seqs: &mut [SeqInput<'_>]) -> Result<Vec<f32>, ModelError> {
-        self.threads.install(|| self.forward_inner(pool, seqs))
+        let mut logits = Vec::new();
+        self.forward_into(pool, seqs, &mut logits)?;
+        Ok(logits)
     }
 
-    fn forward_inner(&self, pool: &mut KvPool, seqs: &mut [SeqInput<'_>]) -> Result<Vec<f32>, ModelError> {
+    /// [`Llama::forward`] into `logits` (replacing what it held), with the model's reusable
+    /// buffers: a step of the same shape as one before allocates nothing.
+    pub fn forward_into(&self, pool: &mut KvPool, seqs: &mut [SeqInput<'_>], logits: &mut Vec<f32>) -> Result<(), ModelError> {
+        // Concurrent calls (an in-process prefill beside a decode step) each get buffers:
+        // the second a fresh set. A poisoned lock holds only buffers, all written before read.
+        let mut fresh = ForwardScratch::default();
+        let mut held = match self.scratch.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        };
+        let scratch = held.as_deref_mut().unwrap_or(&mut fresh);
+        self.threads.install(|| self.forward_inner(pool, seqs, scratch, logits))
+    }
+
+    fn forward_inner(&self, pool: &mut KvPool, seqs: &mut [SeqInput<'_>], scratch: &mut ForwardScratch, logits: &mut Vec<f32>) -> Result<(), ModelError> {
         let c = &self.config;
         let (hd, group) = (c.head_dim, c.group());
         let (q_dim, kv_dim) = (c.heads * hd, c.kv_heads * hd);
+        let ForwardScratch { rows, x, xn, q, k, v, att, o, gate, up, heads: xn_heads, matmul: scratch, tasks, blocks, last, sel, seln } = scratch;
         // Row t of every activation matrix is token t; remember whose and where.
-        let mut rows: Vec<(usize, usize)> = Vec::new();
+        rows.clear();
         // Every position attention will read, checked before anything is written (design
         // I1, I2): lease generations always, canaries and the auditor as configured.
         for (s, seq) in seqs.iter_mut().enumerate() {
@@ -297,20 +363,18 @@ impl Llama {
         if t == 0 {
             return Err(ModelError::EmptyBatch);
         }
-        let mut x = vec![0.0f32; t * c.hidden];
+        zeroed(x, t * c.hidden);
         for (xr, tok) in x.chunks_exact_mut(c.hidden).zip(seqs.iter().flat_map(|s| s.tokens.iter())) {
             self.embed(*tok, xr);
         }
-        let mut xn = vec![0.0f32; t * c.hidden];
-        let (mut q, mut k, mut v) = (vec![0.0f32; t * q_dim], vec![0.0f32; t * kv_dim], vec![0.0f32; t * kv_dim]);
-        let mut att = vec![0.0f32; t * q_dim];
-        let mut o = vec![0.0f32; t * c.hidden];
-        let (mut gate, mut up) = (vec![0.0f32; t * c.ffn], vec![0.0f32; t * c.ffn]);
-        let mut xn_heads = Vec::new();
-        let mut scratch = MatmulScratch::default();
+        let xn = zeroed(xn, t * c.hidden);
+        let (q, k, v) = (zeroed(q, t * q_dim), zeroed(k, t * kv_dim), zeroed(v, t * kv_dim));
+        let att = zeroed(att, t * q_dim);
+        let o = zeroed(o, t * c.hidden);
+        let (gate, up) = (zeroed(gate, t * c.ffn), zeroed(up, t * c.ffn));
         let isa = self.isa;
         // Attention tasks: (first row, end row, query head), rows of one sequence at a time.
-        let mut tasks = Vec::new();
+        tasks.clear();
         let mut r0 = 0;
         while r0 < t {
             let seq = rows[r0].0;
@@ -323,11 +387,11 @@ impl Llama {
         }
 
         for (li, l) in self.weights.layers.iter().enumerate() {
-            rms_norm(&x, &l.attn_norm, c.norm_eps, &mut xn);
-            matmul(isa, &[&l.wq, &l.wk, &l.wv], &xn, t, &mut scratch, &mut [&mut q, &mut k, &mut v]);
-            self.prepare_qkv(li, &mut q, &mut k, &mut v, &mut xn_heads);
+            rms_norm(x, &l.attn_norm, c.norm_eps, xn);
+            matmul(isa, &[&l.wq, &l.wk, &l.wv], xn, t, scratch, &mut [&mut q[..], &mut k[..], &mut v[..]]);
+            self.prepare_qkv(li, q, k, v, xn_heads);
             let r = self.rope_of(li);
-            q.par_chunks_mut(q_dim).zip(k.par_chunks_mut(kv_dim)).zip(&rows).with_min_len(ROWS_PER_TASK).for_each(|((qr, kr), &(_, pos))| {
+            q.par_chunks_mut(q_dim).zip(k.par_chunks_mut(kv_dim)).zip(&rows[..]).with_min_len(ROWS_PER_TASK).for_each(|((qr, kr), &(_, pos))| {
                 rope(qr, hd, pos, r);
                 rope(kr, hd, pos, r);
             });
@@ -338,50 +402,52 @@ impl Llama {
             }
             {
                 let pool: &KvPool = pool;
-                let kvs: Vec<&SequenceKv> = seqs.iter().map(|s| &*s.kv).collect();
-                let (rows, q) = (&rows, &q);
+                let seqs: &[SeqInput<'_>] = seqs;
+                let (rows, q) = (&rows[..], &q[..]);
                 if tasks.len() == t * c.heads {
                     // One row per task (a decode step): each (row, head) writes its own slice
                     // of `att` directly, as many tasks as heads times sequences.
-                    att.par_chunks_mut(hd).enumerate().try_for_each_init(AttnScratch::default, |scr, (i, out)| {
+                    att.par_chunks_mut(hd).enumerate().try_for_each(|(i, out)| {
                         let (r, h) = (i / c.heads, i % c.heads);
                         let (s, pos) = rows[r];
                         let qh = &q[r * q_dim + h * hd..r * q_dim + (h + 1) * hd];
-                        attend(isa, pool, kvs[s], at, h / group, &[pos], qh, out, scr)
+                        TASK.with_borrow_mut(|scr| attend(isa, pool, seqs[s].kv, at, h / group, &[pos], qh, out, &mut scr.attn))
                     })?;
                 } else {
                     // Blocks of up to ATTN_ROWS consecutive rows of a sequence per query head:
                     // prefill rows share each page's conversion to f32.
-                    let outs: Vec<Vec<f32>> = tasks
-                        .par_iter()
-                        .map_init(AttnScratch::default, |scr, &(r0, r1, h)| {
-                            let positions: Vec<usize> = rows[r0..r1].iter().map(|&(_, p)| p).collect();
-                            let qh: Vec<f32> = (r0..r1).flat_map(|r| q[r * q_dim + h * hd..r * q_dim + (h + 1) * hd].iter().copied()).collect();
-                            let mut out = vec![0.0f32; (r1 - r0) * hd];
-                            attend(isa, pool, kvs[rows[r0].0], at, h / group, &positions, &qh, &mut out, scr).map(|()| out)
+                    zeroed(blocks, tasks.len() * ATTN_ROWS * hd);
+                    blocks.par_chunks_mut(ATTN_ROWS * hd).zip(&tasks[..]).try_for_each(|(out, &(r0, r1, h))| {
+                        TASK.with_borrow_mut(|scr| {
+                            let TaskScratch { attn, positions, q: qh } = scr;
+                            positions.clear();
+                            positions.extend(rows[r0..r1].iter().map(|&(_, p)| p));
+                            qh.clear();
+                            qh.extend((r0..r1).flat_map(|r| q[r * q_dim + h * hd..r * q_dim + (h + 1) * hd].iter().copied()));
+                            attend(isa, pool, seqs[rows[r0].0].kv, at, h / group, positions, qh, &mut out[..(r1 - r0) * hd], attn)
                         })
-                        .collect::<Result<_, _>>()?;
-                    for (&(r0, r1, h), out) in tasks.iter().zip(&outs) {
+                    })?;
+                    for (&(r0, r1, h), out) in tasks.iter().zip(blocks.chunks(ATTN_ROWS * hd)) {
                         for (i, r) in (r0..r1).enumerate() {
                             att[r * q_dim + h * hd..r * q_dim + (h + 1) * hd].copy_from_slice(&out[i * hd..(i + 1) * hd]);
                         }
                     }
                 }
             }
-            matmul(isa, &[&l.wo], &att, t, &mut scratch, &mut [&mut o]);
-            self.post_norm(l.post_attn_norm.as_deref(), &mut o, &mut xn);
-            add_rows(&mut x, &o, c.hidden);
-            rms_norm(&x, &l.ffn_norm, c.norm_eps, &mut xn);
-            matmul(isa, &[&l.w_gate, &l.w_up], &xn, t, &mut scratch, &mut [&mut gate, &mut up]);
+            matmul(isa, &[&l.wo], att, t, scratch, &mut [&mut o[..]]);
+            self.post_norm(l.post_attn_norm.as_deref(), o, xn);
+            add_rows(x, o, c.hidden);
+            rms_norm(x, &l.ffn_norm, c.norm_eps, xn);
+            matmul(isa, &[&l.w_gate, &l.w_up], xn, t, scratch, &mut [&mut gate[..], &mut up[..]]);
             let act = c.activation;
             gate.par_chunks_mut(c.ffn).zip(up.par_chunks(c.ffn)).with_min_len(ROWS_PER_TASK).for_each(|(g, u)| activate(act, g, u));
-            matmul(isa, &[&l.w_down], &gate, t, &mut scratch, &mut [&mut o]);
-            self.post_norm(l.post_ffn_norm.as_deref(), &mut o, &mut xn);
-            add_rows(&mut x, &o, c.hidden);
+            matmul(isa, &[&l.w_down], gate, t, scratch, &mut [&mut o[..]]);
+            self.post_norm(l.post_ffn_norm.as_deref(), o, xn);
+            add_rows(x, o, c.hidden);
         }
 
         // Logits only for the last token of the sequences that asked.
-        let mut last = Vec::new();
+        last.clear();
         let mut r = 0;
         for seq in seqs.iter() {
             r += seq.tokens.len();
@@ -389,22 +455,22 @@ impl Llama {
                 last.push(r - 1);
             }
         }
-        let mut logits = vec![0.0f32; last.len() * c.vocab];
+        zeroed(logits, last.len() * c.vocab);
         if !last.is_empty() {
-            let mut sel = Vec::with_capacity(last.len() * c.hidden);
-            for &r in &last {
+            sel.clear();
+            for &r in last.iter() {
                 sel.extend_from_slice(&x[r * c.hidden..(r + 1) * c.hidden]);
             }
-            let mut seln = vec![0.0f32; sel.len()];
-            rms_norm(&sel, &self.weights.out_norm, c.norm_eps, &mut seln);
-            matmul(isa, &[self.weights.output()], &seln, last.len(), &mut scratch, &mut [&mut logits]);
-            self.soft_cap(&mut logits);
+            let seln = zeroed(seln, sel.len());
+            rms_norm(sel, &self.weights.out_norm, c.norm_eps, seln);
+            matmul(isa, &[self.weights.output()], seln, last.len(), scratch, &mut [&mut logits[..]]);
+            self.soft_cap(logits);
         }
         for seq in seqs.iter_mut() {
             let n = seq.tokens.len();
             seq.kv.commit(pool, n)?;
         }
-        Ok(logits)
+        Ok(())
     }
 }
 

@@ -77,6 +77,8 @@ pub struct Llama {
     pub weights: Weights,
     isa: Isa,
     threads: rayon::ThreadPool,
+    /// The forward pass's reusable buffers.
+    scratch: std::sync::Mutex<forward::ForwardScratch>,
 }
 
 impl std::fmt::Debug for Llama {
@@ -104,7 +106,7 @@ impl Llama {
             .thread_name(|i| format!("bulkhead-compute-{i}"))
             .build()
             .map_err(|e| ModelError::Threads { threads, why: e.to_string() })?;
-        Ok(Llama { config, weights, isa, threads: pool })
+        Ok(Llama { config, weights, isa, threads: pool, scratch: Default::default() })
     }
 
     /// Use another instruction set (tests compare the portable path with the SIMD one).

@@ -9,11 +9,13 @@ use crate::kernels::{dot_f_row, dot_q_packed, dot_q_rows, packed::GROUP, quantiz
 use crate::quant::Q8Acts;
 use crate::weights::Matrix;
 
-/// Reusable buffers for [`matmul`].
+/// Reusable buffers for [`matmul`]: once they have grown to a shape, a call of that shape
+/// allocates nothing.
 #[derive(Debug, Default)]
 pub struct MatmulScratch {
     q8: Q8Acts,
-    tmp: Vec<f32>,
+    /// Per matrix, its tasks' results in task order (when there are several activation rows).
+    tmp: Vec<Vec<f32>>,
 }
 
 /// Output rows per parallel task: enough tasks for balance, few enough that each is worth
@@ -35,44 +37,12 @@ pub fn matmul(isa: Isa, mats: &[&Matrix], x: &[f32], n: usize, scratch: &mut Mat
     if mats.iter().any(|m| m.is_quantized()) {
         quantize_acts(isa, x, n, cols, &mut scratch.q8);
     }
-    let mut tasks = Vec::new();
-    let mut total = 0;
-    for (mi, m) in mats.iter().enumerate() {
-        let ch = rows_per_task(mats.iter().map(|m| m.rows).sum());
-        let mut r = 0;
-        while r < m.rows {
-            let e = (r + ch).min(m.rows);
-            tasks.push((mi, r, e));
-            r = e;
-        }
-        total += m.rows;
-    }
-    // With one activation row, [row][batch] is [batch][row]: tasks write the outputs directly.
-    let direct = n == 1;
-    if !direct {
-        scratch.tmp.resize(total * n, 0.0);
-    }
-    let mut bufs = Vec::with_capacity(tasks.len());
-    if direct {
-        for (mi, out) in outs.iter_mut().enumerate() {
-            let mut rest: &mut [f32] = out;
-            for &(_, r0, r1) in tasks.iter().filter(|t| t.0 == mi) {
-                let (head, tail) = rest.split_at_mut(r1 - r0);
-                bufs.push(head);
-                rest = tail;
-            }
-        }
-    } else {
-        let mut rest: &mut [f32] = &mut scratch.tmp;
-        for &(_, r0, r1) in &tasks {
-            let (head, tail) = rest.split_at_mut((r1 - r0) * n);
-            bufs.push(head);
-            rest = tail;
-        }
-    }
+    // Task `ti` of matrix `mi` computes its output rows `ti * ch..` (at most `ch` of them).
+    let ch = rows_per_task(mats.iter().map(|m| m.rows).sum());
     let q8 = &scratch.q8;
-    tasks.par_iter().zip(bufs.par_iter_mut()).for_each(|(&(mi, r0, r1), buf)| {
+    let task = |mi: usize, ti: usize, buf: &mut [f32]| {
         let m = mats[mi];
+        let (r0, r1) = (ti * ch, (ti * ch + ch).min(m.rows));
         if let Some(p) = m.packed_rows(r0, r1) {
             dot_q_packed(isa, m.ty, p, r1 - r0, q8, 0, n, buf);
         } else if m.is_quantized() {
@@ -82,32 +52,44 @@ pub fn matmul(isa: Isa, mats: &[&Matrix], x: &[f32], n: usize, scratch: &mut Mat
                 dot_f_row(isa, m.ty, m.row(r), x, cols, &mut buf[(r - r0) * n..(r - r0 + 1) * n]);
             }
         }
-    });
-    if direct {
+    };
+    if n == 1 {
+        // With one activation row, [row][batch] is [batch][row]: tasks write the outputs directly.
+        for_each_task(outs, ch, 1, &task);
         return;
     }
+    if scratch.tmp.len() < mats.len() {
+        scratch.tmp.resize_with(mats.len(), Vec::new);
+    }
+    for (t, m) in scratch.tmp.iter_mut().zip(mats) {
+        t.resize(m.rows * n, 0.0);
+    }
+    for_each_task(&mut scratch.tmp[..mats.len()], ch, n, &task);
     // Row-kernel results are [row][batch] per task, packed-kernel results [batch][row]; outputs
     // are [batch][row], one parallel task per batch row.
-    let tmp = &scratch.tmp;
-    let mut at = 0;
-    let mut spans = Vec::with_capacity(tasks.len());
-    for &(mi, r0, r1) in &tasks {
-        spans.push((mi, r0, r1, at, mats[mi].is_packed()));
-        at += (r1 - r0) * n;
-    }
-    for (mi, out) in outs.iter_mut().enumerate() {
-        let rows = mats[mi].rows;
+    for ((m, out), tmp) in mats.iter().zip(outs.iter_mut()).zip(&scratch.tmp) {
+        let (rows, packed) = (m.rows, m.is_packed());
         out.par_chunks_mut(rows).enumerate().for_each(|(b, o)| {
-            for &(_, r0, r1, at, packed) in spans.iter().filter(|s| s.0 == mi) {
-                let len = r1 - r0;
+            for r0 in (0..rows).step_by(ch) {
+                let (len, at) = ((r0 + ch).min(rows) - r0, r0 * n);
                 if packed {
-                    o[r0..r1].copy_from_slice(&tmp[at + b * len..at + (b + 1) * len]);
+                    o[r0..r0 + len].copy_from_slice(&tmp[at + b * len..at + (b + 1) * len]);
                 } else {
-                    for (r, v) in o[r0..r1].iter_mut().enumerate() {
+                    for (r, v) in o[r0..r0 + len].iter_mut().enumerate() {
                         *v = tmp[at + r * n + b];
                     }
                 }
             }
         });
     }
+}
+
+/// Run `task(matrix, task index, its output)` in parallel for every `ch`-row task of every
+/// matrix, each task's output being its `ch * n` values of `targets[matrix]`, in order.
+fn for_each_task<S: AsMut<[f32]> + Send>(targets: &mut [S], ch: usize, n: usize, task: &(impl Fn(usize, usize, &mut [f32]) + Sync)) {
+    targets
+        .par_iter_mut()
+        .enumerate()
+        .flat_map(|(mi, t)| t.as_mut().par_chunks_mut(ch * n).enumerate().map(move |(ti, buf)| (mi, ti, buf)))
+        .for_each(|(mi, ti, buf)| task(mi, ti, buf));
 }
