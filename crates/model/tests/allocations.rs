@@ -65,7 +65,7 @@ fn allocations_per_steady_run(isa: Isa, threads: usize, checks: KvChecks) -> u64
         m.forward_into(&mut pool, &mut [SeqInput { kv: s, tokens: &prompt, want_logits: true }], &mut logits).expect("prefill");
     }
     let next: Vec<u32> = (0..BATCH as u32).collect();
-    let mut run = |steps: usize, pool: &mut KvPool, seqs: &mut [SequenceKv], logits: &mut Vec<f32>| {
+    let run = |steps: usize, pool: &mut KvPool, seqs: &mut [SequenceKv], logits: &mut Vec<f32>| {
         for _ in 0..steps {
             // On the stack: the test's own step must not allocate either.
             let mut each = seqs.iter_mut();
