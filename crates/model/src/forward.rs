@@ -13,7 +13,7 @@ use rayon::prelude::*;
 use half::f16;
 
 use crate::config::{Activation, RopeStyle};
-use crate::kernels::{dot_kv_rows, weighted_sum_kv, widen_f16, Isa, KvElem};
+use crate::kernels::{dot_kv_rows, exp_shifted, silu_mul, weighted_sum_kv, widen_f16, Isa, KvElem};
 use crate::matmul::{matmul, MatmulScratch};
 use crate::{Llama, ModelError};
 
@@ -114,21 +114,28 @@ pub(crate) fn gelu_mul(gate: &mut [f32], up: &[f32]) {
 }
 
 /// Softmax of attention scores, max-subtracted.
-pub(crate) fn softmax_in_place(s: &mut [f32]) {
+pub(crate) fn softmax_in_place(isa: Isa, s: &mut [f32]) {
     let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0;
-    for v in s.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
-    let inv = 1.0 / sum;
+    exp_shifted(isa, s, max);
+    let inv = 1.0 / lane_sum(s);
     s.iter_mut().for_each(|v| *v *= inv);
 }
 
-pub(crate) fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    for (g, &u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
+/// Sum of `s` in eight interleaved lanes, then the lanes pairwise: independent adds (one
+/// dependent chain per lane), the same order on every path and for every caller.
+fn lane_sum(s: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let mut chunks = s.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += v;
+        }
     }
+    for (a, &v) in acc.iter_mut().zip(chunks.remainder()) {
+        *a += v;
+    }
+    let [a, b, c, d, e, f, g, h] = acc;
+    ((a + e) + (c + g)) + ((b + f) + (d + h))
 }
 
 /// Consecutive rows of one sequence handled by one attention task: they share each page's
@@ -280,7 +287,7 @@ fn attend(
     for (r, &pos) in positions.iter().enumerate() {
         let lo = first_seen(pos, at.window);
         let row = &mut scr.scores[r * n_max..r * n_max + pos + 1];
-        softmax_in_place(&mut row[lo..]);
+        softmax_in_place(isa, &mut row[lo..]);
         row[..lo].fill(0.0);
     }
     out.fill(0.0);
@@ -440,7 +447,7 @@ impl Llama {
             rms_norm(x, &l.ffn_norm, c.norm_eps, xn);
             matmul(isa, &[&l.w_gate, &l.w_up], xn, t, scratch, &mut [&mut gate[..], &mut up[..]]);
             let act = c.activation;
-            gate.par_chunks_mut(c.ffn).zip(up.par_chunks(c.ffn)).with_min_len(ROWS_PER_TASK).for_each(|(g, u)| activate(act, g, u));
+            gate.par_chunks_mut(c.ffn).zip(up.par_chunks(c.ffn)).with_min_len(ROWS_PER_TASK).for_each(|(g, u)| activate(isa, act, g, u));
             matmul(isa, &[&l.w_down], gate, t, scratch, &mut [&mut o[..]]);
             self.post_norm(l.post_ffn_norm.as_deref(), o, xn);
             add_rows(x, o, c.hidden);
@@ -475,9 +482,9 @@ impl Llama {
 }
 
 /// The MLP's activation of `gate`, times `up`.
-pub(crate) fn activate(act: Activation, gate: &mut [f32], up: &[f32]) {
+pub(crate) fn activate(isa: Isa, act: Activation, gate: &mut [f32], up: &[f32]) {
     match act {
-        Activation::Silu => silu_mul(gate, up),
+        Activation::Silu => silu_mul(isa, gate, up),
         Activation::GeluTanh => gelu_mul(gate, up),
     }
 }

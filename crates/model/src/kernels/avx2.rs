@@ -443,8 +443,27 @@ fn axpy_impl<T: Lanes>(acc: &mut [f32], a: f32, v: &[T]) {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 fn dot_rows_impl<T: Lanes>(k: &[T], q: &[f32], out: &mut [f32]) {
-    for (row, o) in k.chunks_exact(q.len()).zip(out.iter_mut()) {
-        *o = dot_impl(row, q);
+    if q.len() != 64 {
+        for (row, o) in k.chunks_exact(q.len()).zip(out.iter_mut()) {
+            *o = dot_impl(row, q);
+        }
+        return;
+    }
+    // A 64-wide head (the default model's): `q` stays in eight registers across the rows
+    // instead of being loaded again for each. Per row the same FMA sequence and sum as
+    // `dot_impl`, so the results are identical.
+    let mut qv = [_mm256_setzero_ps(); 8];
+    for (i, v) in qv.iter_mut().enumerate() {
+        // SAFETY: `q` has 64 readable f32.
+        *v = unsafe { _mm256_loadu_ps(q.as_ptr().add(i * 8)) };
+    }
+    for (row, o) in k.chunks_exact(64).zip(out.iter_mut()) {
+        let mut acc = _mm256_setzero_ps();
+        for (i, qi) in qv.iter().enumerate() {
+            // SAFETY: `row` has 64 readable elements.
+            acc = _mm256_fmadd_ps(unsafe { T::load8(row.as_ptr().add(i * 8)) }, *qi, acc);
+        }
+        *o = hsum(acc);
     }
 }
 
@@ -494,6 +513,26 @@ fn widen_impl(src: &[f16], dst: &mut [f32]) {
     for i in n8..src.len() {
         dst[i] = src[i].to_f32();
     }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn exp_shifted_impl(xs: &mut [f32], shift: f32) {
+    xs.iter_mut().for_each(|v| *v = super::exp_approx(*v - shift));
+}
+
+pub(super) fn exp_shifted(xs: &mut [f32], shift: f32) {
+    // SAFETY: only reached through an Isa at level Avx2 or Avx512Vnni, which only detection of AVX2, FMA and F16C makes.
+    unsafe { exp_shifted_impl(xs, shift) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn silu_mul_impl(gate: &mut [f32], up: &[f32]) {
+    gate.iter_mut().zip(up).for_each(|(g, &u)| *g = super::silu_one(*g, u));
+}
+
+pub(super) fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    // SAFETY: only reached through an Isa at level Avx2 or Avx512Vnni, which only detection of AVX2, FMA and F16C makes.
+    unsafe { silu_mul_impl(gate, up) }
 }
 
 pub(super) fn widen(src: &[f16], dst: &mut [f32]) {
