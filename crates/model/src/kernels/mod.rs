@@ -208,7 +208,7 @@ impl KvElem for f32 {}
 
 mod private {
     #[cfg(target_arch = "x86_64")]
-    pub trait Both: super::avx2::Lanes + super::scalar::Scalar {}
+    pub trait Both: super::avx2::Lanes + super::vnni::Lanes16 + super::scalar::Scalar {}
     #[cfg(not(target_arch = "x86_64"))]
     pub trait Both: super::scalar::Scalar {}
     impl Both for half::f16 {}
@@ -253,6 +253,8 @@ pub fn dot_kv_rows<T: KvElem>(isa: Isa, k: &[T], q: &[f32], out: &mut [f32]) {
 pub fn weighted_sum_kv<T: KvElem>(isa: Isa, out: &mut [f32], w: &[f32], v: &[T]) {
     assert_eq!(v.len(), out.len() * w.len(), "rows of v");
     match isa.level() {
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx512Vnni if out.len().is_multiple_of(16) => vnni::weighted_sum(out, w, v),
         #[cfg(target_arch = "x86_64")]
         IsaLevel::Avx2 | IsaLevel::Avx512Vnni => avx2::weighted_sum(out, w, v),
         _ => scalar::weighted_sum(out, w, v),
@@ -323,6 +325,46 @@ pub fn widen_f16(isa: Isa, src: &[f16], dst: &mut Vec<f32>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn attention_kernels_match_their_one_row_forms_bit_for_bit_on_every_isa_and_width() {
+        for cols in [16, 48, 64, 80, 256] {
+            let q: Vec<f32> = (0..cols).map(|i| ((i * 37 % 19) as f32 - 9.0) * 0.11).collect();
+            let k32: Vec<f32> = (0..cols * 16).map(|i| ((i * 13 % 23) as f32 - 11.0) * 0.07).collect();
+            let k16: Vec<f16> = k32.iter().map(|&v| f16::from_f32(v)).collect();
+            let w: Vec<f32> = (0..16).map(|j| 0.01 + j as f32 * 0.05).collect();
+            let mut by_isa = Vec::new();
+            for isa in Isa::available() {
+                let mut got = Vec::new();
+                for rows in [&k32[..], &widened(&k16)[..]] {
+                    let mut batched = vec![0.0; 16];
+                    dot_kv_rows(isa, rows, &q, &mut batched);
+                    let one: Vec<f32> = rows.chunks_exact(cols).map(|r| dot_kv(isa, r, &q)).collect();
+                    assert_eq!(batched, one, "{isa:?}, {cols} columns: scores");
+                    let (mut summed, mut stepped) = (q.clone(), q.clone());
+                    weighted_sum_kv(isa, &mut summed, &w, rows);
+                    for (r, &wj) in rows.chunks_exact(cols).zip(&w) {
+                        axpy_kv(isa, &mut stepped, wj, r);
+                    }
+                    assert_eq!(summed, stepped, "{isa:?}, {cols} columns: weighted sum");
+                    got.push((batched, summed));
+                }
+                // The f16 rows as stored (the decode path) give what their widened copy gives.
+                let (mut from_f16, mut sum_f16) = (vec![0.0; 16], q.clone());
+                dot_kv_rows(isa, &k16, &q, &mut from_f16);
+                weighted_sum_kv(isa, &mut sum_f16, &w, &k16);
+                assert_eq!((&from_f16, &sum_f16), (&got[1].0, &got[1].1), "{isa:?}, {cols} columns: f16 rows");
+                by_isa.push((isa, got));
+            }
+            // The AVX-512 weighted sum gives the AVX2 one's bits (same FMA per element).
+            let sums: Vec<_> = by_isa.iter().filter(|(i, _)| i.level() >= IsaLevel::Avx2).map(|(_, g)| g.iter().map(|x| x.1.clone()).collect::<Vec<_>>()).collect();
+            assert!(sums.windows(2).all(|p| p[0] == p[1]), "{cols} columns: weighted sums differ between SIMD levels");
+        }
+    }
+
+    fn widened(k: &[f16]) -> Vec<f32> {
+        k.iter().map(|v| v.to_f32()).collect()
+    }
 
     #[test]
     fn the_polynomial_exp_is_within_two_ulp_of_libm_and_the_same_bits_on_every_isa() {

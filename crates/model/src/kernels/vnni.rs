@@ -14,6 +14,7 @@
 use std::arch::x86_64::*;
 
 use bulkhead_gguf::GgmlType;
+use half::f16;
 
 use super::packed::{block_offset, has_min, GROUP};
 use crate::quant::{Q8Acts, QK};
@@ -150,4 +151,68 @@ pub(super) fn dot_packed(ty: GgmlType, p: &[u8], rows: usize, acts: &Q8Acts, fir
             i += k;
         }
     }
+}
+
+/// KV elements sixteen at a time, as f32.
+pub trait Lanes16: Copy {
+    /// Sixteen elements at `p`, as f32.
+    ///
+    /// # Safety
+    /// AVX-512F is available and `p` points to sixteen readable elements.
+    unsafe fn load16(p: *const Self) -> __m512;
+}
+
+impl Lanes16 for f16 {
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        // SAFETY: the caller guarantees 16 readable f16 (32 bytes) and AVX-512F; f16 is
+        // repr(transparent) over u16.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+    }
+}
+
+impl Lanes16 for f32 {
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        // SAFETY: the caller guarantees 16 readable f32 and AVX-512F.
+        unsafe { _mm512_loadu_ps(p) }
+    }
+}
+
+/// `out += Σ_j w[j] · v[j]` for `out` of a multiple of 16 columns, up to 64 of them held in
+/// four 512-bit registers across the rows of `v`. Per element the same FMA sequence as the
+/// AVX2 kernel and repeated `axpy` (one `fma(w[j], v[j][c], out[c])` per row, in order), so
+/// results are identical; half the instructions.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+fn weighted_sum_impl<T: Lanes16>(out: &mut [f32], w: &[f32], v: &[T]) {
+    let cols = out.len();
+    for c0 in (0..cols).step_by(64) {
+        let width = (cols - c0).min(64) / 16;
+        let mut acc = [_mm512_setzero_ps(); 4];
+        for (r, a) in acc.iter_mut().enumerate().take(width) {
+            let o = &out[c0 + r * 16..c0 + r * 16 + 16];
+            // SAFETY: `o` has 16 readable f32.
+            *a = unsafe { _mm512_loadu_ps(o.as_ptr()) };
+        }
+        for (row, &wj) in v.chunks_exact(cols).zip(w) {
+            let wv = _mm512_set1_ps(wj);
+            for (r, a) in acc.iter_mut().enumerate().take(width) {
+                let x = &row[c0 + r * 16..c0 + r * 16 + 16];
+                // SAFETY: `x` has 16 readable elements.
+                *a = _mm512_fmadd_ps(wv, unsafe { T::load16(x.as_ptr()) }, *a);
+            }
+        }
+        for (r, a) in acc.iter().enumerate().take(width) {
+            let o = &mut out[c0 + r * 16..c0 + r * 16 + 16];
+            // SAFETY: `o` has 16 writable f32.
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *a) };
+        }
+    }
+}
+
+/// See [`weighted_sum_impl`]; `out.len()` must be a multiple of 16.
+pub(super) fn weighted_sum<T: Lanes16>(out: &mut [f32], w: &[f32], v: &[T]) {
+    assert!(out.len().is_multiple_of(16) && v.len() == out.len() * w.len(), "weighted_sum shape");
+    // SAFETY: only reached through an Isa at level Avx512Vnni, which only detection of AVX2, FMA, F16C and AVX-512F/VL/VNNI makes.
+    unsafe { weighted_sum_impl(out, w, v) }
 }
