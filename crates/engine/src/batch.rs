@@ -156,6 +156,7 @@ impl Engine {
         // A sequence must fit the pool alone: KV on demand retracts others to let it grow,
         // but one larger than the pool would retract itself for ever.
         let context_limit = cfg.context_limit.min(model.config.context_length).min(pool.capacity_tokens());
+        model.reserve_attention(context_limit, pool.layout().page_size);
         Engine {
             model,
             vocab: Arc::new(Vocabulary::new(Arc::clone(&tokenizer))),

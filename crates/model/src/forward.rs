@@ -13,7 +13,7 @@ use rayon::prelude::*;
 use half::f16;
 
 use crate::config::{Activation, RopeStyle};
-use crate::kernels::{dot_kv_rows, exp_shifted, silu_mul, weighted_sum_kv, widen_f16, Isa, KvElem};
+use crate::kernels::{dot_kv_rows, weighted_sum_kv, widen_f16, Isa, KvElem};
 use crate::matmul::{matmul, MatmulScratch};
 use crate::{Llama, ModelError};
 
@@ -114,28 +114,60 @@ pub(crate) fn gelu_mul(gate: &mut [f32], up: &[f32]) {
 }
 
 /// Softmax of attention scores, max-subtracted.
-pub(crate) fn softmax_in_place(isa: Isa, s: &mut [f32]) {
+pub(crate) fn softmax_in_place(s: &mut [f32]) {
     let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    exp_shifted(isa, s, max);
-    let inv = 1.0 / lane_sum(s);
+    let mut sum = 0.0;
+    for v in s.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
     s.iter_mut().for_each(|v| *v *= inv);
 }
 
-/// Sum of `s` in eight interleaved lanes, then the lanes pairwise: independent adds (one
-/// dependent chain per lane), the same order on every path and for every caller.
-fn lane_sum(s: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let mut chunks = s.chunks_exact(8);
-    for c in &mut chunks {
-        for (a, &v) in acc.iter_mut().zip(c) {
-            *a += v;
+/// [`softmax_in_place`] of each row `r` of `scores` (rows `n_max` apart) over the keys row
+/// `r` sees, `first_seen(pos)..=pos` for its position, with 0 before them; the same bits as
+/// row by row. Each row's sum still runs in key order from 0, but four rows' sums run side
+/// by side: one dependent chain of adds per row was most of the softmax's time.
+fn softmax_rows(scores: &mut [f32], n_max: usize, positions: &[usize], window: Option<usize>) {
+    const SIDE: usize = 4;
+    let span = |r: usize| (first_seen(positions[r], window), positions[r] + 1);
+    for r in 0..positions.len() {
+        let (lo, end) = span(r);
+        let row = &mut scores[r * n_max..r * n_max + end];
+        row[..lo].fill(0.0);
+        let max = row[lo..].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        row[lo..].iter_mut().for_each(|v| *v = (*v - max).exp());
+    }
+    for r0 in (0..positions.len()).step_by(SIDE) {
+        let rows = SIDE.min(positions.len() - r0);
+        let start = |k: usize| (r0 + k) * n_max + span(r0 + k).0;
+        let len = |k: usize| span(r0 + k).1 - span(r0 + k).0;
+        let mut sums = [0.0f32; SIDE];
+        // The keys all four rows see, summed side by side; each row's own tail after.
+        let common = if rows == SIDE { (0..SIDE).map(len).min().unwrap_or(0) } else { 0 };
+        if common > 0 {
+            let [a, b, c, d] = [0, 1, 2, 3].map(|k| &scores[start(k)..start(k) + common]);
+            for (((&a, &b), &c), &d) in a.iter().zip(b).zip(c).zip(d) {
+                sums[0] += a;
+                sums[1] += b;
+                sums[2] += c;
+                sums[3] += d;
+            }
+        }
+        for (k, sum) in sums.iter_mut().enumerate().take(rows) {
+            let row = &mut scores[start(k)..start(k) + len(k)];
+            *sum = row[common..].iter().fold(*sum, |acc, &v| acc + v);
+            let inv = 1.0 / *sum;
+            row.iter_mut().for_each(|v| *v *= inv);
         }
     }
-    for (a, &v) in acc.iter_mut().zip(chunks.remainder()) {
-        *a += v;
+}
+
+pub(crate) fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
     }
-    let [a, b, c, d, e, f, g, h] = acc;
-    ((a + e) + (c + g)) + ((b + f) + (d + h))
 }
 
 /// Consecutive rows of one sequence handled by one attention task: they share each page's
@@ -183,6 +215,19 @@ struct TaskScratch {
     attn: AttnScratch,
     positions: Vec<usize>,
     q: Vec<f32>,
+}
+
+impl TaskScratch {
+    /// Room for tasks of up to `rows` score rows over sequences of up to `context` tokens in
+    /// `page_size`-token pages.
+    fn reserve(&mut self, rows: usize, context: usize, page_size: usize, head_dim: usize) {
+        let grow = |v: &mut Vec<f32>, n: usize| v.reserve(n.saturating_sub(v.len()));
+        grow(&mut self.attn.scores, rows * context);
+        grow(&mut self.attn.k, page_size * head_dim);
+        grow(&mut self.attn.v, page_size * head_dim);
+        grow(&mut self.q, rows * head_dim);
+        self.positions.reserve(rows.saturating_sub(self.positions.len()));
+    }
 }
 
 thread_local! {
@@ -284,12 +329,7 @@ fn attend(
             score_page(isa, &scr.k, q, positions, at, &mut scr.scores);
         }
     }
-    for (r, &pos) in positions.iter().enumerate() {
-        let lo = first_seen(pos, at.window);
-        let row = &mut scr.scores[r * n_max..r * n_max + pos + 1];
-        softmax_in_place(isa, &mut row[lo..]);
-        row[..lo].fill(0.0);
-    }
+    softmax_rows(&mut scr.scores, n_max, positions, at.window);
     out.fill(0.0);
     for (pi, lease) in kv.pages().iter().enumerate().take(pages).skip(first_page) {
         let page = pool.read(lease, layer)?;
@@ -321,6 +361,13 @@ impl Llama {
         let mut logits = Vec::new();
         self.forward_into(pool, seqs, &mut logits)?;
         Ok(logits)
+    }
+
+    /// Size every compute thread's attention buffers for sequences of up to `context`
+    /// tokens in `page_size`-token pages, so that steps never grow them as contexts grow.
+    pub fn reserve_attention(&self, context: usize, page_size: usize) {
+        let (head_dim, rows) = (self.config.head_dim, self.config.group() * ATTN_ROWS);
+        self.threads.broadcast(|_| TASK.with_borrow_mut(|t| t.reserve(rows, context, page_size, head_dim)));
     }
 
     /// [`Llama::forward`] into `logits` (replacing what it held), with the model's reusable
@@ -389,7 +436,7 @@ impl Llama {
             while r1 < t && rows[r1].0 == seq && r1 - r0 < ATTN_ROWS {
                 r1 += 1;
             }
-            tasks.extend((0..c.heads).map(|h| (r0, r1, h)));
+            tasks.extend((0..c.kv_heads).map(|g| (r0, r1, g)));
             r0 = r1;
         }
 
@@ -411,7 +458,7 @@ impl Llama {
                 let pool: &KvPool = pool;
                 let seqs: &[SeqInput<'_>] = seqs;
                 let (rows, q) = (&rows[..], &q[..]);
-                if tasks.len() == t * c.heads {
+                if tasks.len() == t * c.kv_heads {
                     // One row per task (a decode step): each (row, head) writes its own slice
                     // of `att` directly, as many tasks as heads times sequences.
                     att.par_chunks_mut(hd).enumerate().try_for_each(|(i, out)| {
@@ -421,22 +468,28 @@ impl Llama {
                         TASK.with_borrow_mut(|scr| attend(isa, pool, seqs[s].kv, at, h / group, &[pos], qh, out, &mut scr.attn))
                     })?;
                 } else {
-                    // Blocks of up to ATTN_ROWS consecutive rows of a sequence per query head:
-                    // prefill rows share each page's conversion to f32.
-                    zeroed(blocks, tasks.len() * ATTN_ROWS * hd);
-                    blocks.par_chunks_mut(ATTN_ROWS * hd).zip(&tasks[..]).try_for_each(|(out, &(r0, r1, h))| {
+                    // Blocks of up to ATTN_ROWS consecutive rows of a sequence, for all the
+                    // query heads of one KV head, stacked as rows (head-major): they share
+                    // each page's conversion to f32.
+                    let stride = group * ATTN_ROWS * hd;
+                    zeroed(blocks, tasks.len() * stride);
+                    blocks.par_chunks_mut(stride).zip(&tasks[..]).try_for_each(|(out, &(r0, r1, g))| {
                         TASK.with_borrow_mut(|scr| {
                             let TaskScratch { attn, positions, q: qh } = scr;
+                            let heads = g * group..(g + 1) * group;
                             positions.clear();
-                            positions.extend(rows[r0..r1].iter().map(|&(_, p)| p));
+                            positions.extend(heads.clone().flat_map(|_| rows[r0..r1].iter().map(|&(_, p)| p)));
                             qh.clear();
-                            qh.extend((r0..r1).flat_map(|r| q[r * q_dim + h * hd..r * q_dim + (h + 1) * hd].iter().copied()));
-                            attend(isa, pool, seqs[rows[r0].0].kv, at, h / group, positions, qh, &mut out[..(r1 - r0) * hd], attn)
+                            qh.extend(heads.flat_map(|h| (r0..r1).flat_map(move |r| q[r * q_dim + h * hd..r * q_dim + (h + 1) * hd].iter().copied())));
+                            attend(isa, pool, seqs[rows[r0].0].kv, at, g, positions, qh, &mut out[..group * (r1 - r0) * hd], attn)
                         })
                     })?;
-                    for (&(r0, r1, h), out) in tasks.iter().zip(blocks.chunks(ATTN_ROWS * hd)) {
-                        for (i, r) in (r0..r1).enumerate() {
-                            att[r * q_dim + h * hd..r * q_dim + (h + 1) * hd].copy_from_slice(&out[i * hd..(i + 1) * hd]);
+                    for (&(r0, r1, g), out) in tasks.iter().zip(blocks.chunks(stride)) {
+                        let n = r1 - r0;
+                        for (j, h) in (g * group..(g + 1) * group).enumerate() {
+                            for (i, r) in (r0..r1).enumerate() {
+                                att[r * q_dim + h * hd..r * q_dim + (h + 1) * hd].copy_from_slice(&out[(j * n + i) * hd..(j * n + i + 1) * hd]);
+                            }
                         }
                     }
                 }
@@ -447,7 +500,7 @@ impl Llama {
             rms_norm(x, &l.ffn_norm, c.norm_eps, xn);
             matmul(isa, &[&l.w_gate, &l.w_up], xn, t, scratch, &mut [&mut gate[..], &mut up[..]]);
             let act = c.activation;
-            gate.par_chunks_mut(c.ffn).zip(up.par_chunks(c.ffn)).with_min_len(ROWS_PER_TASK).for_each(|(g, u)| activate(isa, act, g, u));
+            gate.par_chunks_mut(c.ffn).zip(up.par_chunks(c.ffn)).with_min_len(ROWS_PER_TASK).for_each(|(g, u)| activate(act, g, u));
             matmul(isa, &[&l.w_down], gate, t, scratch, &mut [&mut o[..]]);
             self.post_norm(l.post_ffn_norm.as_deref(), o, xn);
             add_rows(x, o, c.hidden);
@@ -482,9 +535,9 @@ impl Llama {
 }
 
 /// The MLP's activation of `gate`, times `up`.
-pub(crate) fn activate(isa: Isa, act: Activation, gate: &mut [f32], up: &[f32]) {
+pub(crate) fn activate(act: Activation, gate: &mut [f32], up: &[f32]) {
     match act {
-        Activation::Silu => silu_mul(isa, gate, up),
+        Activation::Silu => silu_mul(gate, up),
         Activation::GeluTanh => gelu_mul(gate, up),
     }
 }

@@ -61,7 +61,7 @@ impl Llama {
                 let at = |p: usize| p * kv_dim + g * hd..p * kv_dim + (g + 1) * hd;
                 // Positions outside a sliding window take no part.
                 let mut w: Vec<f32> = (lo..=pos).map(|p| dot_kv(self.isa, &st.k[li][at(p)], qh) * c.attn_scale).collect();
-                softmax_in_place(self.isa, &mut w);
+                softmax_in_place(&mut w);
                 for (p, &wp) in (lo..=pos).zip(&w) {
                     axpy_kv(self.isa, &mut att[h * hd..(h + 1) * hd], wp, &st.v[li][at(p)]);
                 }
@@ -73,7 +73,7 @@ impl Llama {
             rms_norm(&x, &l.ffn_norm, c.norm_eps, &mut xn);
             let (mut gate, mut up) = (vec![0.0; c.ffn], vec![0.0; c.ffn]);
             matmul(self.isa, &[&l.w_gate, &l.w_up], &xn, 1, &mut s, &mut [&mut gate, &mut up]);
-            activate(self.isa, c.activation, &mut gate, &up);
+            activate(c.activation, &mut gate, &up);
             matmul(self.isa, &[&l.w_down], &gate, 1, &mut s, &mut [&mut o]);
             self.post_norm(l.post_ffn_norm.as_deref(), &mut o, &mut xn);
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);

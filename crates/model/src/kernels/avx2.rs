@@ -515,26 +515,6 @@ fn widen_impl(src: &[f16], dst: &mut [f32]) {
     }
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-fn exp_shifted_impl(xs: &mut [f32], shift: f32) {
-    xs.iter_mut().for_each(|v| *v = super::exp_approx(*v - shift));
-}
-
-pub(super) fn exp_shifted(xs: &mut [f32], shift: f32) {
-    // SAFETY: only reached through an Isa at level Avx2 or Avx512Vnni, which only detection of AVX2, FMA and F16C makes.
-    unsafe { exp_shifted_impl(xs, shift) }
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn silu_mul_impl(gate: &mut [f32], up: &[f32]) {
-    gate.iter_mut().zip(up).for_each(|(g, &u)| *g = super::silu_one(*g, u));
-}
-
-pub(super) fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    // SAFETY: only reached through an Isa at level Avx2 or Avx512Vnni, which only detection of AVX2, FMA and F16C makes.
-    unsafe { silu_mul_impl(gate, up) }
-}
-
 pub(super) fn widen(src: &[f16], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len());
     // SAFETY: only reached through an Isa at level Avx2 or Avx512Vnni, which only detection of AVX2, FMA and F16C makes.

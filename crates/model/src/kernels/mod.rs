@@ -261,56 +261,6 @@ pub fn weighted_sum_kv<T: KvElem>(isa: Isa, out: &mut [f32], w: &[f32], v: &[T])
     }
 }
 
-/// e^x to within about one ulp for x in [-87, 88] (clamped there: 0 and overflow are out of
-/// reach), by one branch-free polynomial, so loops over it vectorise where libm's `expf` is
-/// a call per element. Separate multiplies and adds (Rust never fuses them), so every ISA's
-/// loop gives the same bits.
-#[inline(always)]
-pub(crate) fn exp_approx(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    // ln 2 in two parts, the first exact in few bits, so n·LN2_HI is exact.
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    // 1.5 · 2^23: adding it rounds to an integer (to nearest) and leaves it in the low bits.
-    const ROUND: f32 = 12_582_912.0;
-    let x = x.clamp(-87.0, 88.0);
-    let t = x * LOG2E + ROUND;
-    let n = t - ROUND;
-    let r = x - n * LN2_HI - n * LN2_LO;
-    // e^r on |r| <= ln2/2: Taylor to degree 7 (the next term is below 6e-9).
-    let mut p = 1.0 / 5040.0;
-    for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
-        p = p * r + c;
-    }
-    // 2^n, n in -126..=127 after the clamp: a normal float's exponent field.
-    let n = t.to_bits() as i32 - ROUND.to_bits() as i32;
-    p * f32::from_bits(((n + 127) << 23) as u32)
-}
-
-/// `xs[i] = e^(xs[i] - shift)`, in place.
-pub fn exp_shifted(isa: Isa, xs: &mut [f32], shift: f32) {
-    match isa.level() {
-        #[cfg(target_arch = "x86_64")]
-        IsaLevel::Avx2 | IsaLevel::Avx512Vnni => avx2::exp_shifted(xs, shift),
-        _ => xs.iter_mut().for_each(|v| *v = exp_approx(*v - shift)),
-    }
-}
-
-/// `gate[i] = silu(gate[i]) · up[i]`.
-pub fn silu_mul(isa: Isa, gate: &mut [f32], up: &[f32]) {
-    assert_eq!(gate.len(), up.len(), "silu_mul rows");
-    match isa.level() {
-        #[cfg(target_arch = "x86_64")]
-        IsaLevel::Avx2 | IsaLevel::Avx512Vnni => avx2::silu_mul(gate, up),
-        _ => gate.iter_mut().zip(up).for_each(|(g, &u)| *g = silu_one(*g, u)),
-    }
-}
-
-#[inline(always)]
-fn silu_one(g: f32, u: f32) -> f32 {
-    g / (1.0 + exp_approx(-g)) * u
-}
-
 /// `dst = src` widened to f32 (exact), replacing `dst`'s contents.
 pub fn widen_f16(isa: Isa, src: &[f16], dst: &mut Vec<f32>) {
     dst.clear();
@@ -366,27 +316,6 @@ mod tests {
         k.iter().map(|v| v.to_f32()).collect()
     }
 
-    #[test]
-    fn the_polynomial_exp_is_within_two_ulp_of_libm_and_the_same_bits_on_every_isa() {
-        let xs: Vec<f32> = (0..200_001).map(|i| -87.0 + i as f32 * (87.0 + 10.0) / 200_000.0).collect();
-        for &x in &xs {
-            let (got, want) = (exp_approx(x), (x as f64).exp());
-            let err = ((got as f64 - want) / want).abs();
-            assert!(err < 2.5e-7, "e^{x}: {got} against {want} (relative error {err:e})");
-        }
-        assert_eq!(exp_approx(-1000.0), exp_approx(-87.0), "clamped below");
-        assert!(exp_approx(f32::NAN).is_nan());
-        let shifted = |isa: Isa| {
-            let mut v = xs.clone();
-            exp_shifted(isa, &mut v, 3.0);
-            let mut g = xs.clone();
-            silu_mul(isa, &mut g, &xs);
-            v.iter().chain(&g).map(|f| f.to_bits()).collect::<Vec<_>>()
-        };
-        for isa in Isa::available() {
-            assert!(shifted(isa) == shifted(Isa::scalar()), "{isa:?} differs from the portable loop");
-        }
-    }
     use crate::quant::{dequantize_row, quantize_row};
 
     fn rng(seed: &mut u64) -> f32 {
