@@ -545,9 +545,13 @@ fn compute<M: PrefillCompute>(model: &mut M, pool: &mut KvPool, jobs: &mut [Job]
             })
             .collect(),
     };
-    // One result per job, planned or not (an unplanned one's is never read).
+    // One result per job, planned or not (an unplanned one's is never read). Every arm
+    // above gives one per planned chunk; were one missing, its job fails rather than being
+    // taken as computed.
     let mut results = results.into_iter();
-    plan.iter().map(|(from, to)| if from < to { results.next().unwrap_or(Ok(None)) } else { Ok(None) }).collect()
+    plan.iter()
+        .map(|(from, to)| if from < to { results.next().unwrap_or_else(|| Err("no result for a planned chunk".into())) } else { Ok(None) })
+        .collect()
 }
 
 fn act(acts: Vec<PrefillAction>, link: &mut impl PrefillLink) {
