@@ -115,19 +115,14 @@ pub(crate) fn gelu_mul(gate: &mut [f32], up: &[f32]) {
 
 /// Softmax of attention scores, max-subtracted.
 pub(crate) fn softmax_in_place(s: &mut [f32]) {
-    let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0;
-    for v in s.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
+    if let Some(last) = s.len().checked_sub(1) {
+        softmax_rows(s, s.len(), &[last], None);
     }
-    let inv = 1.0 / sum;
-    s.iter_mut().for_each(|v| *v *= inv);
 }
 
-/// [`softmax_in_place`] of each row `r` of `scores` (rows `n_max` apart) over the keys row
-/// `r` sees, `first_seen(pos)..=pos` for its position, with 0 before them; the same bits as
-/// row by row. Each row's sum still runs in key order from 0, but four rows' sums run side
+/// The softmax of each row `r` of `scores` (rows `n_max` apart) over the keys row `r` sees,
+/// `first_seen(pos)..=pos` for its position, with 0 before them ([`softmax_in_place`] is
+/// its one-row case, so every path gets the same bits). Each row's sum still runs in key order from 0, but four rows' sums run side
 /// by side: one dependent chain of adds per row was most of the softmax's time.
 fn softmax_rows(scores: &mut [f32], n_max: usize, positions: &[usize], window: Option<usize>) {
     const SIDE: usize = 4;
@@ -253,9 +248,9 @@ pub(crate) struct ForwardScratch {
     up: Vec<f32>,
     heads: Vec<f32>,
     matmul: MatmulScratch,
-    /// Attention tasks: (first row, end row, query head).
+    /// Attention tasks: (first row, end row, KV head).
     tasks: Vec<(usize, usize, usize)>,
-    /// Block tasks' outputs, `ATTN_ROWS * head_dim` values per task.
+    /// Block tasks' outputs, `group * ATTN_ROWS * head_dim` values per task.
     blocks: Vec<f32>,
     last: Vec<usize>,
     sel: Vec<f32>,
