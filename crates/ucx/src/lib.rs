@@ -440,7 +440,9 @@ impl Sender {
 
     /// Send one message and wait until UCX is done with it, then give its buffer back;
     /// give up after `timeout`, or when `watch` (the control connection) reports the peer
-    /// gone.
+    /// gone. Done is not delivered: an eager message can still be on its way, and
+    /// dropping the sender (or ending the control connection) right after can lose it,
+    /// which the protocol sees as a cut link (pages quarantined until the fence).
     pub fn send(&mut self, bytes: Vec<u8>, watch: RawFd, timeout: Duration) -> Result<Vec<u8>, UcxError> {
         // SAFETY: a live endpoint; `bytes` moves into `complete`, which gives it back only
         // once UCX is done with the request (or parks it).

@@ -74,18 +74,20 @@ fn messages_arrive_whole_and_in_order() {
         let (back_tx, back_rx) = mpsc::channel();
         let n = 60;
         let (receiver, address, b) = started(n, 16 << 20, Some(back_rx), peer);
-        let sender = std::thread::spawn(move || -> Result<String, UcxError> {
+        let sender = std::thread::spawn(move || -> Result<(Sender, UnixStream), UcxError> {
             let mut s = Sender::connect(&address, Transports::Fast, peer)?;
             back_tx.send(s.address().to_vec()).unwrap();
             for i in 0..n {
                 s.send(message(i), b.as_raw_fd(), T)?;
             }
-            Ok(s.transports())
+            // Kept open until the receiver has everything (see `a_message_over_the_limit_is_refused`).
+            Ok((s, b))
         });
-        let transports = sender.join().unwrap().unwrap();
+        let got = receiver.join().unwrap().unwrap();
+        let (s, _b) = sender.join().unwrap().unwrap();
+        let transports = s.transports();
         eprintln!("{peer:?} transports: {transports}");
         assert!(!transports.contains("tcp"), "the fast set excludes UCX's TCP: {transports}");
-        let got = receiver.join().unwrap().unwrap();
         for (i, m) in got.iter().enumerate() {
             assert!(*m == message(i), "{peer:?}: message {i} differs");
         }
@@ -103,11 +105,14 @@ fn a_message_over_the_limit_is_refused() {
             let mut s = Sender::connect(&address, Transports::Fast, peer).unwrap();
             // The receiver drops the connection: the send ends (error or not), it does not hang.
             let _ = s.send(message(4), b.as_raw_fd(), Duration::from_secs(2));
-            drop(b);
+            // Both ends stay open until the receiver has answered: an eager send completes
+            // before the bytes are delivered, and closing the control connection (or the
+            // sender) right after it could end the receive before the message is seen.
+            (s, b)
         });
         let err = receiver.join().unwrap().unwrap_err();
         assert!(err.contains("over the limit"), "{peer:?}: {err}");
-        sender.join().unwrap();
+        drop(sender.join().unwrap());
     }
 }
 
