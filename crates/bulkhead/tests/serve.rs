@@ -774,6 +774,56 @@ fn kv_frames_take_ucx_where_it_loads_and_tcp_when_asked_with_the_same_answers() 
     assert_eq!(long_answers[0], long_answers[1], "the same KV over either road");
 }
 
+/// A link cut mid-transfer over UCX (issue 19): shared memory cannot be unplugged, so the
+/// prefill worker is stopped (SIGSTOP) between two chunks, the writer alive and silent. The
+/// request fails at the transfer timeout, its decode pages stay quarantined while the
+/// writer is not fenced, and once it runs again (any late chunk lands in a receive buffer
+/// and is dropped unread) its `Done` or `Fenced` releases them, and serving goes on.
+#[test]
+fn a_prefill_worker_stalled_mid_transfer_over_ucx_keeps_its_pages_quarantined_until_it_is_fenced() {
+    if let Err(e) = bulkhead_ucx::version() {
+        eprintln!("skipped: UCX is not usable here ({e})");
+        return;
+    }
+    let s = serve(&["--transfer-batch-pages", "8", "--transfer-timeout-ms", "2000"], &[]);
+    let http = s.http.clone();
+    let long = "The quick brown fox jumps over the lazy dog. ".repeat(150);
+    let victim = std::thread::spawn(move || chat(&http, SYSTEM, &long, 8));
+    let decode = [("role", "decode")];
+    let metric = |name: &str, labels: &[(&str, &str)]| common::sum(&common::scrape(&s.http), name, labels);
+    let until = std::time::Instant::now() + Duration::from_secs(120);
+    while metric("bulkhead:isolation_checks_total", &[("role", "decode"), ("check", "chunk_verified")]) == 0.0 {
+        assert!(std::time::Instant::now() < until, "no KV chunk reached the decode worker");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(counter(&s, "bulkhead:kv_connections_total", &[("role", "decode"), ("transport", "ucx")], 1.0), 1.0, "the KV takes UCX");
+    let prefill = worker_pid(&s, "prefill").to_string();
+    assert!(Command::new("kill").args(["-STOP", &prefill]).status().unwrap().success());
+    let (status, v) = victim.join().unwrap();
+    assert!(status >= 500 && v["error"].is_object(), "the stalled request fails with an error body: {status} {v}");
+    assert!(counter(&s, "bulkhead:kv_transfer_timeouts_total", &decode, 1.0) >= 1.0);
+    // Well past the timeout, the pages are still held out: the writer could still write.
+    std::thread::sleep(Duration::from_secs(1));
+    let quarantined = metric("bulkhead:quarantined_pages", &decode);
+    let fenced = metric("bulkhead:fenced_releases_total", &decode);
+    assert!(Command::new("kill").args(["-CONT", &prefill]).status().unwrap().success());
+    assert!(quarantined > 0.0, "pages freed before the writer was fenced");
+    assert_eq!(fenced, 0.0, "nothing fenced the stopped writer");
+    let until = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let m = common::scrape(&s.http);
+        if common::sum(&m, "bulkhead:fenced_releases_total", &decode) > 0.0 && common::pools_idle(&m) {
+            break;
+        }
+        assert!(std::time::Instant::now() < until, "the quarantine was never released: {}", std::fs::read_to_string(&s.stderr_log).unwrap());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Whether the resumed writer sends more chunks first or reads the abort first is up to it.
+    eprintln!("resumed: late chunks {}", metric("bulkhead:late_chunks_total", &decode));
+    let (status, v) = chat(&s.http, SYSTEM, "Hi", 4);
+    assert_eq!(status, 200, "{v}");
+}
+
 /// Bytes that arrive over UCX meet the same MAC check as TCP's before anything reads them:
 /// a frame with a tag never sealed under the session closes its connection, is counted,
 /// and the cluster serves on.
