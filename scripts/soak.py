@@ -4,7 +4,8 @@ Clients send chat requests with and without `max_tokens`, prompts of roughly 20 
 tokens, some streamed, some of them hanging up early; on a schedule a random worker
 process is killed with SIGKILL. At the end it prints requests by outcome, every request
 whose outcome is not a success, a clean 429, a clean error while a worker it may have
-used died, or a deliberate hang-up; pages free on every worker; RSS of every process at
+used died, a `timeout` once the server's request limit has passed, or a deliberate
+hang-up; pages free on every worker; RSS of every process at
 start and end; and isolation-check failures. Exit status 1 if any of those is wrong.
 
 Standard library only.
@@ -108,6 +109,11 @@ class Soak:
         with self.lock:
             return any(start <= t <= end + 1.0 for t, _, _ in self.kills)
 
+    def at_server_limit(self, start, err):
+        """A `timeout` error once the request has run for the server's --request-timeout-ms:
+        the documented limit (a generation without max_tokens can outlast it here)."""
+        return err.get("code") == "timeout" and time.monotonic() - start >= self.a.server_request_timeout - 1.0
+
     def record(self, outcome, detail=None):
         with self.lock:
             self.outcomes[outcome] += 1
@@ -148,6 +154,8 @@ class Soak:
                     return self.record(f"{r.status} garbled", f"{r.status} with a body that is no OpenAI error: {raw[:200]!r}")
                 if self.killed_during(start, time.monotonic()) and err.get("code") in ("worker_lost", "overloaded"):
                     return self.record(f"{r.status} {err.get('code')} after {lost_role(err)} died")
+                if self.at_server_limit(start, err):
+                    return self.record(f"{r.status} timeout at the server's request limit")
                 return self.record(f"{r.status} {err.get('code')}", f"{r.status}: {err.get('message')}")
             if not stream:
                 v = json.loads(r.read())
@@ -179,6 +187,8 @@ class Soak:
                 return self.record("200 streamed")
             if error and done and self.killed_during(start, time.monotonic()) and error.get("code") == "worker_lost":
                 return self.record(f"stream error after {lost_role(error)} died")
+            if error and done and self.at_server_limit(start, error):
+                return self.record("stream ended at the server's request limit")
             return self.record("stream anomaly", f"finished={finished} error={error} [DONE]={done} after {chunks} chunks")
         except TimeoutError as e:
             if time.monotonic() >= self.stop_at + GRACE_S - 1:
@@ -241,6 +251,7 @@ def main():
     ap.add_argument("--kill-every", type=int, default=120)
     ap.add_argument("--kills", default="", help="explicit schedule, e.g. 20:prefill,40:decode")
     ap.add_argument("--request-timeout", type=float, default=660)
+    ap.add_argument("--server-request-timeout", type=float, default=600, help="serve's --request-timeout-ms, in s")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--workers", type=int, default=4, help="workers to wait for before starting")
     a = ap.parse_args()
