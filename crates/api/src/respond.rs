@@ -393,7 +393,7 @@ impl StreamState {
             self.done = true;
             let completion = self.choices.iter().filter_map(|c| c.finished).map(|f| f.1).sum();
             let n = self.meta.n;
-            let u = usage(self.choices.iter().filter(|c| c.index as usize % n == 0).filter_map(|c| c.finished).map(|f| (f.0, f.2)), completion);
+            let u = usage(self.choices.iter().filter(|c| (c.index as usize).is_multiple_of(n)).filter_map(|c| c.finished).map(|f| (f.0, f.2)), completion);
             tracing::info!(prompt_tokens = u.prompt_tokens, completion_tokens = u.completion_tokens, choices = self.choices.len(), "completed (streamed)");
             if self.meta.include_usage {
                 out.push_str(&match self.meta.endpoint {

@@ -229,7 +229,7 @@ mod tests {
         assert_eq!(t.authenticate(&bearer("sk-b")).unwrap(), Tenant { id: 1, name: "b".into() });
         for h in [bearer("sk-c"), bearer("sk-"), bearer("x"), HeaderMap::new()] {
             let e = t.authenticate(&h).unwrap_err();
-            assert_eq!((e.status.as_u16(), e.code.as_deref()), (401, Some("invalid_api_key")));
+            assert_eq!((e.status.as_u16(), e.code), (401, Some("invalid_api_key")));
         }
         // Open: everyone is `default`.
         assert_eq!(Tenants::open().authenticate(&HeaderMap::new()).unwrap().name.as_ref(), "default");

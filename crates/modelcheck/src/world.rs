@@ -686,7 +686,7 @@ impl<'c> World<'c> {
                 let Some(at) = q.iter().position(|e| matches!(e, Envelope::Closed)) else { return };
                 // Two-sided: the frames it overtook go with the reader. One-sided: writes
                 // already issued cannot be withdrawn, so they land after the close.
-                let closed = if self.cfg.variant == Variant::OneSidedWrites { q.remove(at) } else { q.drain(..=at).last() };
+                let closed = if self.cfg.variant == Variant::OneSidedWrites { q.remove(at) } else { q.drain(..=at).next_back() };
                 if q.is_empty() {
                     self.net.remove(&(from, Node::Decode));
                 }

@@ -44,7 +44,7 @@ pub const CLIENT_ID_LIMIT: u64 = 1 << 48;
 
 /// The id workers know attempt `n` (0 = the first) of client request `client` by.
 pub fn attempt_id(client: RequestId, n: u32) -> RequestId {
-    RequestId(client.0 % CLIENT_ID_LIMIT | u64::from(n) << 48)
+    RequestId((client.0 % CLIENT_ID_LIMIT) | (u64::from(n) << 48))
 }
 
 /// The client request an attempt id belongs to.

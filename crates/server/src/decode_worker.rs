@@ -243,7 +243,7 @@ fn serve_prefill(stream: TcpStream, tx: &SyncSender<In>, trust: &Trust, transpor
     let Ok(unlimited) = stream.try_clone() else { return };
     let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
     let mut reader = FrameReader::new(stream);
-    let hello = reader.recv().map_err(WireError::from).and_then(|first| {
+    let hello = reader.recv().and_then(|first| {
         let auth = accept_handshake(first.clone(), &mut reader, &mut writer, trust, Purpose::Kv)?;
         // Without a key the first frame was already the introduction.
         let hello = if auth.is_some() { reader.recv()? } else { first };

@@ -20,10 +20,10 @@ pub(super) fn parse(obj: &Map<String, Value>) -> Result<Option<(GrammarSpec, &'s
         Some(v) => return Err(type_error("guided_decoding_backend", "a string", v)),
     }
     let mut found: Vec<(GrammarSpec, &'static str)> = Vec::new();
-    if let Some(v) = field(obj, "response_format") {
-        if let Some(g) = response_format(v)? {
-            found.push((g, "response_format"));
-        }
+    if let Some(v) = field(obj, "response_format")
+        && let Some(g) = response_format(v)?
+    {
+        found.push((g, "response_format"));
     }
     let vllm: [(&'static str, fn(&Value, &str) -> Result<GrammarSpec, ApiError>); 4] =
         [("guided_json", json_schema), ("guided_regex", regex), ("guided_choice", choice), ("guided_grammar", lark)];
