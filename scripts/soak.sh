@@ -21,15 +21,16 @@ log=$(mktemp)
 out=$(mktemp)
 "$BULKHEAD_BIN" serve --port 0 --prefill-workers 2 --decode-workers 2 --audit-kv >"$out" 2>"$log" &
 serve=$!
-trap 'kill $serve 2>/dev/null; wait $serve 2>/dev/null; rm -f "$log" "$out"' EXIT
+status=0
+# serve's log stays for a failed soak, to read what the gateway and workers said.
+trap 'kill $serve 2>/dev/null; wait $serve 2>/dev/null; rm -f "$out"; if [[ $status == 0 ]]; then rm -f "$log"; else echo "soak: serve log kept at $log"; fi' EXIT
 addr=""
 for _ in $(seq 1 600); do
     addr=$(sed -n 's|.*serving on http://\([^ ]*\).*|\1|p' "$out")
     [[ -n "$addr" ]] && break
     sleep 0.2
 done
-[[ -n "$addr" ]] || { echo "soak: serve did not start"; cat "$log"; exit 1; }
-status=0
+[[ -n "$addr" ]] || { echo "soak: serve did not start"; cat "$log"; status=1; exit 1; }
 python3 scripts/soak.py --addr "$addr" --serve-pid "$serve" "${args[@]}" || status=$?
 kill -0 "$serve" 2>/dev/null || { echo "soak: serve exited"; tail -20 "$log"; status=1; }
 exit "$status"
