@@ -10,9 +10,9 @@
 mod common;
 
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{BIN, model, pools_idle, request, scrape, sum};
+use common::{BIN, model, pools_idle, request, scrape, sum, wait_for};
 
 /// `ip` with arguments; Err with its stderr on failure.
 fn ip(args: &[&str]) -> Result<(), String> {
@@ -117,17 +117,6 @@ fn hosts() -> Result<Hosts, String> {
 }
 
 const HTTP: &str = "10.231.0.2:8080";
-
-fn wait_for(what: &str, timeout: Duration, logs: &[&std::path::Path], mut ok: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !ok() {
-        if t.elapsed() > timeout {
-            let logs: Vec<String> = logs.iter().map(|l| std::fs::read_to_string(l).unwrap_or_default()).collect();
-            panic!("timed out waiting for {what}\n{}", logs.join("\n----\n"));
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
 
 fn chat(max_tokens: usize, user: &str) -> common::Response {
     let body = serde_json::json!({"model": "bulkhead", "temperature": 0, "max_tokens": max_tokens,

@@ -791,11 +791,10 @@ fn a_prefill_worker_stalled_mid_transfer_over_ucx_keeps_its_pages_quarantined_un
     let victim = std::thread::spawn(move || chat(&http, SYSTEM, &long, 8));
     let decode = [("role", "decode")];
     let metric = |name: &str, labels: &[(&str, &str)]| common::sum(&common::scrape(&s.http), name, labels);
-    let until = std::time::Instant::now() + Duration::from_secs(120);
-    while metric("bulkhead:isolation_checks_total", &[("role", "decode"), ("check", "chunk_verified")]) == 0.0 {
-        assert!(std::time::Instant::now() < until, "no KV chunk reached the decode worker");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let logs = [s.stderr_log.as_path()];
+    common::wait_for("the first KV chunk at the decode worker", Duration::from_secs(120), &logs, || {
+        metric("bulkhead:isolation_checks_total", &[("role", "decode"), ("check", "chunk_verified")]) > 0.0
+    });
     assert_eq!(counter(&s, "bulkhead:kv_connections_total", &[("role", "decode"), ("transport", "ucx")], 1.0), 1.0, "the KV takes UCX");
     let prefill = worker_pid(&s, "prefill").to_string();
     assert!(Command::new("kill").args(["-STOP", &prefill]).status().unwrap().success());
@@ -809,15 +808,10 @@ fn a_prefill_worker_stalled_mid_transfer_over_ucx_keeps_its_pages_quarantined_un
     assert!(Command::new("kill").args(["-CONT", &prefill]).status().unwrap().success());
     assert!(quarantined > 0.0, "pages freed before the writer was fenced");
     assert_eq!(fenced, 0.0, "nothing fenced the stopped writer");
-    let until = std::time::Instant::now() + Duration::from_secs(120);
-    loop {
+    common::wait_for("the fence to release the quarantine", Duration::from_secs(120), &logs, || {
         let m = common::scrape(&s.http);
-        if common::sum(&m, "bulkhead:fenced_releases_total", &decode) > 0.0 && common::pools_idle(&m) {
-            break;
-        }
-        assert!(std::time::Instant::now() < until, "the quarantine was never released: {}", std::fs::read_to_string(&s.stderr_log).unwrap());
-        std::thread::sleep(Duration::from_millis(100));
-    }
+        common::sum(&m, "bulkhead:fenced_releases_total", &decode) > 0.0 && common::pools_idle(&m)
+    });
     // Whether the resumed writer sends more chunks first or reads the abort first is up to it.
     eprintln!("resumed: late chunks {}", metric("bulkhead:late_chunks_total", &decode));
     let (status, v) = chat(&s.http, SYSTEM, "Hi", 4);

@@ -122,8 +122,9 @@ pub(crate) fn softmax_in_place(s: &mut [f32]) {
 
 /// The softmax of each row `r` of `scores` (rows `n_max` apart) over the keys row `r` sees,
 /// `first_seen(pos)..=pos` for its position, with 0 before them ([`softmax_in_place`] is
-/// its one-row case, so every path gets the same bits). Each row's sum still runs in key order from 0, but four rows' sums run side
-/// by side: one dependent chain of adds per row was most of the softmax's time.
+/// its one-row case, so every path gets the same bits). Each row's sum still runs in key
+/// order from its first key, but four rows' sums run side by side: one dependent chain of
+/// adds per row was most of the softmax's time.
 fn softmax_rows(scores: &mut [f32], n_max: usize, positions: &[usize], window: Option<usize>) {
     const SIDE: usize = 4;
     let span = |r: usize| (first_seen(positions[r], window), positions[r] + 1);

@@ -162,6 +162,18 @@ pub fn polled_sum(addr: &str, name: &str, want: &[(&str, &str)], enough: f64) ->
     last
 }
 
+/// Poll `ok` until it holds; past `timeout`, fail with `what` and the text of `logs`.
+pub fn wait_for(what: &str, timeout: Duration, logs: &[&std::path::Path], mut ok: impl FnMut() -> bool) {
+    let t = std::time::Instant::now();
+    while !ok() {
+        if t.elapsed() > timeout {
+            let logs: Vec<String> = logs.iter().map(|l| std::fs::read_to_string(l).unwrap_or_default()).collect();
+            panic!("timed out waiting for {what}\n{}", logs.join("\n----\n"));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// `GET /metrics`, parsed strictly.
 pub fn scrape(addr: &str) -> Vec<Sample> {
     let r = request(addr, "GET", "/metrics", &[], "");
