@@ -42,7 +42,7 @@ fn block_bytes(ty: GgmlType) -> usize {
 pub const GROUP: usize = 8;
 
 /// Whether `ty`'s blocks carry a min `m` after `d` (the weights are then unsigned).
-pub fn has_min(ty: GgmlType) -> bool {
+fn has_min(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1)
 }
 
