@@ -13,7 +13,7 @@ use rayon::prelude::*;
 use half::f16;
 
 use crate::config::{Activation, RopeStyle};
-use crate::kernels::{dot_kv_rows, weighted_sum_kv, widen_f16, Isa, KvElem};
+use crate::kernels::{dot_kv_rows, exp_shifted, weighted_sum_kv, widen_f16, Isa, KvElem};
 use crate::matmul::{matmul, MatmulScratch};
 use crate::{Llama, ModelError};
 
@@ -114,9 +114,9 @@ pub(crate) fn gelu_mul(gate: &mut [f32], up: &[f32]) {
 }
 
 /// Softmax of attention scores, max-subtracted.
-pub(crate) fn softmax_in_place(s: &mut [f32]) {
+pub(crate) fn softmax_in_place(isa: Isa, s: &mut [f32]) {
     if let Some(last) = s.len().checked_sub(1) {
-        softmax_rows(s, s.len(), &[last], None);
+        softmax_rows(isa, s, s.len(), &[last], None);
     }
 }
 
@@ -125,7 +125,7 @@ pub(crate) fn softmax_in_place(s: &mut [f32]) {
 /// its one-row case, so every path gets the same bits). Each row's sum still runs in key
 /// order from its first key, but four rows' sums run side by side: one dependent chain of
 /// adds per row was most of the softmax's time.
-fn softmax_rows(scores: &mut [f32], n_max: usize, positions: &[usize], window: Option<usize>) {
+fn softmax_rows(isa: Isa, scores: &mut [f32], n_max: usize, positions: &[usize], window: Option<usize>) {
     const SIDE: usize = 4;
     let span = |r: usize| (first_seen(positions[r], window), positions[r] + 1);
     for r in 0..positions.len() {
@@ -133,7 +133,7 @@ fn softmax_rows(scores: &mut [f32], n_max: usize, positions: &[usize], window: O
         let row = &mut scores[r * n_max..r * n_max + end];
         row[..lo].fill(0.0);
         let max = row[lo..].iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        row[lo..].iter_mut().for_each(|v| *v = (*v - max).exp());
+        exp_shifted(isa, &mut row[lo..], max);
     }
     for r0 in (0..positions.len()).step_by(SIDE) {
         let rows = SIDE.min(positions.len() - r0);
@@ -325,7 +325,7 @@ fn attend(
             score_page(isa, &scr.k, q, positions, at, &mut scr.scores);
         }
     }
-    softmax_rows(&mut scr.scores, n_max, positions, at.window);
+    softmax_rows(isa, &mut scr.scores, n_max, positions, at.window);
     out.fill(0.0);
     for (pi, lease) in kv.pages().iter().enumerate().take(pages).skip(first_page) {
         let page = pool.read(lease, layer)?;

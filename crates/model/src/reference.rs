@@ -61,7 +61,7 @@ impl Llama {
                 let at = |p: usize| p * kv_dim + g * hd..p * kv_dim + (g + 1) * hd;
                 // Positions outside a sliding window take no part.
                 let mut w: Vec<f32> = (lo..=pos).map(|p| dot_kv(self.isa, &st.k[li][at(p)], qh) * c.attn_scale).collect();
-                softmax_in_place(&mut w);
+                softmax_in_place(self.isa, &mut w);
                 for (p, &wp) in (lo..=pos).zip(&w) {
                     axpy_kv(self.isa, &mut att[h * hd..(h + 1) * hd], wp, &st.v[li][at(p)]);
                 }

@@ -457,7 +457,26 @@ fn dot_rows_impl<T: Lanes>(k: &[T], q: &[f32], out: &mut [f32]) {
         // SAFETY: `q` has 64 readable f32.
         *v = unsafe { _mm256_loadu_ps(q.as_ptr().add(i * 8)) };
     }
-    for (row, o) in k.chunks_exact(64).zip(out.iter_mut()) {
+    // Eight rows at a time: eight independent accumulators, summed by one transposed
+    // reduction that performs each row's `hsum` additions exactly.
+    let mut blocks = k.chunks_exact(8 * 64);
+    let mut outs = out.chunks_exact_mut(8);
+    for (rows, o) in (&mut blocks).zip(&mut outs) {
+        let mut acc = [_mm256_setzero_ps(); 8];
+        for i in 0..8 {
+            // Loaded again per block of rows: with eight accumulators, `qv` would not also
+            // fit in AVX2's sixteen registers.
+            // SAFETY: `q` has 64 readable f32, `rows` 8 rows of 64 readable elements.
+            let qi = unsafe { _mm256_loadu_ps(q.as_ptr().add(i * 8)) };
+            for (j, a) in acc.iter_mut().enumerate() {
+                // SAFETY: as above.
+                *a = _mm256_fmadd_ps(unsafe { T::load8(rows.as_ptr().add(j * 64 + i * 8)) }, qi, *a);
+            }
+        }
+        // SAFETY: `o` has 8 writable f32.
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), hsum8(&acc)) };
+    }
+    for (row, o) in blocks.remainder().chunks_exact(64).zip(outs.into_remainder()) {
         let mut acc = _mm256_setzero_ps();
         for (i, qi) in qv.iter().enumerate() {
             // SAFETY: `row` has 64 readable elements.
@@ -465,6 +484,27 @@ fn dot_rows_impl<T: Lanes>(k: &[T], q: &[f32], out: &mut [f32]) {
         }
         *o = hsum(acc);
     }
+}
+
+/// `[hsum(a[0]), ..., hsum(a[7])]`, each lane by the same three additions as [`hsum`]:
+/// `s_i = l_i + l_(i+4)`, then `t_0 = s_0 + s_2`, `t_1 = s_1 + s_3`, then `t_0 + t_1`.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum8(a: &[__m256; 8]) -> __m256 {
+    // s[j] = [s of a[j] | s of a[j + 4]]. (No closures: they would not inherit this
+    // function's target features.)
+    let mut s = [_mm256_setzero_ps(); 4];
+    for (j, sj) in s.iter_mut().enumerate() {
+        *sj = _mm256_add_ps(_mm256_permute2f128_ps(a[j], a[j + 4], 0x20), _mm256_permute2f128_ps(a[j], a[j + 4], 0x31));
+    }
+    // [t_0, t_1 of a[j]; t_0, t_1 of a[j + 1] | the same of a[j + 4], a[j + 5]], j = 0, 2.
+    let mut t = [_mm256_setzero_ps(); 2];
+    for (h, th) in t.iter_mut().enumerate() {
+        let (x, y) = (_mm256_castps_pd(s[2 * h]), _mm256_castps_pd(s[2 * h + 1]));
+        *th = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+    }
+    let even = _mm256_shuffle_ps(t[0], t[1], 0b10_00_10_00);
+    let odd = _mm256_shuffle_ps(t[0], t[1], 0b11_01_11_01);
+    _mm256_add_ps(even, odd)
 }
 
 /// `out += Σ_j w[j] · v[j]`, keeping up to 64 columns of `out` in registers across rows; per
@@ -544,4 +584,16 @@ pub(super) fn weighted_sum<T: Lanes>(out: &mut [f32], w: &[f32], v: &[T]) {
 pub(super) fn dot_f16_bytes(w: &[u8], x: &[f32]) -> f32 {
     let row: Vec<f16> = w.chunks_exact(2).map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect();
     dot(&row, x)
+}
+
+/// [`super::scalar::exp_shifted`] compiled with FMA, so its fused multiply-adds are single
+/// instructions rather than calls.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn exp_shifted_impl(v: &mut [f32], max: f32) {
+    super::scalar::exp_shifted(v, max);
+}
+
+pub(super) fn exp_shifted(v: &mut [f32], max: f32) {
+    // SAFETY: only reached through an Isa at level Avx2 or Avx512Vnni, which only detection of AVX2, FMA and F16C makes.
+    unsafe { exp_shifted_impl(v, max) }
 }

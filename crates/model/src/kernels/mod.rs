@@ -261,6 +261,19 @@ pub fn weighted_sum_kv<T: KvElem>(isa: Isa, out: &mut [f32], w: &[f32], v: &[T])
     }
 }
 
+/// `v[i] = e^(v[i] - max)`, rounded exactly as glibc's `expf` rounds `e^(v[i] - max)` (the
+/// softmax's weights; the llama.cpp fixtures were matched with those bits), on every ISA and
+/// every C library.
+pub fn exp_shifted(isa: Isa, v: &mut [f32], max: f32) {
+    match isa.level() {
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx512Vnni => vnni::exp_shifted(v, max),
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx2 => avx2::exp_shifted(v, max),
+        _ => scalar::exp_shifted(v, max),
+    }
+}
+
 /// `dst = src` widened to f32 (exact), replacing `dst`'s contents.
 pub fn widen_f16(isa: Isa, src: &[f16], dst: &mut Vec<f32>) {
     dst.clear();
@@ -278,16 +291,19 @@ mod tests {
 
     #[test]
     fn attention_kernels_match_their_one_row_forms_bit_for_bit_on_every_isa_and_width() {
-        for cols in [16, 48, 64, 80, 256] {
-            let q: Vec<f32> = (0..cols).map(|i| ((i * 37 % 19) as f32 - 9.0) * 0.11).collect();
-            let k32: Vec<f32> = (0..cols * 16).map(|i| ((i * 13 % 23) as f32 - 11.0) * 0.07).collect();
+        // 16 keys (a full page) and 13 (a partial one, past the kernels' blocks of eight).
+        for (cols, n) in [16, 48, 64, 80, 256].into_iter().flat_map(|c| [(c, 16), (c, 13)]) {
+            // Random values: sums of them round differently in a different order.
+            let mut seed = 0x51ED + cols as u64;
+            let q: Vec<f32> = (0..cols).map(|_| rng(&mut seed)).collect();
+            let k32: Vec<f32> = (0..cols * n).map(|_| rng(&mut seed)).collect();
             let k16: Vec<f16> = k32.iter().map(|&v| f16::from_f32(v)).collect();
-            let w: Vec<f32> = (0..16).map(|j| 0.01 + j as f32 * 0.05).collect();
+            let w: Vec<f32> = (0..n).map(|j| 0.01 + j as f32 * 0.05).collect();
             let mut by_isa = Vec::new();
             for isa in Isa::available() {
                 let mut got = Vec::new();
                 for rows in [&k32[..], &widened(&k16)[..]] {
-                    let mut batched = vec![0.0; 16];
+                    let mut batched = vec![0.0; n];
                     dot_kv_rows(isa, rows, &q, &mut batched);
                     let one: Vec<f32> = rows.chunks_exact(cols).map(|r| dot_kv(isa, r, &q)).collect();
                     assert_eq!(batched, one, "{isa:?}, {cols} columns: scores");
@@ -300,7 +316,7 @@ mod tests {
                     got.push((batched, summed));
                 }
                 // The f16 rows as stored (the decode path) give what their widened copy gives.
-                let (mut from_f16, mut sum_f16) = (vec![0.0; 16], q.clone());
+                let (mut from_f16, mut sum_f16) = (vec![0.0; n], q.clone());
                 dot_kv_rows(isa, &k16, &q, &mut from_f16);
                 weighted_sum_kv(isa, &mut sum_f16, &w, &k16);
                 assert_eq!((&from_f16, &sum_f16), (&got[1].0, &got[1].1), "{isa:?}, {cols} columns: f16 rows");
@@ -414,6 +430,55 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// `exp_shifted` gives glibc's `expf` bits on every ISA: the whole f32 line at a stride
+    /// (every value with `BULKHEAD_EXP_STRIDE=1`), which crosses every branch (NaN, both
+    /// infinities, overflow, the two underflow ranges, subnormals), and a dense run over the
+    /// softmax's own domain. Against `f32::exp` only where that is glibc's FMA build.
+    #[test]
+    fn exp_gives_glibcs_expf_bits_on_every_isa() {
+        let stride: u64 = std::env::var("BULKHEAD_EXP_STRIDE").ok().and_then(|v| v.parse().ok()).unwrap_or(4099);
+        let glibc_fma = cfg!(all(target_os = "linux", target_env = "gnu", target_arch = "x86_64")) && {
+            #[cfg(target_arch = "x86_64")]
+            let fma = std::arch::is_x86_feature_detected!("fma");
+            #[cfg(not(target_arch = "x86_64"))]
+            let fma = false;
+            fma
+        };
+        let dense = (-104.0f32).to_bits()..=(-96.0f32).to_bits();
+        let line = (0..=u64::from(u32::MAX)).step_by(stride as usize).map(|b| f32::from_bits(b as u32));
+        let specials = [0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -88.0, 88.0, 88.72283, 89.0];
+        let bits = |v: &[f32]| v.iter().map(|y| if y.is_nan() { u32::MAX } else { y.to_bits() }).collect::<Vec<_>>();
+        let check = |chunk: &[f32]| {
+            let mut by_isa = Vec::new();
+            for isa in Isa::available() {
+                let mut v = chunk.to_vec();
+                exp_shifted(isa, &mut v, 0.0);
+                if glibc_fma {
+                    for (x, y) in chunk.iter().zip(&v) {
+                        let want = x.exp();
+                        assert!(want.to_bits() == y.to_bits() || (want.is_nan() && y.is_nan()), "{isa:?}: exp({x:e}) = {y:e}, glibc {want:e}");
+                    }
+                }
+                by_isa.push(bits(&v));
+            }
+            assert!(by_isa.windows(2).all(|w| w[0] == w[1]), "exp differs between ISAs");
+        };
+        let mut buf = Vec::with_capacity(1 << 22);
+        for x in line.chain(dense.step_by(7).map(f32::from_bits)).chain(specials) {
+            buf.push(x);
+            if buf.len() == buf.capacity() {
+                check(&buf);
+                buf.clear();
+            }
+        }
+        check(&buf);
+        // The shift is applied in f32 first, as the softmax does.
+        let (mut v, mut w) = (vec![1.5f32, -3.25, 0.0], vec![0.0f32, -4.75, -1.5]);
+        exp_shifted(Isa::detect(), &mut v, 1.5);
+        exp_shifted(Isa::detect(), &mut w, 0.0);
+        assert_eq!(v, w);
     }
 
     #[test]

@@ -161,3 +161,75 @@ pub(super) fn weighted_sum<T: Scalar>(out: &mut [f32], w: &[f32], v: &[T]) {
         axpy(out, wj, row);
     }
 }
+
+/// `2^(i/32)` as f64 bits, less `i << 47` (so adding `k << 47` for `k ≡ i mod 32` also
+/// scales by `2^(k div 32)`): the table of the `exp` algorithm below.
+pub(super) const EXP_TABLE: [u64; 32] = [
+    0x3ff0000000000000, 0x3fefd9b0d3158574, 0x3fefb5586cf9890f, 0x3fef9301d0125b51,
+    0x3fef72b83c7d517b, 0x3fef54873168b9aa, 0x3fef387a6e756238, 0x3fef1e9df51fdee1,
+    0x3fef06fe0a31b715, 0x3feef1a7373aa9cb, 0x3feedea64c123422, 0x3feece086061892d,
+    0x3feebfdad5362a27, 0x3feeb42b569d4f82, 0x3feeab07dd485429, 0x3feea47eb03a5585,
+    0x3feea09e667f3bcd, 0x3fee9f75e8ec5f74, 0x3feea11473eb0187, 0x3feea589994cce13,
+    0x3feeace5422aa0db, 0x3feeb737b0cdc5e5, 0x3feec49182a3f090, 0x3feed503b23e255d,
+    0x3feee89f995ad3ad, 0x3feeff76f2fb5e47, 0x3fef199bdd85529c, 0x3fef3720dcef9069,
+    0x3fef5818dcfba487, 0x3fef7c97337b9b5f, 0x3fefa4afa2a490da, 0x3fefd0765b6e4540,
+];
+/// `32 / ln 2`.
+pub(super) const EXP_INV_LN2_N: f64 = 46.16624130844683;
+/// Adding it rounds a double below 2^51 in magnitude to an integer, in the low bits.
+pub(super) const EXP_SHIFT: f64 = 6755399441055744.0;
+/// The polynomial `2^(r/32) ≈ 1 + C2 r + C1 r² + C0 r³`.
+pub(super) const EXP_C: [f64; 3] = [1.6938359250920212e-06, 0.00023459809789509004, 0.021660849396613134];
+
+/// `e^x` rounded to f32 exactly as glibc's `expf` (the algorithm of Arm's
+/// optimized-routines, in glibc's FMA build) rounds it, for every f32: `x · 32/ln 2 = k + r`,
+/// `e^x = 2^(k/32) · 2^(r/32)` in f64, with the same fused operations in the same order.
+/// The softmax's weights depend on these bits, and the llama.cpp fixtures were checked with
+/// them; the vector form in `vnni.rs` computes the same function eight lanes at a time.
+#[inline(always)]
+pub(super) fn expf(x: f32) -> f32 {
+    let abstop = (x.to_bits() >> 20) & 0x7ff;
+    if abstop >= 0x42b {
+        // |x| >= 88, or x is not a number.
+        if x == f32::NEG_INFINITY {
+            return 0.0;
+        }
+        if abstop >= 0x7f8 {
+            return x + x;
+        }
+        if x > f32::from_bits(0x42b1_7217) {
+            // above ln(2^128)
+            return f32::INFINITY;
+        }
+        if x < f32::from_bits(0xc2cf_f1b4) {
+            // below ln(2^-150)
+            return 0.0;
+        }
+        if x < f32::from_bits(0xc2ce_8ecf) {
+            // below ln(2^-149): glibc's may-underflow value, the least subnormal.
+            return f32::from_bits(1);
+        }
+    }
+    exp_core(x)
+}
+
+/// [`expf`]'s main path, for `|x| < 88` (and the ranges it passes on).
+#[inline(always)]
+fn exp_core(x: f32) -> f32 {
+    let xd = f64::from(x);
+    let kd = EXP_INV_LN2_N.mul_add(xd, EXP_SHIFT);
+    let ki = kd.to_bits();
+    let kd = kd - EXP_SHIFT;
+    let r = EXP_INV_LN2_N.mul_add(xd, -kd);
+    let s = f64::from_bits(EXP_TABLE[(ki % 32) as usize].wrapping_add(ki << 47));
+    let z = EXP_C[0].mul_add(r, EXP_C[1]);
+    let y = EXP_C[2].mul_add(r, 1.0);
+    let y = z.mul_add(r * r, y);
+    (y * s) as f32
+}
+
+/// `v[i] = e^(v[i] - max)` with [`expf`].
+#[inline(always)]
+pub(super) fn exp_shifted(v: &mut [f32], max: f32) {
+    v.iter_mut().for_each(|x| *x = expf(*x - max));
+}

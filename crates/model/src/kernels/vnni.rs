@@ -263,3 +263,57 @@ pub(super) fn weighted_sum<T: Lanes16>(out: &mut [f32], w: &[f32], v: &[T]) {
     // SAFETY: only reached through an Isa at level Avx512Vnni, which only detection of AVX2, FMA, F16C and AVX-512F/VL/VNNI makes.
     unsafe { weighted_sum_impl(out, w, v) }
 }
+
+/// `v[i] = e^(v[i] - max)`, eight lanes at a time in f64: [`super::scalar::expf`]'s
+/// operations lane by lane (the same fused multiply-adds, the same table), so the same bits.
+/// Lanes with `|x| >= 88` or NaN take the scalar function, which handles those ranges.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+fn exp_shifted_impl(v: &mut [f32], max: f32) {
+    use super::scalar::{expf, EXP_C, EXP_INV_LN2_N, EXP_SHIFT, EXP_TABLE};
+    let m = _mm256_set1_ps(max);
+    let (inv, shift) = (_mm512_set1_pd(EXP_INV_LN2_N), _mm512_set1_pd(EXP_SHIFT));
+    let (c0, c1, c2, one) = (_mm512_set1_pd(EXP_C[0]), _mm512_set1_pd(EXP_C[1]), _mm512_set1_pd(EXP_C[2]), _mm512_set1_pd(1.0));
+    // SAFETY: EXP_TABLE has 32 u64, four loads of eight.
+    let tab = unsafe { [0, 8, 16, 24].map(|i| _mm512_loadu_si512(EXP_TABLE.as_ptr().add(i).cast())) };
+    let (top_mask, big) = (_mm256_set1_epi32(0x7ff), _mm256_set1_epi32(0x42b));
+    let mut chunks = v.chunks_exact_mut(8);
+    for c in &mut chunks {
+        // SAFETY: `c` has 8 readable and writable f32.
+        let x = _mm256_sub_ps(unsafe { _mm256_loadu_ps(c.as_ptr()) }, m);
+        let xd = _mm512_cvtps_pd(x);
+        let kd = _mm512_fmadd_pd(inv, xd, shift);
+        let ki = _mm512_castpd_si512(kd);
+        let kd = _mm512_sub_pd(kd, shift);
+        let r = _mm512_fmsub_pd(inv, xd, kd);
+        // Entry ki % 32: bits 0..3 pick among sixteen, bit 4 which sixteen.
+        let lo = _mm512_permutex2var_epi64(tab[0], ki, tab[1]);
+        let hi = _mm512_permutex2var_epi64(tab[2], ki, tab[3]);
+        let t = _mm512_mask_blend_epi64(_mm512_test_epi64_mask(ki, _mm512_set1_epi64(16)), lo, hi);
+        let s = _mm512_castsi512_pd(_mm512_add_epi64(t, _mm512_slli_epi64(ki, 47)));
+        let z = _mm512_fmadd_pd(c0, r, c1);
+        let y = _mm512_fmadd_pd(c2, r, one);
+        let y = _mm512_fmadd_pd(z, _mm512_mul_pd(r, r), y);
+        let out = _mm512_cvtpd_ps(_mm512_mul_pd(y, s));
+        let abstop = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 20), top_mask);
+        let slow = _mm256_cmpge_epu32_mask(abstop, big);
+        // SAFETY: `c` has 8 writable f32.
+        unsafe { _mm256_storeu_ps(c.as_mut_ptr(), out) };
+        if slow != 0 {
+            let mut xs = [0.0f32; 8];
+            // SAFETY: `xs` has 8 writable f32.
+            unsafe { _mm256_storeu_ps(xs.as_mut_ptr(), x) };
+            for (lane, o) in c.iter_mut().enumerate().filter(|(l, _)| slow & (1 << l) != 0) {
+                *o = expf(xs[lane]);
+            }
+        }
+    }
+    for x in chunks.into_remainder() {
+        *x = expf(*x - max);
+    }
+}
+
+/// See [`exp_shifted_impl`].
+pub(super) fn exp_shifted(v: &mut [f32], max: f32) {
+    // SAFETY: only reached through an Isa at level Avx512Vnni, which only detection of AVX2, FMA, F16C and AVX-512F/VL/VNNI makes.
+    unsafe { exp_shifted_impl(v, max) }
+}
