@@ -53,6 +53,10 @@ pub fn matmul(isa: Isa, mats: &[&Matrix], x: &[f32], n: usize, scratch: &mut Mat
             }
         }
     };
+    if n >= SPLIT_ACTS_FROM && mats.iter().all(|m| m.is_packed()) {
+        for_each_act_chunk(isa, mats, q8, n, outs);
+        return;
+    }
     if n == 1 {
         // With one activation row, [row][batch] is [batch][row]: tasks write the outputs directly.
         for_each_task(outs, ch, 1, &task);
@@ -82,6 +86,28 @@ pub fn matmul(isa: Isa, mats: &[&Matrix], x: &[f32], n: usize, scratch: &mut Mat
             }
         });
     }
+}
+
+/// From this many activation rows (a prefill), packed matrices split their tasks by
+/// activation rows instead of weight rows: each task then reads the whole matrix (from
+/// cache: the largest is about 0.5 MB) but writes its output rows in place, with no copy
+/// after. Decode batches, bound by reading the weights once, keep the split by weight rows.
+const SPLIT_ACTS_FROM: usize = 256;
+
+/// `outs[m] = x · mats[m]ᵀ` for packed `mats`, in parallel tasks of consecutive activation
+/// rows. The packed kernel gives each (weight row, activation row) pair the same bits in
+/// any tile, so the split does not change results.
+fn for_each_act_chunk(isa: Isa, mats: &[&Matrix], q8: &Q8Acts, n: usize, outs: &mut [&mut [f32]]) {
+    let per = n.div_ceil(rayon::current_num_threads().max(1) * 4).max(16);
+    outs.par_iter_mut()
+        .enumerate()
+        .flat_map(|(mi, o)| o.par_chunks_mut(per * mats[mi].rows).enumerate().map(move |(ci, buf)| (mi, ci, buf)))
+        .for_each(|(mi, ci, buf)| {
+            let m = mats[mi];
+            if let Some(p) = m.packed_rows(0, m.rows) {
+                dot_q_packed(isa, m.ty, p, m.rows, q8, ci * per, buf.len() / m.rows, buf);
+            }
+        });
 }
 
 /// Run `task(matrix, task index, its output)` in parallel for every `ch`-row task of every
