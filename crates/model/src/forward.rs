@@ -160,9 +160,16 @@ fn softmax_rows(isa: Isa, scores: &mut [f32], n_max: usize, positions: &[usize],
     }
 }
 
-pub(crate) fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    for (g, &u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
+pub(crate) fn silu_mul(isa: Isa, gate: &mut [f32], up: &[f32]) {
+    // e^-g through the softmax's exact exp (glibc's bits), a stack buffer at a time.
+    let mut e = [0.0f32; 64];
+    for (g, u) in gate.chunks_mut(e.len()).zip(up.chunks(e.len())) {
+        let e = &mut e[..g.len()];
+        e.iter_mut().zip(g.iter()).for_each(|(e, g)| *e = -*g);
+        exp_shifted(isa, e, 0.0);
+        for ((g, &u), &e) in g.iter_mut().zip(u).zip(e.iter()) {
+            *g = *g / (1.0 + e) * u;
+        }
     }
 }
 
@@ -496,7 +503,7 @@ impl Llama {
             rms_norm(x, &l.ffn_norm, c.norm_eps, xn);
             matmul(isa, &[&l.w_gate, &l.w_up], xn, t, scratch, &mut [&mut gate[..], &mut up[..]]);
             let act = c.activation;
-            gate.par_chunks_mut(c.ffn).zip(up.par_chunks(c.ffn)).with_min_len(ROWS_PER_TASK).for_each(|(g, u)| activate(act, g, u));
+            gate.par_chunks_mut(c.ffn).zip(up.par_chunks(c.ffn)).with_min_len(ROWS_PER_TASK).for_each(|(g, u)| activate(isa, act, g, u));
             matmul(isa, &[&l.w_down], gate, t, scratch, &mut [&mut o[..]]);
             self.post_norm(l.post_ffn_norm.as_deref(), o, xn);
             add_rows(x, o, c.hidden);
@@ -531,9 +538,9 @@ impl Llama {
 }
 
 /// The MLP's activation of `gate`, times `up`.
-pub(crate) fn activate(act: Activation, gate: &mut [f32], up: &[f32]) {
+pub(crate) fn activate(isa: Isa, act: Activation, gate: &mut [f32], up: &[f32]) {
     match act {
-        Activation::Silu => silu_mul(gate, up),
+        Activation::Silu => silu_mul(isa, gate, up),
         Activation::GeluTanh => gelu_mul(gate, up),
     }
 }

@@ -73,7 +73,7 @@ impl Llama {
             rms_norm(&x, &l.ffn_norm, c.norm_eps, &mut xn);
             let (mut gate, mut up) = (vec![0.0; c.ffn], vec![0.0; c.ffn]);
             matmul(self.isa, &[&l.w_gate, &l.w_up], &xn, 1, &mut s, &mut [&mut gate, &mut up]);
-            activate(c.activation, &mut gate, &up);
+            activate(self.isa, c.activation, &mut gate, &up);
             matmul(self.isa, &[&l.w_down], &gate, 1, &mut s, &mut [&mut o]);
             self.post_norm(l.post_ffn_norm.as_deref(), &mut o, &mut xn);
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
