@@ -6,8 +6,8 @@
 //!
 //! Each kernel instance is compiled for one weight format (a const parameter: no branch on
 //! the format inside the block loop) and walks a block one weight vector at a time, so only
-//! the accumulators stay live across a block: 3x the GMAC/s of the earlier form, which
-//! decoded all eight vectors first and spilled accumulators to the stack.
+//! the accumulators stay live across a block (the earlier form decoded all eight vectors
+//! first and spilled accumulators to the stack on every block).
 //!
 //! Same numbers as the AVX2 row kernel (and ggml), bit for bit: lane `k` of a block's
 //! integer dot product is the sum over its bytes `4k..4k+4` (exact in i32), each lane keeps
