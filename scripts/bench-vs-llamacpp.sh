@@ -32,6 +32,8 @@
 #   conc16: 16 streams, prompt 512, 128 output tokens, 32 requests
 #   mixed64: 64 streams, prompts uniform over 50..2000 words, 128 output tokens,
 #            64 requests, one wave (needs --ctx >= 2300 or so: a word may be more than a token)
+#            loadgen waits up to 1200 s for a response head here (300 by default): the
+#            last of 64 long prompts waits that long at a server that takes them in turn
 # Each rep uses its own seed (same for both servers) so no server can reuse a cached
 # prompt from an earlier rep. Ratios are Bulkhead / llama.cpp of the medians over reps.
 #
@@ -145,7 +147,7 @@ IFS=, read -r -a SCENARIOS <<< "$SCENARIO_LIST"
 declare -A ARGS=(
   [single]="-c 1 -n 8 --prompt-tokens 512 --output-tokens 128 --warmup 1"
   [conc16]="-c 16 -n 32 --prompt-tokens 512 --output-tokens 128 --warmup 1"
-  [mixed64]="-c 64 -n 64 --prompt-tokens uniform:50:2000 --output-tokens 128 --warmup 1"
+  [mixed64]="-c 64 -n 64 --prompt-tokens uniform:50:2000 --output-tokens 128 --warmup 1 --read-timeout-s 1200"
 )
 for sc in "${SCENARIOS[@]}"; do [[ -n "${ARGS[$sc]:-}" ]] || die "unknown scenario: $sc"; done
 for sc in "${SCENARIOS[@]}"; do

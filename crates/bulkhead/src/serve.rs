@@ -16,6 +16,7 @@ use bulkhead_server::gateway::{self, GatewayOptions};
 use bulkhead_server::http::HttpLimits;
 use bulkhead_server::trust::{self, Trust};
 use bulkhead_kv::KvChecks;
+use bulkhead_server::core_budget::CoreBudget;
 use bulkhead_server::kv_transport::KvTransport;
 use bulkhead_server::worker::WorkerConfig;
 use clap::{Args, ValueEnum};
@@ -157,6 +158,18 @@ pub struct ServeArgs {
     /// KV pool size in tokens for prefill workers only (role all; default: --kv-pool-tokens).
     #[arg(long, env = "BULKHEAD_PREFILL_KV_POOL_TOKENS")]
     prefill_kv_pool_tokens: Option<usize>,
+    /// The workers on one host share its cores, decode steps first: the prefill worker
+    /// pauses during each decode step, and while prompts wait, decode starts a step at most
+    /// once per this many ms and leaves prefill the rest (so inter-token latency is about
+    /// this while prompts wait). 0: no shared budget (the processes pre-empt each other).
+    /// Role all sets the budget up itself; workers started by hand on one host need
+    /// --core-budget-dir as well.
+    #[arg(long, env = "BULKHEAD_DECODE_INTERVAL_MS", default_value_t = 15)]
+    decode_interval_ms: u64,
+    /// Prefill and decode workers started by hand on one host: a directory only this user
+    /// can enter, the same for all of them, where they meet for the core budget.
+    #[arg(long, env = "BULKHEAD_CORE_BUDGET_DIR")]
+    core_budget_dir: Option<PathBuf>,
     /// Name of the model in the API.
     #[arg(long, env = "BULKHEAD_MODEL_ID", default_value = "bulkhead")]
     model_id: String,
@@ -299,6 +312,11 @@ impl ServeArgs {
             trust,
             prefix_cache_pages: if self.no_prefix_cache { 0 } else { self.prefix_cache_pages.unwrap_or(usize::MAX) },
             kv_transport: self.kv_transport.into(),
+            core_budget: self
+                .core_budget_dir
+                .clone()
+                .filter(|_| self.decode_interval_ms > 0)
+                .map(|dir| CoreBudget { dir, decode_interval: Duration::from_millis(self.decode_interval_ms) }),
         })
     }
 }
@@ -353,6 +371,8 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
         prefix_cache: !a.no_prefix_cache,
     };
     let mut gw = gateway::start(opts).await.with_context(|| format!("cannot start the gateway on {}:{}", a.host, a.port))?;
+    // Declared before the workers, so it is removed after they are stopped.
+    let budget = if a.role == ServeRole::All && a.decode_interval_ms > 0 { Some(BudgetDir::new()?) } else { None };
     let mut workers = Supervisor { slots: Vec::new(), secret };
     if a.role == ServeRole::All {
         let exe = std::env::current_exe()?;
@@ -391,6 +411,10 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
                 }
                 if let Some(t) = a.kv_transport.to_possible_value() {
                     cmd.args(["--kv-transport", t.get_name()]);
+                }
+                cmd.args(["--decode-interval-ms", &a.decode_interval_ms.to_string()]);
+                if let Some(b) = &budget {
+                    cmd.arg("--core-budget-dir").arg(&b.0);
                 }
                 // Workers must not bind the gateway's HTTP port or inherit its role.
                 cmd.env_remove("BULKHEAD_ROLE").env_remove("BULKHEAD_PORT").env_remove("BULKHEAD_CONFIG").env_remove("BULKHEAD_API_KEY").env_remove("BULKHEAD_TENANTS");
@@ -528,6 +552,26 @@ impl Slot {
         tracing::warn!(role = self.role, status = how, backoff_ms = backoff.as_millis() as u64, "worker exited; restarting it");
         self.restart_at = Some(now + backoff);
         Ok(())
+    }
+}
+
+/// The core budget's directory for the workers of `serve --role all`: made private to this
+/// user, removed when dropped.
+struct BudgetDir(PathBuf);
+
+impl BudgetDir {
+    fn new() -> anyhow::Result<Self> {
+        use std::os::unix::fs::DirBuilderExt;
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        let dir = std::env::temp_dir().join(format!("bulkhead-cores-{}-{nanos:x}", std::process::id()));
+        std::fs::DirBuilder::new().mode(0o700).create(&dir).with_context(|| format!("cannot make the core budget's directory {}", dir.display()))?;
+        Ok(BudgetDir(dir))
+    }
+}
+
+impl Drop for BudgetDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 

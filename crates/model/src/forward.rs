@@ -445,6 +445,7 @@ impl Llama {
 
         for (li, l) in self.weights.layers.iter().enumerate() {
             rms_norm(x, &l.attn_norm, c.norm_eps, xn);
+            self.pause();
             matmul(isa, &[&l.wq, &l.wk, &l.wv], xn, t, scratch, &mut [&mut q[..], &mut k[..], &mut v[..]]);
             self.prepare_qkv(li, q, k, v, xn_heads);
             let r = self.rope_of(li);
@@ -457,6 +458,7 @@ impl Llama {
                 let (lease, slot) = seqs[s].kv.locate(pos)?;
                 pool.write(lease, li, slot, &k[r * kv_dim..(r + 1) * kv_dim], &v[r * kv_dim..(r + 1) * kv_dim])?;
             }
+            self.pause();
             {
                 let pool: &KvPool = pool;
                 let seqs: &[SeqInput<'_>] = seqs;
@@ -497,13 +499,16 @@ impl Llama {
                     }
                 }
             }
+            self.pause();
             matmul(isa, &[&l.wo], att, t, scratch, &mut [&mut o[..]]);
             self.post_norm(l.post_attn_norm.as_deref(), o, xn);
             add_rows(x, o, c.hidden);
             rms_norm(x, &l.ffn_norm, c.norm_eps, xn);
+            self.pause();
             matmul(isa, &[&l.w_gate, &l.w_up], xn, t, scratch, &mut [&mut gate[..], &mut up[..]]);
             let act = c.activation;
             gate.par_chunks_mut(c.ffn).zip(up.par_chunks(c.ffn)).with_min_len(ROWS_PER_TASK).for_each(|(g, u)| activate(isa, act, g, u));
+            self.pause();
             matmul(isa, &[&l.w_down], gate, t, scratch, &mut [&mut o[..]]);
             self.post_norm(l.post_ffn_norm.as_deref(), o, xn);
             add_rows(x, o, c.hidden);

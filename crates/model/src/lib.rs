@@ -79,6 +79,17 @@ pub struct Llama {
     threads: rayon::ThreadPool,
     /// The forward pass's reusable buffers.
     scratch: std::sync::Mutex<forward::ForwardScratch>,
+    /// Where a forward pass may wait for the cores (see [`PausePoint`]).
+    pause: Option<std::sync::Arc<dyn PausePoint>>,
+}
+
+/// Called by the forward pass before each of its parallel regions (every matrix product
+/// and every attention pass of every layer): an implementation may block there until the
+/// cores are free again. A pause between regions holds no lock and no KV page beyond what
+/// the pass already holds, so waiting changes when a result appears, never what it is.
+pub trait PausePoint: Send + Sync {
+    /// Return when this forward pass may go on.
+    fn pause(&self);
 }
 
 impl std::fmt::Debug for Llama {
@@ -106,7 +117,7 @@ impl Llama {
             .thread_name(|i| format!("bulkhead-compute-{i}"))
             .build()
             .map_err(|e| ModelError::Threads { threads, why: e.to_string() })?;
-        Ok(Llama { config, weights, isa, threads: pool, scratch: Default::default() })
+        Ok(Llama { config, weights, isa, threads: pool, scratch: Default::default(), pause: None })
     }
 
     /// Use another instruction set (tests compare the portable path with the SIMD one).
@@ -114,6 +125,19 @@ impl Llama {
         self.weights.set_layout(isa);
         self.isa = isa;
         self
+    }
+
+    /// Let every forward pass wait at `p` between its parallel regions (a prefill worker
+    /// that shares its cores with a decode worker: `bulkhead_server::core_budget`).
+    pub fn set_pause_point(&mut self, p: std::sync::Arc<dyn PausePoint>) {
+        self.pause = Some(p);
+    }
+
+    /// Wait at the pause point, if there is one.
+    fn pause(&self) {
+        if let Some(p) = &self.pause {
+            p.pause();
+        }
     }
 
     /// The instruction set in use.

@@ -5,7 +5,7 @@
 use bulkhead_gguf::{GgmlType, GgufFile, GgufWriter};
 use bulkhead_kv::{KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
 use bulkhead_model::reference::ReferenceState;
-use bulkhead_model::{Isa, Llama, ModelError, SeqInput};
+use bulkhead_model::{Isa, Llama, ModelError, PausePoint, SeqInput};
 
 mod support;
 use support::Shape;
@@ -57,6 +57,30 @@ fn every_supported_tensor_type_runs_and_the_paged_pass_equals_the_reference() {
             assert_eq!(got, want, "{ty} on {isa:?}: paged logits differ from the reference");
         }
     }
+}
+
+/// Counts its calls and makes each one wait, as a prefill worker's does during a decode step.
+struct SlowPause(std::sync::atomic::AtomicUsize);
+
+impl PausePoint for SlowPause {
+    fn pause(&self) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn the_forward_pass_waits_at_its_pause_point_before_each_region_and_gives_the_same_bits() {
+    let w = synthetic(GgmlType::Q4_1, "llama");
+    let (plain, _) = paged_and_reference(&load(&w).unwrap(), &prompt());
+    let counter = std::sync::Arc::new(SlowPause(Default::default()));
+    let mut m = load(&w).unwrap();
+    m.set_pause_point(counter.clone());
+    let (paused, want) = paged_and_reference(&m, &prompt());
+    // Five regions a layer: QKV, attention, output, gate and up, down.
+    assert_eq!(counter.0.load(std::sync::atomic::Ordering::Relaxed), 5 * LAYERS);
+    assert_eq!(paused, plain);
+    assert_eq!(paused, want);
 }
 
 #[test]

@@ -25,6 +25,7 @@ use bulkhead_engine::{Engine, EngineConfig};
 use bulkhead_kv::{KvPool, RequestId};
 use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeLink};
+use crate::core_budget::DecodeBudget;
 use crate::kv_transport::KvTransport;
 use crate::trust::Trust;
 use bulkhead_protocol::{Hello, Message, Purpose, Role, WorkerId};
@@ -69,15 +70,30 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     let engine = Engine::new(Arc::new(model.model), Arc::new(model.tokenizer), pool, EngineConfig::for_context(context));
     let role = DecodeRole::new(DecodeConfig { max_context: context, transfer_timeout_ms: cfg.transfer_timeout_ms });
     let mut driver = DecodeDriver::new(role, engine);
+    let mut budget = cfg.core_budget.as_ref().and_then(|b| match DecodeBudget::join(b) {
+        Ok(budget) => {
+            tracing::info!(dir = %b.dir.display(), interval_ms = b.decode_interval.as_millis() as u64, "core budget: decode steps hold the cores; while prefill has work they start at most once an interval");
+            Some(budget)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "running without the core budget");
+            None
+        }
+    });
     let mut link = Link { gw, gw_error: None, prefills: BTreeMap::new(), spans: BTreeMap::new(), received_bytes: 0, pusher: Pusher::new() };
     let start = Instant::now();
     let mut last_tick = 0;
     loop {
-        // Block only when nothing is decoding.
-        let first = if driver.engine().active() > 0 {
+        // Block only when nothing is decoding, or while the core budget leaves prefill its share.
+        let decoding = driver.engine().active() > 0;
+        let pace = match &mut budget {
+            Some(b) if decoding => b.wait(Instant::now()),
+            _ => Duration::ZERO,
+        };
+        let first = if decoding && pace.is_zero() {
             rx.try_recv().ok()
         } else {
-            match rx.recv_timeout(Duration::from_millis(50)) {
+            match rx.recv_timeout(if decoding { pace } else { Duration::from_millis(50) }) {
                 Ok(m) => Some(m),
                 Err(RecvTimeoutError::Timeout) => None,
                 Err(RecvTimeoutError::Disconnected) => return Ok(()),
@@ -122,7 +138,11 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
             driver.handle(ev, &mut link);
         }
         if driver.engine().active() > 0
-            && let Err(e) = driver.step(&mut link)
+            && budget.as_mut().is_none_or(|b| b.wait(Instant::now()).is_zero())
+            && let Err(e) = {
+                let _held = budget.as_mut().map(DecodeBudget::hold);
+                driver.step(&mut link)
+            }
         {
             // A failed step leaves sequences in an unknown state: the worker ends.
             tracing::error!(error = %e, "decode step failed");

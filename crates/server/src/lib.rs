@@ -9,9 +9,11 @@
 //! - [`kv_transport`]: which road a KV connection's frames take (UCX or TCP), chosen per
 //!   connection over its authenticated session.
 //! - [`trust`]: where the cluster key comes from, and which listeners may run without one.
+//! - [`core_budget`]: decode steps first when the workers share one host's cores.
 //! - [`metrics`]: what each process counts, the workers' reports, the `/metrics` exposition.
 #![forbid(unsafe_code)]
 
+pub mod core_budget;
 pub mod decode_worker;
 pub mod gateway;
 pub mod http;

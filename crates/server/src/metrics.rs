@@ -111,6 +111,11 @@ impl Families {
         self.sample(name, help, MetricKind::Counter, name.into(), labels, value as f64);
     }
 
+    /// A counter of seconds (the name should end in `_seconds_total`).
+    pub fn counter_seconds(&mut self, name: &str, help: &str, labels: &[(&str, &str)], value: f64) {
+        self.sample(name, help, MetricKind::Counter, name.into(), labels, value);
+    }
+
     /// A gauge sample.
     pub fn gauge(&mut self, name: &str, help: &str, labels: &[(&str, &str)], value: f64) {
         self.sample(name, help, MetricKind::Gauge, name.into(), labels, value);

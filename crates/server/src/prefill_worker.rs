@@ -22,6 +22,7 @@ use bulkhead_kv::transfer::ChunkExport;
 use bulkhead_kv::{KvPool, PrefixCache, RequestId};
 use bulkhead_protocol::driver::prefill::{Batching, ChunkSendError, LinkDown, PrefillDriver, PrefillLink, Step};
 use bulkhead_protocol::prefill::{JobOutcome, PrefillConfig, PrefillEvent, PrefillRole};
+use crate::core_budget::PrefillBudget;
 use crate::kv_transport::KvTransport;
 use crate::trust::Trust;
 use bulkhead_protocol::{Hello, Message, Purpose, Role, WorkerId};
@@ -157,6 +158,8 @@ struct Worker<'p> {
     link: Link,
     compute: Prefiller,
     pool: &'p mut KvPool,
+    /// The core budget shared with a decode worker on this host.
+    budget: Option<&'p mut PrefillBudget>,
     /// Time to send each step's chunks.
     transfer: Histogram,
     pusher: Pusher,
@@ -183,7 +186,19 @@ const STABLE_INCARNATION: Duration = Duration::from_secs(10);
 /// and register again under a new id (see `protocol::prefill`), with backoff.
 pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     let crate::worker::Loaded { model, mut pool, context, digest } = load(&cfg)?;
-    let compute = Prefiller::new(Arc::new(model.model), Arc::new(model.tokenizer));
+    let mut llama = model.model;
+    let mut budget = cfg.core_budget.as_ref().and_then(|b| match PrefillBudget::join(&b.dir) {
+        Ok(budget) => {
+            llama.set_pause_point(budget.pause_point());
+            tracing::info!(dir = %b.dir.display(), "core budget: prefill pauses during the decode worker's steps");
+            Some(budget)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "running without the core budget");
+            None
+        }
+    });
+    let compute = Prefiller::new(Arc::new(llama), Arc::new(model.tokenizer));
     let cache_pages = cfg.prefix_cache_pages.min(pool.total_pages());
     if cache_pages > 0 {
         let tokens = cache_pages * pool.layout().page_size;
@@ -198,7 +213,7 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
         let (gw, gw_reader, me) = register(&cfg, hello)?;
         tracing::info!(worker = %me, pid = std::process::id(), "prefill worker registered");
         let cache = (cache_pages > 0).then(|| (PrefixCache::new(cache_pages), digest));
-        match incarnation(&cfg, me, gw, gw_reader, &compute, &mut pool, context, cache)? {
+        match incarnation(&cfg, me, gw, gw_reader, &compute, &mut pool, budget.as_mut(), context, cache)? {
             Ended::GatewayClosed => return Ok(()),
             Ended::Rejoin => {
                 let (min, max) = REJOIN_BACKOFF;
@@ -218,6 +233,7 @@ fn incarnation(
     gw_reader: FrameReader,
     compute: &Prefiller,
     pool: &mut KvPool,
+    budget: Option<&mut PrefillBudget>,
     context: usize,
     cache: Option<(PrefixCache, u64)>,
 ) -> Result<Ended, WorkerError> {
@@ -242,6 +258,7 @@ fn incarnation(
         link,
         compute: compute.clone(),
         pool,
+        budget,
         transfer: Histogram::new(metrics::TRANSFER_BUCKETS),
         pusher: Pusher::new(),
         job_started: BTreeMap::new(),
@@ -254,7 +271,11 @@ fn incarnation(
         if w.pusher.due() {
             w.push_metrics()?;
         }
-        if w.driver.has_work() {
+        let busy = w.driver.has_work();
+        if let Some(b) = w.budget.as_deref_mut() {
+            b.report(busy);
+        }
+        if busy {
             w.step()?;
         }
         if w.link.rejoin {
@@ -362,6 +383,10 @@ impl Worker<'_> {
         metrics::worker_families(&mut f, &self.pool.stats(), &requests, self.link.sent_bytes);
         metrics::prefill_families(&role.stats(), &mut f);
         metrics::transfer_seconds(&mut f, &self.transfer);
+        if let Some(b) = self.budget.as_deref() {
+            let help = "Seconds the prefill forward pass waited for the decode worker's steps (core budget).";
+            f.counter_seconds("bulkhead:prefill_paused_seconds_total", help, &[], b.paused_seconds());
+        }
         if let Some(c) = self.driver.cache() {
             metrics::prefix_cache_families(&c.stats(), c.len(), c.max_pages(), &mut f);
         }

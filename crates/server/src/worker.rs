@@ -57,6 +57,8 @@ pub struct WorkerConfig {
     pub prefix_cache_pages: usize,
     /// Which road KV frames may take between prefill and decode workers.
     pub kv_transport: crate::kv_transport::KvTransport,
+    /// The core budget shared with the other workers on this host, if any.
+    pub core_budget: Option<crate::core_budget::CoreBudget>,
 }
 
 /// Why a worker could not start or stopped.
