@@ -1,5 +1,5 @@
 //! The hot loops: quantised dot products (one weight row against several activation rows,
-//! or, with AVX-512 VNNI, eight packed weight rows against several activation rows) and the
+//! or, with AVX-512 VNNI, sixteen packed weight rows against several activation rows) and the
 //! f16 attention helpers, with a portable implementation and SIMD ones chosen once at run
 //! time.
 //!
@@ -31,7 +31,7 @@ pub enum IsaLevel {
     Scalar,
     /// x86-64 with AVX2, FMA and F16C.
     Avx2,
-    /// AVX2 plus AVX-512F/VL/VNNI: quantised matrices are packed ([`packed`]) and multiplied
+    /// AVX2 plus AVX-512F/VL/BW/VNNI: quantised matrices are packed ([`packed`]) and multiplied
     /// with `vpdpbusd`, bit-identical to the AVX2 kernels; everything else runs those.
     Avx512Vnni,
 }
@@ -66,7 +66,7 @@ impl Isa {
         {
             use std::arch::is_x86_feature_detected as has;
             if has!("avx2") && has!("fma") && has!("f16c") {
-                if has!("avx512f") && has!("avx512vl") && has!("avx512vnni") {
+                if has!("avx512f") && has!("avx512vl") && has!("avx512bw") && has!("avx512vnni") {
                     return IsaLevel::Avx512Vnni;
                 }
                 return IsaLevel::Avx2;

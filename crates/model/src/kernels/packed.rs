@@ -1,16 +1,16 @@
-//! Weights regrouped for the VNNI kernel: eight matrix rows interleaved block by block, so
-//! one 256-bit `vpdpbusd` multiplies four bytes of each of eight rows with the same four
-//! activation bytes and leaves eight row sums, one per lane.
+//! Weights regrouped for the VNNI kernel: sixteen matrix rows interleaved block by block,
+//! so one 512-bit `vpdpbusd` multiplies four bytes of each of sixteen rows with the same
+//! four activation bytes and leaves sixteen row sums, one per lane.
 //!
-//! Per group of eight rows and per 32-element block (`8 * block_bytes(ty)` bytes, the same
-//! size as the eight rows' blocks it replaces):
-//! - `d[8]` (f16), then for Q4_1 and Q5_1 `m[8]` (f16);
-//! - Q5_0 and Q5_1: then one 32-byte vector of the eight rows' `qh` (a u32 each: bit `e`
+//! Per group of sixteen rows and per 32-element block (`16 * block_bytes(ty)` bytes, the
+//! same size as the sixteen rows' blocks it replaces):
+//! - `d[16]` (f16), then for Q4_1 and Q5_1 `m[16]` (f16);
+//! - Q5_0 and Q5_1: then one 64-byte vector of the sixteen rows' `qh` (a u32 each: bit `e`
 //!   is element `e`'s fifth bit), and their nibbles as for Q4_0;
-//! - Q4_0 and Q4_1: four 32-byte vectors; vector `k` holds bytes `4k..4k+4` of each row's
+//! - Q4_0 and Q4_1: four 64-byte vectors; vector `k` holds bytes `4k..4k+4` of each row's
 //!   16 nibble bytes, row after row: low nibbles are elements `4k..4k+4`, high nibbles
 //!   elements `16+4k..16+4k+4`;
-//! - Q8_0: eight 32-byte vectors; vector `k` holds elements `4k..4k+4` of each row.
+//! - Q8_0: eight 64-byte vectors; vector `k` holds elements `4k..4k+4` of each row.
 //!
 //! Either way lane `k` of the kernel's integer dot product covers the same elements as lane
 //! `k` of the AVX2 row kernel's, which is what keeps the two bit-identical.
@@ -39,7 +39,7 @@ fn block_bytes(ty: GgmlType) -> usize {
 }
 
 /// Rows in a group.
-pub const GROUP: usize = 8;
+pub const GROUP: usize = 16;
 
 /// Whether `ty`'s blocks carry a min `m` after `d` (the weights are then unsigned).
 fn has_min(ty: GgmlType) -> bool {
@@ -65,7 +65,7 @@ pub fn block_offset(ty: GgmlType, nb: usize, g: usize, b: usize) -> usize {
 fn dest(ty: GgmlType, r: usize, j: usize) -> usize {
     let sb = scale_bytes(ty);
     if j < sb {
-        // d at 0, m at 2: d[r] then (Q4_1, Q5_1) m[r], each an f16 array of eight.
+        // d at 0, m at 2: d[r] then (Q4_1, Q5_1) m[r], each an f16 array of GROUP.
         return (j / 2) * 2 * GROUP + r * 2 + j % 2;
     }
     let q = j - sb;

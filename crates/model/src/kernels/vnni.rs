@@ -1,6 +1,6 @@
-//! AVX-512 VNNI kernel over packed weights ([`super::packed`]): eight weight rows against up
-//! to [`PACKED_TILE`] activation rows per call, one 256-bit `vpdpbusd` (AVX-512VL encoding)
-//! per four bytes of eight rows. Every kernel here is `#[target_feature]`;
+//! AVX-512 VNNI kernel over packed weights ([`super::packed`]): sixteen weight rows against
+//! up to [`PACKED_TILE`] activation rows per call, one 512-bit `vpdpbusd` per four bytes of
+//! sixteen rows. Every kernel here is `#[target_feature]`;
 //! `kernels/mod.rs` reaches them only through an `Isa` at level `Avx512Vnni`, which only
 //! detection makes.
 //!
@@ -53,95 +53,105 @@ fn format_type(f: u8) -> GgmlType {
     [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0][f as usize]
 }
 
-/// Eight weight rows (one packed group) against `N` activation rows starting at `first`;
+/// Sixteen weight rows (one packed group) against `N` activation rows starting at `first`;
 /// `res[n][r]` receives row `r`'s dot product with activation row `first + n`.
 ///
 /// # Safety
-/// The CPU has AVX2, FMA, F16C, AVX-512F/VL/VNNI; `g` points to `nb` packed blocks of
+/// The CPU has AVX2, FMA, F16C, AVX-512F/VL/BW/VNNI; `g` points to `nb` packed blocks of
 /// format `F`; `acts` holds rows `first..first + N` of `nb` blocks.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
 unsafe fn group<const F: u8, const N: usize>(g: *const u8, nb: usize, acts: &Q8Acts, first: usize, res: &mut [[f32; GROUP]; PACKED_TILE]) {
-    let zero = _mm256_setzero_si256();
-    let mut acc = [[_mm256_setzero_ps(); 8]; N];
-    let mut summ = [_mm256_setzero_ps(); N];
-    let mask = _mm256_set1_epi8(0x0F);
+    let zero = _mm512_setzero_si512();
+    let mut acc = [[_mm512_setzero_ps(); 8]; N];
+    let mut summ = [_mm512_setzero_ps(); N];
+    let mask = _mm512_set1_epi8(0x0F);
     let gb = block_offset(format_type(F), nb, 0, 1);
     // Q4_0, Q5_0 and Q8_0 weights are signed: multiply |w| by a * sign(w), as the AVX2
-    // kernel does; Q4_1's and Q5_1's are unsigned, with a min.
+    // kernel does (AVX-512 has no vpsignb: a is negated under w's sign mask, and where w
+    // is 0 the product is 0 either way); Q4_1's and Q5_1's are unsigned, with a min.
     let with_min = F == Q4_1 || F == Q5_1;
     let five = F == Q5_0 || F == Q5_1;
     // Byte i of every 4-byte lane: bit i of the lane's low byte (fifth bits, see below).
-    let spread = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
-    let pick = _mm256_set1_epi32(0x0804_0201);
+    let spread = _mm512_set_epi64(
+        0x0c0c0c0c_08080808,
+        0x04040404_00000000,
+        0x0c0c0c0c_08080808,
+        0x04040404_00000000,
+        0x0c0c0c0c_08080808,
+        0x04040404_00000000,
+        0x0c0c0c0c_08080808,
+        0x04040404_00000000,
+    );
+    let pick = _mm512_set1_epi32(0x0804_0201);
     // SAFETY (whole body): offsets stay within nb blocks of the group and N rows of nb
     // activation blocks, as the caller guarantees; loads are unaligned.
     unsafe {
         let act = |n: usize, b: usize| (first + n) * nb + b;
         for b in 0..nb {
             let blk = g.add(b * gb);
-            let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
-            let mut scale = [_mm256_setzero_ps(); N];
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk.cast()));
+            let mut scale = [_mm512_setzero_ps(); N];
             for n in 0..N {
-                scale[n] = _mm256_mul_ps(dw, _mm256_set1_ps(*acts.d.get_unchecked(act(n, b))));
+                scale[n] = _mm512_mul_ps(dw, _mm512_set1_ps(*acts.d.get_unchecked(act(n, b))));
             }
-            let mut quants = blk.add(16);
+            let mut quants = blk.add(2 * GROUP);
             if with_min {
-                let mw = _mm256_cvtph_ps(_mm_loadu_si128(quants.cast()));
-                quants = quants.add(16);
+                let mw = _mm512_cvtph_ps(_mm256_loadu_si256(quants.cast()));
+                quants = quants.add(2 * GROUP);
                 for n in 0..N {
-                    summ[n] = _mm256_add_ps(summ[n], _mm256_mul_ps(mw, _mm256_set1_ps(*acts.s.get_unchecked(act(n, b)))));
+                    summ[n] = _mm512_add_ps(summ[n], _mm512_mul_ps(mw, _mm512_set1_ps(*acts.s.get_unchecked(act(n, b)))));
                 }
             }
             let qh = if five {
-                let v = _mm256_loadu_si256(quants.cast());
-                quants = quants.add(32);
+                let v = _mm512_loadu_si512(quants.cast());
+                quants = quants.add(4 * GROUP);
                 v
             } else {
                 zero
             };
             // One weight vector (lane k: bytes 4k..4k+4 of each row) against every
             // activation row: fma(d_w * d_a, lane, acc) per lane, blocks in order.
-            let mut step = |k: usize, mut w: __m256i| {
+            let mut step = |k: usize, mut w: __m512i| {
                 if five {
                     // Lane k of vector k covers elements 4k..4k+4 of its row: their fifth
                     // bits are bits 4k..4k+4 of the row's qh.
-                    let bits = _mm256_shuffle_epi8(_mm256_srlv_epi32(qh, _mm256_set1_epi32(4 * k as i32)), spread);
-                    let high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bits, pick), pick), _mm256_set1_epi8(0x10));
-                    w = _mm256_or_si256(w, high);
+                    let bits = _mm512_shuffle_epi8(_mm512_srlv_epi32(qh, _mm512_set1_epi32(4 * k as i32)), spread);
+                    let high = _mm512_test_epi8_mask(bits, pick);
+                    w = _mm512_mask_add_epi8(w, high, w, _mm512_set1_epi8(0x10));
                 }
                 match F {
-                    Q4_0 => w = _mm256_sub_epi8(w, _mm256_set1_epi8(8)),
-                    Q5_0 => w = _mm256_sub_epi8(w, _mm256_set1_epi8(16)),
+                    Q4_0 => w = _mm512_sub_epi8(w, _mm512_set1_epi8(8)),
+                    Q5_0 => w = _mm512_sub_epi8(w, _mm512_set1_epi8(16)),
                     _ => {}
                 }
                 // What vpdpbusd takes unsigned: w itself for Q4_1 and Q5_1, |w| otherwise.
-                let u = if with_min { w } else { _mm256_abs_epi8(w) };
+                let (u, negative) = if with_min { (w, 0) } else { (_mm512_abs_epi8(w), _mm512_movepi8_mask(w)) };
                 for n in 0..N {
                     let q = acts.qs.as_ptr().add(act(n, b) * QK);
-                    let a = _mm256_set1_epi32(std::ptr::read_unaligned(q.add(4 * k).cast::<i32>()));
-                    let a = if with_min { a } else { _mm256_sign_epi8(a, w) };
-                    let lane = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(zero, u, a));
-                    acc[n][k] = _mm256_fmadd_ps(scale[n], lane, acc[n][k]);
+                    let a = _mm512_set1_epi32(std::ptr::read_unaligned(q.add(4 * k).cast::<i32>()));
+                    let a = if with_min { a } else { _mm512_mask_sub_epi8(a, negative, zero, a) };
+                    let lane = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, u, a));
+                    acc[n][k] = _mm512_fmadd_ps(scale[n], lane, acc[n][k]);
                 }
             };
             if F == Q8_0 {
                 for k in 0..8 {
-                    step(k, _mm256_loadu_si256(quants.add(32 * k).cast()));
+                    step(k, _mm512_loadu_si512(quants.add(4 * GROUP * k).cast()));
                 }
             } else {
                 // Vector j's low nibbles are lane j, its high nibbles lane j + 4.
                 for j in 0..4 {
-                    let p = _mm256_loadu_si256(quants.add(32 * j).cast());
-                    step(j, _mm256_and_si256(p, mask));
-                    step(j + 4, _mm256_and_si256(_mm256_srli_epi16(p, 4), mask));
+                    let p = _mm512_loadu_si512(quants.add(4 * GROUP * j).cast());
+                    step(j, _mm512_and_si512(p, mask));
+                    step(j + 4, _mm512_and_si512(_mm512_srli_epi16(p, 4), mask));
                 }
             }
         }
         for (r, (a, sm)) in res.iter_mut().zip(acc.iter().zip(&summ)) {
             // hsum's order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
-            let (s0, s1, s2, s3) = (_mm256_add_ps(a[0], a[4]), _mm256_add_ps(a[1], a[5]), _mm256_add_ps(a[2], a[6]), _mm256_add_ps(a[3], a[7]));
-            let total = _mm256_add_ps(_mm256_add_ps(s0, s2), _mm256_add_ps(s1, s3));
-            _mm256_storeu_ps(r.as_mut_ptr(), _mm256_add_ps(total, *sm));
+            let (s0, s1, s2, s3) = (_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[2], a[6]), _mm512_add_ps(a[3], a[7]));
+            let total = _mm512_add_ps(_mm512_add_ps(s0, s2), _mm512_add_ps(s1, s3));
+            _mm512_storeu_ps(r.as_mut_ptr(), _mm512_add_ps(total, *sm));
         }
     }
 }
@@ -171,7 +181,7 @@ fn pick_kernel(f: u8, one: bool) -> GroupFn {
 
 /// `out[i * rows + r] = dot(row r, activation row first + i)` for the `rows` rows held by
 /// the packed groups in `p` (`rows` may end inside the last group): activation-major, so each
-/// group's eight results are contiguous.
+/// group's sixteen results are contiguous.
 pub(super) fn dot_packed(ty: GgmlType, p: &[u8], rows: usize, acts: &Q8Acts, first: usize, n: usize, out: &mut [f32]) {
     let nb = acts.blocks_per_row();
     let group_bytes = block_offset(ty, nb, 1, 0);
@@ -260,7 +270,7 @@ fn weighted_sum_impl<T: Lanes16>(out: &mut [f32], w: &[f32], v: &[T]) {
 /// See [`weighted_sum_impl`]; `out.len()` must be a multiple of 16.
 pub(super) fn weighted_sum<T: Lanes16>(out: &mut [f32], w: &[f32], v: &[T]) {
     assert!(out.len().is_multiple_of(16) && v.len() == out.len() * w.len(), "weighted_sum shape");
-    // SAFETY: only reached through an Isa at level Avx512Vnni, which only detection of AVX2, FMA, F16C and AVX-512F/VL/VNNI makes.
+    // SAFETY: only reached through an Isa at level Avx512Vnni, which only detection of AVX2, FMA, F16C and AVX-512F/VL/BW/VNNI makes.
     unsafe { weighted_sum_impl(out, w, v) }
 }
 
@@ -314,6 +324,6 @@ fn exp_shifted_impl(v: &mut [f32], max: f32) {
 
 /// See [`exp_shifted_impl`].
 pub(super) fn exp_shifted(v: &mut [f32], max: f32) {
-    // SAFETY: only reached through an Isa at level Avx512Vnni, which only detection of AVX2, FMA, F16C and AVX-512F/VL/VNNI makes.
+    // SAFETY: only reached through an Isa at level Avx512Vnni, which only detection of AVX2, FMA, F16C and AVX-512F/VL/BW/VNNI makes.
     unsafe { exp_shifted_impl(v, max) }
 }
