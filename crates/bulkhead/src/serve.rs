@@ -16,7 +16,7 @@ use bulkhead_server::gateway::{self, GatewayOptions};
 use bulkhead_server::http::HttpLimits;
 use bulkhead_server::trust::{self, Trust};
 use bulkhead_kv::KvChecks;
-use bulkhead_server::core_budget::CoreBudget;
+use bulkhead_server::core_budget::{CoreBudget, ShareMode};
 use bulkhead_server::kv_transport::KvTransport;
 use bulkhead_server::worker::WorkerConfig;
 use clap::{Args, ValueEnum};
@@ -61,6 +61,28 @@ impl From<KvTransportArg> for KvTransport {
             KvTransportArg::Auto => KvTransport::Auto,
             KvTransportArg::Ucx => KvTransport::Ucx,
             KvTransportArg::Tcp => KvTransport::Tcp,
+        }
+    }
+}
+
+/// `--core-budget`: how the workers on one host share its cores while both have work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum CoreBudgetArg {
+    /// Each worker runs on one compute thread while the other has work, on all of them alone.
+    Split,
+    /// Prefill pauses during each decode step; while prompts wait, decode steps start at most once per --decode-interval-ms.
+    Pause,
+    /// No shared budget: the processes pre-empt each other.
+    Off,
+}
+
+impl CoreBudgetArg {
+    /// The mode a budget runs in, or `None` for no budget.
+    fn mode(self) -> Option<ShareMode> {
+        match self {
+            CoreBudgetArg::Split => Some(ShareMode::Split),
+            CoreBudgetArg::Pause => Some(ShareMode::Pause),
+            CoreBudgetArg::Off => None,
         }
     }
 }
@@ -158,12 +180,13 @@ pub struct ServeArgs {
     /// KV pool size in tokens for prefill workers only (role all; default: --kv-pool-tokens).
     #[arg(long, env = "BULKHEAD_PREFILL_KV_POOL_TOKENS")]
     prefill_kv_pool_tokens: Option<usize>,
-    /// The workers on one host share its cores, decode steps first: the prefill worker
-    /// pauses during each decode step, and while prompts wait, decode starts a step at most
-    /// once per this many ms and leaves prefill the rest (so inter-token latency is about
-    /// this while prompts wait). 0: no shared budget (the processes pre-empt each other).
-    /// Role all sets the budget up itself; workers started by hand on one host need
-    /// --core-budget-dir as well.
+    /// How the prefill and decode workers on one host share its cores while both have
+    /// work, so that their compute threads stop pre-empting each other. Role all sets the
+    /// budget up itself; workers started by hand on one host need --core-budget-dir as well.
+    #[arg(long, env = "BULKHEAD_CORE_BUDGET", value_enum, default_value_t = CoreBudgetArg::Split)]
+    core_budget: CoreBudgetArg,
+    /// With --core-budget pause: while prompts wait, a decode step starts at most once per
+    /// this many ms and prefill gets the rest (inter-token latency is then about this).
     #[arg(long, env = "BULKHEAD_DECODE_INTERVAL_MS", default_value_t = 15)]
     decode_interval_ms: u64,
     /// Prefill and decode workers started by hand on one host: a directory only this user
@@ -312,11 +335,11 @@ impl ServeArgs {
             trust,
             prefix_cache_pages: if self.no_prefix_cache { 0 } else { self.prefix_cache_pages.unwrap_or(usize::MAX) },
             kv_transport: self.kv_transport.into(),
-            core_budget: self
-                .core_budget_dir
-                .clone()
-                .filter(|_| self.decode_interval_ms > 0)
-                .map(|dir| CoreBudget { dir, decode_interval: Duration::from_millis(self.decode_interval_ms) }),
+            core_budget: self.core_budget_dir.clone().zip(self.core_budget.mode()).map(|(dir, mode)| CoreBudget {
+                dir,
+                mode,
+                decode_interval: Duration::from_millis(self.decode_interval_ms),
+            }),
         })
     }
 }
@@ -372,7 +395,7 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
     };
     let mut gw = gateway::start(opts).await.with_context(|| format!("cannot start the gateway on {}:{}", a.host, a.port))?;
     // Declared before the workers, so it is removed after they are stopped.
-    let budget = if a.role == ServeRole::All && a.decode_interval_ms > 0 { Some(BudgetDir::new()?) } else { None };
+    let budget = if a.role == ServeRole::All && a.core_budget.mode().is_some() { Some(BudgetDir::new()?) } else { None };
     let mut workers = Supervisor { slots: Vec::new(), secret };
     if a.role == ServeRole::All {
         let exe = std::env::current_exe()?;
@@ -411,6 +434,9 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
                 }
                 if let Some(t) = a.kv_transport.to_possible_value() {
                     cmd.args(["--kv-transport", t.get_name()]);
+                }
+                if let Some(b) = a.core_budget.to_possible_value() {
+                    cmd.args(["--core-budget", b.get_name()]);
                 }
                 cmd.args(["--decode-interval-ms", &a.decode_interval_ms.to_string()]);
                 if let Some(b) = &budget {

@@ -123,16 +123,16 @@ pub(crate) fn softmax_in_place(isa: Isa, s: &mut [f32]) {
 /// The softmax of each row `r` of `scores` (rows `n_max` apart) over the keys row `r` sees,
 /// `first_seen(pos)..=pos` for its position, with 0 before them ([`softmax_in_place`] is
 /// its one-row case, so every path gets the same bits). Each row's sum still runs in key
-/// order from its first key, but four rows' sums run side by side: one dependent chain of
-/// adds per row was most of the softmax's time.
+/// order from its first key, but eight rows' sums run side by side: one dependent chain of
+/// adds per row was most of the softmax's time (eight chains keep both adders busy).
 fn softmax_rows(isa: Isa, scores: &mut [f32], n_max: usize, positions: &[usize], window: Option<usize>) {
-    const SIDE: usize = 4;
+    const SIDE: usize = 8;
     let span = |r: usize| (first_seen(positions[r], window), positions[r] + 1);
     for r in 0..positions.len() {
         let (lo, end) = span(r);
         let row = &mut scores[r * n_max..r * n_max + end];
         row[..lo].fill(0.0);
-        let max = row[lo..].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let max = max_of(&row[lo..]);
         exp_shifted(isa, &mut row[lo..], max);
     }
     for r0 in (0..positions.len()).step_by(SIDE) {
@@ -140,15 +140,14 @@ fn softmax_rows(isa: Isa, scores: &mut [f32], n_max: usize, positions: &[usize],
         let start = |k: usize| (r0 + k) * n_max + span(r0 + k).0;
         let len = |k: usize| span(r0 + k).1 - span(r0 + k).0;
         let mut sums = [0.0f32; SIDE];
-        // The keys all four rows see, summed side by side; each row's own tail after.
+        // The keys all the rows see, summed side by side; each row's own tail after.
         let common = if rows == SIDE { (0..SIDE).map(len).min().unwrap_or(0) } else { 0 };
         if common > 0 {
-            let [a, b, c, d] = [0, 1, 2, 3].map(|k| &scores[start(k)..start(k) + common]);
-            for (((&a, &b), &c), &d) in a.iter().zip(b).zip(c).zip(d) {
-                sums[0] += a;
-                sums[1] += b;
-                sums[2] += c;
-                sums[3] += d;
+            let side: [&[f32]; SIDE] = std::array::from_fn(|k| &scores[start(k)..start(k) + common]);
+            for i in 0..common {
+                for (sum, row) in sums.iter_mut().zip(&side) {
+                    *sum += row[i];
+                }
             }
         }
         for (k, sum) in sums.iter_mut().enumerate().take(rows) {
@@ -158,6 +157,20 @@ fn softmax_rows(isa: Isa, scores: &mut [f32], n_max: usize, positions: &[usize],
             row.iter_mut().for_each(|v| *v *= inv);
         }
     }
+}
+
+/// The largest value of `v` (NaNs ignored, as by `f32::max`), sixteen lanes at a time: the
+/// maximum does not depend on the order it is taken in (only a zero's sign might, and
+/// `x - max` is then the same).
+fn max_of(v: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let mut chunks = v.chunks_exact(16);
+    for c in &mut chunks {
+        for (m, &x) in lanes.iter_mut().zip(c) {
+            *m = m.max(x);
+        }
+    }
+    chunks.remainder().iter().chain(&lanes).copied().fold(f32::NEG_INFINITY, f32::max)
 }
 
 pub(crate) fn silu_mul(isa: Isa, gate: &mut [f32], up: &[f32]) {
@@ -370,7 +383,9 @@ impl Llama {
     /// tokens in `page_size`-token pages, so that steps never grow them as contexts grow.
     pub fn reserve_attention(&self, context: usize, page_size: usize) {
         let (head_dim, rows) = (self.config.head_dim, self.config.group() * ATTN_ROWS);
-        self.threads.broadcast(|_| TASK.with_borrow_mut(|t| t.reserve(rows, context, page_size, head_dim)));
+        for pool in std::iter::once(&self.threads).chain(&self.narrow) {
+            pool.broadcast(|_| TASK.with_borrow_mut(|t| t.reserve(rows, context, page_size, head_dim)));
+        }
     }
 
     /// [`Llama::forward`] into `logits` (replacing what it held), with the model's reusable
@@ -385,7 +400,7 @@ impl Llama {
             Err(std::sync::TryLockError::WouldBlock) => None,
         };
         let scratch = held.as_deref_mut().unwrap_or(&mut fresh);
-        self.threads.install(|| self.forward_inner(pool, seqs, scratch, logits))
+        self.forward_inner(pool, seqs, scratch, logits)
     }
 
     fn forward_inner(&self, pool: &mut KvPool, seqs: &mut [SeqInput<'_>], scratch: &mut ForwardScratch, logits: &mut Vec<f32>) -> Result<(), ModelError> {
@@ -444,74 +459,78 @@ impl Llama {
         }
 
         for (li, l) in self.weights.layers.iter().enumerate() {
-            rms_norm(x, &l.attn_norm, c.norm_eps, xn);
-            self.pause();
-            matmul(isa, &[&l.wq, &l.wk, &l.wv], xn, t, scratch, &mut [&mut q[..], &mut k[..], &mut v[..]]);
-            self.prepare_qkv(li, q, k, v, xn_heads);
-            let r = self.rope_of(li);
-            q.par_chunks_mut(q_dim).zip(k.par_chunks_mut(kv_dim)).zip(&rows[..]).with_min_len(ROWS_PER_TASK).for_each(|((qr, kr), &(_, pos))| {
-                rope(qr, hd, pos, r);
-                rope(kr, hd, pos, r);
-            });
-            let at = AttnAt { layer: li, scale: c.attn_scale, window: c.window(li) };
-            for (r, &(s, pos)) in rows.iter().enumerate() {
-                let (lease, slot) = seqs[s].kv.locate(pos)?;
-                pool.write(lease, li, slot, &k[r * kv_dim..(r + 1) * kv_dim], &v[r * kv_dim..(r + 1) * kv_dim])?;
-            }
-            self.pause();
-            {
-                let pool: &KvPool = pool;
-                let seqs: &[SeqInput<'_>] = seqs;
-                let (rows, q) = (&rows[..], &q[..]);
-                if tasks.len() == t * c.kv_heads {
-                    // One row per task (a decode step): each (row, head) writes its own slice
-                    // of `att` directly, as many tasks as heads times sequences.
-                    att.par_chunks_mut(hd).enumerate().try_for_each(|(i, out)| {
-                        let (r, h) = (i / c.heads, i % c.heads);
-                        let (s, pos) = rows[r];
-                        let qh = &q[r * q_dim + h * hd..r * q_dim + (h + 1) * hd];
-                        TASK.with_borrow_mut(|scr| attend(isa, pool, seqs[s].kv, at, h / group, &[pos], qh, out, &mut scr.attn))
-                    })?;
-                } else {
-                    // Blocks of up to ATTN_ROWS consecutive rows of a sequence, for all the
-                    // query heads of one KV head, stacked as rows (head-major): they share
-                    // each page's conversion to f32.
-                    let stride = group * ATTN_ROWS * hd;
-                    zeroed(blocks, tasks.len() * stride);
-                    blocks.par_chunks_mut(stride).zip(&tasks[..]).try_for_each(|(out, &(r0, r1, g))| {
-                        TASK.with_borrow_mut(|scr| {
-                            let TaskScratch { attn, positions, q: qh } = scr;
-                            let heads = g * group..(g + 1) * group;
-                            positions.clear();
-                            positions.extend(heads.clone().flat_map(|_| rows[r0..r1].iter().map(|&(_, p)| p)));
-                            qh.clear();
-                            qh.extend(heads.flat_map(|h| (r0..r1).flat_map(move |r| q[r * q_dim + h * hd..r * q_dim + (h + 1) * hd].iter().copied())));
-                            attend(isa, pool, seqs[rows[r0].0].kv, at, g, positions, qh, &mut out[..group * (r1 - r0) * hd], attn)
-                        })
-                    })?;
-                    for (&(r0, r1, g), out) in tasks.iter().zip(blocks.chunks(stride)) {
-                        let n = r1 - r0;
-                        for (j, h) in (g * group..(g + 1) * group).enumerate() {
-                            for (i, r) in (r0..r1).enumerate() {
-                                att[r * q_dim + h * hd..r * q_dim + (h + 1) * hd].copy_from_slice(&out[(j * n + i) * hd..(j * n + i + 1) * hd]);
+            // Each layer on the threads the core share leaves it (all of them without one).
+            self.pool_now().install(|| -> Result<(), ModelError> {
+                rms_norm(x, &l.attn_norm, c.norm_eps, xn);
+                self.pause();
+                matmul(isa, &[&l.wq, &l.wk, &l.wv], xn, t, scratch, &mut [&mut q[..], &mut k[..], &mut v[..]]);
+                self.prepare_qkv(li, q, k, v, xn_heads);
+                let r = self.rope_of(li);
+                q.par_chunks_mut(q_dim).zip(k.par_chunks_mut(kv_dim)).zip(&rows[..]).with_min_len(ROWS_PER_TASK).for_each(|((qr, kr), &(_, pos))| {
+                    rope(qr, hd, pos, r);
+                    rope(kr, hd, pos, r);
+                });
+                let at = AttnAt { layer: li, scale: c.attn_scale, window: c.window(li) };
+                for (r, &(s, pos)) in rows.iter().enumerate() {
+                    let (lease, slot) = seqs[s].kv.locate(pos)?;
+                    pool.write(lease, li, slot, &k[r * kv_dim..(r + 1) * kv_dim], &v[r * kv_dim..(r + 1) * kv_dim])?;
+                }
+                self.pause();
+                {
+                    let pool: &KvPool = pool;
+                    let seqs: &[SeqInput<'_>] = seqs;
+                    let (rows, q) = (&rows[..], &q[..]);
+                    if tasks.len() == t * c.kv_heads {
+                        // One row per task (a decode step): each (row, head) writes its own slice
+                        // of `att` directly, as many tasks as heads times sequences.
+                        att.par_chunks_mut(hd).enumerate().try_for_each(|(i, out)| {
+                            let (r, h) = (i / c.heads, i % c.heads);
+                            let (s, pos) = rows[r];
+                            let qh = &q[r * q_dim + h * hd..r * q_dim + (h + 1) * hd];
+                            TASK.with_borrow_mut(|scr| attend(isa, pool, seqs[s].kv, at, h / group, &[pos], qh, out, &mut scr.attn))
+                        })?;
+                    } else {
+                        // Blocks of up to ATTN_ROWS consecutive rows of a sequence, for all the
+                        // query heads of one KV head, stacked as rows (head-major): they share
+                        // each page's conversion to f32.
+                        let stride = group * ATTN_ROWS * hd;
+                        zeroed(blocks, tasks.len() * stride);
+                        blocks.par_chunks_mut(stride).zip(&tasks[..]).try_for_each(|(out, &(r0, r1, g))| {
+                            TASK.with_borrow_mut(|scr| {
+                                let TaskScratch { attn, positions, q: qh } = scr;
+                                let heads = g * group..(g + 1) * group;
+                                positions.clear();
+                                positions.extend(heads.clone().flat_map(|_| rows[r0..r1].iter().map(|&(_, p)| p)));
+                                qh.clear();
+                                qh.extend(heads.flat_map(|h| (r0..r1).flat_map(move |r| q[r * q_dim + h * hd..r * q_dim + (h + 1) * hd].iter().copied())));
+                                attend(isa, pool, seqs[rows[r0].0].kv, at, g, positions, qh, &mut out[..group * (r1 - r0) * hd], attn)
+                            })
+                        })?;
+                        for (&(r0, r1, g), out) in tasks.iter().zip(blocks.chunks(stride)) {
+                            let n = r1 - r0;
+                            for (j, h) in (g * group..(g + 1) * group).enumerate() {
+                                for (i, r) in (r0..r1).enumerate() {
+                                    att[r * q_dim + h * hd..r * q_dim + (h + 1) * hd].copy_from_slice(&out[(j * n + i) * hd..(j * n + i + 1) * hd]);
+                                }
                             }
                         }
                     }
                 }
-            }
-            self.pause();
-            matmul(isa, &[&l.wo], att, t, scratch, &mut [&mut o[..]]);
-            self.post_norm(l.post_attn_norm.as_deref(), o, xn);
-            add_rows(x, o, c.hidden);
-            rms_norm(x, &l.ffn_norm, c.norm_eps, xn);
-            self.pause();
-            matmul(isa, &[&l.w_gate, &l.w_up], xn, t, scratch, &mut [&mut gate[..], &mut up[..]]);
-            let act = c.activation;
-            gate.par_chunks_mut(c.ffn).zip(up.par_chunks(c.ffn)).with_min_len(ROWS_PER_TASK).for_each(|(g, u)| activate(isa, act, g, u));
-            self.pause();
-            matmul(isa, &[&l.w_down], gate, t, scratch, &mut [&mut o[..]]);
-            self.post_norm(l.post_ffn_norm.as_deref(), o, xn);
-            add_rows(x, o, c.hidden);
+                self.pause();
+                matmul(isa, &[&l.wo], att, t, scratch, &mut [&mut o[..]]);
+                self.post_norm(l.post_attn_norm.as_deref(), o, xn);
+                add_rows(x, o, c.hidden);
+                rms_norm(x, &l.ffn_norm, c.norm_eps, xn);
+                self.pause();
+                matmul(isa, &[&l.w_gate, &l.w_up], xn, t, scratch, &mut [&mut gate[..], &mut up[..]]);
+                let act = c.activation;
+                gate.par_chunks_mut(c.ffn).zip(up.par_chunks(c.ffn)).with_min_len(ROWS_PER_TASK).for_each(|(g, u)| activate(isa, act, g, u));
+                self.pause();
+                matmul(isa, &[&l.w_down], gate, t, scratch, &mut [&mut o[..]]);
+                self.post_norm(l.post_ffn_norm.as_deref(), o, xn);
+                add_rows(x, o, c.hidden);
+                Ok(())
+            })?;
         }
 
         // Logits only for the last token of the sequences that asked.
@@ -531,7 +550,7 @@ impl Llama {
             }
             let seln = zeroed(seln, sel.len());
             rms_norm(sel, &self.weights.out_norm, c.norm_eps, seln);
-            matmul(isa, &[self.weights.output()], seln, last.len(), scratch, &mut [&mut logits[..]]);
+            self.pool_now().install(|| matmul(isa, &[self.weights.output()], seln, last.len(), scratch, &mut [&mut logits[..]]));
             self.soft_cap(logits);
         }
         for seq in seqs.iter_mut() {

@@ -77,19 +77,27 @@ pub struct Llama {
     pub weights: Weights,
     isa: Isa,
     threads: rayon::ThreadPool,
+    /// One compute thread, for the layers a [`CoreShare`] narrows (made with the share).
+    narrow: Option<rayon::ThreadPool>,
     /// The forward pass's reusable buffers.
     scratch: std::sync::Mutex<forward::ForwardScratch>,
-    /// Where a forward pass may wait for the cores (see [`PausePoint`]).
-    pause: Option<std::sync::Arc<dyn PausePoint>>,
+    /// How a forward pass shares the cores with another worker's (see [`CoreShare`]).
+    share: Option<std::sync::Arc<dyn CoreShare>>,
 }
 
-/// Called by the forward pass before each of its parallel regions (every matrix product
-/// and every attention pass of every layer): an implementation may block there until the
-/// cores are free again. A pause between regions holds no lock and no KV page beyond what
-/// the pass already holds, so waiting changes when a result appears, never what it is.
-pub trait PausePoint: Send + Sync {
-    /// Return when this forward pass may go on.
+/// How a forward pass shares this host's cores with another worker process's (the core
+/// budget: `bulkhead_server::core_budget`). Neither method decides what is computed: a
+/// pause between regions holds no lock and no KV page beyond what the pass already holds,
+/// and a layer gives the same bits on one thread as on many (every kernel's result for a
+/// row does not depend on how rows are split into tasks), so sharing changes when a result
+/// appears, never what it is.
+pub trait CoreShare: Send + Sync {
+    /// Return when this forward pass may go on; called before each parallel region (every
+    /// matrix product and every attention pass of every layer).
     fn pause(&self);
+    /// Whether the next layer should run on one compute thread, leaving the other cores to
+    /// the other worker; asked at the start of each layer and before the logits.
+    fn narrow(&self) -> bool;
 }
 
 impl std::fmt::Debug for Llama {
@@ -117,7 +125,7 @@ impl Llama {
             .thread_name(|i| format!("bulkhead-compute-{i}"))
             .build()
             .map_err(|e| ModelError::Threads { threads, why: e.to_string() })?;
-        Ok(Llama { config, weights, isa, threads: pool, scratch: Default::default(), pause: None })
+        Ok(Llama { config, weights, isa, threads: pool, narrow: None, scratch: Default::default(), share: None })
     }
 
     /// Use another instruction set (tests compare the portable path with the SIMD one).
@@ -127,16 +135,34 @@ impl Llama {
         self
     }
 
-    /// Let every forward pass wait at `p` between its parallel regions (a prefill worker
-    /// that shares its cores with a decode worker: `bulkhead_server::core_budget`).
-    pub fn set_pause_point(&mut self, p: std::sync::Arc<dyn PausePoint>) {
-        self.pause = Some(p);
+    /// Share the cores with another worker's forward passes through `share` (workers on one
+    /// host: `bulkhead_server::core_budget`). With more than one compute thread this makes
+    /// the one-thread pool that narrowed layers run on.
+    pub fn set_core_share(&mut self, share: std::sync::Arc<dyn CoreShare>) -> Result<(), ModelError> {
+        if self.threads() > 1 && self.narrow.is_none() {
+            let one = rayon::ThreadPoolBuilder::new()
+                .num_threads(1)
+                .thread_name(|_| "bulkhead-compute-narrow".into())
+                .build()
+                .map_err(|e| ModelError::Threads { threads: 1, why: e.to_string() })?;
+            self.narrow = Some(one);
+        }
+        self.share = Some(share);
+        Ok(())
     }
 
-    /// Wait at the pause point, if there is one.
+    /// Wait at the core share's pause point, if there is one.
     fn pause(&self) {
-        if let Some(p) = &self.pause {
-            p.pause();
+        if let Some(s) = &self.share {
+            s.pause();
+        }
+    }
+
+    /// The compute threads the next layer runs on: one while the core share narrows.
+    fn pool_now(&self) -> &rayon::ThreadPool {
+        match (&self.share, &self.narrow) {
+            (Some(s), Some(one)) if s.narrow() => one,
+            _ => &self.threads,
         }
     }
 

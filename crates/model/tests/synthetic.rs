@@ -5,7 +5,7 @@
 use bulkhead_gguf::{GgmlType, GgufFile, GgufWriter};
 use bulkhead_kv::{KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
 use bulkhead_model::reference::ReferenceState;
-use bulkhead_model::{Isa, Llama, ModelError, PausePoint, SeqInput};
+use bulkhead_model::{CoreShare, Isa, Llama, ModelError, SeqInput};
 
 mod support;
 use support::Shape;
@@ -59,28 +59,39 @@ fn every_supported_tensor_type_runs_and_the_paged_pass_equals_the_reference() {
     }
 }
 
-/// Counts its calls and makes each one wait, as a prefill worker's does during a decode step.
-struct SlowPause(std::sync::atomic::AtomicUsize);
+/// Counts its pauses and makes each one wait, as a prefill worker's does during a decode
+/// step; narrows every other layer, as either worker's does while the other computes.
+struct SlowShare {
+    pauses: std::sync::atomic::AtomicUsize,
+    asked: std::sync::atomic::AtomicUsize,
+}
 
-impl PausePoint for SlowPause {
+impl CoreShare for SlowShare {
     fn pause(&self) {
-        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.pauses.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+
+    fn narrow(&self) -> bool {
+        self.asked.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 2 == 0
     }
 }
 
 #[test]
-fn the_forward_pass_waits_at_its_pause_point_before_each_region_and_gives_the_same_bits() {
+fn the_forward_pass_pauses_before_each_region_and_narrows_layers_with_the_same_bits() {
     let w = synthetic(GgmlType::Q4_1, "llama");
     let (plain, _) = paged_and_reference(&load(&w).unwrap(), &prompt());
-    let counter = std::sync::Arc::new(SlowPause(Default::default()));
+    let share = std::sync::Arc::new(SlowShare { pauses: Default::default(), asked: Default::default() });
     let mut m = load(&w).unwrap();
-    m.set_pause_point(counter.clone());
-    let (paused, want) = paged_and_reference(&m, &prompt());
+    m.set_core_share(share.clone()).unwrap();
+    let (shared, want) = paged_and_reference(&m, &prompt());
     // Five regions a layer: QKV, attention, output, gate and up, down.
-    assert_eq!(counter.0.load(std::sync::atomic::Ordering::Relaxed), 5 * LAYERS);
-    assert_eq!(paused, plain);
-    assert_eq!(paused, want);
+    assert_eq!(share.pauses.load(std::sync::atomic::Ordering::Relaxed), 5 * LAYERS);
+    // Asked at every layer and once for the logits of the paged pass (the reference pass
+    // runs on its own).
+    assert_eq!(share.asked.load(std::sync::atomic::Ordering::Relaxed), LAYERS + 1);
+    assert_eq!(shared, plain);
+    assert_eq!(shared, want);
 }
 
 #[test]

@@ -1,39 +1,43 @@
-//! One core budget for the worker processes on one host: decode steps first.
+//! One core budget for the worker processes on one host.
 //!
 //! When a prefill and a decode worker share the same cores, each process's compute
 //! threads pre-empt the other's, and a pre-empted thread stalls its whole step at the next
-//! barrier: a decode step of 20 ms can take 100. The budget makes them take turns, the
-//! way Sarathi-Serve's stall-free batching does inside one process:
+//! barrier: a decode step of 20 ms can take 100. The budget stops that in one of two ways
+//! ([`ShareMode`]):
 //!
-//! - the decode worker holds the cores for each step ([`DecodeBudget::hold`]): it sends
-//!   `HOLD` to every prefill worker of the budget before the step and `RELEASE` after;
-//! - a prefill worker's forward pass waits at its next pause point (a [`PausePoint`]:
-//!   before each matrix product and attention pass of each layer) while any decode worker
-//!   holds, so a decode step shares the cores with at most one region of a prefill step;
-//! - while a prefill worker reports work (`BUSY`), the decode worker leaves it the cores
-//!   between steps: it starts a step no sooner than `interval` after the previous one
-//!   started, nor sooner than a quarter of `interval` after it ended. With no busy
-//!   prefill worker, decode steps run back to back as without the budget.
+//! - **split** (the default): while both workers have work, each runs its layers on one
+//!   compute thread ([`bulkhead_model::CoreShare::narrow`]), so each has a core to itself
+//!   and neither waits for the other; a worker alone uses every core. Decode steps keep an
+//!   even pace (no pre-emption) and no core idles while the other worker has work.
+//! - **pause**: decode steps first, the way Sarathi-Serve's stall-free batching orders
+//!   them inside one process. The decode worker holds the cores for each step
+//!   ([`DecodeBudget::hold`]); a prefill worker's forward pass waits at its next pause
+//!   point (before each matrix product and attention pass of each layer) while any decode
+//!   worker holds; and while a prefill worker reports work (`BUSY`), the decode worker
+//!   starts a step no sooner than `interval` after the previous one started, nor sooner
+//!   than a quarter of `interval` after it ended. Inter-token latency is then about
+//!   `interval`, at the cost of the time a small decode step leaves a core idle.
 //!
-//! So while prompts wait, inter-token latency is about `interval` and prefill gets the rest
-//! of it; the budget turns the two processes' contention into a schedule.
+//! Either way the decode worker sends `HOLD` before each step and `RELEASE` after, and a
+//! prefill worker reports `BUSY` or `IDLE`: that is all each side knows of the other.
 //!
 //! The budget is a directory of Unix datagram sockets, `prefill-<pid>` and `decode-<pid>`,
 //! that only the user can enter (`serve` makes it with mode 0700). Messages are one byte;
-//! anything else is ignored. Nothing here decides what is computed, only when: a lost
-//! message or a dead peer costs time, never a result. A hold lapses after [`MAX_HOLD`] and a
-//! busy report after [`BUSY_LAPSE`], so a decode worker that dies mid-step cannot stop
-//! prefill for ever, nor a dead prefill worker slow decode for long.
+//! anything else is ignored. Nothing here decides what is computed, only when and on how
+//! many threads: a lost message or a dead peer costs time, never a result. A hold lapses
+//! after [`MAX_HOLD`] and a busy report after [`BUSY_LAPSE`], so a decode worker that dies
+//! mid-step cannot stop or narrow prefill for ever, nor a dead prefill worker slow decode
+//! for long.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use bulkhead_model::PausePoint;
+use bulkhead_model::CoreShare;
 
 const HOLD: u8 = b'H';
 const RELEASE: u8 = b'R';
@@ -42,8 +46,12 @@ const IDLE: u8 = b'I';
 
 /// A hold older than this no longer pauses prefill (a decode worker that died holding).
 pub const MAX_HOLD: Duration = Duration::from_millis(500);
-/// A busy report older than this no longer paces decode (a prefill worker that died busy).
+/// A busy report older than this no longer paces or narrows decode (a prefill worker that
+/// died busy).
 pub const BUSY_LAPSE: Duration = Duration::from_secs(2);
+/// In split mode, prefill stays narrow this long after a decode step was last seen: decode
+/// steps follow each other with gaps of a few milliseconds while sequences decode.
+const DECODE_LAPSE: Duration = Duration::from_millis(50);
 /// How often a prefill worker repeats an unchanged state to the decode workers it knows.
 const REPORT_EVERY: Duration = Duration::from_millis(500);
 /// How often a decode worker lists the directory for prefill workers.
@@ -51,12 +59,26 @@ const RELIST_EVERY: Duration = Duration::from_secs(1);
 /// A prefill worker's report never waits longer than this for a full peer queue.
 const SEND_TIMEOUT: Duration = Duration::from_millis(1);
 
-/// Where the budget lives and how decode paces itself while prefill has work.
+/// Help text of `bulkhead:narrowed_layers_total`, which both workers report.
+pub const NARROWED_HELP: &str = "Layers the forward pass ran on one compute thread while the other worker on this host had work (core budget, split mode).";
+
+/// How the workers on one host share its cores while both have work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShareMode {
+    /// Each runs on one compute thread.
+    Split,
+    /// Prefill pauses during decode steps, which are paced by the interval.
+    Pause,
+}
+
+/// Where the budget lives and how the workers share the cores.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CoreBudget {
     /// The directory of the budget's sockets, shared by the workers on this host.
     pub dir: PathBuf,
-    /// Decode steps start at most this often while a prefill worker has work.
+    /// How the cores are shared while both workers have work.
+    pub mode: ShareMode,
+    /// Pause mode: decode steps start at most this often while a prefill worker has work.
     pub decode_interval: Duration,
 }
 
@@ -67,6 +89,26 @@ pub enum BudgetError {
     Bind { path: PathBuf, source: io::Error },
     #[error("cannot start the core budget's listener thread: {0}")]
     Thread(io::Error),
+    #[error("cannot give the model its core share: {0}")]
+    Model(#[from] bulkhead_model::ModelError),
+}
+
+/// Log how a worker joined the budget `b` (or why it runs without one) and pass the result on.
+pub fn joined<T>(b: &CoreBudget, role: &str, r: Result<T, BudgetError>) -> Option<T> {
+    match r {
+        Ok(t) => {
+            let how = match b.mode {
+                ShareMode::Split => "each worker runs on one thread while the other has work",
+                ShareMode::Pause => "prefill pauses during decode steps, which keep the interval while prefill has work",
+            };
+            tracing::info!(role, dir = %b.dir.display(), mode = ?b.mode, interval_ms = b.decode_interval.as_millis() as u64, "core budget: {how}");
+            Some(t)
+        }
+        Err(e) => {
+            tracing::warn!(role, error = %e, "running without the core budget");
+            None
+        }
+    }
 }
 
 /// A socket bound in the budget's directory, removed when dropped.
@@ -100,13 +142,18 @@ struct PrefillState {
     peers: BTreeSet<PathBuf>,
     /// The last state reported.
     busy: bool,
+    /// When a decode worker last held or released the cores.
+    decode_seen: Option<Instant>,
 }
 
 struct Shared {
+    mode: ShareMode,
     state: Mutex<PrefillState>,
     released: Condvar,
     /// Time the forward pass spent waiting at pause points.
     paused_ns: AtomicU64,
+    /// Layers the forward pass ran on one thread.
+    narrowed: AtomicU64,
 }
 
 fn lock(m: &Mutex<PrefillState>) -> MutexGuard<'_, PrefillState> {
@@ -114,8 +161,8 @@ fn lock(m: &Mutex<PrefillState>) -> MutexGuard<'_, PrefillState> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// A prefill worker's side of the budget: the pause point for its model and its reports
-/// of whether it has work.
+/// A prefill worker's side of the budget: the core share for its model and its reports of
+/// whether it has work.
 pub struct PrefillBudget {
     ep: Arc<Endpoint>,
     shared: Arc<Shared>,
@@ -124,18 +171,24 @@ pub struct PrefillBudget {
 }
 
 impl PrefillBudget {
-    /// Bind this worker's socket in `dir` and start listening for holds.
-    pub fn join(dir: &Path) -> Result<Self, BudgetError> {
-        let ep = Arc::new(Endpoint::bind(dir, "prefill")?);
+    /// Bind this worker's socket in `b.dir` and start listening for holds.
+    pub fn join(b: &CoreBudget) -> Result<Self, BudgetError> {
+        let ep = Arc::new(Endpoint::bind(&b.dir, "prefill")?);
         ep.sock.set_write_timeout(Some(SEND_TIMEOUT)).map_err(|source| BudgetError::Bind { path: ep.path.clone(), source })?;
-        let shared = Arc::new(Shared { state: Mutex::default(), released: Condvar::new(), paused_ns: AtomicU64::new(0) });
+        let shared = Arc::new(Shared {
+            mode: b.mode,
+            state: Mutex::default(),
+            released: Condvar::new(),
+            paused_ns: AtomicU64::new(0),
+            narrowed: AtomicU64::new(0),
+        });
         let (e, s) = (Arc::clone(&ep), Arc::clone(&shared));
         std::thread::Builder::new().name("core-budget".into()).spawn(move || listen(&e, &s)).map_err(BudgetError::Thread)?;
         Ok(PrefillBudget { ep, shared, reported: None })
     }
 
-    /// The pause point to give the model ([`bulkhead_model::Llama::set_pause_point`]).
-    pub fn pause_point(&self) -> Arc<dyn PausePoint> {
+    /// The core share to give the model ([`bulkhead_model::Llama::set_core_share`]).
+    pub fn core_share(&self) -> Arc<dyn CoreShare> {
         Arc::new(Gate(Arc::clone(&self.shared)))
     }
 
@@ -160,9 +213,14 @@ impl PrefillBudget {
         }
     }
 
-    /// Seconds the forward pass has waited for decode steps, in all.
+    /// Seconds the forward pass has waited for decode steps, in all (pause mode).
     pub fn paused_seconds(&self) -> f64 {
         self.shared.paused_ns.load(Ordering::Relaxed) as f64 / 1e9
+    }
+
+    /// Layers the forward pass has run on one thread, in all (split mode).
+    pub fn narrowed_layers(&self) -> u64 {
+        self.shared.narrowed.load(Ordering::Relaxed)
     }
 }
 
@@ -195,9 +253,10 @@ fn listen(ep: &Endpoint, shared: &Shared) {
             continue;
         }
         let mut s = lock(&shared.state);
+        let now = Instant::now();
         match buf[0] {
             HOLD => {
-                s.holds.insert(peer.clone(), Instant::now());
+                s.holds.insert(peer.clone(), now);
             }
             RELEASE => {
                 s.holds.remove(&peer);
@@ -205,6 +264,7 @@ fn listen(ep: &Endpoint, shared: &Shared) {
             }
             _ => continue,
         }
+        s.decode_seen = Some(now);
         if s.peers.insert(peer.clone()) {
             // A decode worker new to us learns our state at once.
             let busy = s.busy;
@@ -214,11 +274,15 @@ fn listen(ep: &Endpoint, shared: &Shared) {
     }
 }
 
-/// The prefill model's pause point: wait while any decode worker holds the cores.
+/// The prefill model's core share: in pause mode, wait while any decode worker holds the
+/// cores; in split mode, narrow while a decode worker is stepping.
 struct Gate(Arc<Shared>);
 
-impl PausePoint for Gate {
+impl CoreShare for Gate {
     fn pause(&self) {
+        if self.0.mode != ShareMode::Pause {
+            return;
+        }
         let mut s = lock(&self.0.state);
         let mut waited = None;
         loop {
@@ -235,13 +299,56 @@ impl PausePoint for Gate {
             self.0.paused_ns.fetch_add(since.elapsed().as_nanos() as u64, Ordering::Relaxed);
         }
     }
+
+    fn narrow(&self) -> bool {
+        if self.0.mode != ShareMode::Split {
+            return false;
+        }
+        let now = Instant::now();
+        let s = lock(&self.0.state);
+        let stepping = s.holds.values().any(|at| now.duration_since(*at) < MAX_HOLD) || s.decode_seen.is_some_and(|at| now.duration_since(at) < DECODE_LAPSE);
+        drop(s);
+        if stepping {
+            self.0.narrowed.fetch_add(1, Ordering::Relaxed);
+        }
+        stepping
+    }
+}
+
+/// The decode model's core share: narrow while a prefill worker reports work (split mode),
+/// as the decode worker last found before its step. It never pauses.
+#[derive(Default)]
+pub struct DecodeShare {
+    narrow: AtomicBool,
+    narrowed: AtomicU64,
+}
+
+impl DecodeShare {
+    /// Layers the decode model has run on one thread, in all (split mode).
+    pub fn narrowed_layers(&self) -> u64 {
+        self.narrowed.load(Ordering::Relaxed)
+    }
+}
+
+impl CoreShare for DecodeShare {
+    fn pause(&self) {}
+
+    fn narrow(&self) -> bool {
+        let n = self.narrow.load(Ordering::Relaxed);
+        if n {
+            self.narrowed.fetch_add(1, Ordering::Relaxed);
+        }
+        n
+    }
 }
 
 /// A decode worker's side of the budget.
 pub struct DecodeBudget {
     ep: Endpoint,
     dir: PathBuf,
+    mode: ShareMode,
     interval: Duration,
+    share: Arc<DecodeShare>,
     /// The prefill workers' sockets, as last listed.
     prefills: Vec<PathBuf>,
     listed: Option<Instant>,
@@ -256,10 +363,27 @@ impl DecodeBudget {
     pub fn join(b: &CoreBudget) -> Result<Self, BudgetError> {
         let ep = Endpoint::bind(&b.dir, "decode")?;
         ep.sock.set_nonblocking(true).map_err(|source| BudgetError::Bind { path: ep.path.clone(), source })?;
-        Ok(DecodeBudget { ep, dir: b.dir.clone(), interval: b.decode_interval, prefills: Vec::new(), listed: None, busy: BTreeMap::new(), last: None })
+        Ok(DecodeBudget {
+            ep,
+            dir: b.dir.clone(),
+            mode: b.mode,
+            interval: b.decode_interval,
+            share: Arc::default(),
+            prefills: Vec::new(),
+            listed: None,
+            busy: BTreeMap::new(),
+            last: None,
+        })
     }
 
-    /// How long the next step should wait to leave prefill its share (zero: start now).
+    /// The core share to give the model ([`bulkhead_model::Llama::set_core_share`]): it
+    /// narrows the steps [`DecodeBudget::wait`] finds a busy prefill worker for.
+    pub fn core_share(&self) -> Arc<DecodeShare> {
+        self.share.clone()
+    }
+
+    /// How long the next step should wait to leave prefill its share (zero: start now;
+    /// always zero in split mode, where it sets whether the step runs narrow).
     pub fn wait(&mut self, now: Instant) -> Duration {
         let mut buf = [0u8; 8];
         while let Ok((n, from)) = self.ep.sock.recv_from(&mut buf) {
@@ -275,8 +399,12 @@ impl DecodeBudget {
             }
         }
         self.busy.retain(|_, at| now.duration_since(*at) < BUSY_LAPSE);
+        let prefill_busy = !self.busy.is_empty();
+        self.share.narrow.store(self.mode == ShareMode::Split && prefill_busy, Ordering::Relaxed);
         match self.last {
-            Some((start, end)) if !self.busy.is_empty() => (start + self.interval).max(end + self.interval / 4).saturating_duration_since(now),
+            Some((start, end)) if prefill_busy && self.mode == ShareMode::Pause => {
+                (start + self.interval).max(end + self.interval / 4).saturating_duration_since(now)
+            }
             _ => Duration::ZERO,
         }
     }
@@ -329,8 +457,8 @@ mod tests {
     use super::*;
     use std::sync::mpsc;
 
-    fn budget(dir: &Path, interval_ms: u64) -> CoreBudget {
-        CoreBudget { dir: dir.to_path_buf(), decode_interval: Duration::from_millis(interval_ms) }
+    fn budget(dir: &Path, mode: ShareMode, interval_ms: u64) -> CoreBudget {
+        CoreBudget { dir: dir.to_path_buf(), mode, decode_interval: Duration::from_millis(interval_ms) }
     }
 
     fn temp_dir(name: &str) -> PathBuf {
@@ -341,7 +469,7 @@ mod tests {
     }
 
     /// Run `pause` on another thread; the receiver gets a message when it returns.
-    fn pause_in_thread(p: Arc<dyn PausePoint>) -> mpsc::Receiver<()> {
+    fn pause_in_thread(p: Arc<dyn CoreShare>) -> mpsc::Receiver<()> {
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
             p.pause();
@@ -365,9 +493,9 @@ mod tests {
     #[test]
     fn prefill_pauses_while_decode_holds_and_goes_on_after_release() {
         let dir = temp_dir("hold");
-        let mut prefill = PrefillBudget::join(&dir).unwrap();
-        let gate = prefill.pause_point();
-        let mut decode = DecodeBudget::join(&budget(&dir, 40)).unwrap();
+        let mut prefill = PrefillBudget::join(&budget(&dir, ShareMode::Pause, 40)).unwrap();
+        let gate = prefill.core_share();
+        let mut decode = DecodeBudget::join(&budget(&dir, ShareMode::Pause, 40)).unwrap();
         // No hold: the pause point returns at once.
         pause_in_thread(gate.clone()).recv_timeout(Duration::from_secs(5)).expect("no hold, no wait");
         let held = decode.hold();
@@ -397,11 +525,50 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// Wait until `cond` holds, for at most five seconds.
+    fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !cond() {
+            assert!(Instant::now() < deadline, "{what}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn in_split_mode_each_worker_narrows_while_the_other_works_and_nothing_pauses() {
+        let dir = temp_dir("split");
+        let mut prefill = PrefillBudget::join(&budget(&dir, ShareMode::Split, 40)).unwrap();
+        let gate = prefill.core_share();
+        let mut decode = DecodeBudget::join(&budget(&dir, ShareMode::Split, 40)).unwrap();
+        let decode_share = decode.core_share();
+        assert!(!gate.narrow(), "prefill narrow with no decode worker stepping");
+        // A decode step narrows prefill's layers and pauses nothing.
+        let held = decode.hold();
+        eventually("the hold never narrowed prefill", || gate.narrow());
+        pause_in_thread(gate.clone()).recv_timeout(Duration::from_secs(5)).expect("split mode paused prefill");
+        drop(held);
+        eventually("prefill stayed narrow after decode stopped stepping", || !gate.narrow());
+        assert!(prefill.narrowed_layers() > 0 && prefill.paused_seconds() == 0.0);
+        // Decode narrows its steps while prefill reports work, and never waits.
+        assert!(!decode_share.narrow(), "decode narrow with an idle prefill");
+        prefill.report(true);
+        eventually("a busy prefill never narrowed decode", || decode.wait(Instant::now()).is_zero() && decode_share.narrow());
+        drop(decode.hold());
+        assert_eq!(decode.wait(Instant::now()), Duration::ZERO, "split mode paced decode");
+        prefill.report(false);
+        eventually("decode stayed narrow after prefill went idle", || {
+            decode.wait(Instant::now());
+            !decode_share.narrow()
+        });
+        assert!(decode_share.narrowed_layers() > 0);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn a_hold_lapses_when_its_decode_worker_never_releases() {
         let dir = temp_dir("lapse");
-        let prefill = PrefillBudget::join(&dir).unwrap();
-        let mut decode = DecodeBudget::join(&budget(&dir, 40)).unwrap();
+        let prefill = PrefillBudget::join(&budget(&dir, ShareMode::Pause, 40)).unwrap();
+        let mut decode = DecodeBudget::join(&budget(&dir, ShareMode::Pause, 40)).unwrap();
         let held = decode.hold();
         // A decode worker that dies holding never sends its release.
         std::mem::forget(held);
@@ -411,7 +578,7 @@ mod tests {
             std::thread::sleep(Duration::from_millis(1));
         }
         let started = Instant::now();
-        pause_in_thread(prefill.pause_point()).recv_timeout(Duration::from_secs(5)).expect("the hold never lapsed");
+        pause_in_thread(prefill.core_share()).recv_timeout(Duration::from_secs(5)).expect("the hold never lapsed");
         assert!(started.elapsed() <= MAX_HOLD + Duration::from_millis(400));
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -419,7 +586,7 @@ mod tests {
     #[test]
     fn garbage_on_the_budget_socket_is_ignored() {
         let dir = temp_dir("garbage");
-        let prefill = PrefillBudget::join(&dir).unwrap();
+        let prefill = PrefillBudget::join(&budget(&dir, ShareMode::Pause, 40)).unwrap();
         let stranger = UnixDatagram::unbound().unwrap();
         let target = dir.join(format!("prefill-{}", std::process::id()));
         for msg in [&b"HH"[..], b"", b"x", b"\xff\x00"] {
@@ -429,7 +596,7 @@ mod tests {
         stranger.send_to(b"H", &target).unwrap();
         std::thread::sleep(Duration::from_millis(50));
         assert!(lock(&prefill.shared.state).holds.is_empty());
-        pause_in_thread(prefill.pause_point()).recv_timeout(Duration::from_secs(5)).expect("garbage paused prefill");
+        pause_in_thread(prefill.core_share()).recv_timeout(Duration::from_secs(5)).expect("garbage paused prefill");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

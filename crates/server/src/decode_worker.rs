@@ -25,7 +25,7 @@ use bulkhead_engine::{Engine, EngineConfig};
 use bulkhead_kv::{KvPool, RequestId};
 use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeLink};
-use crate::core_budget::DecodeBudget;
+use crate::core_budget::{self, DecodeBudget, DecodeShare};
 use crate::kv_transport::KvTransport;
 use crate::trust::Trust;
 use bulkhead_protocol::{Hello, Message, Purpose, Role, WorkerId};
@@ -67,20 +67,19 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
         std::thread::spawn(move || accept_prefills(listener, tx, trust, transport));
     }
     let crate::worker::Loaded { model, pool, context, .. } = loaded;
-    let engine = Engine::new(Arc::new(model.model), Arc::new(model.tokenizer), pool, EngineConfig::for_context(context));
+    let mut llama = model.model;
+    let mut budget = cfg.core_budget.as_ref().and_then(|b| {
+        let r = DecodeBudget::join(b).and_then(|budget| {
+            llama.set_core_share(budget.core_share() as Arc<dyn bulkhead_model::CoreShare>)?;
+            Ok(budget)
+        });
+        core_budget::joined(b, "decode", r)
+    });
+    let engine = Engine::new(Arc::new(llama), Arc::new(model.tokenizer), pool, EngineConfig::for_context(context));
     let role = DecodeRole::new(DecodeConfig { max_context: context, transfer_timeout_ms: cfg.transfer_timeout_ms });
     let mut driver = DecodeDriver::new(role, engine);
-    let mut budget = cfg.core_budget.as_ref().and_then(|b| match DecodeBudget::join(b) {
-        Ok(budget) => {
-            tracing::info!(dir = %b.dir.display(), interval_ms = b.decode_interval.as_millis() as u64, "core budget: decode steps hold the cores; while prefill has work they start at most once an interval");
-            Some(budget)
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "running without the core budget");
-            None
-        }
-    });
-    let mut link = Link { gw, gw_error: None, prefills: BTreeMap::new(), spans: BTreeMap::new(), received_bytes: 0, pusher: Pusher::new() };
+    let share = budget.as_ref().map(DecodeBudget::core_share);
+    let mut link = Link { gw, gw_error: None, prefills: BTreeMap::new(), spans: BTreeMap::new(), received_bytes: 0, pusher: Pusher::new(), share };
     let start = Instant::now();
     let mut last_tick = 0;
     loop {
@@ -170,6 +169,8 @@ struct Link {
     /// KV bytes received in chunks, verified or not.
     received_bytes: u64,
     pusher: Pusher,
+    /// The model's share of the core budget, for its count of narrowed layers.
+    share: Option<Arc<DecodeShare>>,
 }
 
 impl Link {
@@ -191,6 +192,9 @@ impl Link {
         let requests = [("pending_transfer", role.pending()), ("fencing", role.fencing()), ("decoding", role.decoding())];
         metrics::worker_families(&mut f, &pool.stats(), &requests, self.received_bytes);
         metrics::decode_families(&role.stats(), pool.checks().checksums, &mut f);
+        if let Some(s) = &self.share {
+            f.counter("bulkhead:narrowed_layers_total", core_budget::NARROWED_HELP, &[], s.narrowed_layers());
+        }
         self.pusher.pushed();
         self.send_gateway(&Message::Metrics { families: f.into_vec() });
     }

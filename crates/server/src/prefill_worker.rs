@@ -22,7 +22,7 @@ use bulkhead_kv::transfer::ChunkExport;
 use bulkhead_kv::{KvPool, PrefixCache, RequestId};
 use bulkhead_protocol::driver::prefill::{Batching, ChunkSendError, LinkDown, PrefillDriver, PrefillLink, Step};
 use bulkhead_protocol::prefill::{JobOutcome, PrefillConfig, PrefillEvent, PrefillRole};
-use crate::core_budget::PrefillBudget;
+use crate::core_budget::{self, PrefillBudget};
 use crate::kv_transport::KvTransport;
 use crate::trust::Trust;
 use bulkhead_protocol::{Hello, Message, Purpose, Role, WorkerId};
@@ -187,16 +187,12 @@ const STABLE_INCARNATION: Duration = Duration::from_secs(10);
 pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     let crate::worker::Loaded { model, mut pool, context, digest } = load(&cfg)?;
     let mut llama = model.model;
-    let mut budget = cfg.core_budget.as_ref().and_then(|b| match PrefillBudget::join(&b.dir) {
-        Ok(budget) => {
-            llama.set_pause_point(budget.pause_point());
-            tracing::info!(dir = %b.dir.display(), "core budget: prefill pauses during the decode worker's steps");
-            Some(budget)
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "running without the core budget");
-            None
-        }
+    let mut budget = cfg.core_budget.as_ref().and_then(|b| {
+        let r = PrefillBudget::join(b).and_then(|budget| {
+            llama.set_core_share(budget.core_share())?;
+            Ok(budget)
+        });
+        core_budget::joined(b, "prefill", r)
     });
     let compute = Prefiller::new(Arc::new(llama), Arc::new(model.tokenizer));
     let cache_pages = cfg.prefix_cache_pages.min(pool.total_pages());
@@ -384,8 +380,9 @@ impl Worker<'_> {
         metrics::prefill_families(&role.stats(), &mut f);
         metrics::transfer_seconds(&mut f, &self.transfer);
         if let Some(b) = self.budget.as_deref() {
-            let help = "Seconds the prefill forward pass waited for the decode worker's steps (core budget).";
+            let help = "Seconds the prefill forward pass waited for the decode worker's steps (core budget, pause mode).";
             f.counter_seconds("bulkhead:prefill_paused_seconds_total", help, &[], b.paused_seconds());
+            f.counter("bulkhead:narrowed_layers_total", core_budget::NARROWED_HELP, &[], b.narrowed_layers());
         }
         if let Some(c) = self.driver.cache() {
             metrics::prefix_cache_families(&c.stats(), c.len(), c.max_pages(), &mut f);
