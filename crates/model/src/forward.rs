@@ -400,7 +400,7 @@ impl Llama {
             Err(std::sync::TryLockError::WouldBlock) => None,
         };
         let scratch = held.as_deref_mut().unwrap_or(&mut fresh);
-        self.forward_inner(pool, seqs, scratch, logits)
+        self.threads.install(|| self.forward_inner(pool, seqs, scratch, logits))
     }
 
     fn forward_inner(&self, pool: &mut KvPool, seqs: &mut [SeqInput<'_>], scratch: &mut ForwardScratch, logits: &mut Vec<f32>) -> Result<(), ModelError> {
@@ -460,7 +460,7 @@ impl Llama {
 
         for (li, l) in self.weights.layers.iter().enumerate() {
             // Each layer on the threads the core share leaves it (all of them without one).
-            self.pool_now().install(|| -> Result<(), ModelError> {
+            self.narrowed(|| -> Result<(), ModelError> {
                 rms_norm(x, &l.attn_norm, c.norm_eps, xn);
                 self.pause();
                 matmul(isa, &[&l.wq, &l.wk, &l.wv], xn, t, scratch, &mut [&mut q[..], &mut k[..], &mut v[..]]);
@@ -550,7 +550,7 @@ impl Llama {
             }
             let seln = zeroed(seln, sel.len());
             rms_norm(sel, &self.weights.out_norm, c.norm_eps, seln);
-            self.pool_now().install(|| matmul(isa, &[self.weights.output()], seln, last.len(), scratch, &mut [&mut logits[..]]));
+            self.narrowed(|| matmul(isa, &[self.weights.output()], seln, last.len(), scratch, &mut [&mut logits[..]]));
             self.soft_cap(logits);
         }
         for seq in seqs.iter_mut() {

@@ -158,11 +158,12 @@ impl Llama {
         }
     }
 
-    /// The compute threads the next layer runs on: one while the core share narrows.
-    fn pool_now(&self) -> &rayon::ThreadPool {
+    /// Run `f` (a layer, called on the compute threads) on one thread while the core share
+    /// narrows, else where it is: a pass of many layers enters the thread pool once.
+    fn narrowed<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         match (&self.share, &self.narrow) {
-            (Some(s), Some(one)) if s.narrow() => one,
-            _ => &self.threads,
+            (Some(s), Some(one)) if s.narrow() => one.install(f),
+            _ => f(),
         }
     }
 

@@ -50,8 +50,8 @@ pub const MAX_HOLD: Duration = Duration::from_millis(500);
 /// died busy).
 pub const BUSY_LAPSE: Duration = Duration::from_secs(2);
 /// In split mode, prefill stays narrow this long after a decode step was last seen: decode
-/// steps follow each other with gaps of a few milliseconds while sequences decode.
-const DECODE_LAPSE: Duration = Duration::from_millis(50);
+/// steps follow each other with gaps of about a millisecond while sequences decode.
+const DECODE_LAPSE: Duration = Duration::from_millis(10);
 /// How often a prefill worker repeats an unchanged state to the decode workers it knows.
 const REPORT_EVERY: Duration = Duration::from_millis(500);
 /// How often a decode worker lists the directory for prefill workers.

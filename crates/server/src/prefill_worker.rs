@@ -267,12 +267,11 @@ fn incarnation(
         if w.pusher.due() {
             w.push_metrics()?;
         }
-        let busy = w.driver.has_work();
-        if let Some(b) = w.budget.as_deref_mut() {
-            b.report(busy);
-        }
-        if busy {
+        if w.report_work() {
             w.step()?;
+            // At once, not after the next wait for input: a decode worker stays narrow
+            // while it believes prefill busy.
+            w.report_work();
         }
         if w.link.rejoin {
             w.link.close_all();
@@ -285,6 +284,15 @@ fn incarnation(
 impl Worker<'_> {
     /// Handle pending inputs (blocking briefly for one when idle) and the clock. Returns
     /// false when the gateway is gone.
+    /// Whether prompts wait to be computed, told to the core budget's decode workers.
+    fn report_work(&mut self) -> bool {
+        let busy = self.driver.has_work();
+        if let Some(b) = self.budget.as_deref_mut() {
+            b.report(busy);
+        }
+        busy
+    }
+
     fn pump(&mut self, rx: &Receiver<In>) -> Result<bool, WorkerError> {
         let mut inputs = Vec::new();
         if !self.driver.has_work() {
