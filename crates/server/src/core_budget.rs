@@ -490,6 +490,15 @@ mod tests {
         }
     }
 
+    /// Wait until `cond` holds, for at most five seconds.
+    fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !cond() {
+            assert!(Instant::now() < deadline, "{what}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     #[test]
     fn prefill_pauses_while_decode_holds_and_goes_on_after_release() {
         let dir = temp_dir("hold");
@@ -500,11 +509,7 @@ mod tests {
         pause_in_thread(gate.clone()).recv_timeout(Duration::from_secs(5)).expect("no hold, no wait");
         let held = decode.hold();
         // The listener takes the hold asynchronously; wait until it has.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while lock(&prefill.shared.state).holds.is_empty() {
-            assert!(Instant::now() < deadline, "the hold never arrived");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        eventually("the hold never arrived", || !lock(&prefill.shared.state).holds.is_empty());
         let done = pause_in_thread(gate.clone());
         assert!(done.recv_timeout(Duration::from_millis(100)).is_err(), "a prefill pause point went on during a decode step");
         drop(held);
@@ -517,21 +522,8 @@ mod tests {
         let w = until_paced(&mut decode);
         assert!(w > Duration::ZERO && w <= Duration::from_millis(40), "pacing with a busy prefill: {w:?}");
         prefill.report(false);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while !decode.wait(Instant::now()).is_zero() {
-            assert!(Instant::now() < deadline, "still paced after the prefill worker went idle");
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        eventually("still paced after the prefill worker went idle", || decode.wait(Instant::now()).is_zero());
         std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    /// Wait until `cond` holds, for at most five seconds.
-    fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while !cond() {
-            assert!(Instant::now() < deadline, "{what}");
-            std::thread::sleep(Duration::from_millis(1));
-        }
     }
 
     #[test]
@@ -572,11 +564,7 @@ mod tests {
         let held = decode.hold();
         // A decode worker that dies holding never sends its release.
         std::mem::forget(held);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while lock(&prefill.shared.state).holds.is_empty() {
-            assert!(Instant::now() < deadline, "the hold never arrived");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        eventually("the hold never arrived", || !lock(&prefill.shared.state).holds.is_empty());
         let started = Instant::now();
         pause_in_thread(prefill.core_share()).recv_timeout(Duration::from_secs(5)).expect("the hold never lapsed");
         assert!(started.elapsed() <= MAX_HOLD + Duration::from_millis(400));
