@@ -224,6 +224,14 @@ impl PrefillBudget {
     }
 }
 
+impl Drop for PrefillBudget {
+    fn drop(&mut self) {
+        // The listener thread keeps the socket open for the life of the process, so its
+        // endpoint is never dropped: take the name away here, as the worker leaves.
+        let _ = std::fs::remove_file(&self.ep.path);
+    }
+}
+
 /// Report `busy` to the decode worker at `peer`; one that is gone is forgotten.
 fn send_state(ep: &Endpoint, shared: &Shared, peer: &Path, busy: bool) {
     let msg = [if busy { BUSY } else { IDLE }];
@@ -585,6 +593,9 @@ mod tests {
         std::thread::sleep(Duration::from_millis(50));
         assert!(lock(&prefill.shared.state).holds.is_empty());
         pause_in_thread(prefill.core_share()).recv_timeout(Duration::from_secs(5)).expect("garbage paused prefill");
+        // A worker that leaves takes its socket's name with it.
+        drop(prefill);
+        assert!(!target.exists(), "the prefill socket outlived its worker");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
