@@ -185,10 +185,11 @@ pub struct ServeArgs {
     /// budget up itself; workers started by hand on one host need --core-budget-dir as well.
     #[arg(long, env = "BULKHEAD_CORE_BUDGET", value_enum, default_value_t = CoreBudgetArg::Split)]
     core_budget: CoreBudgetArg,
-    /// With --core-budget pause: while prompts wait, a decode step starts at most once per
-    /// this many ms and prefill gets the rest (inter-token latency is then about this).
-    #[arg(long, env = "BULKHEAD_DECODE_INTERVAL_MS", default_value_t = 15)]
-    decode_interval_ms: u64,
+    /// With --core-budget pause only (refused with the other modes): while prompts wait, a
+    /// decode step starts at most once per this many ms and prefill gets the rest
+    /// (inter-token latency is then about this). Default 15.
+    #[arg(long, env = "BULKHEAD_DECODE_INTERVAL_MS")]
+    decode_interval_ms: Option<u64>,
     /// Prefill and decode workers started by hand on one host: a directory only this user
     /// can enter, the same for all of them, where they meet for the core budget.
     #[arg(long, env = "BULKHEAD_CORE_BUDGET_DIR")]
@@ -338,13 +339,36 @@ impl ServeArgs {
             core_budget: self.core_budget_dir.clone().zip(self.core_budget.mode()).map(|(dir, mode)| CoreBudget {
                 dir,
                 mode,
-                decode_interval: Duration::from_millis(self.decode_interval_ms),
+                decode_interval: Duration::from_millis(self.decode_interval_ms.unwrap_or(DEFAULT_DECODE_INTERVAL_MS)),
             }),
         })
     }
 }
 
+/// `--decode-interval-ms` when `--core-budget pause` leaves it unset.
+const DEFAULT_DECODE_INTERVAL_MS: u64 = 15;
+
+impl ServeArgs {
+    /// Refuse core budget flags this configuration would otherwise ignore.
+    fn check_core_budget(&self) -> anyhow::Result<()> {
+        let mode = self.core_budget.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default();
+        if self.decode_interval_ms.is_some() && self.core_budget != CoreBudgetArg::Pause {
+            anyhow::bail!("--decode-interval-ms paces decode under --core-budget pause only; this is --core-budget {mode}");
+        }
+        if self.core_budget_dir.is_some() {
+            if !matches!(self.role, ServeRole::Prefill | ServeRole::Decode) {
+                anyhow::bail!("--core-budget-dir is for prefill and decode workers started by hand (--role prefill or decode); role all makes its own, and a gateway computes nothing");
+            }
+            if self.core_budget == CoreBudgetArg::Off {
+                anyhow::bail!("--core-budget-dir names a core budget, but --core-budget is off");
+            }
+        }
+        Ok(())
+    }
+}
+
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
+    a.check_core_budget()?;
     let model = a.model.path()?;
     let trust = a.trust()?;
     if a.role != ServeRole::Gateway {
@@ -438,7 +462,9 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
                 if let Some(b) = a.core_budget.to_possible_value() {
                     cmd.args(["--core-budget", b.get_name()]);
                 }
-                cmd.args(["--decode-interval-ms", &a.decode_interval_ms.to_string()]);
+                if let Some(ms) = a.decode_interval_ms {
+                    cmd.args(["--decode-interval-ms", &ms.to_string()]);
+                }
                 if let Some(b) = &budget {
                     cmd.arg("--core-budget-dir").arg(&b.0);
                 }
@@ -619,6 +645,40 @@ impl Drop for Supervisor {
         for c in self.slots.iter_mut().filter_map(|s| s.child.as_mut()) {
             let _ = c.kill();
             let _ = c.wait();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Serve {
+        #[command(flatten)]
+        a: ServeArgs,
+    }
+
+    fn check(args: &[&str]) -> Result<(), String> {
+        let s = Serve::try_parse_from(std::iter::once("serve").chain(args.iter().copied())).map_err(|e| e.to_string())?;
+        s.a.check_core_budget().map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn core_budget_flags_the_mode_would_ignore_are_refused_by_name() {
+        assert_eq!(check(&[]), Ok(()));
+        assert_eq!(check(&["--core-budget", "pause", "--decode-interval-ms", "30"]), Ok(()));
+        assert_eq!(check(&["--role", "decode", "--core-budget-dir", "/tmp/x"]), Ok(()));
+        for (args, names) in [
+            (&["--decode-interval-ms", "30"][..], "--decode-interval-ms"),
+            (&["--core-budget", "off", "--decode-interval-ms", "0"], "--decode-interval-ms"),
+            (&["--core-budget-dir", "/tmp/x"], "--core-budget-dir"),
+            (&["--role", "gateway", "--core-budget-dir", "/tmp/x"], "--core-budget-dir"),
+            (&["--role", "prefill", "--core-budget", "off", "--core-budget-dir", "/tmp/x"], "--core-budget-dir"),
+        ] {
+            let err = check(args).expect_err(&format!("{args:?} accepted"));
+            assert!(err.contains(names), "{args:?}: {err}");
         }
     }
 }

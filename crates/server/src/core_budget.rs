@@ -97,11 +97,14 @@ pub enum BudgetError {
 pub fn joined<T>(b: &CoreBudget, role: &str, r: Result<T, BudgetError>) -> Option<T> {
     match r {
         Ok(t) => {
-            let how = match b.mode {
-                ShareMode::Split => "each worker runs on one thread while the other has work",
-                ShareMode::Pause => "prefill pauses during decode steps, which keep the interval while prefill has work",
-            };
-            tracing::info!(role, dir = %b.dir.display(), mode = ?b.mode, interval_ms = b.decode_interval.as_millis() as u64, "core budget: {how}");
+            let dir = b.dir.display();
+            match b.mode {
+                ShareMode::Split => tracing::info!(role, %dir, "core budget split: each worker runs on one thread while the other has work"),
+                ShareMode::Pause => {
+                    let interval_ms = b.decode_interval.as_millis() as u64;
+                    tracing::info!(role, %dir, interval_ms, "core budget pause: prefill pauses during decode steps, which keep the interval while prefill has work");
+                }
+            }
             Some(t)
         }
         Err(e) => {
