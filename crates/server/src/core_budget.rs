@@ -479,6 +479,14 @@ mod tests {
         d
     }
 
+    /// A prefill and a decode worker's sides of one budget in `mode`, in a fresh directory.
+    fn pair(name: &str, mode: ShareMode) -> (PathBuf, PrefillBudget, DecodeBudget) {
+        let dir = temp_dir(name);
+        let prefill = PrefillBudget::join(&budget(&dir, mode, 40)).unwrap();
+        let decode = DecodeBudget::join(&budget(&dir, mode, 40)).unwrap();
+        (dir, prefill, decode)
+    }
+
     /// Run `pause` on another thread; the receiver gets a message when it returns.
     fn pause_in_thread(p: Arc<dyn CoreShare>) -> mpsc::Receiver<()> {
         let (tx, rx) = mpsc::channel();
@@ -512,10 +520,8 @@ mod tests {
 
     #[test]
     fn prefill_pauses_while_decode_holds_and_goes_on_after_release() {
-        let dir = temp_dir("hold");
-        let mut prefill = PrefillBudget::join(&budget(&dir, ShareMode::Pause, 40)).unwrap();
+        let (dir, mut prefill, mut decode) = pair("hold", ShareMode::Pause);
         let gate = prefill.core_share();
-        let mut decode = DecodeBudget::join(&budget(&dir, ShareMode::Pause, 40)).unwrap();
         // No hold: the pause point returns at once.
         pause_in_thread(gate.clone()).recv_timeout(Duration::from_secs(5)).expect("no hold, no wait");
         let held = decode.hold();
@@ -539,10 +545,8 @@ mod tests {
 
     #[test]
     fn in_split_mode_each_worker_narrows_while_the_other_works_and_nothing_pauses() {
-        let dir = temp_dir("split");
-        let mut prefill = PrefillBudget::join(&budget(&dir, ShareMode::Split, 40)).unwrap();
+        let (dir, mut prefill, mut decode) = pair("split", ShareMode::Split);
         let gate = prefill.core_share();
-        let mut decode = DecodeBudget::join(&budget(&dir, ShareMode::Split, 40)).unwrap();
         let decode_share = decode.core_share();
         assert!(!gate.narrow(), "prefill narrow with no decode worker stepping");
         // A decode step narrows prefill's layers and pauses nothing.
@@ -569,9 +573,7 @@ mod tests {
 
     #[test]
     fn a_hold_lapses_when_its_decode_worker_never_releases() {
-        let dir = temp_dir("lapse");
-        let prefill = PrefillBudget::join(&budget(&dir, ShareMode::Pause, 40)).unwrap();
-        let mut decode = DecodeBudget::join(&budget(&dir, ShareMode::Pause, 40)).unwrap();
+        let (dir, prefill, mut decode) = pair("lapse", ShareMode::Pause);
         let held = decode.hold();
         // A decode worker that dies holding never sends its release.
         std::mem::forget(held);
