@@ -53,6 +53,6 @@ pub use error::KvError;
 pub use cache::{CacheStats, PrefixCache};
 pub use ids::{Fence, Generation, PageId, PageKey, PoolId, RequestId};
 pub use layout::{KvChecks, KvLayout, PoolConfig};
-pub use pool::{CachedPage, KvPool, Lease, POISON, PageHandle, PageRead, PageTag, PoolStats, Quarantined, SharedLease};
+pub use pool::{CachedPage, KvPool, Lease, POISON, PageHandle, PageRead, PageReader, PageTag, PoolStats, Quarantined, SharedLease};
 pub use sequence::{SeqPage, SequenceKv, Unreleased};
 pub use transfer::{ChunkExport, ChunkHeader, Inbound, Manifest, PageRef, TransferError, VerifiedSequence};

@@ -1,5 +1,6 @@
 //! [`KvPool`]: page storage, leases, watermarks, quarantine and the checks on every access.
 
+use std::cell::Cell;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -159,6 +160,63 @@ macro_rules! tag_of {
     )*};
 }
 tag_of!(Lease, Quarantined, CachedPage, SharedLease);
+
+/// Many page reads by one task (attention over one sequence's pages), each checked as
+/// [`KvPool::read`] checks it, counted here and added to the pool's statistics once, when
+/// the reader is dropped: counters shared by every compute thread and bumped on every
+/// page read cost a decode step more than the reads themselves.
+pub struct PageReader<'p> {
+    pool: &'p KvPool,
+    reads: Cell<u64>,
+    refusals: Cell<u64>,
+    fence_checks: Cell<u64>,
+    fence_failures: Cell<u64>,
+}
+
+impl<'p> PageReader<'p> {
+    /// [`KvPool::read`], counted by this reader.
+    pub fn read<'h>(&self, lease: impl Into<PageHandle<'h>>, layer: usize) -> Result<PageRead<'p>, KvError> {
+        let r = self.pool.read_checked(lease.into(), layer, self);
+        let tally = if r.is_ok() { &self.reads } else { &self.refusals };
+        tally.set(tally.get() + 1);
+        r
+    }
+}
+
+impl Drop for PageReader<'_> {
+    fn drop(&mut self) {
+        let p = self.pool;
+        for (n, total) in [(&self.reads, &p.reads), (&self.refusals, &p.refusals), (&self.fence_checks, &p.fence_checks), (&self.fence_failures, &p.fence_failures)] {
+            if n.get() > 0 {
+                total.fetch_add(n.get(), Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// Where a cached page's fence check (I7) is counted: at once in the pool's statistics, or
+/// by a [`PageReader`].
+trait FenceCount {
+    fn fence_checked(&self, failed: bool);
+}
+
+impl FenceCount for KvPool {
+    fn fence_checked(&self, failed: bool) {
+        self.fence_checks.fetch_add(1, Ordering::Relaxed);
+        if failed {
+            self.fence_failures.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl FenceCount for PageReader<'_> {
+    fn fence_checked(&self, failed: bool) {
+        self.fence_checks.set(self.fence_checks.get() + 1);
+        if failed {
+            self.fence_failures.set(self.fence_failures.get() + 1);
+        }
+    }
+}
 
 /// Borrowed view of K and V of one page for one layer, holding only the written slots.
 #[derive(Clone, Copy, Debug)]
@@ -551,7 +609,7 @@ impl KvPool {
     /// the readers. Every access runs this first; it is public so callers can check before
     /// long work.
     pub fn check<'h>(&self, lease: impl Into<PageHandle<'h>>) -> Result<(), KvError> {
-        self.counted(self.verify_handle(lease.into()))
+        self.counted(self.verify_handle(lease.into(), self))
     }
 
     /// The isolation check (I1) shared by every handle. Each condition is separate so that a
@@ -589,7 +647,7 @@ impl KvPool {
 
     /// The check of a cached page's handle: live in its generation, written by `writer`,
     /// and (I7) published under `fence`. A fence mismatch is counted apart.
-    fn verify_cached(&self, tag: &PageTag, writer: RequestId, fence: Fence) -> Result<(), KvError> {
+    fn verify_cached(&self, tag: &PageTag, writer: RequestId, fence: Fence, count: &impl FenceCount) -> Result<(), KvError> {
         if tag.pool != self.id {
             return Err(KvError::ForeignLease { lease_pool: tag.pool, pool: self.id });
         }
@@ -599,9 +657,8 @@ impl KvPool {
         if meta.generation != tag.generation || page_writer != writer {
             return Err(stale);
         }
-        self.fence_checks.fetch_add(1, Ordering::Relaxed);
+        count.fence_checked(page_fence != fence);
         if page_fence != fence {
-            self.fence_failures.fetch_add(1, Ordering::Relaxed);
             return Err(KvError::FenceMismatch { page: tag.page });
         }
         Ok(())
@@ -609,8 +666,8 @@ impl KvPool {
 
     /// The check of a shared lease: the cached page's check, and the lease is still one
     /// of the page's readers (not given back, not revoked).
-    fn verify_shared(&self, lease: &SharedLease) -> Result<(), KvError> {
-        self.verify_cached(&lease.tag, lease.writer, lease.fence)?;
+    fn verify_shared(&self, lease: &SharedLease, count: &impl FenceCount) -> Result<(), KvError> {
+        self.verify_cached(&lease.tag, lease.writer, lease.fence, count)?;
         if !self.readers[lease.tag.page.index()].contains(&lease.tag.owner) {
             let meta = self.meta[lease.tag.page.index()];
             return Err(KvError::StaleLease { page: lease.tag.page, lease_generation: lease.tag.generation, page_generation: meta.generation });
@@ -619,10 +676,10 @@ impl KvPool {
     }
 
     /// The check of whatever handle reads a page.
-    fn verify_handle(&self, h: PageHandle<'_>) -> Result<(), KvError> {
+    fn verify_handle(&self, h: PageHandle<'_>, count: &impl FenceCount) -> Result<(), KvError> {
         match h {
             PageHandle::Own(l) => self.verify(&l.tag, Want::Leased),
-            PageHandle::Shared(l) => self.verify_shared(l),
+            PageHandle::Shared(l) => self.verify_shared(l, count),
         }
     }
 
@@ -652,7 +709,7 @@ impl KvPool {
     /// with [`KvError::FenceMismatch`] unless the page was published under the same fence,
     /// whatever key led the caller to it (I7).
     pub fn share(&mut self, page: &CachedPage, reader: RequestId, fence: Fence) -> Result<SharedLease, KvError> {
-        self.counted(self.verify_cached(&page.tag, page.tag.owner, fence))?;
+        self.counted(self.verify_cached(&page.tag, page.tag.owner, fence, self))?;
         self.readers[page.tag.page.index()].push(reader);
         self.shares += 1;
         Ok(SharedLease { tag: PageTag { owner: reader, ..page.tag }, writer: page.tag.owner, fence })
@@ -660,7 +717,7 @@ impl KvPool {
 
     /// Gives a shared lease back.
     pub fn unshare(&mut self, lease: SharedLease) -> Result<(), KvError> {
-        self.counted(self.verify_shared(&lease))?;
+        self.counted(self.verify_shared(&lease, self))?;
         let readers = &mut self.readers[lease.tag.page.index()];
         if let Some(i) = readers.iter().position(|r| *r == lease.tag.owner) {
             readers.swap_remove(i);
@@ -670,7 +727,7 @@ impl KvPool {
 
     /// Shared leases out on a cached page (0 for a stale handle).
     pub fn readers(&self, page: &CachedPage) -> usize {
-        match self.verify_cached(&page.tag, page.tag.owner, page.fence) {
+        match self.verify_cached(&page.tag, page.tag.owner, page.fence, self) {
             Ok(()) => self.readers[page.tag.page.index()].len(),
             Err(_) => 0,
         }
@@ -680,7 +737,7 @@ impl KvPool {
     /// lease is out on it. Its next lease gets a fresh generation like any page's, so
     /// every handle of the cached generation is stale from here on.
     pub fn evict(&mut self, page: CachedPage) -> Result<(), (KvError, CachedPage)> {
-        if let Err(e) = self.counted(self.verify_cached(&page.tag, page.tag.owner, page.fence)) {
+        if let Err(e) = self.counted(self.verify_cached(&page.tag, page.tag.owner, page.fence, self)) {
             return Err((e, page));
         }
         let readers = self.readers[page.tag.page.index()].len();
@@ -883,15 +940,22 @@ impl KvPool {
     /// K and V of the lease's page for `layer`, limited to the slots written in the lease's
     /// generation (the watermark).
     pub fn read<'h>(&self, lease: impl Into<PageHandle<'h>>, layer: usize) -> Result<PageRead<'_>, KvError> {
-        let r = self.read_checked(lease.into(), layer);
+        let r = self.read_checked(lease.into(), layer, self);
         if r.is_ok() {
             self.reads.fetch_add(1, Ordering::Relaxed);
         }
         self.counted(r)
     }
 
-    fn read_checked(&self, lease: PageHandle<'_>, layer: usize) -> Result<PageRead<'_>, KvError> {
-        self.verify_handle(lease)?;
+    /// A reader for one task's many page reads: [`PageReader::read`] checks each read as
+    /// [`KvPool::read`] does, and the reader adds what it counted to the pool's statistics
+    /// once, when dropped.
+    pub fn reader(&self) -> PageReader<'_> {
+        PageReader { pool: self, reads: Cell::new(0), refusals: Cell::new(0), fence_checks: Cell::new(0), fence_failures: Cell::new(0) }
+    }
+
+    fn read_checked(&self, lease: PageHandle<'_>, layer: usize, count: &impl FenceCount) -> Result<PageRead<'_>, KvError> {
+        self.verify_handle(lease, count)?;
         self.check_layer(layer)?;
         let page = lease.tag().page;
         // Never page_size: slots past the watermark hold earlier generations' KV (I2).
@@ -933,7 +997,7 @@ impl KvPool {
         for page in kv.pages() {
             self.generation_checks.fetch_add(1, Ordering::Relaxed);
             // A shared page is also checked against its fence (I7), on every step.
-            self.verify_handle(page.handle())?;
+            self.verify_handle(page.handle(), self)?;
         }
         if self.checks.canaries {
             let from = kv.canary_checked();
@@ -1008,7 +1072,7 @@ impl KvPool {
     }
 
     fn export_checked(&self, lease: PageHandle<'_>, start: usize, count: usize, out: &mut Vec<u8>) -> Result<(), KvError> {
-        self.verify_handle(lease)?;
+        self.verify_handle(lease, self)?;
         let page = lease.tag().page;
         let end = start.saturating_add(count);
         for layer in 0..self.layout.layers {
@@ -1069,7 +1133,7 @@ impl KvPool {
     pub fn watermark<'h>(&self, lease: impl Into<PageHandle<'h>>, layer: usize) -> Result<usize, KvError> {
         let lease = lease.into();
         let r = self
-            .verify_handle(lease)
+            .verify_handle(lease, self)
             .and_then(|()| self.check_layer(layer))
             .map(|()| self.watermarks[self.wm_index(lease.tag().page, layer)]);
         self.counted(r)
@@ -1293,6 +1357,42 @@ mod tests {
             stale.map(|()| real.page())
         );
         p.release(real).unwrap();
+        p.check_invariants();
+    }
+
+    /// A reader checks each read as `read` does (a forged lease is refused; a shared page
+    /// is checked against its fence) and adds its counts to the pool's once, when dropped.
+    #[test]
+    fn a_page_reader_checks_every_read_and_counts_when_dropped() {
+        let mut p = pool();
+        let row = [0.5f32; 4];
+        let own = p.lease(RequestId(1)).unwrap();
+        let full = p.lease(RequestId(1)).unwrap();
+        for layer in 0..2 {
+            p.write(&own, layer, 0, &row, &row).unwrap();
+            for slot in 0..4 {
+                p.write(&full, layer, slot, &row, &row).unwrap();
+            }
+        }
+        let cached = p.publish(full, Fence([1; 16])).map_err(|(e, _)| e).unwrap();
+        let shared = p.share(&cached, RequestId(2), Fence([1; 16])).unwrap();
+        let forged = Lease { tag: PageTag { owner: RequestId(2), ..own.tag } };
+        let before = p.stats();
+        {
+            let r = p.reader();
+            assert_eq!(r.read(&own, 1).map(|v| v.len()), Ok(1));
+            assert_eq!(r.read(&shared, 0).map(|v| v.len()), Ok(4));
+            assert!(matches!(r.read(&forged, 0), Err(KvError::StaleLease { .. })));
+            assert!(matches!(r.read(&own, 2), Err(KvError::LayerOutOfRange { .. })));
+            let now = p.stats();
+            assert_eq!((now.reads, now.refusals, now.fence_checks), (before.reads, before.refusals, before.fence_checks), "counted on drop only");
+        }
+        let after = p.stats();
+        assert_eq!(after.reads - before.reads, 2);
+        assert_eq!(after.refusals - before.refusals, 2);
+        assert_eq!((after.fence_checks - before.fence_checks, after.fence_failures), (1, 0));
+        p.unshare(shared).unwrap();
+        p.release(own).unwrap();
         p.check_invariants();
     }
 

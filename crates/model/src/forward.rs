@@ -326,12 +326,13 @@ fn attend(
         return Err(ModelError::NotReserved { pos: n_max - 1 });
     }
     let scale = at.scale;
+    let reader = pool.reader();
     let first_page = positions.first().map_or(0, |&p| first_seen(p, at.window) / page_size);
     let rows = positions.len();
     scr.scores.clear();
     scr.scores.resize(rows * n_max, 0.0);
     for (pi, lease) in kv.pages().iter().enumerate().take(pages).skip(first_page) {
-        let page = pool.read(lease, layer)?;
+        let page = reader.read(lease, layer)?;
         let need = (n_max - pi * page_size).min(page_size);
         if page.len() < need {
             return Err(ModelError::MissingKv { page: lease.page().0, layer, written: page.len(), needed: need });
@@ -348,7 +349,7 @@ fn attend(
     softmax_rows(isa, &mut scr.scores, n_max, positions, at.window);
     out.fill(0.0);
     for (pi, lease) in kv.pages().iter().enumerate().take(pages).skip(first_page) {
-        let page = pool.read(lease, layer)?;
+        let page = reader.read(lease, layer)?;
         let need = (n_max - pi * page_size).min(page_size);
         let v = &page.v_head(g)[..need * head_dim];
         if rows > 1 {
