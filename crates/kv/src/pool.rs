@@ -940,11 +940,7 @@ impl KvPool {
     /// K and V of the lease's page for `layer`, limited to the slots written in the lease's
     /// generation (the watermark).
     pub fn read<'h>(&self, lease: impl Into<PageHandle<'h>>, layer: usize) -> Result<PageRead<'_>, KvError> {
-        let r = self.read_checked(lease.into(), layer, self);
-        if r.is_ok() {
-            self.reads.fetch_add(1, Ordering::Relaxed);
-        }
-        self.counted(r)
+        self.reader().read(lease, layer)
     }
 
     /// A reader for one task's many page reads: [`PageReader::read`] checks each read as

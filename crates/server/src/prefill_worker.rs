@@ -282,8 +282,6 @@ fn incarnation(
 }
 
 impl Worker<'_> {
-    /// Handle pending inputs (blocking briefly for one when idle) and the clock. Returns
-    /// false when the gateway is gone.
     /// Whether prompts wait to be computed, told to the core budget's decode workers.
     fn report_work(&mut self) -> bool {
         let busy = self.driver.has_work();
@@ -293,6 +291,8 @@ impl Worker<'_> {
         busy
     }
 
+    /// Handle pending inputs (blocking briefly for one when idle) and the clock. Returns
+    /// false when the gateway is gone.
     fn pump(&mut self, rx: &Receiver<In>) -> Result<bool, WorkerError> {
         let mut inputs = Vec::new();
         if !self.driver.has_work() {
