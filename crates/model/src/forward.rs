@@ -7,13 +7,13 @@
 //! slot past a page's watermark is an error, never a read; before each call every sequence's
 //! committed positions pass [`bulkhead_kv::KvPool::check_reads`].
 
-use bulkhead_kv::{KvPool, SequenceKv};
+use bulkhead_kv::{KvPool, PageRead, PageReader, SeqPage, SequenceKv};
 use rayon::prelude::*;
 
 use half::f16;
 
 use crate::config::{Activation, RopeStyle};
-use crate::kernels::{dot_kv_rows, exp_shifted, weighted_sum_kv, widen_f16, Isa, KvElem};
+use crate::kernels::{dot_kv_rows, exp_shifted, prefetch, weighted_sum_kv, widen_f16, Isa, KvElem};
 use crate::matmul::{matmul, MatmulScratch};
 use crate::{Llama, ModelError};
 
@@ -331,11 +331,12 @@ fn attend(
     let rows = positions.len();
     scr.scores.clear();
     scr.scores.resize(rows * n_max, 0.0);
-    for (pi, lease) in kv.pages().iter().enumerate().take(pages).skip(first_page) {
-        let page = reader.read(lease, layer)?;
+    let leases = &kv.pages()[first_page..pages];
+    each_page_ahead(&reader, leases, layer, |p| prefetch(p.k_head(g)), |i, page| {
+        let pi = first_page + i;
         let need = (n_max - pi * page_size).min(page_size);
         if page.len() < need {
-            return Err(ModelError::MissingKv { page: lease.page().0, layer, written: page.len(), needed: need });
+            return Err(ModelError::MissingKv { page: leases[i].page().0, layer, written: page.len(), needed: need });
         }
         let k = &page.k_head(g)[..need * head_dim];
         let at = Span { page: pi * page_size, page_size, n_max, head_dim, scale };
@@ -345,11 +346,12 @@ fn attend(
             widen_f16(isa, k, &mut scr.k);
             score_page(isa, &scr.k, q, positions, at, &mut scr.scores);
         }
-    }
+        Ok(())
+    })?;
     softmax_rows(isa, &mut scr.scores, n_max, positions, at.window);
     out.fill(0.0);
-    for (pi, lease) in kv.pages().iter().enumerate().take(pages).skip(first_page) {
-        let page = reader.read(lease, layer)?;
+    each_page_ahead(&reader, leases, layer, |p| prefetch(p.v_head(g)), |i, page| {
+        let pi = first_page + i;
         let need = (n_max - pi * page_size).min(page_size);
         let v = &page.v_head(g)[..need * head_dim];
         if rows > 1 {
@@ -365,6 +367,36 @@ fn attend(
             } else {
                 weighted_sum_kv(isa, o, w, &scr.v[..n * head_dim]);
             }
+        }
+        Ok(())
+    })
+}
+
+/// Pages a sequence's attention reads from DRAM before their turn comes.
+const PAGES_AHEAD: usize = 2;
+
+/// Calls `f(i, page)` for each of `leases` in order, each page read (checked, once) and
+/// `touch`ed [`PAGES_AHEAD`] pages before its turn, so that the part of it `f` reads is on
+/// its way into cache while `f` works on the pages before.
+fn each_page_ahead<'p>(
+    reader: &PageReader<'p>,
+    leases: &[SeqPage],
+    layer: usize,
+    touch: impl Fn(&PageRead<'p>),
+    mut f: impl FnMut(usize, PageRead<'p>) -> Result<(), ModelError>,
+) -> Result<(), ModelError> {
+    let read = |i: usize| -> Result<Option<PageRead<'p>>, ModelError> {
+        let Some(lease) = leases.get(i) else { return Ok(None) };
+        let page = reader.read(lease, layer)?;
+        touch(&page);
+        Ok(Some(page))
+    };
+    // Slot `i % PAGES_AHEAD` holds page `i - PAGES_AHEAD` until page `i` is read.
+    let mut ring: [Option<PageRead<'p>>; PAGES_AHEAD] = [None; PAGES_AHEAD];
+    for i in 0..leases.len() + PAGES_AHEAD {
+        let ahead = read(i)?;
+        if let Some(page) = std::mem::replace(&mut ring[i % PAGES_AHEAD], ahead) {
+            f(i - PAGES_AHEAD, page)?;
         }
     }
     Ok(())

@@ -285,6 +285,25 @@ pub fn widen_f16(isa: Isa, src: &[f16], dst: &mut Vec<f32>) {
     }
 }
 
+/// Ask the CPU to start loading `data` into its L2 cache: a hint, with no effect on any
+/// result. Attention walks a sequence's pages, each a short run scattered through the pool,
+/// and the hardware prefetcher finds each new run too late (BENCHMARKS.md, 2026-12-04
+/// night).
+pub fn prefetch<T>(data: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        let base = data.as_ptr().cast::<i8>();
+        for line in (0..std::mem::size_of_val(data)).step_by(64) {
+            // SAFETY: the address lies inside `data`; a prefetch never faults and brings
+            // nothing into the program, only into the cache.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(base.add(line)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = data;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
