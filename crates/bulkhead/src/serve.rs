@@ -3,7 +3,7 @@
 //! talking to it over loopback TCP. Children exit when their gateway connection closes, so
 //! they never outlive this process.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::collections::VecDeque;
 use std::io::Write;
@@ -611,13 +611,39 @@ impl Slot {
 /// user, removed when dropped.
 struct BudgetDir(PathBuf);
 
+/// Name prefix of the core budget's directories in the temporary directory.
+const BUDGET_DIR_PREFIX: &str = "bulkhead-cores-";
+
 impl BudgetDir {
     fn new() -> anyhow::Result<Self> {
         use std::os::unix::fs::DirBuilderExt;
+        let tmp = std::env::temp_dir();
+        sweep_budget_dirs(&tmp);
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
-        let dir = std::env::temp_dir().join(format!("bulkhead-cores-{}-{nanos:x}", std::process::id()));
+        let dir = tmp.join(format!("{BUDGET_DIR_PREFIX}{}-{nanos:x}", std::process::id()));
         std::fs::DirBuilder::new().mode(0o700).create(&dir).with_context(|| format!("cannot make the core budget's directory {}", dir.display()))?;
         Ok(BudgetDir(dir))
+    }
+}
+
+/// Remove this user's core budget directories in `tmp` whose `serve` process is gone: one
+/// killed (SIGKILL) never dropped its [`BudgetDir`]. A directory whose process id is alive,
+/// or whose liveness cannot be told (no `/proc`), is kept. (A `/tmp` shared by the same
+/// user between pid namespaces defeats the liveness test: a `serve` in another namespace
+/// would lose its budget's sockets. Give each its own `TMPDIR` there.)
+fn sweep_budget_dirs(tmp: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(me) = std::fs::metadata("/proc/self").map(|m| m.uid()) else { return };
+    let Ok(entries) = std::fs::read_dir(tmp) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(BUDGET_DIR_PREFIX)).and_then(|r| r.split_once('-')).and_then(|(p, _)| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        let mine = e.metadata().is_ok_and(|m| m.uid() == me);
+        if mine && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
     }
 }
 
@@ -663,6 +689,27 @@ mod tests {
     fn check(args: &[&str]) -> Result<(), String> {
         let s = Serve::try_parse_from(std::iter::once("serve").chain(args.iter().copied())).map_err(|e| e.to_string())?;
         s.a.check_core_budget().map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn budget_dirs_of_dead_serve_processes_are_swept_and_live_ones_kept() {
+        let tmp = std::env::temp_dir().join(format!("bulkhead-sweep-test-{}", std::process::id()));
+        std::fs::create_dir_all(&tmp).unwrap();
+        // A process id that was alive and is gone: a reaped child's.
+        let mut child = Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let dead_dir = tmp.join(format!("{BUDGET_DIR_PREFIX}{dead}-1f"));
+        let live_dir = tmp.join(format!("{BUDGET_DIR_PREFIX}{}-2f", std::process::id()));
+        let other = tmp.join(format!("{BUDGET_DIR_PREFIX}x-3f"));
+        for d in [&dead_dir, &live_dir, &other] {
+            std::fs::create_dir_all(d.join("inner")).unwrap();
+        }
+        sweep_budget_dirs(&tmp);
+        let (dead_gone, live_kept, other_kept) = (!dead_dir.exists(), live_dir.exists(), other.exists());
+        std::fs::remove_dir_all(&tmp).unwrap();
+        assert!(dead_gone, "a dead process's directory was kept");
+        assert!(live_kept && other_kept, "a live or unparsable directory was removed");
     }
 
     #[test]
