@@ -385,16 +385,13 @@ fn each_page_ahead<'p>(
     touch: impl Fn(&PageRead<'p>),
     mut f: impl FnMut(usize, PageRead<'p>) -> Result<(), ModelError>,
 ) -> Result<(), ModelError> {
-    let read = |i: usize| -> Result<Option<PageRead<'p>>, ModelError> {
-        let Some(lease) = leases.get(i) else { return Ok(None) };
-        let page = reader.read(lease, layer)?;
-        touch(&page);
-        Ok(Some(page))
-    };
     // Slot `i % PAGES_AHEAD` holds page `i - PAGES_AHEAD` until page `i` is read.
     let mut ring: [Option<PageRead<'p>>; PAGES_AHEAD] = [None; PAGES_AHEAD];
     for i in 0..leases.len() + PAGES_AHEAD {
-        let ahead = read(i)?;
+        let ahead = leases.get(i).map(|lease| reader.read(lease, layer)).transpose()?;
+        if let Some(page) = &ahead {
+            touch(page);
+        }
         if let Some(page) = std::mem::replace(&mut ring[i % PAGES_AHEAD], ahead) {
             f(i - PAGES_AHEAD, page)?;
         }
