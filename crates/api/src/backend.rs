@@ -9,8 +9,8 @@ use tokio::sync::mpsc::Receiver;
 
 use crate::error::ApiError;
 use crate::prompt::PromptEncoder;
-use crate::tools::Tools;
 use crate::tenants::Tenant;
+use crate::tools::Tools;
 use crate::trace::TraceId;
 
 /// One model a backend serves, as listed by `GET /v1/models`.

@@ -14,14 +14,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc as std_mpsc;
 
 use bulkhead_engine::{Engine, EngineConfig, EngineError, Event, GenRequest, LoadedModel, SamplingError};
-use bulkhead_protocol::admission::{admit, default_max_tokens, Generate};
-use bulkhead_kv::{KvError, KvPool, KvChecks, PoolConfig, RequestId};
+use bulkhead_kv::{KvChecks, KvError, KvPool, PoolConfig, RequestId};
+use bulkhead_protocol::admission::{Generate, admit, default_max_tokens};
 use tokio::sync::mpsc;
 
 use crate::backend::{Backend, GenEvent, GenerationRequest, ModelCard};
 use crate::error::ApiError;
-use crate::prompt::PromptEncoder;
 use crate::ids::unix_now;
+use crate::prompt::PromptEncoder;
 
 /// Why a [`ColocatedBackend`] could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -62,10 +62,7 @@ struct Counters {
 
 impl std::fmt::Debug for ColocatedBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ColocatedBackend")
-            .field("card", &self.card)
-            .field("context_limit", &self.context_limit)
-            .finish()
+        f.debug_struct("ColocatedBackend").field("card", &self.card).field("context_limit", &self.context_limit).finish()
     }
 }
 
@@ -83,57 +80,24 @@ impl ColocatedBackend {
         page_size: usize,
         checks: KvChecks,
     ) -> Result<Self, ColocatedError> {
-        let LoadedModel {
-            model,
-            tokenizer,
-            chat,
-            ..
-        } = model;
+        let LoadedModel { model, tokenizer, chat, .. } = model;
         let layout = model.kv_layout(page_size);
-        let pool = KvPool::new(PoolConfig {
-            layout,
-            pages: layout.pages_for_tokens(kv_pool_tokens),
-            checks,
-        })?;
+        let pool = KvPool::new(PoolConfig { layout, pages: layout.pages_for_tokens(kv_pool_tokens), checks })?;
         let context_limit = model.config.context_length.min(pool.capacity_tokens());
         let tokenizer = Arc::new(tokenizer);
-        let engine = Engine::new(
-            Arc::new(model),
-            Arc::clone(&tokenizer),
-            pool,
-            EngineConfig::for_context(context_limit),
-        );
+        let engine = Engine::new(Arc::new(model), Arc::clone(&tokenizer), pool, EngineConfig::for_context(context_limit));
         let (commands, inbox) = std_mpsc::channel();
         let alive = Arc::new(AtomicBool::new(true));
         let guard = AliveGuard(Arc::clone(&alive));
         let counters = Arc::new(Counters::default());
         let published = Arc::clone(&counters);
-        std::thread::Builder::new()
-            .name("bulkhead-engine".into())
-            .spawn(move || {
-                let _guard = guard;
-                EngineLoop {
-                    engine,
-                    live: HashMap::new(),
-                    counters: published,
-                }
-                .run(&inbox);
-            })?;
-        let card = ModelCard {
-            id: model_id.into(),
-            max_model_len: context_limit,
-            created: unix_now(),
-            owned_by: "bulkhead".into(),
-        };
+        std::thread::Builder::new().name("bulkhead-engine".into()).spawn(move || {
+            let _guard = guard;
+            EngineLoop { engine, live: HashMap::new(), counters: published }.run(&inbox);
+        })?;
+        let card = ModelCard { id: model_id.into(), max_model_len: context_limit, created: unix_now(), owned_by: "bulkhead".into() };
         tracing::info!(model = %card.id, context = context_limit, "colocated engine started");
-        Ok(ColocatedBackend {
-            card,
-            encoder: PromptEncoder::new(tokenizer, chat),
-            context_limit,
-            commands,
-            alive,
-            counters,
-        })
+        Ok(ColocatedBackend { card, encoder: PromptEncoder::new(tokenizer, chat), context_limit, commands, alive, counters })
     }
 
     /// The most tokens (prompt + completion) one request may use.
@@ -175,26 +139,14 @@ impl Backend for ColocatedBackend {
         // this capacity means the engine thread never finds the channel full.
         let (events, rx) = mpsc::channel(max_tokens.saturating_add(4));
         let (reply, outcome) = std_mpsc::sync_channel(1);
-        let gen_req = GenRequest {
-            prompt,
-            max_tokens,
-            sampling: req.sampling,
-            stop: req.stop,
-        };
+        let gen_req = GenRequest { prompt, max_tokens, sampling: req.sampling, stop: req.stop };
         self.commands
-            .send(Admit {
-                request_id: req.request_id,
-                req: gen_req,
-                events,
-                reply,
-            })
+            .send(Admit { request_id: req.request_id, req: gen_req, events, reply })
             .map_err(|_| ApiError::overloaded("The engine is not running."))?;
         match outcome.recv() {
             Ok(Ok(())) => Ok(rx),
             Ok(Err(e)) => Err(e),
-            Err(_) => Err(ApiError::internal(
-                "The engine stopped while admitting the request.",
-            )),
+            Err(_) => Err(ApiError::internal("The engine stopped while admitting the request.")),
         }
     }
 
@@ -235,9 +187,7 @@ impl EngineLoop {
     /// is dropped and the last request has ended.
     fn run(mut self, inbox: &std_mpsc::Receiver<Admit>) {
         loop {
-            self.counters
-                .active
-                .store(self.engine.active(), Ordering::Release);
+            self.counters.active.store(self.engine.active(), Ordering::Release);
             if self.engine.active() == 0 {
                 match inbox.recv() {
                     Ok(cmd) => self.admit(cmd),
@@ -260,12 +210,7 @@ impl EngineLoop {
     }
 
     fn admit(&mut self, cmd: Admit) {
-        let Admit {
-            request_id,
-            req,
-            events,
-            reply,
-        } = cmd;
+        let Admit { request_id, req, events, reply } = cmd;
         let (prompt_len, max_tokens) = (req.prompt.len(), req.max_tokens);
         match self.engine.add(req) {
             Ok(id) => {
@@ -285,23 +230,14 @@ impl EngineLoop {
 
     /// Abort every request whose receiver was dropped.
     fn abort_disconnected(&mut self) {
-        let gone: Vec<RequestId> = self
-            .live
-            .iter()
-            .filter(|(_, l)| l.events.is_closed())
-            .map(|(id, _)| *id)
-            .collect();
+        let gone: Vec<RequestId> = self.live.iter().filter(|(_, l)| l.events.is_closed()).map(|(id, _)| *id).collect();
         for id in gone {
             self.abort(id, "client disconnected");
         }
     }
 
     fn abort(&mut self, id: RequestId, why: &str) {
-        let request_id = self
-            .live
-            .remove(&id)
-            .map(|l| l.request_id)
-            .unwrap_or_default();
+        let request_id = self.live.remove(&id).map(|l| l.request_id).unwrap_or_default();
         self.counters.aborted.fetch_add(1, Ordering::AcqRel);
         match self.engine.abort(id) {
             Ok(_) => tracing::debug!(request_id = %request_id, engine_id = id.0, "aborted: {why}"),
@@ -343,13 +279,7 @@ impl EngineLoop {
                         let _ = live.events.try_send(GenEvent::Failed(err));
                     }
                 }
-                Event::Finished {
-                    req,
-                    finish,
-                    text,
-                    prompt_tokens,
-                    completion_tokens,
-                } => {
+                Event::Finished { req, finish, text, prompt_tokens, completion_tokens } => {
                     if !text.is_empty() {
                         self.send(req, GenEvent::Text { text, logprobs: None });
                     }
@@ -392,15 +322,9 @@ impl EngineLoop {
 fn admission_error(e: EngineError) -> ApiError {
     match e {
         EngineError::Refused(r) => ApiError::refused(&r, "messages"),
-        EngineError::PoolFull(e) => ApiError::overloaded(format!(
-            "The server is at capacity (KV cache full: {e}). Please retry later."
-        )),
-        EngineError::Sampling(e @ SamplingError::InvalidTemperature { .. }) => {
-            ApiError::invalid_request("temperature", e.to_string())
-        }
-        EngineError::Sampling(e @ SamplingError::InvalidTopP { .. }) => {
-            ApiError::invalid_request("top_p", e.to_string())
-        }
+        EngineError::PoolFull(e) => ApiError::overloaded(format!("The server is at capacity (KV cache full: {e}). Please retry later.")),
+        EngineError::Sampling(e @ SamplingError::InvalidTemperature { .. }) => ApiError::invalid_request("temperature", e.to_string()),
+        EngineError::Sampling(e @ SamplingError::InvalidTopP { .. }) => ApiError::invalid_request("top_p", e.to_string()),
         e => ApiError::internal(format!("The engine refused the request: {e}")),
     }
 }

@@ -1,9 +1,9 @@
 //! [`ApiError`]: every refusal or failure the API reports, rendered as an OpenAI error body
 //! `{"error": {"message", "type", "param", "code"}}` with the matching HTTP status.
 
-use bulkhead_protocol::admission::Refusal;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use bulkhead_protocol::admission::Refusal;
 use serde::Serialize;
 
 /// The OpenAI error `type` an [`ApiError`] carries.
@@ -60,13 +60,7 @@ impl ApiError {
 
     /// An error with the given parts and no `code` or `param`.
     pub fn new(status: StatusCode, kind: ErrorKind, message: impl Into<String>) -> Self {
-        ApiError {
-            status,
-            kind,
-            code: None,
-            param: None,
-            message: message.into(),
-        }
+        ApiError { status, kind, code: None, param: None, message: message.into() }
     }
 
     /// The same error with `code` set.
@@ -83,11 +77,7 @@ impl ApiError {
 
     /// 400 `context_length_exceeded`: `prompt_tokens + completion_tokens` exceeds `limit`.
     /// The message follows OpenAI's wording; `param` is `messages`.
-    pub fn context_length_exceeded(
-        prompt_tokens: usize,
-        completion_tokens: usize,
-        limit: usize,
-    ) -> Self {
+    pub fn context_length_exceeded(prompt_tokens: usize, completion_tokens: usize, limit: usize) -> Self {
         let requested = prompt_tokens.saturating_add(completion_tokens);
         ApiError::new(
             StatusCode::BAD_REQUEST,
@@ -127,23 +117,14 @@ impl ApiError {
 
     /// 404 `model_not_found` for the model `name`.
     pub fn model_not_found(name: &str) -> Self {
-        ApiError::new(
-            StatusCode::NOT_FOUND,
-            ErrorKind::NotFound,
-            format!("The model `{name}` does not exist."),
-        )
-        .with_code("model_not_found")
-        .with_param("model")
+        ApiError::new(StatusCode::NOT_FOUND, ErrorKind::NotFound, format!("The model `{name}` does not exist."))
+            .with_code("model_not_found")
+            .with_param("model")
     }
 
     /// 404 for a path or method this server does not serve.
     pub fn route_not_found(method: &str, path: &str) -> Self {
-        ApiError::new(
-            StatusCode::NOT_FOUND,
-            ErrorKind::NotFound,
-            format!("Unknown request URL: {method} {path}."),
-        )
-        .with_code("unknown_url")
+        ApiError::new(StatusCode::NOT_FOUND, ErrorKind::NotFound, format!("Unknown request URL: {method} {path}.")).with_code("unknown_url")
     }
 
     /// 408: the request body did not arrive within `limit`.
@@ -168,12 +149,7 @@ impl ApiError {
 
     /// 503 `overloaded_error`: no capacity for the request now; the client may retry.
     pub fn overloaded(message: impl Into<String>) -> Self {
-        ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            ErrorKind::Overloaded,
-            message,
-        )
-        .with_code("overloaded")
+        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, ErrorKind::Overloaded, message).with_code("overloaded")
     }
 
     /// 429 `rate_limit_error`: the server has too much waiting to take this request now;
@@ -184,11 +160,7 @@ impl ApiError {
 
     /// 500 `server_error`.
     pub fn internal(message: impl Into<String>) -> Self {
-        ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            ErrorKind::Server,
-            message,
-        )
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, ErrorKind::Server, message)
     }
 
     /// The OpenAI `type` string (stable: clients and tests match on it).
@@ -199,19 +171,11 @@ impl ApiError {
     /// The OpenAI error body, `{"error": {...}}`, as a JSON value.
     pub fn body(&self) -> serde_json::Value {
         // Serialising this struct of strings cannot fail; fall back to null all the same.
-        serde_json::to_value(ErrorBody {
-            error: self.detail(),
-        })
-        .unwrap_or(serde_json::Value::Null)
+        serde_json::to_value(ErrorBody { error: self.detail() }).unwrap_or(serde_json::Value::Null)
     }
 
     fn detail(&self) -> ErrorDetail<'_> {
-        ErrorDetail {
-            message: &self.message,
-            kind: self.error_type(),
-            param: self.param.as_deref(),
-            code: self.code,
-        }
+        ErrorDetail { message: &self.message, kind: self.error_type(), param: self.param.as_deref(), code: self.code }
     }
 }
 
@@ -245,26 +209,13 @@ struct ErrorDetail<'a> {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         if self.status.is_server_error() {
-            tracing::warn!(
-                status = self.status.as_u16(),
-                kind = self.error_type(),
-                code = self.code,
-                "{}",
-                self.message
-            );
+            tracing::warn!(status = self.status.as_u16(), kind = self.error_type(), code = self.code, "{}", self.message);
         } else {
-            tracing::debug!(
-                status = self.status.as_u16(),
-                kind = self.error_type(),
-                code = self.code,
-                "{}",
-                self.message
-            );
+            tracing::debug!(status = self.status.as_u16(), kind = self.error_type(), code = self.code, "{}", self.message);
         }
         let mut resp = (self.status, axum::Json(self.body())).into_response();
         if matches!(self.status, StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS) {
-            resp.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         resp
     }

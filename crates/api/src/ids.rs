@@ -15,9 +15,7 @@ pub(crate) fn random_hex() -> String {
 /// instances, so values differ across requests, restarts and processes.
 pub(crate) fn random_u128() -> u128 {
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
     let word = |salt: u64| {
         let mut h = std::collections::hash_map::RandomState::new().build_hasher();
         h.write_u64(n);
@@ -31,7 +29,5 @@ pub(crate) fn random_u128() -> u128 {
 
 /// Seconds since the Unix epoch (0 if the clock is before it).
 pub(crate) fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }

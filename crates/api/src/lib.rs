@@ -43,5 +43,5 @@ pub use backend::{Backend, FinishReason, GenEvent, GenerationRequest, ModelCard,
 pub use colocated::{ColocatedBackend, ColocatedError};
 pub use error::{ApiError, ErrorKind};
 pub use prompt::PromptEncoder;
-pub use routes::{router, router_with_tenants, BodyTimeout, DEFAULT_BODY_TIMEOUT, MAX_BODY_BYTES};
+pub use routes::{BodyTimeout, DEFAULT_BODY_TIMEOUT, MAX_BODY_BYTES, router, router_with_tenants};
 pub use tenants::{Tenant, Tenants, TenantsError};

@@ -68,11 +68,47 @@ const UNSUPPORTED: &[(&str, &str, Option<bool>)] = &[
 
 /// Request fields the parser reads (or refuses); any other is accepted and logged.
 const KNOWN: &[&str] = &[
-    "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-    "n", "best_of", "stream", "stream_options", "stop", "ignore_eos", "skip_special_tokens", "cache_salt", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "min_tokens", "stop_token_ids",
-    "echo", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-    "structured_outputs", "tools", "tool_choice", "parallel_tool_calls", "user", "metadata", "store", "service_tier",
+    "model",
+    "messages",
+    "prompt",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "n",
+    "best_of",
+    "stream",
+    "stream_options",
+    "stop",
+    "ignore_eos",
+    "skip_special_tokens",
+    "cache_salt",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "min_tokens",
+    "stop_token_ids",
+    "echo",
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "structured_outputs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
     "modalities",
 ];
 
@@ -136,14 +172,23 @@ impl CompletionParams {
                 && let Some(&id) = ids.iter().find(|id| **id as usize >= vocab)
             {
                 let param = if self.prompts.len() == 1 { "prompt".to_string() } else { format!("prompt[{i}]") };
-                return Err(ApiError::invalid_request(param, format!("Invalid 'prompt': token id {id} is not in the vocabulary of {vocab} tokens.")));
+                return Err(ApiError::invalid_request(
+                    param,
+                    format!("Invalid 'prompt': token id {id} is not in the vocabulary of {vocab} tokens."),
+                ));
             }
         }
         if let Some(&(id, _)) = self.sampling.logit_bias.iter().find(|(id, _)| *id as usize >= vocab) {
-            return Err(ApiError::invalid_request("logit_bias", format!("Invalid 'logit_bias': token id {id} is not in the vocabulary of {vocab} tokens.")));
+            return Err(ApiError::invalid_request(
+                "logit_bias",
+                format!("Invalid 'logit_bias': token id {id} is not in the vocabulary of {vocab} tokens."),
+            ));
         }
         if let Some(&id) = self.sampling.stop_token_ids.iter().find(|id| **id as usize >= vocab) {
-            return Err(ApiError::invalid_request("stop_token_ids", format!("Invalid 'stop_token_ids': token id {id} is not in the vocabulary of {vocab} tokens.")));
+            return Err(ApiError::invalid_request(
+                "stop_token_ids",
+                format!("Invalid 'stop_token_ids': token id {id} is not in the vocabulary of {vocab} tokens."),
+            ));
         }
         Ok(())
     }
@@ -159,7 +204,10 @@ pub fn parse_chat(body: &Value) -> Result<CompletionParams, ApiError> {
         && let Some(g) = t.grammar()
     {
         if p.sampling.grammar.is_some() {
-            return Err(ApiError::invalid_request("tool_choice", "tool_choice 'required' or a named function cannot be combined with another output constraint."));
+            return Err(ApiError::invalid_request(
+                "tool_choice",
+                "tool_choice 'required' or a named function cannot be combined with another output constraint.",
+            ));
         }
         p.sampling.grammar = Some(g);
         p.grammar_param = Some("tools");
@@ -173,10 +221,7 @@ pub fn parse_completion(body: &Value) -> Result<CompletionParams, ApiError> {
     let obj = as_object(body)?;
     let prompts = match field(obj, "prompt") {
         None => {
-            return Err(ApiError::invalid_request(
-                "prompt",
-                "Missing required parameter: 'prompt'.",
-            ));
+            return Err(ApiError::invalid_request("prompt", "Missing required parameter: 'prompt'."));
         }
         Some(Value::String(s)) => vec![text_prompt(s, "prompt")?],
         Some(Value::Array(items)) if items.is_empty() => {
@@ -196,11 +241,7 @@ pub fn parse_completion(body: &Value) -> Result<CompletionParams, ApiError> {
             })
             .collect::<Result<_, _>>()?,
         Some(v) => {
-            return Err(type_error(
-                "prompt",
-                "a string, an array of strings, an array of token ids or an array of such arrays",
-                v,
-            ));
+            return Err(type_error("prompt", "a string, an array of strings, an array of token ids or an array of such arrays", v));
         }
     };
     common(obj, prompts, Endpoint::Text)
@@ -222,7 +263,9 @@ fn token_prompt(ids: &[Value], param: &str) -> Result<Prompt, ApiError> {
     let ids = ids
         .iter()
         .enumerate()
-        .map(|(i, v)| u32::try_from(int(v, &format!("{param}[{i}]"), 0)?).map_err(|_| range_error(&format!("{param}[{i}]"), "a token id".into(), v)))
+        .map(|(i, v)| {
+            u32::try_from(int(v, &format!("{param}[{i}]"), 0)?).map_err(|_| range_error(&format!("{param}[{i}]"), "a token id".into(), v))
+        })
         .collect::<Result<_, _>>()?;
     Ok(Prompt::Tokens(ids))
 }
@@ -246,15 +289,21 @@ fn common(obj: &Map<String, Value>, prompts: Vec<Prompt>, endpoint: Endpoint) ->
     match field(obj, "modalities") {
         None => {}
         Some(Value::Array(m)) if m.iter().all(|x| x.as_str() == Some("text")) => {}
-        Some(_) => return Err(ApiError::invalid_request("modalities", "Only the 'text' modality is supported.").with_code("unsupported_parameter")),
+        Some(_) => {
+            return Err(ApiError::invalid_request("modalities", "Only the 'text' modality is supported.").with_code("unsupported_parameter"));
+        }
     }
     if let Some(Value::Bool(true)) = field(obj, "store") {
-        return Err(ApiError::invalid_request("store", "Stored completions are not supported: this server keeps no completions.").with_code("unsupported_parameter"));
+        return Err(ApiError::invalid_request("store", "Stored completions are not supported: this server keeps no completions.")
+            .with_code("unsupported_parameter"));
     }
     match field(obj, "service_tier") {
         None => {}
         Some(Value::String(t)) if t == "auto" || t == "default" => {}
-        Some(_) => return Err(ApiError::invalid_request("service_tier", "Only the 'auto' and 'default' service tiers exist here.").with_code("unsupported_parameter")),
+        Some(_) => {
+            return Err(ApiError::invalid_request("service_tier", "Only the 'auto' and 'default' service tiers exist here.")
+                .with_code("unsupported_parameter"));
+        }
     }
     let user = match field(obj, "user") {
         None => None,
@@ -268,29 +317,20 @@ fn common(obj: &Map<String, Value>, prompts: Vec<Prompt>, endpoint: Endpoint) ->
     }
     let model = match field(obj, "model") {
         None => {
-            return Err(ApiError::invalid_request(
-                "model",
-                "Missing required parameter: 'model'.",
-            ));
+            return Err(ApiError::invalid_request("model", "Missing required parameter: 'model'."));
         }
         Some(Value::String(s)) => s.clone(),
         Some(v) => return Err(type_error("model", "a string", v)),
     };
     let max_tokens = match field(obj, "max_completion_tokens") {
         Some(v) => Some(positive_int(v, "max_completion_tokens")?),
-        None => field(obj, "max_tokens")
-            .map(|v| positive_int(v, "max_tokens"))
-            .transpose()?,
+        None => field(obj, "max_tokens").map(|v| positive_int(v, "max_tokens")).transpose()?,
     };
     let mut sampling = Sampling::default();
     if let Some(v) = field(obj, "temperature") {
         let t = number(v, "temperature")?;
         if !(0.0..=MAX_TEMPERATURE).contains(&t) {
-            return Err(range_error(
-                "temperature",
-                format!("a value in [0, {MAX_TEMPERATURE}]"),
-                v,
-            ));
+            return Err(range_error("temperature", format!("a value in [0, {MAX_TEMPERATURE}]"), v));
         }
         sampling.temperature = t as f32;
     }
@@ -321,7 +361,8 @@ fn common(obj: &Map<String, Value>, prompts: Vec<Prompt>, endpoint: Endpoint) ->
     }
     sampling.logit_bias = parse_logit_bias(obj)?;
     if let Some(v) = field(obj, "min_tokens") {
-        sampling.min_tokens = u32::try_from(int(v, "min_tokens", 0)?).map_err(|_| range_error("min_tokens", "a value that fits the context".into(), v))?;
+        sampling.min_tokens =
+            u32::try_from(int(v, "min_tokens", 0)?).map_err(|_| range_error("min_tokens", "a value that fits the context".into(), v))?;
         if max_tokens.is_some_and(|m| sampling.min_tokens as usize > m) {
             return Err(ApiError::invalid_request("min_tokens", "min_tokens must not be larger than max_tokens."));
         }
@@ -336,7 +377,9 @@ fn common(obj: &Map<String, Value>, prompts: Vec<Prompt>, endpoint: Endpoint) ->
                 u32::try_from(int(v, &p, 0)?).map_err(|_| range_error(&p, "a token id".into(), v))
             })
             .collect::<Result<_, _>>()?,
-        Some(Value::Array(_)) => return Err(ApiError::invalid_request("stop_token_ids", format!("At most {MAX_TOKEN_LIST} stop_token_ids."))),
+        Some(Value::Array(_)) => {
+            return Err(ApiError::invalid_request("stop_token_ids", format!("At most {MAX_TOKEN_LIST} stop_token_ids.")));
+        }
         Some(v) => return Err(type_error("stop_token_ids", "an array of token ids", v)),
     };
     sampling.logprobs = parse_logprobs(obj, endpoint)?;
@@ -383,7 +426,10 @@ fn common(obj: &Map<String, Value>, prompts: Vec<Prompt>, endpoint: Endpoint) ->
         return Err(ApiError::invalid_request("best_of", "best_of larger than n cannot be streamed (the best are known only at the end)."));
     }
     if prompts.len().saturating_mul(best_of) > MAX_GENERATIONS {
-        return Err(ApiError::invalid_request("prompt", format!("{} prompts times {best_of} generations each is over the limit of {MAX_GENERATIONS} per request.", prompts.len())));
+        return Err(ApiError::invalid_request(
+            "prompt",
+            format!("{} prompts times {best_of} generations each is over the limit of {MAX_GENERATIONS} per request.", prompts.len()),
+        ));
     }
     let echo = match (endpoint, field(obj, "echo")) {
         (Endpoint::Text, Some(Value::Bool(b))) => *b,
@@ -391,7 +437,11 @@ fn common(obj: &Map<String, Value>, prompts: Vec<Prompt>, endpoint: Endpoint) ->
         _ => false,
     };
     if echo && sampling.logprobs.is_some() {
-        return Err(ApiError::invalid_request("echo", "echo with logprobs is not supported: the prompt's log-probabilities are not computed.").with_code("unsupported_parameter"));
+        return Err(ApiError::invalid_request(
+            "echo",
+            "echo with logprobs is not supported: the prompt's log-probabilities are not computed.",
+        )
+        .with_code("unsupported_parameter"));
     }
     let include_usage = match field(obj, "stream_options") {
         None => false,
@@ -459,7 +509,8 @@ fn parse_logit_bias(obj: &Map<String, Value>) -> Result<Vec<(u32, f32)>, ApiErro
     let mut out = Vec::with_capacity(map.len());
     for (k, b) in map {
         let param = format!("logit_bias.{k}");
-        let id: u32 = k.parse().map_err(|_| ApiError::invalid_request(param.clone(), format!("Invalid 'logit_bias': '{k}' is not a token id.")))?;
+        let id: u32 =
+            k.parse().map_err(|_| ApiError::invalid_request(param.clone(), format!("Invalid 'logit_bias': '{k}' is not a token id.")))?;
         let bias = number(b, &param)?;
         if !(-100.0..=100.0).contains(&bias) {
             return Err(range_error(&param, "a value in [-100, 100]".into(), b));
@@ -506,10 +557,7 @@ fn parse_logprobs(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<Option
 fn parse_messages(obj: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError> {
     let items = match field(obj, "messages") {
         None => {
-            return Err(ApiError::invalid_request(
-                "messages",
-                "Missing required parameter: 'messages'.",
-            ));
+            return Err(ApiError::invalid_request("messages", "Missing required parameter: 'messages'."));
         }
         Some(Value::Array(items)) => items,
         Some(v) => return Err(type_error("messages", "an array", v)),
@@ -520,11 +568,7 @@ fn parse_messages(obj: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError
             "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty array instead.",
         ));
     }
-    items
-        .iter()
-        .enumerate()
-        .map(|(i, m)| parse_message(i, m))
-        .collect()
+    items.iter().enumerate().map(|(i, m)| parse_message(i, m)).collect()
 }
 
 fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
@@ -534,10 +578,7 @@ fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
     };
     let role = match field(m, "role") {
         None => {
-            return Err(ApiError::invalid_request(
-                p("role"),
-                format!("Missing required parameter: '{}'.", p("role")),
-            ));
+            return Err(ApiError::invalid_request(p("role"), format!("Missing required parameter: '{}'.", p("role"))));
         }
         Some(Value::String(r)) => match r.as_str() {
             "system" | "user" | "assistant" | "tool" => r.clone(),
@@ -545,9 +586,7 @@ fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
             other => {
                 return Err(ApiError::invalid_request(
                     p("role"),
-                    format!(
-                        "Invalid value: '{other}'. Supported values are: 'system', 'developer', 'user', 'assistant' and 'tool'."
-                    ),
+                    format!("Invalid value: '{other}'. Supported values are: 'system', 'developer', 'user', 'assistant' and 'tool'."),
                 ));
             }
         },
@@ -557,10 +596,7 @@ fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
         // An assistant turn that only called tools has no content.
         None if role == "assistant" => String::new(),
         None => {
-            return Err(ApiError::invalid_request(
-                p("content"),
-                format!("Missing required parameter: '{}'.", p("content")),
-            ));
+            return Err(ApiError::invalid_request(p("content"), format!("Missing required parameter: '{}'.", p("content"))));
         }
         Some(Value::String(s)) => s.clone(),
         Some(Value::Array(parts)) => {
@@ -571,11 +607,7 @@ fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
             texts.join("\n")
         }
         Some(v) => {
-            return Err(type_error(
-                &p("content"),
-                "a string or an array of content parts",
-                v,
-            ));
+            return Err(type_error(&p("content"), "a string or an array of content parts", v));
         }
     };
     let mut msg = ChatMessage::new(role, content);
@@ -635,19 +667,13 @@ fn text_part<'a>(param: &str, part: &'a Value) -> Result<&'a str, ApiError> {
         }
         Some(v) => return Err(type_error(&format!("{param}.type"), "a string", v)),
         None => {
-            return Err(ApiError::invalid_request(
-                format!("{param}.type"),
-                format!("Missing required parameter: '{param}.type'."),
-            ));
+            return Err(ApiError::invalid_request(format!("{param}.type"), format!("Missing required parameter: '{param}.type'.")));
         }
     }
     match field(o, "text") {
         Some(Value::String(s)) => Ok(s),
         Some(v) => Err(type_error(&format!("{param}.text"), "a string", v)),
-        None => Err(ApiError::invalid_request(
-            format!("{param}.text"),
-            format!("Missing required parameter: '{param}.text'."),
-        )),
+        None => Err(ApiError::invalid_request(format!("{param}.text"), format!("Missing required parameter: '{param}.text'."))),
     }
 }
 
@@ -659,10 +685,7 @@ fn parse_stop(obj: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
             if items.len() > MAX_STOP {
                 return Err(ApiError::invalid_request(
                     "stop",
-                    format!(
-                        "Invalid 'stop': array too long. Expected at most {MAX_STOP} stop sequences, but got {}.",
-                        items.len()
-                    ),
+                    format!("Invalid 'stop': array too long. Expected at most {MAX_STOP} stop sequences, but got {}.", items.len()),
                 ));
             }
             let mut out = Vec::with_capacity(items.len());
@@ -684,10 +707,7 @@ fn parse_stop(obj: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
 fn as_object(body: &Value) -> Result<&Map<String, Value>, ApiError> {
     match body {
         Value::Object(o) => Ok(o),
-        v => Err(ApiError::bad_request(format!(
-            "The request body must be a JSON object, but got {}.",
-            type_name(v)
-        ))),
+        v => Err(ApiError::bad_request(format!("The request body must be a JSON object, but got {}.", type_name(v)))),
     }
 }
 
@@ -706,9 +726,7 @@ fn whole(n: &Number) -> Option<i128> {
     if let Some(x) = n.as_i64() {
         return Some(x.into());
     }
-    n.as_f64()
-        .filter(|f| f.is_finite() && f.fract() == 0.0)
-        .map(|f| f as i128)
+    n.as_f64().filter(|f| f.is_finite() && f.fract() == 0.0).map(|f| f as i128)
 }
 
 /// A JSON integer (or whole decimal) `>= min`, or 400 naming `param`.
@@ -719,9 +737,7 @@ fn int(v: &Value, param: &str, min: u64) -> Result<u64, ApiError> {
     match whole(n) {
         None => Err(type_error(param, "an integer", v)),
         Some(x) if x < i128::from(min) => Err(range_error(param, format!("a value >= {min}"), v)),
-        Some(x) => {
-            u64::try_from(x).map_err(|_| range_error(param, format!("a value <= {}", u64::MAX), v))
-        }
+        Some(x) => u64::try_from(x).map_err(|_| range_error(param, format!("a value <= {}", u64::MAX), v)),
     }
 }
 
@@ -748,9 +764,7 @@ fn seed(v: &Value) -> Result<u64, ApiError> {
     match whole(n) {
         None => Err(type_error("seed", "an integer", v)),
         Some(x) if x < 0 => Err(range_error("seed", "a value >= 0".into(), v)),
-        Some(x) => {
-            Ok(u64::try_from(x).unwrap_or_else(|_| n.as_f64().map_or(u64::MAX, f64::to_bits)))
-        }
+        Some(x) => Ok(u64::try_from(x).unwrap_or_else(|_| n.as_f64().map_or(u64::MAX, f64::to_bits))),
     }
 }
 
@@ -767,20 +781,11 @@ fn type_name(v: &Value) -> &'static str {
 }
 
 fn type_error(param: &str, expected: &str, got: &Value) -> ApiError {
-    ApiError::invalid_request(
-        param,
-        format!(
-            "Invalid type for '{param}': expected {expected}, but got {} instead.",
-            type_name(got)
-        ),
-    )
+    ApiError::invalid_request(param, format!("Invalid type for '{param}': expected {expected}, but got {} instead.", type_name(got)))
 }
 
 fn range_error(param: &str, expected: String, got: &Value) -> ApiError {
-    ApiError::invalid_request(
-        param,
-        format!("Invalid '{param}': expected {expected}, but got {got} instead."),
-    )
+    ApiError::invalid_request(param, format!("Invalid '{param}': expected {expected}, but got {got} instead."))
 }
 
 // Request bodies as the OpenAPI document describes them. The handlers do not deserialise
@@ -958,9 +963,7 @@ impl PartialSchema for StopParam {
     fn schema() -> RefOr<Schema> {
         string_or_array(
             ObjectBuilder::new().description(Some("One stop string.")),
-            ArrayBuilder::new()
-                .max_items(Some(MAX_STOP))
-                .description(Some("Up to 4 stop strings.")),
+            ArrayBuilder::new().max_items(Some(MAX_STOP)).description(Some("Up to 4 stop strings.")),
         )
     }
 }
@@ -986,9 +989,21 @@ impl PartialSchema for PromptParam {
         let ids = || ArrayBuilder::new().min_items(Some(1)).items(ObjectBuilder::new().schema_type(Type::Integer).minimum(Some(0)));
         OneOfBuilder::new()
             .item(text().description(Some("The prompt (not empty).")))
-            .item(ArrayBuilder::new().min_items(Some(1)).max_items(Some(MAX_GENERATIONS)).items(text()).description(Some("A batch of prompts.")))
+            .item(
+                ArrayBuilder::new()
+                    .min_items(Some(1))
+                    .max_items(Some(MAX_GENERATIONS))
+                    .items(text())
+                    .description(Some("A batch of prompts.")),
+            )
             .item(ids().description(Some("Token ids.")))
-            .item(ArrayBuilder::new().min_items(Some(1)).max_items(Some(MAX_GENERATIONS)).items(ids()).description(Some("A batch of token-id prompts.")))
+            .item(
+                ArrayBuilder::new()
+                    .min_items(Some(1))
+                    .max_items(Some(MAX_GENERATIONS))
+                    .items(ids())
+                    .description(Some("A batch of token-id prompts.")),
+            )
             .into()
     }
 }
@@ -1327,13 +1342,7 @@ pub struct ModelObject {
 
 impl From<ModelCard> for ModelObject {
     fn from(c: ModelCard) -> Self {
-        ModelObject {
-            id: c.id,
-            object: "model",
-            created: c.created,
-            owned_by: c.owned_by,
-            max_model_len: c.max_model_len,
-        }
+        ModelObject { id: c.id, object: "model", created: c.created, owned_by: c.owned_by, max_model_len: c.max_model_len }
     }
 }
 
@@ -1378,15 +1387,11 @@ mod tests {
     // Found by schemathesis: JSON Schema's `integer` admits `4.0`.
     #[test]
     fn whole_decimals_count_as_integers() {
-        let p = text(json!({ "max_tokens": 4.0, "n": 1.0, "top_k": 3.0, "seed": 7.0 }))
-            .expect("accepted");
+        let p = text(json!({ "max_tokens": 4.0, "n": 1.0, "top_k": 3.0, "seed": 7.0 })).expect("accepted");
         assert_eq!(p.max_tokens, Some(4));
         assert_eq!(p.sampling.top_k, 3);
         assert_eq!(p.sampling.seed, Some(7));
-        assert_eq!(
-            text(json!({ "top_k": -1.0 })).expect("off").sampling.top_k,
-            0
-        );
+        assert_eq!(text(json!({ "top_k": -1.0 })).expect("off").sampling.top_k, 0);
         for (extra, param) in [
             (json!({ "max_tokens": 4.5 }), "max_tokens"),
             (json!({ "max_tokens": 0.0 }), "max_tokens"),
@@ -1398,10 +1403,7 @@ mod tests {
             assert_eq!(refused(extra.clone()).as_deref(), Some(param), "{extra}");
         }
         // Whole numbers past u64 still fold deterministically.
-        assert_eq!(
-            text(json!({ "seed": 1e30 })).expect("seed").sampling.seed,
-            Some(1e30f64.to_bits())
-        );
+        assert_eq!(text(json!({ "seed": 1e30 })).expect("seed").sampling.seed, Some(1e30f64.to_bits()));
     }
 
     // Found by schemathesis: the decode worker refused it with its own wording, no `param`.
@@ -1420,7 +1422,13 @@ mod tests {
         assert_eq!(prompts(json!([1, 2, 3])).unwrap(), vec![Prompt::Tokens(vec![1, 2, 3])]);
         assert_eq!(prompts(json!([[1, 2], [3]])).unwrap(), vec![Prompt::Tokens(vec![1, 2]), Prompt::Tokens(vec![3])]);
         assert_eq!(prompts(json!(["a", "b"])).unwrap(), vec![Prompt::Text("a".into()), Prompt::Text("b".into())]);
-        for (bad, param) in [(json!([-1]), "prompt[0]"), (json!([[]]), "prompt[0]"), (json!([1.5]), "prompt[0]"), (json!(["a", 3]), "prompt[1]"), (json!([1e12]), "prompt[0]")] {
+        for (bad, param) in [
+            (json!([-1]), "prompt[0]"),
+            (json!([[]]), "prompt[0]"),
+            (json!([1.5]), "prompt[0]"),
+            (json!(["a", 3]), "prompt[1]"),
+            (json!([1e12]), "prompt[0]"),
+        ] {
             let e = prompts(bad.clone()).expect_err("refused");
             assert_eq!(e.param.as_deref(), Some(param), "{bad}: {}", e.message);
         }
@@ -1493,11 +1501,16 @@ mod tests {
     fn one_output_constraint_at_most_from_any_of_its_fields() {
         use bulkhead_protocol::GrammarSpec;
         let g = |extra: Value| text(extra).map(|p| (p.sampling.grammar, p.grammar_param));
-        assert_eq!(g(json!({"response_format": {"type": "json_object"}})).unwrap(), (Some(GrammarSpec::JsonObject), Some("response_format")));
+        assert_eq!(
+            g(json!({"response_format": {"type": "json_object"}})).unwrap(),
+            (Some(GrammarSpec::JsonObject), Some("response_format"))
+        );
         assert_eq!(g(json!({"response_format": {"type": "text"}})).unwrap(), (None, None));
         let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
         assert_eq!(
-            g(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": true}}})).unwrap().0,
+            g(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": true}}}))
+                .unwrap()
+                .0,
             Some(GrammarSpec::JsonSchema(schema.to_string()))
         );
         assert_eq!(g(json!({"guided_json": schema.to_string()})).unwrap().0, Some(GrammarSpec::JsonSchema(schema.to_string())));

@@ -39,7 +39,10 @@ impl PromptEncoder {
             Prompt::Tokens(ids) => {
                 let vocab = self.tokenizer.vocab_size();
                 if let Some((i, &id)) = ids.iter().enumerate().find(|(_, id)| **id as usize >= vocab) {
-                    return Err(ApiError::invalid_request("prompt", format!("Invalid 'prompt': token id {id} at position {i} is not in the vocabulary of {vocab} tokens.")));
+                    return Err(ApiError::invalid_request(
+                        "prompt",
+                        format!("Invalid 'prompt': token id {id} at position {i} is not in the vocabulary of {vocab} tokens."),
+                    ));
                 }
                 return Ok(ids.clone());
             }
@@ -111,10 +114,6 @@ impl PromptEncoder {
     /// Compile `spec` over the vocabulary, or say why it is not a grammar (a 400 for the
     /// field it came from).
     pub fn check_grammar(&self, spec: &GrammarSpec) -> Result<(), GrammarError> {
-        self.grammars
-            .get_or_init(|| Grammars::new(Arc::clone(&self.tokenizer)))
-            .as_ref()
-            .map_err(Clone::clone)?
-            .check(spec)
+        self.grammars.get_or_init(|| Grammars::new(Arc::clone(&self.tokenizer))).as_ref().map_err(Clone::clone)?.check(spec)
     }
 }

@@ -20,8 +20,8 @@ use tracing::{Instrument, Span};
 use crate::backend::{FinishReason, GenEvent};
 use crate::error::ApiError;
 use crate::openai::{
-    AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChatLogprobs, ChunkChoice, Delta, FunctionCall, TextChoice,
-    TextCompletion, TextLogprobs, TokenLogprob, ToolCallDelta, ToolCallObject, TopLogprob, Usage,
+    AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChatLogprobs, ChunkChoice, Delta, FunctionCall, TextChoice, TextCompletion,
+    TextLogprobs, TokenLogprob, ToolCallDelta, ToolCallObject, TopLogprob, Usage,
 };
 use crate::prompt::PromptEncoder;
 use crate::tools::{self, CallParser, Piece, ToolCall};
@@ -133,7 +133,10 @@ fn push_text_logprob(out: &mut TextLogprobs, encoder: &PromptEncoder, id: u32, l
 }
 
 fn tool_objects(calls: Vec<ToolCall>) -> Vec<ToolCallObject> {
-    calls.into_iter().map(|c| ToolCallObject { id: c.id, kind: "function", function: FunctionCall { name: c.name, arguments: c.arguments } }).collect()
+    calls
+        .into_iter()
+        .map(|c| ToolCallObject { id: c.id, kind: "function", function: FunctionCall { name: c.name, arguments: c.arguments } })
+        .collect()
 }
 
 /// `finish_reason` of a choice: `tool_calls` when it ended by itself after calling tools.
@@ -166,7 +169,12 @@ pub(crate) async fn collect_response(meta: Meta, encoder: &PromptEncoder, gens: 
             g.truncate(meta.n);
         }
     }
-    tracing::info!(prompt_tokens = use_.prompt_tokens, completion_tokens = use_.completion_tokens, choices = by_prompt.iter().map(Vec::len).sum::<usize>(), "completed");
+    tracing::info!(
+        prompt_tokens = use_.prompt_tokens,
+        completion_tokens = use_.completion_tokens,
+        choices = by_prompt.iter().map(Vec::len).sum::<usize>(),
+        "completed"
+    );
     let chosen = by_prompt.into_iter().flat_map(|g| g.into_iter().enumerate()).map(|(rank, d)| ((d.prompt * meta.n + rank) as u32, d));
     Ok(match meta.endpoint {
         Endpoint::Chat => {
@@ -176,12 +184,20 @@ pub(crate) async fn collect_response(meta: Meta, encoder: &PromptEncoder, gens: 
                         Some(parallel) => tools::split(&d.text, parallel, &call_prefix(&meta, index)),
                         None => (Some(d.text), Vec::new()),
                     };
-                    let logprobs = meta.logprobs.then(|| ChatLogprobs { content: d.logprobs.iter().map(|(id, l)| chat_logprob(encoder, *id, l)).collect() });
+                    let logprobs = meta
+                        .logprobs
+                        .then(|| ChatLogprobs { content: d.logprobs.iter().map(|(id, l)| chat_logprob(encoder, *id, l)).collect() });
                     let finish_reason = finish_str(d.reason, calls.len());
-                    ChatChoice { index, message: AssistantMessage { role: "assistant", content, tool_calls: tool_objects(calls) }, logprobs, finish_reason }
+                    ChatChoice {
+                        index,
+                        message: AssistantMessage { role: "assistant", content, tool_calls: tool_objects(calls) },
+                        logprobs,
+                        finish_reason,
+                    }
                 })
                 .collect();
-            Json(ChatCompletion { id: meta.id, object: "chat.completion", created: meta.created, model: meta.model, choices, usage: use_ }).into_response()
+            Json(ChatCompletion { id: meta.id, object: "chat.completion", created: meta.created, model: meta.model, choices, usage: use_ })
+                .into_response()
         }
         Endpoint::Text => {
             let choices = chosen
@@ -201,7 +217,15 @@ pub(crate) async fn collect_response(meta: Meta, encoder: &PromptEncoder, gens: 
                     TextChoice { index, text: format!("{echo}{}", d.text), logprobs, finish_reason: Some(d.reason.as_str()) }
                 })
                 .collect();
-            Json(TextCompletion { id: meta.id, object: "text_completion", created: meta.created, model: meta.model, choices, usage: Some(Some(use_)) }).into_response()
+            Json(TextCompletion {
+                id: meta.id,
+                object: "text_completion",
+                created: meta.created,
+                model: meta.model,
+                choices,
+                usage: Some(Some(use_)),
+            })
+            .into_response()
         }
     })
 }
@@ -249,7 +273,13 @@ pub(crate) fn stream_response(meta: Meta, backend: std::sync::Arc<dyn crate::Bac
         .enumerate()
         .map(|(i, g)| {
             let index = i as u32;
-            Choice { index, prompt: g.prompt, parser: meta.parse_calls.map(|p| CallParser::new(p, call_prefix(&meta, index))), sent: 0, finished: None }
+            Choice {
+                index,
+                prompt: g.prompt,
+                parser: meta.parse_calls.map(|p| CallParser::new(p, call_prefix(&meta, index))),
+                sent: 0,
+                finished: None,
+            }
         })
         .collect();
     let merged = stream::select_all(gens.into_iter().enumerate().map(|(i, g)| events(i, g)));
@@ -275,7 +305,11 @@ impl StreamState {
             let mut out = String::new();
             for c in &self.choices {
                 match self.meta.endpoint {
-                    Endpoint::Chat => out.push_str(&data(&self.chat_chunk(c.index, Delta { role: Some("assistant"), content: Some(String::new()), ..Delta::default() }, None))),
+                    Endpoint::Chat => out.push_str(&data(&self.chat_chunk(
+                        c.index,
+                        Delta { role: Some("assistant"), content: Some(String::new()), ..Delta::default() },
+                        None,
+                    ))),
                     Endpoint::Text => {
                         if let Some(echo) = self.meta.echo.get(c.prompt).filter(|e| !e.is_empty()) {
                             out.push_str(&data(&self.text_chunk(c.index, echo.clone(), None)));
@@ -299,7 +333,9 @@ impl StreamState {
             };
             let out = match ev {
                 GenEvent::Text { text, logprobs } => self.on_text(i, text, logprobs),
-                GenEvent::Finished { reason, prompt_tokens, completion_tokens, cached_tokens } => self.on_finished(i, reason, (prompt_tokens, completion_tokens, cached_tokens)),
+                GenEvent::Finished { reason, prompt_tokens, completion_tokens, cached_tokens } => {
+                    self.on_finished(i, reason, (prompt_tokens, completion_tokens, cached_tokens))
+                }
                 GenEvent::Failed(e) => {
                     self.done = true;
                     tracing::warn!(kind = e.error_type(), code = e.code, "generation failed mid-stream: {}", e.message);
@@ -354,7 +390,15 @@ impl StreamState {
                 Piece::Text(t) => Delta { content: Some(t), ..Delta::default() },
                 Piece::Call(c) => {
                     calls += 1;
-                    Delta { tool_calls: vec![ToolCallDelta { index: (calls - 1) as u32, id: c.id, kind: "function", function: FunctionCall { name: c.name, arguments: c.arguments } }], ..Delta::default() }
+                    Delta {
+                        tool_calls: vec![ToolCallDelta {
+                            index: (calls - 1) as u32,
+                            id: c.id,
+                            kind: "function",
+                            function: FunctionCall { name: c.name, arguments: c.arguments },
+                        }],
+                        ..Delta::default()
+                    }
                 }
             };
             let mut chunk = self.chat_chunk(index, delta, None);
@@ -393,8 +437,16 @@ impl StreamState {
             self.done = true;
             let completion = self.choices.iter().filter_map(|c| c.finished).map(|f| f.1).sum();
             let n = self.meta.n;
-            let u = usage(self.choices.iter().filter(|c| (c.index as usize).is_multiple_of(n)).filter_map(|c| c.finished).map(|f| (f.0, f.2)), completion);
-            tracing::info!(prompt_tokens = u.prompt_tokens, completion_tokens = u.completion_tokens, choices = self.choices.len(), "completed (streamed)");
+            let u = usage(
+                self.choices.iter().filter(|c| (c.index as usize).is_multiple_of(n)).filter_map(|c| c.finished).map(|f| (f.0, f.2)),
+                completion,
+            );
+            tracing::info!(
+                prompt_tokens = u.prompt_tokens,
+                completion_tokens = u.completion_tokens,
+                choices = self.choices.len(),
+                "completed (streamed)"
+            );
             if self.meta.include_usage {
                 out.push_str(&match self.meta.endpoint {
                     Endpoint::Chat => data(&ChatChunk {

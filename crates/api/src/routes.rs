@@ -24,11 +24,13 @@ use utoipa::{IntoResponses, ToSchema};
 use crate::backend::{Backend, GenEvent, GenerationRequest, ModelCard, Prompt};
 use crate::error::{ApiError, ErrorBody, ErrorKind};
 use crate::ids::{random_hex, unix_now};
+use crate::openai::{
+    self, ChatChunk, ChatCompletion, ChatCompletionRequest, CompletionParams, CompletionRequest, ModelList, ModelObject, TextCompletion,
+};
+use crate::respond::{Endpoint, Generation, Meta, collect_response, stream_response};
 use crate::tenants::{Tenant, Tenants};
 use crate::tools::Tools;
 use crate::trace::{TRACEPARENT, TraceParent};
-use crate::openai::{self, ChatChunk, ChatCompletion, ChatCompletionRequest, CompletionParams, CompletionRequest, ModelList, ModelObject, TextCompletion};
-use crate::respond::{collect_response, stream_response, Endpoint, Generation, Meta};
 
 /// Largest accepted request body; larger ones get 413.
 pub const MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
@@ -89,11 +91,7 @@ async fn request_id(mut req: Request, next: Next) -> Response {
         .headers()
         .get(&X_REQUEST_ID)
         .and_then(|v| v.to_str().ok())
-        .filter(|s| {
-            !s.is_empty()
-                && s.len() <= MAX_REQUEST_ID_LEN
-                && s.bytes().all(|b| b.is_ascii_graphic())
-        })
+        .filter(|s| !s.is_empty() && s.len() <= MAX_REQUEST_ID_LEN && s.bytes().all(|b| b.is_ascii_graphic()))
         .map_or_else(random_hex, str::to_owned);
     let trace = TraceParent::continue_or_start(req.headers());
     req.extensions_mut().insert(XRequestId(id.clone()));
@@ -150,27 +148,18 @@ impl<S: Send + Sync> FromRequest<S> for OpenAiJson {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
-        let ct = req
-            .headers()
-            .get(header::CONTENT_TYPE)
-            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+        let ct = req.headers().get(header::CONTENT_TYPE).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
         match ct.as_deref() {
             Some(ct) if is_json(ct) => {}
             Some(ct) => {
-                return Err(ApiError::bad_request(format!(
-                    "Invalid Content-Type header ({ct}): expected application/json."
-                )));
+                return Err(ApiError::bad_request(format!("Invalid Content-Type header ({ct}): expected application/json.")));
             }
             None => {
-                return Err(ApiError::bad_request(
-                    "Missing Content-Type header: expected application/json.",
-                ));
+                return Err(ApiError::bad_request("Missing Content-Type header: expected application/json."));
             }
         }
         let limit = req.extensions().get::<BodyTimeout>().map_or(DEFAULT_BODY_TIMEOUT, |t| t.0);
-        let read = tokio::time::timeout(limit, Bytes::from_request(req, state))
-            .await
-            .map_err(|_| ApiError::body_timeout(limit))?;
+        let read = tokio::time::timeout(limit, Bytes::from_request(req, state)).await.map_err(|_| ApiError::body_timeout(limit))?;
         let bytes = read.map_err(|r| {
             if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 ApiError::payload_too_large(MAX_BODY_BYTES)
@@ -179,9 +168,7 @@ impl<S: Send + Sync> FromRequest<S> for OpenAiJson {
             }
         })?;
         if bytes.iter().all(u8::is_ascii_whitespace) {
-            return Err(ApiError::bad_request(
-                "We could not parse the JSON body of your request: the body is empty. Send a JSON object.",
-            ));
+            return Err(ApiError::bad_request("We could not parse the JSON body of your request: the body is empty. Send a JSON object."));
         }
         serde_json::from_slice(&bytes).map(OpenAiJson).map_err(|e| {
             ApiError::bad_request(format!(
@@ -192,12 +179,7 @@ impl<S: Send + Sync> FromRequest<S> for OpenAiJson {
 }
 
 fn is_json(content_type: &str) -> bool {
-    let mime = content_type
-        .split(';')
-        .next()
-        .unwrap_or("")
-        .trim()
-        .to_ascii_lowercase();
+    let mime = content_type.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
     mime == "application/json" || (mime.starts_with("application/") && mime.ends_with("+json"))
 }
 
@@ -218,10 +200,7 @@ impl IntoResponses for CompletionErrors {
                 "With API keys configured: a missing or unknown `Authorization: Bearer` key \
                  (`code: invalid_api_key`).",
             ),
-            (
-                StatusCode::NOT_FOUND,
-                "Unknown `model` (`code: model_not_found`).",
-            ),
+            (StatusCode::NOT_FOUND, "Unknown `model` (`code: model_not_found`)."),
             (StatusCode::PAYLOAD_TOO_LARGE, "The body is over 4 MiB."),
             (
                 StatusCode::TOO_MANY_REQUESTS,
@@ -229,10 +208,7 @@ impl IntoResponses for CompletionErrors {
                  after `Retry-After` seconds.",
             ),
             (StatusCode::INTERNAL_SERVER_ERROR, "The server failed."),
-            (
-                StatusCode::SERVICE_UNAVAILABLE,
-                "No capacity now (`type: overloaded_error`); retry after `Retry-After` seconds.",
-            ),
+            (StatusCode::SERVICE_UNAVAILABLE, "No capacity now (`type: overloaded_error`); retry after `Retry-After` seconds."),
         ]
         .into_iter()
         .map(|(status, why)| (status.as_str().to_owned(), error_response(why)))
@@ -242,13 +218,8 @@ impl IntoResponses for CompletionErrors {
 
 /// An OpenAPI response with an `ErrorResponse` body.
 fn error_response(description: &str) -> RefOr<utoipa::openapi::Response> {
-    let body = ContentBuilder::new()
-        .schema(Some(Ref::from_schema_name(ErrorBody::name())))
-        .build();
-    ResponseBuilder::new()
-        .description(description)
-        .content("application/json", body)
-        .into()
+    let body = ContentBuilder::new().schema(Some(Ref::from_schema_name(ErrorBody::name()))).build();
+    ResponseBuilder::new().description(description).content("application/json", body).into()
 }
 
 /// Create a chat completion.
@@ -309,11 +280,7 @@ async fn completions(
 }
 
 fn find_model(backend: &dyn Backend, name: &str) -> Result<ModelCard, ApiError> {
-    backend
-        .models()
-        .into_iter()
-        .find(|c| c.id == name)
-        .ok_or_else(|| ApiError::model_not_found(name))
+    backend.models().into_iter().find(|c| c.id == name).ok_or_else(|| ApiError::model_not_found(name))
 }
 
 async fn complete(
@@ -357,17 +324,20 @@ async fn complete(
             let mut sampling = sampling.clone();
             // Each choice draws its own tokens: a seed gives each a seed of its own.
             sampling.seed = sampling.seed.map(|s| sibling_seed(s, j));
-            reqs.push((i, GenerationRequest {
-                request_id: rid.0.clone(),
-                trace_id: trace.trace_id,
-                model: card.id.clone(),
-                prompt: prompt.clone(),
-                max_tokens: p.max_tokens,
-                sampling,
-                stop: p.stop.clone(),
-                tenant: tenant.clone(),
-                cache_salt: p.cache_salt.clone(),
-            }));
+            reqs.push((
+                i,
+                GenerationRequest {
+                    request_id: rid.0.clone(),
+                    trace_id: trace.trace_id,
+                    model: card.id.clone(),
+                    prompt: prompt.clone(),
+                    max_tokens: p.max_tokens,
+                    sampling,
+                    stop: p.stop.clone(),
+                    tenant: tenant.clone(),
+                    cache_salt: p.cache_salt.clone(),
+                },
+            ));
         }
     }
     let backend = Arc::clone(&st.backend);
@@ -375,10 +345,9 @@ async fn complete(
     // Compiling the grammar and admission may block (tokenising, the engine between steps).
     let gens = tokio::task::spawn_blocking(move || -> Result<Vec<Generation>, ApiError> {
         if let Some(g) = &grammar {
-            backend
-                .encoder()
-                .check_grammar(g)
-                .map_err(|e| ApiError::invalid_request(grammar_param, format!("The output constraint is not a grammar this server can follow: {e}")))?;
+            backend.encoder().check_grammar(g).map_err(|e| {
+                ApiError::invalid_request(grammar_param, format!("The output constraint is not a grammar this server can follow: {e}"))
+            })?;
         }
         // All or none: on a refusal the generations started so far are dropped (aborted).
         reqs.into_iter().map(|(prompt, req)| Ok(Generation { prompt, rx: backend.generate(req)?, first: None })).collect()
@@ -532,7 +501,11 @@ async fn detokenize(State(st): State<AppState>, OpenAiJson(body): OpenAiJson) ->
         Some(Value::Array(items)) => items
             .iter()
             .enumerate()
-            .map(|(i, v)| v.as_u64().and_then(|x| u32::try_from(x).ok()).ok_or_else(|| ApiError::invalid_request(format!("tokens[{i}]"), format!("Invalid 'tokens[{i}]': expected a token id."))))
+            .map(|(i, v)| {
+                v.as_u64().and_then(|x| u32::try_from(x).ok()).ok_or_else(|| {
+                    ApiError::invalid_request(format!("tokens[{i}]"), format!("Invalid 'tokens[{i}]': expected a token id."))
+                })
+            })
             .collect::<Result<_, _>>()?,
         _ => return Err(ApiError::invalid_request("tokens", "Missing or invalid 'tokens': expected an array of token ids.")),
     };
@@ -542,21 +515,14 @@ async fn detokenize(State(st): State<AppState>, OpenAiJson(body): OpenAiJson) ->
 /// Embeddings: this model is a generator and serves none.
 #[utoipa::path(post, path = "/v1/embeddings", tag = "models", responses((status = 404, description = "The served model does not produce embeddings (`code: model_not_supported`).", body = ErrorBody)))]
 async fn embeddings() -> ApiError {
-    ApiError::new(StatusCode::NOT_FOUND, ErrorKind::NotFound, "The served model generates text and does not produce embeddings.").with_code("model_not_supported")
+    ApiError::new(StatusCode::NOT_FOUND, ErrorKind::NotFound, "The served model generates text and does not produce embeddings.")
+        .with_code("model_not_supported")
 }
 
 /// List the models served.
 #[utoipa::path(get, path = "/v1/models", tag = "models", responses((status = 200, body = ModelList)))]
 async fn list_models(State(st): State<AppState>) -> Json<ModelList> {
-    Json(ModelList {
-        object: "list",
-        data: st
-            .backend
-            .models()
-            .into_iter()
-            .map(ModelObject::from)
-            .collect(),
-    })
+    Json(ModelList { object: "list", data: st.backend.models().into_iter().map(ModelObject::from).collect() })
 }
 
 /// One model by id (ids may contain `/`).
@@ -570,16 +536,9 @@ async fn list_models(State(st): State<AppState>) -> Json<ModelList> {
         (status = 404, description = "No such model (`code: model_not_found`).", body = ErrorBody),
     )
 )]
-async fn get_model(
-    State(st): State<AppState>,
-    id: Result<Path<String>, PathRejection>,
-) -> Result<Json<ModelObject>, ApiError> {
-    let Path(id) =
-        id.map_err(|e| ApiError::bad_request(format!("Invalid model id in the path: {e}")))?;
-    Ok(Json(ModelObject::from(find_model(
-        st.backend.as_ref(),
-        &id,
-    )?)))
+async fn get_model(State(st): State<AppState>, id: Result<Path<String>, PathRejection>) -> Result<Json<ModelObject>, ApiError> {
+    let Path(id) = id.map_err(|e| ApiError::bad_request(format!("Invalid model id in the path: {e}")))?;
+    Ok(Json(ModelObject::from(find_model(st.backend.as_ref(), &id)?)))
 }
 
 /// The body of `/health` and `/ready`.
@@ -638,10 +597,6 @@ async fn not_found(method: Method, uri: Uri) -> ApiError {
 }
 
 async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
-    ApiError::new(
-        StatusCode::METHOD_NOT_ALLOWED,
-        ErrorKind::InvalidRequest,
-        format!("Method {method} is not allowed for {}.", uri.path()),
-    )
-    .with_code("method_not_allowed")
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, ErrorKind::InvalidRequest, format!("Method {method} is not allowed for {}.", uri.path()))
+        .with_code("method_not_allowed")
 }

@@ -20,7 +20,7 @@
 
 use std::sync::Arc;
 
-use axum::http::{header, HeaderMap};
+use axum::http::{HeaderMap, header};
 use serde::Deserialize;
 
 use crate::error::ApiError;
@@ -130,7 +130,9 @@ impl Tenants {
         let mut t = Tenants { keys: Vec::new(), names: Vec::new() };
         for (i, e) in file.tenant.into_iter().enumerate() {
             let bad = |why: &str| TenantsError::Tenant { name: e.name.clone(), why: why.into() };
-            let name_ok = !e.name.is_empty() && e.name.len() <= MAX_TENANT_NAME && e.name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+            let name_ok = !e.name.is_empty()
+                && e.name.len() <= MAX_TENANT_NAME
+                && e.name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
             if !name_ok {
                 return Err(bad("a name is 1 to 64 characters of ASCII letters, digits, '-', '_' or '.'"));
             }
@@ -224,7 +226,10 @@ mod tests {
     #[test]
     fn keys_pick_their_tenant_and_anything_else_is_401() {
         let digest: String = sha256(b"sk-b").iter().map(|b| format!("{b:02x}")).collect();
-        let t = Tenants::from_toml(&format!("[[tenant]]\nname = \"a\"\napi_keys = [\"sk-a\"]\n[[tenant]]\nname = \"b\"\napi_key_sha256 = [\"{digest}\"]\n")).unwrap();
+        let t = Tenants::from_toml(&format!(
+            "[[tenant]]\nname = \"a\"\napi_keys = [\"sk-a\"]\n[[tenant]]\nname = \"b\"\napi_key_sha256 = [\"{digest}\"]\n"
+        ))
+        .unwrap();
         assert_eq!(t.authenticate(&bearer("sk-a")).unwrap(), Tenant { id: 0, name: "a".into() });
         assert_eq!(t.authenticate(&bearer("sk-b")).unwrap(), Tenant { id: 1, name: "b".into() });
         for h in [bearer("sk-c"), bearer("sk-"), bearer("x"), HeaderMap::new()] {

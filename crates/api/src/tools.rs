@@ -16,7 +16,7 @@
 //! dropped.
 
 use bulkhead_protocol::GrammarSpec;
-use serde_json::{json, Map, Value};
+use serde_json::{Map, Value, json};
 
 use crate::error::ApiError;
 
@@ -133,25 +133,37 @@ pub fn parse(obj: &Map<String, Value>) -> Result<Option<Tools>, ApiError> {
             other => {
                 return Err(ApiError::invalid_request(
                     "tool_choice",
-                    format!("Invalid value: '{other}'. Supported values are: 'none', 'auto', 'required' or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}."),
+                    format!(
+                        "Invalid value: '{other}'. Supported values are: 'none', 'auto', 'required' or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}."
+                    ),
                 ));
             }
         },
         Some(Value::Object(o)) => match o.get("function").and_then(|f| f.get("name")).and_then(Value::as_str) {
             Some(name) if o.get("type").and_then(Value::as_str) == Some("function") => {
                 if !names.contains(&name) {
-                    return Err(ApiError::invalid_request("tool_choice", format!("tool_choice names the function '{name}', which is not among 'tools'.")));
+                    return Err(ApiError::invalid_request(
+                        "tool_choice",
+                        format!("tool_choice names the function '{name}', which is not among 'tools'."),
+                    ));
                 }
                 ToolChoice::Function(name.to_owned())
             }
-            _ => return Err(ApiError::invalid_request("tool_choice", "Invalid 'tool_choice': expected {\"type\": \"function\", \"function\": {\"name\": ...}}.")),
+            _ => {
+                return Err(ApiError::invalid_request(
+                    "tool_choice",
+                    "Invalid 'tool_choice': expected {\"type\": \"function\", \"function\": {\"name\": ...}}.",
+                ));
+            }
         },
         Some(_) => return Err(ApiError::invalid_request("tool_choice", "Invalid type for 'tool_choice': expected a string or an object.")),
     };
     let parallel = match get("parallel_tool_calls") {
         None => true,
         Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(ApiError::invalid_request("parallel_tool_calls", "Invalid type for 'parallel_tool_calls': expected a boolean.")),
+        Some(_) => {
+            return Err(ApiError::invalid_request("parallel_tool_calls", "Invalid type for 'parallel_tool_calls': expected a boolean."));
+        }
     };
     if defs.is_empty() {
         if matches!(choice, ToolChoice::Required | ToolChoice::Function(_)) {

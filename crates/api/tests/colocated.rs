@@ -12,15 +12,11 @@ use serde_json::{Value, json};
 use tower::ServiceExt;
 
 async fn post_chat(app: axum::Router, body: Value) -> (StatusCode, Value) {
-    let req = Request::post("/v1/chat/completions")
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(Body::from(body.to_string()))
-        .unwrap();
+    let req =
+        Request::post("/v1/chat/completions").header(header::CONTENT_TYPE, "application/json").body(Body::from(body.to_string())).unwrap();
     let resp = app.oneshot(req).await.unwrap();
     let status = resp.status();
-    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
-        .await
-        .unwrap();
+    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX).await.unwrap();
     (status, serde_json::from_slice(&bytes).unwrap())
 }
 
@@ -29,8 +25,7 @@ async fn the_colocated_backend_answers_paris_and_refuses_a_prompt_longer_than_th
     let path = bulkhead_fetch::ensure_default_model(false).expect("default model");
     let loaded = bulkhead_engine::load_model(&path, 2).expect("load the default model");
     let context = loaded.model.config.context_length;
-    let backend =
-        Arc::new(ColocatedBackend::new(loaded, "smollm2", context, 16, KvChecks::all()).expect("start the engine"));
+    let backend = Arc::new(ColocatedBackend::new(loaded, "smollm2", context, 16, KvChecks::all()).expect("start the engine"));
     assert!(backend.ready());
     assert_eq!(backend.models()[0].max_model_len, context);
     let app = router(backend.clone());
@@ -80,29 +75,15 @@ async fn the_colocated_backend_answers_paris_and_refuses_a_prompt_longer_than_th
     drop(frames);
     let deadline = Instant::now() + Duration::from_secs(10);
     while backend.active_requests() > 0 {
-        assert!(
-            Instant::now() < deadline,
-            "the engine did not drop the abandoned request"
-        );
+        assert!(Instant::now() < deadline, "the engine did not drop the abandoned request");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(
-        backend.aborted_requests(),
-        1,
-        "it was aborted, not finished"
-    );
+    assert_eq!(backend.aborted_requests(), 1, "it was aborted, not finished");
 
     let long = "hello ".repeat(9000);
-    let (status, v) = post_chat(
-        app,
-        json!({ "model": "smollm2", "messages": [{ "role": "user", "content": long }] }),
-    )
-    .await;
+    let (status, v) = post_chat(app, json!({ "model": "smollm2", "messages": [{ "role": "user", "content": long }] })).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
     assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
     assert_eq!(v["error"]["type"], "invalid_request_error");
-    assert!(
-        backend.ready(),
-        "a refused request leaves the engine serving"
-    );
+    assert!(backend.ready(), "a refused request leaves the engine serving");
 }

@@ -8,9 +8,7 @@ use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, Request, StatusCode, header};
 use bulkhead_api::testing::byte_level_encoder;
-use bulkhead_api::{
-    ApiError, Backend, FinishReason, GenEvent, GenerationRequest, ModelCard, Prompt, PromptEncoder, router,
-};
+use bulkhead_api::{ApiError, Backend, FinishReason, GenEvent, GenerationRequest, ModelCard, Prompt, PromptEncoder, router};
 use bulkhead_tokenizer::ChatMessage;
 use futures_util::StreamExt;
 use serde_json::{Value, json};
@@ -54,49 +52,24 @@ impl Mock {
             GenEvent::Text { text: "Hello".into(), logprobs: None },
             GenEvent::Text { text: String::new(), logprobs: None },
             GenEvent::Text { text: ", world".into(), logprobs: None },
-            GenEvent::Finished {
-                reason: FinishReason::Length,
-                prompt_tokens: 7,
-                completion_tokens: 2,
-                cached_tokens: 4,
-            },
+            GenEvent::Finished { reason: FinishReason::Length, prompt_tokens: 7, completion_tokens: 2, cached_tokens: 4 },
         ])
     }
 
     fn last_request(&self) -> GenerationRequest {
-        self.requests
-            .lock()
-            .unwrap()
-            .last()
-            .cloned()
-            .expect("the backend saw no request")
+        self.requests.lock().unwrap().last().cloned().expect("the backend saw no request")
     }
 
     fn last_sender(&self) -> mpsc::Sender<GenEvent> {
-        self.senders
-            .lock()
-            .unwrap()
-            .last()
-            .cloned()
-            .expect("the backend opened no stream")
+        self.senders.lock().unwrap().last().cloned().expect("the backend opened no stream")
     }
 }
 
 impl Backend for Mock {
     fn models(&self) -> Vec<ModelCard> {
         vec![
-            ModelCard {
-                id: MODEL.into(),
-                max_model_len: MAX_LEN,
-                created: 1_700_000_000,
-                owned_by: "test".into(),
-            },
-            ModelCard {
-                id: "org/with-slash".into(),
-                max_model_len: 512,
-                created: 1,
-                owned_by: "test".into(),
-            },
+            ModelCard { id: MODEL.into(), max_model_len: MAX_LEN, created: 1_700_000_000, owned_by: "test".into() },
+            ModelCard { id: "org/with-slash".into(), max_model_len: 512, created: 1, owned_by: "test".into() },
         ]
     }
 
@@ -130,10 +103,7 @@ fn app(mock: &Arc<Mock>) -> Router {
 }
 
 fn post(path: &str, body: impl Into<Body>) -> Request<Body> {
-    Request::post(path)
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(body.into())
-        .unwrap()
+    Request::post(path).header(header::CONTENT_TYPE, "application/json").body(body.into()).unwrap()
 }
 
 fn get(path: &str) -> Request<Body> {
@@ -143,46 +113,22 @@ fn get(path: &str) -> Request<Body> {
 async fn send(app: Router, req: Request<Body>) -> (StatusCode, HeaderMap, Bytes) {
     let resp = app.oneshot(req).await.unwrap();
     let (parts, body) = resp.into_parts();
-    (
-        parts.status,
-        parts.headers,
-        axum::body::to_bytes(body, usize::MAX).await.unwrap(),
-    )
+    (parts.status, parts.headers, axum::body::to_bytes(body, usize::MAX).await.unwrap())
 }
 
 async fn send_json(app: Router, req: Request<Body>) -> (StatusCode, Value) {
     let (status, headers, body) = send(app, req).await;
-    let ct = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("");
-    assert!(
-        ct.starts_with("application/json"),
-        "content-type {ct:?} for body {body:?}"
-    );
-    (
-        status,
-        serde_json::from_slice(&body).unwrap_or_else(|e| panic!("not JSON ({e}): {body:?}")),
-    )
+    let ct = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+    assert!(ct.starts_with("application/json"), "content-type {ct:?} for body {body:?}");
+    (status, serde_json::from_slice(&body).unwrap_or_else(|e| panic!("not JSON ({e}): {body:?}")))
 }
 
 /// Asserts the OpenAI error shape `{"error": {"message", "type", "param", "code"}}`.
 fn assert_error(body: &Value, kind: &str, param: Option<&str>) {
-    let e = body
-        .get("error")
-        .unwrap_or_else(|| panic!("no `error` in {body}"));
-    let obj = e
-        .as_object()
-        .unwrap_or_else(|| panic!("`error` is not an object: {body}"));
-    assert_eq!(
-        obj.len(),
-        4,
-        "error has exactly message/type/param/code: {body}"
-    );
-    assert!(
-        e["message"].as_str().is_some_and(|m| !m.is_empty()),
-        "{body}"
-    );
+    let e = body.get("error").unwrap_or_else(|| panic!("no `error` in {body}"));
+    let obj = e.as_object().unwrap_or_else(|| panic!("`error` is not an object: {body}"));
+    assert_eq!(obj.len(), 4, "error has exactly message/type/param/code: {body}");
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{body}");
     assert_eq!(e["type"], kind, "{body}");
     assert!(e["code"].is_null() || e["code"].is_string(), "{body}");
     match param {
@@ -191,13 +137,7 @@ fn assert_error(body: &Value, kind: &str, param: Option<&str>) {
     }
 }
 
-async fn expect_error(
-    mock: &Arc<Mock>,
-    path: &str,
-    body: Value,
-    status: StatusCode,
-    param: Option<&str>,
-) -> Value {
+async fn expect_error(mock: &Arc<Mock>, path: &str, body: Value, status: StatusCode, param: Option<&str>) -> Value {
     let (s, v) = send_json(app(mock), post(path, body.to_string())).await;
     assert_eq!(s, status, "{body} -> {v}");
     let kind = match status {
@@ -229,18 +169,12 @@ fn completion(extra: Value) -> Value {
 /// The `data: ` payloads of an SSE body, checking the framing on the way.
 fn sse_payloads(body: &[u8]) -> Vec<String> {
     let text = std::str::from_utf8(body).unwrap();
-    assert!(
-        text.ends_with("\n\n"),
-        "SSE body ends with a blank line: {text:?}"
-    );
+    assert!(text.ends_with("\n\n"), "SSE body ends with a blank line: {text:?}");
     text.trim_end_matches("\n\n")
         .split("\n\n")
         .map(|frame| {
             assert!(!frame.contains('\n'), "one line per event: {frame:?}");
-            frame
-                .strip_prefix("data: ")
-                .unwrap_or_else(|| panic!("frame without `data: `: {frame:?}"))
-                .to_string()
+            frame.strip_prefix("data: ").unwrap_or_else(|| panic!("frame without `data: `: {frame:?}")).to_string()
         })
         .collect()
 }
@@ -252,11 +186,7 @@ fn parse(payload: &str) -> Value {
 #[tokio::test]
 async fn a_chat_completion_returns_the_backend_text_with_usage() {
     let mock = Mock::hello();
-    let (status, v) = send_json(
-        app(&mock),
-        post("/v1/chat/completions", chat(json!({})).to_string()),
-    )
-    .await;
+    let (status, v) = send_json(app(&mock), post("/v1/chat/completions", chat(json!({})).to_string())).await;
     assert_eq!(status, StatusCode::OK, "{v}");
     assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"), "{v}");
     assert_eq!(v["object"], "chat.completion");
@@ -264,20 +194,14 @@ async fn a_chat_completion_returns_the_backend_text_with_usage() {
     assert_eq!(v["model"], MODEL);
     assert_eq!(v["choices"].as_array().unwrap().len(), 1);
     assert_eq!(v["choices"][0]["index"], 0);
-    assert_eq!(
-        v["choices"][0]["message"],
-        json!({ "role": "assistant", "content": "Hello, world" })
-    );
+    assert_eq!(v["choices"][0]["message"], json!({ "role": "assistant", "content": "Hello, world" }));
     assert_eq!(v["choices"][0]["finish_reason"], "length");
     assert_eq!(
         v["usage"],
         json!({ "prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9, "prompt_tokens_details": { "cached_tokens": 4 } })
     );
     let req = mock.last_request();
-    assert_eq!(
-        req.prompt,
-        Prompt::Chat { messages: vec![ChatMessage::new("user", "Hi")], tools: None }
-    );
+    assert_eq!(req.prompt, Prompt::Chat { messages: vec![ChatMessage::new("user", "Hi")], tools: None });
     assert_eq!(req.max_tokens, None);
     assert_eq!(req.sampling, bulkhead_engine::Sampling::default());
 }
@@ -286,18 +210,9 @@ async fn a_chat_completion_returns_the_backend_text_with_usage() {
 async fn a_text_completion_returns_a_text_completion_object() {
     let mock = Mock::new(vec![
         GenEvent::Text { text: " a time".into(), logprobs: None },
-        GenEvent::Finished {
-            reason: FinishReason::Stop,
-            prompt_tokens: 2,
-            completion_tokens: 3,
-            cached_tokens: 0,
-        },
+        GenEvent::Finished { reason: FinishReason::Stop, prompt_tokens: 2, completion_tokens: 3, cached_tokens: 0 },
     ]);
-    let (status, v) = send_json(
-        app(&mock),
-        post("/v1/completions", completion(json!({})).to_string()),
-    )
-    .await;
+    let (status, v) = send_json(app(&mock), post("/v1/completions", completion(json!({})).to_string())).await;
     assert_eq!(status, StatusCode::OK, "{v}");
     assert!(v["id"].as_str().unwrap().starts_with("cmpl-"), "{v}");
     assert_eq!(v["object"], "text_completion");
@@ -314,10 +229,7 @@ async fn a_text_completion_returns_a_text_completion_object() {
 #[tokio::test]
 async fn a_chat_stream_sends_role_then_content_then_finish_reason_then_done() {
     let mock = Mock::hello();
-    let req = post(
-        "/v1/chat/completions",
-        chat(json!({ "stream": true })).to_string(),
-    );
+    let req = post("/v1/chat/completions", chat(json!({ "stream": true })).to_string());
     let (status, headers, body) = send(app(&mock), req).await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(headers[header::CONTENT_TYPE], "text/event-stream");
@@ -335,19 +247,10 @@ async fn a_chat_stream_sends_role_then_content_then_finish_reason_then_done() {
         assert!(c.get("usage").is_none(), "no usage field unless asked: {c}");
         assert_eq!(c["choices"].as_array().unwrap().len(), 1);
     }
-    assert_eq!(
-        chunks[0]["choices"][0]["delta"],
-        json!({ "role": "assistant", "content": "" })
-    );
+    assert_eq!(chunks[0]["choices"][0]["delta"], json!({ "role": "assistant", "content": "" }));
     assert!(chunks[0]["choices"][0]["finish_reason"].is_null());
-    assert_eq!(
-        chunks[1]["choices"][0]["delta"],
-        json!({ "content": "Hello" })
-    );
-    assert_eq!(
-        chunks[2]["choices"][0]["delta"],
-        json!({ "content": ", world" })
-    );
+    assert_eq!(chunks[1]["choices"][0]["delta"], json!({ "content": "Hello" }));
+    assert_eq!(chunks[2]["choices"][0]["delta"], json!({ "content": ", world" }));
     assert!(chunks[2]["choices"][0]["finish_reason"].is_null());
     assert_eq!(chunks[3]["choices"][0]["delta"], json!({}));
     assert_eq!(chunks[3]["choices"][0]["finish_reason"], "length");
@@ -369,21 +272,14 @@ async fn a_stream_sends_a_usage_chunk_before_done_only_when_include_usage_is_set
     );
     for p in &payloads[..4] {
         let c = parse(p);
-        assert!(
-            c["usage"].is_null() && c.get("usage").is_some(),
-            "usage: null on other chunks: {c}"
-        );
+        assert!(c["usage"].is_null() && c.get("usage").is_some(), "usage: null on other chunks: {c}");
     }
 
     let body = chat(json!({ "stream": true, "stream_options": { "include_usage": false } }));
     let (_, _, raw) = send(app(&mock), post("/v1/chat/completions", body.to_string())).await;
     let payloads = sse_payloads(&raw);
     assert_eq!(payloads.len(), 5);
-    assert!(
-        payloads[..4]
-            .iter()
-            .all(|p| parse(p).get("usage").is_none())
-    );
+    assert!(payloads[..4].iter().all(|p| parse(p).get("usage").is_none()));
 }
 
 #[tokio::test]
@@ -413,14 +309,7 @@ async fn a_backend_failure_mid_stream_sends_an_error_chunk_then_done() {
         GenEvent::Text { text: "partial".into(), logprobs: None },
         GenEvent::Failed(ApiError::internal("engine fell over")),
     ]);
-    let (status, _, raw) = send(
-        app(&mock),
-        post(
-            "/v1/chat/completions",
-            chat(json!({ "stream": true })).to_string(),
-        ),
-    )
-    .await;
+    let (status, _, raw) = send(app(&mock), post("/v1/chat/completions", chat(json!({ "stream": true })).to_string())).await;
     assert_eq!(status, StatusCode::OK);
     let payloads = sse_payloads(&raw);
     assert_eq!(payloads.len(), 4, "{payloads:?}");
@@ -434,24 +323,13 @@ async fn a_backend_failure_mid_stream_sends_an_error_chunk_then_done() {
 async fn a_stream_whose_backend_vanishes_without_finishing_ends_with_an_error_chunk_then_done() {
     let mock = Mock::new(vec![GenEvent::Text { text: "partial".into(), logprobs: None }]);
     mock.keep_open.store(false, Ordering::SeqCst);
-    let (_, _, raw) = send(
-        app(&mock),
-        post(
-            "/v1/chat/completions",
-            chat(json!({ "stream": true })).to_string(),
-        ),
-    )
-    .await;
+    let (_, _, raw) = send(app(&mock), post("/v1/chat/completions", chat(json!({ "stream": true })).to_string())).await;
     let payloads = sse_payloads(&raw);
     assert_eq!(payloads.len(), 4, "{payloads:?}");
     assert_error(&parse(&payloads[2]), "server_error", None);
     assert_eq!(payloads[3], "[DONE]");
 
-    let (status, v) = send_json(
-        app(&mock),
-        post("/v1/chat/completions", chat(json!({})).to_string()),
-    )
-    .await;
+    let (status, v) = send_json(app(&mock), post("/v1/chat/completions", chat(json!({})).to_string())).await;
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_error(&v, "server_error", None);
 }
@@ -459,14 +337,7 @@ async fn a_stream_whose_backend_vanishes_without_finishing_ends_with_an_error_ch
 #[tokio::test]
 async fn a_backend_failure_in_a_non_streaming_request_is_its_error_response() {
     let mock = Mock::new(vec![GenEvent::Failed(ApiError::internal("boom"))]);
-    let v = expect_error(
-        &mock,
-        "/v1/chat/completions",
-        chat(json!({})),
-        StatusCode::INTERNAL_SERVER_ERROR,
-        None,
-    )
-    .await;
+    let v = expect_error(&mock, "/v1/chat/completions", chat(json!({})), StatusCode::INTERNAL_SERVER_ERROR, None).await;
     assert_eq!(v["error"]["message"], "boom");
 }
 
@@ -474,14 +345,7 @@ async fn a_backend_failure_in_a_non_streaming_request_is_its_error_response() {
 async fn admission_errors_come_back_before_any_stream_with_their_status() {
     let mock = Mock::hello();
     *mock.admit_error.lock().unwrap() = Some(ApiError::context_length_exceeded(9000, 100, 8192));
-    let v = expect_error(
-        &mock,
-        "/v1/chat/completions",
-        chat(json!({ "stream": true })),
-        StatusCode::BAD_REQUEST,
-        Some("messages"),
-    )
-    .await;
+    let v = expect_error(&mock, "/v1/chat/completions", chat(json!({ "stream": true })), StatusCode::BAD_REQUEST, Some("messages")).await;
     assert_eq!(v["error"]["code"], "context_length_exceeded");
     assert_eq!(
         v["error"]["message"],
@@ -490,29 +354,14 @@ async fn admission_errors_come_back_before_any_stream_with_their_status() {
     );
 
     *mock.admit_error.lock().unwrap() = Some(ApiError::context_length_exceeded(9000, 100, 8192));
-    let v = expect_error(
-        &mock,
-        "/v1/completions",
-        completion(json!({})),
-        StatusCode::BAD_REQUEST,
-        Some("prompt"),
-    )
-    .await;
+    let v = expect_error(&mock, "/v1/completions", completion(json!({})), StatusCode::BAD_REQUEST, Some("prompt")).await;
     assert_eq!(v["error"]["code"], "context_length_exceeded");
 
     *mock.admit_error.lock().unwrap() = Some(ApiError::overloaded("full"));
-    let resp = app(&mock)
-        .oneshot(post("/v1/chat/completions", chat(json!({})).to_string()))
-        .await
-        .unwrap();
+    let resp = app(&mock).oneshot(post("/v1/chat/completions", chat(json!({})).to_string())).await.unwrap();
     assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(resp.headers()[header::RETRY_AFTER], "1");
-    let v: Value = serde_json::from_slice(
-        &axum::body::to_bytes(resp.into_body(), usize::MAX)
-            .await
-            .unwrap(),
-    )
-    .unwrap();
+    let v: Value = serde_json::from_slice(&axum::body::to_bytes(resp.into_body(), usize::MAX).await.unwrap()).unwrap();
     assert_error(&v, "overloaded_error", None);
     assert_eq!(v["error"]["code"], "overloaded");
 }
@@ -520,14 +369,7 @@ async fn admission_errors_come_back_before_any_stream_with_their_status() {
 #[tokio::test]
 async fn malformed_json_is_a_400_with_an_openai_error_body() {
     let mock = Mock::hello();
-    for body in [
-        "{",
-        "{\"model\": ",
-        "not json",
-        "{\"model\": \"x\",}",
-        "[1, 2",
-        "\u{0}",
-    ] {
+    for body in ["{", "{\"model\": ", "not json", "{\"model\": \"x\",}", "[1, 2", "\u{0}"] {
         for path in ["/v1/chat/completions", "/v1/completions"] {
             let (status, v) = send_json(app(&mock), post(path, body)).await;
             assert_eq!(status, StatusCode::BAD_REQUEST, "{body:?} -> {v}");
@@ -557,12 +399,7 @@ async fn a_missing_body_is_a_400_with_an_openai_error_body() {
 async fn a_wrong_or_missing_content_type_is_a_400_with_an_openai_error_body() {
     let mock = Mock::hello();
     let body = chat(json!({})).to_string();
-    for ct in [
-        Some("text/plain"),
-        Some("application/x-www-form-urlencoded"),
-        Some("multipart/form-data"),
-        None,
-    ] {
+    for ct in [Some("text/plain"), Some("application/x-www-form-urlencoded"), Some("multipart/form-data"), None] {
         let mut req = Request::post("/v1/chat/completions");
         if let Some(ct) = ct {
             req = req.header(header::CONTENT_TYPE, ct);
@@ -587,36 +424,15 @@ async fn wrong_types_of_known_fields_are_400s_that_name_the_field() {
         (json!({ "model": 5 }), "model"),
         (json!({ "messages": "Hi" }), "messages"),
         (json!({ "messages": ["Hi"] }), "messages[0]"),
-        (
-            json!({ "messages": [{ "role": "user", "content": 5 }] }),
-            "messages[0].content",
-        ),
-        (
-            json!({ "messages": [{ "role": 1, "content": "Hi" }] }),
-            "messages[0].role",
-        ),
-        (
-            json!({ "messages": [{ "role": "wizard", "content": "Hi" }] }),
-            "messages[0].role",
-        ),
-        (
-            json!({ "messages": [{ "role": "user" }] }),
-            "messages[0].content",
-        ),
-        (
-            json!({ "messages": [{ "role": "user", "content": [{ "type": "text", "text": 3 }] }] }),
-            "messages[0].content[0].text",
-        ),
-        (
-            json!({ "messages": [{ "role": "user", "content": [{ "type": "image_url", "image_url": {} }] }] }),
-            "messages[0].content[0].type",
-        ),
+        (json!({ "messages": [{ "role": "user", "content": 5 }] }), "messages[0].content"),
+        (json!({ "messages": [{ "role": 1, "content": "Hi" }] }), "messages[0].role"),
+        (json!({ "messages": [{ "role": "wizard", "content": "Hi" }] }), "messages[0].role"),
+        (json!({ "messages": [{ "role": "user" }] }), "messages[0].content"),
+        (json!({ "messages": [{ "role": "user", "content": [{ "type": "text", "text": 3 }] }] }), "messages[0].content[0].text"),
+        (json!({ "messages": [{ "role": "user", "content": [{ "type": "image_url", "image_url": {} }] }] }), "messages[0].content[0].type"),
         (json!({ "max_tokens": "10" }), "max_tokens"),
         (json!({ "max_tokens": 10.5 }), "max_tokens"),
-        (
-            json!({ "max_completion_tokens": true }),
-            "max_completion_tokens",
-        ),
+        (json!({ "max_completion_tokens": true }), "max_completion_tokens"),
         (json!({ "temperature": "hot" }), "temperature"),
         (json!({ "top_p": true }), "top_p"),
         (json!({ "top_k": 2.5 }), "top_k"),
@@ -625,22 +441,12 @@ async fn wrong_types_of_known_fields_are_400s_that_name_the_field() {
         (json!({ "n": "2" }), "n"),
         (json!({ "stream": "yes" }), "stream"),
         (json!({ "stream_options": true }), "stream_options"),
-        (
-            json!({ "stream_options": { "include_usage": "x" } }),
-            "stream_options.include_usage",
-        ),
+        (json!({ "stream_options": { "include_usage": "x" } }), "stream_options.include_usage"),
         (json!({ "stop": 5 }), "stop"),
         (json!({ "stop": ["a", 5] }), "stop[1]"),
     ];
     for (extra, param) in chat_cases {
-        expect_error(
-            &mock,
-            "/v1/chat/completions",
-            chat(extra),
-            StatusCode::BAD_REQUEST,
-            Some(param),
-        )
-        .await;
+        expect_error(&mock, "/v1/chat/completions", chat(extra), StatusCode::BAD_REQUEST, Some(param)).await;
     }
     let text_cases = [
         (json!({ "prompt": 5 }), "prompt"),
@@ -650,72 +456,23 @@ async fn wrong_types_of_known_fields_are_400s_that_name_the_field() {
         (json!({ "max_tokens": [] }), "max_tokens"),
     ];
     for (extra, param) in text_cases {
-        expect_error(
-            &mock,
-            "/v1/completions",
-            completion(extra),
-            StatusCode::BAD_REQUEST,
-            Some(param),
-        )
-        .await;
+        expect_error(&mock, "/v1/completions", completion(extra), StatusCode::BAD_REQUEST, Some(param)).await;
     }
-    expect_error(
-        &mock,
-        "/v1/completions",
-        json!({ "model": MODEL }),
-        StatusCode::BAD_REQUEST,
-        Some("prompt"),
-    )
-    .await;
-    expect_error(
-        &mock,
-        "/v1/chat/completions",
-        json!({ "model": MODEL }),
-        StatusCode::BAD_REQUEST,
-        Some("messages"),
-    )
-    .await;
+    expect_error(&mock, "/v1/completions", json!({ "model": MODEL }), StatusCode::BAD_REQUEST, Some("prompt")).await;
+    expect_error(&mock, "/v1/chat/completions", json!({ "model": MODEL }), StatusCode::BAD_REQUEST, Some("messages")).await;
     let no_model = json!({ "messages": [{ "role": "user", "content": "Hi" }] });
-    expect_error(
-        &mock,
-        "/v1/chat/completions",
-        no_model,
-        StatusCode::BAD_REQUEST,
-        Some("model"),
-    )
-    .await;
-    assert!(
-        mock.requests.lock().unwrap().is_empty(),
-        "no bad request reached the backend"
-    );
+    expect_error(&mock, "/v1/chat/completions", no_model, StatusCode::BAD_REQUEST, Some("model")).await;
+    assert!(mock.requests.lock().unwrap().is_empty(), "no bad request reached the backend");
 }
 
 #[tokio::test]
 async fn n_outside_one_to_sixteen_is_rejected() {
     let mock = Mock::hello();
     for n in [json!(0), json!(-1), json!(17), json!(100)] {
-        expect_error(
-            &mock,
-            "/v1/chat/completions",
-            chat(json!({ "n": n })),
-            StatusCode::BAD_REQUEST,
-            Some("n"),
-        )
-        .await;
-        expect_error(
-            &mock,
-            "/v1/completions",
-            completion(json!({ "n": n })),
-            StatusCode::BAD_REQUEST,
-            Some("n"),
-        )
-        .await;
+        expect_error(&mock, "/v1/chat/completions", chat(json!({ "n": n })), StatusCode::BAD_REQUEST, Some("n")).await;
+        expect_error(&mock, "/v1/completions", completion(json!({ "n": n })), StatusCode::BAD_REQUEST, Some("n")).await;
     }
-    let (status, _) = send_json(
-        app(&mock),
-        post("/v1/chat/completions", chat(json!({ "n": 1 })).to_string()),
-    )
-    .await;
+    let (status, _) = send_json(app(&mock), post("/v1/chat/completions", chat(json!({ "n": 1 })).to_string())).await;
     assert_eq!(status, StatusCode::OK);
 }
 
@@ -726,15 +483,9 @@ async fn negative_zero_and_huge_numbers_are_rejected() {
         (json!({ "max_tokens": -1 }), "max_tokens"),
         (json!({ "max_tokens": 0 }), "max_tokens"),
         (json!({ "max_tokens": 1e30 }), "max_tokens"),
-        (
-            json!({ "max_tokens": 1_000_000_000_000_000u64 }),
-            "max_tokens",
-        ),
+        (json!({ "max_tokens": 1_000_000_000_000_000u64 }), "max_tokens"),
         (json!({ "max_tokens": MAX_LEN + 1 }), "max_tokens"),
-        (
-            json!({ "max_completion_tokens": -5 }),
-            "max_completion_tokens",
-        ),
+        (json!({ "max_completion_tokens": -5 }), "max_completion_tokens"),
         (json!({ "temperature": -0.1 }), "temperature"),
         (json!({ "temperature": 2.5 }), "temperature"),
         (json!({ "temperature": 1e300 }), "temperature"),
@@ -747,14 +498,7 @@ async fn negative_zero_and_huge_numbers_are_rejected() {
         (json!({ "stop": ["a", "b", "c", "d", "e"] }), "stop"),
     ];
     for (extra, param) in cases {
-        expect_error(
-            &mock,
-            "/v1/chat/completions",
-            chat(extra),
-            StatusCode::BAD_REQUEST,
-            Some(param),
-        )
-        .await;
+        expect_error(&mock, "/v1/chat/completions", chat(extra), StatusCode::BAD_REQUEST, Some(param)).await;
     }
     // Raw text, so that numbers serde_json would not print can be sent too.
     for raw in [
@@ -773,17 +517,12 @@ async fn negative_zero_and_huge_numbers_are_rejected() {
 async fn a_seed_may_be_any_non_negative_integer() {
     let mock = Mock::hello();
     for raw in ["0", "7", "18446744073709551615", "100000000000000000000000"] {
-        let body = format!(
-            r#"{{"model":"mock-model","messages":[{{"role":"user","content":"Hi"}}],"seed":{raw}}}"#
-        );
+        let body = format!(r#"{{"model":"mock-model","messages":[{{"role":"user","content":"Hi"}}],"seed":{raw}}}"#);
         let (status, v) = send_json(app(&mock), post("/v1/chat/completions", body)).await;
         assert_eq!(status, StatusCode::OK, "seed {raw} -> {v}");
         assert!(mock.last_request().sampling.seed.is_some());
     }
-    assert_eq!(
-        mock.requests.lock().unwrap()[2].sampling.seed,
-        Some(u64::MAX)
-    );
+    assert_eq!(mock.requests.lock().unwrap()[2].sampling.seed, Some(u64::MAX));
 }
 
 #[tokio::test]
@@ -827,23 +566,14 @@ async fn request_fields_reach_the_backend() {
             tools: None
         }
     );
-    assert_eq!(
-        r.max_tokens,
-        Some(20),
-        "max_completion_tokens wins over max_tokens"
-    );
+    assert_eq!(r.max_tokens, Some(20), "max_completion_tokens wins over max_tokens");
     assert_eq!(r.sampling.temperature, 0.7);
     assert_eq!(r.sampling.top_p, 0.9);
     assert_eq!(r.sampling.top_k, 40);
     assert_eq!(r.sampling.seed, Some(3));
-    assert_eq!(
-        r.stop,
-        vec!["\n\n".to_string(), "END".to_string()],
-        "empty stop strings are dropped"
-    );
+    assert_eq!(r.stop, vec!["\n\n".to_string(), "END".to_string()], "empty stop strings are dropped");
 
-    let body =
-        completion(json!({ "prompt": ["only one"], "stop": "x", "max_tokens": 5, "top_k": -1 }));
+    let body = completion(json!({ "prompt": ["only one"], "stop": "x", "max_tokens": 5, "top_k": -1 }));
     let (status, _) = send_json(app(&mock), post("/v1/completions", body.to_string())).await;
     assert_eq!(status, StatusCode::OK);
     let r = mock.last_request();
@@ -856,10 +586,9 @@ async fn request_fields_reach_the_backend() {
 #[tokio::test]
 async fn ignore_eos_reaches_the_backend_and_must_be_a_boolean() {
     let mock = Mock::hello();
-    for (path, body) in [
-        ("/v1/chat/completions", chat(json!({ "ignore_eos": true }))),
-        ("/v1/completions", completion(json!({ "ignore_eos": true }))),
-    ] {
+    for (path, body) in
+        [("/v1/chat/completions", chat(json!({ "ignore_eos": true }))), ("/v1/completions", completion(json!({ "ignore_eos": true })))]
+    {
         let (status, v) = send_json(app(&mock), post(path, body.to_string())).await;
         assert_eq!(status, StatusCode::OK, "{v}");
         assert!(mock.last_request().sampling.ignore_eos, "{path}");
@@ -879,11 +608,7 @@ async fn unknown_fields_are_ignored_and_null_means_not_given() {
         "store": false, "parallel_tool_calls": null, "x-vendor-extension": [1, 2],
         "max_tokens": null, "temperature": null, "stop": null, "seed": null, "stream": null, "n": null,
     });
-    let (status, v) = send_json(
-        app(&mock),
-        post("/v1/chat/completions", chat(extra).to_string()),
-    )
-    .await;
+    let (status, v) = send_json(app(&mock), post("/v1/chat/completions", chat(extra).to_string())).await;
     assert_eq!(status, StatusCode::OK, "{v}");
     let r = mock.last_request();
     assert_eq!(r.max_tokens, None);
@@ -895,24 +620,10 @@ async fn unknown_fields_are_ignored_and_null_means_not_given() {
 async fn an_unknown_model_is_a_404_model_not_found() {
     let mock = Mock::hello();
     let body = chat(json!({ "model": "gpt-9" }));
-    let v = expect_error(
-        &mock,
-        "/v1/chat/completions",
-        body,
-        StatusCode::NOT_FOUND,
-        Some("model"),
-    )
-    .await;
+    let v = expect_error(&mock, "/v1/chat/completions", body, StatusCode::NOT_FOUND, Some("model")).await;
     assert_eq!(v["error"]["code"], "model_not_found");
     let body = completion(json!({ "model": "gpt-9", "stream": true }));
-    let v = expect_error(
-        &mock,
-        "/v1/completions",
-        body,
-        StatusCode::NOT_FOUND,
-        Some("model"),
-    )
-    .await;
+    let v = expect_error(&mock, "/v1/completions", body, StatusCode::NOT_FOUND, Some("model")).await;
     assert_eq!(v["error"]["code"], "model_not_found");
     assert!(mock.requests.lock().unwrap().is_empty());
 }
@@ -921,31 +632,19 @@ async fn an_unknown_model_is_a_404_model_not_found() {
 async fn empty_messages_are_rejected() {
     let mock = Mock::hello();
     let body = chat(json!({ "messages": [] }));
-    expect_error(
-        &mock,
-        "/v1/chat/completions",
-        body,
-        StatusCode::BAD_REQUEST,
-        Some("messages"),
-    )
-    .await;
+    expect_error(&mock, "/v1/chat/completions", body, StatusCode::BAD_REQUEST, Some("messages")).await;
 }
 
 #[tokio::test]
 async fn an_oversize_body_is_a_413_with_an_openai_error_body() {
     let mock = Mock::hello();
-    let big = chat(
-        json!({ "messages": [{ "role": "user", "content": "x".repeat(bulkhead_api::MAX_BODY_BYTES + 1) }] }),
-    );
+    let big = chat(json!({ "messages": [{ "role": "user", "content": "x".repeat(bulkhead_api::MAX_BODY_BYTES + 1) }] }));
     let (status, v) = send_json(app(&mock), post("/v1/chat/completions", big.to_string())).await;
     assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
     assert_error(&v, "invalid_request_error", None);
     assert_eq!(v["error"]["code"], "payload_too_large");
     // Also when the body arrives as a stream with no length known up front.
-    let chunks = vec![
-        Ok::<_, std::io::Error>(Bytes::from(vec![b' '; bulkhead_api::MAX_BODY_BYTES])),
-        Ok(Bytes::from_static(b"{}")),
-    ];
+    let chunks = vec![Ok::<_, std::io::Error>(Bytes::from(vec![b' '; bulkhead_api::MAX_BODY_BYTES])), Ok(Bytes::from_static(b"{}"))];
     let req = Request::post("/v1/completions")
         .header(header::CONTENT_TYPE, "application/json")
         .body(Body::from_stream(futures_util::stream::iter(chunks)))
@@ -957,34 +656,19 @@ async fn an_oversize_body_is_a_413_with_an_openai_error_body() {
 
 #[tokio::test]
 async fn dropping_a_stream_closes_the_backend_channel() {
-    let mock = Mock::new(vec![
-        GenEvent::Text { text: "one".into(), logprobs: None },
-        GenEvent::Text { text: "two".into(), logprobs: None },
-    ]);
-    let resp = app(&mock)
-        .oneshot(post(
-            "/v1/chat/completions",
-            chat(json!({ "stream": true })).to_string(),
-        ))
-        .await
-        .unwrap();
+    let mock =
+        Mock::new(vec![GenEvent::Text { text: "one".into(), logprobs: None }, GenEvent::Text { text: "two".into(), logprobs: None }]);
+    let resp = app(&mock).oneshot(post("/v1/chat/completions", chat(json!({ "stream": true })).to_string())).await.unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
     let mut frames = resp.into_body().into_data_stream();
     let role = frames.next().await.unwrap().unwrap();
     assert!(role.starts_with(b"data: {"), "{role:?}");
     let one = frames.next().await.unwrap().unwrap();
-    assert!(
-        std::str::from_utf8(&one)
-            .unwrap()
-            .contains("\"content\":\"one\"")
-    );
+    assert!(std::str::from_utf8(&one).unwrap().contains("\"content\":\"one\""));
     let sender = mock.last_sender();
     assert!(!sender.is_closed(), "the stream is still open");
     drop(frames);
-    assert!(
-        sender.is_closed(),
-        "the client going away reaches the backend"
-    );
+    assert!(sender.is_closed(), "the client going away reaches the backend");
 }
 
 #[tokio::test]
@@ -996,10 +680,7 @@ async fn dropping_a_pending_non_streaming_request_closes_the_backend_channel() {
         () = tokio::time::sleep(Duration::from_millis(300)) => {}
     }
     let sender = mock.last_sender();
-    assert!(
-        sender.is_closed(),
-        "the dropped handler dropped its receiver"
-    );
+    assert!(sender.is_closed(), "the dropped handler dropped its receiver");
 }
 
 #[tokio::test]
@@ -1046,27 +727,18 @@ async fn health_is_200_and_ready_follows_the_backend() {
 #[tokio::test]
 async fn the_request_id_is_echoed_or_generated() {
     let mock = Mock::hello();
-    let req = Request::get("/health")
-        .header("x-request-id", "abc-123")
-        .body(Body::empty())
-        .unwrap();
+    let req = Request::get("/health").header("x-request-id", "abc-123").body(Body::empty()).unwrap();
     let (_, headers, _) = send(app(&mock), req).await;
     assert_eq!(headers["x-request-id"], "abc-123");
 
     let (_, h1, _) = send(app(&mock), get("/health")).await;
     let (_, h2, _) = send(app(&mock), get("/health")).await;
-    let (a, b) = (
-        h1["x-request-id"].to_str().unwrap(),
-        h2["x-request-id"].to_str().unwrap(),
-    );
+    let (a, b) = (h1["x-request-id"].to_str().unwrap(), h2["x-request-id"].to_str().unwrap());
     assert_eq!(a.len(), 32);
     assert_ne!(a, b);
 
     // Errors carry it too, and an unusable client id is replaced.
-    let req = Request::post("/v1/chat/completions")
-        .header("x-request-id", "x".repeat(500))
-        .body(Body::empty())
-        .unwrap();
+    let req = Request::post("/v1/chat/completions").header("x-request-id", "x".repeat(500)).body(Body::empty()).unwrap();
     let (status, headers, _) = send(app(&mock), req).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert_eq!(headers["x-request-id"].len(), 32);
@@ -1101,11 +773,8 @@ impl std::io::Write for Captured {
 async fn the_request_span_carries_the_request_id() {
     let captured = Captured::default();
     let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::INFO)
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
+    let subscriber =
+        tracing_subscriber::fmt().with_max_level(tracing::Level::INFO).with_ansi(false).with_writer(move || writer.clone()).finish();
     let _guard = tracing::subscriber::set_default(subscriber);
     let mock = Mock::hello();
     let req = Request::post("/v1/chat/completions")
@@ -1116,10 +785,7 @@ async fn the_request_span_carries_the_request_id() {
     let (status, _, _) = send(app(&mock), req).await;
     assert_eq!(status, StatusCode::OK);
     let logs = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
-    let line = logs
-        .lines()
-        .find(|l| l.contains("completed"))
-        .unwrap_or_else(|| panic!("no completion log in {logs:?}"));
+    let line = logs.lines().find(|l| l.contains("completed")).unwrap_or_else(|| panic!("no completion log in {logs:?}"));
     assert!(line.contains("request_id=trace-me-42"), "{line}");
 }
 
@@ -1131,7 +797,10 @@ fn text(t: &str) -> GenEvent {
 /// log-probability `lp` and one alternative.
 fn token(t: char, lp: f32) -> GenEvent {
     let id = t as u32;
-    GenEvent::Text { text: t.to_string(), logprobs: Some((id, bulkhead_protocol::TokenLogprobs { logprob: lp, top: vec![(id, lp), (u32::from(b'z'), lp - 1.0)] })) }
+    GenEvent::Text {
+        text: t.to_string(),
+        logprobs: Some((id, bulkhead_protocol::TokenLogprobs { logprob: lp, top: vec![(id, lp), (u32::from(b'z'), lp - 1.0)] })),
+    }
 }
 
 fn finished(reason: FinishReason, completion_tokens: usize) -> GenEvent {
@@ -1145,7 +814,10 @@ async fn n_choices_come_back_by_index_each_with_its_own_seed_and_usage_counts_th
     assert_eq!(status, StatusCode::OK, "{v}");
     let choices = v["choices"].as_array().unwrap();
     assert_eq!(choices.iter().map(|c| c["index"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1, 2]);
-    assert_eq!(v["usage"], json!({ "prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14, "prompt_tokens_details": { "cached_tokens": 1 } }));
+    assert_eq!(
+        v["usage"],
+        json!({ "prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14, "prompt_tokens_details": { "cached_tokens": 1 } })
+    );
     let seeds: Vec<Option<u64>> = mock.requests.lock().unwrap().iter().map(|r| r.sampling.seed).collect();
     assert_eq!(seeds.len(), 3);
     assert_eq!(seeds[0], Some(42), "the first choice keeps the seed");
@@ -1199,9 +871,13 @@ async fn best_of_keeps_the_most_likely_generations() {
 #[tokio::test]
 async fn log_probabilities_are_named_by_their_tokens_in_both_forms() {
     let mock = Mock::new(vec![token('o', -0.25), token('k', -1.5), finished(FinishReason::Stop, 2)]);
-    let (_, v) = send_json(app(&mock), post("/v1/chat/completions", chat(json!({ "logprobs": true, "top_logprobs": 1 })).to_string())).await;
+    let (_, v) =
+        send_json(app(&mock), post("/v1/chat/completions", chat(json!({ "logprobs": true, "top_logprobs": 1 })).to_string())).await;
     let content = &v["choices"][0]["logprobs"]["content"];
-    assert_eq!(content[0], json!({ "token": "o", "logprob": -0.25, "bytes": [111], "top_logprobs": [{ "token": "o", "logprob": -0.25, "bytes": [111] }, { "token": "z", "logprob": -1.25, "bytes": [122] }] }));
+    assert_eq!(
+        content[0],
+        json!({ "token": "o", "logprob": -0.25, "bytes": [111], "top_logprobs": [{ "token": "o", "logprob": -0.25, "bytes": [111] }, { "token": "z", "logprob": -1.25, "bytes": [122] }] })
+    );
     assert_eq!(content[1]["token"], "k");
     let (_, v) = send_json(app(&mock), post("/v1/completions", completion(json!({ "logprobs": 1 })).to_string())).await;
     let lp = &v["choices"][0]["logprobs"];
@@ -1211,7 +887,13 @@ async fn log_probabilities_are_named_by_their_tokens_in_both_forms() {
     assert_eq!(lp["top_logprobs"][0], json!({ "o": -0.25, "z": -1.25 }));
     // Streamed: each token's entry rides on its chunk.
     let (_, _, bytes) = send(app(&mock), post("/v1/chat/completions", chat(json!({ "logprobs": true, "stream": true })).to_string())).await;
-    let entries: Vec<Value> = sse_payloads(&bytes).iter().filter(|p| *p != "[DONE]").map(|p| parse(p)).filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array().cloned()).flatten().collect();
+    let entries: Vec<Value> = sse_payloads(&bytes)
+        .iter()
+        .filter(|p| *p != "[DONE]")
+        .map(|p| parse(p))
+        .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array().cloned())
+        .flatten()
+        .collect();
     assert_eq!(entries.iter().map(|e| e["token"].as_str().unwrap()).collect::<String>(), "ok");
     // Echo puts the prompt first, and shifts the text offsets.
     let (_, v) = send_json(app(&mock), post("/v1/completions", completion(json!({ "echo": true })).to_string())).await;
@@ -1249,7 +931,8 @@ async fn tool_calls_are_parsed_into_the_message_and_streamed_as_deltas() {
     // `required` is enforced by a grammar; `none` leaves the text alone.
     send_json(app(&mock), post("/v1/chat/completions", chat(json!({ "tools": tools, "tool_choice": "required" })).to_string())).await;
     assert!(matches!(mock.last_request().sampling.grammar, Some(bulkhead_protocol::GrammarSpec::Lark(_))));
-    let (_, v) = send_json(app(&mock), post("/v1/chat/completions", chat(json!({ "tools": tools, "tool_choice": "none" })).to_string())).await;
+    let (_, v) =
+        send_json(app(&mock), post("/v1/chat/completions", chat(json!({ "tools": tools, "tool_choice": "none" })).to_string())).await;
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
     assert!(v["choices"][0]["message"]["content"].as_str().unwrap().contains("<tool_call>"));
 }
@@ -1260,7 +943,10 @@ async fn a_grammar_that_does_not_compile_or_an_id_outside_the_vocabulary_is_a_40
     for (extra, param) in [
         (json!({ "guided_regex": "(unclosed" }), "guided_regex"),
         (json!({ "guided_grammar": "start: undefined_rule" }), "guided_grammar"),
-        (json!({ "response_format": { "type": "json_schema", "json_schema": { "name": "x", "schema": { "type": "frobnicate" } } } }), "response_format"),
+        (
+            json!({ "response_format": { "type": "json_schema", "json_schema": { "name": "x", "schema": { "type": "frobnicate" } } } }),
+            "response_format",
+        ),
         (json!({ "logit_bias": { "999999": 1 } }), "logit_bias"),
         (json!({ "stop_token_ids": [999999] }), "stop_token_ids"),
     ] {

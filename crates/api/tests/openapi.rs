@@ -66,24 +66,13 @@ impl Backend for NoBackend {
 
 #[tokio::test]
 async fn the_server_serves_the_document() {
-    let req = Request::get("/openapi.json")
-        .body(Body::empty())
-        .expect("request");
-    let resp = router(Arc::new(NoBackend(bulkhead_api::testing::byte_level_encoder())))
-        .oneshot(req)
-        .await
-        .expect("response");
+    let req = Request::get("/openapi.json").body(Body::empty()).expect("request");
+    let resp = router(Arc::new(NoBackend(bulkhead_api::testing::byte_level_encoder()))).oneshot(req).await.expect("response");
     assert_eq!(resp.status(), StatusCode::OK);
-    let body = axum::body::to_bytes(resp.into_body(), usize::MAX)
-        .await
-        .expect("body");
+    let body = axum::body::to_bytes(resp.into_body(), usize::MAX).await.expect("body");
     let served: Value = serde_json::from_slice(&body).expect("JSON");
     assert_eq!(served, serde_json::to_value(document()).expect("document"));
-    assert!(
-        served["openapi"]
-            .as_str()
-            .is_some_and(|v| v.starts_with("3."))
-    );
+    assert!(served["openapi"].as_str().is_some_and(|v| v.starts_with("3.")));
 }
 
 fn doc() -> Value {
@@ -96,10 +85,7 @@ fn properties(doc: &Value, schema: &Value) -> BTreeSet<String> {
         let name = r.trim_start_matches("#/components/schemas/");
         return properties(doc, &doc["components"]["schemas"][name]);
     }
-    let mut out: BTreeSet<String> = schema["properties"]
-        .as_object()
-        .map(|p| p.keys().cloned().collect())
-        .unwrap_or_default();
+    let mut out: BTreeSet<String> = schema["properties"].as_object().map(|p| p.keys().cloned().collect()).unwrap_or_default();
     for part in schema["allOf"].as_array().into_iter().flatten() {
         out.extend(properties(doc, part));
     }
@@ -108,10 +94,7 @@ fn properties(doc: &Value, schema: &Value) -> BTreeSet<String> {
 
 fn request_properties(name: &str) -> BTreeSet<String> {
     let d = doc();
-    properties(
-        &d,
-        &json!({ "$ref": format!("#/components/schemas/{name}") }),
-    )
+    properties(&d, &json!({ "$ref": format!("#/components/schemas/{name}") }))
 }
 
 type Parser = fn(&Value) -> Result<bulkhead_api::openai::CompletionParams, ApiError>;
@@ -121,16 +104,8 @@ type Parser = fn(&Value) -> Result<bulkhead_api::openai::CompletionParams, ApiEr
 #[test]
 fn every_documented_request_field_is_one_the_parser_reads() {
     let cases: [(&str, Parser, Value); 2] = [
-        (
-            "ChatCompletionRequest",
-            parse_chat,
-            json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
-        ),
-        (
-            "CompletionRequest",
-            parse_completion,
-            json!({"model": "m", "prompt": "hi"}),
-        ),
+        ("ChatCompletionRequest", parse_chat, json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]})),
+        ("CompletionRequest", parse_completion, json!({"model": "m", "prompt": "hi"})),
     ];
     for (schema, parse, base) in cases {
         parse(&base).unwrap_or_else(|e| panic!("{schema}: the base body is refused: {e}"));
@@ -142,10 +117,7 @@ fn every_documented_request_field_is_one_the_parser_reads() {
                 body[&p] = bad;
                 parse(&body).is_err_and(|e| e.param.as_deref() == Some(p.as_str()))
             });
-            assert!(
-                refused,
-                "{schema}.{p} is documented but a wrong type is not refused naming it"
-            );
+            assert!(refused, "{schema}.{p} is documented but a wrong type is not refused naming it");
         }
     }
 }
@@ -155,19 +127,10 @@ fn every_documented_request_field_is_one_the_parser_reads() {
 #[test]
 fn every_field_the_parser_reads_is_documented() {
     let source = include_str!("../src/openai.rs");
-    let read: BTreeSet<&str> = source
-        .split("field(obj, \"")
-        .skip(1)
-        .filter_map(|rest| rest.split('"').next())
-        .collect();
-    assert!(
-        read.contains("max_tokens") && read.contains("messages"),
-        "{read:?}"
-    );
-    let documented: BTreeSet<String> = request_properties("ChatCompletionRequest")
-        .into_iter()
-        .chain(request_properties("CompletionRequest"))
-        .collect();
+    let read: BTreeSet<&str> = source.split("field(obj, \"").skip(1).filter_map(|rest| rest.split('"').next()).collect();
+    assert!(read.contains("max_tokens") && read.contains("messages"), "{read:?}");
+    let documented: BTreeSet<String> =
+        request_properties("ChatCompletionRequest").into_iter().chain(request_properties("CompletionRequest")).collect();
     for f in read {
         assert!(
             documented.contains(f),
@@ -180,9 +143,6 @@ fn every_field_the_parser_reads_is_documented() {
 #[test]
 fn finish_reason_schema_names_are_the_wire_names() {
     let names = &doc()["components"]["schemas"]["FinishReason"]["enum"];
-    let want: Vec<&str> = [FinishReason::Stop, FinishReason::Length, FinishReason::Abort]
-        .iter()
-        .map(|r| r.as_str())
-        .collect();
+    let want: Vec<&str> = [FinishReason::Stop, FinishReason::Length, FinishReason::Abort].iter().map(|r| r.as_str()).collect();
     assert_eq!(names, &json!(want));
 }

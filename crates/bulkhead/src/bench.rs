@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use bulkhead_kv::{KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
+use bulkhead_kv::{KvChecks, KvPool, PoolConfig, RequestId, SequenceKv};
 use bulkhead_model::{Isa, IsaLevel, Llama, SeqInput};
 use clap::Args;
 
@@ -51,7 +51,11 @@ pub struct BenchArgs {
 
 /// Runs `a` and `b` alternately `reps` times, so that drift on a noisy machine hits both
 /// sides: the medians of each and the median of the per-pair ratios a / b.
-pub(crate) fn alternate(reps: usize, mut a: impl FnMut() -> anyhow::Result<f64>, mut b: impl FnMut() -> anyhow::Result<f64>) -> anyhow::Result<(f64, f64, f64)> {
+pub(crate) fn alternate(
+    reps: usize,
+    mut a: impl FnMut() -> anyhow::Result<f64>,
+    mut b: impl FnMut() -> anyhow::Result<f64>,
+) -> anyhow::Result<(f64, f64, f64)> {
     let (mut av, mut bv, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..reps.max(1) {
         let (x, y) = (a()?, b()?);
@@ -166,7 +170,8 @@ fn compare_kernels(vnni: &Llama, a: &BenchArgs, pages: usize) -> anyhow::Result<
         rows.push((format!("decode  batch {b:>3} (ctx {:>4})", a.decode_context), r));
     }
     if a.json {
-        let j: Vec<_> = rows.iter().map(|(n, (x, y, r))| serde_json::json!({ "figure": n, "vnni_tok_s": x, "avx2_tok_s": y, "ratio": r })).collect();
+        let j: Vec<_> =
+            rows.iter().map(|(n, (x, y, r))| serde_json::json!({ "figure": n, "vnni_tok_s": x, "avx2_tok_s": y, "ratio": r })).collect();
         println!("{}", serde_json::json!({ "threads": vnni.threads(), "kernels": j }));
     } else {
         println!("bulkhead bench-engine --compare-kernels: {} threads, median of {} alternating reps", vnni.threads(), a.reps.max(1));
@@ -196,14 +201,26 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         let production = compare_checks(&m, &a, pages, KvChecks::default())?;
         let audit = compare_checks(&m, &a, pages, KvChecks::all())?;
         if a.json {
-            println!("{}", serde_json::json!({ "threads": m.threads(), "decode_context": a.decode_context, "production": production, "audit": audit }));
+            println!(
+                "{}",
+                serde_json::json!({ "threads": m.threads(), "decode_context": a.decode_context, "production": production, "audit": audit })
+            );
         } else {
-            println!("bulkhead bench-engine --compare-checks: {} threads, ctx {}, {} steps, median of {} alternating reps", m.threads(), a.decode_context, a.decode_steps, a.reps.max(1));
+            println!(
+                "bulkhead bench-engine --compare-checks: {} threads, ctx {}, {} steps, median of {} alternating reps",
+                m.threads(),
+                a.decode_context,
+                a.decode_steps,
+                a.reps.max(1)
+            );
             for (name, rows) in [("production checks (canaries)", &production), ("auditor + canaries", &audit)] {
                 for r in rows {
                     println!(
                         "{name:<30} batch {:>3}: on {:8.1} tok/s, off {:8.1} tok/s, ratio on/off {:.3}",
-                        r["batch"], r["checks_on_tok_s"].as_f64().unwrap_or(0.0), r["checks_off_tok_s"].as_f64().unwrap_or(0.0), r["ratio"].as_f64().unwrap_or(0.0)
+                        r["batch"],
+                        r["checks_on_tok_s"].as_f64().unwrap_or(0.0),
+                        r["checks_off_tok_s"].as_f64().unwrap_or(0.0),
+                        r["ratio"].as_f64().unwrap_or(0.0)
                     );
                 }
             }

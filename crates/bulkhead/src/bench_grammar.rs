@@ -38,7 +38,14 @@ impl Bench {
     /// sequence has its first token.
     fn decode(&mut self, batch: usize, steps: usize, grammar: bool) -> anyhow::Result<f64> {
         let ids: Vec<RequestId> = (0..batch)
-            .map(|i| self.engine.add(GenRequest { prompt: self.prompts[i % self.prompts.len()].clone(), max_tokens: steps + 8, sampling: Self::sampling(grammar), stop: Vec::new() }))
+            .map(|i| {
+                self.engine.add(GenRequest {
+                    prompt: self.prompts[i % self.prompts.len()].clone(),
+                    max_tokens: steps + 8,
+                    sampling: Self::sampling(grammar),
+                    stop: Vec::new(),
+                })
+            })
             .collect::<Result<_, _>>()?;
         let mut started = 0;
         while started < batch {
@@ -59,7 +66,12 @@ impl Bench {
     /// admission, the prompt prefilled, the first token masked and picked).
     fn ttft(&mut self, grammar: bool) -> anyhow::Result<f64> {
         let t = Instant::now();
-        let id = self.engine.add(GenRequest { prompt: self.prompts[0].clone(), max_tokens: 4, sampling: Self::sampling(grammar), stop: Vec::new() })?;
+        let id = self.engine.add(GenRequest {
+            prompt: self.prompts[0].clone(),
+            max_tokens: 4,
+            sampling: Self::sampling(grammar),
+            stop: Vec::new(),
+        })?;
         while !self.engine.step()?.iter().any(|e| matches!(e, Event::Token { .. })) {}
         let s = t.elapsed().as_secs_f64();
         self.engine.abort(id)?;
@@ -72,7 +84,8 @@ pub fn run(m: LoadedModel, page_size: usize, batch: usize, steps: usize, reps: u
     let tokenizer = Arc::new(m.tokenizer);
     let prompts: Vec<Vec<u32>> = (0..batch.max(1))
         .map(|i| {
-            let user = format!("Make up user number {i} as a JSON object with id, name, email, age, city, country, active, score, role and tags.");
+            let user =
+                format!("Make up user number {i} as a JSON object with id, name, email, age, city, country, active, score, role and tags.");
             let text = match &m.chat {
                 Some(chat) => chat.render(&[ChatMessage::new("user", user)], true)?,
                 None => user,
@@ -105,7 +118,8 @@ pub fn run(m: LoadedModel, page_size: usize, batch: usize, steps: usize, reps: u
     b.ttft(true)?;
     b.ttft(false)?;
     let bench = std::cell::RefCell::new(b);
-    let (dg, du, dr) = alternate(reps, || bench.borrow_mut().decode(batch, steps, true), || bench.borrow_mut().decode(batch, steps, false))?;
+    let (dg, du, dr) =
+        alternate(reps, || bench.borrow_mut().decode(batch, steps, true), || bench.borrow_mut().decode(batch, steps, false))?;
     let (tg, tu, tr) = alternate(reps, || bench.borrow_mut().ttft(true), || bench.borrow_mut().ttft(false))?;
     if json {
         println!(
@@ -115,7 +129,11 @@ pub fn run(m: LoadedModel, page_size: usize, batch: usize, steps: usize, reps: u
                 "ttft_grammar_ms": tg * 1e3, "ttft_plain_ms": tu * 1e3, "ttft_ratio": tr })
         );
     } else {
-        println!("bulkhead bench-engine --compare-grammar: {} threads, a ten-field JSON schema, median of {} alternating reps", model.threads(), reps.max(1));
+        println!(
+            "bulkhead bench-engine --compare-grammar: {} threads, a ten-field JSON schema, median of {} alternating reps",
+            model.threads(),
+            reps.max(1)
+        );
         println!("grammar vocabulary (once per process): {vocabulary_ms:.1} ms; the schema's matcher (per request): {compile_ms:.2} ms");
         println!("decode batch {batch:>3}, {steps} steps: schema {dg:8.1} tok/s, none {du:8.1} tok/s, ratio schema/none {dr:.3}");
         println!("time to first token:        schema {:8.1} ms,   none {:8.1} ms,   ratio schema/none {tr:.3}", tg * 1e3, tu * 1e3);

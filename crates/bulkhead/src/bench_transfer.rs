@@ -10,7 +10,7 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use bulkhead_kv::transfer::{ChunkExport, Manifest};
-use bulkhead_kv::{Inbound, KvLayout, KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
+use bulkhead_kv::{Inbound, KvChecks, KvLayout, KvPool, PoolConfig, RequestId, SequenceKv};
 use bulkhead_protocol::auth::{Client, ClusterKey, Server, Session};
 use bulkhead_protocol::{Message, Purpose};
 use bulkhead_server::kv_transport::{Chosen, KvTransport};
@@ -61,7 +61,13 @@ fn ends(stream: TcpStream, session: Option<Session>) -> anyhow::Result<(FrameRea
 /// Seconds per verified transfer of `n` tokens between two pools running `checks`, `reps`
 /// times over one connection (set up untimed, as a worker's lives long), and the road it
 /// took; with `key`, every frame is sealed as in production (encrypted if its flag says so).
-fn transfer_times(checks: KvChecks, key: Option<(&ClusterKey, bool)>, transport: KvTransport, n: usize, reps: usize) -> anyhow::Result<(Vec<f64>, Chosen)> {
+fn transfer_times(
+    checks: KvChecks,
+    key: Option<(&ClusterKey, bool)>,
+    transport: KvTransport,
+    n: usize,
+    reps: usize,
+) -> anyhow::Result<(Vec<f64>, Chosen)> {
     let pages = LAYOUT.pages_for_tokens(n);
     let mut src = KvPool::new(PoolConfig { layout: LAYOUT, pages, checks })?;
     let mut seq = SequenceKv::new(RequestId(1));
@@ -127,7 +133,7 @@ fn transfer_times(checks: KvChecks, key: Option<(&ClusterKey, bool)>, transport:
 /// frame tag: why the encrypted session uses AES-256-GCM (with AES-NI) and not
 /// ChaCha20-Poly1305, and what the MAC-only session's BLAKE3 costs.
 fn cipher_rates(bytes: usize) -> anyhow::Result<Vec<(&'static str, f64)>> {
-    use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM, CHACHA20_POLY1305};
+    use ring::aead::{AES_256_GCM, Aad, CHACHA20_POLY1305, LessSafeKey, Nonce, UnboundKey};
     let key = bulkhead_server::trust::random()?;
     let mut frame = vec![7u8; 1 << 20];
     let frames = bytes.div_ceil(frame.len());
@@ -140,7 +146,8 @@ fn cipher_rates(bytes: usize) -> anyhow::Result<Vec<(&'static str, f64)>> {
         for i in 0..frames as u64 {
             let mut n = [0u8; 12];
             n[4..].copy_from_slice(&i.to_le_bytes());
-            let tag = k.seal_in_place_separate_tag(Nonce::assume_unique_for_key(n), Aad::from(b"header"), &mut frame)
+            let tag = k
+                .seal_in_place_separate_tag(Nonce::assume_unique_for_key(n), Aad::from(b"header"), &mut frame)
                 .map_err(|_| anyhow::anyhow!("{name} refused a frame"))?;
             std::hint::black_box(tag.as_ref()[0]);
         }
@@ -167,12 +174,14 @@ pub fn run(a: TransferArgs) -> anyhow::Result<()> {
     let (sealed, _) = transfer_times(KvChecks::default(), Some((&key, false)), transport, n, reps)?;
     let (encrypted, _) = transfer_times(KvChecks::default(), Some((&key, true)), transport, n, reps)?;
     let (unchecked, _) = transfer_times(no_checksums, None, transport, n, reps)?;
-    let tcp = if matches!(chosen, Chosen::Ucx(_)) { Some(transfer_times(KvChecks::default(), None, KvTransport::Tcp, n, reps)?.0) } else { None };
+    let tcp =
+        if matches!(chosen, Chosen::Ucx(_)) { Some(transfer_times(KvChecks::default(), None, KvTransport::Tcp, n, reps)?.0) } else { None };
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    let (transfer, transfer_sealed, transfer_encrypted, transfer_unchecked) = (median(times), median(sealed), median(encrypted), median(unchecked));
+    let (transfer, transfer_sealed, transfer_encrypted, transfer_unchecked) =
+        (median(times), median(sealed), median(encrypted), median(unchecked));
     // memcpy of the same number of bytes, median of several copies.
     let from = vec![7u8; bytes];
     let mut to = vec![0u8; bytes];
@@ -194,7 +203,12 @@ pub fn run(a: TransferArgs) -> anyhow::Result<()> {
     println!("memcpy of the same bytes: {:.2} GB/s; transfer / memcpy = {:.3}", gb / copy, copy / transfer);
     if let Some(tcp) = tcp {
         let tcp = median(tcp);
-        println!("the same over loopback TCP: {:.2} GB/s, transfer / memcpy = {:.3}; UCX / TCP throughput = {:.2}", gb / tcp, copy / tcp, tcp / transfer);
+        println!(
+            "the same over loopback TCP: {:.2} GB/s, transfer / memcpy = {:.3}; UCX / TCP throughput = {:.2}",
+            gb / tcp,
+            copy / tcp,
+            tcp / transfer
+        );
     }
     println!(
         "with the cluster MAC on every frame (keyed BLAKE3): {:.2} GB/s; throughput with / without the MAC = {:.3}",

@@ -46,7 +46,9 @@ pub fn apply(cmd: &Command, args: Vec<OsString>) -> anyhow::Result<Vec<OsString>
                 let parts: Vec<String> = items.iter().map(scalar).collect::<anyhow::Result<_>>()?;
                 out.extend([flag.into(), parts.join(",").into()]);
             }
-            other => bail!("config file {}: key `{key}` has a {} value; use a string, number, boolean or list", path.display(), other.type_str()),
+            other => {
+                bail!("config file {}: key `{key}` has a {} value; use a string, number, boolean or list", path.display(), other.type_str())
+            }
         }
     }
     Ok(out)

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use bulkhead_engine::{Engine, EngineConfig, Event, GenRequest, Sampling};
-use bulkhead_protocol::admission::{admit, Generate};
-use bulkhead_kv::{KvPool, KvChecks, PoolConfig};
+use bulkhead_kv::{KvChecks, KvPool, PoolConfig};
+use bulkhead_protocol::admission::{Generate, admit};
 use bulkhead_tokenizer::ChatMessage;
 use clap::Args;
 
@@ -56,7 +56,10 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
         }
         // A base model continues the text itself.
         None => {
-            anyhow::ensure!(a.system.is_none(), "this model has no chat template (a base model), so --system has no place; pass --chat-template FILE");
+            anyhow::ensure!(
+                a.system.is_none(),
+                "this model has no chat template (a base model), so --system has no place; pass --chat-template FILE"
+            );
             eprintln!("bulkhead: the model has no chat template (a base model): continuing --prompt as raw text");
             m.tokenizer.encode(&a.prompt, false)
         }

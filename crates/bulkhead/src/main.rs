@@ -136,7 +136,10 @@ fn main() {
         Cmd::Loadgen(a) => loadgen::run(a),
         Cmd::Probe(a) => probe::run(a),
         Cmd::Keygen { file } => bulkhead_server::trust::write_key_file(&file).map_err(anyhow::Error::from).map(|()| {
-            println!("bulkhead: wrote a new cluster key to {} (mode 600); give every process of the cluster --cluster-key-file", file.display());
+            println!(
+                "bulkhead: wrote a new cluster key to {} (mode 600); give every process of the cluster --cluster-key-file",
+                file.display()
+            );
         }),
         Cmd::ConfigReference => {
             print!("{}", config::reference(&Cli::command()));
@@ -176,7 +179,12 @@ mod tests {
         let cli = Cli::command();
         for sub in cli.get_subcommands() {
             for a in sub.get_arguments().filter(|a| a.get_long().is_some_and(|l| l != "help" && l != "version")) {
-                assert!(a.get_env().is_some(), "`bulkhead {} --{}` has no environment variable", sub.get_name(), a.get_long().unwrap_or(""));
+                assert!(
+                    a.get_env().is_some(),
+                    "`bulkhead {} --{}` has no environment variable",
+                    sub.get_name(),
+                    a.get_long().unwrap_or("")
+                );
             }
         }
     }

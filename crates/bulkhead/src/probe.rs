@@ -153,6 +153,10 @@ fn run_timing(a: ProbeArgs) -> anyhow::Result<()> {
         timing::run(&tenant_a, &tenant_b, &cfg).await.context("the timing audit could not run")
     })?;
     print_report(a.json, &report)?;
-    anyhow::ensure!(report.failed_requests == 0, "{} requests of the timing audit failed (their rounds are left out of the report)", report.failed_requests);
+    anyhow::ensure!(
+        report.failed_requests == 0,
+        "{} requests of the timing audit failed (their rounds are left out of the report)",
+        report.failed_requests
+    );
     Ok(())
 }

@@ -3,21 +3,21 @@
 //! talking to it over loopback TCP. Children exit when their gateway connection closes, so
 //! they never outlive this process.
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::collections::VecDeque;
 use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use bulkhead_api::Tenants;
-use bulkhead_server::gateway::{self, GatewayOptions};
-use bulkhead_server::http::HttpLimits;
-use bulkhead_server::trust::{self, Trust};
 use bulkhead_kv::KvChecks;
 use bulkhead_server::core_budget::{CoreBudget, ShareMode};
+use bulkhead_server::gateway::{self, GatewayOptions};
+use bulkhead_server::http::HttpLimits;
 use bulkhead_server::kv_transport::KvTransport;
+use bulkhead_server::trust::{self, Trust};
 use bulkhead_server::worker::WorkerConfig;
 use clap::{Args, ValueEnum};
 
@@ -275,10 +275,11 @@ impl KvCheckArgs {
 /// Parse sizes like `512MiB`, `2GiB`, `1000000`.
 fn parse_bytes(s: &str) -> anyhow::Result<u64> {
     let s = s.trim();
-    let (num, mult) = [("GiB", 1u64 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("GB", 1_000_000_000), ("MB", 1_000_000), ("KB", 1000), ("B", 1)]
-        .iter()
-        .find_map(|(suf, m)| s.strip_suffix(suf).map(|n| (n.trim(), *m)))
-        .unwrap_or((s, 1));
+    let (num, mult) =
+        [("GiB", 1u64 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("GB", 1_000_000_000), ("MB", 1_000_000), ("KB", 1000), ("B", 1)]
+            .iter()
+            .find_map(|(suf, m)| s.strip_suffix(suf).map(|n| (n.trim(), *m)))
+            .unwrap_or((s, 1));
     let n: f64 = num.parse().with_context(|| format!("invalid size `{s}` (examples: 512MiB, 2GiB)"))?;
     anyhow::ensure!(n.is_finite() && n > 0.0, "size `{s}` must be positive");
     Ok((n * mult as f64) as u64)
@@ -357,7 +358,9 @@ impl ServeArgs {
         }
         if self.core_budget_dir.is_some() {
             if !matches!(self.role, ServeRole::Prefill | ServeRole::Decode) {
-                anyhow::bail!("--core-budget-dir is for prefill and decode workers started by hand (--role prefill or decode); role all makes its own, and a gateway computes nothing");
+                anyhow::bail!(
+                    "--core-budget-dir is for prefill and decode workers started by hand (--role prefill or decode); role all makes its own, and a gateway computes nothing"
+                );
             }
             if self.core_budget == CoreBudgetArg::Off {
                 anyhow::bail!("--core-budget-dir names a core budget, but --core-budget is off");
@@ -399,8 +402,13 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
         (None, Some(key)) => Tenants::single_key(key)?,
         (None, None) => Tenants::open(),
     };
-    let access = if tenants.authenticates() { format!("{} tenant(s), API keys required", tenants.len()) } else { "open (no API key)".into() };
-    let cache = if a.no_prefix_cache { "off".to_string() } else { a.prefix_cache_pages.map_or("on (up to the prefill pool)".into(), |p| format!("on (up to {p} pages per prefill worker)")) };
+    let access =
+        if tenants.authenticates() { format!("{} tenant(s), API keys required", tenants.len()) } else { "open (no API key)".into() };
+    let cache = if a.no_prefix_cache {
+        "off".to_string()
+    } else {
+        a.prefix_cache_pages.map_or("on (up to the prefill pool)".into(), |p| format!("on (up to {p} pages per prefill worker)"))
+    };
     let opts = GatewayOptions {
         chat_template: a.model.chat_template.clone(),
         http_addr: format!("{}:{}", a.host, a.port),
@@ -469,7 +477,11 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
                     cmd.arg("--core-budget-dir").arg(&b.0);
                 }
                 // Workers must not bind the gateway's HTTP port or inherit its role.
-                cmd.env_remove("BULKHEAD_ROLE").env_remove("BULKHEAD_PORT").env_remove("BULKHEAD_CONFIG").env_remove("BULKHEAD_API_KEY").env_remove("BULKHEAD_TENANTS");
+                cmd.env_remove("BULKHEAD_ROLE")
+                    .env_remove("BULKHEAD_PORT")
+                    .env_remove("BULKHEAD_CONFIG")
+                    .env_remove("BULKHEAD_API_KEY")
+                    .env_remove("BULKHEAD_TENANTS");
                 workers.add(role, cmd).with_context(|| format!("cannot start a {role} worker"))?;
             }
         }
@@ -621,7 +633,10 @@ impl BudgetDir {
         sweep_budget_dirs(&tmp);
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
         let dir = tmp.join(format!("{BUDGET_DIR_PREFIX}{}-{nanos:x}", std::process::id()));
-        std::fs::DirBuilder::new().mode(0o700).create(&dir).with_context(|| format!("cannot make the core budget's directory {}", dir.display()))?;
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .with_context(|| format!("cannot make the core budget's directory {}", dir.display()))?;
         Ok(BudgetDir(dir))
     }
 }
@@ -637,7 +652,12 @@ fn sweep_budget_dirs(tmp: &Path) {
     let Ok(entries) = std::fs::read_dir(tmp) else { return };
     for e in entries.flatten() {
         let name = e.file_name();
-        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(BUDGET_DIR_PREFIX)).and_then(|r| r.split_once('-')).and_then(|(p, _)| p.parse::<u32>().ok()) else {
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(BUDGET_DIR_PREFIX))
+            .and_then(|r| r.split_once('-'))
+            .and_then(|(p, _)| p.parse::<u32>().ok())
+        else {
             continue;
         };
         let mine = e.metadata().is_ok_and(|m| m.uid() == me);

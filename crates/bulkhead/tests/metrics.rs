@@ -74,7 +74,13 @@ fn traffic_moves_the_evidence_counters_and_the_trace_id_travels_to_the_workers()
     // One normal request inside the client's trace.
     let traceparent = format!("00-{TRACE}-00f067aa0ba902b7-01");
     let body = serde_json::json!({"model": "bulkhead", "prompt": "The sea is", "max_tokens": 6, "temperature": 0, "ignore_eos": true});
-    let r = request(&s.http, "POST", "/v1/completions", &[("traceparent", &traceparent), ("x-request-id", "metrics-test-1")], &body.to_string());
+    let r = request(
+        &s.http,
+        "POST",
+        "/v1/completions",
+        &[("traceparent", &traceparent), ("x-request-id", "metrics-test-1")],
+        &body.to_string(),
+    );
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.headers.get("x-request-id").map(String::as_str), Some("metrics-test-1"));
     let back = r.headers.get("traceparent").cloned().unwrap_or_default();
@@ -176,12 +182,12 @@ fn traffic_moves_the_evidence_counters_and_the_trace_id_travels_to_the_workers()
 fn the_parser_in_this_test_refuses_what_prometheus_would() {
     assert!(parse("# TYPE a counter\na 1\n").is_ok());
     for bad in [
-        "a 1\n",                                              // no TYPE
-        "# TYPE a counter\nb 1\n",                            // outside its family
-        "# TYPE a counter\na{x=\"1} 1\n",                     // unterminated
-        "# TYPE a counter\na{x=\"1\",x=\"2\"} 1\n",           // repeated label
-        "# TYPE a counter\na one\n",                          // not a number
-        "# TYPE a counter\n# TYPE a counter\n",               // declared twice
+        "a 1\n",                                               // no TYPE
+        "# TYPE a counter\nb 1\n",                             // outside its family
+        "# TYPE a counter\na{x=\"1} 1\n",                      // unterminated
+        "# TYPE a counter\na{x=\"1\",x=\"2\"} 1\n",            // repeated label
+        "# TYPE a counter\na one\n",                           // not a number
+        "# TYPE a counter\n# TYPE a counter\n",                // declared twice
         "# TYPE a histogram\na_bucket{le=\"1\"} 1\nb_sum 1\n", // not the histogram's
     ] {
         assert!(parse(bad).is_err(), "{bad:?}");

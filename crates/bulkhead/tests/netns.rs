@@ -17,11 +17,7 @@ use common::{BIN, model, pools_idle, request, scrape, sum, wait_for};
 /// `ip` with arguments; Err with its stderr on failure.
 fn ip(args: &[&str]) -> Result<(), String> {
     let out = Command::new("ip").args(args).output().map_err(|e| format!("cannot run ip: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
-    }
+    if out.status.success() { Ok(()) } else { Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim())) }
 }
 
 /// Namespaces and links made for one test, removed on drop (processes first).
@@ -142,9 +138,16 @@ fn kv_over_ucx_between_namespaces() {
     let road = if bulkhead_ucx::version().is_ok() { "transport=\"ucx\"" } else { "transport=\"tcp\"" };
     for (log, line) in [(&p, "KV connection open"), (&d, "KV connection from a prefill worker")] {
         let text = std::fs::read_to_string(log).unwrap_or_default();
-        assert!(text.lines().any(|l| l.contains(line) && l.contains(road) && l.contains("encrypted=true")), "{line} {road} in {}:\n{text}", log.display());
+        assert!(
+            text.lines().any(|l| l.contains(line) && l.contains(road) && l.contains("encrypted=true")),
+            "{line} {road} in {}:\n{text}",
+            log.display()
+        );
     }
-    eprintln!("between namespaces: {}", std::fs::read_to_string(&p).unwrap_or_default().lines().filter(|l| l.contains("KV connection open")).collect::<Vec<_>>().join("\n"));
+    eprintln!(
+        "between namespaces: {}",
+        std::fs::read_to_string(&p).unwrap_or_default().lines().filter(|l| l.contains("KV connection open")).collect::<Vec<_>>().join("\n")
+    );
 }
 
 /// A fourth host on the cluster's networks, with a key of its own: it tries to register as
@@ -264,9 +267,7 @@ fn cutting_the_prefill_decode_link_mid_transfer_fails_one_request_and_frees_noth
     // TCP delivers the rest once the link is back; the fence releases the pages.
     wait_for("quarantine released and both pools full", Duration::from_secs(120), &logs, || {
         let m = scrape(HTTP);
-        sum(&m, "bulkhead:quarantined_pages", &decode) == 0.0
-            && sum(&m, "bulkhead:fenced_releases_total", &decode) > 0.0
-            && pools_idle(&m)
+        sum(&m, "bulkhead:quarantined_pages", &decode) == 0.0 && sum(&m, "bulkhead:fenced_releases_total", &decode) > 0.0 && pools_idle(&m)
     });
     let m = scrape(HTTP);
     eprintln!(

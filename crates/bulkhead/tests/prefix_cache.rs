@@ -67,7 +67,8 @@ fn serve(args: &[&str]) -> Server {
 
 /// A system prompt of a few hundred tokens, so the prompt spans many 16-token pages.
 fn system() -> String {
-    let facts: Vec<String> = (0..40).map(|i| format!("Fact {i}: the {} lamp is in room {}.", ["red", "blue", "green", "amber"][i % 4], 100 + i * 7)).collect();
+    let facts: Vec<String> =
+        (0..40).map(|i| format!("Fact {i}: the {} lamp is in room {}.", ["red", "blue", "green", "amber"][i % 4], 100 + i * 7)).collect();
     format!("You answer questions about a building. {}", facts.join(" "))
 }
 
@@ -88,7 +89,6 @@ fn chat(s: &Server, key: Option<&str>, extra: Value, user: &str) -> (u16, Value)
 fn cached(v: &Value) -> u64 {
     v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("usage.prompt_tokens_details.cached_tokens")
 }
-
 
 #[test]
 fn keys_pick_tenants_and_a_cached_prefix_is_reused_only_within_one_tenant_and_salt() {
@@ -141,7 +141,12 @@ fn keys_pick_tenants_and_a_cached_prefix_is_reused_only_within_one_tenant_and_sa
     });
     let auth = format!("Bearer {KEY_A}");
     let r = common::request(&s.http, "POST", "/v1/chat/completions", &[("Authorization", &auth)], &body.to_string());
-    let usage = r.body.lines().filter_map(|l| l.strip_prefix("data: ")).filter_map(|d| serde_json::from_str::<Value>(d).ok()).find(|v| v["usage"].is_object());
+    let usage = r
+        .body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .find(|v| v["usage"].is_object());
     let usage = usage.expect("a usage chunk");
     assert_eq!(cached(&usage), want, "{usage}");
 

@@ -93,9 +93,7 @@ fn yes_server() -> String {
                     let n = c.read(&mut buf).unwrap_or(0);
                     req.extend_from_slice(&buf[..n]);
                     let text = String::from_utf8_lossy(&req);
-                    let Some(i) = text.find("\r\n\r\n") else {
-                        if n == 0 { return } else { continue }
-                    };
+                    let Some(i) = text.find("\r\n\r\n") else { if n == 0 { return } else { continue } };
                     let len: usize = text
                         .lines()
                         .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").and_then(|v| v.trim().parse().ok()))

@@ -287,12 +287,14 @@ fn the_incident_replayed_on_every_architecture_gets_400_and_never_leaks_the_mark
             let (status, a) = complete(&s, serde_json::json!({"model": "bulkhead", "prompt": format!("code {marker}"), "max_tokens": 8}));
             assert_eq!(status, 200, "{arch}: {a}");
             for (stream, n) in [(false, 1), (true, 1), (false, 2)] {
-                let body = serde_json::json!({"model": "bulkhead", "prompt": "hello ".repeat(40), "max_tokens": 8, "stream": stream, "n": n});
+                let body =
+                    serde_json::json!({"model": "bulkhead", "prompt": "hello ".repeat(40), "max_tokens": 8, "stream": stream, "n": n});
                 let (status, b) = complete(&s, body);
                 assert_eq!(status, 400, "{arch}, gateway check {gateway_check}, stream {stream}, n {n}: {b}");
                 assert!(b.contains("context_length_exceeded") && !b.contains(&marker), "{arch}: {b}");
             }
-            let (status, b) = complete(&s, serde_json::json!({"model": "bulkhead", "prompt": "say", "max_tokens": 24, "n": 2, "temperature": 1.0}));
+            let (status, b) =
+                complete(&s, serde_json::json!({"model": "bulkhead", "prompt": "say", "max_tokens": 24, "n": 2, "temperature": 1.0}));
             assert_eq!(status, 200, "{arch}: {b}");
             assert!(!b.contains(&marker), "{arch}: tenant B saw tenant A's marker: {b}");
         }
@@ -334,7 +336,12 @@ fn a_client_that_disconnects_mid_stream_does_not_hang_the_server() {
             "messages": [{"role": "user", "content": "Tell me a very long story."}]})
         .to_string();
         let mut c = TcpStream::connect(&s.http).unwrap();
-        write!(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+        write!(
+            c,
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
         let mut buf = [0u8; 2048];
         let n = c.read(&mut buf).unwrap();
         assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
@@ -394,7 +401,10 @@ fn a_decode_worker_killed_mid_stream_ends_the_request_with_an_error_and_is_repla
     let tail = &rest[rest.len().saturating_sub(600)..];
     let (error, done) = (rest.find("\"error\"").unwrap_or(usize::MAX), rest.find("data: [DONE]").unwrap_or(0));
     assert!(error < done && rest.contains("was lost"), "the stream ends with an error chunk, then [DONE]: {tail}");
-    assert!(!rest.contains("\"finish_reason\":\"stop\"") && !rest.contains("\"finish_reason\":\"length\""), "no finish claims success: {tail}");
+    assert!(
+        !rest.contains("\"finish_reason\":\"stop\"") && !rest.contains("\"finish_reason\":\"length\""),
+        "no finish claims success: {tail}"
+    );
     // Replaced: a second decode registration, the old process reaped (not a zombie).
     let registered = || std::fs::read_to_string(&s.stderr_log).unwrap().matches("decode worker registered").count();
     for _ in 0..300 {
@@ -433,7 +443,9 @@ fn several_prefill_and_decode_workers_serve_concurrent_requests() {
     let want = generate(PROMPTS[0]);
     let s = serve(&["--prefill-workers", "2", "--decode-workers", "2", "--kv-pool-tokens", "8192"], &[]);
     // The gateway's line for each registration names the role.
-    let registered = || std::fs::read_to_string(&s.stderr_log).unwrap().lines().filter(|l| l.contains("worker registered") && l.contains("role=")).count();
+    let registered = || {
+        std::fs::read_to_string(&s.stderr_log).unwrap().lines().filter(|l| l.contains("worker registered") && l.contains("role=")).count()
+    };
     for _ in 0..300 {
         if registered() == 4 {
             break;
@@ -544,7 +556,15 @@ fn the_gateway_refuses_a_worker_with_another_model_or_kv_layout() {
     let key = key_file();
     let s = serve(&["--cluster-key-file", &key], &[]);
     let digest = bulkhead_gguf::GgufFile::open(model()).unwrap().digest().unwrap();
-    let right = Hello { role: Role::Decode, model_digest: digest, page_size: 16, kv_bytes_per_token: 23040, capacity_tokens: 16384, max_context: 8192, kv_addr: "127.0.0.1:9".into() };
+    let right = Hello {
+        role: Role::Decode,
+        model_digest: digest,
+        page_size: 16,
+        kv_bytes_per_token: 23040,
+        capacity_tokens: 16384,
+        max_context: 8192,
+        kv_addr: "127.0.0.1:9".into(),
+    };
     let other_model = Hello { model_digest: digest ^ 1, ..right.clone() };
     let other_layout = Hello { page_size: 32, ..right };
     for hello in [other_model, other_layout] {
@@ -643,7 +663,10 @@ fn slow_headers_idle_keepalives_and_slow_bodies_are_cut_and_extra_connections_wa
     assert!(got.starts_with("HTTP/1.1 200") && closed, "answered, then closed when idle: {got:?}");
     // A body that stops arriving.
     let mut body = TcpStream::connect(&s.http).unwrap();
-    body.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"").unwrap();
+    body.write_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"",
+    )
+    .unwrap();
     let (got, _) = read_until_closed(&mut body, Duration::from_secs(5));
     assert!(got.starts_with("HTTP/1.1 408") && got.contains("request_timeout"), "{got:?}");
     // Two silent connections take both slots: a third is answered only once they are cut.
@@ -675,15 +698,21 @@ fn structured_outputs_logprobs_n_and_tools_hold_across_the_handoff() {
     // A JSON schema, greedy: the answer parses and follows it.
     let schema = serde_json::json!({"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer"}},
         "required": ["city", "population"], "additionalProperties": false});
-    let v = post("/v1/chat/completions", serde_json::json!({"model": "bulkhead", "max_tokens": 64, "messages": user("Give a city and its population as JSON."),
-        "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": true}}}));
+    let v = post(
+        "/v1/chat/completions",
+        serde_json::json!({"model": "bulkhead", "max_tokens": 64, "messages": user("Give a city and its population as JSON."),
+        "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": true}}}),
+    );
     let answer: serde_json::Value = serde_json::from_str(&content(&v)).unwrap_or_else(|e| panic!("{e}: {v}"));
     assert!(answer["city"].is_string() && answer["population"].is_i64(), "{answer}");
 
     // A regex whose first character the model would not pick: the prefill's token obeys it.
     for temperature in [0.0, 1.0] {
-        let v = post("/v1/chat/completions", serde_json::json!({"model": "bulkhead", "max_tokens": 6, "temperature": temperature, "seed": 5,
-            "messages": user("What is the capital of France?"), "guided_regex": "[0-9]{3}"}));
+        let v = post(
+            "/v1/chat/completions",
+            serde_json::json!({"model": "bulkhead", "max_tokens": 6, "temperature": temperature, "seed": 5,
+            "messages": user("What is the capital of France?"), "guided_regex": "[0-9]{3}"}),
+        );
         let c = content(&v);
         assert!(c.len() == 3 && c.bytes().all(|b| b.is_ascii_digit()), "{c:?}");
     }
@@ -692,15 +721,24 @@ fn structured_outputs_logprobs_n_and_tools_hold_across_the_handoff() {
     let messages = user("Name a fruit.");
     let tokenized = post("/tokenize", serde_json::json!({"messages": messages}));
     let mut ctx: Vec<u32> = serde_json::from_value(tokenized["tokens"].clone()).expect("ids");
-    let v = post("/v1/chat/completions", serde_json::json!({"model": "bulkhead", "max_tokens": 4, "messages": messages, "logprobs": true, "top_logprobs": 2}));
+    let v = post(
+        "/v1/chat/completions",
+        serde_json::json!({"model": "bulkhead", "max_tokens": 4, "messages": messages, "logprobs": true, "top_logprobs": 2}),
+    );
     let served = v["choices"][0]["logprobs"]["content"].as_array().expect("logprobs").clone();
     assert!(!served.is_empty());
     let m = bulkhead_engine::load_model(&model(), 1).expect("model");
     for entry in &served {
-        let mut pool = bulkhead_kv::KvPool::new(bulkhead_kv::PoolConfig { layout: m.model.kv_layout(16), pages: ctx.len().div_ceil(16) + 1, checks: bulkhead_kv::KvChecks::all() }).expect("pool");
+        let mut pool = bulkhead_kv::KvPool::new(bulkhead_kv::PoolConfig {
+            layout: m.model.kv_layout(16),
+            pages: ctx.len().div_ceil(16) + 1,
+            checks: bulkhead_kv::KvChecks::all(),
+        })
+        .expect("pool");
         let mut seq = bulkhead_kv::SequenceKv::new(bulkhead_kv::RequestId(1));
         seq.reserve(&mut pool, ctx.len()).expect("reserve");
-        let logits = m.model.forward(&mut pool, &mut [bulkhead_model::SeqInput { kv: &mut seq, tokens: &ctx, want_logits: true }]).expect("forward");
+        let logits =
+            m.model.forward(&mut pool, &mut [bulkhead_model::SeqInput { kv: &mut seq, tokens: &ctx, want_logits: true }]).expect("forward");
         let (best, max) = logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &l)| if l > b.1 { (i, l) } else { b });
         let z: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
         let want = -z.ln();
@@ -712,11 +750,16 @@ fn structured_outputs_logprobs_n_and_tools_hold_across_the_handoff() {
     }
 
     // n = 3, sampled: three choices, by index, not all the same.
-    let v = post("/v1/chat/completions", serde_json::json!({"model": "bulkhead", "max_tokens": 16, "temperature": 1.0, "seed": 9, "n": 3, "messages": user("Tell me a story.")}));
-    let texts: Vec<String> = (0..3).map(|i| {
-        assert_eq!(v["choices"][i]["index"], i);
-        v["choices"][i]["message"]["content"].as_str().unwrap_or_default().to_string()
-    }).collect();
+    let v = post(
+        "/v1/chat/completions",
+        serde_json::json!({"model": "bulkhead", "max_tokens": 16, "temperature": 1.0, "seed": 9, "n": 3, "messages": user("Tell me a story.")}),
+    );
+    let texts: Vec<String> = (0..3)
+        .map(|i| {
+            assert_eq!(v["choices"][i]["index"], i);
+            v["choices"][i]["message"]["content"].as_str().unwrap_or_default().to_string()
+        })
+        .collect();
     assert!(texts[0] != texts[1] || texts[1] != texts[2], "{texts:?}");
     // The siblings share the prompt's full pages on the prefill worker: the later two hit
     // what the first one published (its own scope: the same tenant and salt).
@@ -731,7 +774,10 @@ fn structured_outputs_logprobs_n_and_tools_hold_across_the_handoff() {
     // tool_choice "required": the call parses and follows the function's schema.
     let tools = serde_json::json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
         "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"], "additionalProperties": false}}}]);
-    let v = post("/v1/chat/completions", serde_json::json!({"model": "bulkhead", "max_tokens": 64, "messages": user("What is the weather in Paris?"), "tools": tools, "tool_choice": "required"}));
+    let v = post(
+        "/v1/chat/completions",
+        serde_json::json!({"model": "bulkhead", "max_tokens": 64, "messages": user("What is the weather in Paris?"), "tools": tools, "tool_choice": "required"}),
+    );
     let choice = &v["choices"][0];
     assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
     let call = &choice["message"]["tool_calls"][0]["function"];
@@ -762,7 +808,11 @@ fn kv_frames_take_ucx_where_it_loads_and_tcp_when_asked_with_the_same_answers() 
         assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 1024, "several prefill chunks: {v}");
         long_answers.push(content(&v));
         for role in ["prefill", "decode"] {
-            assert_eq!(counter(&s, "bulkhead:kv_connections_total", &[("role", role), ("transport", road)], 1.0), 1.0, "{role} over {road}");
+            assert_eq!(
+                counter(&s, "bulkhead:kv_connections_total", &[("role", role), ("transport", road)], 1.0),
+                1.0,
+                "{role} over {road}"
+            );
         }
         let other = if road == "ucx" { "tcp" } else { "ucx" };
         assert_eq!(common::sum(&common::scrape(&s.http), "bulkhead:kv_connections_total", &[("transport", other)]), 0.0);

@@ -142,16 +142,15 @@ impl std::fmt::Display for Dist {
 /// Common English words, each one token (with its leading space) in GPT-2-style BPE
 /// vocabularies, so `n` words make a prompt of about `n` tokens.
 const WORDS: &[&str] = &[
-    "time", "people", "water", "house", "world", "light", "river", "stone", "green", "small", "city", "night", "morning",
-    "paper", "music", "garden", "window", "table", "road", "field", "winter", "summer", "school", "market", "story",
-    "friend", "mother", "father", "forest", "mountain", "ocean", "bread", "coffee", "bridge", "train", "letter",
-    "number", "color", "animal", "bird", "horse", "dog", "cat", "tree", "flower", "sun", "moon", "star", "cloud", "rain",
-    "snow", "wind", "fire", "gold", "silver", "iron", "glass", "wood", "door", "wall", "floor", "room", "kitchen",
-    "street", "village", "country", "island", "lake", "valley", "hill", "north", "south", "east", "west", "red", "blue",
-    "yellow", "black", "white", "old", "new", "young", "happy", "quiet", "strong", "simple", "early", "late", "open",
-    "walk", "run", "read", "write", "build", "carry", "watch", "listen", "think", "learn", "teach", "begin", "follow",
-    "money", "family", "game", "power", "heart", "voice", "name", "dream", "sea", "sky", "king", "queen", "book",
-    "song", "ship", "farm", "car", "boat", "shop", "church", "line", "place", "hand", "head", "eye", "face", "body",
+    "time", "people", "water", "house", "world", "light", "river", "stone", "green", "small", "city", "night", "morning", "paper", "music",
+    "garden", "window", "table", "road", "field", "winter", "summer", "school", "market", "story", "friend", "mother", "father", "forest",
+    "mountain", "ocean", "bread", "coffee", "bridge", "train", "letter", "number", "color", "animal", "bird", "horse", "dog", "cat",
+    "tree", "flower", "sun", "moon", "star", "cloud", "rain", "snow", "wind", "fire", "gold", "silver", "iron", "glass", "wood", "door",
+    "wall", "floor", "room", "kitchen", "street", "village", "country", "island", "lake", "valley", "hill", "north", "south", "east",
+    "west", "red", "blue", "yellow", "black", "white", "old", "new", "young", "happy", "quiet", "strong", "simple", "early", "late",
+    "open", "walk", "run", "read", "write", "build", "carry", "watch", "listen", "think", "learn", "teach", "begin", "follow", "money",
+    "family", "game", "power", "heart", "voice", "name", "dream", "sea", "sky", "king", "queen", "book", "song", "ship", "farm", "car",
+    "boat", "shop", "church", "line", "place", "hand", "head", "eye", "face", "body",
 ];
 
 /// `n` random words separated by spaces (about `n` tokens).
@@ -168,12 +167,14 @@ pub fn words(rng: &mut Rng, n: usize) -> String {
 
 /// Parts of [`sentences`].
 const NOUNS: &[&str] = &[
-    "river", "stone", "garden", "window", "table", "road", "field", "market", "story", "friend", "mother", "father",
-    "forest", "mountain", "ocean", "bridge", "train", "letter", "animal", "bird", "horse", "dog", "cat", "tree",
-    "flower", "cloud", "village", "island", "lake", "valley", "hill", "kitchen", "street", "ship", "farm", "boat", "shop",
+    "river", "stone", "garden", "window", "table", "road", "field", "market", "story", "friend", "mother", "father", "forest", "mountain",
+    "ocean", "bridge", "train", "letter", "animal", "bird", "horse", "dog", "cat", "tree", "flower", "cloud", "village", "island", "lake",
+    "valley", "hill", "kitchen", "street", "ship", "farm", "boat", "shop",
 ];
-const ADJECTIVES: &[&str] =
-    &["green", "small", "quiet", "old", "new", "young", "happy", "strong", "simple", "red", "blue", "yellow", "black", "white", "early", "late"];
+const ADJECTIVES: &[&str] = &[
+    "green", "small", "quiet", "old", "new", "young", "happy", "strong", "simple", "red", "blue", "yellow", "black", "white", "early",
+    "late",
+];
 const VERBS: &[&str] = &["sees", "finds", "watches", "follows", "carries", "builds", "reads", "writes", "paints", "visits"];
 const PLACES: &[&str] = &["near", "by", "under", "behind", "in", "across"];
 

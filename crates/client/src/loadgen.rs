@@ -11,10 +11,10 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use crate::ClientError;
 use crate::dist::{Dist, Rng, words};
 use crate::openai::{Api, Client, CompletionRequest, HangUp, Outcome};
 use crate::stats::Summary;
-use crate::ClientError;
 
 /// Error messages kept per report (the counts cover all).
 const ERROR_EXAMPLES: usize = 5;

@@ -17,10 +17,10 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use tokio::sync::Semaphore;
 
+use crate::ClientError;
 use crate::dist::{Dist, Rng, code, words};
 use crate::openai::{Api, Client, HangUp, Outcome};
 use crate::stats::{Summary, percentile};
-use crate::ClientError;
 
 /// Words in each new user message (about one token each).
 pub const USER_WORDS: usize = 24;
@@ -433,7 +433,11 @@ impl std::fmt::Display for MultiTurnReport {
             if self.ignore_eos { " (ignore_eos)" } else { "" },
             self.seed
         )?;
-        writeln!(f, "  requests      {} ok, {} failed, {} turns skipped in {:.2} s", self.ok, self.failed, self.skipped_turns, self.duration_s)?;
+        writeln!(
+            f,
+            "  requests      {} ok, {} failed, {} turns skipped in {:.2} s",
+            self.ok, self.failed, self.skipped_turns, self.duration_s
+        )?;
         writeln!(f, "  requests/s    {:.3}", self.requests_per_s)?;
         writeln!(f, "  output tok/s  {:.1}   ({} tokens)", self.output_tokens_per_s, self.output_tokens)?;
         if self.short_outputs > 0 {

@@ -224,7 +224,8 @@ impl Client {
         if !(200..300).contains(&status) {
             return Err(ClientError::Status { status, body: v.to_string() });
         }
-        let data = v.get("data").and_then(Value::as_array).ok_or_else(|| ClientError::Protocol(format!("/v1/models has no `data` list: {v}")))?;
+        let data =
+            v.get("data").and_then(Value::as_array).ok_or_else(|| ClientError::Protocol(format!("/v1/models has no `data` list: {v}")))?;
         Ok(data
             .iter()
             .filter_map(|m| {

@@ -30,10 +30,10 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use tokio::sync::Semaphore;
 
+use crate::ClientError;
 use crate::dist::{Rng, code, sentences};
 use crate::openai::{Api, Client, CompletionRequest, HangUp, Outcome};
 use crate::stats::Summary;
-use crate::ClientError;
 
 /// Digits of each code.
 pub const CODE_CHARS: usize = 10;
@@ -301,7 +301,9 @@ impl ProbeReport {
 fn prompt(api: Api, code: Option<&str>, filler: &str) -> String {
     let head = code.map(|c| format!("The code is {c}. Remember it. {c} is the code. ")).unwrap_or_default();
     match api {
-        Api::Completions => format!("{head}{filler} What is the code? The code is {}", code.map_or("", |c| &c[..CUE_CHARS])).trim_end().to_string(),
+        Api::Completions => {
+            format!("{head}{filler} What is the code? The code is {}", code.map_or("", |c| &c[..CUE_CHARS])).trim_end().to_string()
+        }
         Api::Chat => format!("{head}{filler}\n\nWhat is the code? Answer with the code only."),
     }
 }
@@ -400,16 +402,20 @@ pub async fn run(a: &Client, b: &Client, cfg: &ProbeConfig) -> Result<ProbeRepor
             done.extend(run_jobs(a, b, jobs, cfg.concurrency).await);
         }
     }
-    Ok(analyse(done, cfg, Meta {
-        url: a.config().url.to_string(),
-        model: model.id,
-        context: ctx,
-        context_source,
-        server_context,
-        over_words,
-        long_words,
-        elapsed: start.elapsed(),
-    }))
+    Ok(analyse(
+        done,
+        cfg,
+        Meta {
+            url: a.config().url.to_string(),
+            model: model.id,
+            context: ctx,
+            context_source,
+            server_context,
+            over_words,
+            long_words,
+            elapsed: start.elapsed(),
+        },
+    ))
 }
 
 /// Run `jobs` with at most `concurrency` in flight; results in job order.
@@ -501,7 +507,10 @@ fn analyse(done: Vec<Done>, cfg: &ProbeConfig, m: Meta) -> ProbeReport {
         let status = status_of(&d.ended);
         if !(400..500).contains(&status) {
             let (prompt_tokens, detail) = match &d.ended {
-                Ended::Answer(o) => (o.usage.map(|u| u.prompt_tokens), format!("answered {status}: {:.200}", o.error.clone().unwrap_or_else(|| o.text.clone()))),
+                Ended::Answer(o) => (
+                    o.usage.map(|u| u.prompt_tokens),
+                    format!("answered {status}: {:.200}", o.error.clone().unwrap_or_else(|| o.text.clone())),
+                ),
                 Ended::Error(e) => (None, e.to_string()),
                 Ended::Disconnected => (None, "disconnected".into()),
             };
@@ -521,7 +530,13 @@ fn analyse(done: Vec<Done>, cfg: &ProbeConfig, m: Meta) -> ProbeReport {
                 Ended::Error(e) => e.to_string(),
                 Ended::Disconnected => String::new(),
             };
-            findings.push(Finding::Failed { request: d.job.id, tenant: d.job.tenant, kind: d.job.kind, status: status_of(&d.ended), error });
+            findings.push(Finding::Failed {
+                request: d.job.id,
+                tenant: d.job.tenant,
+                kind: d.job.kind,
+                status: status_of(&d.ended),
+                error,
+            });
         }
     }
     // The content check over long prompts that were answered.
@@ -606,7 +621,11 @@ impl std::fmt::Display for ProbeReport {
             write!(f, "; the server says {s}")?;
         }
         writeln!(f, "), {} rounds, seed {}, {:.1} s", self.rounds, self.seed, self.duration_s)?;
-        writeln!(f, "  {:<13} {:>4} {:>7}  {:<34} {:>9} {:>9} {:>9}", "requests", "sent", "retries", "answers", "p50 ms", "max ms", "prompt")?;
+        writeln!(
+            f,
+            "  {:<13} {:>4} {:>7}  {:<34} {:>9} {:>9} {:>9}",
+            "requests", "sent", "retries", "answers", "p50 ms", "max ms", "prompt"
+        )?;
         for (k, s) in &self.requests {
             let answers = s.statuses.iter().map(|(k, n)| format!("{k} x{n}")).collect::<Vec<_>>().join(", ");
             let (p50, max) = s.latency_ms.map_or((0.0, 0.0), |l| (l.p50, l.max));
@@ -643,7 +662,11 @@ impl std::fmt::Display for ProbeReport {
                     prompt_tokens.map_or("-".to_string(), |p| p.to_string())
                 )?,
                 Finding::FactIgnored { passed, samples, min_pass, failures } => {
-                    writeln!(f, "  - FACT IGNORED: only {passed}/{samples} long prompts answered with their own code (need {:.0}%)", min_pass * 100.0)?;
+                    writeln!(
+                        f,
+                        "  - FACT IGNORED: only {passed}/{samples} long prompts answered with their own code (need {:.0}%)",
+                        min_pass * 100.0
+                    )?;
                     for (id, code, out) in failures {
                         writeln!(f, "      request {id}: code {code}, answer {out:?}")?;
                     }

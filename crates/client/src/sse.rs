@@ -103,14 +103,7 @@ mod tests {
     fn events_split_at_every_byte_parse_like_the_whole() {
         let raw = "data: {\"a\":\"é\"}\r\n\r\n: keep-alive\n\nevent: error\ndata: x\n\ndata:[DONE]\n\n".as_bytes();
         let whole = all(&[raw]);
-        assert_eq!(
-            whole,
-            vec![
-                data("{\"a\":\"é\"}"),
-                SseEvent { event: Some("error".into()), data: "x".into() },
-                data("[DONE]")
-            ]
-        );
+        assert_eq!(whole, vec![data("{\"a\":\"é\"}"), SseEvent { event: Some("error".into()), data: "x".into() }, data("[DONE]")]);
         let bytes: Vec<&[u8]> = raw.chunks(1).collect();
         assert_eq!(all(&bytes), whole, "one byte at a time, CRLF and a two-byte character split");
     }

@@ -23,11 +23,11 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use crate::ClientError;
 use crate::dist::{Rng, code, words};
 use crate::openai::{Api, Client, CompletionRequest, HangUp, Outcome};
 use crate::probe::MAX_RETRIES;
 use crate::stats::{ks_two_sample, percentile};
-use crate::ClientError;
 
 /// Samples per group below which the command line refuses to run: the test has too little
 /// power to mean anything.
@@ -223,7 +223,13 @@ pub async fn run(a: &Client, b: &Client, cfg: &TimingConfig) -> Result<TimingRep
     let start = Instant::now();
     let model = match &cfg.model {
         Some(m) => m.clone(),
-        None => a.models().await?.into_iter().next().map(|m| m.id).ok_or_else(|| ClientError::Config("the server lists no models; pass --model".into()))?,
+        None => a
+            .models()
+            .await?
+            .into_iter()
+            .next()
+            .map(|m| m.id)
+            .ok_or_else(|| ClientError::Config("the server lists no models; pass --model".into()))?,
     };
     let (mode, b) = if cfg.same_tenant { (TimingMode::SameTenant, a) } else { (TimingMode::CrossTenant, b) };
     let req = |prompt: String| CompletionRequest {
@@ -269,7 +275,9 @@ pub async fn run(a: &Client, b: &Client, cfg: &TimingConfig) -> Result<TimingRep
             cached.push(c);
         }
     }
-    let (Some(cached_stats), Some(fresh_stats), Some(ks)) = (GroupStats::of(&cached), GroupStats::of(&fresh), ks_two_sample(&cached, &fresh)) else {
+    let (Some(cached_stats), Some(fresh_stats), Some(ks)) =
+        (GroupStats::of(&cached), GroupStats::of(&fresh), ks_two_sample(&cached, &fresh))
+    else {
         return Err(ClientError::TooManyFailures { failed: failures.count, last: failures.examples.pop().unwrap_or_default() });
     };
     let distinguishable = ks.p_value < cfg.alpha && cached_stats.median_ms < fresh_stats.median_ms;

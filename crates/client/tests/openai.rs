@@ -135,7 +135,8 @@ async fn hanging_up_after_one_chunk_closes_the_connection_early() {
 #[tokio::test]
 async fn error_statuses_and_error_events_are_failed_outcomes_with_their_message() {
     fn bad_request(_: &str) -> Script {
-        let body = r#"{"error":{"message":"prompt is too long","type":"invalid_request_error","param":null,"code":"context_length_exceeded"}}"#;
+        let body =
+            r#"{"error":{"message":"prompt is too long","type":"invalid_request_error","param":null,"code":"context_length_exceeded"}}"#;
         vec![(Duration::ZERO, format!("HTTP/1.1 400 Bad Request\r\ncontent-length: {}\r\n\r\n{body}", body.len()).into_bytes())]
     }
     let (url, _, _) = server(bad_request).await;
@@ -174,7 +175,10 @@ async fn whole_answers_and_the_model_list_are_read() {
         } else {
             r#"{"choices":[{"index":0,"message":{"role":"assistant","content":"Paris."},"finish_reason":"stop"}],"usage":{"prompt_tokens":9,"completion_tokens":3}}"#
         };
-        vec![(Duration::ZERO, format!("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len()).into_bytes())]
+        vec![(
+            Duration::ZERO,
+            format!("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len()).into_bytes(),
+        )]
     }
     let (url, _, _) = server(whole).await;
     let c = client(&format!("{url}/v1"));
@@ -192,7 +196,10 @@ async fn a_load_run_counts_every_request_once() {
         // Prompts of 2 or 3 words fail, so the error path is counted too.
         if words(req) <= 3 {
             let body = r#"{"error":{"message":"too short"}}"#;
-            return vec![(Duration::ZERO, format!("HTTP/1.1 503 Service Unavailable\r\ncontent-length: {}\r\n\r\n{body}", body.len()).into_bytes())];
+            return vec![(
+                Duration::ZERO,
+                format!("HTTP/1.1 503 Service Unavailable\r\ncontent-length: {}\r\n\r\n{body}", body.len()).into_bytes(),
+            )];
         }
         hello_stream(req)
     }

@@ -22,9 +22,9 @@ use std::sync::Arc;
 
 use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv, Unreleased};
 use bulkhead_model::{Llama, ModelError, SeqInput};
-use bulkhead_protocol::admission::{admit, Generate, Refusal};
+use bulkhead_protocol::admission::{Generate, Refusal, admit};
 use bulkhead_protocol::decode::DecodeStart;
-use bulkhead_protocol::driver::decode::{make_room, GenEvent, Growing};
+use bulkhead_protocol::driver::decode::{GenEvent, Growing, make_room};
 use bulkhead_protocol::{FinishReason, Sampling, TokenLogprobs};
 use bulkhead_tokenizer::{TokenType, Tokenizer};
 

@@ -15,7 +15,7 @@ use bulkhead_grammar::{GrammarError, Grammars, Matcher};
 use bulkhead_protocol::{Sampling, TokenLogprobs};
 use bulkhead_tokenizer::Tokenizer;
 
-use crate::sampling::{exp_neg, top_k_into, Sampler, SamplingError};
+use crate::sampling::{Sampler, SamplingError, exp_neg, top_k_into};
 
 /// Why a token could not be picked. It fails the one request, never the worker.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -26,12 +26,12 @@ pub mod rng;
 pub mod sampling;
 pub mod stop;
 
-pub use batch::{Engine, EngineConfig, EngineError, Event, GenRequest, DEFAULT_PREFILL_CHUNK};
+pub use batch::{DEFAULT_PREFILL_CHUNK, Engine, EngineConfig, EngineError, Event, GenRequest};
 pub use bulkhead_protocol::{FinishReason, Sampling};
-pub use disagg::Prefiller;
+pub use choose::{Choice, ChooseError, Chooser, Vocabulary};
 pub use detok::Utf8Stream;
-pub use load::{load_model, load_model_with, LoadError, LoadedModel};
+pub use disagg::Prefiller;
+pub use load::{LoadError, LoadedModel, load_model, load_model_with};
 pub use rng::Rng;
-pub use choose::{ChooseError, Choice, Chooser, Vocabulary};
 pub use sampling::{Sampler, SamplingError};
 pub use stop::{StopMatcher, StopOutcome};

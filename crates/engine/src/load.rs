@@ -57,7 +57,9 @@ pub fn chat_template_of(f: &GgufFile, path: &Path, file: Option<&Path>) -> Resul
     match file {
         Some(t) => {
             let source = std::fs::read_to_string(t).map_err(|e| LoadError::ChatTemplate { path: t.to_path_buf(), why: e.to_string() })?;
-            ChatTemplate::with_tokens_of(f, source).map(Some).map_err(|e| LoadError::ChatTemplate { path: t.to_path_buf(), why: e.to_string() })
+            ChatTemplate::with_tokens_of(f, source)
+                .map(Some)
+                .map_err(|e| LoadError::ChatTemplate { path: t.to_path_buf(), why: e.to_string() })
         }
         None => ChatTemplate::from_gguf_if_any(f).map_err(|source| LoadError::Tokenizer { path: path.to_path_buf(), source }),
     }

@@ -34,12 +34,7 @@ impl Rng {
     /// Creates a generator whose whole output sequence is determined by `seed`.
     pub fn seed_from_u64(seed: u64) -> Self {
         let mut sm = seed;
-        let s = [
-            splitmix64(&mut sm),
-            splitmix64(&mut sm),
-            splitmix64(&mut sm),
-            splitmix64(&mut sm),
-        ];
+        let s = [splitmix64(&mut sm), splitmix64(&mut sm), splitmix64(&mut sm), splitmix64(&mut sm)];
         Self { s }
     }
 
@@ -83,9 +78,7 @@ static SEED_COUNTER: AtomicU64 = AtomicU64::new(0);
 /// when reproducibility is needed.
 pub fn entropy_seed() -> u64 {
     let count = SEED_COUNTER.fetch_add(1, Ordering::Relaxed);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
     let mut state = nanos ^ (u64::from(std::process::id()) << 32);
     let a = splitmix64(&mut state);
     let mut state = a ^ count.wrapping_mul(0xD1B5_4A32_D192_ED03);

@@ -79,9 +79,7 @@ type Cand = (f32, u32);
 /// (values are never NaN), so ties resolve to the lowest token id. `-0.0`
 /// and `0.0` tie, as they do in the greedy argmax.
 fn by_value_desc(a: &Cand, b: &Cand) -> Ordering {
-    b.0.partial_cmp(&a.0)
-        .unwrap_or(Ordering::Equal)
-        .then(a.1.cmp(&b.1))
+    b.0.partial_cmp(&a.0).unwrap_or(Ordering::Equal).then(a.1.cmp(&b.1))
 }
 
 /// Per-sequence sampler: validated parameters, an RNG and scratch buffers.
@@ -117,13 +115,7 @@ impl Sampler {
                 seed
             }
         };
-        Ok(Self {
-            params,
-            rng: Rng::seed_from_u64(seed),
-            weights: Vec::new(),
-            chunk_sums: Vec::new(),
-            cands: Vec::new(),
-        })
+        Ok(Self { params, rng: Rng::seed_from_u64(seed), weights: Vec::new(), chunk_sums: Vec::new(), cands: Vec::new() })
     }
 
     /// The parameters this sampler was created with.
@@ -176,11 +168,7 @@ impl Sampler {
             return Ok(self.sample_infinite(logits, u));
         }
         let k = self.params.top_k as usize;
-        Ok(if k > 0 && k < logits.len() {
-            self.sample_top_k(logits, max, best, u)
-        } else {
-            self.sample_full(logits, max, best, u)
-        })
+        Ok(if k > 0 && k < logits.len() { self.sample_top_k(logits, max, best, u) } else { self.sample_full(logits, max, best, u) })
     }
 
     /// Full-vocabulary path (no effective top-k): weights for every id in a
@@ -215,22 +203,13 @@ impl Sampler {
                 .unwrap_or(0.0);
             let cands = &mut self.cands;
             cands.clear();
-            cands.extend(
-                (0u32..)
-                    .zip(weights.iter())
-                    .filter(|&(_, &w)| w > tau)
-                    .map(|(id, &w)| (w, id)),
-            );
+            cands.extend((0u32..).zip(weights.iter()).filter(|&(_, &w)| w > tau).map(|(id, &w)| (w, id)));
             if cands.is_empty() {
                 return best;
             }
             let mut mass = 0.0;
             let n = nucleus_len(cands, target, &mut mass);
-            return if n == 1 {
-                best
-            } else {
-                draw(&cands[..n], mass, u).unwrap_or(best)
-            };
+            return if n == 1 { best } else { draw(&cands[..n], mass, u).unwrap_or(best) };
         }
 
         draw_chunked(weights, &self.chunk_sums, total, u).unwrap_or(best)
@@ -248,11 +227,7 @@ impl Sampler {
         cands.retain(|c| c.0 > 0.0);
         let mut total: f64 = cands.iter().map(|c| f64::from(c.0)).sum();
         let top_p = self.params.top_p;
-        let n = if top_p < 1.0 {
-            nucleus_len(cands, f64::from(top_p) * total, &mut total)
-        } else {
-            cands.len()
-        };
+        let n = if top_p < 1.0 { nucleus_len(cands, f64::from(top_p) * total, &mut total) } else { cands.len() };
         if n <= 1 {
             return best;
         }
@@ -273,11 +248,7 @@ impl Sampler {
             m = kept.clamp(1, m);
         }
         let j = ((u * m as f64) as usize).min(m - 1);
-        (0u32..)
-            .zip(logits)
-            .filter(is_inf)
-            .nth(j)
-            .map_or(0, |(id, _)| id)
+        (0u32..).zip(logits).filter(is_inf).nth(j).map_or(0, |(id, _)| id)
     }
 }
 
@@ -488,14 +459,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn sampler(temperature: f32, top_k: usize, top_p: f32, seed: u64) -> Sampler {
-        Sampler::new(Sampling {
-            temperature,
-            top_k: top_k as u32,
-            top_p,
-            seed: Some(seed),
-            ..Sampling::default()
-        })
-        .unwrap()
+        Sampler::new(Sampling { temperature, top_k: top_k as u32, top_p, seed: Some(seed), ..Sampling::default() }).unwrap()
     }
 
     fn greedy() -> Sampler {
@@ -514,38 +478,22 @@ mod tests {
     fn validate_rejects_bad_values_naming_field() {
         let bad_t = [-0.1, f32::NAN, f32::INFINITY, MAX_TEMPERATURE + 1.0];
         for t in bad_t {
-            let p = Sampling {
-                temperature: t,
-                ..Default::default()
-            };
+            let p = Sampling { temperature: t, ..Default::default() };
             let err = validate(&p).unwrap_err();
             assert!(matches!(err, SamplingError::InvalidTemperature { .. }));
             assert!(err.to_string().contains("temperature"));
         }
         for top_p in [0.0, -0.5, 1.01, f32::NAN, f32::INFINITY] {
-            let p = Sampling {
-                top_p,
-                ..Default::default()
-            };
+            let p = Sampling { top_p, ..Default::default() };
             let err = validate(&p).unwrap_err();
             assert!(matches!(err, SamplingError::InvalidTopP { .. }));
             assert!(err.to_string().contains("top_p"));
         }
-        let err = Sampler::new(Sampling {
-            temperature: 3.5,
-            top_p: 2.0,
-            ..Default::default()
-        })
-        .unwrap_err();
+        let err = Sampler::new(Sampling { temperature: 3.5, top_p: 2.0, ..Default::default() }).unwrap_err();
         assert_eq!(err, SamplingError::InvalidTopP { value: 2.0 });
         assert!(err.to_string().contains('2'));
         for t in [0.0, 0.5, 2.0, MAX_TEMPERATURE] {
-            validate(&Sampling {
-                temperature: t,
-                top_p: 0.01,
-                ..Default::default()
-            })
-            .unwrap();
+            validate(&Sampling { temperature: t, top_p: 0.01, ..Default::default() }).unwrap();
         }
     }
 
@@ -567,19 +515,9 @@ mod tests {
     fn nan_and_inf_do_not_panic() {
         for mut s in [greedy(), sampler(1.0, 0, 1.0, 1), sampler(0.7, 2, 0.9, 1)] {
             assert_eq!(s.sample(&[f32::NAN, 1.0, f32::NAN]).unwrap(), 1);
-            assert_eq!(
-                s.sample(&[f32::NAN, f32::NEG_INFINITY, 0.5, f32::NAN])
-                    .unwrap(),
-                2
-            );
-            assert_eq!(
-                s.sample(&[f32::NAN, f32::NAN]),
-                Err(SamplingError::NoFiniteLogits)
-            );
-            assert_eq!(
-                s.sample(&[f32::NEG_INFINITY; 4]),
-                Err(SamplingError::NoFiniteLogits)
-            );
+            assert_eq!(s.sample(&[f32::NAN, f32::NEG_INFINITY, 0.5, f32::NAN]).unwrap(), 2);
+            assert_eq!(s.sample(&[f32::NAN, f32::NAN]), Err(SamplingError::NoFiniteLogits));
+            assert_eq!(s.sample(&[f32::NEG_INFINITY; 4]), Err(SamplingError::NoFiniteLogits));
             assert_eq!(s.sample(&[]), Err(SamplingError::EmptyLogits));
             // +inf takes all the mass.
             assert_eq!(s.sample(&[1.0, f32::INFINITY, f32::NAN, 3.0]).unwrap(), 1);
@@ -615,12 +553,7 @@ mod tests {
     #[test]
     fn same_seed_same_sequence() {
         let logits = flat(1000);
-        for (t, k, p) in [
-            (1.0, 0, 1.0),
-            (0.8, 50, 1.0),
-            (1.3, 0, 0.9),
-            (1.0, 200, 0.5),
-        ] {
+        for (t, k, p) in [(1.0, 0, 1.0), (0.8, 50, 1.0), (1.3, 0, 0.9), (1.0, 200, 0.5)] {
             let a = draws(&mut sampler(t, k, p, 1234), &logits, 300);
             let b = draws(&mut sampler(t, k, p, 1234), &logits, 300);
             assert_eq!(a, b);
@@ -636,10 +569,7 @@ mod tests {
         // Independent uniform draws over 100 ids agree ~1% of the time.
         assert!(same < 40, "{same} of 1000 draws agree");
         // Unseeded samplers also differ from each other.
-        let params = Sampling {
-            temperature: 1.0,
-            ..Default::default()
-        };
+        let params = Sampling { temperature: 1.0, ..Default::default() };
         let c = draws(&mut Sampler::new(params.clone()).unwrap(), &logits, 1000);
         let d = draws(&mut Sampler::new(params).unwrap(), &logits, 1000);
         let same = c.iter().zip(&d).filter(|(x, y)| x == y).count();
@@ -661,10 +591,7 @@ mod tests {
 
     fn softmax(logits: &[f32], t: f32) -> Vec<f64> {
         let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-        let w: Vec<f64> = logits
-            .iter()
-            .map(|&l| ((f64::from(l) - f64::from(m)) / f64::from(t)).exp())
-            .collect();
+        let w: Vec<f64> = logits.iter().map(|&l| ((f64::from(l) - f64::from(m)) / f64::from(t)).exp()).collect();
         let s: f64 = w.iter().sum();
         w.iter().map(|x| x / s).collect()
     }
@@ -749,20 +676,12 @@ mod tests {
     /// allowed (a nucleus of one returns it even if another id ties in weight).
     fn reference_allowed(logits: &[f32], t: f32, k: usize, p: f32) -> Vec<u32> {
         let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-        let mut c: Vec<Cand> = (0u32..)
-            .zip(logits)
-            .filter(|(_, l)| !l.is_nan())
-            .map(|(id, &l)| (l, id))
-            .collect();
+        let mut c: Vec<Cand> = (0u32..).zip(logits).filter(|(_, l)| !l.is_nan()).map(|(id, &l)| (l, id)).collect();
         c.sort_by(by_value_desc);
         if k > 0 {
             c.truncate(k);
         }
-        let mut c: Vec<Cand> = c
-            .into_iter()
-            .map(|(l, id)| (weight(l, m, t), id))
-            .filter(|c| c.0 > 0.0)
-            .collect();
+        let mut c: Vec<Cand> = c.into_iter().map(|(l, id)| (weight(l, m, t), id)).filter(|c| c.0 > 0.0).collect();
         c.sort_by(by_value_desc);
         let total: f64 = c.iter().map(|c| f64::from(c.0)).sum();
         let target = f64::from(p) * total;

@@ -45,12 +45,7 @@ impl StopMatcher {
         stops.sort();
         stops.dedup();
         let max_len = stops.iter().map(String::len).max().unwrap_or(0);
-        Self {
-            stops,
-            max_len,
-            held: String::new(),
-            stopped: false,
-        }
+        Self { stops, max_len, held: String::new(), stopped: false }
     }
 
     /// Whether a stop string has matched.
@@ -71,35 +66,23 @@ impl StopMatcher {
     /// emitted; everything after it (and any later push) is discarded.
     pub fn push(&mut self, text: &str) -> StopOutcome {
         if self.stopped {
-            return StopOutcome {
-                emit: String::new(),
-                stopped: true,
-            };
+            return StopOutcome { emit: String::new(), stopped: true };
         }
         if self.stops.is_empty() {
-            return StopOutcome {
-                emit: text.to_owned(),
-                stopped: false,
-            };
+            return StopOutcome { emit: text.to_owned(), stopped: false };
         }
         self.held.push_str(text);
 
         if let Some(start) = self.first_match() {
             self.held.truncate(start);
             self.stopped = true;
-            return StopOutcome {
-                emit: std::mem::take(&mut self.held),
-                stopped: true,
-            };
+            return StopOutcome { emit: std::mem::take(&mut self.held), stopped: true };
         }
 
         let cut = self.hold_from();
         let rest = self.held.split_off(cut);
         let emit = std::mem::replace(&mut self.held, rest);
-        StopOutcome {
-            emit,
-            stopped: false,
-        }
+        StopOutcome { emit, stopped: false }
     }
 
     /// Ends the stream: returns whatever was held back (empty after a stop).
@@ -110,11 +93,7 @@ impl StopMatcher {
     /// Start of the match completing first in `held` (earliest end, then
     /// longest), if any.
     fn first_match(&self) -> Option<usize> {
-        self.stops
-            .iter()
-            .filter_map(|s| self.held.find(s.as_str()).map(|pos| (pos + s.len(), pos)))
-            .min()
-            .map(|(_, start)| start)
+        self.stops.iter().filter_map(|s| self.held.find(s.as_str()).map(|pos| (pos + s.len(), pos))).min().map(|(_, start)| start)
     }
 
     /// Smallest char boundary `i` such that `held[i..]` is a prefix of some
@@ -143,10 +122,7 @@ mod tests {
     }
 
     fn out(emit: &str, stopped: bool) -> StopOutcome {
-        StopOutcome {
-            emit: emit.to_string(),
-            stopped,
-        }
+        StopOutcome { emit: emit.to_string(), stopped }
     }
 
     #[test]
@@ -217,11 +193,7 @@ mod tests {
     fn reference(text: &str, stops: &[String]) -> (String, bool) {
         for end in (0..=text.len()).filter(|&e| text.is_char_boundary(e)) {
             let head = &text[..end];
-            if let Some(s) = stops
-                .iter()
-                .filter(|s| !s.is_empty() && head.ends_with(s.as_str()))
-                .max_by_key(|s| s.len())
-            {
+            if let Some(s) = stops.iter().filter(|s| !s.is_empty() && head.ends_with(s.as_str())).max_by_key(|s| s.len()) {
                 return (text[..end - s.len()].to_string(), true);
             }
         }
@@ -230,19 +202,12 @@ mod tests {
 
     fn split_at_chars(text: &str, cuts: &[usize]) -> Vec<String> {
         let bounds: Vec<usize> = text.char_indices().map(|(i, _)| i).collect();
-        let mut points: Vec<usize> = cuts
-            .iter()
-            .filter(|_| !bounds.is_empty())
-            .map(|c| bounds[c % bounds.len()])
-            .collect();
+        let mut points: Vec<usize> = cuts.iter().filter(|_| !bounds.is_empty()).map(|c| bounds[c % bounds.len()]).collect();
         points.push(0);
         points.push(text.len());
         points.sort_unstable();
         points.dedup();
-        points
-            .windows(2)
-            .map(|w| text[w[0]..w[1]].to_string())
-            .collect()
+        points.windows(2).map(|w| text[w[0]..w[1]].to_string()).collect()
     }
 
     proptest! {

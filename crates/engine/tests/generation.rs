@@ -4,10 +4,10 @@
 
 use std::sync::{Arc, OnceLock};
 
-use bulkhead_engine::{load_model, Engine, EngineConfig, EngineError, Event, FinishReason, GenRequest, Sampling};
-use bulkhead_protocol::admission::Refusal;
-use bulkhead_kv::{KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
+use bulkhead_engine::{Engine, EngineConfig, EngineError, Event, FinishReason, GenRequest, Sampling, load_model};
+use bulkhead_kv::{KvChecks, KvPool, PoolConfig, RequestId, SequenceKv};
 use bulkhead_model::{Llama, SeqInput};
+use bulkhead_protocol::admission::Refusal;
 use bulkhead_tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
 
 struct Shared {
@@ -62,7 +62,13 @@ fn cases() -> Vec<(String, String, bool)> {
         .as_array()
         .unwrap()
         .iter()
-        .map(|c| (c["prompt"].as_str().unwrap().to_string(), c["greedy_32"].as_str().unwrap().to_string(), c["ended_with_eos"].as_bool().unwrap()))
+        .map(|c| {
+            (
+                c["prompt"].as_str().unwrap().to_string(),
+                c["greedy_32"].as_str().unwrap().to_string(),
+                c["ended_with_eos"].as_bool().unwrap(),
+            )
+        })
         .collect()
 }
 
@@ -97,7 +103,8 @@ fn llama_cpp_greedy_choices_are_our_argmax_or_a_near_tie_at_every_step() {
         kv.reserve(&mut pool, p.len() + c.len()).unwrap();
     }
     let mut logits = {
-        let mut inputs: Vec<SeqInput> = seqs.iter_mut().zip(&paths).map(|(kv, (p, _))| SeqInput { kv, tokens: p, want_logits: true }).collect();
+        let mut inputs: Vec<SeqInput> =
+            seqs.iter_mut().zip(&paths).map(|(kv, (p, _))| SeqInput { kv, tokens: p, want_logits: true }).collect();
         s.model.forward(&mut pool, &mut inputs).unwrap()
     };
     let (mut worst, mut exact_steps, mut steps) = (0.0f32, 0, 0);
@@ -109,11 +116,7 @@ fn llama_cpp_greedy_choices_are_our_argmax_or_a_near_tie_at_every_step() {
             let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let theirs = paths[i].1[step];
             let gap = max - l[theirs as usize];
-            assert!(
-                gap <= NEAR_TIE,
-                "case {i} step {step}: llama.cpp chose {:?}, {gap:.3} logits below our best",
-                s.tok.decode(&[theirs])
-            );
+            assert!(gap <= NEAR_TIE, "case {i} step {step}: llama.cpp chose {:?}, {gap:.3} logits below our best", s.tok.decode(&[theirs]));
             worst = worst.max(gap);
             exact_steps += usize::from(gap == 0.0);
             steps += 1;
@@ -174,7 +177,10 @@ fn the_chat_template_with_an_explicit_system_prompt_answers_sanely() {
     let s = shared();
     let text = s
         .chat
-        .render(&[ChatMessage::new("system", "You are a helpful assistant."), ChatMessage::new("user", "What is the capital of France?")], true)
+        .render(
+            &[ChatMessage::new("system", "You are a helpful assistant."), ChatMessage::new("user", "What is the capital of France?")],
+            true,
+        )
         .unwrap();
     let mut e = engine(16);
     let id = e.add(greedy(s.tok.encode(&text, true), 32)).unwrap();
@@ -308,7 +314,12 @@ fn a_sequence_retracted_for_room_resumes_and_ends_with_the_text_it_makes_alone()
     let s = shared();
     let text = s.chat.render(&[ChatMessage::new("user", "What is the capital of France?")], true).unwrap();
     let prompt = s.tok.encode(&text, true);
-    let long = |prompt: Vec<u32>| GenRequest { prompt, max_tokens: 40, sampling: Sampling { ignore_eos: true, ..Sampling::default() }, stop: Vec::new() };
+    let long = |prompt: Vec<u32>| GenRequest {
+        prompt,
+        max_tokens: 40,
+        sampling: Sampling { ignore_eos: true, ..Sampling::default() },
+        stop: Vec::new(),
+    };
     let pages = (prompt.len() + 40).div_ceil(16) + 1;
     let mut alone = engine(pages);
     let id = alone.add(long(prompt.clone())).unwrap();

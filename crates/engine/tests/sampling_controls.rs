@@ -5,7 +5,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use bulkhead_engine::{load_model, Engine, EngineConfig, Event, FinishReason, GenRequest, Prefiller, Sampling};
+use bulkhead_engine::{Engine, EngineConfig, Event, FinishReason, GenRequest, Prefiller, Sampling, load_model};
 use bulkhead_grammar::Grammars;
 use bulkhead_kv::{KvChecks, KvPool, PoolConfig, RequestId, SequenceKv};
 use bulkhead_model::{Llama, SeqInput};
@@ -123,13 +123,17 @@ fn the_prefill_workers_first_token_obeys_the_grammar() {
     let digits = GrammarSpec::Regex("[0-9]{2,4}".into());
     let mut m = s.grammars.matcher(&digits).expect("grammar");
     assert!(!m.mask().expect("mask").allows(unconstrained), "the test needs a grammar that forbids the natural first token");
-    for sampling in [Sampling { grammar: Some(digits.clone()), ..Sampling::default() }, Sampling { grammar: Some(digits.clone()), temperature: 1.0, seed: Some(3), ..Sampling::default() }] {
+    for sampling in [
+        Sampling { grammar: Some(digits.clone()), ..Sampling::default() },
+        Sampling { grammar: Some(digits.clone()), temperature: 1.0, seed: Some(3), ..Sampling::default() },
+    ] {
         let mut p = pool(8);
         let mut seq = SequenceKv::new(RequestId(2));
         seq.reserve(&mut p, prompt.len()).expect("reserve");
         let mut pre = Prefiller::new(s.model.clone(), s.tok.clone());
         let first = FirstToken { sampling: &sampling, skip_draws: 0 };
-        let firsts = pre.compute(&mut p, &mut [Chunk { seq: &mut seq, tokens: &prompt, from: 0, to: prompt.len(), first }]).expect("compute");
+        let firsts =
+            pre.compute(&mut p, &mut [Chunk { seq: &mut seq, tokens: &prompt, from: 0, to: prompt.len(), first }]).expect("compute");
         let Some((first, _)) = firsts[0] else { panic!("no first token") };
         let text = s.tok.decode(&[first]);
         assert!(!text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()), "first token {first} {text:?}");
@@ -142,7 +146,11 @@ fn the_prefill_workers_first_token_obeys_the_grammar() {
 #[test]
 fn prompts_prefilled_in_one_pass_get_what_each_gets_alone() {
     let s = shared();
-    let prompts = [chat_prompt("What is the capital of France?"), chat_prompt("Name three colours of the rainbow, please."), chat_prompt("Count to ten.")];
+    let prompts = [
+        chat_prompt("What is the capital of France?"),
+        chat_prompt("Name three colours of the rainbow, please."),
+        chat_prompt("Count to ten."),
+    ];
     let digits = Sampling { grammar: Some(GrammarSpec::Regex("[0-9]{2,4}".into())), logprobs: Some(3), ..Sampling::default() };
     let plain = Sampling { logprobs: Some(3), ..Sampling::default() };
     let samplings = [&plain, &digits, &plain];
@@ -155,7 +163,8 @@ fn prompts_prefilled_in_one_pass_get_what_each_gets_alone() {
             let mut seq = SequenceKv::new(RequestId(1));
             seq.reserve(&mut p, prompt.len()).expect("reserve");
             let first = FirstToken { sampling, skip_draws: 0 };
-            let mut out = pre.compute(&mut p, &mut [Chunk { seq: &mut seq, tokens: prompt, from: 0, to: prompt.len(), first }]).expect("compute");
+            let mut out =
+                pre.compute(&mut p, &mut [Chunk { seq: &mut seq, tokens: prompt, from: 0, to: prompt.len(), first }]).expect("compute");
             out.pop().flatten().expect("a first token")
         })
         .collect();
@@ -175,7 +184,9 @@ fn prompts_prefilled_in_one_pass_get_what_each_gets_alone() {
     let together = pre.compute(&mut p, &mut chunks).expect("compute");
     assert_eq!(together, vec![Some(alone[0].clone()), None, Some(alone[2].clone())]);
     let first = FirstToken { sampling: &digits, skip_draws: 0 };
-    let rest = pre.compute(&mut p, &mut [Chunk { seq: &mut seqs[1], tokens: &prompts[1], from: 16, to: prompts[1].len(), first }]).expect("compute");
+    let rest = pre
+        .compute(&mut p, &mut [Chunk { seq: &mut seqs[1], tokens: &prompts[1], from: 16, to: prompts[1].len(), first }])
+        .expect("compute");
     assert_eq!(rest, vec![Some(alone[1].clone())]);
 }
 

@@ -41,7 +41,7 @@ pub mod sim;
 pub use mock::MockModels;
 pub use model::Models;
 pub use plan::{Options, Sabotage};
-pub use sim::{run, Outcome, Tally};
+pub use sim::{Outcome, Tally, run};
 
 /// What a batch of schedules found.
 #[derive(Debug, Default)]

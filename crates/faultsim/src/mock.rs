@@ -17,10 +17,9 @@
 //! same state as one computed whole. Values are integers in `-1023..=1023`, exact in f16,
 //! never the poison NaN.
 
-
 use bulkhead_kv::{KvChecks, KvError, KvLayout, KvPool, PoolConfig, RequestId, SequenceKv};
 use bulkhead_protocol::decode::DecodeStart;
-use bulkhead_protocol::driver::decode::{make_room, DecodeEngine, GenEvent, Growing};
+use bulkhead_protocol::driver::decode::{DecodeEngine, GenEvent, Growing, make_room};
 use bulkhead_protocol::driver::prefill::{Chunk, First, PrefillCompute};
 use bulkhead_protocol::{FinishReason, Sampling};
 use half::f16;
@@ -140,7 +139,14 @@ fn token_word(token: u32, pos: usize) -> u64 {
 
 /// Computes and commits prompt positions `from..to` of `seq`; after the last one, returns
 /// the first generated token.
-fn prefill(pool: &mut KvPool, seq: &mut SequenceKv, tokens: &[u32], from: usize, to: usize, faults: &mut u64) -> Result<Option<u32>, KvError> {
+fn prefill(
+    pool: &mut KvPool,
+    seq: &mut SequenceKv,
+    tokens: &[u32],
+    from: usize,
+    to: usize,
+    faults: &mut u64,
+) -> Result<Option<u32>, KvError> {
     let mut acc = check_reads(pool, seq, START, faults);
     acc = fold(pool, seq, 0, from, acc, faults);
     for (pos, &t) in tokens.iter().enumerate().take(to).skip(from) {

@@ -26,7 +26,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 
-use bulkhead_protocol::{encode, CodecError, FrameDecoder, Message, WorkerId, DEFAULT_MAX_FRAME, VERSION};
+use bulkhead_protocol::{CodecError, DEFAULT_MAX_FRAME, FrameDecoder, Message, VERSION, WorkerId, encode};
 
 use crate::dice::Dice;
 

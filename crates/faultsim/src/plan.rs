@@ -261,7 +261,9 @@ impl Plan {
             }
         }
         if !options.no_faults && dice.chance(250) {
-            let what = *dice.pick(&[MidTransferFault::Cut, MidTransferFault::CrashPrefill, MidTransferFault::CrashDecode]).unwrap_or(&MidTransferFault::Cut);
+            let what = *dice
+                .pick(&[MidTransferFault::Cut, MidTransferFault::CrashPrefill, MidTransferFault::CrashDecode])
+                .unwrap_or(&MidTransferFault::Cut);
             let restart_after_ms = dice.chance(700).then(|| dice.range(5, 300));
             plan.mid_transfer = Some(MidTransfer { after_chunks: dice.range(1, 8), what, restart_after_ms });
         }
@@ -352,7 +354,15 @@ impl Plan {
 fn sampling_variant(which: u64) -> Sampling {
     match which {
         0 => Sampling { grammar: Some(GrammarSpec::Regex("[a-z]+( [a-z]+)*".into())), logprobs: Some(2), ..Sampling::default() },
-        1 => Sampling { temperature: 0.9, top_k: 40, seed: Some(7), frequency_penalty: 0.5, presence_penalty: 0.25, logprobs: Some(0), ..Sampling::default() },
+        1 => Sampling {
+            temperature: 0.9,
+            top_k: 40,
+            seed: Some(7),
+            frequency_penalty: 0.5,
+            presence_penalty: 0.25,
+            logprobs: Some(0),
+            ..Sampling::default()
+        },
         _ => Sampling { grammar: Some(GrammarSpec::JsonObject), repetition_penalty: 1.3, min_p: 0.05, ..Sampling::default() },
     }
 }

@@ -15,13 +15,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
 use bulkhead_kv::{CacheStats, Generation, KvChecks, KvPool, PageId, PoolConfig, PoolStats, PrefixCache, RequestId};
+use bulkhead_modelcheck::Variant;
+use bulkhead_modelcheck::drivers::DecodeVariant;
 use bulkhead_protocol::cache::CacheSecret;
 use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole, DecodeStats};
-use bulkhead_modelcheck::drivers::DecodeVariant;
-use bulkhead_modelcheck::Variant;
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeEngine, DecodeLink};
 use bulkhead_protocol::driver::prefill::{Batching, LinkDown, PrefillDriver, PrefillLink, Step};
-use bulkhead_protocol::gateway::{client_of, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, TenantId};
+use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, TenantId, client_of};
 use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillRole};
 use bulkhead_protocol::{Hello, Message, RejectReason, Role, TraceContext, WorkerId};
 
@@ -479,7 +479,15 @@ impl<'m, M: Models> Sim<'m, M> {
         let p = &sim.plan;
         let head = format!(
             "seed {} layout {:?} prefill {:?} decode {:?} gateway check {} timeouts {}/{} ms chunk {} pages, {} per step",
-            p.seed, p.layout, p.prefill, p.decode, p.gateway_check, p.request_timeout_ms, p.transfer_timeout_ms, p.chunk_pages, p.step_chunks
+            p.seed,
+            p.layout,
+            p.prefill,
+            p.decode,
+            p.gateway_check,
+            p.request_timeout_ms,
+            p.transfer_timeout_ms,
+            p.chunk_pages,
+            p.step_chunks
         );
         sim.log(head);
         for r in sim.plan.requests.clone() {
@@ -554,7 +562,8 @@ impl<'m, M: Models> Sim<'m, M> {
     fn next_time(&self) -> Option<u64> {
         let work = self.prefills.values().filter(|p| p.driver.has_work()).map(|p| p.busy_until);
         let steps = self.decodes.values().filter(|d| d.driver.engine().active() > 0).map(|d| d.busy_until);
-        let prefill_ticks = self.prefills.iter().filter(|(id, p)| self.awaited(**id) || p.driver.role().rejoin_pending()).map(|(_, p)| p.next_tick);
+        let prefill_ticks =
+            self.prefills.iter().filter(|(id, p)| self.awaited(**id) || p.driver.role().rejoin_pending()).map(|(_, p)| p.next_tick);
         let ticks = self.decodes.values().map(|d| d.next_tick).chain(prefill_ticks).chain([self.gw.next_tick]);
         let planned = self.timeline.keys().next().map(|k| k.0);
         work.chain(steps).chain(ticks).chain(planned).chain(self.net.next_due()).filter(|t| *t > self.now).min()
@@ -762,7 +771,15 @@ impl<'m, M: Models> Sim<'m, M> {
         } else if let Some(d) = self.decodes.remove(&w) {
             let pool = d.driver.engine().pool().stats();
             let (read_faults, retractions) = (d.driver.engine().read_faults(), d.driver.engine().retractions());
-            self.dead.push(Remains { id: w, pool, read_faults, decode: Some(d.driver.role().stats()), keepalives: 0, retractions, cache: CacheStats::default() });
+            self.dead.push(Remains {
+                id: w,
+                pool,
+                read_faults,
+                decode: Some(d.driver.role().stats()),
+                keepalives: 0,
+                retractions,
+                cache: CacheStats::default(),
+            });
         }
         self.net.crash(End::Worker(w), self.now, &mut self.dice);
     }
@@ -842,7 +859,10 @@ impl<'m, M: Models> Sim<'m, M> {
                         self.violate(format!("output for r{req}, which no client sent"));
                         continue;
                     };
-                    if self.plan.options.sabotage == Sabotage::DropFirstToken && matches!(out, ClientOutput::Token { .. }) && !c.dropped_first {
+                    if self.plan.options.sabotage == Sabotage::DropFirstToken
+                        && matches!(out, ClientOutput::Token { .. })
+                        && !c.dropped_first
+                    {
                         c.dropped_first = true;
                         continue;
                     }
@@ -946,7 +966,15 @@ impl<'m, M: Models> Sim<'m, M> {
         let keepalives = p.driver.role().stats().keepalives;
         let mut pool = p.pool;
         let cache = p.driver.abandon(&mut pool).unwrap_or_default();
-        self.dead.push(Remains { id: w, pool: pool.stats(), read_faults: p.model.read_faults(), decode: None, keepalives, retractions: 0, cache });
+        self.dead.push(Remains {
+            id: w,
+            pool: pool.stats(),
+            read_faults: p.model.read_faults(),
+            decode: None,
+            keepalives,
+            retractions: 0,
+            cache,
+        });
         self.tally.rejoins += 1;
         self.schedule(self.now + REJOIN_DELAY_MS, Planned::Start(self.plan.prefill));
     }
@@ -963,7 +991,9 @@ impl<'m, M: Models> Sim<'m, M> {
         }
         for step in &steps {
             match step {
-                Step::Computed { req, from, to, chunks } => self.log(format!("w{} r{req}: positions {from}..{to} computed, {chunks} chunks sent", w.0)),
+                Step::Computed { req, from, to, chunks } => {
+                    self.log(format!("w{} r{req}: positions {from}..{to} computed, {chunks} chunks sent", w.0))
+                }
                 Step::Ended { req, outcome, unreleased, .. } => {
                     self.log(format!("w{} r{req} ends: {outcome:?}", w.0));
                     if let Some(e) = unreleased {
@@ -1052,7 +1082,8 @@ impl<'m, M: Models> Sim<'m, M> {
     fn decode_event(&mut self, w: WorkerId, ev: DecodeEvent) {
         let Some(d) = self.decodes.get_mut(&w) else { return };
         let DecodeWorker { driver, gw, kv, handed_out, .. } = d;
-        let mut wire = DecodeWire { port: Port { me: w, now: self.now, net: &mut self.net, dice: &mut self.dice, gw: *gw }, kv, handed_out };
+        let mut wire =
+            DecodeWire { port: Port { me: w, now: self.now, net: &mut self.net, dice: &mut self.dice, gw: *gw }, kv, handed_out };
         driver.handle(ev, &mut wire);
     }
 
@@ -1128,10 +1159,14 @@ impl<'m, M: Models> Sim<'m, M> {
                     if *cached_tokens > 0 {
                         self.tally.cached_finished += 1;
                         let common = |o: &crate::plan::RequestPlan| o.tokens.iter().zip(&r.tokens).take_while(|(a, b)| a == b).count();
-                        let same_tenant = self.plan.requests.iter().filter(|o| o.req != r.req && o.tenant == r.tenant).map(common).max().unwrap_or(0);
+                        let same_tenant =
+                            self.plan.requests.iter().filter(|o| o.req != r.req && o.tenant == r.tenant).map(common).max().unwrap_or(0);
                         let own = if c.prefills > 1 { prompt } else { 0 };
                         if !self.plan.prefix_cache || *cached_tokens as usize > same_tenant.max(own) {
-                            bad.push(format!("r{id} (tenant {}) reports {cached_tokens} cached tokens; its tenant's prompts share {same_tenant}", r.tenant));
+                            bad.push(format!(
+                                "r{id} (tenant {}) reports {cached_tokens} cached tokens; its tenant's prompts share {same_tenant}",
+                                r.tenant
+                            ));
                         }
                     }
                     let text: String = c
@@ -1218,7 +1253,8 @@ impl<'m, M: Models> Sim<'m, M> {
         self.tally.retractions += self.decodes.values().map(|d| d.driver.engine().retractions()).sum::<u64>()
             + self.dead.iter().map(|r| r.retractions).sum::<u64>();
         self.tally.retried += self.gw.role.stats().retried;
-        let caches = self.prefills.values().filter_map(|p| p.driver.cache()).map(PrefixCache::stats).chain(self.dead.iter().map(|r| r.cache));
+        let caches =
+            self.prefills.values().filter_map(|p| p.driver.cache()).map(PrefixCache::stats).chain(self.dead.iter().map(|r| r.cache));
         for c in caches {
             self.tally.cache_hit_tokens += c.hit_tokens;
             self.tally.cache_evictions += c.evicted_pages;
@@ -1233,7 +1269,14 @@ impl<'m, M: Models> Sim<'m, M> {
         let mut s = String::new();
         let _ = write!(s, "gateway in flight {}; ", self.gw.role.in_flight());
         for (w, p) in &self.prefills {
-            let _ = write!(s, "w{} prefill queued {} jobs {:?} pool {:?}; ", w.0, p.driver.role().queued(), p.driver.running().map(|j| j.req).collect::<Vec<_>>(), p.pool.stats());
+            let _ = write!(
+                s,
+                "w{} prefill queued {} jobs {:?} pool {:?}; ",
+                w.0,
+                p.driver.role().queued(),
+                p.driver.running().map(|j| j.req).collect::<Vec<_>>(),
+                p.pool.stats()
+            );
         }
         for (w, d) in &self.decodes {
             let r = d.driver.role();
@@ -1280,7 +1323,10 @@ fn check_pool_stats(bad: &mut Vec<String>, w: WorkerId, s: &PoolStats, read_faul
         bad.push(format!("w{}: {read_faults} model reads refused, past a watermark or failing the pool's read checks", w.0));
     }
     if s.poisoned_reads > 0 || s.audit_violations > 0 || s.fence_failures > 0 {
-        bad.push(format!("w{}: {} poisoned reads, {} audit violations, {} tenant-fence failures", w.0, s.poisoned_reads, s.audit_violations, s.fence_failures));
+        bad.push(format!(
+            "w{}: {} poisoned reads, {} audit violations, {} tenant-fence failures",
+            w.0, s.poisoned_reads, s.audit_violations, s.fence_failures
+        ));
     }
 }
 

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use bulkhead_faultsim::real::RealModels;
-use bulkhead_faultsim::{env_u64, failure_report, run, run_seeds, Options};
+use bulkhead_faultsim::{Options, env_u64, failure_report, run, run_seeds};
 
 #[path = "../../model/tests/support/mod.rs"]
 mod support;

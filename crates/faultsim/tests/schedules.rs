@@ -8,7 +8,7 @@
 use std::collections::BTreeSet;
 use std::io::Write;
 
-use bulkhead_faultsim::{env_u64, failure_report, run, run_seeds, MockModels, Options, Sabotage};
+use bulkhead_faultsim::{MockModels, Options, Sabotage, env_u64, failure_report, run, run_seeds};
 
 const TARGET: &str = "schedules";
 
@@ -36,10 +36,16 @@ fn seeded_fault_schedules_keep_every_invariant() {
     // Not vacuous: most requests that can finish do, and faults really happen.
     let t = s.tally;
     assert!(t.finished * 3 > t.requests, "too few requests finished: {t:?}");
-    assert!(n < 1_000 || (t.faults > n / 2 && t.client_gone > 0 && t.transfer_timeouts > 0 && t.late_chunks > 0), "faults did not happen: {t:?}");
+    assert!(
+        n < 1_000 || (t.faults > n / 2 && t.client_gone > 0 && t.transfer_timeouts > 0 && t.late_chunks > 0),
+        "faults did not happen: {t:?}"
+    );
     assert!(t.audited_slots > 0, "the KV auditor checked nothing: {t:?}");
     assert!(n < 1_000 || t.keepalives > 0, "no prefill role sent a keepalive: {t:?}");
-    assert!(n < 1_000 || (t.cache_hit_tokens > 0 && t.cache_evictions > 0 && t.cached_finished > 0), "the prefix cache never hit or evicted: {t:?}");
+    assert!(
+        n < 1_000 || (t.cache_hit_tokens > 0 && t.cache_evictions > 0 && t.cached_finished > 0),
+        "the prefix cache never hit or evicted: {t:?}"
+    );
 }
 
 #[test]
@@ -71,11 +77,7 @@ fn a_lost_token_is_caught_by_the_reference_comparison() {
 fn dropped_fences_are_caught_as_pages_that_never_come_back() {
     let s = run_seeds(&MockModels, 0..300, Options { sabotage: Sabotage::DropFences, ..Options::default() });
     let first = s.failures.first().expect("dropped fences went unnoticed in 300 schedules");
-    assert!(
-        first.violations.iter().any(|v| v.contains("not back to full") || v.contains("not quiet")),
-        "{:?}",
-        first.violations
-    );
+    assert!(first.violations.iter().any(|v| v.contains("not back to full") || v.contains("not quiet")), "{:?}", first.violations);
 }
 
 /// The decode driver takes a transfer timeout for a fence: a page is handed to another

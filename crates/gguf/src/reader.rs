@@ -238,10 +238,7 @@ impl GgufFile {
             Some(v) => match v.as_u64() {
                 Some(a) if a.is_power_of_two() => a,
                 _ => {
-                    return Err(GgufError::InvalidValue {
-                        key: "general.alignment".into(),
-                        why: format!("{v:?} is not a power of two"),
-                    });
+                    return Err(GgufError::InvalidValue { key: "general.alignment".into(), why: format!("{v:?} is not a power of two") });
                 }
             },
         };
@@ -366,18 +363,12 @@ impl GgufFile {
 
     /// An array of integers, as i64.
     pub fn get_int_array(&self, key: &str) -> Result<Vec<i64>, GgufError> {
-        self.get_array(key)?
-            .iter()
-            .map(|v| v.as_i64().ok_or_else(|| Self::wrong(key, "array of integers", v)))
-            .collect()
+        self.get_array(key)?.iter().map(|v| v.as_i64().ok_or_else(|| Self::wrong(key, "array of integers", v))).collect()
     }
 
     /// A tensor's table entry.
     pub fn tensor_info(&self, name: &str) -> Result<&TensorInfo, GgufError> {
-        self.tensors
-            .iter()
-            .find(|t| t.name == name)
-            .ok_or_else(|| GgufError::MissingTensor { name: name.to_string() })
+        self.tensors.iter().find(|t| t.name == name).ok_or_else(|| GgufError::MissingTensor { name: name.to_string() })
     }
 
     /// A tensor's entry and raw bytes. Fails for a type whose size is unknown.

@@ -37,9 +37,7 @@ fn a_file_cut_before_its_data_section_is_refused_even_when_every_tensor_is_empty
 #[test]
 fn the_writer_aligns_tensor_data_to_general_alignment() {
     let mut w = GgufWriter::new();
-    w.meta("general.alignment", Value::U32(64))
-        .tensor_f32("x", &[3], &[1.0, 2.0, 3.0])
-        .tensor_f32("y", &[2], &[4.0, 5.0]);
+    w.meta("general.alignment", Value::U32(64)).tensor_f32("x", &[3], &[1.0, 2.0, 3.0]).tensor_f32("y", &[2], &[4.0, 5.0]);
     let f = GgufFile::parse(w.to_bytes()).expect("the writer's file parses");
     assert_eq!(f.tensor_info("y").expect("y").offset, 64);
     let y: Vec<u8> = [4.0f32, 5.0].iter().flat_map(|v| v.to_le_bytes()).collect();

@@ -14,9 +14,9 @@ use std::sync::Arc;
 
 use bulkhead_protocol::GrammarSpec;
 use bulkhead_tokenizer::{TokenType, Tokenizer};
+use llguidance::ParserFactory;
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
-use llguidance::ParserFactory;
 
 /// Why a grammar could not be compiled or followed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -123,7 +123,8 @@ fn top_level(spec: &GrammarSpec) -> Result<TopLevelGrammar, GrammarError> {
     Ok(match spec {
         GrammarSpec::JsonObject => TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"})),
         GrammarSpec::JsonSchema(text) => {
-            let schema: serde_json::Value = serde_json::from_str(text).map_err(|e| GrammarError::Invalid(format!("the JSON schema is not JSON: {e}")))?;
+            let schema: serde_json::Value =
+                serde_json::from_str(text).map_err(|e| GrammarError::Invalid(format!("the JSON schema is not JSON: {e}")))?;
             TopLevelGrammar::from_json_schema(schema)
         }
         GrammarSpec::Regex(rx) => TopLevelGrammar::from_regex(rx),

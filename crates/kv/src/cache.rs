@@ -92,7 +92,15 @@ impl PrefixCache {
     /// `fence`, at most `max_pages` pages. `prompt_tokens` is what the lookup counts as
     /// queried. A fence mismatch on any page gives every page of this lookup back and
     /// fails it: the request must not run.
-    pub fn lookup(&mut self, pool: &mut KvPool, keys: &[PageKey], max_pages: usize, reader: RequestId, fence: Fence, prompt_tokens: usize) -> Result<Vec<SharedLease>, KvError> {
+    pub fn lookup(
+        &mut self,
+        pool: &mut KvPool,
+        keys: &[PageKey],
+        max_pages: usize,
+        reader: RequestId,
+        fence: Fence,
+        prompt_tokens: usize,
+    ) -> Result<Vec<SharedLease>, KvError> {
         self.stats.query_tokens += prompt_tokens as u64;
         self.clock += 1;
         let mut shared = Vec::new();

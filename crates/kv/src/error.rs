@@ -46,9 +46,7 @@ pub enum KvError {
     },
     /// The lease no longer matches its page: the page is not (or no longer) in the state
     /// the handle claims, or was re-leased (generation differs), or to another owner.
-    #[error(
-        "stale lease on page {page}: lease generation {lease_generation}, page generation {page_generation}"
-    )]
+    #[error("stale lease on page {page}: lease generation {lease_generation}, page generation {page_generation}")]
     StaleLease {
         /// Page named by the lease.
         page: PageId,
@@ -66,9 +64,7 @@ pub enum KvError {
         layers: usize,
     },
     /// Writes are append-only: the slot must equal the layer's watermark.
-    #[error(
-        "non-sequential write to page {page} layer {layer}: slot {slot}, watermark {watermark}"
-    )]
+    #[error("non-sequential write to page {page} layer {layer}: slot {slot}, watermark {watermark}")]
     NonSequentialWrite {
         /// Page written.
         page: PageId,
@@ -118,9 +114,7 @@ pub enum KvError {
         reserved: usize,
     },
     /// A commit covers a position whose KV is not written in some layer.
-    #[error(
-        "cannot commit position {pos}: page {page} layer {layer} has only {watermark} slots written"
-    )]
+    #[error("cannot commit position {pos}: page {page} layer {layer} has only {watermark} slots written")]
     NotWritten {
         /// First position not written.
         pos: usize,

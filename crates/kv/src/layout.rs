@@ -46,21 +46,15 @@ impl KvLayout {
     /// # Panics
     /// If `page_size` is zero; [`KvLayout::validate`] (run by `KvPool::new`) refuses such layouts.
     pub fn pages_for_tokens(&self, tokens: usize) -> usize {
-        assert!(
-            self.page_size > 0,
-            "KvLayout::page_size must be > 0 (validate the layout first)"
-        );
+        assert!(self.page_size > 0, "KvLayout::page_size must be > 0 (validate the layout first)");
         tokens.div_ceil(self.page_size)
     }
 
     /// Checks every dimension is non-zero and that one page's size in bytes fits in `usize`.
     pub fn validate(&self) -> Result<(), KvError> {
-        for (field, value) in [
-            ("layers", self.layers),
-            ("kv_heads", self.kv_heads),
-            ("head_dim", self.head_dim),
-            ("page_size", self.page_size),
-        ] {
+        for (field, value) in
+            [("layers", self.layers), ("kv_heads", self.kv_heads), ("head_dim", self.head_dim), ("page_size", self.page_size)]
+        {
             if value == 0 {
                 return Err(KvError::ZeroDimension { field });
             }
@@ -70,10 +64,7 @@ impl KvLayout {
             .iter()
             .try_fold(2usize, |acc, &x| acc.checked_mul(x))
             .map(|_| ())
-            .ok_or(KvError::TooLarge {
-                pages: 1,
-                layout: *self,
-            })
+            .ok_or(KvError::TooLarge { pages: 1, layout: *self })
     }
 }
 

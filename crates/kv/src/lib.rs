@@ -49,8 +49,8 @@ mod pool;
 mod sequence;
 pub mod transfer;
 
-pub use error::KvError;
 pub use cache::{CacheStats, PrefixCache};
+pub use error::KvError;
 pub use ids::{Fence, Generation, PageId, PageKey, PoolId, RequestId};
 pub use layout::{KvChecks, KvLayout, PoolConfig};
 pub use pool::{CachedPage, KvPool, Lease, POISON, PageHandle, PageRead, PageReader, PageTag, PoolStats, Quarantined, SharedLease};

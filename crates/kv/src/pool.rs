@@ -57,7 +57,6 @@ pub struct Lease {
     tag: PageTag,
 }
 
-
 /// A page taken out of service until its writer is fenced (design I4): neither free nor
 /// readable nor writable. Not `Clone`; [`KvPool::release_quarantined`] consumes it.
 #[must_use = "a dropped quarantine handle keeps its page out of service forever"]
@@ -186,7 +185,12 @@ impl<'p> PageReader<'p> {
 impl Drop for PageReader<'_> {
     fn drop(&mut self) {
         let p = self.pool;
-        for (n, total) in [(&self.reads, &p.reads), (&self.refusals, &p.refusals), (&self.fence_checks, &p.fence_checks), (&self.fence_failures, &p.fence_failures)] {
+        for (n, total) in [
+            (&self.reads, &p.reads),
+            (&self.refusals, &p.refusals),
+            (&self.fence_checks, &p.fence_checks),
+            (&self.fence_failures, &p.fence_failures),
+        ] {
             if n.get() > 0 {
                 total.fetch_add(n.get(), Ordering::Relaxed);
             }
@@ -266,11 +270,7 @@ impl<'a> PageRead<'a> {
     }
 
     fn head(&self, block: &'a [f16], kv_head: usize) -> &'a [f16] {
-        assert!(
-            kv_head < self.kv_heads,
-            "kv_head {kv_head} must be < kv_heads {}",
-            self.kv_heads
-        );
+        assert!(kv_head < self.kv_heads, "kv_head {kv_head} must be < kv_heads {}", self.kv_heads);
         let start = kv_head * self.page_size * self.head_dim;
         // Only the written prefix: slots >= len hold an earlier generation's data (I2).
         &block[start..start + self.len * self.head_dim]
@@ -343,7 +343,10 @@ enum PageState {
     Leased(RequestId),
     Quarantined(RequestId),
     /// Published to a prefix cache: full, read-only, readable only under `fence`.
-    Cached { fence: Fence, writer: RequestId },
+    Cached {
+        fence: Fence,
+        writer: RequestId,
+    },
 }
 
 impl PageState {
@@ -424,11 +427,7 @@ pub struct KvPool {
 impl fmt::Debug for KvPool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Never print storage: it is other requests' KV.
-        f.debug_struct("KvPool")
-            .field("id", &self.id)
-            .field("layout", &self.layout)
-            .field("stats", &self.stats())
-            .finish_non_exhaustive()
+        f.debug_struct("KvPool").field("id", &self.id).field("layout", &self.layout).field("stats", &self.stats()).finish_non_exhaustive()
     }
 }
 
@@ -441,48 +440,28 @@ impl KvPool {
         if cfg.pages == 0 {
             return Err(KvError::NoPages);
         }
-        let too_large = KvError::TooLarge {
-            pages: cfg.pages,
-            layout,
-        };
+        let too_large = KvError::TooLarge { pages: cfg.pages, layout };
         // Page ids are u32.
         if u32::try_from(cfg.pages - 1).is_err() {
             return Err(too_large);
         }
-        let elems = cfg
-            .pages
-            .checked_mul(layout.page_elems())
-            .ok_or(too_large.clone())?;
+        let elems = cfg.pages.checked_mul(layout.page_elems()).ok_or(too_large.clone())?;
         let bytes = elems.checked_mul(2).ok_or(too_large.clone())?;
-        cfg.pages
-            .checked_mul(layout.page_size)
-            .ok_or(too_large.clone())?;
+        cfg.pages.checked_mul(layout.page_size).ok_or(too_large.clone())?;
         let wm_len = cfg.pages.checked_mul(layout.layers).ok_or(too_large.clone())?;
         let shadow_len = if cfg.checks.audit { wm_len.checked_mul(layout.page_size).ok_or(too_large)? } else { 0 };
 
         let mut storage = Vec::new();
-        storage
-            .try_reserve_exact(elems)
-            .map_err(|_| KvError::OutOfMemory { bytes })?;
+        storage.try_reserve_exact(elems).map_err(|_| KvError::OutOfMemory { bytes })?;
         let mut shadow = Vec::new();
         shadow
             .try_reserve_exact(shadow_len)
             .map_err(|_| KvError::OutOfMemory { bytes: shadow_len.saturating_mul(std::mem::size_of::<SlotTag>()) })?;
         shadow.resize(shadow_len, UNWRITTEN);
-        let fill = if cfg.checks.canaries {
-            POISON
-        } else {
-            f16::ZERO
-        };
+        let fill = if cfg.checks.canaries { POISON } else { f16::ZERO };
         storage.resize(elems, fill);
 
-        let meta = vec![
-            PageMeta {
-                state: PageState::Free,
-                generation: Generation(0)
-            };
-            cfg.pages
-        ];
+        let meta = vec![PageMeta { state: PageState::Free, generation: Generation(0) }; cfg.pages];
         // Reverse so that page 0 is leased first (deterministic, easier to read in tests).
         let free = (0..cfg.pages)
             .rev()
@@ -550,10 +529,7 @@ impl KvPool {
     pub fn lease(&mut self, owner: RequestId) -> Result<Lease, KvError> {
         match self.free.pop() {
             Some(page) => Ok(self.grant(page, owner)),
-            None => Err(KvError::Exhausted {
-                requested: 1,
-                free: 0,
-            }),
+            None => Err(KvError::Exhausted { requested: 1, free: 0 }),
         }
     }
 
@@ -561,10 +537,7 @@ impl KvPool {
     pub fn lease_many(&mut self, owner: RequestId, n: usize) -> Result<Vec<Lease>, KvError> {
         // All or nothing: decide before taking any page, so a failure leaves nothing leased.
         if n > self.free.len() {
-            return Err(KvError::Exhausted {
-                requested: n,
-                free: self.free.len(),
-            });
+            return Err(KvError::Exhausted { requested: n, free: self.free.len() });
         }
         let mut leases = Vec::with_capacity(n);
         for _ in 0..n {
@@ -574,34 +547,17 @@ impl KvPool {
     }
 
     fn grant(&mut self, page: PageId, owner: RequestId) -> Lease {
-        assert!(
-            self.last_generation < u64::MAX,
-            "generations must strictly increase; u64 exhausted"
-        );
+        assert!(self.last_generation < u64::MAX, "generations must strictly increase; u64 exhausted");
         self.last_generation += 1;
         let generation = Generation(self.last_generation);
         let meta = &mut self.meta[page.index()];
-        assert_eq!(
-            meta.state,
-            PageState::Free,
-            "the free list holds only free pages"
-        );
-        assert!(
-            meta.generation < generation,
-            "a page's generation strictly increases on every lease"
-        );
+        assert_eq!(meta.state, PageState::Free, "the free list holds only free pages");
+        assert!(meta.generation < generation, "a page's generation strictly increases on every lease");
         meta.state = PageState::Leased(owner);
         meta.generation = generation;
         self.leased += 1;
         self.leases_granted += 1;
-        Lease {
-            tag: PageTag {
-                pool: self.id,
-                page,
-                generation,
-                owner,
-            },
-        }
+        Lease { tag: PageTag { pool: self.id, page, generation, owner } }
     }
 
     /// Verifies a handle is live: made by this pool, same generation; an own lease's page
@@ -616,18 +572,9 @@ impl KvPool {
     /// test bites each one.
     fn verify(&self, tag: &PageTag, want: Want) -> Result<(), KvError> {
         if tag.pool != self.id {
-            return Err(KvError::ForeignLease {
-                lease_pool: tag.pool,
-                pool: self.id,
-            });
+            return Err(KvError::ForeignLease { lease_pool: tag.pool, pool: self.id });
         }
-        let meta = self
-            .meta
-            .get(tag.page.index())
-            .ok_or(KvError::PageOutOfRange {
-                page: tag.page,
-                pages: self.meta.len(),
-            })?;
+        let meta = self.meta.get(tag.page.index()).ok_or(KvError::PageOutOfRange { page: tag.page, pages: self.meta.len() })?;
         let state_ok = match want {
             Want::Leased => matches!(meta.state, PageState::Leased(_)),
             Want::Quarantined => matches!(meta.state, PageState::Quarantined(_)),
@@ -637,11 +584,7 @@ impl KvPool {
         if state_ok && generation_ok && owner_ok {
             Ok(())
         } else {
-            Err(KvError::StaleLease {
-                page: tag.page,
-                lease_generation: tag.generation,
-                page_generation: meta.generation,
-            })
+            Err(KvError::StaleLease { page: tag.page, lease_generation: tag.generation, page_generation: meta.generation })
         }
     }
 
@@ -670,7 +613,11 @@ impl KvPool {
         self.verify_cached(&lease.tag, lease.writer, lease.fence, count)?;
         if !self.readers[lease.tag.page.index()].contains(&lease.tag.owner) {
             let meta = self.meta[lease.tag.page.index()];
-            return Err(KvError::StaleLease { page: lease.tag.page, lease_generation: lease.tag.generation, page_generation: meta.generation });
+            return Err(KvError::StaleLease {
+                page: lease.tag.page,
+                lease_generation: lease.tag.generation,
+                page_generation: meta.generation,
+            });
         }
         Ok(())
     }
@@ -752,10 +699,7 @@ impl KvPool {
 
     fn check_layer(&self, layer: usize) -> Result<(), KvError> {
         if layer >= self.layout.layers {
-            return Err(KvError::LayerOutOfRange {
-                layer,
-                layers: self.layout.layers,
-            });
+            return Err(KvError::LayerOutOfRange { layer, layers: self.layout.layers });
         }
         Ok(())
     }
@@ -839,12 +783,7 @@ impl KvPool {
             let meta = self.meta[i];
             if meta.state == PageState::Leased(owner) {
                 let page = PageId(i as u32); // i < pages <= 2^32, checked in new
-                let tag = PageTag {
-                    pool: self.id,
-                    page,
-                    generation: meta.generation,
-                    owner,
-                };
+                let tag = PageTag { pool: self.id, page, generation: meta.generation, owner };
                 out.push(self.quarantine_page(tag));
             }
         }
@@ -859,56 +798,28 @@ impl KvPool {
     /// f32, head-major (head `h` at `[h*head_dim..]`); they are stored rounded to f16.
     /// Append-only: `slot` must equal the layer's watermark and be `< page_size`.
     /// Nothing is written unless every check passes.
-    pub fn write(
-        &mut self,
-        lease: &Lease,
-        layer: usize,
-        slot: usize,
-        k: &[f32],
-        v: &[f32],
-    ) -> Result<(), KvError> {
+    pub fn write(&mut self, lease: &Lease, layer: usize, slot: usize, k: &[f32], v: &[f32]) -> Result<(), KvError> {
         let r = self.write_checked(lease, layer, slot, k, v);
         self.counted(r)
     }
 
-    fn write_checked(
-        &mut self,
-        lease: &Lease,
-        layer: usize,
-        slot: usize,
-        k: &[f32],
-        v: &[f32],
-    ) -> Result<(), KvError> {
+    fn write_checked(&mut self, lease: &Lease, layer: usize, slot: usize, k: &[f32], v: &[f32]) -> Result<(), KvError> {
         self.verify(&lease.tag, Want::Leased)?;
         self.check_layer(layer)?;
         let page = lease.tag.page;
         let row = self.layout.row_elems();
         if k.len() != row || v.len() != row {
-            return Err(KvError::RowLength {
-                expected: row,
-                k: k.len(),
-                v: v.len(),
-            });
+            return Err(KvError::RowLength { expected: row, k: k.len(), v: v.len() });
         }
         let page_size = self.layout.page_size;
         if slot >= page_size {
-            return Err(KvError::PageFull {
-                page,
-                layer,
-                slot,
-                page_size,
-            });
+            return Err(KvError::PageFull { page, layer, slot, page_size });
         }
         let wm = self.wm_index(page, layer);
         let watermark = self.watermarks[wm];
         // Append-only: the written slots are always exactly 0..watermark, no holes.
         if slot != watermark {
-            return Err(KvError::NonSequentialWrite {
-                page,
-                layer,
-                slot,
-                watermark,
-            });
+            return Err(KvError::NonSequentialWrite { page, layer, slot, watermark });
         }
 
         let hd = self.layout.head_dim;
@@ -918,16 +829,10 @@ impl KvPool {
         for h in 0..self.layout.kv_heads {
             let at = h * head_stride + slot * hd;
             let src = h * hd..(h + 1) * hd;
-            for (dst, x) in self.storage[k_block + at..k_block + at + hd]
-                .iter_mut()
-                .zip(&k[src.clone()])
-            {
+            for (dst, x) in self.storage[k_block + at..k_block + at + hd].iter_mut().zip(&k[src.clone()]) {
                 *dst = f16::from_f32(*x);
             }
-            for (dst, x) in self.storage[v_block + at..v_block + at + hd]
-                .iter_mut()
-                .zip(&v[src])
-            {
+            for (dst, x) in self.storage[v_block + at..v_block + at + hd].iter_mut().zip(&v[src]) {
                 *dst = f16::from_f32(*x);
             }
         }
@@ -1053,10 +958,12 @@ impl KvPool {
         let (hd, heads, block) = (self.layout.head_dim, self.layout.kv_heads, self.layout.block_elems());
         let head_stride = self.layout.page_size * hd;
         let starts: Vec<usize> = (0..self.layout.layers).map(|l| self.block_start(page, l)).collect();
-        starts.into_iter().flat_map(move |k_block| {
-            (0..2).flat_map(move |half| (0..heads).map(move |h| k_block + half * block + h * head_stride + start * hd))
-        })
-        .map(move |at| at..at + count * hd)
+        starts
+            .into_iter()
+            .flat_map(move |k_block| {
+                (0..2).flat_map(move |half| (0..heads).map(move |h| k_block + half * block + h * head_stride + start * hd))
+            })
+            .map(move |at| at..at + count * hd)
     }
 
     /// Appends to `out` the KV of slots `start..start + count` of the lease's page, all
@@ -1139,16 +1046,11 @@ impl KvPool {
     /// meant for tests and canaries ("check that poisoning really ran", I6).
     pub fn page_is_poisoned(&self, page: PageId) -> Result<bool, KvError> {
         if page.index() >= self.meta.len() {
-            return Err(KvError::PageOutOfRange {
-                page,
-                pages: self.meta.len(),
-            });
+            return Err(KvError::PageOutOfRange { page, pages: self.meta.len() });
         }
         let pe = self.layout.page_elems();
         let start = page.index() * pe;
-        Ok(self.storage[start..start + pe]
-            .iter()
-            .all(|x| x.to_bits() == POISON.to_bits()))
+        Ok(self.storage[start..start + pe].iter().all(|x| x.to_bits() == POISON.to_bits()))
     }
 
     /// Counts of pages and operations.
@@ -1185,26 +1087,12 @@ impl KvPool {
     /// With a message naming the broken invariant.
     pub fn check_invariants(&self) {
         let pages = self.meta.len();
-        assert_eq!(
-            self.storage.len(),
-            pages * self.layout.page_elems(),
-            "storage holds exactly pages * page_elems elements"
-        );
-        assert_eq!(
-            self.watermarks.len(),
-            pages * self.layout.layers,
-            "one watermark per page and layer"
-        );
+        assert_eq!(self.storage.len(), pages * self.layout.page_elems(), "storage holds exactly pages * page_elems elements");
+        assert_eq!(self.watermarks.len(), pages * self.layout.layers, "one watermark per page and layer");
         let mut on_free_list = vec![false; pages];
         for &p in &self.free {
-            assert!(
-                p.index() < pages,
-                "free list holds only pages of this pool ({p})"
-            );
-            assert!(
-                !on_free_list[p.index()],
-                "free list has no duplicates (page {p} twice)"
-            );
+            assert!(p.index() < pages, "free list holds only pages of this pool ({p})");
+            assert!(!on_free_list[p.index()], "free list has no duplicates (page {p} twice)");
             on_free_list[p.index()] = true;
         }
         let (mut free, mut leased, mut quarantined, mut cached) = (0, 0, 0, 0);
@@ -1215,63 +1103,31 @@ impl KvPool {
                 PageState::Quarantined(_) => quarantined += 1,
                 PageState::Cached { .. } => cached += 1,
             }
-            assert!(
-                self.readers[i].is_empty() || matches!(m.state, PageState::Cached { .. }),
-                "only cached pages have readers (page {i})"
-            );
-            assert_eq!(
-                on_free_list[i],
-                m.state == PageState::Free,
-                "page {i} is on the free list exactly when its state is Free"
-            );
-            assert!(
-                m.generation.0 <= self.last_generation,
-                "no page generation exceeds the last one handed out (page {i})"
-            );
+            assert!(self.readers[i].is_empty() || matches!(m.state, PageState::Cached { .. }), "only cached pages have readers (page {i})");
+            assert_eq!(on_free_list[i], m.state == PageState::Free, "page {i} is on the free list exactly when its state is Free");
+            assert!(m.generation.0 <= self.last_generation, "no page generation exceeds the last one handed out (page {i})");
             if m.state != PageState::Free {
-                assert!(
-                    m.generation.0 > 0,
-                    "a leased or quarantined page has been granted a generation (page {i})"
-                );
+                assert!(m.generation.0 > 0, "a leased or quarantined page has been granted a generation (page {i})");
             }
             let wms = &self.watermarks[i * self.layout.layers..(i + 1) * self.layout.layers];
-            assert!(
-                wms.iter().all(|&w| w <= self.layout.page_size),
-                "watermarks never exceed page_size (page {i}: {wms:?})"
-            );
+            assert!(wms.iter().all(|&w| w <= self.layout.page_size), "watermarks never exceed page_size (page {i}: {wms:?})");
             if matches!(m.state, PageState::Cached { .. }) {
-                assert!(
-                    wms.iter().all(|&w| w == self.layout.page_size),
-                    "a cached page is full in every layer (page {i}: {wms:?})"
-                );
+                assert!(wms.iter().all(|&w| w == self.layout.page_size), "a cached page is full in every layer (page {i}: {wms:?})");
             } else if !matches!(m.state, PageState::Leased(_)) {
-                assert!(
-                    wms.iter().all(|&w| w == 0),
-                    "a page that is not leased has zero watermarks (page {i}: {wms:?})"
-                );
+                assert!(wms.iter().all(|&w| w == 0), "a page that is not leased has zero watermarks (page {i}: {wms:?})");
             }
         }
         assert_eq!(free, self.free.len(), "free count matches the free list");
         assert_eq!(leased, self.leased, "leased count matches page states");
-        assert_eq!(
-            quarantined, self.quarantined,
-            "quarantined count matches page states"
-        );
+        assert_eq!(quarantined, self.quarantined, "quarantined count matches page states");
         assert_eq!(cached, self.cached, "cached count matches page states");
-        assert_eq!(
-            free + leased + quarantined + cached,
-            pages,
-            "every page is free, leased, quarantined or cached"
-        );
+        assert_eq!(free + leased + quarantined + cached, pages, "every page is free, leased, quarantined or cached");
         assert_eq!(
             self.leases_granted - self.releases,
             (leased + quarantined + cached) as u64,
             "every granted lease is either still out (leased/quarantined/cached) or released"
         );
-        assert_eq!(
-            self.last_generation, self.leases_granted,
-            "one generation per lease granted"
-        );
+        assert_eq!(self.last_generation, self.leases_granted, "one generation per lease granted");
     }
 }
 
@@ -1302,18 +1158,8 @@ mod tests {
     use super::*;
 
     fn pool() -> KvPool {
-        let layout = KvLayout {
-            layers: 2,
-            kv_heads: 2,
-            head_dim: 2,
-            page_size: 4,
-        };
-        KvPool::new(PoolConfig {
-            layout,
-            pages: 2,
-            checks: KvChecks::all(),
-        })
-        .unwrap()
+        let layout = KvLayout { layers: 2, kv_heads: 2, head_dim: 2, page_size: 4 };
+        KvPool::new(PoolConfig { layout, pages: 2, checks: KvChecks::all() }).unwrap()
     }
 
     /// Leases cannot be forged outside this crate, so a live generation with another owner
@@ -1322,36 +1168,15 @@ mod tests {
     fn a_lease_with_the_right_generation_but_another_owner_is_refused() {
         let mut p = pool();
         let real = p.lease(RequestId(1)).unwrap();
-        let forged = Lease {
-            tag: PageTag {
-                owner: RequestId(2),
-                ..real.tag
-            },
-        };
-        let stale = Err(KvError::StaleLease {
-            page: real.page(),
-            lease_generation: real.generation(),
-            page_generation: real.generation(),
-        });
+        let forged = Lease { tag: PageTag { owner: RequestId(2), ..real.tag } };
+        let stale = Err(KvError::StaleLease { page: real.page(), lease_generation: real.generation(), page_generation: real.generation() });
         let row = [0.5f32; 4];
         assert_eq!(p.write(&forged, 0, 0, &row, &row), stale);
-        assert_eq!(
-            p.read(&forged, 0).map(|r| r.len()),
-            stale.clone().map(|()| 0)
-        );
+        assert_eq!(p.read(&forged, 0).map(|r| r.len()), stale.clone().map(|()| 0));
         assert_eq!(p.watermark(&forged, 0), stale.clone().map(|()| 0));
         assert_eq!(p.release(forged), stale);
         p.write(&real, 0, 0, &row, &row).unwrap();
-        assert_eq!(
-            p.quarantine(Lease {
-                tag: PageTag {
-                    owner: RequestId(2),
-                    ..real.tag
-                }
-            })
-            .map(|q| q.page()),
-            stale.map(|()| real.page())
-        );
+        assert_eq!(p.quarantine(Lease { tag: PageTag { owner: RequestId(2), ..real.tag } }).map(|q| q.page()), stale.map(|()| real.page()));
         p.release(real).unwrap();
         p.check_invariants();
     }
@@ -1381,7 +1206,11 @@ mod tests {
             assert!(matches!(r.read(&forged, 0), Err(KvError::StaleLease { .. })));
             assert!(matches!(r.read(&own, 2), Err(KvError::LayerOutOfRange { .. })));
             let now = p.stats();
-            assert_eq!((now.reads, now.refusals, now.fence_checks), (before.reads, before.refusals, before.fence_checks), "counted on drop only");
+            assert_eq!(
+                (now.reads, now.refusals, now.fence_checks),
+                (before.reads, before.refusals, before.fence_checks),
+                "counted on drop only"
+            );
         }
         let after = p.stats();
         assert_eq!(after.reads - before.reads, 2);
@@ -1397,16 +1226,8 @@ mod tests {
         let mut p = pool();
         let l = p_lease(&mut p);
         let q = p.quarantine(l).unwrap();
-        let forged = Quarantined {
-            tag: PageTag {
-                owner: RequestId(9),
-                ..q.tag
-            },
-        };
-        assert!(matches!(
-            p.release_quarantined(forged),
-            Err(KvError::StaleLease { .. })
-        ));
+        let forged = Quarantined { tag: PageTag { owner: RequestId(9), ..q.tag } };
+        assert!(matches!(p.release_quarantined(forged), Err(KvError::StaleLease { .. })));
         p.release_quarantined(q).unwrap();
         p.check_invariants();
     }
@@ -1418,10 +1239,7 @@ mod tests {
         let mut p = pool();
         let l = p_lease(&mut p);
         let forged = Quarantined { tag: l.tag };
-        assert!(matches!(
-            p.release_quarantined(forged),
-            Err(KvError::StaleLease { .. })
-        ));
+        assert!(matches!(p.release_quarantined(forged), Err(KvError::StaleLease { .. })));
         assert_eq!(p.stats().leased_pages, 1);
         p.release(l).unwrap();
         p.check_invariants();
@@ -1435,19 +1253,8 @@ mod tests {
     fn a_lease_naming_a_page_outside_the_pool_is_refused() {
         let mut p = pool();
         let real = p_lease(&mut p);
-        let forged = Lease {
-            tag: PageTag {
-                page: PageId(7),
-                ..real.tag
-            },
-        };
-        assert_eq!(
-            p.check(&forged),
-            Err(KvError::PageOutOfRange {
-                page: PageId(7),
-                pages: 2
-            })
-        );
+        let forged = Lease { tag: PageTag { page: PageId(7), ..real.tag } };
+        assert_eq!(p.check(&forged), Err(KvError::PageOutOfRange { page: PageId(7), pages: 2 }));
         p.release(real).unwrap();
     }
 
@@ -1456,30 +1263,16 @@ mod tests {
         let mut p = pool();
         let l = p_lease(&mut p);
         // row = [head0: (a,b), head1: (c,d)]
-        p.write(&l, 1, 0, &[1.0, 2.0, 3.0, 4.0], &[5.0, 6.0, 7.0, 8.0])
-            .unwrap();
-        p.write(
-            &l,
-            1,
-            1,
-            &[9.0, 10.0, 11.0, 12.0],
-            &[13.0, 14.0, 15.0, 16.0],
-        )
-        .unwrap();
+        p.write(&l, 1, 0, &[1.0, 2.0, 3.0, 4.0], &[5.0, 6.0, 7.0, 8.0]).unwrap();
+        p.write(&l, 1, 1, &[9.0, 10.0, 11.0, 12.0], &[13.0, 14.0, 15.0, 16.0]).unwrap();
         let page = l.page().index() * p.layout.page_elems();
         let block = p.layout.block_elems(); // 2 heads * 4 slots * 2 = 16
         let k1 = page + 2 * block; // layer 1 K
         let f = |x: f32| f16::from_f32(x);
         assert_eq!(&p.storage[k1..k1 + 4], &[f(1.0), f(2.0), f(9.0), f(10.0)]);
-        assert_eq!(
-            &p.storage[k1 + 8..k1 + 12],
-            &[f(3.0), f(4.0), f(11.0), f(12.0)]
-        );
+        assert_eq!(&p.storage[k1 + 8..k1 + 12], &[f(3.0), f(4.0), f(11.0), f(12.0)]);
         let v1 = k1 + block;
-        assert_eq!(
-            &p.storage[v1 + 8..v1 + 12],
-            &[f(7.0), f(8.0), f(15.0), f(16.0)]
-        );
+        assert_eq!(&p.storage[v1 + 8..v1 + 12], &[f(7.0), f(8.0), f(15.0), f(16.0)]);
         p.release(l).unwrap();
     }
 

@@ -72,13 +72,7 @@ pub struct SequenceKv {
 impl SequenceKv {
     /// An empty sequence owned by `owner`, bound to no pool yet.
     pub fn new(owner: RequestId) -> Self {
-        SequenceKv {
-            owner,
-            pages: Vec::new(),
-            binding: None,
-            committed: 0,
-            canary_checked: 0,
-        }
+        SequenceKv { owner, pages: Vec::new(), binding: None, committed: 0, canary_checked: 0 }
     }
 
     /// The request this sequence's pages are leased to.
@@ -145,10 +139,7 @@ impl SequenceKv {
         if let Some(b) = self.binding
             && b.pool != pool.id()
         {
-            return Err(KvError::ForeignLease {
-                lease_pool: b.pool,
-                pool: pool.id(),
-            });
+            return Err(KvError::ForeignLease { lease_pool: b.pool, pool: pool.id() });
         }
         let need = pool.layout().pages_for_tokens(tokens);
         if need > self.pages.len() {
@@ -156,20 +147,14 @@ impl SequenceKv {
             let fresh = pool.lease_many(self.owner, need - self.pages.len())?;
             self.pages.extend(fresh.into_iter().map(SeqPage::Own));
         }
-        self.binding = Some(Binding {
-            pool: pool.id(),
-            page_size: pool.layout().page_size,
-        });
+        self.binding = Some(Binding { pool: pool.id(), page_size: pool.layout().page_size });
         Ok(())
     }
 
     /// The page holding position `pos` and the slot within it; an error if `pos` is not
     /// reserved.
     pub fn locate_page(&self, pos: usize) -> Result<(&SeqPage, usize), KvError> {
-        let not_reserved = KvError::NotReserved {
-            pos,
-            reserved: self.reserved_tokens(),
-        };
+        let not_reserved = KvError::NotReserved { pos, reserved: self.reserved_tokens() };
         let Some(b) = self.binding else {
             return Err(not_reserved);
         };
@@ -195,10 +180,7 @@ impl SequenceKv {
         let reserved = self.reserved_tokens();
         let end = self.committed.saturating_add(n);
         if end > reserved {
-            return Err(KvError::NotReserved {
-                pos: end - 1,
-                reserved,
-            });
+            return Err(KvError::NotReserved { pos: end - 1, reserved });
         }
         let Some(Binding { page_size, .. }) = self.binding else {
             // Nothing reserved, so end == 0: nothing to commit.
@@ -215,12 +197,7 @@ impl SequenceKv {
                 let watermark = pool.watermark(lease, layer)?;
                 // I2: commit only what every layer really wrote in this generation.
                 if watermark < need {
-                    return Err(KvError::NotWritten {
-                        pos: page_start + watermark.max(slot),
-                        layer,
-                        page: lease.page(),
-                        watermark,
-                    });
+                    return Err(KvError::NotWritten { pos: page_start + watermark.max(slot), layer, page: lease.page(), watermark });
                 }
             }
             pos = page_end;

@@ -42,7 +42,9 @@ fn a_full_page_is_published_shared_under_its_fence_only_and_read_only() {
     let mut p = pool(4);
     let seq = written(&mut p, RequestId(1), PS + 1, 7.0);
     let mut pages = seq.into_pages().into_iter();
-    let (Some(bulkhead_kv::SeqPage::Own(full)), Some(bulkhead_kv::SeqPage::Own(partial))) = (pages.next(), pages.next()) else { panic!("two own pages") };
+    let (Some(bulkhead_kv::SeqPage::Own(full)), Some(bulkhead_kv::SeqPage::Own(partial))) = (pages.next(), pages.next()) else {
+        panic!("two own pages")
+    };
     // The partial page cannot be published: only full pages are ever shared.
     let (err, partial) = p.publish(partial, T1).unwrap_err();
     assert!(matches!(err, KvError::NotFull { .. }), "{err}");

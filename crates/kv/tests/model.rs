@@ -1,19 +1,12 @@
 //! State-machine property test: random operations on a tiny pool, checked after every step
 //! against a simple model of what the pool must do.
 
-use bulkhead_kv::{
-    Generation, KvError, KvLayout, KvPool, Lease, PageId, KvChecks, PoolConfig, Quarantined, RequestId,
-};
+use bulkhead_kv::{Generation, KvChecks, KvError, KvLayout, KvPool, Lease, PageId, PoolConfig, Quarantined, RequestId};
 use half::f16;
 use proptest::prelude::*;
 use proptest::sample::Index;
 
-const LAYOUT: KvLayout = KvLayout {
-    layers: 2,
-    kv_heads: 2,
-    head_dim: 2,
-    page_size: 4,
-};
+const LAYOUT: KvLayout = KvLayout { layers: 2, kv_heads: 2, head_dim: 2, page_size: 4 };
 const PAGES: usize = 4;
 const OWNERS: u64 = 3;
 const ROW: usize = 4; // kv_heads * head_dim
@@ -78,14 +71,8 @@ fn op() -> impl Strategy<Value = Op> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum State {
     Free,
-    Leased {
-        owner: RequestId,
-        generation: Generation,
-    },
-    Quarantined {
-        owner: RequestId,
-        generation: Generation,
-    },
+    Leased { owner: RequestId, generation: Generation },
+    Quarantined { owner: RequestId, generation: Generation },
 }
 
 /// What the pool must hold for one page.
@@ -105,15 +92,8 @@ struct Model {
 
 impl Model {
     fn new() -> Self {
-        let page = Page {
-            state: State::Free,
-            generation: Generation(0),
-            rows: vec![Vec::new(); LAYOUT.layers],
-        };
-        Model {
-            pages: vec![page; PAGES],
-            granted: 0,
-        }
+        let page = Page { state: State::Free, generation: Generation(0), rows: vec![Vec::new(); LAYOUT.layers] };
+        Model { pages: vec![page; PAGES], granted: 0 }
     }
     fn count(&self, f: impl Fn(&State) -> bool) -> usize {
         self.pages.iter().filter(|p| f(&p.state)).count()
@@ -125,11 +105,7 @@ impl Model {
         &mut self.pages[id.0 as usize]
     }
     fn live(&self, l: &Lease) -> bool {
-        self.pages[l.page().0 as usize].state
-            == State::Leased {
-                owner: l.owner(),
-                generation: l.generation(),
-            }
+        self.pages[l.page().0 as usize].state == State::Leased { owner: l.owner(), generation: l.generation() }
     }
     fn stale(&self, l: &Lease) -> KvError {
         KvError::StaleLease {
@@ -142,19 +118,9 @@ impl Model {
     fn granted(&mut self, l: &Lease, owner: RequestId) {
         assert_eq!(l.owner(), owner);
         let page = self.page(l.page());
-        assert_eq!(
-            page.state,
-            State::Free,
-            "a page is never leased twice at once"
-        );
-        assert!(
-            l.generation() > page.generation,
-            "generations strictly increase per page"
-        );
-        page.state = State::Leased {
-            owner,
-            generation: l.generation(),
-        };
+        assert_eq!(page.state, State::Free, "a page is never leased twice at once");
+        assert!(l.generation() > page.generation, "generations strictly increase per page");
+        page.state = State::Leased { owner, generation: l.generation() };
         page.generation = l.generation();
         page.rows.iter_mut().for_each(Vec::clear);
         self.granted += 1;
@@ -166,46 +132,25 @@ impl Model {
     }
     fn quarantined(&mut self, q: &Quarantined) {
         let page = self.page(q.page());
-        assert_eq!(
-            page.state,
-            State::Leased {
-                owner: q.owner(),
-                generation: q.generation()
-            }
-        );
-        page.state = State::Quarantined {
-            owner: q.owner(),
-            generation: q.generation(),
-        };
+        assert_eq!(page.state, State::Leased { owner: q.owner(), generation: q.generation() });
+        page.state = State::Quarantined { owner: q.owner(), generation: q.generation() };
         page.rows.iter_mut().for_each(Vec::clear);
     }
 }
 
 fn row(seed: i16, salt: f32) -> Vec<f32> {
-    (0..ROW)
-        .map(|i| f32::from(seed) * 0.013 + salt * i as f32)
-        .collect()
+    (0..ROW).map(|i| f32::from(seed) * 0.013 + salt * i as f32).collect()
 }
 
 fn check_step(pool: &KvPool, model: &Model, leases: &[Lease]) {
     pool.check_invariants();
     let s = pool.stats();
     assert_eq!(s.free_pages, model.free());
-    assert_eq!(
-        s.leased_pages,
-        model.count(|s| matches!(s, State::Leased { .. }))
-    );
-    assert_eq!(
-        s.quarantined_pages,
-        model.count(|s| matches!(s, State::Quarantined { .. }))
-    );
+    assert_eq!(s.leased_pages, model.count(|s| matches!(s, State::Leased { .. })));
+    assert_eq!(s.quarantined_pages, model.count(|s| matches!(s, State::Quarantined { .. })));
     assert_eq!(s.leases_granted, model.granted);
     // At most one live handle per page.
-    let mut live: Vec<PageId> = leases
-        .iter()
-        .filter(|l| model.live(l))
-        .map(|l| l.page())
-        .collect();
+    let mut live: Vec<PageId> = leases.iter().filter(|l| model.live(l)).map(|l| l.page()).collect();
     let n = live.len();
     live.sort();
     live.dedup();
@@ -213,12 +158,8 @@ fn check_step(pool: &KvPool, model: &Model, leases: &[Lease]) {
 }
 
 fn run(ops: Vec<Op>, poison: bool) {
-    let mut pool = KvPool::new(PoolConfig {
-        layout: LAYOUT,
-        pages: PAGES,
-        checks: KvChecks { canaries: poison, ..KvChecks::all() },
-    })
-    .unwrap();
+    let mut pool =
+        KvPool::new(PoolConfig { layout: LAYOUT, pages: PAGES, checks: KvChecks { canaries: poison, ..KvChecks::all() } }).unwrap();
     let mut model = Model::new();
     // Every lease handle ever granted and not yet consumed, live or stale.
     let mut leases: Vec<Lease> = Vec::new();
@@ -235,16 +176,7 @@ fn run(ops: Vec<Op>, poison: bool) {
                         model.granted(&l, owner);
                         leases.push(l);
                     }
-                    Err(e) => assert_eq!(
-                        (free, e),
-                        (
-                            0,
-                            KvError::Exhausted {
-                                requested: 1,
-                                free: 0
-                            }
-                        )
-                    ),
+                    Err(e) => assert_eq!((free, e), (0, KvError::Exhausted { requested: 1, free: 0 })),
                 }
             }
             Op::LeaseMany { owner, n } => {
@@ -263,13 +195,7 @@ fn run(ops: Vec<Op>, poison: bool) {
                     Err(e) => assert_eq!(e, KvError::Exhausted { requested: n, free }),
                 }
             }
-            Op::Write {
-                lease,
-                layer,
-                slot,
-                seed,
-                bad_len,
-            } => {
+            Op::Write { lease, layer, slot, seed, bad_len } => {
                 if leases.is_empty() {
                     continue;
                 }
@@ -285,30 +211,13 @@ fn run(ops: Vec<Op>, poison: bool) {
                 let expected = if !model.live(l) {
                     Err(model.stale(l))
                 } else if layer >= LAYOUT.layers {
-                    Err(KvError::LayerOutOfRange {
-                        layer,
-                        layers: LAYOUT.layers,
-                    })
+                    Err(KvError::LayerOutOfRange { layer, layers: LAYOUT.layers })
                 } else if bad_len {
-                    Err(KvError::RowLength {
-                        expected: ROW,
-                        k: ROW - 1,
-                        v: ROW,
-                    })
+                    Err(KvError::RowLength { expected: ROW, k: ROW - 1, v: ROW })
                 } else if slot >= LAYOUT.page_size {
-                    Err(KvError::PageFull {
-                        page,
-                        layer,
-                        slot,
-                        page_size: LAYOUT.page_size,
-                    })
+                    Err(KvError::PageFull { page, layer, slot, page_size: LAYOUT.page_size })
                 } else if slot != watermark {
-                    Err(KvError::NonSequentialWrite {
-                        page,
-                        layer,
-                        slot,
-                        watermark,
-                    })
+                    Err(KvError::NonSequentialWrite { page, layer, slot, watermark })
                 } else {
                     Ok(())
                 };
@@ -329,42 +238,21 @@ fn run(ops: Vec<Op>, poison: bool) {
                     continue;
                 }
                 if layer >= LAYOUT.layers {
-                    let e = KvError::LayerOutOfRange {
-                        layer,
-                        layers: LAYOUT.layers,
-                    };
+                    let e = KvError::LayerOutOfRange { layer, layers: LAYOUT.layers };
                     assert_eq!(pool.read(l, layer).err(), Some(e));
                     continue;
                 }
                 let rows = &model.pages[l.page().0 as usize].rows[layer];
                 assert_eq!(pool.watermark(l, layer), Ok(rows.len()));
                 let r = pool.read(l, layer).unwrap();
-                assert_eq!(
-                    r.len(),
-                    rows.len(),
-                    "a read holds exactly the written slots"
-                );
+                assert_eq!(r.len(), rows.len(), "a read holds exactly the written slots");
                 let hd = LAYOUT.head_dim;
                 for h in 0..LAYOUT.kv_heads {
                     let bits = |x: &[f16]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-                    let want_k: Vec<f16> = rows
-                        .iter()
-                        .flat_map(|(k, _)| k[h * hd..(h + 1) * hd].to_vec())
-                        .collect();
-                    let want_v: Vec<f16> = rows
-                        .iter()
-                        .flat_map(|(_, v)| v[h * hd..(h + 1) * hd].to_vec())
-                        .collect();
-                    assert_eq!(
-                        bits(r.k_head(h)),
-                        bits(&want_k),
-                        "K head {h} is exactly what was written"
-                    );
-                    assert_eq!(
-                        bits(r.v_head(h)),
-                        bits(&want_v),
-                        "V head {h} is exactly what was written"
-                    );
+                    let want_k: Vec<f16> = rows.iter().flat_map(|(k, _)| k[h * hd..(h + 1) * hd].to_vec()).collect();
+                    let want_v: Vec<f16> = rows.iter().flat_map(|(_, v)| v[h * hd..(h + 1) * hd].to_vec()).collect();
+                    assert_eq!(bits(r.k_head(h)), bits(&want_k), "K head {h} is exactly what was written");
+                    assert_eq!(bits(r.v_head(h)), bits(&want_v), "V head {h} is exactly what was written");
                 }
             }
             Op::Release { lease } => {
@@ -373,11 +261,7 @@ fn run(ops: Vec<Op>, poison: bool) {
                 }
                 let l = leases.swap_remove(lease.index(leases.len()));
                 let page = l.page();
-                let expected = if model.live(&l) {
-                    Ok(())
-                } else {
-                    Err(model.stale(&l))
-                };
+                let expected = if model.live(&l) { Ok(()) } else { Err(model.stale(&l)) };
                 assert_eq!(pool.release(l), expected);
                 if expected.is_ok() {
                     model.freed(page);
@@ -390,18 +274,11 @@ fn run(ops: Vec<Op>, poison: bool) {
                 }
                 let l = leases.swap_remove(lease.index(leases.len()));
                 let (page, generation, owner) = (l.page(), l.generation(), l.owner());
-                let expected = if model.live(&l) {
-                    Ok(())
-                } else {
-                    Err(model.stale(&l))
-                };
+                let expected = if model.live(&l) { Ok(()) } else { Err(model.stale(&l)) };
                 match pool.quarantine(l) {
                     Ok(q) => {
                         assert_eq!(expected, Ok(()));
-                        assert_eq!(
-                            (q.page(), q.generation(), q.owner()),
-                            (page, generation, owner)
-                        );
+                        assert_eq!((q.page(), q.generation(), q.owner()), (page, generation, owner));
                         model.quarantined(&q);
                         quarantined.push(q);
                     }
@@ -436,11 +313,7 @@ fn run(ops: Vec<Op>, poison: bool) {
 
     // Releasing everything returns the pool to full.
     for l in leases {
-        let expected = if model.live(&l) {
-            Ok(())
-        } else {
-            Err(model.stale(&l))
-        };
+        let expected = if model.live(&l) { Ok(()) } else { Err(model.stale(&l)) };
         let page = l.page();
         assert_eq!(pool.release(l), expected);
         if expected.is_ok() {
@@ -454,10 +327,7 @@ fn run(ops: Vec<Op>, poison: bool) {
     }
     pool.check_invariants();
     let s = pool.stats();
-    assert_eq!(
-        (s.free_pages, s.leased_pages, s.quarantined_pages),
-        (PAGES, 0, 0)
-    );
+    assert_eq!((s.free_pages, s.leased_pages, s.quarantined_pages), (PAGES, 0, 0));
     assert_eq!(s.releases, s.leases_granted);
     for p in 0..PAGES {
         assert_eq!(pool.page_is_poisoned(PageId(p as u32)), Ok(poison));

@@ -1,22 +1,12 @@
 //! Behaviour of `SequenceKv`: reserve, locate, commit, release, quarantine.
 
-use bulkhead_kv::{KvError, KvLayout, KvPool, PageId, KvChecks, PoolConfig, RequestId, SequenceKv};
+use bulkhead_kv::{KvChecks, KvError, KvLayout, KvPool, PageId, PoolConfig, RequestId, SequenceKv};
 
-const LAYOUT: KvLayout = KvLayout {
-    layers: 2,
-    kv_heads: 1,
-    head_dim: 2,
-    page_size: 4,
-};
+const LAYOUT: KvLayout = KvLayout { layers: 2, kv_heads: 1, head_dim: 2, page_size: 4 };
 const A: RequestId = RequestId(7);
 
 fn pool(pages: usize) -> KvPool {
-    KvPool::new(PoolConfig {
-        layout: LAYOUT,
-        pages,
-        checks: KvChecks::all(),
-    })
-    .unwrap()
+    KvPool::new(PoolConfig { layout: LAYOUT, pages, checks: KvChecks::all() }).unwrap()
 }
 
 /// Writes position `pos` of `seq` in the given layers.
@@ -31,23 +21,8 @@ fn write(pool: &mut KvPool, seq: &SequenceKv, pos: usize, layers: std::ops::Rang
 #[test]
 fn a_new_sequence_is_empty_and_reserves_nothing() {
     let s = SequenceKv::new(A);
-    assert_eq!(
-        (
-            s.owner(),
-            s.len(),
-            s.is_empty(),
-            s.pages().len(),
-            s.reserved_tokens()
-        ),
-        (A, 0, true, 0, 0)
-    );
-    assert_eq!(
-        s.locate(0).err(),
-        Some(KvError::NotReserved {
-            pos: 0,
-            reserved: 0
-        })
-    );
+    assert_eq!((s.owner(), s.len(), s.is_empty(), s.pages().len(), s.reserved_tokens()), (A, 0, true, 0, 0));
+    assert_eq!(s.locate(0).err(), Some(KvError::NotReserved { pos: 0, reserved: 0 }));
 }
 
 #[test]
@@ -74,13 +49,7 @@ fn reserve_is_all_or_nothing_when_the_pool_is_short() {
     let mut p = pool(3);
     let mut s = SequenceKv::new(A);
     s.reserve(&mut p, 4).unwrap();
-    assert_eq!(
-        s.reserve(&mut p, 16).err(),
-        Some(KvError::Exhausted {
-            requested: 3,
-            free: 2
-        })
-    );
+    assert_eq!(s.reserve(&mut p, 16).err(), Some(KvError::Exhausted { requested: 3, free: 2 }));
     assert_eq!(s.pages().len(), 1);
     assert_eq!(p.stats().free_pages, 2);
     assert_eq!(s.release(&mut p).ok(), Some(1));
@@ -97,13 +66,7 @@ fn locate_maps_a_position_to_its_page_and_slot_and_refuses_unreserved_positions(
         assert_eq!(lease.page(), s.pages()[pos / 4].page());
         assert_eq!(slot, pos % 4);
     }
-    assert_eq!(
-        s.locate(8).err(),
-        Some(KvError::NotReserved {
-            pos: 8,
-            reserved: 8
-        })
-    );
+    assert_eq!(s.locate(8).err(), Some(KvError::NotReserved { pos: 8, reserved: 8 }));
     s.release(&mut p).unwrap();
 }
 
@@ -136,39 +99,15 @@ fn commit_is_refused_until_every_layer_is_written() {
         write(&mut p, &s, pos, 0..1);
     }
     let page0 = s.pages()[0].page();
-    assert_eq!(
-        s.commit(&p, 5),
-        Err(KvError::NotWritten {
-            pos: 0,
-            layer: 1,
-            page: page0,
-            watermark: 0
-        })
-    );
+    assert_eq!(s.commit(&p, 5), Err(KvError::NotWritten { pos: 0, layer: 1, page: page0, watermark: 0 }));
     for pos in 0..4 {
         write(&mut p, &s, pos, 1..2);
     }
     let page1 = s.pages()[1].page();
-    assert_eq!(
-        s.commit(&p, 5),
-        Err(KvError::NotWritten {
-            pos: 4,
-            layer: 1,
-            page: page1,
-            watermark: 0
-        })
-    );
+    assert_eq!(s.commit(&p, 5), Err(KvError::NotWritten { pos: 4, layer: 1, page: page1, watermark: 0 }));
     assert_eq!(s.len(), 0, "a refused commit commits nothing");
     s.commit(&p, 4).unwrap();
-    assert_eq!(
-        s.commit(&p, 1),
-        Err(KvError::NotWritten {
-            pos: 4,
-            layer: 1,
-            page: page1,
-            watermark: 0
-        })
-    );
+    assert_eq!(s.commit(&p, 1), Err(KvError::NotWritten { pos: 4, layer: 1, page: page1, watermark: 0 }));
     write(&mut p, &s, 4, 1..2);
     s.commit(&p, 1).unwrap();
     assert_eq!(s.len(), 5);
@@ -179,21 +118,9 @@ fn commit_is_refused_until_every_layer_is_written() {
 fn commit_past_the_reservation_is_refused() {
     let mut p = pool(2);
     let mut s = SequenceKv::new(A);
-    assert_eq!(
-        s.commit(&p, 1),
-        Err(KvError::NotReserved {
-            pos: 0,
-            reserved: 0
-        })
-    );
+    assert_eq!(s.commit(&p, 1), Err(KvError::NotReserved { pos: 0, reserved: 0 }));
     s.reserve(&mut p, 3).unwrap();
-    assert_eq!(
-        s.commit(&p, 5),
-        Err(KvError::NotReserved {
-            pos: 4,
-            reserved: 4
-        })
-    );
+    assert_eq!(s.commit(&p, 5), Err(KvError::NotReserved { pos: 4, reserved: 4 }));
     assert_eq!(s.len(), 0);
     s.release(&mut p).unwrap();
 }
@@ -215,10 +142,7 @@ fn release_gives_every_page_back_and_quarantine_holds_them_out() {
     }
     let mut s = SequenceKv::new(A);
     s.reserve(&mut p, 16).unwrap();
-    assert!(
-        p.read(&s.pages()[0], 0).unwrap().is_empty(),
-        "the new sequence sees nothing of the old one"
-    );
+    assert!(p.read(&s.pages()[0], 0).unwrap().is_empty(), "the new sequence sees nothing of the old one");
     assert_eq!(s.release(&mut p).ok(), Some(4));
     assert_eq!(p.stats().free_pages, 4);
     p.check_invariants();
@@ -230,10 +154,7 @@ fn a_sequence_refuses_a_second_pool() {
     let mut p2 = pool(2);
     let mut s = SequenceKv::new(A);
     s.reserve(&mut p1, 1).unwrap();
-    let foreign = KvError::ForeignLease {
-        lease_pool: p1.id(),
-        pool: p2.id(),
-    };
+    let foreign = KvError::ForeignLease { lease_pool: p1.id(), pool: p2.id() };
     assert_eq!(s.reserve(&mut p2, 8).err(), Some(foreign.clone()));
     assert_eq!(p2.stats().free_pages, 2);
     assert_eq!(s.commit(&p2, 0), Ok(()));

@@ -2,10 +2,8 @@
 //! exactly; every kind of bad chunk or false "done" is refused and never yields a
 //! `VerifiedSequence`.
 
-use bulkhead_kv::transfer::{export_chunks, ChunkHeader, Manifest};
-use bulkhead_kv::{
-    Generation, Inbound, KvLayout, KvPool, PageRef, KvChecks, PoolConfig, RequestId, SequenceKv, TransferError,
-};
+use bulkhead_kv::transfer::{ChunkHeader, Manifest, export_chunks};
+use bulkhead_kv::{Generation, Inbound, KvChecks, KvLayout, KvPool, PageRef, PoolConfig, RequestId, SequenceKv, TransferError};
 
 const LAYOUT: KvLayout = KvLayout { layers: 2, kv_heads: 2, head_dim: 4, page_size: 4 };
 

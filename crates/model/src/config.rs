@@ -155,7 +155,9 @@ impl LlamaConfig {
             }
             // Llama 3's scaling is the per-dimension factors of `rope_freqs.weight`.
             Some("llama3") => 1.0,
-            Some(other) => return Err(invalid(k("rope.scaling.type"), format!("RoPE scaling `{other}` is not supported (none, linear, llama3)"))),
+            Some(other) => {
+                return Err(invalid(k("rope.scaling.type"), format!("RoPE scaling `{other}` is not supported (none, linear, llama3)")));
+            }
         };
         let layers = f.get_count(&k("block_count"))?;
         let window = missing_ok(f.get_count(&k("attention.sliding_window")))?.filter(|&w| w > 0);

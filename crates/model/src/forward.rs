@@ -13,8 +13,8 @@ use rayon::prelude::*;
 use half::f16;
 
 use crate::config::{Activation, RopeStyle};
-use crate::kernels::{dot_kv_rows, exp_shifted, prefetch, weighted_sum_kv, widen_f16, Isa, KvElem};
-use crate::matmul::{matmul, MatmulScratch};
+use crate::kernels::{Isa, KvElem, dot_kv_rows, exp_shifted, prefetch, weighted_sum_kv, widen_f16};
+use crate::matmul::{MatmulScratch, matmul};
 use crate::{Llama, ModelError};
 
 /// One sequence's part of a forward call.
@@ -47,7 +47,10 @@ pub(crate) fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 
 /// `x += y`, row by row in parallel.
 fn add_rows(x: &mut [f32], y: &[f32], width: usize) {
-    x.par_chunks_mut(width).zip(y.par_chunks(width)).with_min_len(ROWS_PER_TASK).for_each(|(a, b)| a.iter_mut().zip(b).for_each(|(a, b)| *a += b));
+    x.par_chunks_mut(width)
+        .zip(y.par_chunks(width))
+        .with_min_len(ROWS_PER_TASK)
+        .for_each(|(a, b)| a.iter_mut().zip(b).for_each(|(a, b)| *a += b));
 }
 
 /// Rotate each head of `x` by position `pos` (ggml's RoPE: angle `scale · pos · base^(-2i/d)
@@ -332,44 +335,56 @@ fn attend(
     scr.scores.clear();
     scr.scores.resize(rows * n_max, 0.0);
     let leases = &kv.pages()[first_page..pages];
-    each_page_ahead(&reader, leases, layer, |p| prefetch(p.k_head(g)), |i, page| {
-        let pi = first_page + i;
-        let need = (n_max - pi * page_size).min(page_size);
-        if page.len() < need {
-            return Err(ModelError::MissingKv { page: leases[i].page().0, layer, written: page.len(), needed: need });
-        }
-        let k = &page.k_head(g)[..need * head_dim];
-        let at = Span { page: pi * page_size, page_size, n_max, head_dim, scale };
-        if rows == 1 {
-            score_page(isa, k, q, positions, at, &mut scr.scores);
-        } else {
-            widen_f16(isa, k, &mut scr.k);
-            score_page(isa, &scr.k, q, positions, at, &mut scr.scores);
-        }
-        Ok(())
-    })?;
+    each_page_ahead(
+        &reader,
+        leases,
+        layer,
+        |p| prefetch(p.k_head(g)),
+        |i, page| {
+            let pi = first_page + i;
+            let need = (n_max - pi * page_size).min(page_size);
+            if page.len() < need {
+                return Err(ModelError::MissingKv { page: leases[i].page().0, layer, written: page.len(), needed: need });
+            }
+            let k = &page.k_head(g)[..need * head_dim];
+            let at = Span { page: pi * page_size, page_size, n_max, head_dim, scale };
+            if rows == 1 {
+                score_page(isa, k, q, positions, at, &mut scr.scores);
+            } else {
+                widen_f16(isa, k, &mut scr.k);
+                score_page(isa, &scr.k, q, positions, at, &mut scr.scores);
+            }
+            Ok(())
+        },
+    )?;
     softmax_rows(isa, &mut scr.scores, n_max, positions, at.window);
     out.fill(0.0);
-    each_page_ahead(&reader, leases, layer, |p| prefetch(p.v_head(g)), |i, page| {
-        let pi = first_page + i;
-        let need = (n_max - pi * page_size).min(page_size);
-        let v = &page.v_head(g)[..need * head_dim];
-        if rows > 1 {
-            widen_f16(isa, v, &mut scr.v);
-        }
-        for (r, &pos) in positions.iter().enumerate() {
-            let Some(n) = (pos + 1).checked_sub(pi * page_size).filter(|&n| n > 0) else { continue };
-            let n = n.min(page_size);
-            let w = &scr.scores[r * n_max + pi * page_size..r * n_max + pi * page_size + n];
-            let o = &mut out[r * head_dim..(r + 1) * head_dim];
-            if rows == 1 {
-                weighted_sum_kv(isa, o, w, &v[..n * head_dim]);
-            } else {
-                weighted_sum_kv(isa, o, w, &scr.v[..n * head_dim]);
+    each_page_ahead(
+        &reader,
+        leases,
+        layer,
+        |p| prefetch(p.v_head(g)),
+        |i, page| {
+            let pi = first_page + i;
+            let need = (n_max - pi * page_size).min(page_size);
+            let v = &page.v_head(g)[..need * head_dim];
+            if rows > 1 {
+                widen_f16(isa, v, &mut scr.v);
             }
-        }
-        Ok(())
-    })
+            for (r, &pos) in positions.iter().enumerate() {
+                let Some(n) = (pos + 1).checked_sub(pi * page_size).filter(|&n| n > 0) else { continue };
+                let n = n.min(page_size);
+                let w = &scr.scores[r * n_max + pi * page_size..r * n_max + pi * page_size + n];
+                let o = &mut out[r * head_dim..(r + 1) * head_dim];
+                if rows == 1 {
+                    weighted_sum_kv(isa, o, w, &v[..n * head_dim]);
+                } else {
+                    weighted_sum_kv(isa, o, w, &scr.v[..n * head_dim]);
+                }
+            }
+            Ok(())
+        },
+    )
 }
 
 /// Pages a sequence's attention reads from DRAM before their turn comes.
@@ -433,11 +448,18 @@ impl Llama {
         self.threads.install(|| self.forward_inner(pool, seqs, scratch, logits))
     }
 
-    fn forward_inner(&self, pool: &mut KvPool, seqs: &mut [SeqInput<'_>], scratch: &mut ForwardScratch, logits: &mut Vec<f32>) -> Result<(), ModelError> {
+    fn forward_inner(
+        &self,
+        pool: &mut KvPool,
+        seqs: &mut [SeqInput<'_>],
+        scratch: &mut ForwardScratch,
+        logits: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
         let c = &self.config;
         let (hd, group) = (c.head_dim, c.group());
         let (q_dim, kv_dim) = (c.heads * hd, c.kv_heads * hd);
-        let ForwardScratch { rows, x, xn, q, k, v, att, o, gate, up, heads: xn_heads, matmul: scratch, tasks, blocks, last, sel, seln } = scratch;
+        let ForwardScratch { rows, x, xn, q, k, v, att, o, gate, up, heads: xn_heads, matmul: scratch, tasks, blocks, last, sel, seln } =
+            scratch;
         // Row t of every activation matrix is token t; remember whose and where.
         rows.clear();
         // Every position attention will read, checked before anything is written (design
@@ -496,10 +518,12 @@ impl Llama {
                 matmul(isa, &[&l.wq, &l.wk, &l.wv], xn, t, scratch, &mut [&mut q[..], &mut k[..], &mut v[..]]);
                 self.prepare_qkv(li, q, k, v, xn_heads);
                 let r = self.rope_of(li);
-                q.par_chunks_mut(q_dim).zip(k.par_chunks_mut(kv_dim)).zip(&rows[..]).with_min_len(ROWS_PER_TASK).for_each(|((qr, kr), &(_, pos))| {
-                    rope(qr, hd, pos, r);
-                    rope(kr, hd, pos, r);
-                });
+                q.par_chunks_mut(q_dim).zip(k.par_chunks_mut(kv_dim)).zip(&rows[..]).with_min_len(ROWS_PER_TASK).for_each(
+                    |((qr, kr), &(_, pos))| {
+                        rope(qr, hd, pos, r);
+                        rope(kr, hd, pos, r);
+                    },
+                );
                 let at = AttnAt { layer: li, scale: c.attn_scale, window: c.window(li) };
                 for (r, &(s, pos)) in rows.iter().enumerate() {
                     let (lease, slot) = seqs[s].kv.locate(pos)?;
@@ -532,7 +556,9 @@ impl Llama {
                                 positions.clear();
                                 positions.extend(heads.clone().flat_map(|_| rows[r0..r1].iter().map(|&(_, p)| p)));
                                 qh.clear();
-                                qh.extend(heads.flat_map(|h| (r0..r1).flat_map(move |r| q[r * q_dim + h * hd..r * q_dim + (h + 1) * hd].iter().copied())));
+                                qh.extend(heads.flat_map(|h| {
+                                    (r0..r1).flat_map(move |r| q[r * q_dim + h * hd..r * q_dim + (h + 1) * hd].iter().copied())
+                                }));
                                 attend(isa, pool, seqs[rows[r0].0].kv, at, g, positions, qh, &mut out[..group * (r1 - r0) * hd], attn)
                             })
                         })?;
@@ -540,7 +566,8 @@ impl Llama {
                             let n = r1 - r0;
                             for (j, h) in (g * group..(g + 1) * group).enumerate() {
                                 for (i, r) in (r0..r1).enumerate() {
-                                    att[r * q_dim + h * hd..r * q_dim + (h + 1) * hd].copy_from_slice(&out[(j * n + i) * hd..(j * n + i + 1) * hd]);
+                                    att[r * q_dim + h * hd..r * q_dim + (h + 1) * hd]
+                                        .copy_from_slice(&out[(j * n + i) * hd..(j * n + i + 1) * hd]);
                                 }
                             }
                         }
@@ -554,7 +581,10 @@ impl Llama {
                 self.pause();
                 matmul(isa, &[&l.w_gate, &l.w_up], xn, t, scratch, &mut [&mut gate[..], &mut up[..]]);
                 let act = c.activation;
-                gate.par_chunks_mut(c.ffn).zip(up.par_chunks(c.ffn)).with_min_len(ROWS_PER_TASK).for_each(|(g, u)| activate(isa, act, g, u));
+                gate.par_chunks_mut(c.ffn)
+                    .zip(up.par_chunks(c.ffn))
+                    .with_min_len(ROWS_PER_TASK)
+                    .for_each(|(g, u)| activate(isa, act, g, u));
                 self.pause();
                 matmul(isa, &[&l.w_down], gate, t, scratch, &mut [&mut o[..]]);
                 self.post_norm(l.post_ffn_norm.as_deref(), o, xn);

@@ -57,11 +57,7 @@ pub fn is_kquant(ty: GgmlType) -> bool {
 /// ggml's `get_scale_min_k4`: the `j`-th 6-bit scale and min of a Q4_K/Q5_K superblock.
 #[inline(always)]
 pub fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
-    if j < 4 {
-        (s[j] & 63, s[j + 4] & 63)
-    } else {
-        ((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4))
-    }
+    if j < 4 { (s[j] & 63, s[j + 4] & 63) } else { ((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4)) }
 }
 
 /// The sixteen signed 6-bit scales of a Q3_K superblock (offset 32 removed).
@@ -249,7 +245,8 @@ pub fn quantize(ty: GgmlType, x: &[f32]) -> Vec<u8> {
                 let scales: Vec<f32> = groups.iter().map(|g| g.iter().fold(0.0f32, |m, v| m.max(v.abs())) / qmax).collect();
                 let d = scales.iter().copied().fold(0.0f32, f32::max) / smax;
                 let df = f16::from_f32(d).to_f32();
-                let ls: Vec<i32> = scales.iter().map(|&s| if df > 0.0 { (s / df).round().clamp(-smax - 1.0, smax) as i32 } else { 0 }).collect();
+                let ls: Vec<i32> =
+                    scales.iter().map(|&s| if df > 0.0 { (s / df).round().clamp(-smax - 1.0, smax) as i32 } else { 0 }).collect();
                 let mut l = [0i32; QK_K];
                 for (g, grp) in groups.iter().enumerate() {
                     let dl = df * ls[g] as f32;

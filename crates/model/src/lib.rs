@@ -43,7 +43,9 @@ pub enum ModelError {
     Gguf(#[from] GgufError),
     #[error("unsupported architecture `{arch}` (general.architecture); Bulkhead runs: llama, mistral, qwen2, qwen3, gemma3")]
     UnsupportedArchitecture { arch: String },
-    #[error("tensor `{tensor}` has unsupported type {ty} (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)")]
+    #[error(
+        "tensor `{tensor}` has unsupported type {ty} (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)"
+    )]
     UnsupportedTensorType { tensor: String, ty: String },
     #[error("tensor `{tensor}`: {why}")]
     BadShape { tensor: String, why: String },

@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use crate::kernels::{dot_f_row, dot_q_packed, dot_q_rows, packed::GROUP, quantize_acts, Isa};
+use crate::kernels::{Isa, dot_f_row, dot_q_packed, dot_q_rows, packed::GROUP, quantize_acts};
 use crate::quant::Q8Acts;
 use crate::weights::Matrix;
 

@@ -10,10 +10,10 @@
 
 use half::f16;
 
+use crate::Llama;
 use crate::forward::{activate, rms_norm, rope, softmax_in_place};
 use crate::kernels::{axpy_kv, dot_kv};
-use crate::matmul::{matmul, MatmulScratch};
-use crate::Llama;
+use crate::matmul::{MatmulScratch, matmul};
 
 /// Contiguous per-sequence state for [`Llama::reference_step`].
 #[derive(Debug, Default)]

@@ -2,10 +2,10 @@
 
 use bulkhead_gguf::{GgmlType, GgufFile};
 
-use crate::config::{Arch, LlamaConfig};
-use crate::kernels::{packed, Isa};
-use crate::quant::{dequantize_row, QK};
 use crate::ModelError;
+use crate::config::{Arch, LlamaConfig};
+use crate::kernels::{Isa, packed};
+use crate::quant::{QK, dequantize_row};
 
 /// A weight matrix of `rows` output features by `cols` input features, rows stored in
 /// ggml's layout for its type (F32, F16, Q4_0, Q4_1 or Q8_0), or, for the quantised types
@@ -34,7 +34,15 @@ impl Matrix {
 
     /// Build from the file's bytes in the layout `isa` multiplies (packed straight from
     /// them, without a copy in rows first, unless `keep_rows`).
-    pub fn from_bytes(name: &str, ty: GgmlType, rows: usize, cols: usize, data: &[u8], isa: Isa, keep_rows: bool) -> Result<Self, ModelError> {
+    pub fn from_bytes(
+        name: &str,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        data: &[u8],
+        isa: Isa,
+        keep_rows: bool,
+    ) -> Result<Self, ModelError> {
         let row_bytes = Self::check(name, ty, rows, cols, data.len())?;
         let packs = isa.packs_weights() && packed::supports(ty);
         let packed = packs.then(|| packed::pack(ty, rows, row_bytes, data));
@@ -51,7 +59,10 @@ impl Matrix {
         if let Some((be, _)) = ty.block().filter(|(be, _)| *be > 1)
             && !cols.is_multiple_of(be)
         {
-            return Err(ModelError::BadShape { tensor: name.to_string(), why: format!("{cols} columns is not a multiple of the {be}-element {ty} block") });
+            return Err(ModelError::BadShape {
+                tensor: name.to_string(),
+                why: format!("{cols} columns is not a multiple of the {be}-element {ty} block"),
+            });
         }
         let row_bytes = ty.bytes_for(cols as u64).map(|b| b as usize).unwrap_or(0);
         if len != rows * row_bytes {
@@ -70,7 +81,8 @@ impl Matrix {
         if let (true, Some(p)) = (self.data.is_empty(), &self.packed) {
             self.data = packed::unpack(self.ty, self.rows, self.row_bytes, p);
         }
-        self.packed = (isa.packs_weights() && packed::supports(self.ty)).then(|| packed::pack(self.ty, self.rows, self.row_bytes, &self.data));
+        self.packed =
+            (isa.packs_weights() && packed::supports(self.ty)).then(|| packed::pack(self.ty, self.rows, self.row_bytes, &self.data));
         if self.packed.is_some() && !keep_rows {
             self.data = Vec::new();
         }
@@ -263,7 +275,11 @@ impl Weights {
 
     /// Total bytes of weights held.
     pub fn bytes(&self) -> usize {
-        let l: usize = self.layers.iter().map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().map(|m| m.bytes()).sum::<usize>()).sum();
+        let l: usize = self
+            .layers
+            .iter()
+            .map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().map(|m| m.bytes()).sum::<usize>())
+            .sum();
         l + self.embedding.bytes() + self.output.as_ref().map_or(0, Matrix::bytes)
     }
 }

@@ -78,7 +78,11 @@ fn allocations_per_steady_run(isa: Isa, threads: usize, checks: KvChecks) -> u64
         for _ in 0..steps {
             // On the stack: the test's own step must not allocate either.
             let mut each = seqs.iter_mut();
-            let mut inputs: [SeqInput<'_>; BATCH] = std::array::from_fn(|i| SeqInput { kv: each.next().expect("a sequence per input"), tokens: &next[i..i + 1], want_logits: true });
+            let mut inputs: [SeqInput<'_>; BATCH] = std::array::from_fn(|i| SeqInput {
+                kv: each.next().expect("a sequence per input"),
+                tokens: &next[i..i + 1],
+                want_logits: true,
+            });
             m.forward_into(pool, &mut inputs, logits).expect("step");
         }
     };

@@ -20,10 +20,16 @@ fn argmax(l: &[f32]) -> usize {
 /// Logits after every position of `tokens`, one decode step at a time through the paged
 /// pool (the read checks and the auditor on).
 fn logits_per_position(m: &Llama, tokens: &[u32]) -> Vec<Vec<f32>> {
-    let mut pool = KvPool::new(PoolConfig { layout: m.kv_layout(16), pages: tokens.len().div_ceil(16) + 1, checks: KvChecks::all() }).expect("pool");
+    let mut pool =
+        KvPool::new(PoolConfig { layout: m.kv_layout(16), pages: tokens.len().div_ceil(16) + 1, checks: KvChecks::all() }).expect("pool");
     let mut kv = SequenceKv::new(RequestId(1));
     kv.reserve(&mut pool, tokens.len()).expect("reserve");
-    tokens.iter().map(|t| m.forward(&mut pool, &mut [SeqInput { kv: &mut kv, tokens: std::slice::from_ref(t), want_logits: true }]).expect("forward")).collect()
+    tokens
+        .iter()
+        .map(|t| {
+            m.forward(&mut pool, &mut [SeqInput { kv: &mut kv, tokens: std::slice::from_ref(t), want_logits: true }]).expect("forward")
+        })
+        .collect()
 }
 
 /// At every step of llama.cpp's greedy continuations, its choice is our argmax or within
@@ -71,7 +77,11 @@ fn tiny_models_of_every_architecture_give_llama_cpp_logits() {
         assert_eq!(model["arch"], arch);
         let f = GgufFile::parse(support::llamacpp_tiny(arch, window).to_bytes()).expect("gguf");
         let digest = format!("{:016x}", f.digest().expect("digest"));
-        assert_eq!(model["digest"], digest.as_str(), "{arch}: the model is not the one llama.cpp ran; rerun scripts/llamacpp-fixtures.py tiny");
+        assert_eq!(
+            model["digest"],
+            digest.as_str(),
+            "{arch}: the model is not the one llama.cpp ran; rerun scripts/llamacpp-fixtures.py tiny"
+        );
         let m = Llama::from_gguf(&f, 1).unwrap_or_else(|e| panic!("{arch}: {e}"));
         for c in model["cases"].as_array().expect("cases") {
             let ours = logits_per_position(&m, &ids(&c["ids"]));
@@ -82,7 +92,10 @@ fn tiny_models_of_every_architecture_give_llama_cpp_logits() {
                 let scale = t.iter().fold(1.0f32, |m, x| m.max(x.abs()));
                 let diff = o.iter().zip(&t).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
                 let mean = o.iter().zip(&t).map(|(a, b)| (a - b).abs()).sum::<f32>() / t.len() as f32;
-                assert!(diff <= 0.05 * scale && mean <= 0.012 * scale, "{arch} position {pos}: logits differ by {diff} at most, {mean} on average (scale {scale})");
+                assert!(
+                    diff <= 0.05 * scale && mean <= 0.012 * scale,
+                    "{arch} position {pos}: logits differ by {diff} at most, {mean} on average (scale {scale})"
+                );
                 assert_eq!(argmax(o), argmax(&t), "{arch} position {pos}: another top token");
             }
         }

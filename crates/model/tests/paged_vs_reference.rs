@@ -1,7 +1,7 @@
 //! The paged, batched forward pass against the plain contiguous reference, on the real
 //! default model: logits within tolerance and identical greedy continuations.
 
-use bulkhead_kv::{KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
+use bulkhead_kv::{KvChecks, KvPool, PoolConfig, RequestId, SequenceKv};
 use bulkhead_model::reference::ReferenceState;
 use bulkhead_model::{Llama, SeqInput};
 

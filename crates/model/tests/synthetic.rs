@@ -3,7 +3,7 @@
 //! parts take effect, and bad files fail with errors that name what is wrong.
 
 use bulkhead_gguf::{GgmlType, GgufFile, GgufWriter};
-use bulkhead_kv::{KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
+use bulkhead_kv::{KvChecks, KvPool, PoolConfig, RequestId, SequenceKv};
 use bulkhead_model::reference::ReferenceState;
 use bulkhead_model::{CoreShare, Isa, Llama, ModelError, SeqInput};
 

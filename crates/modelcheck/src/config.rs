@@ -14,7 +14,6 @@ pub const LAYOUT: KvLayout = KvLayout { layers: 1, kv_heads: 1, head_dim: 2, pag
 /// one tick times out everything that was waiting before it.
 pub const TICK_MS: u64 = 1_000;
 
-
 /// One client request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Request {

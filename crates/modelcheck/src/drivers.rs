@@ -7,13 +7,13 @@ use std::collections::BTreeMap;
 use bulkhead_kv::{KvError, KvPool, PageKey, RequestId, SequenceKv};
 use bulkhead_protocol::cache::CacheScope;
 use bulkhead_protocol::decode::{DecodeAction, DecodeEvent, DecodeStart};
-use bulkhead_protocol::driver::decode::{make_room, DecodeEngine, DecodePolicy, GenEvent, Growing};
+use bulkhead_protocol::driver::decode::{DecodeEngine, DecodePolicy, GenEvent, Growing, make_room};
 use bulkhead_protocol::driver::prefill::{Chunk, First, PrefillCompute, PrefillPolicy};
 use bulkhead_protocol::prefill::PrefillJob;
 use bulkhead_protocol::{FinishReason, Message};
 
-use crate::config::{Variant, LAYOUT};
-use crate::world::{Prop, Values, FIRST_TOKEN};
+use crate::config::{LAYOUT, Variant};
+use crate::world::{FIRST_TOKEN, Prop, Values};
 
 /// The mock prefill model: position `p` of request `r` holds [`Values::of`]`(r, p)` in
 /// every layer, head and element; the first token is [`FIRST_TOKEN`].
@@ -149,7 +149,8 @@ impl MockDecode {
     fn grow_keeping_victims(&mut self) -> Vec<GenEvent> {
         let needs: Vec<RequestId> = self.running.iter().filter(|(_, r)| r.seq.reserved_tokens() <= r.seq.len()).map(|(q, _)| *q).collect();
         for req in needs {
-            let victim = self.running.iter().filter(|(q, r)| **q != req && !r.seq.pages().is_empty()).max_by_key(|(_, r)| r.order).map(|(q, _)| *q);
+            let victim =
+                self.running.iter().filter(|(q, r)| **q != req && !r.seq.pages().is_empty()).max_by_key(|(_, r)| r.order).map(|(q, _)| *q);
             let Some(r) = self.running.get_mut(&req) else { continue };
             let want = r.seq.len() + 1;
             if r.seq.reserve(&mut self.pool, want).is_ok() {
@@ -224,9 +225,10 @@ impl DecodeEngine for MockDecode {
         // Feed the last token: write its KV at the next position, commit it, attend.
         let pos = r.seq.len();
         let row = [self.values.of(req, pos); LAYOUT.kv_heads * LAYOUT.head_dim];
-        let written = r.seq.locate(pos).and_then(|(lease, slot)| {
-            (0..LAYOUT.layers).try_for_each(|layer| self.pool.write(lease, layer, slot, &row, &row))
-        });
+        let written = r
+            .seq
+            .locate(pos)
+            .and_then(|(lease, slot)| (0..LAYOUT.layers).try_for_each(|layer| self.pool.write(lease, layer, slot, &row, &row)));
         if let Err(e) = written.and_then(|()| r.seq.commit(&self.pool, 1)) {
             self.seen.push((Prop::ReadIsolation, format!("{req} cannot write its own position {pos}: {e}")));
         }
@@ -268,7 +270,10 @@ fn read_positions(pool: &KvPool, values: &Values, req: RequestId, seq: &Sequence
             for head in 0..LAYOUT.kv_heads {
                 for x in [&r.k_head(head)[slot * hd..(slot + 1) * hd], &r.v_head(head)[slot * hd..(slot + 1) * hd]] {
                     if x.iter().any(|v| v.to_f32() != want) {
-                        return Err(format!("{req} position {pos} holds {:?}, not its own KV {want}", x.iter().map(|v| v.to_f32()).collect::<Vec<_>>()));
+                        return Err(format!(
+                            "{req} position {pos} holds {:?}, not its own KV {want}",
+                            x.iter().map(|v| v.to_f32()).collect::<Vec<_>>()
+                        ));
                     }
                 }
             }
@@ -292,7 +297,11 @@ pub struct PrefillVariant {
 impl PrefillVariant {
     /// The policy of `variant`.
     pub fn new(variant: Variant) -> Self {
-        PrefillVariant { keeps_rejected: variant == Variant::KeepRejectedJob, unscoped_keys: variant == Variant::UnscopedCacheKeys, refused: Vec::new() }
+        PrefillVariant {
+            keeps_rejected: variant == Variant::KeepRejectedJob,
+            unscoped_keys: variant == Variant::UnscopedCacheKeys,
+            refused: Vec::new(),
+        }
     }
 }
 

@@ -181,7 +181,9 @@ mod tests {
 
     #[test]
     fn counters_details_and_bytes_are_dropped() {
-        let s = canonical(r#"X { a: 1, stats: DecodeStats { reserved: 3, x: Y { z: 1 } }, now_ms: 5 } Failed { detail: "page 3 \"q\" {", b: 2 } KvChunk { data: [1, 2, 3], c: 4 }"#);
+        let s = canonical(
+            r#"X { a: 1, stats: DecodeStats { reserved: 3, x: Y { z: 1 } }, now_ms: 5 } Failed { detail: "page 3 \"q\" {", b: 2 } KvChunk { data: [1, 2, 3], c: 4 }"#,
+        );
         assert_eq!(s, "X { a: 1, now_ms: 5 } Failed { detail: _, b: 2 } KvChunk { data: _, c: 4 }");
     }
 }

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 use stateright::{Checker, HasDiscoveries, Model};
 
 pub use config::{Config, Faults, Request, Variant};
-pub use model::{names, HandoffModel, State};
+pub use model::{HandoffModel, State, names};
 pub use world::{Action, Prop, World};
 
 /// What one checker run found.

@@ -13,7 +13,7 @@
 
 use std::process::ExitCode;
 
-use bulkhead_modelcheck::{check, Config, HandoffModel, Variant};
+use bulkhead_modelcheck::{Config, HandoffModel, Variant, check};
 use stateright::Model;
 
 fn main() -> ExitCode {
@@ -31,7 +31,9 @@ fn main() -> ExitCode {
         "prefix-cache" => Config::prefix_cache(),
         "batched-prefill" => Config::batched_prefill(),
         other => {
-            eprintln!("unknown configuration {other:?}: three-requests | faulty-network | duplicating-network | reordering-network | prefill-restart | ucx-restart | keepalive | growth | prefix-cache | batched-prefill");
+            eprintln!(
+                "unknown configuration {other:?}: three-requests | faulty-network | duplicating-network | reordering-network | prefill-restart | ucx-restart | keepalive | growth | prefix-cache | batched-prefill"
+            );
             return ExitCode::FAILURE;
         }
     };

@@ -137,7 +137,8 @@ pub mod names {
     /// I7 (prefix-cache configurations).
     pub const CACHE_FENCE: &str = "I7 always: no cache lookup reaches a page of another tenant or salt";
     /// I3, the client's view (only with `Config::check_original_error`).
-    pub const ORIGINAL_ERROR: &str = "I3 always: an over-capacity request the workers refuse is answered with that refusal (HTTP 400), not a failure";
+    pub const ORIGINAL_ERROR: &str =
+        "I3 always: an over-capacity request the workers refuse is answered with that refusal (HTTP 400), not a failure";
     /// Liveness, with clean pools.
     pub const ENDS_CLEAN: &str = "eventually: every request ends and all pools are full";
     /// Liveness, requests only (configurations with message loss).
@@ -147,7 +148,8 @@ pub mod names {
     /// Reachability of a prefix-cache hit and an eviction, on the happy path.
     pub const SHARED: &str = "sometimes: a cached page is shared within its tenant and one is evicted for another prompt, and every request finishes, all pools idle";
     /// Reachability of batched prefill, on the happy path.
-    pub const BATCHED: &str = "sometimes: one prefill step computes the chunks of two jobs, and every request still finishes, all pools full";
+    pub const BATCHED: &str =
+        "sometimes: one prefill step computes the chunks of two jobs, and every request still finishes, all pools full";
     /// Reachability of KV on demand's retraction, on the happy path.
     pub const RESUMED: &str = "sometimes: a sequence is retracted for another to grow, and every request still finishes, all pools full";
 }

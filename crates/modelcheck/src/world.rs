@@ -17,11 +17,13 @@ use bulkhead_protocol::cache::CacheSecret;
 use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeLink};
 use bulkhead_protocol::driver::prefill::{Batching, LinkDown, PrefillDriver, PrefillLink, Step};
-use bulkhead_protocol::gateway::{client_of, BusyReason, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, Phase, TenantId};
+use bulkhead_protocol::gateway::{
+    BusyReason, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, Phase, TenantId, client_of,
+};
 use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillRole};
 use bulkhead_protocol::{FailReason, Hello, Message, RejectReason, Role, Sampling, TraceContext, WorkerId};
 
-use crate::config::{Config, Variant, LAYOUT, TICK_MS};
+use crate::config::{Config, LAYOUT, TICK_MS, Variant};
 use crate::drivers::{DecodeVariant, MockDecode, MockPrefill, PrefillVariant};
 
 /// The decode worker's id.
@@ -426,7 +428,8 @@ impl<'c> World<'c> {
         let ppool = pool(cfg.prefill_pool_pages);
         let registered = gw.join(id, &Hello::for_pool(Role::Prefill, DIGEST, &ppool, cfg.prefill_max_prompt, String::new()));
         assert!(registered.is_ok(), "a prefill worker registers: {registered:?}");
-        let mut role = PrefillRole::new(PrefillConfig { max_prompt: cfg.prefill_max_prompt, page_size: LAYOUT.page_size, keepalive_ms: TICK_MS });
+        let mut role =
+            PrefillRole::new(PrefillConfig { max_prompt: cfg.prefill_max_prompt, page_size: LAYOUT.page_size, keepalive_ms: TICK_MS });
         role.handle(PrefillEvent::DecodeConnected { decode: DECODE });
         dec.handle(DecodeEvent::PrefillConnected { from: id }, &mut Nowhere);
         let driver = PrefillDriver::with_policy(role, BATCHING, PrefillVariant::new(cfg.variant));
@@ -995,7 +998,10 @@ impl<'c> World<'c> {
         if (stats.leased_pages, stats.quarantined_pages) != (leased, quarantined) {
             problems.push((
                 Prop::SingleLease,
-                format!("pool has {} leased / {} quarantined pages, holders have {leased} / {quarantined}", stats.leased_pages, stats.quarantined_pages),
+                format!(
+                    "pool has {} leased / {} quarantined pages, holders have {leased} / {quarantined}",
+                    stats.leased_pages, stats.quarantined_pages
+                ),
             ));
         }
         for r in &refs {
@@ -1190,4 +1196,3 @@ fn full(pool: &KvPool) -> bool {
     let s = pool.stats();
     s.free_pages + s.cached_pages == s.total_pages && s.shared_leases == 0
 }
-

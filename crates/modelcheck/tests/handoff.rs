@@ -5,7 +5,7 @@
 //! - Every property fails on a deliberately broken driver: the checker finds the bug.
 //! - Findings: what the production protocol does not hold, and under which assumption.
 
-use bulkhead_modelcheck::{check, find, names, Action, Config, HandoffModel, Report, Variant, World};
+use bulkhead_modelcheck::{Action, Config, HandoffModel, Report, Variant, World, check, find, names};
 
 /// Checks every property of `cfg` to the end and returns the report (printed).
 fn check_all(cfg: Config) -> (Report, HandoffModel) {
@@ -67,7 +67,9 @@ fn walk_with_one_decode_tick(cfg: &Config, tick_now: impl Fn(&World) -> bool) ->
             w.apply(&Action::DecodeTick);
             continue;
         }
-        let next = enabled.into_iter().find(|a| matches!(a, Action::Submit(_) | Action::Deliver(..) | Action::PrefillStep(_) | Action::DecodeStep(_)));
+        let next = enabled
+            .into_iter()
+            .find(|a| matches!(a, Action::Submit(_) | Action::Deliver(..) | Action::PrefillStep(_) | Action::DecodeStep(_)));
         let Some(a) = next else { break };
         w.apply(&a);
     }
@@ -129,12 +131,17 @@ fn a_keepalive_between_two_decode_ticks_keeps_a_waiting_reservation_alive() {
                 let Some(tick) = tick else { panic!("no prefill tick while a reservation waits: {enabled:?}") };
                 kept_alive = true;
                 tick
-            } else if waiting && ticks == 1 && enabled.contains(&Action::Deliver(Node::Prefill(bulkhead_protocol::WorkerId(2)), Node::Decode)) {
+            } else if waiting
+                && ticks == 1
+                && enabled.contains(&Action::Deliver(Node::Prefill(bulkhead_protocol::WorkerId(2)), Node::Decode))
+            {
                 Action::Deliver(Node::Prefill(bulkhead_protocol::WorkerId(2)), Node::Decode)
             } else if waiting && ticks == 1 && enabled.contains(&Action::DecodeTick) {
                 Action::DecodeTick
             } else {
-                let next = enabled.into_iter().find(|a| matches!(a, Action::Submit(_) | Action::Deliver(..) | Action::PrefillStep(_) | Action::DecodeStep(_)));
+                let next = enabled
+                    .into_iter()
+                    .find(|a| matches!(a, Action::Submit(_) | Action::Deliver(..) | Action::PrefillStep(_) | Action::DecodeStep(_)));
                 let Some(a) = next else { break };
                 a
             };

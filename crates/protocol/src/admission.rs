@@ -90,10 +90,7 @@ mod tests {
     #[test]
     fn a_request_that_exactly_fills_the_context_is_admitted_and_one_more_token_is_not() {
         assert_eq!(admit(6, Generate::Tokens(2), 8), Ok(8));
-        assert_eq!(
-            admit(6, Generate::Tokens(3), 8),
-            Err(Refusal::ContextLength { prompt: 6, max_tokens: 3, needed: 9, limit: 8 })
-        );
+        assert_eq!(admit(6, Generate::Tokens(3), 8), Err(Refusal::ContextLength { prompt: 6, max_tokens: 3, needed: 9, limit: 8 }));
         assert_eq!(admit(8, Generate::Elsewhere, 8), Ok(8));
         assert_eq!(admit(9, Generate::Elsewhere, 8), Err(Refusal::PromptTooLong { prompt: 9, limit: 8 }));
     }

@@ -145,7 +145,12 @@ impl Transcript {
         let c2s = Direction::new(key.session_key(CLIENT_TO_SERVER, &t), self.encrypt)?;
         let s2c = Direction::new(key.session_key(SERVER_TO_CLIENT, &t), self.encrypt)?;
         let (send, recv) = if client_side { (c2s, s2c) } else { (s2c, c2s) };
-        Ok(Session { send: Sealer(send), recv: Opener(recv), peer_claim: if client_side { 0 } else { self.claim }, encrypted: self.encrypt })
+        Ok(Session {
+            send: Sealer(send),
+            recv: Opener(recv),
+            peer_claim: if client_side { 0 } else { self.claim },
+            encrypted: self.encrypt,
+        })
     }
 }
 
@@ -186,8 +191,14 @@ impl<'k> Client<'k> {
             Message::AuthRefused { reason } | Message::Refuse { reason } => return Err(AuthError::Refused(reason)),
             other => return Err(AuthError::Unexpected { expected: "AuthChallenge", got: other.kind_name().to_string() }),
         };
-        let transcript =
-            Transcript { purpose: self.purpose, claim: self.claim, client_nonce: self.nonce, client_encrypt: self.encrypt, server_nonce, encrypt };
+        let transcript = Transcript {
+            purpose: self.purpose,
+            claim: self.claim,
+            client_nonce: self.nonce,
+            client_encrypt: self.encrypt,
+            server_nonce,
+            encrypt,
+        };
         let t = transcript.bytes();
         if !equal(&proof, &self.key.proof(b'S', &t)) {
             return Err(AuthError::WrongKey);
@@ -209,10 +220,21 @@ impl<'k> Server<'k> {
     /// The first frame of a connection to a port serving `purpose`; `nonce` is fresh and
     /// random; `encrypt`: this side wants encryption (it is on if either side wants it).
     /// Returns the `AuthChallenge` to send.
-    pub fn start(key: &'k ClusterKey, purpose: Purpose, hello: Message, encrypt: bool, nonce: [u8; KEY_LEN]) -> Result<(Self, Message), AuthError> {
+    pub fn start(
+        key: &'k ClusterKey,
+        purpose: Purpose,
+        hello: Message,
+        encrypt: bool,
+        nonce: [u8; KEY_LEN],
+    ) -> Result<(Self, Message), AuthError> {
         let (got, claim, client_nonce, client_encrypt) = match hello {
             Message::AuthHello { purpose, claim, nonce, encrypt } => (purpose, claim, nonce, encrypt),
-            other => return Err(AuthError::Unexpected { expected: "AuthHello (this cluster needs its key)", got: other.kind_name().to_string() }),
+            other => {
+                return Err(AuthError::Unexpected {
+                    expected: "AuthHello (this cluster needs its key)",
+                    got: other.kind_name().to_string(),
+                });
+            }
         };
         if got != purpose {
             return Err(AuthError::WrongPurpose { want: purpose, got });
@@ -402,7 +424,8 @@ mod tests {
         // The connecting side's request is cleared on the way.
         let (client, hello) = Client::start(&k, Purpose::Kv, 1, true, [1; KEY_LEN]);
         let Message::AuthHello { purpose, claim, nonce, .. } = hello else { panic!() };
-        let (_, challenge) = Server::start(&k, Purpose::Kv, Message::AuthHello { purpose, claim, nonce, encrypt: false }, false, [2; KEY_LEN]).unwrap();
+        let (_, challenge) =
+            Server::start(&k, Purpose::Kv, Message::AuthHello { purpose, claim, nonce, encrypt: false }, false, [2; KEY_LEN]).unwrap();
         assert_eq!(client.finish(challenge).err(), Some(AuthError::WrongKey));
         // The accepting side's decision is cleared on the way.
         let (client, hello) = Client::start(&k, Purpose::Kv, 1, false, [1; KEY_LEN]);
@@ -412,7 +435,14 @@ mod tests {
         // A server that answers "no" to a client that asked is refused even with its key
         // (defence in depth: only a server that ignores the rules would do it).
         let (client, _) = Client::start(&k, Purpose::Kv, 1, true, [1; KEY_LEN]);
-        let t = Transcript { purpose: Purpose::Kv, claim: 1, client_nonce: [1; KEY_LEN], client_encrypt: true, server_nonce: [2; KEY_LEN], encrypt: false };
+        let t = Transcript {
+            purpose: Purpose::Kv,
+            claim: 1,
+            client_nonce: [1; KEY_LEN],
+            client_encrypt: true,
+            server_nonce: [2; KEY_LEN],
+            encrypt: false,
+        };
         let answer = Message::AuthChallenge { nonce: [2; KEY_LEN], proof: k.proof(b'S', &t.bytes()), encrypt: false };
         assert_eq!(client.finish(answer).err(), Some(AuthError::Downgraded));
     }

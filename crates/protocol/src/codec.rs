@@ -273,7 +273,8 @@ impl<'a> R<'a> {
                     .map(|_| {
                         let name = self.str("sample name")?;
                         let n = self.count(8)?;
-                        let labels = (0..n).map(|_| Ok((self.str("label name")?, self.str("label value")?))).collect::<Result<_, CodecError>>()?;
+                        let labels =
+                            (0..n).map(|_| Ok((self.str("label name")?, self.str("label value")?))).collect::<Result<_, CodecError>>()?;
                         Ok(MetricSample { name, labels, value: self.f64()? })
                     })
                     .collect::<Result<_, CodecError>>()?;
@@ -630,7 +631,14 @@ fn decode_payload(kind: u8, b: &[u8], payloads: &Arc<PayloadPool>) -> Result<Mes
             let (req, header, data) = decode_kv_chunk(b)?;
             return Ok(Message::KvChunk { req, header, data: payloads.copy_of(&b[data]) });
         }
-        10 => Message::Done { req: r.req()?, tokens: r.u32()?, first_token: r.u32()?, manifest: r.u64()?, cached: r.u32()?, first_logprobs: r.logprobs()? },
+        10 => Message::Done {
+            req: r.req()?,
+            tokens: r.u32()?,
+            first_token: r.u32()?,
+            manifest: r.u64()?,
+            cached: r.u32()?,
+            first_logprobs: r.logprobs()?,
+        },
         11 => Message::Fenced { req: r.req()? },
         12 => Message::Token { req: r.req()?, token: r.u32()?, text: r.str("text")?, logprobs: r.logprobs()? },
         13 => Message::Finished {
@@ -652,7 +660,12 @@ fn decode_payload(kind: u8, b: &[u8], payloads: &Arc<PayloadPool>) -> Result<Mes
         22 => Message::Retracted { req: r.req()?, tokens: r.tokens()? },
         23 => Message::PeerLeft { worker: WorkerId(r.u32()?) },
         24 => Message::Room,
-        25 => Message::AuthHello { purpose: r.enum_u8("purpose", purpose)?, claim: r.u32()?, nonce: r.arr()?, encrypt: r.enum_u8("encrypt", flag)? },
+        25 => Message::AuthHello {
+            purpose: r.enum_u8("purpose", purpose)?,
+            claim: r.u32()?,
+            nonce: r.arr()?,
+            encrypt: r.enum_u8("encrypt", flag)?,
+        },
         26 => Message::AuthChallenge { nonce: r.arr()?, proof: r.arr()?, encrypt: r.enum_u8("encrypt", flag)? },
         27 => Message::AuthProof { proof: r.arr()? },
         28 => Message::AuthRefused { reason: r.str("reason")? },
@@ -696,7 +709,12 @@ impl FrameEncoder {
     /// [`FrameEncoder::encode`] of the message, with the chunk's data appended to `out` by
     /// `fill`, which returns the chunk's header: the chunk is exported straight into its
     /// frame. Where `fill` has no chunk or fails, `out` is left as it was.
-    pub fn encode_kv_chunk<E>(&mut self, req: RequestId, out: &mut Vec<u8>, fill: impl FnOnce(&mut Vec<u8>) -> Option<Result<ChunkHeader, E>>) -> Option<Result<(), E>> {
+    pub fn encode_kv_chunk<E>(
+        &mut self,
+        req: RequestId,
+        out: &mut Vec<u8>,
+        fill: impl FnOnce(&mut Vec<u8>) -> Option<Result<ChunkHeader, E>>,
+    ) -> Option<Result<(), E>> {
         let start = out.len();
         out.extend_from_slice(&[MAGIC[0], MAGIC[1], VERSION, 0, 0, 0, 0, 0]);
         out.resize(start + HEADER + KV_CHUNK_FIELDS, 0);
@@ -854,7 +872,15 @@ mod tests {
     use super::*;
 
     fn samples() -> Vec<Message> {
-        let s = Sampling { temperature: 0.7, top_k: 40, top_p: 0.9, seed: Some(7), ignore_eos: true, skip_special_tokens: false, ..Sampling::default() };
+        let s = Sampling {
+            temperature: 0.7,
+            top_k: 40,
+            top_p: 0.9,
+            seed: Some(7),
+            ignore_eos: true,
+            skip_special_tokens: false,
+            ..Sampling::default()
+        };
         let constrained = Sampling {
             min_p: 0.05,
             presence_penalty: 0.5,
@@ -867,7 +893,12 @@ mod tests {
             grammar: Some(GrammarSpec::JsonSchema("{\"type\":\"object\"}".into())),
             ..s.clone()
         };
-        let grammars = [GrammarSpec::JsonObject, GrammarSpec::Regex("[0-9]+".into()), GrammarSpec::Choice(vec!["yes".into(), "no".into()]), GrammarSpec::Lark("start: \"a\"".into())];
+        let grammars = [
+            GrammarSpec::JsonObject,
+            GrammarSpec::Regex("[0-9]+".into()),
+            GrammarSpec::Choice(vec!["yes".into(), "no".into()]),
+            GrammarSpec::Lark("start: \"a\"".into()),
+        ];
         let pages = vec![PageRef { page: PageId(3), generation: Generation(9) }];
         let trace = TraceContext { trace_id: *b"0123456789abcdef", request_id: "req-1".into(), tenant: "acme".into() };
         let mut all = vec![
@@ -899,8 +930,26 @@ mod tests {
             },
             Message::Reserved { req: RequestId(5), pages: pages.clone() },
             Message::Rejected { req: RequestId(5), reason: RejectReason::ContextLength, detail: "too long".into() },
-            Message::Prefill { req: RequestId(5), tokens: vec![1, 2, 3], decode: WorkerId(2), pages: pages.clone(), sampling: s.clone(), skip_draws: 2, trace: trace.clone(), cache: None },
-            Message::Prefill { req: RequestId(6), tokens: vec![1], decode: WorkerId(2), pages, sampling: s, skip_draws: 0, trace, cache: Some(CacheScope([3; 32])) },
+            Message::Prefill {
+                req: RequestId(5),
+                tokens: vec![1, 2, 3],
+                decode: WorkerId(2),
+                pages: pages.clone(),
+                sampling: s.clone(),
+                skip_draws: 2,
+                trace: trace.clone(),
+                cache: None,
+            },
+            Message::Prefill {
+                req: RequestId(6),
+                tokens: vec![1],
+                decode: WorkerId(2),
+                pages,
+                sampling: s,
+                skip_draws: 0,
+                trace,
+                cache: Some(CacheScope([3; 32])),
+            },
             Message::CacheReport { stored: vec![PageKey([1; 16]), PageKey([2; 16])], evicted: vec![] },
             Message::Retracted { req: RequestId(5), tokens: vec![4, 5] },
             Message::PeerLeft { worker: WorkerId(2) },
@@ -918,11 +967,30 @@ mod tests {
                 data: vec![1, 2, 3, 4].into(),
             },
             Message::Done { req: RequestId(5), tokens: 3, first_token: 11, manifest: 99, cached: 2, first_logprobs: None },
-            Message::Done { req: RequestId(5), tokens: 3, first_token: 11, manifest: 99, cached: 2, first_logprobs: Some(TokenLogprobs { logprob: -0.5, top: vec![(11, -0.5), (3, -1.5)] }) },
+            Message::Done {
+                req: RequestId(5),
+                tokens: 3,
+                first_token: 11,
+                manifest: 99,
+                cached: 2,
+                first_logprobs: Some(TokenLogprobs { logprob: -0.5, top: vec![(11, -0.5), (3, -1.5)] }),
+            },
             Message::Fenced { req: RequestId(5) },
             Message::Token { req: RequestId(5), token: 4, text: "héllo".into(), logprobs: None },
-            Message::Token { req: RequestId(5), token: 4, text: String::new(), logprobs: Some(TokenLogprobs { logprob: -2.0, top: vec![] }) },
-            Message::Finished { req: RequestId(5), finish: FinishReason::Length, text: String::new(), prompt_tokens: 3, completion_tokens: 1, cached_tokens: 2 },
+            Message::Token {
+                req: RequestId(5),
+                token: 4,
+                text: String::new(),
+                logprobs: Some(TokenLogprobs { logprob: -2.0, top: vec![] }),
+            },
+            Message::Finished {
+                req: RequestId(5),
+                finish: FinishReason::Length,
+                text: String::new(),
+                prompt_tokens: 3,
+                completion_tokens: 1,
+                cached_tokens: 2,
+            },
             Message::Failed { req: RequestId(5), reason: FailReason::TransferRefused, detail: "checksum".into() },
             Message::Abort { req: RequestId(5), reason: AbortReason::ClientGone },
             Message::DecodePeer { worker: WorkerId(2), addr: "127.0.0.1:7".into() },
@@ -941,16 +1009,31 @@ mod tests {
                         help: String::new(),
                         kind: MetricKind::Histogram,
                         samples: vec![
-                            MetricSample { name: "x_bucket".into(), labels: vec![("le".into(), "+Inf".into()), ("k".into(), "v\"".into())], value: 3.0 },
+                            MetricSample {
+                                name: "x_bucket".into(),
+                                labels: vec![("le".into(), "+Inf".into()), ("k".into(), "v\"".into())],
+                                value: 3.0,
+                            },
                             MetricSample { name: "x_sum".into(), labels: vec![], value: f64::MAX },
                         ],
                     },
                 ],
             },
         ];
-        let prefill = |req: u64, sampling: Sampling| Message::Prefill { req: RequestId(req), tokens: vec![1], decode: WorkerId(2), pages: vec![], sampling, skip_draws: 0, trace: TraceContext::default(), cache: None };
+        let prefill = |req: u64, sampling: Sampling| Message::Prefill {
+            req: RequestId(req),
+            tokens: vec![1],
+            decode: WorkerId(2),
+            pages: vec![],
+            sampling,
+            skip_draws: 0,
+            trace: TraceContext::default(),
+            cache: None,
+        };
         all.push(prefill(7, constrained.clone()));
-        all.extend(grammars.into_iter().enumerate().map(|(i, g)| prefill(8 + i as u64, Sampling { grammar: Some(g), ..constrained.clone() })));
+        all.extend(
+            grammars.into_iter().enumerate().map(|(i, g)| prefill(8 + i as u64, Sampling { grammar: Some(g), ..constrained.clone() })),
+        );
         all
     }
 
@@ -1039,7 +1122,8 @@ mod tests {
 
     #[test]
     fn a_chunk_exported_into_its_frame_is_the_frame_of_its_message() {
-        let (req, header) = (RequestId(5), ChunkHeader { page: PageId(4), generation: Generation(7), slot_start: 2, slot_count: 3, checksum: 99 });
+        let (req, header) =
+            (RequestId(5), ChunkHeader { page: PageId(4), generation: Generation(7), slot_start: 2, slot_count: 3, checksum: 99 });
         let data: Vec<u8> = (0..=255).collect();
         let m = Message::KvChunk { req, header, data: data.clone().into() };
         for sealed in [false, true] {
@@ -1160,10 +1244,9 @@ mod tests {
         bad_kind[kind_at] = 3;
         let mut many_samples = good.clone();
         many_samples[kind_at + 1..kind_at + 5].copy_from_slice(&1000u32.to_le_bytes());
-        for (bytes, want) in [
-            (bad_kind, CodecError::Invalid { field: "metric kind", value: 3 }),
-            (many_samples, CodecError::Truncated("message")),
-        ] {
+        for (bytes, want) in
+            [(bad_kind, CodecError::Invalid { field: "metric kind", value: 3 }), (many_samples, CodecError::Truncated("message"))]
+        {
             let mut d = FrameDecoder::new(DEFAULT_MAX_FRAME);
             d.push(&bytes);
             assert_eq!(d.next_message(), Err(want));

@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use bulkhead_kv::{Inbound, KvError, KvPool, PageTag, Quarantined, RequestId, SequenceKv, TransferError, VerifiedSequence};
 
-use crate::admission::{admit, Generate};
+use crate::admission::{Generate, admit};
 use crate::msg::*;
 
 /// Limits of a decode worker.
@@ -354,8 +354,7 @@ impl DecodeRole {
             }
             DecodeEvent::Tick { now_ms } => {
                 self.now_ms = now_ms;
-                let late: Vec<RequestId> =
-                    self.pending.iter().filter(|(_, p)| p.deadline_ms <= now_ms).map(|(r, _)| *r).collect();
+                let late: Vec<RequestId> = self.pending.iter().filter(|(_, p)| p.deadline_ms <= now_ms).map(|(r, _)| *r).collect();
                 for req in late {
                     self.stats.timeouts += 1;
                     if let Some(p) = self.pending.remove(&req) {
@@ -430,7 +429,11 @@ impl DecodeRole {
                 // grows the sequence page by page, and retracts one when it cannot.
                 let first_slice = (prompt_tokens as usize + pool.layout().page_size).min(total);
                 if resume.len() >= prompt_tokens as usize {
-                    out.push(self.reject(req, RejectReason::Invalid, format!("{} resumed tokens in a prompt of {prompt_tokens}", resume.len())));
+                    out.push(self.reject(
+                        req,
+                        RejectReason::Invalid,
+                        format!("{} resumed tokens in a prompt of {prompt_tokens}", resume.len()),
+                    ));
                     return;
                 }
                 match Inbound::reserve(pool, req, prompt_tokens as usize, first_slice) {

@@ -26,7 +26,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use bulkhead_kv::{PageKey, RequestId};
 
-use crate::admission::{admit, Generate};
+use crate::admission::{Generate, admit};
 use crate::cache::CacheScope;
 use crate::msg::*;
 
@@ -76,7 +76,16 @@ pub struct GatewayConfig {
 #[derive(Debug)]
 pub enum GatewayEvent {
     /// A client asked for a generation.
-    Submit { req: RequestId, tokens: Vec<u32>, max_tokens: u32, sampling: Sampling, stop: Vec<String>, trace: TraceContext, tenant: TenantId, cache: Option<CacheScope> },
+    Submit {
+        req: RequestId,
+        tokens: Vec<u32>,
+        max_tokens: u32,
+        sampling: Sampling,
+        stop: Vec<String>,
+        trace: TraceContext,
+        tenant: TenantId,
+        cache: Option<CacheScope>,
+    },
     /// The client went away.
     ClientGone { req: RequestId },
     /// A worker sent a message.
@@ -377,16 +386,18 @@ impl GatewayRole {
     /// Why requests cannot be served now, if no worker of a role is registered: the server
     /// is starting (none ever registered), or lost its last one this long ago.
     pub fn unavailable(&self) -> Option<String> {
-        [Role::Prefill, Role::Decode].into_iter().filter(|r| self.workers(*r).is_empty()).map(|r| {
-            match self.lost_since_ms[role_index(r)] {
+        [Role::Prefill, Role::Decode]
+            .into_iter()
+            .filter(|r| self.workers(*r).is_empty())
+            .map(|r| match self.lost_since_ms[role_index(r)] {
                 None => format!("the server is starting: no {} worker has registered yet", role_name(r)),
                 Some(t) => format!(
                     "no {} worker is registered: the last one was lost {:.1} s ago",
                     role_name(r),
                     self.now_ms.saturating_sub(t) as f64 / 1000.0
                 ),
-            }
-        }).next()
+            })
+            .next()
     }
 
     /// Register worker `id` (the driver names it) from its `Hello`: refused if it serves
@@ -555,7 +566,12 @@ impl GatewayRole {
     fn pick_prefill(&mut self, req: RequestId, prefills: &[WorkerId]) -> WorkerId {
         let start = self.next_pick % prefills.len();
         let order = prefills.iter().cycle().skip(start).take(prefills.len()).copied();
-        let load = |p: WorkerId| self.inflight.values().filter(|f| f.route.is_some_and(|r| r.prefill == p) && matches!(f.phase, Phase::Reserving | Phase::Prefilling)).count();
+        let load = |p: WorkerId| {
+            self.inflight
+                .values()
+                .filter(|f| f.route.is_some_and(|r| r.prefill == p) && matches!(f.phase, Phase::Reserving | Phase::Prefilling))
+                .count()
+        };
         let loads: Vec<(WorkerId, usize)> = order.map(|p| (p, load(p))).collect();
         let (min, max) = (loads.iter().map(|l| l.1).min().unwrap_or(0), loads.iter().map(|l| l.1).max().unwrap_or(0));
         let least = loads.iter().min_by_key(|l| l.1).map_or(prefills[start], |l| l.0);
@@ -608,7 +624,13 @@ impl GatewayRole {
             .copied()
             // A retracted request has streamed tokens: a 429 now would cut a live stream, so
             // only the request timeout bounds its wait (it waits at the queue's head).
-            .filter(|r| self.inflight.get(r).filter(|f| f.resume.is_empty()).and_then(|f| f.queued_at_ms).is_some_and(|t| t.saturating_add(self.cfg.queue_timeout_ms) <= now))
+            .filter(|r| {
+                self.inflight
+                    .get(r)
+                    .filter(|f| f.resume.is_empty())
+                    .and_then(|f| f.queued_at_ms)
+                    .is_some_and(|t| t.saturating_add(self.cfg.queue_timeout_ms) <= now)
+            })
             .collect();
         for req in waited {
             self.unqueue(req);
@@ -777,7 +799,10 @@ impl GatewayRole {
                 self.inflight.remove(&req);
                 self.stats.finished += 1;
                 let cached_tokens = cached_tokens.min(prompt_tokens);
-                out.push(GatewayAction::ToClient { req, out: ClientOutput::Finished { finish, text, prompt_tokens, completion_tokens, cached_tokens } });
+                out.push(GatewayAction::ToClient {
+                    req,
+                    out: ClientOutput::Finished { finish, text, prompt_tokens, completion_tokens, cached_tokens },
+                });
             }
             Message::Retracted { tokens, .. } if from == route.decode => {
                 // The decode loop gave its pages to others; it resumes from what it made.
@@ -797,7 +822,10 @@ impl GatewayRole {
                 self.stats.rejected_by_worker += 1;
                 // A prefill rejection leaves a reservation on the decode worker.
                 if from == route.prefill {
-                    out.push(GatewayAction::ToWorker { to: route.decode, msg: Message::Abort { req: attempt, reason: AbortReason::Failed } });
+                    out.push(GatewayAction::ToWorker {
+                        to: route.decode,
+                        msg: Message::Abort { req: attempt, reason: AbortReason::Failed },
+                    });
                 }
                 out.push(Self::reject(req, reason, detail));
             }

@@ -35,6 +35,6 @@ pub mod msg;
 pub mod payload;
 pub mod prefill;
 
-pub use codec::{encode, CodecError, FrameDecoder, FrameEncoder, DEFAULT_MAX_FRAME, VERSION};
+pub use codec::{CodecError, DEFAULT_MAX_FRAME, FrameDecoder, FrameEncoder, VERSION, encode};
 pub use msg::*;
 pub use payload::Payload;

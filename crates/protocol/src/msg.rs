@@ -350,7 +350,17 @@ pub enum Message {
     /// they end the prompt, and the decode loop replays them to pick up where it was.
     /// `prompt` holds the prompt's tokens only when the sampling needs them
     /// ([`Sampling::needs_prompt`]), else it is empty.
-    Reserve { req: RequestId, prompt_tokens: u32, max_tokens: u32, prefill: WorkerId, sampling: Sampling, stop: Vec<String>, resume: Vec<u32>, prompt: Vec<u32>, trace: TraceContext },
+    Reserve {
+        req: RequestId,
+        prompt_tokens: u32,
+        max_tokens: u32,
+        prefill: WorkerId,
+        sampling: Sampling,
+        stop: Vec<String>,
+        resume: Vec<u32>,
+        prompt: Vec<u32>,
+        trace: TraceContext,
+    },
     /// Decode → gateway: reserved; these are the prompt pages the prefill may write.
     Reserved { req: RequestId, pages: Vec<PageRef> },
     /// Worker → gateway: refused before running. Terminal for the request.
@@ -359,7 +369,16 @@ pub enum Message {
     /// sampling draws made before (a retracted request's tokens), so a seeded sampler picks
     /// up where it was. `cache`: the request's prefix-cache scope (its tenant and salt),
     /// `None` when it must neither use nor fill the cache.
-    Prefill { req: RequestId, tokens: Vec<u32>, decode: WorkerId, pages: Vec<PageRef>, sampling: Sampling, skip_draws: u32, trace: TraceContext, cache: Option<CacheScope> },
+    Prefill {
+        req: RequestId,
+        tokens: Vec<u32>,
+        decode: WorkerId,
+        pages: Vec<PageRef>,
+        sampling: Sampling,
+        skip_draws: u32,
+        trace: TraceContext,
+        cache: Option<CacheScope>,
+    },
     /// Prefill → decode: KV bytes for one page segment.
     KvChunk { req: RequestId, header: ChunkHeader, data: Payload },
     /// Prefill → decode: all chunks sent. The last message for `req` on this connection.

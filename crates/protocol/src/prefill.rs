@@ -23,7 +23,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use bulkhead_kv::{KvError, PageRef, RequestId};
 
-use crate::admission::{admit, Generate};
+use crate::admission::{Generate, admit};
 use crate::cache::CacheScope;
 use crate::msg::*;
 

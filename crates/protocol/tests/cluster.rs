@@ -5,11 +5,11 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use bulkhead_kv::{KvError, KvLayout, KvPool, KvChecks, PoolConfig, RequestId, SequenceKv};
+use bulkhead_kv::{KvChecks, KvError, KvLayout, KvPool, PoolConfig, RequestId, SequenceKv};
 use bulkhead_protocol::decode::{DecodeAction, DecodeConfig, DecodeEvent, DecodeRole, DecodeStart};
+use bulkhead_protocol::driver::Honest;
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeEngine, DecodeLink, DecodePolicy, GenEvent};
 use bulkhead_protocol::driver::prefill::{Batching, Chunk, First, LinkDown, PrefillCompute, PrefillDriver, PrefillLink, PrefillPolicy};
-use bulkhead_protocol::driver::Honest;
 use bulkhead_protocol::gateway::{BusyReason, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, TenantId};
 use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillJob, PrefillRole};
 use bulkhead_protocol::*;
@@ -166,7 +166,11 @@ impl<PP: PrefillPolicy, DP: DecodePolicy> Cluster<PP, DP> {
         let engine = MockEngine { pool: dpool, decoding: BTreeMap::new() };
         let mut c = Cluster {
             gw,
-            dec: DecodeDriver::with_policy(DecodeRole::new(DecodeConfig { max_context: decode_pool_tokens, transfer_timeout_ms: 1_000 }), engine, dp),
+            dec: DecodeDriver::with_policy(
+                DecodeRole::new(DecodeConfig { max_context: decode_pool_tokens, transfer_timeout_ms: 1_000 }),
+                engine,
+                dp,
+            ),
             pre: PrefillDriver::with_policy(role, Batching::one_chunk(LAYOUT.page_size), pp),
             ppool,
             net: VecDeque::new(),
@@ -195,7 +199,16 @@ impl<PP: PrefillPolicy, DP: DecodePolicy> Cluster<PP, DP> {
 
     fn submit(&mut self, req: u64, prompt: u32, max_tokens: u32) {
         let tokens = (0..prompt).map(|i| i + req as u32 * 100).collect();
-        self.gateway(GatewayEvent::Submit { req: RequestId(req), tokens, max_tokens, sampling: Sampling::default(), stop: vec![], trace: TraceContext::default(), tenant: TenantId(0), cache: None });
+        self.gateway(GatewayEvent::Submit {
+            req: RequestId(req),
+            tokens,
+            max_tokens,
+            sampling: Sampling::default(),
+            stop: vec![],
+            trace: TraceContext::default(),
+            tenant: TenantId(0),
+            cache: None,
+        });
     }
 
     fn decode_event(&mut self, ev: DecodeEvent) {
@@ -333,7 +346,14 @@ impl DecodePolicy for TrustsDone {
         acts.into_iter()
             .map(|a| match a {
                 DecodeAction::ToGateway(Message::Failed { req, reason: FailReason::TransferRefused, .. }) => {
-                    let done = Message::Finished { req, finish: FinishReason::Stop, text: "fluent".into(), prompt_tokens: 40, completion_tokens: 1, cached_tokens: 0 };
+                    let done = Message::Finished {
+                        req,
+                        finish: FinishReason::Stop,
+                        text: "fluent".into(),
+                        prompt_tokens: 40,
+                        completion_tokens: 1,
+                        cached_tokens: 0,
+                    };
                     DecodeAction::ToGateway(done)
                 }
                 a => a,
@@ -451,7 +471,10 @@ fn a_prefill_worker_lost_mid_transfer_fences_its_pages_and_its_request_waits_for
         assert!(c.deliver() || c.prefill_step());
     }
     // The prefill process dies: its queue, job and pool vanish, its connections close.
-    c.pre = PrefillDriver::new(PrefillRole::new(PrefillConfig { max_prompt: 64, page_size: LAYOUT.page_size, keepalive_ms: 250 }), Batching::one_chunk(LAYOUT.page_size));
+    c.pre = PrefillDriver::new(
+        PrefillRole::new(PrefillConfig { max_prompt: 64, page_size: LAYOUT.page_size, keepalive_ms: 250 }),
+        Batching::one_chunk(LAYOUT.page_size),
+    );
     c.ppool = KvPool::new(PoolConfig { layout: LAYOUT, pages: 16, checks: KvChecks::all() }).unwrap();
     c.net.retain(|(to, _)| !matches!(to, To::Decode { from_prefill: true } | To::Prefill));
     c.decode_event(DecodeEvent::PrefillClosed { from: PREFILL });
@@ -492,7 +515,11 @@ fn a_corrupted_or_foreign_chunk_fails_only_its_request() {
                 break;
             }
         }
-        assert!(matches!(c.terminal(1), Some(ClientOutput::Failed { reason: FailReason::TransferRefused, .. })), "tamper {tamper}: {:?}", c.outputs);
+        assert!(
+            matches!(c.terminal(1), Some(ClientOutput::Failed { reason: FailReason::TransferRefused, .. })),
+            "tamper {tamper}: {:?}",
+            c.outputs
+        );
         assert!(matches!(c.terminal(2), Some(ClientOutput::Finished { .. })), "tamper {tamper}: {:?}", c.outputs);
         assert_eq!(c.dec.role().stats().chunks_refused, 1);
         // Only the flipped byte reaches the checksum check; a wrong page or generation is
@@ -506,7 +533,16 @@ fn a_corrupted_or_foreign_chunk_fails_only_its_request() {
 fn the_trace_context_reaches_the_decode_reservation_and_the_prefill_job() {
     let mut c = Cluster::new(64, 128, true);
     let trace = TraceContext { trace_id: [7; 16], request_id: "req-7".into(), tenant: "acme".into() };
-    c.gateway(GatewayEvent::Submit { req: RequestId(1), tokens: vec![1, 2, 3], max_tokens: 2, sampling: Sampling::default(), stop: vec![], trace: trace.clone(), tenant: TenantId(0), cache: None });
+    c.gateway(GatewayEvent::Submit {
+        req: RequestId(1),
+        tokens: vec![1, 2, 3],
+        max_tokens: 2,
+        sampling: Sampling::default(),
+        stop: vec![],
+        trace: trace.clone(),
+        tenant: TenantId(0),
+        cache: None,
+    });
     let (mut reserve, mut prefill, mut job) = (None, None, None);
     for _ in 0..1000 {
         for (_, m) in &c.net {

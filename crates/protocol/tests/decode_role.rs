@@ -48,7 +48,17 @@ impl Rig {
     fn reserve(&mut self, req: u64, prompt: u32, max_tokens: u32, prefill: WorkerId) -> Vec<DecodeAction> {
         let sampling = Sampling::default();
         let trace = TraceContext::default();
-        self.gateway(Message::Reserve { req: RequestId(req), prompt_tokens: prompt, max_tokens, prefill, sampling, stop: vec![], resume: vec![], prompt: vec![], trace })
+        self.gateway(Message::Reserve {
+            req: RequestId(req),
+            prompt_tokens: prompt,
+            max_tokens,
+            prefill,
+            sampling,
+            stop: vec![],
+            resume: vec![],
+            prompt: vec![],
+            trace,
+        })
     }
 
     /// Reserves and returns the prompt pages granted.
@@ -224,7 +234,13 @@ fn a_timed_out_transfer_is_counted_failed_and_its_pages_stay_quarantined() {
     let (chunks, _) = r.transfer(1, 4, &pages);
     r.prefill(A, chunks[0].clone());
     let acts = r.tick(1_000);
-    assert!(matches!(acts.as_slice(), [DecodeAction::ToGateway(Message::Failed { reason: FailReason::Timeout, .. }), DecodeAction::ToPrefill { to: A, .. }]), "{acts:?}");
+    assert!(
+        matches!(
+            acts.as_slice(),
+            [DecodeAction::ToGateway(Message::Failed { reason: FailReason::Timeout, .. }), DecodeAction::ToPrefill { to: A, .. }]
+        ),
+        "{acts:?}"
+    );
     assert_eq!(r.state(), ((0, 1, 0), (14, 0, 2)));
     assert_eq!(r.dec.stats(), DecodeStats { reserved: 1, chunks_verified: 1, timeouts: 1, pages_quarantined: 2, ..DecodeStats::default() });
 }

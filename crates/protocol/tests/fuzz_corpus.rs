@@ -28,7 +28,11 @@ fn the_committed_wire_codec_corpus_speaks_this_builds_protocol_version() {
             current += usize::from(stream[2] == bulkhead_protocol::VERSION);
         }
     }
-    assert!(framed >= 100 && current * 10 >= framed * 8, "{current} of {framed} framed inputs are at version {}", bulkhead_protocol::VERSION);
+    assert!(
+        framed >= 100 && current * 10 >= framed * 8,
+        "{current} of {framed} framed inputs are at version {}",
+        bulkhead_protocol::VERSION
+    );
 }
 
 /// Found by `wire_codec`: any nonzero seed flag decoded as "seeded", and a seed sent with the

@@ -4,7 +4,10 @@
 //! (docs/TESTING.md).
 
 use bulkhead_kv::{Generation, PageId, PageRef, RequestId};
-use bulkhead_protocol::gateway::{attempt_id, client_of, BusyReason, ClientOutput, Phase, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, GatewayStats, KvShape, RegisterError, TenantId};
+use bulkhead_protocol::gateway::{
+    BusyReason, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, GatewayStats, KvShape, Phase, RegisterError,
+    TenantId, attempt_id, client_of,
+};
 use bulkhead_protocol::*;
 
 const P1: WorkerId = WorkerId(1);
@@ -25,7 +28,14 @@ fn join(g: &mut GatewayRole, id: WorkerId, role: Role) -> Vec<GatewayAction> {
 }
 
 fn gateway(workers: &[(WorkerId, Role)]) -> GatewayRole {
-    let mut g = GatewayRole::new(GatewayConfig { model_context: 8, model_digest: DIGEST, admission_check: true, request_timeout_ms: TIMEOUT_MS, max_queued: 4, queue_timeout_ms: TIMEOUT_MS / 2 });
+    let mut g = GatewayRole::new(GatewayConfig {
+        model_context: 8,
+        model_digest: DIGEST,
+        admission_check: true,
+        request_timeout_ms: TIMEOUT_MS,
+        max_queued: 4,
+        queue_timeout_ms: TIMEOUT_MS / 2,
+    });
     for &(id, role) in workers {
         join(&mut g, id, role);
     }
@@ -33,7 +43,16 @@ fn gateway(workers: &[(WorkerId, Role)]) -> GatewayRole {
 }
 
 fn submit(g: &mut GatewayRole, req: u64, prompt: usize, max_tokens: u32) -> Vec<GatewayAction> {
-    let ev = GatewayEvent::Submit { req: RequestId(req), tokens: vec![5; prompt], max_tokens, sampling: Sampling::default(), stop: vec![], trace: TraceContext::default(), tenant: TenantId(0), cache: None };
+    let ev = GatewayEvent::Submit {
+        req: RequestId(req),
+        tokens: vec![5; prompt],
+        max_tokens,
+        sampling: Sampling::default(),
+        stop: vec![],
+        trace: TraceContext::default(),
+        tenant: TenantId(0),
+        cache: None,
+    };
     g.handle(ev)
 }
 
@@ -77,7 +96,10 @@ fn the_gateway_admits_exactly_the_served_context_and_refuses_when_it_cannot_rout
     assert_eq!(g.max_context(), 8);
     assert!(!g.ready(), "no decode worker yet");
     let starting = submit(&mut g, 1, 4, 4);
-    assert!(matches!(to_client(&starting).as_slice(), [ClientOutput::Unavailable { detail }] if detail.contains("starting") && detail.contains("decode")), "{starting:?}");
+    assert!(
+        matches!(to_client(&starting).as_slice(), [ClientOutput::Unavailable { detail }] if detail.contains("starting") && detail.contains("decode")),
+        "{starting:?}"
+    );
     join(&mut g, D2, Role::Decode);
     assert!(g.ready());
     assert_eq!(routed(&submit(&mut g, 2, 4, 4)), (D2, P1), "4 + 4 = the context: admitted");
@@ -99,7 +121,14 @@ fn only_the_assigned_decode_worker_moves_a_request_on_and_speaks_to_the_client()
     assert!(from(&mut g, D2, reserved(1)).is_empty(), "a second Reserved sends no second Prefill");
     assert!(from(&mut g, P1, token(1)).is_empty());
     assert_eq!(to_client(&from(&mut g, D2, token(1))), [&ClientOutput::Token { token: 9, text: "x".into(), logprobs: None }]);
-    let finished = Message::Finished { req: RequestId(1), finish: FinishReason::Stop, text: String::new(), prompt_tokens: 4, completion_tokens: 1, cached_tokens: 0 };
+    let finished = Message::Finished {
+        req: RequestId(1),
+        finish: FinishReason::Stop,
+        text: String::new(),
+        prompt_tokens: 4,
+        completion_tokens: 1,
+        cached_tokens: 0,
+    };
     assert!(from(&mut g, P1, finished.clone()).is_empty());
     assert_eq!(g.in_flight(), 1);
     assert_eq!(to_client(&from(&mut g, D2, finished)).len(), 1);
@@ -160,7 +189,10 @@ fn a_departed_prefill_worker_costs_its_unsent_requests_nothing_and_a_departed_de
     let lost = if decode == D4 { 2 } else { 1 };
     assert_eq!(to_client(&acts).len(), lost, "{acts:?}");
     assert!(to_client(&acts).iter().all(|o| matches!(o, ClientOutput::Failed { reason: FailReason::WorkerLost, .. })), "{acts:?}");
-    assert!(acts.iter().any(|a| matches!(a, GatewayAction::ToWorker { to: P3, msg: Message::PeerLeft { worker: D4 } })), "prefill workers stop reconnecting to it");
+    assert!(
+        acts.iter().any(|a| matches!(a, GatewayAction::ToWorker { to: P3, msg: Message::PeerLeft { worker: D4 } })),
+        "prefill workers stop reconnecting to it"
+    );
     assert_eq!(g.in_flight(), 2 - lost);
     for req in 3..5 {
         assert_eq!(routed(&submit(&mut g, req, 4, 4)), (D2, P3));
@@ -195,7 +227,13 @@ fn registration_welcomes_a_matching_worker_introduces_prefills_to_decodes_and_re
     assert_eq!(g.join(D4, &other_model).unwrap_err(), RegisterError::Model { worker: DIGEST + 1, gateway: DIGEST });
     let other_layout = Hello { page_size: 8, ..hello(Role::Decode, 8) };
     let err = g.join(D4, &other_layout).unwrap_err();
-    assert_eq!(err, RegisterError::Layout { worker: KvShape { page_size: 8, kv_bytes_per_token: 16 }, registered: KvShape { page_size: 4, kv_bytes_per_token: 16 } });
+    assert_eq!(
+        err,
+        RegisterError::Layout {
+            worker: KvShape { page_size: 8, kv_bytes_per_token: 16 },
+            registered: KvShape { page_size: 4, kv_bytes_per_token: 16 }
+        }
+    );
     assert_eq!(g.join(D2, &hello(Role::Decode, 8)).unwrap_err(), RegisterError::Duplicate(D2));
     assert_eq!(g.workers(Role::Decode), [D2], "refused workers are not routed to");
 }
@@ -260,7 +298,14 @@ fn a_decode_worker_out_of_room_queues_requests_until_it_frees_some_and_the_queue
     let full = submit(&mut g, 6, 4, 4);
     assert!(matches!(to_client(&full).as_slice(), [ClientOutput::Busy { reason: BusyReason::QueueFull, .. }]), "{full:?}");
     // Request 1 finishes: room again, the head goes first under its next attempt id.
-    let finished = Message::Finished { req: RequestId(1), finish: FinishReason::Stop, text: String::new(), prompt_tokens: 4, completion_tokens: 1, cached_tokens: 0 };
+    let finished = Message::Finished {
+        req: RequestId(1),
+        finish: FinishReason::Stop,
+        text: String::new(),
+        prompt_tokens: 4,
+        completion_tokens: 1,
+        cached_tokens: 0,
+    };
     let acts = from(&mut g, D2, finished);
     let sent = reserves(&acts);
     assert_eq!(sent.first(), Some(&(D2, attempt_id(RequestId(2), 1))), "{acts:?}");
@@ -302,7 +347,9 @@ fn a_retracted_request_resumes_from_its_tokens_and_a_prompt_lost_with_its_prefil
     }
     let acts = g.handle(GatewayEvent::Tick { now_ms: TIMEOUT_MS / 2 + 2 });
     let resent = acts.iter().find_map(|a| match a {
-        GatewayAction::ToWorker { msg: Message::Reserve { req, prompt_tokens, max_tokens, resume, .. }, .. } => Some((*req, *prompt_tokens, *max_tokens, resume.clone())),
+        GatewayAction::ToWorker { msg: Message::Reserve { req, prompt_tokens, max_tokens, resume, .. }, .. } => {
+            Some((*req, *prompt_tokens, *max_tokens, resume.clone()))
+        }
         _ => None,
     });
     let Some((attempt, ..)) = resent.clone() else { panic!("not resent: {acts:?}") };
@@ -339,7 +386,10 @@ fn after_losing_its_last_worker_of_a_role_the_gateway_says_since_when_and_queued
     let acts = g.handle(GatewayEvent::Tick { now_ms: 2_510 });
     assert!(acts.is_empty());
     let refused = submit(&mut g, 1, 4, 4);
-    assert!(matches!(to_client(&refused).as_slice(), [ClientOutput::Unavailable { detail }] if detail.contains("lost 2.5 s ago")), "{refused:?}");
+    assert!(
+        matches!(to_client(&refused).as_slice(), [ClientOutput::Unavailable { detail }] if detail.contains("lost 2.5 s ago")),
+        "{refused:?}"
+    );
     assert_eq!(g.unavailable().map(|d| d.contains("decode")), Some(true));
     join(&mut g, D4, Role::Decode);
     assert_eq!(g.unavailable(), None);
@@ -362,7 +412,11 @@ fn submit_as(g: &mut GatewayRole, req: u64, tenant: u32, cache: Option<bulkhead_
 
 /// The requests (client ids) of every Reserve, in order.
 fn reserved_reqs(acts: &[GatewayAction]) -> Vec<u64> {
-    acts.iter().filter_map(|a| if let GatewayAction::ToWorker { msg: Message::Reserve { req, .. }, .. } = a { Some(client_of(*req).0) } else { None }).collect()
+    acts.iter()
+        .filter_map(
+            |a| if let GatewayAction::ToWorker { msg: Message::Reserve { req, .. }, .. } = a { Some(client_of(*req).0) } else { None },
+        )
+        .collect()
 }
 
 #[test]

@@ -78,9 +78,19 @@ impl Worker {
     fn submit(&mut self, req: u64, tokens: usize) {
         let first = 100 * req as u32;
         self.first_page.insert(RequestId(req), first);
-        let pages = (0..tokens.div_ceil(LAYOUT.page_size) as u32).map(|i| PageRef { page: PageId(first + i), generation: Generation(1) }).collect();
+        let pages =
+            (0..tokens.div_ceil(LAYOUT.page_size) as u32).map(|i| PageRef { page: PageId(first + i), generation: Generation(1) }).collect();
         let tokens = (0..tokens as u32).collect();
-        let m = Message::Prefill { req: RequestId(req), tokens, decode: DECODE, pages, sampling: Sampling::default(), skip_draws: 0, trace: TraceContext::default(), cache: None };
+        let m = Message::Prefill {
+            req: RequestId(req),
+            tokens,
+            decode: DECODE,
+            pages,
+            sampling: Sampling::default(),
+            skip_draws: 0,
+            trace: TraceContext::default(),
+            cache: None,
+        };
         self.driver.handle(PrefillEvent::Gateway(m), &mut self.link);
     }
 

@@ -71,7 +71,16 @@ fn scope(tenant: &str) -> CacheScope {
 impl Worker {
     fn submit(&mut self, req: u64, tokens: &[u32], cache: Option<CacheScope>) {
         let pages = (0..tokens.len().div_ceil(4)).map(|i| PageRef { page: PageId(i as u32), generation: Generation(1) }).collect();
-        let m = Message::Prefill { req: RequestId(req), tokens: tokens.to_vec(), decode: DECODE, pages, sampling: Sampling::default(), skip_draws: 0, trace: TraceContext::default(), cache };
+        let m = Message::Prefill {
+            req: RequestId(req),
+            tokens: tokens.to_vec(),
+            decode: DECODE,
+            pages,
+            sampling: Sampling::default(),
+            skip_draws: 0,
+            trace: TraceContext::default(),
+            cache,
+        };
         self.driver.handle(PrefillEvent::Gateway(m), &mut self.link);
     }
 
@@ -92,7 +101,11 @@ impl Worker {
                 assert_eq!(unreleased, None);
                 self.pool.check_invariants();
                 assert_eq!(self.pool.stats().shared_leases, 0, "every shared lease is given back");
-                let empty = self.link.gateway.iter().any(|m| matches!(m, Message::CacheReport { stored, evicted } if stored.is_empty() && evicted.is_empty()));
+                let empty = self
+                    .link
+                    .gateway
+                    .iter()
+                    .any(|m| matches!(m, Message::CacheReport { stored, evicted } if stored.is_empty() && evicted.is_empty()));
                 assert!(!empty, "no empty cache report");
                 return (outcome, self.sent_values());
             }

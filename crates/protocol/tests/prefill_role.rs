@@ -27,7 +27,16 @@ fn prefill(req: u64, tokens: usize, pages: usize) -> PrefillEvent {
 
 fn prefill_for(req: u64, tokens: usize, pages: usize, decode: WorkerId) -> PrefillEvent {
     let pages = (0..pages).map(|i| PageRef { page: PageId(i as u32), generation: Generation(1) }).collect();
-    let m = Message::Prefill { req: RequestId(req), tokens: vec![5; tokens], decode, pages, sampling: Sampling::default(), skip_draws: 0, trace: TraceContext::default(), cache: None };
+    let m = Message::Prefill {
+        req: RequestId(req),
+        tokens: vec![5; tokens],
+        decode,
+        pages,
+        sampling: Sampling::default(),
+        skip_draws: 0,
+        trace: TraceContext::default(),
+        cache: None,
+    };
     PrefillEvent::Gateway(m)
 }
 
@@ -107,10 +116,12 @@ fn an_abort_ends_a_queued_job_at_once_and_a_running_one_at_its_next_chunk_with_a
     assert!(p.handle(abort(1)).is_empty(), "the running job is told at its next chunk");
     assert!(!p.keep_going(RequestId(1)));
     // It finished computing anyway: the decode worker gets a fence, never a Done.
-    let acts = sent(p.job_ended(RequestId(1), JobOutcome::Done { tokens: 4, first_token: 7, manifest: 1, cached: 0, first_logprobs: None }));
+    let acts =
+        sent(p.job_ended(RequestId(1), JobOutcome::Done { tokens: 4, first_token: 7, manifest: 1, cached: 0, first_logprobs: None }));
     assert!(matches!(acts.as_slice(), [a] if fenced(1)(a)), "{acts:?}");
     assert!(p.next_job().is_some_and(|j| j.req == RequestId(3)), "the aborted job never runs");
-    let acts = sent(p.job_ended(RequestId(3), JobOutcome::Done { tokens: 4, first_token: 7, manifest: 1, cached: 0, first_logprobs: None }));
+    let acts =
+        sent(p.job_ended(RequestId(3), JobOutcome::Done { tokens: 4, first_token: 7, manifest: 1, cached: 0, first_logprobs: None }));
     assert!(matches!(acts.as_slice(), [(false, Message::Done { .. })]), "{acts:?}");
     assert_eq!(p.stats(), PrefillStats { admitted: 3, aborted: 2, completed: 1, ..PrefillStats::default() });
 }
@@ -186,7 +197,8 @@ fn a_lost_kv_connection_makes_the_worker_rejoin_under_a_new_id_unless_the_decode
 #[test]
 fn ticks_send_a_keepalive_on_every_open_kv_connection_once_per_interval() {
     let mut p = role();
-    let keepalives = |acts: Vec<PrefillAction>| acts.iter().filter(|a| matches!(a, PrefillAction::ToDecode { msg: Message::KvKeepalive, .. })).count();
+    let keepalives =
+        |acts: Vec<PrefillAction>| acts.iter().filter(|a| matches!(a, PrefillAction::ToDecode { msg: Message::KvKeepalive, .. })).count();
     assert_eq!(keepalives(p.handle(PrefillEvent::Tick { now_ms: KEEPALIVE_MS - 1 })), 0);
     assert_eq!(keepalives(p.handle(PrefillEvent::Tick { now_ms: KEEPALIVE_MS })), 1);
     assert_eq!(keepalives(p.handle(PrefillEvent::Tick { now_ms: 2 * KEEPALIVE_MS - 1 })), 0);

@@ -60,7 +60,8 @@ const RELIST_EVERY: Duration = Duration::from_secs(1);
 const SEND_TIMEOUT: Duration = Duration::from_millis(1);
 
 /// Help text of `bulkhead:narrowed_layers_total`, which both workers report.
-pub const NARROWED_HELP: &str = "Layers the forward pass ran on one compute thread while the other worker on this host had work (core budget, split mode).";
+pub const NARROWED_HELP: &str =
+    "Layers the forward pass ran on one compute thread while the other worker on this host had work (core budget, split mode).";
 
 /// How the workers on one host share its cores while both have work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -99,7 +100,9 @@ pub fn joined<T>(b: &CoreBudget, role: &str, r: Result<T, BudgetError>) -> Optio
         Ok(t) => {
             let dir = b.dir.display();
             match b.mode {
-                ShareMode::Split => tracing::info!(role, %dir, "core budget split: each worker runs on one thread while the other has work"),
+                ShareMode::Split => {
+                    tracing::info!(role, %dir, "core budget split: each worker runs on one thread while the other has work")
+                }
                 ShareMode::Pause => {
                     let interval_ms = b.decode_interval.as_millis() as u64;
                     tracing::info!(role, %dir, interval_ms, "core budget pause: prefill pauses during decode steps, which keep the interval while prefill has work");
@@ -317,7 +320,8 @@ impl CoreShare for Gate {
         }
         let now = Instant::now();
         let s = lock(&self.0.state);
-        let stepping = s.holds.values().any(|at| now.duration_since(*at) < MAX_HOLD) || s.decode_seen.is_some_and(|at| now.duration_since(at) < DECODE_LAPSE);
+        let stepping = s.holds.values().any(|at| now.duration_since(*at) < MAX_HOLD)
+            || s.decode_seen.is_some_and(|at| now.duration_since(at) < DECODE_LAPSE);
         drop(s);
         if stepping {
             self.0.narrowed.fetch_add(1, Ordering::Relaxed);

@@ -16,24 +16,24 @@
 
 use std::collections::BTreeMap;
 use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{sync_channel, RecvTimeoutError, SyncSender};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{RecvTimeoutError, SyncSender, sync_channel};
 use std::time::{Duration, Instant};
 
+use crate::core_budget::{self, DecodeBudget, DecodeShare};
+use crate::kv_transport::KvTransport;
+use crate::trust::Trust;
 use bulkhead_engine::{Engine, EngineConfig};
 use bulkhead_kv::{KvPool, RequestId};
 use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeLink};
-use crate::core_budget::{self, DecodeBudget, DecodeShare};
-use crate::kv_transport::KvTransport;
-use crate::trust::Trust;
 use bulkhead_protocol::{Hello, Message, Purpose, Role, WorkerId};
 use tracing::Span;
 
 use crate::metrics::{self, Families, Pusher};
-use crate::wire::{accept_handshake, count_auth_refusal, count_bad_connection, FrameReader, FrameWriter, WireError};
-use crate::worker::{load, register, request_span, WorkerConfig, WorkerError, INBOX};
+use crate::wire::{FrameReader, FrameWriter, WireError, accept_handshake, count_auth_refusal, count_bad_connection};
+use crate::worker::{INBOX, WorkerConfig, WorkerError, load, register, request_span};
 
 /// KV connections served at once; more are closed at once (and counted).
 pub const MAX_KV_CONNECTIONS: usize = 256;
@@ -79,7 +79,8 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     let role = DecodeRole::new(DecodeConfig { max_context: context, transfer_timeout_ms: cfg.transfer_timeout_ms });
     let mut driver = DecodeDriver::new(role, engine);
     let share = budget.as_ref().map(DecodeBudget::core_share);
-    let mut link = Link { gw, gw_error: None, prefills: BTreeMap::new(), spans: BTreeMap::new(), received_bytes: 0, pusher: Pusher::new(), share };
+    let mut link =
+        Link { gw, gw_error: None, prefills: BTreeMap::new(), spans: BTreeMap::new(), received_bytes: 0, pusher: Pusher::new(), share };
     let start = Instant::now();
     let mut last_tick = 0;
     loop {
@@ -205,7 +206,9 @@ impl DecodeLink for Link {
         let span = self.span(msg.req());
         let _in_span = span.enter();
         match &msg {
-            Message::Failed { detail, .. } | Message::Rejected { detail, .. } => tracing::warn!(%detail, "request ended by the decode worker"),
+            Message::Failed { detail, .. } | Message::Rejected { detail, .. } => {
+                tracing::warn!(%detail, "request ended by the decode worker")
+            }
             Message::Finished { prompt_tokens, completion_tokens, finish, .. } => {
                 tracing::info!(prompt_tokens, completion_tokens, finish = finish.as_str(), "decode finished");
             }
@@ -279,7 +282,8 @@ fn serve_prefill(stream: TcpStream, tx: &SyncSender<In>, trust: &Trust, transpor
             let claim = auth.claim;
             let total = count_auth_refusal();
             tracing::warn!(%peer, claimed = claim, named = %prefill, auth_refusals = total, "KV connection authenticated as one prefill worker names another; closed");
-            let _ = writer.send(&Message::AuthRefused { reason: format!("this connection authenticated as worker-{claim}, not {prefill}") });
+            let _ =
+                writer.send(&Message::AuthRefused { reason: format!("this connection authenticated as worker-{claim}, not {prefill}") });
             return;
         }
         Ok((_, other)) => {

@@ -6,28 +6,29 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bulkhead_api::{ApiError, Backend, GenEvent, GenerationRequest, ModelCard};
 
 use bulkhead_api::{PromptEncoder, Tenants};
-use bulkhead_protocol::cache::{CacheScope, CacheSecret};
 use bulkhead_kv::RequestId;
-use bulkhead_protocol::admission::{admit, default_max_tokens, Generate};
-use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, RegisterError, TenantId};
+use bulkhead_protocol::admission::{Generate, admit, default_max_tokens};
 use bulkhead_protocol::auth::Server;
+use bulkhead_protocol::cache::{CacheScope, CacheSecret};
+use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, RegisterError, TenantId};
 use bulkhead_protocol::{
-    FailReason, FrameDecoder, FrameEncoder, Hello, Purpose, Message, MetricFamily, RejectReason, Role, Sampling, TraceContext, WorkerId, DEFAULT_MAX_FRAME,
+    DEFAULT_MAX_FRAME, FailReason, FrameDecoder, FrameEncoder, Hello, Message, MetricFamily, Purpose, RejectReason, Role, Sampling,
+    TraceContext, WorkerId,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::http::HttpLimits;
-use crate::trust::Trust;
 use crate::metrics::{self, Families, RequestMetrics};
+use crate::trust::Trust;
 
 /// Settings of the gateway.
 #[derive(Clone, Debug)]
@@ -91,12 +92,25 @@ enum Cmd {
         arrived: Instant,
         events: mpsc::Sender<GenEvent>,
     },
-    Register { hello: Hello, writer: mpsc::Sender<Message>, reply: oneshot::Sender<Result<WorkerId, RegisterError>> },
-    Worker { from: WorkerId, msg: Message },
-    Left { id: WorkerId },
-    Tick { now_ms: u64 },
+    Register {
+        hello: Hello,
+        writer: mpsc::Sender<Message>,
+        reply: oneshot::Sender<Result<WorkerId, RegisterError>>,
+    },
+    Worker {
+        from: WorkerId,
+        msg: Message,
+    },
+    Left {
+        id: WorkerId,
+    },
+    Tick {
+        now_ms: u64,
+    },
     /// Render `/metrics`.
-    Metrics { reply: oneshot::Sender<String> },
+    Metrics {
+        reply: oneshot::Sender<String>,
+    },
 }
 
 /// Commands that may wait for the actor. Beyond this, HTTP requests get 429 with
@@ -243,7 +257,12 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
     };
     let (cmds, inbox) = mpsc::channel(ACTOR_INBOX);
     let shared = Arc::new(Shared {
-        card: ModelCard { id: opts.model_id.clone(), max_model_len: config.context_length, created: unix_now(), owned_by: "bulkhead".into() },
+        card: ModelCard {
+            id: opts.model_id.clone(),
+            max_model_len: config.context_length,
+            created: unix_now(),
+            owned_by: "bulkhead".into(),
+        },
         max_context: AtomicUsize::new(config.context_length),
         ready: AtomicBool::new(false),
         failed: AtomicBool::new(false),
@@ -463,11 +482,22 @@ impl Actor {
         f.gauge("bulkhead:num_requests_running", "Requests generating tokens.", &[], running as f64);
         let help = "Requests admitted and not generating yet (queued, reserving KV, queued for or in prefill).";
         f.gauge("bulkhead:num_requests_waiting", help, &[], (self.clients.len() - running) as f64);
-        f.gauge("bulkhead:num_requests_queued", "Requests waiting at the gateway for KV capacity or workers.", &[], self.role.queued() as f64);
+        f.gauge(
+            "bulkhead:num_requests_queued",
+            "Requests waiting at the gateway for KV capacity or workers.",
+            &[],
+            self.role.queued() as f64,
+        );
         let oldest = self.role.queue_waits_ms().max().unwrap_or(0) as f64 / 1000.0;
         f.gauge("bulkhead:queue_wait_seconds_max", "How long the longest-waiting queued request has waited.", &[], oldest);
         let g = self.role.stats();
-        let queue = [("queue_full", g.queue_full), ("queue_timeout", g.queue_timeouts), ("requeued_capacity", g.requeued_capacity), ("retracted", g.retracted), ("retried", g.retried)];
+        let queue = [
+            ("queue_full", g.queue_full),
+            ("queue_timeout", g.queue_timeouts),
+            ("requeued_capacity", g.requeued_capacity),
+            ("retracted", g.retracted),
+            ("retried", g.retried),
+        ];
         for (event, n) in queue {
             f.counter("bulkhead:requeue_events_total", "Requests turned away from the queue, or sent back to it.", &[("event", event)], n);
         }
@@ -531,11 +561,15 @@ impl Actor {
             })),
             ClientOutput::Failed { reason, detail } => {
                 let (label, e) = match reason {
-                    FailReason::WorkerLost => ("worker_lost", ApiError::overloaded(format!("a worker serving this request went away: {detail}")).with_code("worker_lost")),
+                    FailReason::WorkerLost => (
+                        "worker_lost",
+                        ApiError::overloaded(format!("a worker serving this request went away: {detail}")).with_code("worker_lost"),
+                    ),
                     FailReason::Timeout => ("timeout", ApiError::internal(format!("the request timed out: {detail}")).with_code("timeout")),
-                    FailReason::TransferRefused => {
-                        ("transfer_refused", ApiError::internal(format!("KV transfer failed verification: {detail}")).with_code("transfer_refused"))
-                    }
+                    FailReason::TransferRefused => (
+                        "transfer_refused",
+                        ApiError::internal(format!("KV transfer failed verification: {detail}")).with_code("transfer_refused"),
+                    ),
                     FailReason::Internal => ("internal", ApiError::internal(detail)),
                 };
                 self.requests.failed(label);

@@ -9,7 +9,7 @@ use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
-use tokio::sync::{oneshot, watch, Semaphore};
+use tokio::sync::{Semaphore, oneshot, watch};
 
 /// Limits on client connections.
 #[derive(Clone, Copy, Debug)]

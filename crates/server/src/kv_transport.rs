@@ -124,7 +124,8 @@ impl KvTransport {
     }
 
     fn offer(self, authenticated: bool, r: &mut FrameReader, w: &mut FrameWriter) -> Result<Chosen, WireError> {
-        let receiver = self.allowed(authenticated).and_then(|()| bulkhead_ucx::Receiver::new(self.transports(), peer(w)).map_err(|e| e.to_string()));
+        let receiver =
+            self.allowed(authenticated).and_then(|()| bulkhead_ucx::Receiver::new(self.transports(), peer(w)).map_err(|e| e.to_string()));
         let address = receiver.as_ref().map(|rx| rx.address().to_vec()).unwrap_or_default();
         w.send(&Message::KvUcxAddress { address })?;
         let mut rx = match receiver {
@@ -157,7 +158,9 @@ impl KvTransport {
         if address.is_empty() {
             return self.fall_back("the decode worker offers TCP only".into());
         }
-        let sender = self.allowed(authenticated).and_then(|()| bulkhead_ucx::Sender::connect(&address, self.transports(), peer(w)).map_err(|e| e.to_string()));
+        let sender = self
+            .allowed(authenticated)
+            .and_then(|()| bulkhead_ucx::Sender::connect(&address, self.transports(), peer(w)).map_err(|e| e.to_string()));
         w.send(&Message::KvUcxUse { address: sender.as_ref().map(|tx| tx.address().to_vec()).unwrap_or_default() })?;
         match sender {
             Ok(tx) => {

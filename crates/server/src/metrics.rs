@@ -34,15 +34,14 @@ pub const PUSH_INTERVAL: Duration = Duration::from_millis(500);
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// Time to first token buckets (seconds), vLLM's.
-pub const TTFT_BUCKETS: &[f64] = &[
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-];
+pub const TTFT_BUCKETS: &[f64] =
+    &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0];
 /// Inter-token latency buckets (seconds), vLLM's.
-pub const ITL_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
+pub const ITL_BUCKETS: &[f64] =
+    &[0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
 /// End-to-end request latency buckets (seconds), vLLM's.
-pub const E2E_BUCKETS: &[f64] = &[
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
-];
+pub const E2E_BUCKETS: &[f64] =
+    &[0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0];
 /// KV transfer batch send time buckets (seconds).
 pub const TRANSFER_BUCKETS: &[f64] = &[0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0];
 
@@ -154,7 +153,12 @@ impl Families {
     /// and handshakes it refused.
     pub fn refused_connections(&mut self, labels: &[(&str, &str)]) {
         use std::sync::atomic::Ordering::Relaxed;
-        self.counter("bulkhead:bad_connections_total", "Connections closed for bad bytes.", labels, crate::wire::BAD_CONNECTIONS.load(Relaxed));
+        self.counter(
+            "bulkhead:bad_connections_total",
+            "Connections closed for bad bytes.",
+            labels,
+            crate::wire::BAD_CONNECTIONS.load(Relaxed),
+        );
         let help = "Internal connections refused by the cluster handshake: no key, a wrong key, or an identity that does not match.";
         self.counter("bulkhead:auth_refusals_total", help, labels, crate::wire::AUTH_REFUSALS.load(Relaxed));
     }
@@ -170,7 +174,12 @@ pub fn pool_families(s: &PoolStats, f: &mut Families) {
     // Cached pages are reclaimable (evicted on demand), so they count as free here.
     let used = s.leased_pages + s.quarantined_pages;
     let usage = if s.total_pages == 0 { 0.0 } else { used as f64 / s.total_pages as f64 };
-    f.gauge("bulkhead:kv_cache_usage_perc", "Fraction of KV pages leased or quarantined, 0 to 1 (prefix-cache pages count as free: they are evicted on demand).", &[], usage);
+    f.gauge(
+        "bulkhead:kv_cache_usage_perc",
+        "Fraction of KV pages leased or quarantined, 0 to 1 (prefix-cache pages count as free: they are evicted on demand).",
+        &[],
+        usage,
+    );
     f.gauge("bulkhead:kv_pool_pages", "KV pages in the pool.", &[], s.total_pages as f64);
     f.gauge("bulkhead:kv_free_pages", "KV pages free.", &[], s.free_pages as f64);
     f.gauge("bulkhead:kv_leased_pages", "KV pages leased to a request.", &[], s.leased_pages as f64);
@@ -196,7 +205,12 @@ pub fn pool_families(s: &PoolStats, f: &mut Families) {
 /// A prefill worker's prefix cache (vLLM's names: queries and hits count prompt tokens).
 pub fn prefix_cache_families(s: &CacheStats, pages: usize, max_pages: usize, f: &mut Families) {
     f.counter("bulkhead:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", &[], s.query_tokens);
-    f.counter("bulkhead:prefix_cache_hits_total", "Prompt tokens found in the prefix cache (same tenant and salt) and not computed.", &[], s.hit_tokens);
+    f.counter(
+        "bulkhead:prefix_cache_hits_total",
+        "Prompt tokens found in the prefix cache (same tenant and salt) and not computed.",
+        &[],
+        s.hit_tokens,
+    );
     f.gauge("bulkhead:prefix_cache_pages", "Pages in the prefix cache.", &[], pages as f64);
     f.gauge("bulkhead:prefix_cache_max_pages", "Most pages the prefix cache keeps.", &[], max_pages as f64);
     f.counter("bulkhead:prefix_cache_stored_pages_total", "Pages published to the prefix cache.", &[], s.stored_pages);
@@ -212,9 +226,19 @@ pub fn decode_families(s: &DecodeStats, checksums: bool, f: &mut Families) {
     let checksummed = if checksums { s.chunks_verified + s.checksum_failed } else { 0 };
     f.check("checksum", checksummed, Some(s.checksum_failed));
     f.check("coverage", s.coverage_verified + s.coverage_failed, Some(s.coverage_failed));
-    f.counter("bulkhead:fenced_releases_total", "Quarantined KV pages released because their writer was fenced (I4).", &[], s.fenced_releases);
+    f.counter(
+        "bulkhead:fenced_releases_total",
+        "Quarantined KV pages released because their writer was fenced (I4).",
+        &[],
+        s.fenced_releases,
+    );
     f.counter("bulkhead:late_chunks_total", "KV chunks for requests no longer receiving, dropped unread.", &[], s.late_chunks);
-    f.counter("bulkhead:kv_transfer_timeouts_total", "KV transfers that stalled: no chunk within the transfer timeout of the previous one.", &[], s.timeouts);
+    f.counter(
+        "bulkhead:kv_transfer_timeouts_total",
+        "KV transfers that stalled: no chunk within the transfer timeout of the previous one.",
+        &[],
+        s.timeouts,
+    );
     f.counter("bulkhead:kv_reservations_total", "KV reservations granted to requests.", &[], s.reserved);
     f.rejected("decode", "context_length", s.rejected_context);
     f.rejected("decode", "capacity", s.rejected_capacity);
@@ -356,12 +380,15 @@ impl RequestMetrics {
 
 fn valid_name(s: &str) -> bool {
     let mut b = s.bytes();
-    b.next().is_some_and(|c| c.is_ascii_alphabetic() || c == b'_' || c == b':') && b.all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b':')
+    b.next().is_some_and(|c| c.is_ascii_alphabetic() || c == b'_' || c == b':')
+        && b.all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b':')
 }
 
 fn valid_label(s: &str) -> bool {
     let mut b = s.bytes();
-    !s.starts_with("__") && b.next().is_some_and(|c| c.is_ascii_alphabetic() || c == b'_') && b.all(|c| c.is_ascii_alphanumeric() || c == b'_')
+    !s.starts_with("__")
+        && b.next().is_some_and(|c| c.is_ascii_alphabetic() || c == b'_')
+        && b.all(|c| c.is_ascii_alphanumeric() || c == b'_')
 }
 
 /// A sample value as the text format writes it.
@@ -505,15 +532,24 @@ x_seconds_count{k=\"v\"} 4
 
     #[test]
     fn what_a_worker_sends_cannot_break_the_exposition() {
-        let fam = |name: &str, kind, samples: Vec<MetricSample>| MetricFamily { name: name.into(), help: "line\nbreak \\ here".into(), kind, samples };
+        let fam = |name: &str, kind, samples: Vec<MetricSample>| MetricFamily {
+            name: name.into(),
+            help: "line\nbreak \\ here".into(),
+            kind,
+            samples,
+        };
         let sample = |name: &str, l: &[(&str, &str)], value| MetricSample { name: name.into(), labels: labels(l), value };
         let sent = [
             fam("bad name", MetricKind::Counter, vec![sample("bad name", &[], 1.0)]),
-            fam("ok_total", MetricKind::Counter, vec![
-                sample("ok_total", &[("v", "a\"b\\c\nd"), ("0bad", "x"), ("__reserved", "x"), ("worker", "spoofed")], f64::NAN),
-                sample("other_total", &[], 1.0),
-                sample("ok_total_bucket", &[], 1.0),
-            ]),
+            fam(
+                "ok_total",
+                MetricKind::Counter,
+                vec![
+                    sample("ok_total", &[("v", "a\"b\\c\nd"), ("0bad", "x"), ("__reserved", "x"), ("worker", "spoofed")], f64::NAN),
+                    sample("other_total", &[], 1.0),
+                    sample("ok_total_bucket", &[], 1.0),
+                ],
+            ),
             // Same name, another type: left out.
             fam("ok_total", MetricKind::Gauge, vec![sample("ok_total", &[], 2.0)]),
             fam("g", MetricKind::Gauge, vec![sample("g", &[], f64::INFINITY), sample("g", &[], f64::NEG_INFINITY)]),
@@ -534,7 +570,16 @@ ok_total{worker=\"prefill-0\",v=\"a\\\"b\\\\c\\nd\"} NaN
 
     #[test]
     fn pool_usage_counts_quarantined_pages_and_every_access_is_a_lease_check() {
-        let s = PoolStats { total_pages: 8, free_pages: 2, leased_pages: 5, quarantined_pages: 1, reads: 3, writes: 4, refusals: 1, ..Default::default() };
+        let s = PoolStats {
+            total_pages: 8,
+            free_pages: 2,
+            leased_pages: 5,
+            quarantined_pages: 1,
+            reads: 3,
+            writes: 4,
+            refusals: 1,
+            ..Default::default()
+        };
         let mut f = Families::new();
         pool_families(&s, &mut f);
         let text = render([(&[][..], &f.into_vec()[..])]);

@@ -13,23 +13,23 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::TcpStream;
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::Arc;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, sync_channel};
 use std::time::{Duration, Instant};
 
+use crate::core_budget::{self, PrefillBudget};
+use crate::kv_transport::KvTransport;
+use crate::trust::Trust;
 use bulkhead_engine::Prefiller;
 use bulkhead_kv::transfer::ChunkExport;
 use bulkhead_kv::{KvPool, PrefixCache, RequestId};
 use bulkhead_protocol::driver::prefill::{Batching, ChunkSendError, LinkDown, PrefillDriver, PrefillLink, Step};
 use bulkhead_protocol::prefill::{JobOutcome, PrefillConfig, PrefillEvent, PrefillRole};
-use crate::core_budget::{self, PrefillBudget};
-use crate::kv_transport::KvTransport;
-use crate::trust::Trust;
 use bulkhead_protocol::{Hello, Message, Purpose, Role, WorkerId};
 
 use crate::metrics::{self, Families, Histogram, Pusher};
-use crate::wire::{connect_handshake, spawn_reader, ChunkWriteError, FrameReader, FrameWriter, WireError};
-use crate::worker::{load, register, request_span, WorkerConfig, WorkerError, INBOX};
+use crate::wire::{ChunkWriteError, FrameReader, FrameWriter, WireError, connect_handshake, spawn_reader};
+use crate::worker::{INBOX, WorkerConfig, WorkerError, load, register, request_span};
 
 enum In {
     Gateway(Message),
@@ -198,7 +198,11 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     let cache_pages = cfg.prefix_cache_pages.min(pool.total_pages());
     if cache_pages > 0 {
         let tokens = cache_pages * pool.layout().page_size;
-        tracing::info!(pages = cache_pages, tokens, "prefix cache on: full prompt pages are shared within one tenant and salt, evicted least recently used");
+        tracing::info!(
+            pages = cache_pages,
+            tokens,
+            "prefix cache on: full prompt pages are shared within one tenant and salt, evicted least recently used"
+        );
     } else {
         tracing::info!("prefix cache off");
     }
@@ -244,7 +248,19 @@ fn incarnation(
     let chunk_tokens = cfg.transfer_batch_pages.max(1) * page_size;
     let batching = Batching { chunk_tokens, step_tokens: cfg.max_prefill_tokens };
     let trust = cfg.trust.clone();
-    let link = Link { me, gw, gw_error: None, decodes: BTreeMap::new(), trust, transport: cfg.kv_transport, inbox, events: Vec::new(), sent_bytes: 0, sending: None, rejoin: false };
+    let link = Link {
+        me,
+        gw,
+        gw_error: None,
+        decodes: BTreeMap::new(),
+        trust,
+        transport: cfg.kv_transport,
+        inbox,
+        events: Vec::new(),
+        sent_bytes: 0,
+        sending: None,
+        rejoin: false,
+    };
     let driver = PrefillDriver::new(role, batching);
     let mut w = Worker {
         driver: match cache {

@@ -96,7 +96,9 @@ impl Trust {
             (Some(_), _, Encryption::Auto) => {
                 "cluster key: mutual authentication and a tag on every internal frame; frames between hosts are encrypted (AES-256-GCM), frames over loopback are not (each connection's log line says which)"
             }
-            (Some(_), _, Encryption::On) => "cluster key: mutual authentication; every internal frame is encrypted and authenticated (AES-256-GCM)",
+            (Some(_), _, Encryption::On) => {
+                "cluster key: mutual authentication; every internal frame is encrypted and authenticated (AES-256-GCM)"
+            }
             (Some(_), _, Encryption::Off) => {
                 "cluster key: mutual authentication and a MAC on every internal frame; this side does not ask for encryption (--cluster-encryption off), so frames travel in the clear unless the peer asks"
             }

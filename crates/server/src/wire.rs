@@ -12,7 +12,7 @@ use bulkhead_kv::{KvError, RequestId};
 use bulkhead_protocol::auth::{AuthError, Client, ClusterKey, Server, Session};
 
 use crate::trust::Trust;
-use bulkhead_protocol::{CodecError, FrameDecoder, FrameEncoder, Message, Purpose, DEFAULT_MAX_FRAME};
+use bulkhead_protocol::{CodecError, DEFAULT_MAX_FRAME, FrameDecoder, FrameEncoder, Message, Purpose};
 
 /// Connections closed for bad bytes (garbage, oversize or unknown frames, a wrong first
 /// message), in this process; logged with each closure and exported as
@@ -244,7 +244,13 @@ pub struct Authenticated {
 
 /// The connecting side of an internal connection: with a key, run the handshake for
 /// `purpose` claiming `claim`, and seal both directions; without one, nothing (`None`).
-pub fn connect_handshake(r: &mut FrameReader, w: &mut FrameWriter, trust: &Trust, purpose: Purpose, claim: u32) -> Result<Option<Authenticated>, WireError> {
+pub fn connect_handshake(
+    r: &mut FrameReader,
+    w: &mut FrameWriter,
+    trust: &Trust,
+    purpose: Purpose,
+    claim: u32,
+) -> Result<Option<Authenticated>, WireError> {
     let Some(key) = trust.key.as_deref() else { return Ok(None) };
     let nonce = crate::trust::random().map_err(std::io::Error::other)?;
     let (client, hello) = Client::start(key, purpose, claim, trust.wants_encryption(w.peer_ip()), nonce);
@@ -265,7 +271,13 @@ pub fn connect_handshake(r: &mut FrameReader, w: &mut FrameWriter, trust: &Trust
 /// key, run the handshake and seal both directions, returning what the peer proved;
 /// without one, `first` must not be a handshake (`None`). A refusal is sent to the peer
 /// (so it can say why it failed), counted and returned.
-pub fn accept_handshake(first: Message, r: &mut FrameReader, w: &mut FrameWriter, trust: &Trust, purpose: Purpose) -> Result<Option<Authenticated>, WireError> {
+pub fn accept_handshake(
+    first: Message,
+    r: &mut FrameReader,
+    w: &mut FrameWriter,
+    trust: &Trust,
+    purpose: Purpose,
+) -> Result<Option<Authenticated>, WireError> {
     let result = match (trust.key.as_deref(), first) {
         (None, Message::AuthHello { .. }) => Err(AuthError::Refused(NO_KEY_HERE.into()).into()),
         (None, _) => return Ok(None),
@@ -280,7 +292,14 @@ pub fn accept_handshake(first: Message, r: &mut FrameReader, w: &mut FrameWriter
 /// What a process without a key tells a peer that opens a handshake.
 pub const NO_KEY_HERE: &str = "this cluster runs without a key; start the peer without --cluster-key-file";
 
-fn accept_with(key: &ClusterKey, encrypt: bool, first: Message, r: &mut FrameReader, w: &mut FrameWriter, purpose: Purpose) -> Result<Authenticated, WireError> {
+fn accept_with(
+    key: &ClusterKey,
+    encrypt: bool,
+    first: Message,
+    r: &mut FrameReader,
+    w: &mut FrameWriter,
+    purpose: Purpose,
+) -> Result<Authenticated, WireError> {
     let nonce = crate::trust::random().map_err(std::io::Error::other)?;
     let (server, challenge) = Server::start(key, purpose, first, encrypt, nonce)?;
     w.send(&challenge)?;
@@ -294,4 +313,3 @@ fn seal(r: &mut FrameReader, w: &mut FrameWriter, s: Session) -> Authenticated {
     w.seal_with(s.send);
     done
 }
-

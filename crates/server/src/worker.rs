@@ -5,13 +5,13 @@ use std::net::TcpStream;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use bulkhead_engine::LoadedModel;
-use bulkhead_kv::{KvPool, KvChecks, PoolConfig};
 use bulkhead_api::trace::TraceId;
+use bulkhead_engine::LoadedModel;
+use bulkhead_kv::{KvChecks, KvPool, PoolConfig};
 use bulkhead_protocol::{Hello, Message, Purpose, TraceContext, WorkerId};
 
 use crate::trust::Trust;
-use crate::wire::{connect_handshake, FrameReader, FrameWriter, WireError};
+use crate::wire::{FrameReader, FrameWriter, WireError, connect_handshake};
 
 /// Messages a worker's connection readers may queue for its main thread before they
 /// block: a bound on its memory (frames are at most 16 MiB, KV chunks of the default model
@@ -111,11 +111,7 @@ pub fn active_checks(c: KvChecks) -> String {
     for (enabled, name) in optional {
         if enabled { on.push(name) } else { off.push(name) }
     }
-    if off.is_empty() {
-        format!("on: {}", on.join(", "))
-    } else {
-        format!("on: {}; OFF: {}", on.join(", "), off.join(", "))
-    }
+    if off.is_empty() { format!("on: {}", on.join(", ")) } else { format!("on: {}; OFF: {}", on.join(", "), off.join(", ")) }
 }
 
 /// A loaded worker: model, pool, advertised context.

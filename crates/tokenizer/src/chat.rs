@@ -5,11 +5,11 @@
 //! `bos_token`, `eos_token` plus the function `raise_exception(message)`.
 
 use bulkhead_gguf::{GgufFile, Value as GgufValue};
-use minijinja::{context, Environment, ErrorKind};
+use minijinja::{Environment, ErrorKind, context};
 use serde::{Deserialize, Serialize};
 
-use crate::error::{optional, required};
 use crate::TokenizerError;
+use crate::error::{optional, required};
 
 const KEY_TEMPLATE: &str = "tokenizer.chat_template";
 const KEY_TOKENS: &str = "tokenizer.ggml.tokens";
@@ -84,10 +84,7 @@ impl ChatTemplate {
             let tokens = required(KEY_TOKENS, gguf.get_array(KEY_TOKENS))?;
             match usize::try_from(id).ok().and_then(|i| tokens.get(i)) {
                 Some(GgufValue::String(s)) => Ok(s.clone()),
-                _ => Err(TokenizerError::InvalidValue {
-                    key,
-                    why: format!("token id {id} is not a string entry of `{KEY_TOKENS}`"),
-                }),
+                _ => Err(TokenizerError::InvalidValue { key, why: format!("token id {id} is not a string entry of `{KEY_TOKENS}`") }),
             }
         };
         let (bos, eos) = (token_text(KEY_BOS)?, token_text(KEY_EOS)?);
@@ -126,7 +123,12 @@ impl ChatTemplate {
     /// [`ChatTemplate::render`] with the request's tools (OpenAI's `tools` entries) in the
     /// template's `tools` variable (left undefined when there are none, as Hugging Face's
     /// renderer does).
-    pub fn render_with_tools(&self, messages: &[ChatMessage], add_generation_prompt: bool, tools: &[serde_json::Value]) -> Result<String, TokenizerError> {
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        tools: &[serde_json::Value],
+    ) -> Result<String, TokenizerError> {
         let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(TokenizerError::TemplateRender)?;
         let tools = (!tools.is_empty()).then_some(tools);
         let ctx = context! {

@@ -48,9 +48,10 @@ pub(crate) fn spec_for(pre: Option<&str>) -> Result<PreSpec, TokenizerError> {
         "starcoder" | "refact" | "command-r" | "smollm" | "codeshell" | "exaone" | "minerva-7b" | "minerva" => {
             plain(&[DIGIT_REGEX, GPT2_REGEX])
         }
-        "gpt-2" | "gpt2" | "phi-2" | "jina-es" | "jina-de" | "gigachat" | "jina-v1-en" | "jina-v2-es" | "jina-v2-de"
-        | "jina-v2-code" | "roberta-bpe" | "a.x-4.0" | "mellum" | "mpt" | "olmo" | "jais" | "trillion"
-        | "granite-docling" | "exaone4" => plain(&[GPT2_REGEX]),
+        "gpt-2" | "gpt2" | "phi-2" | "jina-es" | "jina-de" | "gigachat" | "jina-v1-en" | "jina-v2-es" | "jina-v2-de" | "jina-v2-code"
+        | "roberta-bpe" | "a.x-4.0" | "mellum" | "mpt" | "olmo" | "jais" | "trillion" | "granite-docling" | "exaone4" => {
+            plain(&[GPT2_REGEX])
+        }
         "qwen2" | "deepseek-r1-qwen" | "kormo" | "megrez" | "stablelm2" | "hunyuan" => plain(&[QWEN2_REGEX]),
         other => return Err(TokenizerError::UnknownPre { value: other.to_string() }),
     };

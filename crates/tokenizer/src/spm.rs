@@ -13,9 +13,9 @@ use std::collections::BinaryHeap;
 
 use bulkhead_gguf::{GgufFile, Value};
 
+use crate::TokenizerError;
 use crate::error::{optional, required};
 use crate::tokenizer::Tokenizer;
-use crate::TokenizerError;
 
 const KEY_SCORES: &str = "tokenizer.ggml.scores";
 const KEY_SPACE_PREFIX: &str = "tokenizer.ggml.add_space_prefix";

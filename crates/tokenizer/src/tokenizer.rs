@@ -23,10 +23,10 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use bulkhead_gguf::GgufFile;
 
+use crate::TokenizerError;
 use crate::bytelevel::ByteLevel;
 use crate::error::{optional, required};
 use crate::pretok::{self, PreTokenizer};
-use crate::TokenizerError;
 
 const KEY_MODEL: &str = "tokenizer.ggml.model";
 const KEY_PRE: &str = "tokenizer.ggml.pre";
@@ -83,11 +83,7 @@ const AUTO_SPECIALS: &[AutoSpecial] = &[
         names: &["<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>"],
         eog: false,
     },
-    AutoSpecial {
-        key: "tokenizer.ggml.fim_pad_token_id",
-        names: &["<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>"],
-        eog: true,
-    },
+    AutoSpecial { key: "tokenizer.ggml.fim_pad_token_id", names: &["<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>"], eog: true },
     AutoSpecial {
         key: "tokenizer.ggml.fim_rep_token_id",
         names: &["<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"],
@@ -276,8 +272,7 @@ impl Bpe {
             let Some(sp) = m.as_bytes().iter().skip(1).position(|&b| b == b' ').map(|p| p + 1) else {
                 continue;
             };
-            let rank = u32::try_from(rank)
-                .map_err(|_| TokenizerError::InvalidValue { key: KEY_MERGES, why: "too many merges".into() })?;
+            let rank = u32::try_from(rank).map_err(|_| TokenizerError::InvalidValue { key: KEY_MERGES, why: "too many merges".into() })?;
             let (left, right) = (&m[..sp], &m[sp + 1..]);
             joined.clear();
             joined.push_str(left);
@@ -347,11 +342,8 @@ impl Tokenizer {
             .ok()
             .filter(|&n| n < i32::MAX as u32)
             .ok_or_else(|| TokenizerError::InvalidValue { key: KEY_TOKENS, why: format!("{} tokens is too many", raw_tokens.len()) })?;
-        let texts: Vec<String> = raw_tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| if t.is_empty() { format!("[EMPTY_{i}]") } else { (*t).to_string() })
-            .collect();
+        let texts: Vec<String> =
+            raw_tokens.iter().enumerate().map(|(i, t)| if t.is_empty() { format!("[EMPTY_{i}]") } else { (*t).to_string() }).collect();
         let mut token_to_id = HashMap::with_capacity(texts.len());
         for (id, t) in (0..n_vocab).zip(&texts) {
             if let Some(prev) = token_to_id.insert(t.clone(), id) {
@@ -389,10 +381,7 @@ impl Tokenizer {
             match optional(key, gguf.get_u64(key))? {
                 None => Ok(None),
                 Some(id) if id < u64::from(n_vocab) => Ok(Some(id as u32)),
-                Some(id) => Err(TokenizerError::InvalidValue {
-                    key,
-                    why: format!("token id {id} is outside the vocabulary of {n_vocab}"),
-                }),
+                Some(id) => Err(TokenizerError::InvalidValue { key, why: format!("token id {id} is outside the vocabulary of {n_vocab}") }),
             }
         };
         let in_vocab = |id: Option<u32>| id.filter(|&i| i < n_vocab);
@@ -434,9 +423,8 @@ impl Tokenizer {
         eog.dedup();
         // o200k_harmony: with `<|return|>` and `<|call|>`, `<|end|>` does not end generation.
         let eog_has = |name: &str| eog.iter().any(|&id| texts[id as usize] == name);
-        let harmony_end = (eog_has("<|return|>") && eog_has("<|call|>"))
-            .then(|| eog.iter().position(|&id| texts[id as usize] == "<|end|>"))
-            .flatten();
+        let harmony_end =
+            (eog_has("<|return|>") && eog_has("<|call|>")).then(|| eog.iter().position(|&id| texts[id as usize] == "<|end|>")).flatten();
         if let Some(end) = harmony_end {
             types[eog[end] as usize] = TokenType::UserDefined;
             eog.remove(end);
@@ -464,22 +452,7 @@ impl Tokenizer {
             *slot = token_to_id.get(&format!("<0x{b:02X}>")).copied();
         }
 
-        Ok(Tokenizer {
-            texts,
-            types,
-            token_to_id,
-            bytes,
-            offsets,
-            byte_token,
-            specials,
-            kind,
-            bos,
-            eos,
-            unk,
-            pad,
-            eog,
-            add_bos,
-        })
+        Ok(Tokenizer { texts, types, token_to_id, bytes, offsets, byte_token, specials, kind, bos, eos, unk, pad, eog, add_bos })
     }
 
     /// Encode `text` to token ids. With `parse_special`, control tokens such as `<|im_start|>`
@@ -627,7 +600,6 @@ impl Tokenizer {
         }
     }
 
-
     /// The bytes token `id` stands for: byte-level decoded for ordinary tokens, the literal text
     /// for control, user-defined and unknown tokens. `None` if `id` is not in the vocabulary.
     /// Concatenating these and decoding UTF-8 once a sequence is complete gives streaming output.
@@ -700,7 +672,9 @@ impl Tokenizer {
     /// The token for byte `b` when a piece has no token of its own: `<0xXX>`, else the
     /// byte's own one-character token, else the unknown token (llama.cpp's `byte_to_token`).
     pub(crate) fn byte_fallback(&self, b: u8) -> Option<u32> {
-        self.byte_token[usize::from(b)].or_else(|| char::from_u32(u32::from(b)).filter(|_| b.is_ascii()).and_then(|c| self.token_to_id(c.encode_utf8(&mut [0; 4])))).or(self.unk)
+        self.byte_token[usize::from(b)]
+            .or_else(|| char::from_u32(u32::from(b)).filter(|_| b.is_ascii()).and_then(|c| self.token_to_id(c.encode_utf8(&mut [0; 4]))))
+            .or(self.unk)
     }
 
     /// The vocabulary text of token `id`, as stored in the GGUF.

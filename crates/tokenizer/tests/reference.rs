@@ -53,8 +53,7 @@ fn model() -> &'static Model {
 }
 
 fn tokenizer_cases() -> Vec<TokenizerCase> {
-    let cases: TokenizerCases =
-        serde_json::from_str(include_str!("fixtures/tokenizer_cases.json")).expect("tokenizer_cases.json parses");
+    let cases: TokenizerCases = serde_json::from_str(include_str!("fixtures/tokenizer_cases.json")).expect("tokenizer_cases.json parses");
     cases.cases
 }
 
@@ -102,8 +101,7 @@ struct PreCase {
 
 #[test]
 fn every_pre_tokenizer_matches_llama_cpp_on_recorded_random_text() {
-    let cases: PreCases =
-        serde_json::from_str(include_str!("fixtures/llama_cpp_pre_cases.json")).expect("llama_cpp_pre_cases.json parses");
+    let cases: PreCases = serde_json::from_str(include_str!("fixtures/llama_cpp_pre_cases.json")).expect("llama_cpp_pre_cases.json parses");
     assert_eq!(cases.pre.len(), 6, "smollm, gpt-2, llama-bpe, default, qwen2, falcon");
     for (pre, cases) in &cases.pre {
         let tok = tokenizer_with_pre(pre);

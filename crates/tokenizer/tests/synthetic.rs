@@ -158,10 +158,7 @@ fn raise_exception_in_a_chat_template_is_a_typed_error_with_its_message() {
     )
     .expect("compiles");
     let err = t.render(&[ChatMessage::new("assistant", "hi")], false).expect_err("raises");
-    assert!(
-        matches!(&err, TokenizerError::TemplateRaised { message } if message == "Conversations must start with user"),
-        "{err:?}"
-    );
+    assert!(matches!(&err, TokenizerError::TemplateRaised { message } if message == "Conversations must start with user"), "{err:?}");
     assert_eq!(t.render(&[ChatMessage::new("user", "hi")], false).expect("renders"), "ok");
 }
 

@@ -158,7 +158,11 @@ impl Node {
         // SAFETY: `config` came from ucp_config_read and is released once, after use.
         unsafe { (api.config_release)(config) };
         node.context = context?;
-        let params = ffi::WorkerParams { field_mask: ffi::UCP_WORKER_PARAM_FIELD_THREAD_MODE, thread_mode: ffi::UCS_THREAD_MODE_SERIALIZED, rest: [0; 47] };
+        let params = ffi::WorkerParams {
+            field_mask: ffi::UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+            thread_mode: ffi::UCS_THREAD_MODE_SERIALIZED,
+            rest: [0; 47],
+        };
         // SAFETY: a live context; params valid for the call.
         let s = unsafe { (api.worker_create)(node.context, &params, &mut node.worker) };
         node.check("ucp_worker_create", s)?;
@@ -182,7 +186,11 @@ impl Node {
         if peer == Peer::SameHost && std::env::var_os("UCX_RNDV_THRESH").is_none() {
             modify("RNDV_THRESH", "inf")?;
         }
-        let params = ffi::Params { field_mask: ffi::UCP_PARAM_FIELD_FEATURES, features: ffi::UCP_FEATURE_TAG | ffi::UCP_FEATURE_WAKEUP, rest: [0; 8] };
+        let params = ffi::Params {
+            field_mask: ffi::UCP_PARAM_FIELD_FEATURES,
+            features: ffi::UCP_FEATURE_TAG | ffi::UCP_FEATURE_WAKEUP,
+            rest: [0; 8],
+        };
         let mut context: Handle = std::ptr::null_mut();
         // SAFETY: params and config valid for the call; valid out-pointer.
         let s = unsafe { (self.api.init_version)(MIN_VERSION.0, MIN_VERSION.1, &params, config, &mut context) };
@@ -403,7 +411,9 @@ impl Receiver {
                 buf.resize(len, 0);
                 // SAFETY: `buf` has room for `len` bytes and moves into `complete`, which
                 // gives it back only once UCX is done with the request (or parks it).
-                let p = unsafe { (self.node.api.tag_msg_recv_nbx)(self.node.worker, buf.as_mut_ptr().cast(), len, msg, &ffi::RequestParam::none()) };
+                let p = unsafe {
+                    (self.node.api.tag_msg_recv_nbx)(self.node.worker, buf.as_mut_ptr().cast(), len, msg, &ffi::RequestParam::none())
+                };
                 return self.node.complete(p, buf, watch, timeout).map(Received::Message);
             }
             if let Woke::Watch = self.node.wait(watch, None)? {
@@ -420,7 +430,6 @@ pub struct Sender {
     node: Node,
     address: Vec<u8>,
 }
-
 
 impl Sender {
     /// Connect to the receiver whose [`Receiver::address`] is `address`.

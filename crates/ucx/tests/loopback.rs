@@ -31,7 +31,14 @@ fn message(i: usize) -> Vec<u8> {
 /// returns what it got; the control "connection" is a socket pair. With `back`, it first
 /// opens the endpoint back to the sender whose address arrives there, as the decode worker
 /// does.
-fn receive(n: usize, watch: UnixStream, addr_tx: mpsc::Sender<Vec<u8>>, limit: usize, back: Option<mpsc::Receiver<Vec<u8>>>, peer: Peer) -> Got {
+fn receive(
+    n: usize,
+    watch: UnixStream,
+    addr_tx: mpsc::Sender<Vec<u8>>,
+    limit: usize,
+    back: Option<mpsc::Receiver<Vec<u8>>>,
+    peer: Peer,
+) -> Got {
     std::thread::spawn(move || {
         let mut r = Receiver::new(Transports::Fast, peer).map_err(|e| e.to_string())?;
         addr_tx.send(r.address().to_vec()).map_err(|e| e.to_string())?;
@@ -143,7 +150,8 @@ fn a_send_to_a_receiver_that_went_away_ends() {
     let address = rx.recv().unwrap();
     let (_a, b) = UnixStream::pair().unwrap();
     let t = std::time::Instant::now();
-    let r = Sender::connect(&address, Transports::Fast, Peer::SameHost).and_then(|mut s| s.send(message(5), b.as_raw_fd(), Duration::from_secs(3)).map(drop));
+    let r = Sender::connect(&address, Transports::Fast, Peer::SameHost)
+        .and_then(|mut s| s.send(message(5), b.as_raw_fd(), Duration::from_secs(3)).map(drop));
     assert!(r.is_err(), "a send to nobody cannot succeed");
     assert!(t.elapsed() < Duration::from_secs(15), "it ends within its timeout: {:?}", t.elapsed());
 }
@@ -151,5 +159,8 @@ fn a_send_to_a_receiver_that_went_away_ends() {
 #[test]
 fn garbage_addresses_are_refused_before_ucx_sees_them() {
     assert!(matches!(Sender::connect(&[], Transports::Fast, Peer::SameHost), Err(UcxError::BadAddress(0))));
-    assert!(matches!(Sender::connect(&vec![0; bulkhead_ucx::MAX_ADDRESS + 1], Transports::Fast, Peer::SameHost), Err(UcxError::BadAddress(_))));
+    assert!(matches!(
+        Sender::connect(&vec![0; bulkhead_ucx::MAX_ADDRESS + 1], Transports::Fast, Peer::SameHost),
+        Err(UcxError::BadAddress(_))
+    ));
 }

@@ -15,7 +15,10 @@ pub(super) fn parse(obj: &Map<String, Value>) -> Result<Option<(GrammarSpec, &'s
         None => {}
         Some(Value::String(b)) if matches!(b.as_str(), "auto" | "llguidance" | "guidance") => {}
         Some(Value::String(b)) => {
-            return Err(ApiError::invalid_request("guided_decoding_backend", format!("Unknown guided_decoding_backend '{b}': this server uses llguidance ('auto', 'llguidance' or 'guidance').")));
+            return Err(ApiError::invalid_request(
+                "guided_decoding_backend",
+                format!("Unknown guided_decoding_backend '{b}': this server uses llguidance ('auto', 'llguidance' or 'guidance')."),
+            ));
         }
         Some(v) => return Err(type_error("guided_decoding_backend", "a string", v)),
     }
@@ -65,7 +68,10 @@ fn response_format(v: &Value) -> Result<Option<GrammarSpec>, ApiError> {
             "json_object" => Ok(Some(GrammarSpec::JsonObject)),
             "json_schema" => {
                 let Some(Value::Object(js)) = field(o, "json_schema") else {
-                    return Err(ApiError::invalid_request("response_format.json_schema", "response_format of type 'json_schema' needs a 'json_schema' object."));
+                    return Err(ApiError::invalid_request(
+                        "response_format.json_schema",
+                        "response_format of type 'json_schema' needs a 'json_schema' object.",
+                    ));
                 };
                 if let Some(s) = field(js, "strict")
                     && !s.is_boolean()

@@ -57,7 +57,8 @@ pub struct Sample {
 
 pub fn valid_name(s: &str) -> bool {
     let mut b = s.bytes();
-    b.next().is_some_and(|c| c.is_ascii_alphabetic() || c == b'_' || c == b':') && b.all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b':')
+    b.next().is_some_and(|c| c.is_ascii_alphabetic() || c == b'_' || c == b':')
+        && b.all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b':')
 }
 
 /// `{k="v",…}` with the format's escapes; returns the labels and the rest of the line.
@@ -102,7 +103,9 @@ pub fn parse(text: &str) -> Result<Vec<Sample>, String> {
             let mut parts = c.splitn(3, ' ');
             match (parts.next(), parts.next(), parts.next()) {
                 (Some("HELP"), Some(name), _) if valid_name(name) => {}
-                (Some("TYPE"), Some(name), Some(t)) if valid_name(name) && ["counter", "gauge", "histogram", "summary", "untyped"].contains(&t) => {
+                (Some("TYPE"), Some(name), Some(t))
+                    if valid_name(name) && ["counter", "gauge", "histogram", "summary", "untyped"].contains(&t) =>
+                {
                     if types.insert(name.to_string(), t.to_string()).is_some() {
                         return Err(format!("family {name} declared twice"));
                     }
@@ -135,7 +138,11 @@ pub fn parse(text: &str) -> Result<Vec<Sample>, String> {
 
 /// Sum of the samples named `name` whose labels include `want`.
 pub fn sum(samples: &[Sample], name: &str, want: &[(&str, &str)]) -> f64 {
-    samples.iter().filter(|s| s.name == name && want.iter().all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v))).map(|s| s.value).sum()
+    samples
+        .iter()
+        .filter(|s| s.name == name && want.iter().all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v)))
+        .map(|s| s.value)
+        .sum()
 }
 
 /// Whether every worker's pool is idle: each page free or cached with no reader, nothing

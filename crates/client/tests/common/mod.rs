@@ -120,5 +120,8 @@ pub fn stream(first: Duration, chat: bool, texts: &[&str], usage: serde_json::Va
 /// A whole JSON error answer.
 pub fn error(status: u16, message: &str) -> Script {
     let body = serde_json::json!({"error": {"message": message}}).to_string();
-    vec![(Duration::ZERO, format!("HTTP/1.1 {status} Error\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len()).into_bytes())]
+    vec![(
+        Duration::ZERO,
+        format!("HTTP/1.1 {status} Error\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len()).into_bytes(),
+    )]
 }

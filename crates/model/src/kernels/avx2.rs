@@ -14,7 +14,7 @@ use half::f16;
 
 use super::TILE;
 use crate::kquant::{self, KBlock};
-use crate::quant::{f16_at, Q8Acts, QK};
+use crate::quant::{Q8Acts, QK, f16_at};
 
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
@@ -90,7 +90,11 @@ unsafe fn tile<const N: usize>(ty: GgmlType, w: *const u8, a: ActPtrs, out: &mut
                 for b in 0..nb {
                     let blk = w.add(b * bs);
                     let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(std::ptr::read_unaligned(blk.cast::<u16>())))));
-                    let m = if has_min { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(std::ptr::read_unaligned(blk.add(2).cast::<u16>()))))) } else { 0.0 };
+                    let m = if has_min {
+                        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(std::ptr::read_unaligned(blk.add(2).cast::<u16>())))))
+                    } else {
+                        0.0
+                    };
                     let qh = std::ptr::read_unaligned(blk.add(at).cast::<u32>());
                     let lo = _mm_loadu_si128(blk.add(at + 4).cast());
                     let nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(lo, 4), lo), mask);
@@ -139,7 +143,10 @@ unsafe fn signed_block_dots<const N: usize>(acc: &mut [__m256; N], qx: __m256i, 
 #[inline]
 fn bits_to_bytes(bits: u32) -> __m256i {
     // Byte j takes the byte of `bits` that holds bit j, then keeps that bit alone.
-    let spread = _mm256_shuffle_epi8(_mm256_set1_epi32(bits as i32), _mm256_setr_epi64x(0, 0x0101_0101_0101_0101, 0x0202_0202_0202_0202, 0x0303_0303_0303_0303));
+    let spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(bits as i32),
+        _mm256_setr_epi64x(0, 0x0101_0101_0101_0101, 0x0202_0202_0202_0202, 0x0303_0303_0303_0303),
+    );
     let pick = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
     _mm256_cmpeq_epi8(_mm256_and_si256(spread, pick), pick)
 }
@@ -280,7 +287,10 @@ pub(super) fn dot_q_rows(ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8Acts
     let kq = kquant::is_kquant(ty);
     // These bounds are what `tile` and `ktile` rely on.
     let end = (first + n) * nb;
-    assert!(ty.bytes_for((nb * QK) as u64) == Some(row_bytes as u64) && w.len().is_multiple_of(row_bytes), "weight rows of {row_bytes} bytes for {nb} blocks");
+    assert!(
+        ty.bytes_for((nb * QK) as u64) == Some(row_bytes as u64) && w.len().is_multiple_of(row_bytes),
+        "weight rows of {row_bytes} bytes for {nb} blocks"
+    );
     assert!(out.len() == w.len() / row_bytes * n, "output shape");
     assert!(acts.qs.len() >= end * QK && acts.d.len() >= end && acts.s.len() >= end && acts.sums.len() >= 2 * end, "activations too short");
     for (row, o_row) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(n)) {
@@ -290,9 +300,8 @@ pub(super) fn dot_q_rows(ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8Acts
             let o = &mut o_row[i..i + rows];
             let base = (first + i) * nb;
             // SAFETY: base + rows * nb <= end, within the asserted lengths.
-            let a = unsafe {
-                ActPtrs { qs: acts.qs.as_ptr().add(base * QK), d: acts.d.as_ptr().add(base), s: acts.s.as_ptr().add(base), nb }
-            };
+            let a =
+                unsafe { ActPtrs { qs: acts.qs.as_ptr().add(base * QK), d: acts.d.as_ptr().add(base), s: acts.s.as_ptr().add(base), nb } };
             // SAFETY: base * 2 + 2 * k * nb <= 2 * end, within the asserted group sums.
             let sums = unsafe { acts.sums.as_ptr().add(base * 2) };
             // SAFETY: only reached through an Isa at level Avx2 or Avx512Vnni (detection made it: AVX2, FMA,

@@ -292,7 +292,7 @@ pub fn widen_f16(isa: Isa, src: &[f16], dst: &mut Vec<f32>) {
 pub fn prefetch<T>(data: &[T]) {
     #[cfg(target_arch = "x86_64")]
     {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
         let base = data.as_ptr().cast::<i8>();
         for line in (0..std::mem::size_of_val(data)).step_by(64) {
             // SAFETY: the address lies inside `data`; a prefetch never faults and brings
@@ -342,7 +342,11 @@ mod tests {
                 by_isa.push((isa, got));
             }
             // The AVX-512 weighted sum gives the AVX2 one's bits (same FMA per element).
-            let sums: Vec<_> = by_isa.iter().filter(|(i, _)| i.level() >= IsaLevel::Avx2).map(|(_, g)| g.iter().map(|x| x.1.clone()).collect::<Vec<_>>()).collect();
+            let sums: Vec<_> = by_isa
+                .iter()
+                .filter(|(i, _)| i.level() >= IsaLevel::Avx2)
+                .map(|(_, g)| g.iter().map(|x| x.1.clone()).collect::<Vec<_>>())
+                .collect();
             assert!(sums.windows(2).all(|p| p[0] == p[1]), "{cols} columns: weighted sums differ between SIMD levels");
         }
     }
@@ -367,7 +371,18 @@ mod tests {
     fn quantised_dots_match_a_dequantised_reference_on_every_isa() {
         let mut seed = 0x9E3779B97F4A7C15;
         let cols = 512;
-        let types = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K];
+        let types = [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+            GgmlType::Q8_0,
+            GgmlType::Q2_K,
+            GgmlType::Q3_K,
+            GgmlType::Q4_K,
+            GgmlType::Q5_K,
+            GgmlType::Q6_K,
+        ];
         for ty in types {
             let w: Vec<f32> = (0..cols).map(|_| rng(&mut seed)).collect();
             let wq = quantize_row(ty, &w);
@@ -427,7 +442,8 @@ mod tests {
         let cols = 128;
         for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0] {
             for rows in [1, 5, 8, 13, 24] {
-                let mut w: Vec<u8> = (0..rows).flat_map(|_| quantize_row(ty, &(0..cols).map(|_| rng(&mut seed)).collect::<Vec<_>>())).collect();
+                let mut w: Vec<u8> =
+                    (0..rows).flat_map(|_| quantize_row(ty, &(0..cols).map(|_| rng(&mut seed)).collect::<Vec<_>>())).collect();
                 let row_bytes = w.len() / rows;
                 if ty == GgmlType::Q8_0 {
                     w[2] = 0x80; // -128 is a valid Q8_0 weight the quantiser never writes
@@ -477,7 +493,10 @@ mod tests {
                 if glibc_fma {
                     for (x, y) in chunk.iter().zip(&v) {
                         let want = x.exp();
-                        assert!(want.to_bits() == y.to_bits() || (want.is_nan() && y.is_nan()), "{isa:?}: exp({x:e}) = {y:e}, glibc {want:e}");
+                        assert!(
+                            want.to_bits() == y.to_bits() || (want.is_nan() && y.is_nan()),
+                            "{isa:?}: exp({x:e}) = {y:e}, glibc {want:e}"
+                        );
                     }
                 }
                 by_isa.push(bits(&v));

@@ -48,11 +48,7 @@ fn has_min(ty: GgmlType) -> bool {
 
 /// Bytes of one block's scales (`d`, and `m` for Q4_1 and Q5_1) in the source row layout.
 fn scale_bytes(ty: GgmlType) -> usize {
-    if has_min(ty) {
-        4
-    } else {
-        2
-    }
+    if has_min(ty) { 4 } else { 2 }
 }
 
 /// Byte offset of group `g`'s block `b` in packed data of `nb` blocks per row.

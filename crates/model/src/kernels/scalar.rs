@@ -4,7 +4,7 @@ use bulkhead_gguf::GgmlType;
 use half::f16;
 
 use crate::kquant::{self, KBlock, QK_K};
-use crate::quant::{f16_at, q5_values, Q8Acts, QK};
+use crate::quant::{Q8Acts, QK, f16_at, q5_values};
 
 pub(super) fn dot_q_rows(ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8Acts, first: usize, n: usize, out: &mut [f32]) {
     for (row, o) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(n)) {
@@ -35,7 +35,9 @@ fn dot_k_row(ty: GgmlType, w: &[u8], acts: &Q8Acts, first: usize, out: &mut [f32
                 let ab = row * nb + sb * (QK_K / QK) + j;
                 let y = &acts.qs[ab * QK..(ab + 1) * QK];
                 let (g0, g1) = (2 * j, 2 * j + 1);
-                let dot = |g: usize, ys: &[i8]| -> i32 { kb.q[g * 16..(g + 1) * 16].iter().zip(ys).map(|(&a, &b)| i32::from(a) * i32::from(b)).sum() };
+                let dot = |g: usize, ys: &[i8]| -> i32 {
+                    kb.q[g * 16..(g + 1) * 16].iter().zip(ys).map(|(&a, &b)| i32::from(a) * i32::from(b)).sum()
+                };
                 let isum = kb.sc[g0] * dot(g0, &y[..16]) + kb.sc[g1] * dot(g1, &y[16..]);
                 let msum = kb.mn[g0] * acts.sums[ab * 2] + kb.mn[g1] * acts.sums[ab * 2 + 1];
                 sum += acts.d[ab] * (kb.d * isum as f32 - kb.dmin * msum as f32);
@@ -165,14 +167,38 @@ pub(super) fn weighted_sum<T: Scalar>(out: &mut [f32], w: &[f32], v: &[T]) {
 /// `2^(i/32)` as f64 bits, less `i << 47` (so adding `k << 47` for `k ≡ i mod 32` also
 /// scales by `2^(k div 32)`): the table of the `exp` algorithm below.
 pub(super) const EXP_TABLE: [u64; 32] = [
-    0x3ff0000000000000, 0x3fefd9b0d3158574, 0x3fefb5586cf9890f, 0x3fef9301d0125b51,
-    0x3fef72b83c7d517b, 0x3fef54873168b9aa, 0x3fef387a6e756238, 0x3fef1e9df51fdee1,
-    0x3fef06fe0a31b715, 0x3feef1a7373aa9cb, 0x3feedea64c123422, 0x3feece086061892d,
-    0x3feebfdad5362a27, 0x3feeb42b569d4f82, 0x3feeab07dd485429, 0x3feea47eb03a5585,
-    0x3feea09e667f3bcd, 0x3fee9f75e8ec5f74, 0x3feea11473eb0187, 0x3feea589994cce13,
-    0x3feeace5422aa0db, 0x3feeb737b0cdc5e5, 0x3feec49182a3f090, 0x3feed503b23e255d,
-    0x3feee89f995ad3ad, 0x3feeff76f2fb5e47, 0x3fef199bdd85529c, 0x3fef3720dcef9069,
-    0x3fef5818dcfba487, 0x3fef7c97337b9b5f, 0x3fefa4afa2a490da, 0x3fefd0765b6e4540,
+    0x3ff0000000000000,
+    0x3fefd9b0d3158574,
+    0x3fefb5586cf9890f,
+    0x3fef9301d0125b51,
+    0x3fef72b83c7d517b,
+    0x3fef54873168b9aa,
+    0x3fef387a6e756238,
+    0x3fef1e9df51fdee1,
+    0x3fef06fe0a31b715,
+    0x3feef1a7373aa9cb,
+    0x3feedea64c123422,
+    0x3feece086061892d,
+    0x3feebfdad5362a27,
+    0x3feeb42b569d4f82,
+    0x3feeab07dd485429,
+    0x3feea47eb03a5585,
+    0x3feea09e667f3bcd,
+    0x3fee9f75e8ec5f74,
+    0x3feea11473eb0187,
+    0x3feea589994cce13,
+    0x3feeace5422aa0db,
+    0x3feeb737b0cdc5e5,
+    0x3feec49182a3f090,
+    0x3feed503b23e255d,
+    0x3feee89f995ad3ad,
+    0x3feeff76f2fb5e47,
+    0x3fef199bdd85529c,
+    0x3fef3720dcef9069,
+    0x3fef5818dcfba487,
+    0x3fef7c97337b9b5f,
+    0x3fefa4afa2a490da,
+    0x3fefd0765b6e4540,
 ];
 /// `32 / ln 2`.
 pub(super) const EXP_INV_LN2_N: f64 = 46.16624130844683;

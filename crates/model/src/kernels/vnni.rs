@@ -21,7 +21,7 @@ use std::arch::x86_64::*;
 use bulkhead_gguf::GgmlType;
 use half::f16;
 
-use super::packed::{block_offset, GROUP};
+use super::packed::{GROUP, block_offset};
 use crate::quant::{Q8Acts, QK};
 
 /// Activation rows handled together against one packed group (eight lane accumulators
@@ -149,7 +149,8 @@ unsafe fn group<const F: u8, const N: usize>(g: *const u8, nb: usize, acts: &Q8A
         }
         for (r, (a, sm)) in res.iter_mut().zip(acc.iter().zip(&summ)) {
             // hsum's order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
-            let (s0, s1, s2, s3) = (_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[2], a[6]), _mm512_add_ps(a[3], a[7]));
+            let (s0, s1, s2, s3) =
+                (_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[2], a[6]), _mm512_add_ps(a[3], a[7]));
             let total = _mm512_add_ps(_mm512_add_ps(s0, s2), _mm512_add_ps(s1, s3));
             _mm512_storeu_ps(r.as_mut_ptr(), _mm512_add_ps(total, *sm));
         }
@@ -163,11 +164,7 @@ type GroupFn = unsafe fn(*const u8, usize, &Q8Acts, usize, &mut [[f32; GROUP]; P
 fn pick_kernel(f: u8, one: bool) -> GroupFn {
     macro_rules! tiles {
         ($f:expr) => {
-            if one {
-                group::<$f, 1>
-            } else {
-                group::<$f, PACKED_TILE>
-            }
+            if one { group::<$f, 1> } else { group::<$f, PACKED_TILE> }
         };
     }
     match f {
@@ -279,7 +276,7 @@ pub(super) fn weighted_sum<T: Lanes16>(out: &mut [f32], w: &[f32], v: &[T]) {
 /// Lanes with `|x| >= 88` or NaN take the scalar function, which handles those ranges.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
 fn exp_shifted_impl(v: &mut [f32], max: f32) {
-    use super::scalar::{expf, EXP_C, EXP_INV_LN2_N, EXP_SHIFT, EXP_TABLE};
+    use super::scalar::{EXP_C, EXP_INV_LN2_N, EXP_SHIFT, EXP_TABLE, expf};
     let m = _mm256_set1_ps(max);
     let (inv, shift) = (_mm512_set1_pd(EXP_INV_LN2_N), _mm512_set1_pd(EXP_SHIFT));
     let (c0, c1, c2, one) = (_mm512_set1_pd(EXP_C[0]), _mm512_set1_pd(EXP_C[1]), _mm512_set1_pd(EXP_C[2]), _mm512_set1_pd(1.0));

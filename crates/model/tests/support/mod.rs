@@ -118,12 +118,14 @@ pub fn llamacpp_tiny(arch: &str, window: Option<u32>) -> GgufWriter {
     tokens.extend((0..=255u8).map(|b| format!("<0x{b:02X}>")));
     let first_piece = tokens.len();
     tokens.extend((first_piece..sh.vocab).map(|i| format!("\u{2581}p{i}")));
-    let types = (0..sh.vocab).map(|i| Value::I32(match i {
-        0 => 2,
-        1 | 2 => 3,
-        _ if i < first_piece => 6,
-        _ => 1,
-    }));
+    let types = (0..sh.vocab).map(|i| {
+        Value::I32(match i {
+            0 => 2,
+            1 | 2 => 3,
+            _ if i < first_piece => 6,
+            _ => 1,
+        })
+    });
     w.meta("tokenizer.ggml.model", Value::String("llama".into()))
         .meta("tokenizer.ggml.tokens", Value::Array(tokens.into_iter().map(Value::String).collect()))
         .meta("tokenizer.ggml.scores", Value::Array((0..sh.vocab).map(|i| Value::F32(-(i as f32))).collect()))

@@ -34,7 +34,10 @@ impl GenEvent {
     /// The request it is about.
     pub fn req(&self) -> RequestId {
         match self {
-            GenEvent::Token { req, .. } | GenEvent::Finished { req, .. } | GenEvent::Failed { req, .. } | GenEvent::Retracted { req, .. } => *req,
+            GenEvent::Token { req, .. }
+            | GenEvent::Finished { req, .. }
+            | GenEvent::Failed { req, .. }
+            | GenEvent::Retracted { req, .. } => *req,
         }
     }
 
@@ -243,7 +246,11 @@ pub trait Growing {
 pub fn make_room<S: Growing>(pool: &mut KvPool, seqs: &mut Vec<S>) -> Result<Vec<S>, KvError> {
     let mut retracted = Vec::new();
     loop {
-        let grower = seqs.iter().enumerate().filter(|(_, s)| s.decoding() && s.kv_ref().reserved_tokens() <= s.kv_ref().len()).min_by_key(|(_, s)| s.order());
+        let grower = seqs
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.decoding() && s.kv_ref().reserved_tokens() <= s.kv_ref().len())
+            .min_by_key(|(_, s)| s.order());
         let Some(i) = grower.map(|(i, _)| i) else { return Ok(retracted) };
         let want = seqs[i].kv_ref().len() + 1;
         match seqs[i].kv().reserve(pool, want) {

@@ -274,23 +274,27 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
     /// Process one event and carry out the role's actions.
     pub fn handle(&mut self, ev: PrefillEvent, link: &mut impl PrefillLink) {
         let refused_job = match &ev {
-            PrefillEvent::Gateway(Message::Prefill { req, tokens, decode, pages, sampling, skip_draws, trace, cache }) => Some(PrefillJob {
-                req: *req,
-                tokens: tokens.clone(),
-                decode: *decode,
-                pages: pages.clone(),
-                sampling: sampling.clone(),
-                skip_draws: *skip_draws,
-                trace: trace.clone(),
-                cache: *cache,
-            }),
+            PrefillEvent::Gateway(Message::Prefill { req, tokens, decode, pages, sampling, skip_draws, trace, cache }) => {
+                Some(PrefillJob {
+                    req: *req,
+                    tokens: tokens.clone(),
+                    decode: *decode,
+                    pages: pages.clone(),
+                    sampling: sampling.clone(),
+                    skip_draws: *skip_draws,
+                    trace: trace.clone(),
+                    cache: *cache,
+                })
+            }
             _ => None,
         };
         let mut acts = self.role.handle(ev);
         if let Some(job) = refused_job {
             let refused = acts.iter().any(|a| matches!(a, PrefillAction::ToGateway(Message::Rejected { req, .. }) if *req == job.req));
             if refused && let Some(keep) = self.policy.refused(&job) {
-                acts.retain(|a| !matches!(a, PrefillAction::ToGateway(m) | PrefillAction::ToDecode { msg: m, .. } if m.req() == Some(job.req)));
+                acts.retain(
+                    |a| !matches!(a, PrefillAction::ToGateway(m) | PrefillAction::ToDecode { msg: m, .. } if m.req() == Some(job.req)),
+                );
                 self.rogue.push_back(keep);
             }
         }
@@ -404,7 +408,13 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
                 continue;
             }
             let outcome = match first {
-                Some((first_token, first_logprobs)) => JobOutcome::Done { tokens: n as u32, first_token, first_logprobs, manifest: j.manifest.digest(), cached: j.cached as u32 },
+                Some((first_token, first_logprobs)) => JobOutcome::Done {
+                    tokens: n as u32,
+                    first_token,
+                    first_logprobs,
+                    manifest: j.manifest.digest(),
+                    cached: j.cached as u32,
+                },
                 None => JobOutcome::Failed(PrefillFailure::NoFirstToken),
             };
             out.push(self.finish(j, outcome, pool, link));
@@ -457,7 +467,9 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
                 cache
                     && j.cache.is_some()
                     && j.tokens.len() > ps
-                    && jobs.iter().any(|r| !r.rogue && r.job.cache == j.cache && r.job.tokens.len() > ps && r.job.tokens[..ps] == j.tokens[..ps])
+                    && jobs
+                        .iter()
+                        .any(|r| !r.rogue && r.job.cache == j.cache && r.job.tokens.len() > ps && r.job.tokens[..ps] == j.tokens[..ps])
             };
             let (job, rogue) = match self.role.next_job_if(defer, |j| fits(j)) {
                 Some(job) => (job, false),
@@ -524,13 +536,24 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
 
 /// Computes the planned chunks of `jobs` in one pass. If that fails and there were several,
 /// each is computed alone, so one job's failure fails only that job.
-fn compute<M: PrefillCompute>(model: &mut M, pool: &mut KvPool, jobs: &mut [Job], plan: &[(usize, usize)]) -> Vec<Result<Option<First>, String>> {
+fn compute<M: PrefillCompute>(
+    model: &mut M,
+    pool: &mut KvPool,
+    jobs: &mut [Job],
+    plan: &[(usize, usize)],
+) -> Vec<Result<Option<First>, String>> {
     let planned = plan.iter().filter(|(from, to)| from < to).count();
     let mut chunks: Vec<Chunk<'_>> = jobs
         .iter_mut()
         .zip(plan)
         .filter(|(_, (from, to))| from < to)
-        .map(|(j, &(from, to))| Chunk { seq: &mut j.seq, tokens: &j.job.tokens, from, to, first: FirstToken { sampling: &j.job.sampling, skip_draws: j.job.skip_draws } })
+        .map(|(j, &(from, to))| Chunk {
+            seq: &mut j.seq,
+            tokens: &j.job.tokens,
+            from,
+            to,
+            first: FirstToken { sampling: &j.job.sampling, skip_draws: j.job.skip_draws },
+        })
         .collect();
     let results: Vec<Result<Option<First>, String>> = match model.compute(pool, &mut chunks) {
         Ok(firsts) if firsts.len() == planned => firsts.into_iter().map(Ok).collect(),
