@@ -28,7 +28,7 @@ PY
 )
 RESULTS=()
 for T in ${TRANSPORTS//,/ }; do
-  $BIN serve --port $PORT --no-prefix-cache --kv-transport "$T" >/tmp/bulkhead-ttft.log 2>&1 &
+  $BIN serve --port $PORT --model-id bulkhead --no-prefix-cache --kv-transport "$T" >/tmp/bulkhead-ttft.log 2>&1 &
   SERVE=$!
   trap 'kill $SERVE 2>/dev/null; wait $SERVE 2>/dev/null || true' EXIT
   for _ in $(seq 100); do curl -sf localhost:$PORT/ready >/dev/null && break; sleep 0.2; done

@@ -104,6 +104,10 @@ class Soak:
         self.kills = []  # (time, pid, role)
         self.stop_at = time.monotonic() + a.duration
         self.done = threading.Event()
+        c = http.client.HTTPConnection(self.host, self.port, timeout=30)
+        c.request("GET", "/v1/models")
+        self.model = json.loads(c.getresponse().read())["data"][0]["id"]  # the served model's name
+        c.close()
 
     def killed_during(self, start, end):
         with self.lock:
@@ -122,7 +126,7 @@ class Soak:
 
     def one(self, rng):
         tokens = rng.randint(20, self.a.max_prompt)
-        body = {"model": "bulkhead", "messages": [{"role": "user", "content": prompt_of(rng, tokens)}]}
+        body = {"model": self.model, "messages": [{"role": "user", "content": prompt_of(rng, tokens)}]}
         if rng.random() < 0.5:
             body["max_tokens"] = rng.randint(1, 256)
         stream = rng.random() < 0.6

@@ -74,9 +74,7 @@ impl Backend for Admit {
 
 fn runtime() -> &'static tokio::runtime::Runtime {
     static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RT.get_or_init(|| {
-        tokio::runtime::Builder::new_current_thread().enable_time().build().expect("a current-thread runtime")
-    })
+    RT.get_or_init(|| tokio::runtime::Builder::new_current_thread().enable_time().build().expect("a current-thread runtime"))
 }
 
 /// Runs one input; panics if a property fails.
@@ -86,15 +84,10 @@ pub fn check(data: &[u8]) {
     };
     let path = if pick % 2 == 0 { "/v1/chat/completions" } else { "/v1/completions" };
     let backend = Arc::new(Admit::default());
-    let req = Request::post(path)
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(Body::from(body.to_vec()))
-        .expect("a valid request");
+    let req =
+        Request::post(path).header(header::CONTENT_TYPE, "application/json").body(Body::from(body.to_vec())).expect("a valid request");
     let (status, content_type, out) = runtime().block_on(async {
-        let resp = router(Arc::clone(&backend) as Arc<dyn Backend>)
-            .oneshot(req)
-            .await
-            .expect("the router is infallible");
+        let resp = router(Arc::clone(&backend) as Arc<dyn Backend>).oneshot(req).await.expect("the router is infallible");
         let (parts, body) = resp.into_parts();
         let ct = parts.headers.get(header::CONTENT_TYPE).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
         let bytes = axum::body::to_bytes(body, usize::MAX).await.expect("the body is readable");
@@ -142,7 +135,10 @@ fn assert_runnable(r: &GenerationRequest) {
     let in_range = (0.0..=MAX_TEMPERATURE as f32).contains(&s.temperature) && s.top_p > 0.0 && s.top_p <= 1.0;
     assert!(in_range && bulkhead_engine::sampling::validate(s).is_ok(), "sampling out of range: {s:?}");
     assert!(r.stop.len() <= MAX_STOP && r.stop.iter().all(|s| !s.is_empty()), "stop {:?}", r.stop);
-    let penalties = (-2.0..=2.0).contains(&s.presence_penalty) && (-2.0..=2.0).contains(&s.frequency_penalty) && s.repetition_penalty > 0.0 && s.repetition_penalty <= 2.0;
+    let penalties = (-2.0..=2.0).contains(&s.presence_penalty)
+        && (-2.0..=2.0).contains(&s.frequency_penalty)
+        && s.repetition_penalty > 0.0
+        && s.repetition_penalty <= 2.0;
     assert!(penalties && (0.0..=1.0).contains(&s.min_p), "penalties or min_p out of range: {s:?}");
     assert!(s.logprobs.is_none_or(|n| u64::from(n) <= MAX_TOP_LOGPROBS), "logprobs {:?}", s.logprobs);
     let vocab = VOCAB as u32;

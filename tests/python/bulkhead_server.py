@@ -12,7 +12,8 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL = "bulkhead"
+MODEL = "SmolLM2-135M-Instruct.Q4_1"  # the default model's own name (its file's)
+ALIAS = "smollm2"  # a second name, as --model-id given twice serves it
 
 # The servers are on loopback: no proxy from the environment may stand in between, for this
 # process (urllib, the openai client) or the tools it starts (schemathesis).
@@ -44,13 +45,13 @@ def ready(addr):
 @contextlib.contextmanager
 def serve(*args, ready_timeout=60):
     """`bulkhead serve --port 0` (gateway, one prefill and one decode worker) with `args`,
-    serving the default model as `bulkhead`; killed with its workers on exit."""
+    serving the default model under its own name and ALIAS; killed with its workers on exit."""
     binary = os.environ.get("BULKHEAD_BIN", str(ROOT / "target" / "debug" / "bulkhead"))
     fd, log = tempfile.mkstemp(prefix="bulkhead-serve-", suffix=".log")
     env = {**os.environ, "BULKHEAD_LOG": os.environ.get("BULKHEAD_LOG", "info")}
     with os.fdopen(fd, "w") as log_file:
         proc = subprocess.Popen(
-            [binary, "serve", "--port", "0", "--threads", "1", "--model-id", MODEL, *args],
+            [binary, "serve", "--port", "0", "--threads", "1", "--model-id", MODEL, "--model-id", ALIAS, *args],
             stdout=subprocess.PIPE,
             stderr=log_file,
             text=True,

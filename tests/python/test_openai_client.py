@@ -9,7 +9,7 @@ import sys
 import openai
 import pytest
 
-from bulkhead_server import MODEL, serve
+from bulkhead_server import ALIAS, MODEL, serve
 
 
 @pytest.fixture(scope="session")
@@ -32,11 +32,14 @@ def chat(client, content, **kw):
 
 def test_models_list_names_the_served_model(server):
     models = server.models.list()
-    assert [m.id for m in models.data] == [MODEL]
+    assert [m.id for m in models.data] == [MODEL, ALIAS]
     m = models.data[0]
     assert m.object == "model" and m.owned_by
     assert m.model_extra["max_model_len"] > 0
     assert server.models.retrieve(MODEL).id == MODEL
+    assert server.models.retrieve(ALIAS).id == ALIAS
+    r = server.chat.completions.create(model=ALIAS, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert r.choices[0].finish_reason in ("length", "stop")
 
 
 def test_chat_completion(server):

@@ -1,6 +1,5 @@
-//! [`Backend`]: what the HTTP layer needs from whatever generates text — the in-process
-//! engine ([`ColocatedBackend`](crate::ColocatedBackend)) or, later, the disaggregated
-//! gateway.
+//! [`Backend`]: what the HTTP layer needs from whatever generates text: the disaggregated
+//! gateway in production, mock backends in the tests.
 
 pub use bulkhead_protocol::FinishReason;
 use bulkhead_protocol::{Sampling, TokenLogprobs};
@@ -129,4 +128,12 @@ pub trait Backend: Send + Sync + 'static {
     fn healthy(&self) -> bool {
         true
     }
+
+    /// Every HTTP response the API sends, by status (metrics; default: not counted).
+    fn responded(&self, _status: u16) {}
+
+    /// A completion request the HTTP layer refused before [`Backend::generate`] (an
+    /// unreadable body, a bad field, `max_tokens` past the context), by reason: `invalid`
+    /// or `context_length` (metrics; default: not counted).
+    fn refused_early(&self, _reason: &'static str) {}
 }

@@ -1,12 +1,13 @@
 #![forbid(unsafe_code)]
-//! Bulkhead's OpenAI-compatible HTTP API, independent of how text is generated, and the
-//! in-process backend that runs the engine (colocated mode).
+//! Bulkhead's OpenAI-compatible HTTP API, independent of how text is generated: the
+//! gateway (crates/server) is its one production [`Backend`].
 //!
 //! # Layout
 //!
 //! - [`backend`]: the [`Backend`] trait the HTTP layer drives ([`GenerationRequest`] in, a
 //!   stream of [`GenEvent`]s out; dropping the stream aborts the request) and [`ModelCard`].
 //! - [`error`]: [`ApiError`], every error as an OpenAI error body with its HTTP status.
+//! - [`json`]: request bodies as JSON that names each key once (a repeated key is 400).
 //! - [`openai`]: the wire format — request bodies checked field by field, response and
 //!   stream-chunk objects.
 //! - [`openapi`]: the OpenAPI document ([`openapi::document`]), generated from the types and
@@ -18,7 +19,6 @@
 //!   tenant of a request comes from its key, never from its body.
 //! - [`trace`]: W3C `traceparent`: [`trace::TraceParent`] continued or started per request.
 //! - [`prompt`]: [`PromptEncoder`], chat template and tokenizer applied to a prompt.
-//! - [`colocated`]: [`ColocatedBackend`], the engine on a dedicated thread in this process.
 //! - [`testing`]: a byte-level vocabulary for mock backends in tests and fuzzing.
 //! - [`tools`]: tool calling: `tools`/`tool_choice`, the default tool preamble, the grammar
 //!   of `required` and named calls, and the `<tool_call>` parser.
@@ -26,9 +26,9 @@
 //! - `ids`: completion and request ids.
 
 pub mod backend;
-pub mod colocated;
 pub mod error;
 mod ids;
+pub mod json;
 pub mod openai;
 pub mod openapi;
 pub mod prompt;
@@ -40,7 +40,6 @@ pub mod tools;
 pub mod trace;
 
 pub use backend::{Backend, FinishReason, GenEvent, GenerationRequest, ModelCard, Prompt};
-pub use colocated::{ColocatedBackend, ColocatedError};
 pub use error::{ApiError, ErrorKind};
 pub use prompt::PromptEncoder;
 pub use routes::{BodyTimeout, DEFAULT_BODY_TIMEOUT, MAX_BODY_BYTES, router, router_with_tenants};

@@ -1,6 +1,6 @@
 //! The OpenAI wire format: request bodies checked field by field (so a wrong type names its
-//! `param`, and unknown fields are ignored as OpenAI clients send extras) and the response
-//! and stream-chunk objects.
+//! `param`, and an unknown field is refused with 400 naming it, as OpenAI does: a misspelt
+//! `temprature` must not pass as a default) and the response and stream-chunk objects.
 
 use bulkhead_protocol::Sampling;
 use bulkhead_tokenizer::ChatMessage;
@@ -66,50 +66,25 @@ const UNSUPPORTED: &[(&str, &str, Option<bool>)] = &[
     ("priority", "request priorities are not supported (the queue is fair across tenants)", None),
 ];
 
-/// Request fields the parser reads (or refuses); any other is accepted and logged.
+/// Request fields both endpoints read; any field outside these, [`CHAT_ONLY`] or
+/// [`TEXT_ONLY`] (by endpoint) and [`UNSUPPORTED`] is refused as unknown.
+#[rustfmt::skip]
 const KNOWN: &[&str] = &[
-    "model",
-    "messages",
-    "prompt",
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "n",
-    "best_of",
-    "stream",
-    "stream_options",
-    "stop",
-    "ignore_eos",
-    "skip_special_tokens",
-    "cache_salt",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "logit_bias",
-    "logprobs",
-    "top_logprobs",
-    "min_tokens",
-    "stop_token_ids",
-    "echo",
-    "response_format",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "guided_decoding_backend",
-    "structured_outputs",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "user",
-    "metadata",
-    "store",
-    "service_tier",
-    "modalities",
+    "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stream",
+    "stream_options", "stop", "ignore_eos", "skip_special_tokens", "cache_salt", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias", "logprobs", "min_tokens", "stop_token_ids", "response_format", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "structured_outputs", "user", "metadata",
+    "store", "service_tier", "modalities",
+];
+/// Fields only `/v1/chat/completions` reads.
+const CHAT_ONLY: &[&str] = &["messages", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs"];
+/// Fields only `/v1/completions` reads.
+const TEXT_ONLY: &[&str] = &["prompt", "best_of", "echo"];
+/// A chat message's fields. The last four are what the official clients send back when a
+/// response's message is appended to the conversation; they are accepted only empty.
+#[rustfmt::skip]
+const MESSAGE_FIELDS: &[&str] = &[
+    "role", "content", "name", "tool_calls", "tool_call_id", "refusal", "annotations", "audio", "function_call",
 ];
 
 /// A completion request (chat or text), checked and reduced to what generation needs.
@@ -141,8 +116,6 @@ pub struct CompletionParams {
     pub tools: Option<Tools>,
     /// The field the grammar came from, for a 400 when it does not compile.
     pub grammar_param: Option<&'static str>,
-    /// Fields the parser does not know (accepted, as OpenAI does, and logged).
-    pub unknown: Vec<String>,
     /// `user`: the client's end-user id, for the logs.
     pub user: Option<String>,
 }
@@ -286,11 +259,20 @@ fn common(obj: &Map<String, Value>, prompts: Vec<Prompt>, endpoint: Endpoint) ->
             return Err(ApiError::invalid_request(*name, format!("'{name}': {why}.")).with_code("unsupported_parameter"));
         }
     }
+    let own = match endpoint {
+        Endpoint::Chat => CHAT_ONLY,
+        Endpoint::Text => TEXT_ONLY,
+    };
+    deny_unknown(obj, "", |k| {
+        KNOWN.contains(&k) || own.contains(&k) || UNSUPPORTED.iter().any(|u| u.0 == k && (k != "suffix" || endpoint == Endpoint::Text))
+    })?;
     match field(obj, "modalities") {
         None => {}
         Some(Value::Array(m)) if m.iter().all(|x| x.as_str() == Some("text")) => {}
         Some(_) => {
-            return Err(ApiError::invalid_request("modalities", "Only the 'text' modality is supported.").with_code("unsupported_parameter"));
+            return Err(
+                ApiError::invalid_request("modalities", "Only the 'text' modality is supported.").with_code("unsupported_parameter")
+            );
         }
     }
     if let Some(Value::Bool(true)) = field(obj, "store") {
@@ -445,7 +427,7 @@ fn common(obj: &Map<String, Value>, prompts: Vec<Prompt>, endpoint: Endpoint) ->
     }
     let include_usage = match field(obj, "stream_options") {
         None => false,
-        Some(Value::Object(o)) => match field(o, "include_usage") {
+        Some(Value::Object(o)) => match deny_unknown(o, "stream_options", |k| k == "include_usage").and(Ok(field(o, "include_usage")))? {
             None => false,
             Some(Value::Bool(b)) => *b,
             Some(v) => return Err(type_error("stream_options.include_usage", "a boolean", v)),
@@ -461,7 +443,6 @@ fn common(obj: &Map<String, Value>, prompts: Vec<Prompt>, endpoint: Endpoint) ->
         }
         Some(v) => return Err(type_error("cache_salt", "a string", v)),
     };
-    let unknown = obj.keys().filter(|k| !KNOWN.contains(&k.as_str())).cloned().collect();
     Ok(CompletionParams {
         model,
         prompts,
@@ -476,7 +457,6 @@ fn common(obj: &Map<String, Value>, prompts: Vec<Prompt>, endpoint: Endpoint) ->
         echo,
         tools: None,
         grammar_param,
-        unknown,
         user,
     })
 }
@@ -576,6 +556,17 @@ fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
     let Value::Object(m) = m else {
         return Err(type_error(&format!("messages[{i}]"), "an object", m));
     };
+    deny_unknown(m, &format!("messages[{i}]"), |k| MESSAGE_FIELDS.contains(&k))?;
+    for key in &MESSAGE_FIELDS[5..] {
+        match m.get(*key) {
+            None | Some(Value::Null) => {}
+            Some(Value::Array(a)) if a.is_empty() => {}
+            Some(_) => {
+                return Err(ApiError::invalid_request(p(key), format!("'{}' is not supported in a request.", p(key)))
+                    .with_code("unsupported_parameter"));
+            }
+        }
+    }
     let role = match field(m, "role") {
         None => {
             return Err(ApiError::invalid_request(p("role"), format!("Missing required parameter: '{}'.", p("role"))));
@@ -657,6 +648,9 @@ fn text_part<'a>(param: &str, part: &'a Value) -> Result<&'a str, ApiError> {
     let Value::Object(o) = part else {
         return Err(type_error(param, "an object", part));
     };
+    if field(o, "type").and_then(Value::as_str) == Some("text") {
+        deny_unknown(o, param, |k| k == "type" || k == "text")?;
+    }
     match field(o, "type") {
         Some(Value::String(t)) if t == "text" => {}
         Some(Value::String(t)) => {
@@ -708,6 +702,20 @@ fn as_object(body: &Value) -> Result<&Map<String, Value>, ApiError> {
     match body {
         Value::Object(o) => Ok(o),
         v => Err(ApiError::bad_request(format!("The request body must be a JSON object, but got {}.", type_name(v)))),
+    }
+}
+
+/// 400 naming the first key of `obj` that `known` does not accept (`path` is where `obj`
+/// sits in the body, empty at the top). Free-form objects (a schema, `metadata`,
+/// `logit_bias`) are never passed here.
+pub fn deny_unknown(obj: &Map<String, Value>, path: &str, known: impl Fn(&str) -> bool) -> Result<(), ApiError> {
+    match obj.keys().find(|k| !known(k)) {
+        None => Ok(()),
+        Some(k) => {
+            let param = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
+            Err(ApiError::invalid_request(param.clone(), format!("Unrecognized request argument supplied: {param}"))
+                .with_code("unknown_parameter"))
+        }
     }
 }
 
@@ -785,7 +793,12 @@ fn type_error(param: &str, expected: &str, got: &Value) -> ApiError {
 }
 
 fn range_error(param: &str, expected: String, got: &Value) -> ApiError {
-    ApiError::invalid_request(param, format!("Invalid '{param}': expected {expected}, but got {got} instead."))
+    // Integers past u64 reach here as floats (`1.8446744073709552e19`): print them whole.
+    let shown = match got {
+        Value::Number(n) if n.is_f64() && whole(n).is_some() => n.as_f64().map_or_else(|| got.to_string(), |f| format!("{f:.0}")),
+        _ => got.to_string(),
+    };
+    ApiError::invalid_request(param, format!("Invalid '{param}': expected {expected}, but got {shown} instead."))
 }
 
 // Request bodies as the OpenAPI document describes them. The handlers do not deserialise
@@ -1440,7 +1453,7 @@ mod tests {
     }
 
     #[test]
-    fn unsupported_fields_are_refused_by_name_and_unknown_ones_listed() {
+    fn unsupported_and_unknown_fields_are_refused_by_name() {
         for (f, ..) in UNSUPPORTED {
             assert_eq!(refused(json!({ *f: {"x": 1} })).as_deref(), Some(*f), "{f}");
         }
@@ -1449,11 +1462,46 @@ mod tests {
         assert_eq!(refused(json!({ "modalities": ["text", "audio"] })).as_deref(), Some("modalities"));
         assert_eq!(refused(json!({ "store": true })).as_deref(), Some("store"));
         assert!(text(json!({ "store": false, "modalities": ["text"], "user": "u", "metadata": {"a": "b"} })).is_ok());
-        let p = text(json!({ "frobnicate": 1, "user": "u" })).expect("unknown fields are accepted");
-        assert_eq!(p.unknown, vec!["frobnicate".to_string()]);
-        // Chat has no `suffix` to refuse: it is unknown there.
-        let chat = parse_chat(&json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "suffix": "x"})).expect("chat");
-        assert_eq!(chat.unknown, vec!["suffix".to_string()]);
+        let e = text(json!({ "temprature": 0.5 })).expect_err("a misspelt field");
+        assert_eq!((e.param.as_deref(), e.code), (Some("temprature"), Some("unknown_parameter")));
+        assert!(e.message.contains("temprature"), "{}", e.message);
+        // A null unknown field is still unknown: the name is what is wrong.
+        assert_eq!(refused(json!({ "frobnicate": null })).as_deref(), Some("frobnicate"));
+        // Each endpoint knows only its own fields: chat has no `suffix`, `prompt` or `echo`,
+        // completions no `messages` or `tools`.
+        let chat = |extra: Value| {
+            let mut body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+            body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            parse_chat(&body).err().and_then(|e| e.param)
+        };
+        for f in ["suffix", "prompt", "echo", "best_of"] {
+            assert_eq!(chat(json!({ f: "x" })).as_deref(), Some(f));
+        }
+        for f in ["messages", "tools", "top_logprobs"] {
+            assert_eq!(refused(json!({ f: [] })).as_deref(), Some(f));
+        }
+        // Inside fixed objects too; free-form ones (metadata, logit_bias) stay free.
+        assert_eq!(chat(json!({"messages": [{"role": "user", "content": "hi", "nmae": "x"}]})).as_deref(), Some("messages[0].nmae"));
+        let part = json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}]});
+        assert_eq!(chat(part).as_deref(), Some("messages[0].content[0].x"));
+        assert_eq!(refused(json!({ "stream_options": {"include_usage": true, "inclde": 1} })).as_deref(), Some("stream_options.inclde"));
+        // What the official client sends back with an assistant message it was given.
+        let echoed = json!({"messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "yo", "refusal": null, "annotations": [], "audio": null, "function_call": null},
+            {"role": "user", "content": "again"}]});
+        assert_eq!(chat(echoed), None);
+        assert_eq!(
+            chat(json!({"messages": [{"role": "assistant", "content": "x", "audio": {"id": "a"}}]})).as_deref(),
+            Some("messages[0].audio")
+        );
+    }
+
+    #[test]
+    fn integers_past_u64_are_reported_whole() {
+        let big: Value = serde_json::from_str("18446744073709551616").expect("a JSON number");
+        let e = text(json!({ "max_tokens": big })).expect_err("too big");
+        assert!(e.message.contains("18446744073709551616"), "{}", e.message);
     }
 
     #[test]

@@ -33,6 +33,12 @@ impl PromptEncoder {
     /// Template (for chat) and tokenise; token-id prompts are checked against the
     /// vocabulary.
     pub fn encode(&self, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
+        self.encode_with(prompt, true)
+    }
+
+    /// [`PromptEncoder::encode`], adding the model's BOS (where its tokenizer asks for one)
+    /// only when `add_special_tokens`; special tokens written in the text are parsed either way.
+    pub fn encode_with(&self, prompt: &Prompt, add_special_tokens: bool) -> Result<Vec<u32>, ApiError> {
         let text = match prompt {
             Prompt::Chat { messages, tools } => self.render(messages, tools.as_ref())?,
             Prompt::Text(t) => t.clone(),
@@ -48,7 +54,7 @@ impl PromptEncoder {
             }
         };
         let mut ids = self.tokenizer.encode(&text, true);
-        if let Some(bos) = self.tokenizer.bos_id().filter(|_| self.tokenizer.add_bos())
+        if let Some(bos) = self.tokenizer.bos_id().filter(|_| add_special_tokens && self.tokenizer.add_bos())
             && ids.first() != Some(&bos)
         {
             ids.insert(0, bos);
@@ -115,5 +121,19 @@ impl PromptEncoder {
     /// field it came from).
     pub fn check_grammar(&self, spec: &GrammarSpec) -> Result<(), GrammarError> {
         self.grammars.get_or_init(|| Grammars::new(Arc::clone(&self.tokenizer))).as_ref().map_err(Clone::clone)?.check(spec)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bos_is_added_only_with_special_tokens() {
+        let (tokenizer, chat) = crate::testing::byte_level_vocabulary_adding_bos(true);
+        let e = PromptEncoder::new(Arc::new(tokenizer), Some(chat));
+        let hi = Prompt::Text("hi".into());
+        assert_eq!(e.encode(&hi).unwrap(), vec![256, 104, 105]);
+        assert_eq!(e.encode_with(&hi, false).unwrap(), vec![104, 105]);
     }
 }

@@ -78,9 +78,17 @@ pub fn router_with_tenants(backend: Arc<dyn Backend>, tenants: Arc<Tenants>) -> 
         .route("/openapi.json", get(openapi_json))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .with_state(AppState { backend })
+        .with_state(AppState { backend: Arc::clone(&backend) })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(middleware::from_fn(request_id))
+        .layer(middleware::from_fn_with_state(backend, count_responses))
+}
+
+/// Every response, 401s, 404s and 413s included, counted by status.
+async fn count_responses(State(backend): State<Arc<dyn Backend>>, req: Request, next: Next) -> Response {
+    let resp = next.run(req).await;
+    backend.responded(resp.status().as_u16());
+    resp
 }
 
 /// Takes the client's `x-request-id` (or makes one) and continues its W3C `traceparent` (or
@@ -170,7 +178,7 @@ impl<S: Send + Sync> FromRequest<S> for OpenAiJson {
         if bytes.iter().all(u8::is_ascii_whitespace) {
             return Err(ApiError::bad_request("We could not parse the JSON body of your request: the body is empty. Send a JSON object."));
         }
-        serde_json::from_slice(&bytes).map(OpenAiJson).map_err(|e| {
+        crate::json::parse(&bytes).map(OpenAiJson).map_err(|e| {
             ApiError::bad_request(format!(
                 "We could not parse the JSON body of your request ({e}). Send valid JSON with Content-Type: application/json."
             ))
@@ -246,9 +254,10 @@ async fn chat_completions(
     Extension(rid): Extension<XRequestId>,
     Extension(trace): Extension<TraceParent>,
     Extension(tenant): Extension<Tenant>,
-    OpenAiJson(body): OpenAiJson,
+    body: Result<OpenAiJson, ApiError>,
 ) -> Result<Response, ApiError> {
-    complete(st, rid, trace, tenant, Endpoint::Chat, openai::parse_chat(&body)?).await
+    let p = body.and_then(|OpenAiJson(b)| openai::parse_chat(&b)).inspect_err(|e| refused_early(&st, e))?;
+    complete(st, rid, trace, tenant, Endpoint::Chat, p).await
 }
 
 /// Create a text completion.
@@ -274,9 +283,16 @@ async fn completions(
     Extension(rid): Extension<XRequestId>,
     Extension(trace): Extension<TraceParent>,
     Extension(tenant): Extension<Tenant>,
-    OpenAiJson(body): OpenAiJson,
+    body: Result<OpenAiJson, ApiError>,
 ) -> Result<Response, ApiError> {
-    complete(st, rid, trace, tenant, Endpoint::Text, openai::parse_completion(&body)?).await
+    let p = body.and_then(|OpenAiJson(b)| openai::parse_completion(&b)).inspect_err(|e| refused_early(&st, e))?;
+    complete(st, rid, trace, tenant, Endpoint::Text, p).await
+}
+
+/// Count a completion request refused before it reached the backend.
+fn refused_early(st: &AppState, e: &ApiError) {
+    let reason = if e.code == Some("context_length_exceeded") { "context_length" } else { "invalid" };
+    st.backend.refused_early(reason);
 }
 
 fn find_model(backend: &dyn Backend, name: &str) -> Result<ModelCard, ApiError> {
@@ -292,11 +308,9 @@ async fn complete(
     p: CompletionParams,
 ) -> Result<Response, ApiError> {
     let card = find_model(st.backend.as_ref(), &p.model)?;
-    p.check_against(&card)?;
-    p.check_vocab(st.backend.encoder().tokenizer().vocab_size())?;
-    if !p.unknown.is_empty() {
-        tracing::warn!(fields = ?p.unknown, "request fields this server does not know were accepted and ignored");
-    }
+    p.check_against(&card)
+        .and_then(|()| p.check_vocab(st.backend.encoder().tokenizer().vocab_size()))
+        .inspect_err(|e| refused_early(&st, e))?;
     if let Some(user) = &p.user {
         tracing::info!(user = %user, "end user");
     }
@@ -417,6 +431,9 @@ pub struct TokenizeRequest {
     /// Messages, templated and tokenised as `/v1/chat/completions` would.
     #[schema(value_type = Option<Vec<Object>>)]
     pub messages: Option<Vec<Value>>,
+    /// Whether the model's BOS is added where its tokenizer asks for one (vLLM's field;
+    /// default true).
+    pub add_special_tokens: Option<bool>,
 }
 
 /// The answer of `POST /tokenize` (vLLM's form).
@@ -469,7 +486,15 @@ fn body_object(body: &Value) -> Result<&serde_json::Map<String, Value>, ApiError
 )]
 async fn tokenize(State(st): State<AppState>, OpenAiJson(body): OpenAiJson) -> Result<Json<TokenizeResponse>, ApiError> {
     let obj = body_object(&body)?;
+    openai::deny_unknown(obj, "", |k| ["model", "prompt", "messages", "add_special_tokens"].contains(&k))?;
     let card = model_of(st.backend.as_ref(), obj)?;
+    let add_special_tokens = match obj.get("add_special_tokens") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return Err(ApiError::invalid_request("add_special_tokens", "Invalid type for 'add_special_tokens': expected a boolean."));
+        }
+    };
     let prompt = match (obj.get("prompt").filter(|v| !v.is_null()), obj.get("messages").filter(|v| !v.is_null())) {
         (Some(Value::String(p)), None) => Prompt::Text(p.clone()),
         (Some(_), None) => return Err(ApiError::invalid_request("prompt", "Invalid type for 'prompt': expected a string.")),
@@ -480,7 +505,7 @@ async fn tokenize(State(st): State<AppState>, OpenAiJson(body): OpenAiJson) -> R
         _ => return Err(ApiError::bad_request("Send exactly one of 'prompt' and 'messages'.")),
     };
     let backend = Arc::clone(&st.backend);
-    let tokens = tokio::task::spawn_blocking(move || backend.encoder().encode(&prompt))
+    let tokens = tokio::task::spawn_blocking(move || backend.encoder().encode_with(&prompt, add_special_tokens))
         .await
         .map_err(|e| ApiError::internal(format!("tokenising failed: {e}")))??;
     Ok(Json(TokenizeResponse { count: tokens.len(), max_model_len: card.max_model_len, tokens }))
@@ -496,6 +521,7 @@ async fn tokenize(State(st): State<AppState>, OpenAiJson(body): OpenAiJson) -> R
 )]
 async fn detokenize(State(st): State<AppState>, OpenAiJson(body): OpenAiJson) -> Result<Json<DetokenizeResponse>, ApiError> {
     let obj = body_object(&body)?;
+    openai::deny_unknown(obj, "", |k| k == "model" || k == "tokens")?;
     model_of(st.backend.as_ref(), obj)?;
     let ids: Vec<u32> = match obj.get("tokens") {
         Some(Value::Array(items)) => items

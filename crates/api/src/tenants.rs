@@ -189,11 +189,19 @@ impl Tenants {
         if !self.authenticates() {
             return Ok(Tenant { id: 0, name: Arc::clone(&self.names[0]) });
         }
-        let presented = headers
-            .get(header::AUTHORIZATION)
+        // Two keys would leave which one picks the tenant to the order of the headers, and a
+        // proxy in front may read the other one.
+        let mut values = headers.get_all(header::AUTHORIZATION).iter();
+        let first = values.next();
+        if values.next().is_some() {
+            return Err(ApiError::invalid_api_key("Send one Authorization header: this request has several."));
+        }
+        // The scheme is case-insensitive (RFC 7235); the key is not.
+        let presented = first
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
-            .map(str::trim)
+            .and_then(|v| v.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, key)| key.trim())
             .filter(|k| !k.is_empty());
         let Some(key) = presented else {
             return Err(ApiError::invalid_api_key("Missing API key: send it as `Authorization: Bearer <key>`."));
@@ -236,6 +244,16 @@ mod tests {
             let e = t.authenticate(&h).unwrap_err();
             assert_eq!((e.status.as_u16(), e.code), (401, Some("invalid_api_key")));
         }
+        for scheme in ["bearer", "BEARER", "bEaReR"] {
+            let mut h = HeaderMap::new();
+            h.insert(header::AUTHORIZATION, format!("{scheme} sk-a").parse().unwrap());
+            assert_eq!(t.authenticate(&h).unwrap().name.as_ref(), "a", "{scheme}");
+        }
+        let mut two = bearer("sk-a");
+        two.append(header::AUTHORIZATION, "Bearer sk-b".parse().unwrap());
+        let e = t.authenticate(&two).unwrap_err();
+        assert_eq!((e.status.as_u16(), e.code), (401, Some("invalid_api_key")));
+        assert!(e.message.contains("one Authorization header"), "{}", e.message);
         // Open: everyone is `default`.
         assert_eq!(Tenants::open().authenticate(&HeaderMap::new()).unwrap().name.as_ref(), "default");
         assert!(Tenants::single_key("k").unwrap().authenticate(&HeaderMap::new()).is_err());

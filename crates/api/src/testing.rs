@@ -22,6 +22,12 @@ pub fn byte_level_encoder() -> PromptEncoder {
 
 /// The tokenizer and chat template of [`byte_level_encoder`].
 pub fn byte_level_vocabulary() -> (Tokenizer, ChatTemplate) {
+    byte_level_vocabulary_adding_bos(false)
+}
+
+/// [`byte_level_vocabulary`], whose tokenizer asks for its BOS (256) before a prompt when
+/// `add_bos`, as Gemma's and Llama's do.
+pub fn byte_level_vocabulary_adding_bos(add_bos: bool) -> (Tokenizer, ChatTemplate) {
     // GPT-2's byte-to-character map, as the byte-level tokenizer reads tokens.
     let printable: Vec<u32> = (b'!'..=b'~').chain(0xA1..=0xAC).chain(0xAE..=0xFF).map(u32::from).collect();
     let mut chars = vec![0u32; 256];
@@ -46,7 +52,7 @@ pub fn byte_level_vocabulary() -> (Tokenizer, ChatTemplate) {
         .meta("tokenizer.ggml.merges", Value::Array(Vec::new()))
         .meta("tokenizer.ggml.bos_token_id", Value::U32(256))
         .meta("tokenizer.ggml.eos_token_id", Value::U32(257))
-        .meta("tokenizer.ggml.add_bos_token", Value::Bool(false))
+        .meta("tokenizer.ggml.add_bos_token", Value::Bool(add_bos))
         .meta("tokenizer.chat_template", Value::String(CHATML.into()));
     // Built from constants: these cannot fail unless the tokenizer's own rules change,
     // which every test using it would show at once.

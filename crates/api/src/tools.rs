@@ -305,7 +305,8 @@ impl CallParser {
     }
 
     /// The end of the answer: whatever is held back. An unclosed block is a call if its text
-    /// parses as one (the grammar may end without the closing newline), else text.
+    /// parses as one (the grammar may end without the closing newline); otherwise it is a
+    /// call cut short (by `max_tokens`, a stop), dropped: neither a call nor content.
     pub fn finish(&mut self) -> Vec<Piece> {
         let mut out = Vec::new();
         let rest = std::mem::take(&mut self.buf);
@@ -320,7 +321,7 @@ impl CallParser {
                     self.next_id();
                     out.push(Piece::Call(c));
                 }
-                None => push_text(&mut out, format!("{CALL_OPEN}{rest}")),
+                None => {}
             }
         } else {
             push_text(&mut out, rest);
@@ -386,6 +387,12 @@ mod tests {
         // A block that is not a call stays text.
         let (content, calls) = split("<tool_call>oops</tool_call>", true, "c");
         assert_eq!((content.as_deref(), calls.len()), (Some("<tool_call>oops</tool_call>"), 0));
+        // A call cut short is neither a call nor content; one the grammar ended without its
+        // closing tag is a call.
+        let (content, calls) = split("Sure. <tool_call>\n{\"name\": \"get_wea", true, "c");
+        assert_eq!((content.as_deref(), calls.len()), (Some("Sure. "), 0));
+        let (content, calls) = split("<tool_call>{\"name\":\"a\",\"arguments\":{}}", true, "c");
+        assert_eq!((content, calls.len()), (None, 1));
         // Without parallel calls only the first counts.
         let two = "<tool_call>{\"name\":\"a\",\"arguments\":{}}</tool_call><tool_call>{\"name\":\"b\",\"arguments\":{}}</tool_call>";
         assert_eq!(split(two, false, "c").1.len(), 1);

@@ -203,7 +203,7 @@ async fn a_chat_completion_returns_the_backend_text_with_usage() {
     let req = mock.last_request();
     assert_eq!(req.prompt, Prompt::Chat { messages: vec![ChatMessage::new("user", "Hi")], tools: None });
     assert_eq!(req.max_tokens, None);
-    assert_eq!(req.sampling, bulkhead_engine::Sampling::default());
+    assert_eq!(req.sampling, bulkhead_protocol::Sampling::default());
 }
 
 #[tokio::test]
@@ -601,19 +601,22 @@ async fn ignore_eos_reaches_the_backend_and_must_be_a_boolean() {
 }
 
 #[tokio::test]
-async fn unknown_fields_are_ignored_and_null_means_not_given() {
+async fn unknown_fields_are_refused_and_null_means_not_given() {
     let mock = Mock::hello();
     let extra = json!({
         "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "metadata": { "a": "1" },
-        "store": false, "parallel_tool_calls": null, "x-vendor-extension": [1, 2],
+        "store": false, "parallel_tool_calls": null,
         "max_tokens": null, "temperature": null, "stop": null, "seed": null, "stream": null, "n": null,
     });
     let (status, v) = send_json(app(&mock), post("/v1/chat/completions", chat(extra).to_string())).await;
     assert_eq!(status, StatusCode::OK, "{v}");
     let r = mock.last_request();
     assert_eq!(r.max_tokens, None);
-    assert_eq!(r.sampling, bulkhead_engine::Sampling::default());
+    assert_eq!(r.sampling, bulkhead_protocol::Sampling::default());
     assert!(r.stop.is_empty());
+    let body = chat(json!({ "x-vendor-extension": [1, 2] }));
+    let v = expect_error(&mock, "/v1/chat/completions", body, StatusCode::BAD_REQUEST, Some("x-vendor-extension")).await;
+    assert_eq!(v["error"]["code"], "unknown_parameter");
 }
 
 #[tokio::test]
@@ -974,6 +977,13 @@ async fn tokenize_and_detokenize_use_the_served_vocabulary_and_embeddings_are_a_
     expect_error(&mock, "/detokenize", json!({ "tokens": [1, 99999] }), StatusCode::BAD_REQUEST, Some("tokens")).await;
     expect_error(&mock, "/detokenize", json!({ "tokens": [-1] }), StatusCode::BAD_REQUEST, Some("tokens[0]")).await;
     expect_error(&mock, "/tokenize", json!({ "model": "other", "prompt": "x" }), StatusCode::NOT_FOUND, Some("model")).await;
+    let (status, v) = send_json(app(&mock), post("/tokenize", json!({ "prompt": "hi", "add_special_tokens": false }).to_string())).await;
+    assert_eq!((status, &v["tokens"]), (StatusCode::OK, &json!([104, 105])));
+    let wrong = json!({ "prompt": "x", "add_special_tokens": "no" });
+    expect_error(&mock, "/tokenize", wrong, StatusCode::BAD_REQUEST, Some("add_special_tokens")).await;
+    let unknown = json!({ "prompt": "x", "add_generation_prompt": true });
+    expect_error(&mock, "/tokenize", unknown, StatusCode::BAD_REQUEST, Some("add_generation_prompt")).await;
+    expect_error(&mock, "/detokenize", json!({ "tokens": [1], "x": 1 }), StatusCode::BAD_REQUEST, Some("x")).await;
     let (status, v) = send_json(app(&mock), post("/v1/embeddings", json!({ "model": MODEL, "input": "x" }).to_string())).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert_error(&v, "not_found_error", None);

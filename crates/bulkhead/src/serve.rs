@@ -194,9 +194,11 @@ pub struct ServeArgs {
     /// can enter, the same for all of them, where they meet for the core budget.
     #[arg(long, env = "BULKHEAD_CORE_BUDGET_DIR")]
     core_budget_dir: Option<PathBuf>,
-    /// Name of the model in the API.
-    #[arg(long, env = "BULKHEAD_MODEL_ID", default_value = "bulkhead")]
-    model_id: String,
+    /// Name of the model in the API; give it more than once (or comma-separated) for
+    /// aliases, the first being the main one. Default: the model file's name without
+    /// `.gguf` (`SmolLM2-135M-Instruct.Q4_1`), as `GET /v1/models` shows.
+    #[arg(long, env = "BULKHEAD_MODEL_ID", value_delimiter = ',')]
+    model_id: Vec<String>,
     #[command(flatten)]
     checks: KvCheckArgs,
     /// The cluster key (64 hex digits) every process of the cluster must hold; the file must
@@ -414,7 +416,7 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
         http_addr: format!("{}:{}", a.host, a.port),
         workers: a.worker_listen.clone(),
         model: model.clone(),
-        model_id: a.model_id.clone(),
+        model_ids: a.model_id.clone(),
         admission_check: !a.no_gateway_admission,
         request_timeout_ms: a.request_timeout_ms,
         max_queued: a.max_queued_requests,
@@ -493,8 +495,14 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
         e = workers.supervise() => Err(e),
     };
     if outcome.is_err() {
-        // Nothing here can bring the workers back: say so to probes while draining.
+        // Nothing here can bring the workers back: say so to probes, and keep saying it for
+        // a while before exiting, so that a supervisor polling /health sees the 503.
         gw.mark_failed();
+        tracing::error!(seconds = FAILED_HEALTH_LINGER.as_secs(), "answering /health with 503 before exiting");
+        tokio::select! {
+            () = shutdown_signal() => {}
+            () = tokio::time::sleep(FAILED_HEALTH_LINGER) => {}
+        }
     }
     tracing::info!("shutting down: draining in-flight requests");
     gw.shutdown();
@@ -503,6 +511,10 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
     }
     outcome
 }
+
+/// How long `serve` keeps answering `/health` with 503 after a worker crash-looped, before it
+/// exits non-zero (a signal cuts it short).
+const FAILED_HEALTH_LINGER: Duration = Duration::from_secs(5);
 
 /// Wait for SIGINT or SIGTERM.
 async fn shutdown_signal() {

@@ -9,7 +9,7 @@ use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{BIN, parse, request, sum};
+use common::{BIN, MODEL_ID, parse, request, sum};
 /// KV bytes per token of the default model in the transfer layout (f16).
 const KV_BYTES_PER_TOKEN: f64 = 23_040.0;
 
@@ -73,7 +73,7 @@ fn traffic_moves_the_evidence_counters_and_the_trace_id_travels_to_the_workers()
 
     // One normal request inside the client's trace.
     let traceparent = format!("00-{TRACE}-00f067aa0ba902b7-01");
-    let body = serde_json::json!({"model": "bulkhead", "prompt": "The sea is", "max_tokens": 6, "temperature": 0, "ignore_eos": true});
+    let body = serde_json::json!({"model": MODEL_ID, "prompt": "The sea is", "max_tokens": 6, "temperature": 0, "ignore_eos": true});
     let r = request(
         &s.http,
         "POST",
@@ -89,7 +89,7 @@ fn traffic_moves_the_evidence_counters_and_the_trace_id_travels_to_the_workers()
 
     // One request over the 512-token context: refused at the gateway.
     let long = "word ".repeat(600);
-    let body = serde_json::json!({"model": "bulkhead", "prompt": long, "max_tokens": 4});
+    let body = serde_json::json!({"model": MODEL_ID, "prompt": long, "max_tokens": 4});
     let r = request(&s.http, "POST", "/v1/completions", &[], &body.to_string());
     assert_eq!(r.status, 400, "{}", r.body);
 

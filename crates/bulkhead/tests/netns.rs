@@ -12,7 +12,7 @@ mod common;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::{BIN, model, pools_idle, request, scrape, sum, wait_for};
+use common::{BIN, MODEL_ID, model, pools_idle, request, scrape, sum, wait_for};
 
 /// `ip` with arguments; Err with its stderr on failure.
 fn ip(args: &[&str]) -> Result<(), String> {
@@ -115,7 +115,7 @@ fn hosts() -> Result<Hosts, String> {
 const HTTP: &str = "10.231.0.2:8080";
 
 fn chat(max_tokens: usize, user: &str) -> common::Response {
-    let body = serde_json::json!({"model": "bulkhead", "temperature": 0, "max_tokens": max_tokens,
+    let body = serde_json::json!({"model": MODEL_ID, "temperature": 0, "max_tokens": max_tokens,
         "messages": [{"role": "user", "content": user}]});
     request(HTTP, "POST", "/v1/chat/completions", &[], &body.to_string())
 }

@@ -8,7 +8,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::{BIN, model, polled_sum, rand_u64};
+use common::{BIN, MODEL_ID, model, polled_sum, rand_u64};
 use serde_json::{Value, json};
 
 struct Server {
@@ -74,7 +74,7 @@ fn system() -> String {
 
 fn chat(s: &Server, key: Option<&str>, extra: Value, user: &str) -> (u16, Value) {
     let mut body = json!({
-        "model": "bulkhead", "temperature": 0, "max_tokens": 12,
+        "model": MODEL_ID, "temperature": 0, "max_tokens": 12,
         "messages": [{"role": "system", "content": system()}, {"role": "user", "content": user}],
     });
     if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
@@ -136,7 +136,7 @@ fn keys_pick_tenants_and_a_cached_prefix_is_reused_only_within_one_tenant_and_sa
 
     // Streaming usage carries it too.
     let body = json!({
-        "model": "bulkhead", "temperature": 0, "max_tokens": 4, "stream": true, "stream_options": {"include_usage": true},
+        "model": MODEL_ID, "temperature": 0, "max_tokens": 4, "stream": true, "stream_options": {"include_usage": true},
         "messages": [{"role": "system", "content": system()}, {"role": "user", "content": q}],
     });
     let auth = format!("Bearer {KEY_A}");

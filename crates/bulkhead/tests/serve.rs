@@ -7,7 +7,7 @@ use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::{BIN, model, rand_u64};
+use common::{BIN, MODEL_ID, model, rand_u64};
 
 #[path = "../../model/tests/support/mod.rs"]
 mod support;
@@ -75,7 +75,7 @@ fn get(addr: &str, path: &str) -> (u16, String) {
 
 fn chat(addr: &str, system: &str, user: &str, max_tokens: usize) -> (u16, serde_json::Value) {
     let body = serde_json::json!({
-        "model": "bulkhead", "temperature": 0, "max_tokens": max_tokens,
+        "model": MODEL_ID, "temperature": 0, "max_tokens": max_tokens,
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
     });
     let (status, b) = request(addr, "POST", "/v1/chat/completions", &body.to_string());
@@ -244,13 +244,14 @@ fn the_incident_replayed_gets_400_and_never_leaks_the_marker_with_or_without_the
         let (_, models) = get(&s.http, "/v1/models");
         let models: serde_json::Value = serde_json::from_str(&models).unwrap();
         assert_eq!(models["data"][0]["max_model_len"], 1024, "the served context is what the prefill pool holds");
+        assert_eq!(models["data"][0]["id"], MODEL_ID, "the model is named by its file");
         let (status, a) = chat(&s.http, SYSTEM, &format!("Remember the code {marker}. Repeat it: {marker}"), 24);
         assert_eq!(status, 200, "{a}");
         let long = "hello ".repeat(1500);
         // Also with several choices and an output constraint: each choice is refused the same.
         let variants = [serde_json::json!({}), serde_json::json!({"n": 2, "guided_regex": "[a-z ]+"})];
         for (stream, extra) in [false, true].into_iter().flat_map(|s| variants.iter().map(move |v| (s, v))) {
-            let mut body = serde_json::json!({"model": "bulkhead", "prompt": long, "max_tokens": 16, "stream": stream});
+            let mut body = serde_json::json!({"model": MODEL_ID, "prompt": long, "max_tokens": 16, "stream": stream});
             body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
             let (status, b) = request(&s.http, "POST", "/v1/completions", &body.to_string());
             assert_eq!(status, 400, "gateway check {gateway_check}, stream {stream}, {extra}: {b}");
@@ -261,7 +262,7 @@ fn the_incident_replayed_gets_400_and_never_leaks_the_marker_with_or_without_the
         let (status, b) = chat(&s.http, SYSTEM, "Say something.", 24);
         assert_eq!(status, 200);
         assert!(!b.to_string().contains(&marker), "tenant B saw tenant A's marker: {b}");
-        let body = serde_json::json!({"model": "bulkhead", "n": 3, "temperature": 1.0, "max_tokens": 24, "guided_regex": "[A-Za-z0-9 -]{1,40}",
+        let body = serde_json::json!({"model": MODEL_ID, "n": 3, "temperature": 1.0, "max_tokens": 24, "guided_regex": "[A-Za-z0-9 -]{1,40}",
             "messages": [{"role": "user", "content": "Say something."}]});
         let (status, b) = request(&s.http, "POST", "/v1/chat/completions", &body.to_string());
         assert_eq!(status, 200, "{b}");
@@ -284,17 +285,16 @@ fn the_incident_replayed_on_every_architecture_gets_400_and_never_leaks_the_mark
         for gateway_check in [true, false] {
             let env: &[(&str, &str)] = if gateway_check { &[] } else { &[("BULKHEAD_NO_GATEWAY_ADMISSION", "1")] };
             let s = serve_model(&path, &["--prefill-kv-pool-tokens", "64", "--clamp-context"], env);
-            let (status, a) = complete(&s, serde_json::json!({"model": "bulkhead", "prompt": format!("code {marker}"), "max_tokens": 8}));
+            let (status, a) = complete(&s, serde_json::json!({"model": arch, "prompt": format!("code {marker}"), "max_tokens": 8}));
             assert_eq!(status, 200, "{arch}: {a}");
             for (stream, n) in [(false, 1), (true, 1), (false, 2)] {
-                let body =
-                    serde_json::json!({"model": "bulkhead", "prompt": "hello ".repeat(40), "max_tokens": 8, "stream": stream, "n": n});
+                let body = serde_json::json!({"model": arch, "prompt": "hello ".repeat(40), "max_tokens": 8, "stream": stream, "n": n});
                 let (status, b) = complete(&s, body);
                 assert_eq!(status, 400, "{arch}, gateway check {gateway_check}, stream {stream}, n {n}: {b}");
                 assert!(b.contains("context_length_exceeded") && !b.contains(&marker), "{arch}: {b}");
             }
             let (status, b) =
-                complete(&s, serde_json::json!({"model": "bulkhead", "prompt": "say", "max_tokens": 24, "n": 2, "temperature": 1.0}));
+                complete(&s, serde_json::json!({"model": arch, "prompt": "say", "max_tokens": 24, "n": 2, "temperature": 1.0}));
             assert_eq!(status, 200, "{arch}: {b}");
             assert!(!b.contains(&marker), "{arch}: tenant B saw tenant A's marker: {b}");
         }
@@ -314,7 +314,8 @@ fn a_base_model_refuses_chat_until_given_a_chat_template() {
     let (status, b) = chat(&s.http, SYSTEM, "hello", 4);
     assert_eq!((status, b["error"]["code"].as_str()), (400, Some("no_chat_template")), "{b}");
     assert!(b["error"]["message"].as_str().unwrap().contains("/v1/completions"), "{b}");
-    let (status, b) = request(&s.http, "POST", "/v1/completions", r#"{"model": "bulkhead", "prompt": "hello", "max_tokens": 4}"#);
+    let (status, b) =
+        request(&s.http, "POST", "/v1/completions", &format!(r#"{{"model": "{MODEL_ID}", "prompt": "hello", "max_tokens": 4}}"#));
     assert_eq!(status, 200, "{b}");
     drop(s);
     let template = dir.join("chat.jinja");
@@ -332,7 +333,7 @@ fn a_base_model_refuses_chat_until_given_a_chat_template() {
 fn a_client_that_disconnects_mid_stream_does_not_hang_the_server() {
     let s = serve(&[], &[]);
     for _ in 0..3 {
-        let body = serde_json::json!({"model": "bulkhead", "stream": true, "max_tokens": 300,
+        let body = serde_json::json!({"model": MODEL_ID, "stream": true, "max_tokens": 300,
             "messages": [{"role": "user", "content": "Tell me a very long story."}]})
         .to_string();
         let mut c = TcpStream::connect(&s.http).unwrap();
@@ -385,7 +386,7 @@ fn worker_pid(s: &Server, role: &str) -> u32 {
 #[test]
 fn a_decode_worker_killed_mid_stream_ends_the_request_with_an_error_and_is_replaced() {
     let s = serve(&[], &[]);
-    let body = serde_json::json!({"model": "bulkhead", "stream": true, "max_tokens": 2000,
+    let body = serde_json::json!({"model": MODEL_ID, "stream": true, "max_tokens": 2000,
         "messages": [{"role": "user", "content": "Tell me a very long story."}]})
     .to_string();
     let mut c = TcpStream::connect(&s.http).unwrap();
@@ -422,20 +423,49 @@ fn a_decode_worker_killed_mid_stream_ends_the_request_with_an_error_and_is_repla
 }
 
 /// A worker that cannot start is restarted with backoff, and after five exits within a
-/// minute `serve` exits non-zero and says why, so that an outer supervisor takes over.
+/// minute `serve` exits non-zero and says why, so that an outer supervisor takes over; until
+/// it exits, `/health` answers 503 long enough for a supervisor's probe to see it.
 #[test]
 fn a_crash_looping_worker_makes_serve_exit_non_zero_with_the_reason() {
     let start = std::time::Instant::now();
-    let out = Command::new(BIN)
+    let log = std::env::temp_dir().join(format!("bulkhead-crash-loop-{}-{}.log", std::process::id(), rand_u64()));
+    let mut child = Command::new(BIN)
         .args(["serve", "--port", "0", "--kv-pool-tokens", "1000", "--threads", "1", "--model"])
         .arg(model())
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log).expect("log file"))
+        .spawn()
+        .expect("spawn bulkhead serve");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("serve prints its address");
+    let http = line.split("http://").nth(1).and_then(|r| r.split_whitespace().next()).expect("address").to_string();
+    // A probe that tolerates the server going away under it.
+    let health = || -> Option<u16> {
+        let mut s = TcpStream::connect(&http).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").ok()?;
+        let mut resp = String::new();
+        s.read_to_string(&mut resp).ok()?;
+        resp.split_whitespace().nth(1)?.parse().ok()
+    };
+    let mut unhealthy_polls = 0;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        if health() == Some(503) {
+            unhealthy_polls += 1;
+        }
+        assert!(start.elapsed() < Duration::from_secs(90), "serve never exited");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(!status.success());
+    let err = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(err.contains("exited 5 times within 60 s"), "{err}");
     assert!(err.contains("--kv-pool-tokens"), "the worker's own reason is in the log: {err}");
+    assert!(unhealthy_polls >= 5, "/health answered 503 only {unhealthy_polls} times before serve exited");
     assert!(start.elapsed() < Duration::from_secs(60), "{:?}", start.elapsed());
+    let _ = std::fs::remove_file(&log);
 }
 
 #[test]
@@ -700,7 +730,7 @@ fn structured_outputs_logprobs_n_and_tools_hold_across_the_handoff() {
         "required": ["city", "population"], "additionalProperties": false});
     let v = post(
         "/v1/chat/completions",
-        serde_json::json!({"model": "bulkhead", "max_tokens": 64, "messages": user("Give a city and its population as JSON."),
+        serde_json::json!({"model": MODEL_ID, "max_tokens": 64, "messages": user("Give a city and its population as JSON."),
         "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": true}}}),
     );
     let answer: serde_json::Value = serde_json::from_str(&content(&v)).unwrap_or_else(|e| panic!("{e}: {v}"));
@@ -710,7 +740,7 @@ fn structured_outputs_logprobs_n_and_tools_hold_across_the_handoff() {
     for temperature in [0.0, 1.0] {
         let v = post(
             "/v1/chat/completions",
-            serde_json::json!({"model": "bulkhead", "max_tokens": 6, "temperature": temperature, "seed": 5,
+            serde_json::json!({"model": MODEL_ID, "max_tokens": 6, "temperature": temperature, "seed": 5,
             "messages": user("What is the capital of France?"), "guided_regex": "[0-9]{3}"}),
         );
         let c = content(&v);
@@ -723,7 +753,7 @@ fn structured_outputs_logprobs_n_and_tools_hold_across_the_handoff() {
     let mut ctx: Vec<u32> = serde_json::from_value(tokenized["tokens"].clone()).expect("ids");
     let v = post(
         "/v1/chat/completions",
-        serde_json::json!({"model": "bulkhead", "max_tokens": 4, "messages": messages, "logprobs": true, "top_logprobs": 2}),
+        serde_json::json!({"model": MODEL_ID, "max_tokens": 4, "messages": messages, "logprobs": true, "top_logprobs": 2}),
     );
     let served = v["choices"][0]["logprobs"]["content"].as_array().expect("logprobs").clone();
     assert!(!served.is_empty());
@@ -752,7 +782,7 @@ fn structured_outputs_logprobs_n_and_tools_hold_across_the_handoff() {
     // n = 3, sampled: three choices, by index, not all the same.
     let v = post(
         "/v1/chat/completions",
-        serde_json::json!({"model": "bulkhead", "max_tokens": 16, "temperature": 1.0, "seed": 9, "n": 3, "messages": user("Tell me a story.")}),
+        serde_json::json!({"model": MODEL_ID, "max_tokens": 16, "temperature": 1.0, "seed": 9, "n": 3, "messages": user("Tell me a story.")}),
     );
     let texts: Vec<String> = (0..3)
         .map(|i| {
@@ -765,7 +795,7 @@ fn structured_outputs_logprobs_n_and_tools_hold_across_the_handoff() {
     // what the first one published (its own scope: the same tenant and salt).
     let before = common::sum(&common::scrape(&s.http), "bulkhead:prefix_cache_hits_total", &[]);
     let long = format!("Summarise this. {}", "The quick brown fox jumps over the lazy dog. ".repeat(12));
-    post("/v1/chat/completions", serde_json::json!({"model": "bulkhead", "max_tokens": 2, "n": 3, "messages": user(&long)}));
+    post("/v1/chat/completions", serde_json::json!({"model": MODEL_ID, "max_tokens": 2, "n": 3, "messages": user(&long)}));
     let prompt = post("/tokenize", serde_json::json!({"messages": user(&long)}))["count"].as_u64().expect("count") as f64;
     let full_pages_tokens = ((prompt - 1.0) / 16.0).floor() * 16.0;
     let hits = counter(&s, "bulkhead:prefix_cache_hits_total", &[], before + 2.0 * full_pages_tokens) - before;
@@ -776,7 +806,7 @@ fn structured_outputs_logprobs_n_and_tools_hold_across_the_handoff() {
         "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"], "additionalProperties": false}}}]);
     let v = post(
         "/v1/chat/completions",
-        serde_json::json!({"model": "bulkhead", "max_tokens": 64, "messages": user("What is the weather in Paris?"), "tools": tools, "tool_choice": "required"}),
+        serde_json::json!({"model": MODEL_ID, "max_tokens": 64, "messages": user("What is the weather in Paris?"), "tools": tools, "tool_choice": "required"}),
     );
     let choice = &v["choices"][0];
     assert_eq!(choice["finish_reason"], "tool_calls", "{v}");

@@ -226,6 +226,8 @@ struct InFlight {
     queued_at_ms: Option<u64>,
     /// It was sent again after losing its prefill worker (once at most).
     retried: bool,
+    /// A decode worker has refused it for want of room (counted once in the stats).
+    waited_for_room: bool,
     /// A prefill worker not to send its next attempt to (the one it lost).
     avoid: Option<WorkerId>,
     tenant: TenantId,
@@ -251,7 +253,8 @@ pub struct GatewayStats {
     pub queue_full: u64,
     /// Turned away: waited for the queue timeout.
     pub queue_timeouts: u64,
-    /// Sent back to the queue because a decode worker had no room for them now.
+    /// Requests sent back to the queue because a decode worker had no room for them, each
+    /// counted once however often it was offered around again.
     pub requeued_capacity: u64,
     /// Retracted by a decode worker and queued to resume.
     pub retracted: u64,
@@ -261,6 +264,23 @@ pub struct GatewayStats {
     pub routed_by_cache: u64,
     /// Sent to the least loaded prefill worker because loads were out of balance.
     pub routed_by_load: u64,
+    /// Requests that left the queue, for a decode worker's pages or by timing out, by how
+    /// long they waited: one slot per bucket of [`QUEUE_WAIT_BUCKETS`] (not cumulative),
+    /// then those past the last bound.
+    pub queue_waits: [u64; QUEUE_WAIT_BUCKETS.len() + 1],
+    /// The sum of those waits, in milliseconds.
+    pub queue_wait_ms_total: u64,
+}
+
+/// Upper bounds, in seconds, of the buckets of [`GatewayStats::queue_waits`].
+pub const QUEUE_WAIT_BUCKETS: &[f64] = &[0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+
+/// Count a wait in the queue that began at `since_ms` and ends at `now_ms`.
+fn record_queue_wait(stats: &mut GatewayStats, since_ms: u64, now_ms: u64) {
+    let ms = now_ms.saturating_sub(since_ms);
+    let i = QUEUE_WAIT_BUCKETS.partition_point(|b| *b < ms as f64 / 1000.0);
+    stats.queue_waits[i] += 1;
+    stats.queue_wait_ms_total = stats.queue_wait_ms_total.saturating_add(ms);
 }
 
 /// The gateway's protocol state.
@@ -464,6 +484,7 @@ impl GatewayRole {
                     deadline_ms: self.now_ms.saturating_add(self.cfg.request_timeout_ms),
                     queued_at_ms: Some(self.now_ms),
                     retried: false,
+                    waited_for_room: false,
                     avoid: None,
                     tenant,
                     cache,
@@ -634,8 +655,9 @@ impl GatewayRole {
             .collect();
         for req in waited {
             self.unqueue(req);
-            if self.inflight.remove(&req).is_some() {
+            if let Some(f) = self.inflight.remove(&req) {
                 self.stats.queue_timeouts += 1;
+                record_queue_wait(&mut self.stats, f.queued_at_ms.unwrap_or(now), now);
                 let detail = format!("waited {} ms in the queue for capacity", self.cfg.queue_timeout_ms);
                 out.push(GatewayAction::ToClient { req, out: ClientOutput::Busy { reason: BusyReason::QueueTimeout, detail } });
             }
@@ -776,7 +798,9 @@ impl GatewayRole {
                     return self.requeue(req, None, out);
                 }
                 f.phase = Phase::Prefilling;
-                f.queued_at_ms = None;
+                if let Some(since) = f.queued_at_ms.take() {
+                    record_queue_wait(&mut self.stats, since, self.now_ms);
+                }
                 let mut tokens = f.tokens.clone();
                 tokens.extend_from_slice(&f.resume);
                 let msg = Message::Prefill {
@@ -813,7 +837,10 @@ impl GatewayRole {
             }
             Message::Rejected { reason: RejectReason::Capacity, .. } if from == route.decode && f.phase == Phase::Reserving => {
                 // No room there now: wait for it.
-                self.stats.requeued_capacity += 1;
+                if !f.waited_for_room {
+                    f.waited_for_room = true;
+                    self.stats.requeued_capacity += 1;
+                }
                 self.full.insert(from);
                 self.requeue(req, Some(from), out);
             }

@@ -5,8 +5,8 @@
 
 use bulkhead_kv::{Generation, PageId, PageRef, RequestId};
 use bulkhead_protocol::gateway::{
-    BusyReason, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, GatewayStats, KvShape, Phase, RegisterError,
-    TenantId, attempt_id, client_of,
+    BusyReason, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, GatewayStats, KvShape, Phase, QUEUE_WAIT_BUCKETS,
+    RegisterError, TenantId, attempt_id, client_of,
 };
 use bulkhead_protocol::*;
 
@@ -133,7 +133,7 @@ fn only_the_assigned_decode_worker_moves_a_request_on_and_speaks_to_the_client()
     assert_eq!(g.in_flight(), 1);
     assert_eq!(to_client(&from(&mut g, D2, finished)).len(), 1);
     assert_eq!(g.in_flight(), 0);
-    assert_eq!(g.stats(), GatewayStats { submitted: 1, finished: 1, ..GatewayStats::default() });
+    assert_eq!(g.stats(), GatewayStats { submitted: 1, finished: 1, queue_waits: left_queue_at_once(1), ..GatewayStats::default() });
 }
 
 #[test]
@@ -162,7 +162,8 @@ fn a_failure_reported_by_one_worker_aborts_the_request_on_the_other() {
     submit(&mut g, 2, 4, 4);
     from(&mut g, D2, reserved(2));
     assert_eq!(aborted(&g.handle(GatewayEvent::ClientGone { req: RequestId(2) })), [D2, P1]);
-    assert_eq!(g.stats(), GatewayStats { submitted: 2, failed: 1, client_gone: 1, ..GatewayStats::default() });
+    let want = GatewayStats { submitted: 2, failed: 1, client_gone: 1, queue_waits: left_queue_at_once(2), ..GatewayStats::default() };
+    assert_eq!(g.stats(), want);
 }
 
 #[test]
@@ -325,7 +326,12 @@ fn a_decode_worker_out_of_room_queues_requests_until_it_frees_some_and_the_queue
     assert_eq!(busy.len(), 4, "{acts:?}");
     assert!(busy.iter().all(|o| matches!(o, ClientOutput::Busy { reason: BusyReason::QueueTimeout, .. })));
     let s = g.stats();
-    assert_eq!((s.queue_full, s.queue_timeouts, s.requeued_capacity), (1, 4, 1 + 4 + 4));
+    // Four requests were refused for room, some of them more than once: each counts once.
+    assert_eq!((s.queue_full, s.queue_timeouts, s.requeued_capacity), (1, 4, 4));
+    // One left the queue at once for a reservation; the four that timed out waited until
+    // the tick, half the request timeout later.
+    assert_eq!((s.queue_waits.iter().sum::<u64>(), s.queue_waits[0]), (5, 1), "{s:?}");
+    assert_eq!(s.queue_wait_ms_total, 4 * (TIMEOUT_MS / 2 + 1), "{s:?}");
     assert_eq!(g.in_flight(), 0);
 }
 
@@ -470,4 +476,11 @@ fn routing_follows_the_cache_a_prefill_reported_for_the_same_scope_and_load_wins
     from(&mut g, P3, Message::CacheReport { stored: vec![], evicted: a.page_keys(DIGEST, &[5; 4], 4) });
     submit_as(&mut g, 1, 0, Some(a));
     assert_eq!(g.stats().routed_by_cache, 0);
+}
+
+/// Queue-wait buckets with `n` requests that left the queue as soon as they came.
+fn left_queue_at_once(n: u64) -> [u64; QUEUE_WAIT_BUCKETS.len() + 1] {
+    let mut w = [0; QUEUE_WAIT_BUCKETS.len() + 1];
+    w[0] = n;
+    w
 }

@@ -17,7 +17,9 @@ use bulkhead_kv::RequestId;
 use bulkhead_protocol::admission::{Generate, admit, default_max_tokens};
 use bulkhead_protocol::auth::Server;
 use bulkhead_protocol::cache::{CacheScope, CacheSecret};
-use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, RegisterError, TenantId};
+use bulkhead_protocol::gateway::{
+    ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, QUEUE_WAIT_BUCKETS, RegisterError, TenantId,
+};
 use bulkhead_protocol::{
     DEFAULT_MAX_FRAME, FailReason, FrameDecoder, FrameEncoder, Hello, Message, MetricFamily, Purpose, RejectReason, Role, Sampling,
     TraceContext, WorkerId,
@@ -41,8 +43,9 @@ pub struct GatewayOptions {
     pub model: PathBuf,
     /// A chat template to use instead of the model's (or for a model without one).
     pub chat_template: Option<PathBuf>,
-    /// Name served in the API.
-    pub model_id: String,
+    /// Names served in the API, the first as the main one; empty: the model file's name
+    /// (without `.gguf`), as llama-server names a model by its file.
+    pub model_ids: Vec<String>,
     /// Check the context limit at the gateway (tests switch it off).
     pub admission_check: bool,
     /// A request not finished after this long fails.
@@ -135,7 +138,9 @@ struct Refused {
 }
 
 struct Shared {
+    /// The served model under its main name; `aliases` are its other names.
     card: ModelCard,
+    aliases: Vec<String>,
     max_context: AtomicUsize,
     ready: AtomicBool,
     /// Set when the gateway cannot serve and cannot recover by itself (`/health` 503).
@@ -145,6 +150,8 @@ struct Shared {
     cache_secret: Option<CacheSecret>,
     admission_check: bool,
     refused: Refused,
+    /// HTTP responses sent, by status.
+    responses: std::sync::Mutex<BTreeMap<u16, u64>>,
     cmds: mpsc::Sender<Cmd>,
 }
 
@@ -160,7 +167,8 @@ impl Backend for ClusterBackend {
     fn models(&self) -> Vec<ModelCard> {
         let mut c = self.0.card.clone();
         c.max_model_len = self.0.max_context.load(Ordering::Acquire);
-        vec![c]
+        let aliases = self.0.aliases.iter().map(|id| ModelCard { id: id.clone(), ..c.clone() }).collect::<Vec<_>>();
+        std::iter::once(c).chain(aliases).collect()
     }
 
     fn encoder(&self) -> &PromptEncoder {
@@ -208,6 +216,16 @@ impl Backend for ClusterBackend {
     fn healthy(&self) -> bool {
         !self.0.failed.load(Ordering::Acquire) && !self.0.cmds.is_closed()
     }
+
+    fn responded(&self, status: u16) {
+        // A poisoned count is still a count: no panic holds it half-written.
+        *self.0.responses.lock().unwrap_or_else(std::sync::PoisonError::into_inner).entry(status).or_default() += 1;
+    }
+
+    fn refused_early(&self, reason: &'static str) {
+        let r = &self.0.refused;
+        count(if reason == "context_length" { &r.context_length } else { &r.invalid });
+    }
 }
 
 /// A running gateway.
@@ -237,6 +255,15 @@ impl RunningGateway {
     }
 }
 
+/// The model's own name: its file name without `.gguf` (`SmolLM2-135M-Instruct.Q4_1`), else
+/// the file's `general.name`. The file name comes first because `general.name` is often a
+/// training run's label (SmolLM2's reads "Smollm2 135M 8k Lc100K Mix1 Ep2").
+fn model_name(f: &bulkhead_gguf::GgufFile, path: &std::path::Path) -> String {
+    let stem = path.file_stem().map(|s| s.to_string_lossy().trim().to_owned()).filter(|s| !s.is_empty());
+    stem.or_else(|| f.get_str("general.name").ok().map(|n| n.trim().to_owned()).filter(|n| !n.is_empty()))
+        .unwrap_or_else(|| "model".to_owned())
+}
+
 /// Load the tokenizer, bind both listeners and start serving.
 pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError> {
     let f = bulkhead_gguf::GgufFile::open(&opts.model)?;
@@ -246,6 +273,11 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
     if chat.is_none() {
         tracing::warn!(model = %opts.model.display(), "the model has no chat template (a base model): /v1/chat/completions answers 400; use /v1/completions or --chat-template");
     }
+    let mut names = opts.model_ids.clone();
+    if names.is_empty() {
+        names.push(model_name(&f, &opts.model));
+    }
+    let model_id = names.remove(0);
     // The digest of the bytes already read: one pass over the file in all.
     let digest = f.digest().unwrap_or_default();
     drop(f);
@@ -257,19 +289,16 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
     };
     let (cmds, inbox) = mpsc::channel(ACTOR_INBOX);
     let shared = Arc::new(Shared {
-        card: ModelCard {
-            id: opts.model_id.clone(),
-            max_model_len: config.context_length,
-            created: unix_now(),
-            owned_by: "bulkhead".into(),
-        },
+        card: ModelCard { id: model_id.clone(), max_model_len: config.context_length, created: unix_now(), owned_by: "bulkhead".into() },
         max_context: AtomicUsize::new(config.context_length),
         ready: AtomicBool::new(false),
         failed: AtomicBool::new(false),
         encoder: PromptEncoder::new(Arc::new(tokenizer), chat),
+        aliases: names,
         cache_secret,
         admission_check: opts.admission_check,
         refused: Refused::default(),
+        responses: Default::default(),
         cmds: cmds.clone(),
     });
     let role = GatewayRole::new(GatewayConfig {
@@ -315,7 +344,7 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
         .layer(axum::Extension(bulkhead_api::BodyTimeout(opts.body_timeout)));
     let (tx, rx) = oneshot::channel::<()>();
     let server = tokio::spawn(crate::http::serve(hl, app, opts.http, rx));
-    tracing::info!(%http_addr, %worker_addr, model = %opts.model_id, "gateway listening");
+    tracing::info!(%http_addr, %worker_addr, model = %model_id, "gateway listening");
     Ok(RunningGateway { http_addr, worker_addr, server, shutdown: Some(tx), shared: backend_shared })
 }
 
@@ -501,6 +530,10 @@ impl Actor {
         for (event, n) in queue {
             f.counter("bulkhead:requeue_events_total", "Requests turned away from the queue, or sent back to it.", &[("event", event)], n);
         }
+        let waits = metrics::Histogram::from_counts(QUEUE_WAIT_BUCKETS, &g.queue_waits, g.queue_wait_ms_total as f64 / 1000.0);
+        let help =
+            "Time requests waited in the gateway's queue, from arrival until a decode worker reserved pages for them or the queue timeout.";
+        f.histogram("bulkhead:queue_wait_seconds", help, &[], &waits);
         let help = "Requests sent to a prefill worker for its cached prefix (cache) or because loads were out of balance (load).";
         f.counter("bulkhead:prefill_routing_total", help, &[("by", "cache")], g.routed_by_cache);
         f.counter("bulkhead:prefill_routing_total", help, &[("by", "load")], g.routed_by_load);
@@ -517,6 +550,10 @@ impl Actor {
             f.gauge("bulkhead:workers", "Registered workers, by role.", &[("role", role_name(role))], n as f64);
         }
         f.refused_connections(&[("worker", "gateway"), ("role", "gateway")]);
+        let responses = self.shared.responses.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        for (status, n) in responses {
+            f.counter("bulkhead:http_responses_total", "HTTP responses sent, by status code.", &[("code", &status.to_string())], n);
+        }
         let own = f.into_vec();
         let workers = self.workers.values().map(|w| (&w.labels[..], &w.metrics[..]));
         metrics::render(std::iter::once((&[][..], &own[..])).chain(workers))

@@ -61,6 +61,17 @@ impl Histogram {
         Histogram { bounds, counts: vec![0; bounds.len() + 1], sum: 0.0 }
     }
 
+    /// A histogram over `bounds` counted elsewhere: `counts` per bucket (not cumulative,
+    /// the last one `+Inf`) and their `sum`.
+    pub fn from_counts(bounds: &'static [f64], counts: &[u64], sum: f64) -> Self {
+        let mut h = Histogram::new(bounds);
+        for (mine, theirs) in h.counts.iter_mut().zip(counts) {
+            *mine = *theirs;
+        }
+        h.sum = sum;
+        h
+    }
+
     /// Record one value.
     pub fn observe(&mut self, v: f64) {
         let i = self.bounds.partition_point(|b| *b < v);
@@ -587,5 +598,38 @@ ok_total{worker=\"prefill-0\",v=\"a\\\"b\\\\c\\nd\"} NaN
         assert!(text.contains("bulkhead:isolation_checks_total{check=\"lease\"} 8\n"), "{text}");
         assert!(text.contains("bulkhead:isolation_failures_total{check=\"lease\"} 1\n"), "{text}");
         assert!(text.contains("bulkhead:quarantined_pages 1\n"), "{text}");
+    }
+
+    /// docs/OPERATIONS.md lists every metric family the servers export, and nothing else:
+    /// the names written in this crate's sources against the names in its metrics table.
+    #[test]
+    fn the_operations_guide_lists_exactly_the_exported_metrics() {
+        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/");
+        let names_in = |text: &str, open: &str| -> std::collections::BTreeSet<String> {
+            text.split(open)
+                .skip(1)
+                .map(|rest| rest.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect::<String>())
+                .filter(|n| !n.is_empty())
+                .collect()
+        };
+        let mut exported = std::collections::BTreeSet::new();
+        for entry in std::fs::read_dir(format!("{root}src")).expect("src") {
+            let path = entry.expect("entry").path();
+            if path.extension().is_some_and(|e| e == "rs") {
+                let text = std::fs::read_to_string(&path).expect("source");
+                // Test modules use made-up families (`ok_total`) but no made-up `bulkhead:` names.
+                exported.extend(names_in(&text, "\"bulkhead:"));
+            }
+        }
+        let guide = std::fs::read_to_string(format!("{root}../../docs/OPERATIONS.md")).expect("docs/OPERATIONS.md");
+        let listed = names_in(&guide, "| `bulkhead:");
+        assert!(exported.len() > 30, "{exported:?}");
+        let missing: Vec<_> = exported.difference(&listed).collect();
+        let stale: Vec<_> = listed.difference(&exported).collect();
+        assert!(
+            missing.is_empty() && stale.is_empty(),
+            "docs/OPERATIONS.md's metric table (rows starting with | `bulkhead:NAME`) differs from the code: \
+             missing {missing:?}, not exported {stale:?}"
+        );
     }
 }

@@ -10,6 +10,9 @@ use std::time::Duration;
 /// The `bulkhead` binary under test.
 pub const BIN: &str = env!("CARGO_BIN_EXE_bulkhead");
 
+/// The name `serve` gives the default model in the API: its file name without `.gguf`.
+pub const MODEL_ID: &str = "SmolLM2-135M-Instruct.Q4_1";
+
 /// The default model, fetched if missing.
 pub fn model() -> std::path::PathBuf {
     bulkhead_fetch::ensure_default_model(false).expect("default model")
