@@ -6,6 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # Formatting first: it needs no build and fails in a second.
 cargo fmt --all -- --check || { echo "FAILED: cargo fmt --check (run cargo fmt --all)"; exit 1; }
+# Lints (declared once in the workspace's Cargo.toml) with warnings as errors.
+cargo clippy --quiet --workspace --all-targets -- -D warnings || { echo "FAILED: cargo clippy (warnings are errors)"; exit 1; }
 
 # Every `bulkhead serve` the tests start runs the KV auditor (design I6).
 export BULKHEAD_AUDIT_KV=1

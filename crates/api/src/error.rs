@@ -77,19 +77,19 @@ impl ApiError {
 
     /// 400 `context_length_exceeded`: `prompt_tokens + completion_tokens` exceeds `limit`.
     /// The message follows OpenAI's wording; `param` is `messages`.
-    pub fn context_length_exceeded(prompt_tokens: usize, completion_tokens: usize, limit: usize) -> Self {
+    pub fn context_length_exceeded(prompt_tokens: usize, completion_tokens: usize, limit: usize, prompt_param: &str) -> Self {
         let requested = prompt_tokens.saturating_add(completion_tokens);
         ApiError::new(
             StatusCode::BAD_REQUEST,
             ErrorKind::InvalidRequest,
             format!(
                 "This model's maximum context length is {limit} tokens. However, you requested {requested} tokens \
-                 ({prompt_tokens} in the messages, {completion_tokens} in the completion). \
-                 Please reduce the length of the messages or completion."
+                 ({prompt_tokens} in the {prompt_param}, {completion_tokens} in the completion). \
+                 Please reduce the length of the {prompt_param} or completion."
             ),
         )
         .with_code("context_length_exceeded")
-        .with_param("messages")
+        .with_param(prompt_param)
     }
 
     /// The 400 for a request the admission decision refused ([`Refusal`]): over the
@@ -97,8 +97,10 @@ impl ApiError {
     /// `max_tokens`.
     pub fn refused(r: &Refusal, prompt_param: &str) -> Self {
         match *r {
-            Refusal::ContextLength { prompt, max_tokens, limit, .. } => ApiError::context_length_exceeded(prompt, max_tokens, limit),
-            Refusal::PromptTooLong { prompt, limit } => ApiError::context_length_exceeded(prompt, 0, limit),
+            Refusal::ContextLength { prompt, max_tokens, limit, .. } => {
+                ApiError::context_length_exceeded(prompt, max_tokens, limit, prompt_param)
+            }
+            Refusal::PromptTooLong { prompt, limit } => ApiError::context_length_exceeded(prompt, 0, limit, prompt_param),
             Refusal::EmptyPrompt => ApiError::invalid_request(prompt_param, "The prompt is empty."),
             Refusal::ZeroMaxTokens => ApiError::invalid_request("max_tokens", "max_tokens must be at least 1."),
         }

@@ -437,6 +437,14 @@ fn common(obj: &Map<String, Value>, prompts: Vec<Prompt>, endpoint: Endpoint) ->
     let stop = parse_stop(obj)?;
     let cache_salt = match field(obj, "cache_salt") {
         None => None,
+        // vLLM's rule: an empty salt is refused rather than silently made a scope of its own
+        // (leave the field out to share the tenant's cache).
+        Some(Value::String(s)) if s.is_empty() => {
+            return Err(ApiError::invalid_request(
+                "cache_salt",
+                "cache_salt must be a non-empty string if provided; leave it out to share the tenant's cache.",
+            ));
+        }
         Some(Value::String(s)) if s.len() <= MAX_CACHE_SALT => Some(s.clone()),
         Some(Value::String(s)) => {
             return Err(ApiError::invalid_request("cache_salt", format!("cache_salt is {} bytes; the most is {MAX_CACHE_SALT}.", s.len())));

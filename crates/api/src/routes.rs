@@ -179,8 +179,16 @@ impl<S: Send + Sync> FromRequest<S> for OpenAiJson {
             return Err(ApiError::bad_request("We could not parse the JSON body of your request: the body is empty. Send a JSON object."));
         }
         crate::json::parse(&bytes).map(OpenAiJson).map_err(|e| {
+            // serde_json's words for a lone surrogate ("unexpected end of hex escape") do not
+            // say what is wrong with the text.
+            let why = e.to_string();
+            let hint = if why.contains("surrogate") || why.contains("hex escape") {
+                " A \\u escape must encode a Unicode character: a lone surrogate (\\ud800 to \\udfff without its pair) is not text."
+            } else {
+                ""
+            };
             ApiError::bad_request(format!(
-                "We could not parse the JSON body of your request ({e}). Send valid JSON with Content-Type: application/json."
+                "We could not parse the JSON body of your request ({why}).{hint} Send valid JSON with Content-Type: application/json."
             ))
         })
     }
@@ -367,13 +375,7 @@ async fn complete(
         reqs.into_iter().map(|(prompt, req)| Ok(Generation { prompt, rx: backend.generate(req)?, first: None })).collect()
     })
     .await
-    .map_err(|e| ApiError::internal(format!("the backend failed to admit the request: {e}")))?
-    .map_err(|mut e| {
-        if endpoint == Endpoint::Text && e.param.as_deref() == Some("messages") {
-            e.param = Some("prompt".into());
-        }
-        e
-    })?;
+    .map_err(|e| ApiError::internal(format!("the backend failed to admit the request: {e}")))??;
     let meta = Meta {
         id: match endpoint {
             Endpoint::Chat => format!("chatcmpl-{}", random_hex()),

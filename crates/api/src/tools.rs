@@ -316,12 +316,9 @@ impl CallParser {
         if self.inside {
             self.inside = false;
             let id = format!("{}{}", self.id_prefix, self.calls);
-            match call_of(&rest, id) {
-                Some(c) => {
-                    self.next_id();
-                    out.push(Piece::Call(c));
-                }
-                None => {}
+            if let Some(c) = call_of(&rest, id) {
+                self.next_id();
+                out.push(Piece::Call(c));
             }
         } else {
             push_text(&mut out, rest);

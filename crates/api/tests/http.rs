@@ -344,7 +344,7 @@ async fn a_backend_failure_in_a_non_streaming_request_is_its_error_response() {
 #[tokio::test]
 async fn admission_errors_come_back_before_any_stream_with_their_status() {
     let mock = Mock::hello();
-    *mock.admit_error.lock().unwrap() = Some(ApiError::context_length_exceeded(9000, 100, 8192));
+    *mock.admit_error.lock().unwrap() = Some(ApiError::context_length_exceeded(9000, 100, 8192, "messages"));
     let v = expect_error(&mock, "/v1/chat/completions", chat(json!({ "stream": true })), StatusCode::BAD_REQUEST, Some("messages")).await;
     assert_eq!(v["error"]["code"], "context_length_exceeded");
     assert_eq!(
@@ -353,9 +353,11 @@ async fn admission_errors_come_back_before_any_stream_with_their_status() {
          (9000 in the messages, 100 in the completion). Please reduce the length of the messages or completion."
     );
 
-    *mock.admit_error.lock().unwrap() = Some(ApiError::context_length_exceeded(9000, 100, 8192));
+    // The completions endpoint's error talks about its prompt.
+    *mock.admit_error.lock().unwrap() = Some(ApiError::context_length_exceeded(9000, 100, 8192, "prompt"));
     let v = expect_error(&mock, "/v1/completions", completion(json!({})), StatusCode::BAD_REQUEST, Some("prompt")).await;
     assert_eq!(v["error"]["code"], "context_length_exceeded");
+    assert!(v["error"]["message"].as_str().unwrap().contains("(9000 in the prompt,"), "{v}");
 
     *mock.admit_error.lock().unwrap() = Some(ApiError::overloaded("full"));
     let resp = app(&mock).oneshot(post("/v1/chat/completions", chat(json!({})).to_string())).await.unwrap();
@@ -598,6 +600,22 @@ async fn ignore_eos_reaches_the_backend_and_must_be_a_boolean() {
     assert!(!mock.last_request().sampling.ignore_eos, "off unless asked");
     let body = completion(json!({ "ignore_eos": "yes" }));
     expect_error(&mock, "/v1/completions", body, StatusCode::BAD_REQUEST, Some("ignore_eos")).await;
+}
+
+#[tokio::test]
+async fn repeated_keys_lone_surrogates_and_an_empty_salt_are_refused_saying_why() {
+    let mock = Mock::hello();
+    for (body, says) in [
+        (r#"{"model":"m","prompt":"hi","max_tokens":2,"max_tokens":100000}"#.to_string(), "appears twice"),
+        (r#"{"model":"m","prompt":"hi","cache_salt":"\ud800"}"#.to_string(), "lone surrogate"),
+    ] {
+        let (status, v) = send_json(app(&mock), post("/v1/completions", body.clone())).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}: {v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains(says), "{body}: {v}");
+    }
+    let v =
+        expect_error(&mock, "/v1/completions", completion(json!({ "cache_salt": "" })), StatusCode::BAD_REQUEST, Some("cache_salt")).await;
+    assert!(v["error"]["message"].as_str().unwrap().contains("non-empty"), "{v}");
 }
 
 #[tokio::test]

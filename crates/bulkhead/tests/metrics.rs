@@ -2,14 +2,14 @@
 //! moves the evidence counters (I6), the exposition parses, and a request's trace id comes
 //! back to the client and reaches the workers' log lines.
 
-mod common;
+mod support;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{BIN, MODEL_ID, parse, request, sum};
+use support::{BIN, MODEL_ID, parse, request, sum};
 /// KV bytes per token of the default model in the transfer layout (f16).
 const KV_BYTES_PER_TOKEN: f64 = 23_040.0;
 

@@ -7,12 +7,12 @@
 //!
 //! Needs root and `ip` (iproute2); elsewhere it says why and passes without running.
 
-mod common;
+mod support;
 
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::{BIN, MODEL_ID, model, pools_idle, request, scrape, sum, wait_for};
+use support::{BIN, MODEL_ID, model, pools_idle, request, scrape, sum, wait_for};
 
 /// `ip` with arguments; Err with its stderr on failure.
 fn ip(args: &[&str]) -> Result<(), String> {
@@ -114,7 +114,7 @@ fn hosts() -> Result<Hosts, String> {
 
 const HTTP: &str = "10.231.0.2:8080";
 
-fn chat(max_tokens: usize, user: &str) -> common::Response {
+fn chat(max_tokens: usize, user: &str) -> support::Response {
     let body = serde_json::json!({"model": MODEL_ID, "temperature": 0, "max_tokens": max_tokens,
         "messages": [{"role": "user", "content": user}]});
     request(HTTP, "POST", "/v1/chat/completions", &[], &body.to_string())

@@ -2,14 +2,14 @@
 //! tenant, a prompt's cached prefix is reused only within one tenant and salt, reuse gives
 //! the same greedy answer, and `cached_tokens` matches the prefill pool's own counters.
 
-mod common;
+mod support;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::{BIN, MODEL_ID, model, polled_sum, rand_u64};
 use serde_json::{Value, json};
+use support::{BIN, MODEL_ID, model, polled_sum, rand_u64};
 
 struct Server {
     child: Child,
@@ -57,7 +57,7 @@ fn serve(args: &[&str]) -> Server {
     };
     let s = Server { child, http, log };
     for _ in 0..300 {
-        if common::request(&s.http, "GET", "/ready", &[], "").status == 200 {
+        if support::request(&s.http, "GET", "/ready", &[], "").status == 200 {
             return s;
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -82,7 +82,7 @@ fn chat(s: &Server, key: Option<&str>, extra: Value, user: &str) -> (u16, Value)
     }
     let auth = key.map(|k| format!("Bearer {k}"));
     let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("Authorization", a.as_str())).collect();
-    let r = common::request(&s.http, "POST", "/v1/chat/completions", &headers, &body.to_string());
+    let r = support::request(&s.http, "POST", "/v1/chat/completions", &headers, &body.to_string());
     (r.status, serde_json::from_str(&r.body).unwrap_or(Value::String(r.body)))
 }
 
@@ -101,7 +101,7 @@ fn keys_pick_tenants_and_a_cached_prefix_is_reused_only_within_one_tenant_and_sa
         assert_eq!(status, 401, "{key:?}: {v}");
         assert_eq!(v["error"]["code"], "invalid_api_key", "{v}");
     }
-    assert_eq!(common::request(&s.http, "GET", "/health", &[], "").status, 200, "liveness needs no key");
+    assert_eq!(support::request(&s.http, "GET", "/health", &[], "").status, 200, "liveness needs no key");
     // A bad salt: 400 naming it.
     for salt in [json!("x".repeat(257)), json!(7), json!(["a"])] {
         let (status, v) = chat(&s, Some(KEY_A), json!({ "cache_salt": salt }), "Where is the red lamp?");
@@ -140,7 +140,7 @@ fn keys_pick_tenants_and_a_cached_prefix_is_reused_only_within_one_tenant_and_sa
         "messages": [{"role": "system", "content": system()}, {"role": "user", "content": q}],
     });
     let auth = format!("Bearer {KEY_A}");
-    let r = common::request(&s.http, "POST", "/v1/chat/completions", &[("Authorization", &auth)], &body.to_string());
+    let r = support::request(&s.http, "POST", "/v1/chat/completions", &[("Authorization", &auth)], &body.to_string());
     let usage = r
         .body
         .lines()
@@ -156,7 +156,7 @@ fn keys_pick_tenants_and_a_cached_prefix_is_reused_only_within_one_tenant_and_sa
     let fence = [("check", "tenant_fence")];
     assert!(polled_sum(&s.http, "bulkhead:isolation_checks_total", &fence, 1.0) >= 1.0, "fence checks ran");
     assert_eq!(polled_sum(&s.http, "bulkhead:isolation_failures_total", &fence, 0.0), 0.0);
-    assert!(common::pools_idle(&common::scrape(&s.http)), "every pool idle: free or cached pages only");
+    assert!(support::pools_idle(&support::scrape(&s.http)), "every pool idle: free or cached pages only");
     let log = std::fs::read_to_string(&s.log).unwrap();
     assert!(log.contains("tenant=alpha") && log.contains("tenant=beta"), "the tenant is on the request's log lines");
     assert!(log.contains("prefix cache on"), "the start-up line says the cache is on");

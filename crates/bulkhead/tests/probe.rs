@@ -1,15 +1,15 @@
 //! `bulkhead probe` end to end: clean against `bulkhead serve` (exit 0), and exit 2 with
 //! findings against a server that answers everything with 200, as the incident's did.
 
-mod common;
+mod support;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::{BIN, model, request};
 use serde_json::Value;
+use support::{BIN, model, request};
 
 /// A running `bulkhead serve`, killed (with its workers) on drop.
 struct Server {

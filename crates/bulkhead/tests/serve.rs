@@ -1,16 +1,16 @@
 //! `bulkhead serve` as users run it: real processes, real TCP, the OpenAI API over HTTP.
 
-mod common;
+mod support;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::{BIN, MODEL_ID, model, rand_u64};
+use support::{BIN, MODEL_ID, model, rand_u64};
 
 #[path = "../../model/tests/support/mod.rs"]
-mod support;
+mod model_support;
 
 /// A running `bulkhead serve`, killed (with its workers) on drop.
 struct Server {
@@ -65,7 +65,7 @@ fn serve_model(model: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> 
 }
 
 fn request(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
-    let r = common::request(addr, method, path, &[], body);
+    let r = support::request(addr, method, path, &[], body);
     (r.status, r.body)
 }
 
@@ -223,7 +223,7 @@ fn a_chunk_altered_on_the_wire_is_refused_and_counted_and_never_answers_wrong() 
     }
     assert_eq!(served, 2, "the cluster serves again after the tampered connection");
     for _ in 0..100 {
-        if common::pools_idle(&common::scrape(&s.http)) {
+        if support::pools_idle(&support::scrape(&s.http)) {
             return;
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -279,9 +279,9 @@ fn the_incident_replayed_on_every_architecture_gets_400_and_never_leaks_the_mark
     std::fs::create_dir_all(&dir).unwrap();
     let marker = format!("CANARY-{:x}", rand_u64());
     let complete = |s: &Server, body: serde_json::Value| request(&s.http, "POST", "/v1/completions", &body.to_string());
-    for (arch, window) in support::LLAMACPP_TINY {
+    for (arch, window) in model_support::LLAMACPP_TINY {
         let path = dir.join(format!("{arch}.gguf"));
-        std::fs::write(&path, support::llamacpp_tiny(arch, window).to_bytes()).unwrap();
+        std::fs::write(&path, model_support::llamacpp_tiny(arch, window).to_bytes()).unwrap();
         for gateway_check in [true, false] {
             let env: &[(&str, &str)] = if gateway_check { &[] } else { &[("BULKHEAD_NO_GATEWAY_ADMISSION", "1")] };
             let s = serve_model(&path, &["--prefill-kv-pool-tokens", "64", "--clamp-context"], env);
@@ -309,7 +309,7 @@ fn a_base_model_refuses_chat_until_given_a_chat_template() {
     let dir = std::env::temp_dir().join(format!("bulkhead-serve-base-{}-{}", std::process::id(), rand_u64()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("qwen3.gguf");
-    std::fs::write(&path, support::llamacpp_tiny("qwen3", None).to_bytes()).unwrap();
+    std::fs::write(&path, model_support::llamacpp_tiny("qwen3", None).to_bytes()).unwrap();
     let s = serve_model(&path, &[], &[]);
     let (status, b) = chat(&s.http, SYSTEM, "hello", 4);
     assert_eq!((status, b["error"]["code"].as_str()), (400, Some("no_chat_template")), "{b}");
@@ -577,7 +577,7 @@ fn kv_addr(s: &Server) -> String {
 /// A counter's value at `/metrics` over the series with labels `want`, once the workers'
 /// latest reports have arrived (polled for a few seconds until `enough`).
 fn counter(s: &Server, name: &str, want: &[(&str, &str)], enough: f64) -> f64 {
-    common::polled_sum(&s.http, name, want, enough)
+    support::polled_sum(&s.http, name, want, enough)
 }
 
 #[test]
@@ -793,7 +793,7 @@ fn structured_outputs_logprobs_n_and_tools_hold_across_the_handoff() {
     assert!(texts[0] != texts[1] || texts[1] != texts[2], "{texts:?}");
     // The siblings share the prompt's full pages on the prefill worker: the later two hit
     // what the first one published (its own scope: the same tenant and salt).
-    let before = common::sum(&common::scrape(&s.http), "bulkhead:prefix_cache_hits_total", &[]);
+    let before = support::sum(&support::scrape(&s.http), "bulkhead:prefix_cache_hits_total", &[]);
     let long = format!("Summarise this. {}", "The quick brown fox jumps over the lazy dog. ".repeat(12));
     post("/v1/chat/completions", serde_json::json!({"model": MODEL_ID, "max_tokens": 2, "n": 3, "messages": user(&long)}));
     let prompt = post("/tokenize", serde_json::json!({"messages": user(&long)}))["count"].as_u64().expect("count") as f64;
@@ -845,7 +845,7 @@ fn kv_frames_take_ucx_where_it_loads_and_tcp_when_asked_with_the_same_answers() 
             );
         }
         let other = if road == "ucx" { "tcp" } else { "ucx" };
-        assert_eq!(common::sum(&common::scrape(&s.http), "bulkhead:kv_connections_total", &[("transport", other)]), 0.0);
+        assert_eq!(support::sum(&support::scrape(&s.http), "bulkhead:kv_connections_total", &[("transport", other)]), 0.0);
         let log = std::fs::read_to_string(&s.stderr_log).unwrap();
         let open = format!("transport=\"{road}\"");
         assert!(log.lines().any(|l| l.contains("KV connection open") && l.contains(&open)), "{log}");
@@ -870,9 +870,9 @@ fn a_prefill_worker_stalled_mid_transfer_over_ucx_keeps_its_pages_quarantined_un
     let long = "The quick brown fox jumps over the lazy dog. ".repeat(150);
     let victim = std::thread::spawn(move || chat(&http, SYSTEM, &long, 8));
     let decode = [("role", "decode")];
-    let metric = |name: &str, labels: &[(&str, &str)]| common::sum(&common::scrape(&s.http), name, labels);
+    let metric = |name: &str, labels: &[(&str, &str)]| support::sum(&support::scrape(&s.http), name, labels);
     let logs = [s.stderr_log.as_path()];
-    common::wait_for("the first KV chunk at the decode worker", Duration::from_secs(120), &logs, || {
+    support::wait_for("the first KV chunk at the decode worker", Duration::from_secs(120), &logs, || {
         metric("bulkhead:isolation_checks_total", &[("role", "decode"), ("check", "chunk_verified")]) > 0.0
     });
     assert_eq!(counter(&s, "bulkhead:kv_connections_total", &[("role", "decode"), ("transport", "ucx")], 1.0), 1.0, "the KV takes UCX");
@@ -888,9 +888,9 @@ fn a_prefill_worker_stalled_mid_transfer_over_ucx_keeps_its_pages_quarantined_un
     assert!(Command::new("kill").args(["-CONT", &prefill]).status().unwrap().success());
     assert!(quarantined > 0.0, "pages freed before the writer was fenced");
     assert_eq!(fenced, 0.0, "nothing fenced the stopped writer");
-    common::wait_for("the fence to release the quarantine", Duration::from_secs(120), &logs, || {
-        let m = common::scrape(&s.http);
-        common::sum(&m, "bulkhead:fenced_releases_total", &decode) > 0.0 && common::pools_idle(&m)
+    support::wait_for("the fence to release the quarantine", Duration::from_secs(120), &logs, || {
+        let m = support::scrape(&s.http);
+        support::sum(&m, "bulkhead:fenced_releases_total", &decode) > 0.0 && support::pools_idle(&m)
     });
     // Whether the resumed writer sends more chunks first or reads the abort first is up to it.
     eprintln!("resumed: late chunks {}", metric("bulkhead:late_chunks_total", &decode));

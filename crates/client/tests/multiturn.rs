@@ -1,15 +1,15 @@
 //! The multi-turn scenario against a fake chat server that answers first turns slowly and
 //! later turns at once, and reports a share of each prompt as cached.
 
-mod common;
+mod support;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bulkhead_client::multiturn::{self, MultiTurnConfig};
-use common::{client, serve, stream};
 use serde_json::{Value, json};
+use support::{client, serve, stream};
 
 /// The requests the fake server saw: the `Authorization` header and the messages.
 type Seen = Arc<Mutex<Vec<(String, Vec<Value>)>>>;
@@ -102,7 +102,7 @@ async fn a_failed_turn_ends_its_conversation_and_the_rest_are_skipped() {
     let url = serve(|req| {
         let n = req.body["messages"].as_array().map_or(0, Vec::len);
         if n == 4 {
-            return common::error(503, "overloaded");
+            return support::error(503, "overloaded");
         }
         stream(Duration::ZERO, true, &["hi"], json!({"prompt_tokens": 10, "completion_tokens": 1}))
     })

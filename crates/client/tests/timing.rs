@@ -2,7 +2,7 @@
 //! every tenant (a leaky cache: a miss costs 30 ms, a hit nothing) and one keyed by the
 //! API key (so tenant B never hits what tenant A sent).
 
-mod common;
+mod support;
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use bulkhead_client::timing::{self, TimingConfig, TimingMode};
 use bulkhead_client::{Api, ClientError};
-use common::{client, serve, stream};
+use support::{client, serve, stream};
 
 /// What a cache miss costs the fake server: always exactly this, so two groups of misses
 /// share one distribution and differ only by scheduling noise.
@@ -86,7 +86,7 @@ async fn the_same_tenant_control_sees_a_cache_keyed_by_tenant() {
 
 #[tokio::test]
 async fn failing_requests_stop_the_audit_with_an_error() {
-    let url = serve(|_| common::error(500, "engine down")).await;
+    let url = serve(|_| support::error(500, "engine down")).await;
     match timing::run(&client(&url, "sk-a"), &client(&url, "sk-b"), &cfg(30, 0.01, false)).await {
         Err(ClientError::TooManyFailures { failed, last }) => {
             assert_eq!(failed, timing::MAX_FAILURES);

@@ -41,6 +41,9 @@ pub type Event = GenEvent;
 /// on a chunk of a long prompt, few enough that decode steps are not held up for long.
 pub const DEFAULT_PREFILL_CHUNK: usize = 512;
 
+/// How a sequence of a step ended: its finish reason and text, or the grammar's refusal.
+type SequenceEnd = Result<(FinishReason, String), ChooseError>;
+
 /// How an [`Engine`] batches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EngineConfig {
@@ -471,7 +474,7 @@ impl Engine {
             }
         }
         // Remove from the back so indices stay valid.
-        let mut ends: Vec<(usize, Result<(FinishReason, String), ChooseError>)> =
+        let mut ends: Vec<(usize, SequenceEnd)> =
             finished.into_iter().map(|(i, r, t)| (i, Ok((r, t)))).chain(failed.into_iter().map(|(i, e)| (i, Err(e)))).collect();
         ends.sort_by_key(|f| std::cmp::Reverse(f.0));
         for (i, end) in ends {

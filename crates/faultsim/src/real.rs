@@ -35,13 +35,16 @@ impl DecodeModel for Engine {
     }
 }
 
+/// A reference generation's key: prompt, maximum tokens and the sampling settings' text.
+type ReferenceKey = (Vec<u32>, u32, String);
+
 /// The real model family: one layout (the model's), prompts of real token ids.
 pub struct RealModels {
     model: Arc<Llama>,
     tokenizer: Arc<Tokenizer>,
     page_size: usize,
     /// The same prompt is asked for again when a schedule repeats; the engine is slow.
-    references: RefCell<BTreeMap<(Vec<u32>, u32, String), Expected>>,
+    references: RefCell<BTreeMap<ReferenceKey, Expected>>,
 }
 
 impl RealModels {

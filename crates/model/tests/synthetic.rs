@@ -73,7 +73,7 @@ impl CoreShare for SlowShare {
     }
 
     fn narrow(&self) -> bool {
-        self.asked.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 2 == 0
+        self.asked.fetch_add(1, std::sync::atomic::Ordering::Relaxed).is_multiple_of(2)
     }
 }
 

@@ -94,6 +94,8 @@ enum Cmd {
         cache: Option<CacheScope>,
         arrived: Instant,
         events: mpsc::Sender<GenEvent>,
+        /// `messages` or `prompt`: the field a context-length error names.
+        prompt_param: &'static str,
     },
     Register {
         hello: Hello,
@@ -190,7 +192,7 @@ impl Backend for ClusterBackend {
         }
         let max_tokens = u32::try_from(max_tokens).map_err(|_| {
             count(&s.refused.context_length);
-            ApiError::context_length_exceeded(tokens.len(), max_tokens, limit)
+            ApiError::context_length_exceeded(tokens.len(), max_tokens, limit, prompt_param)
         })?;
         // Enough room for every token of the longest request: sends never block the actor.
         let (tx, rx) = mpsc::channel(limit.max(16) + 8);
@@ -199,7 +201,18 @@ impl Backend for ClusterBackend {
         let cache = s.cache_secret.as_ref().map(|secret| secret.scope(&req.tenant.name, req.cache_salt.as_deref()));
         let trace = TraceContext { trace_id: req.trace_id.0, request_id: req.request_id, tenant: req.tenant.name.to_string() };
         let sampling = req.sampling;
-        match s.cmds.try_send(Cmd::Submit { tokens, max_tokens, sampling, stop: req.stop, trace, tenant, cache, arrived, events: tx }) {
+        match s.cmds.try_send(Cmd::Submit {
+            tokens,
+            max_tokens,
+            sampling,
+            stop: req.stop,
+            trace,
+            tenant,
+            cache,
+            arrived,
+            events: tx,
+            prompt_param,
+        }) {
             Ok(()) => Ok(rx),
             Err(mpsc::error::TrySendError::Full(_)) => {
                 count(&s.refused.busy);
@@ -373,6 +386,8 @@ struct Client {
     arrived: Instant,
     /// When its last token reached the gateway; none yet = still waiting.
     last_token: Option<Instant>,
+    /// `messages` or `prompt`: the field a context-length error names.
+    prompt_param: &'static str,
 }
 
 struct WorkerInfo {
@@ -407,10 +422,11 @@ impl Actor {
     async fn run(mut self, mut inbox: mpsc::Receiver<Cmd>) {
         while let Some(cmd) = inbox.recv().await {
             match cmd {
-                Cmd::Submit { tokens, max_tokens, sampling, stop, trace, tenant, cache, arrived, events } => {
+                Cmd::Submit { tokens, max_tokens, sampling, stop, trace, tenant, cache, arrived, events, prompt_param } => {
                     let req = RequestId(self.next_req);
                     self.next_req += 1;
-                    let client = Client { events, prompt_tokens: tokens.len(), max_tokens: max_tokens as usize, arrived, last_token: None };
+                    let prompt_tokens = tokens.len();
+                    let client = Client { events, prompt_tokens, max_tokens: max_tokens as usize, arrived, last_token: None, prompt_param };
                     self.clients.insert(req, client);
                     self.apply(GatewayEvent::Submit { req, tokens, max_tokens, sampling, stop, trace, tenant, cache });
                 }
@@ -479,7 +495,7 @@ impl Actor {
     fn carry_out(&mut self, actions: Vec<GatewayAction>) {
         for a in actions {
             match a {
-                GatewayAction::ToWorker { to, msg } => self.to_worker(to, msg),
+                GatewayAction::ToWorker { to, msg } => self.send_to_worker(to, msg),
                 GatewayAction::ToClient { req, out } => self.deliver_to_client(req, out),
             }
         }
@@ -487,7 +503,7 @@ impl Actor {
 
     /// Queue `msg` for worker `to`. A worker whose queue is full is cut off: dropping its
     /// writer closes its connection, and its reader's end reports it as having left.
-    fn to_worker(&mut self, to: WorkerId, msg: Message) {
+    fn send_to_worker(&mut self, to: WorkerId, msg: Message) {
         let Some(w) = self.writers.get(&to) else { return };
         if let Err(mpsc::error::TrySendError::Full(_)) = w.try_send(msg) {
             tracing::error!(worker = %to, queued = WORKER_OUTBOX, "worker too far behind; disconnecting it");
@@ -589,7 +605,7 @@ impl Actor {
             ClientOutput::Rejected { reason, detail } => events.push(GenEvent::Failed(match reason {
                 RejectReason::ContextLength => {
                     let limit = self.role.max_context();
-                    let mut e = ApiError::context_length_exceeded(c.prompt_tokens, c.max_tokens, limit);
+                    let mut e = ApiError::context_length_exceeded(c.prompt_tokens, c.max_tokens, limit, c.prompt_param);
                     e.message = format!("{} ({detail})", e.message);
                     e
                 }

@@ -226,6 +226,8 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
 }
 
 /// One registration: serve until the gateway goes away or the role asks to rejoin.
+// Each argument is one of the worker's long-lived parts, set up once by its caller.
+#[allow(clippy::too_many_arguments)]
 fn incarnation(
     cfg: &WorkerConfig,
     me: WorkerId,

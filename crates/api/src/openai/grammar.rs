@@ -28,7 +28,7 @@ pub(super) fn parse(obj: &Map<String, Value>) -> Result<Option<(GrammarSpec, &'s
     {
         found.push((g, "response_format"));
     }
-    let vllm: [(&'static str, fn(&Value, &str) -> Result<GrammarSpec, ApiError>); 4] =
+    let vllm: [(&'static str, GrammarParser); 4] =
         [("guided_json", json_schema), ("guided_regex", regex), ("guided_choice", choice), ("guided_grammar", lark)];
     for (name, f) in vllm {
         if let Some(v) = field(obj, name) {
@@ -37,8 +37,7 @@ pub(super) fn parse(obj: &Map<String, Value>) -> Result<Option<(GrammarSpec, &'s
     }
     if let Some(v) = field(obj, "structured_outputs") {
         let Value::Object(o) = v else { return Err(type_error("structured_outputs", "an object", v)) };
-        let kinds: [(&'static str, fn(&Value, &str) -> Result<GrammarSpec, ApiError>); 4] =
-            [("json", json_schema), ("regex", regex), ("choice", choice), ("grammar", lark)];
+        let kinds: [(&'static str, GrammarParser); 4] = [("json", json_schema), ("regex", regex), ("choice", choice), ("grammar", lark)];
         for (name, f) in kinds {
             if let Some(v) = field(o, name) {
                 found.push((f(v, &format!("structured_outputs.{name}"))?, "structured_outputs"));
@@ -57,6 +56,9 @@ pub(super) fn parse(obj: &Map<String, Value>) -> Result<Option<(GrammarSpec, &'s
         }
     }
 }
+
+/// Reads one field's value (named by the `&str`) into a grammar.
+type GrammarParser = fn(&Value, &str) -> Result<GrammarSpec, ApiError>;
 
 /// OpenAI's `response_format`: `text` (no constraint), `json_object`, or `json_schema` with
 /// its `schema` (`strict` is accepted either way: the grammar always holds).

@@ -47,7 +47,7 @@ unsafe fn tile<const N: usize>(ty: GgmlType, w: *const u8, a: ActPtrs, out: &mut
     let mut summ = [0.0f32; N];
     let mask = _mm256_set1_epi8(0x0F);
     let ones = _mm256_set1_epi16(1);
-    // SAFETY (whole body): every offset below is < nb blocks of the weight row or < N rows of
+    // SAFETY: (whole body) every offset below is < nb blocks of the weight row or < N rows of
     // nb blocks of activations, as the caller guarantees; unaligned loads are used throughout.
     unsafe {
         match ty {
@@ -168,7 +168,7 @@ macro_rules! ktile_kernel {
             let mut kb = KBlock::default();
             let has_mins = matches!(ty, GgmlType::Q2_K | GgmlType::Q4_K | GgmlType::Q5_K);
             for (sb, blk) in w.chunks_exact(bb).enumerate() {
-                // SAFETY (loads): every 32-byte load below is inside `blk`, whose layout the offsets
+                // SAFETY: (loads) every 32-byte load below is inside `blk`, whose layout the offsets
                 // follow (kquant's module docs); unaligned loads throughout.
                 let (d, dmin, sc, mn) = unsafe {
                     match ty {

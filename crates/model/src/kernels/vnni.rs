@@ -83,7 +83,7 @@ unsafe fn group<const F: u8, const N: usize>(g: *const u8, nb: usize, acts: &Q8A
         0x04040404_00000000,
     );
     let pick = _mm512_set1_epi32(0x0804_0201);
-    // SAFETY (whole body): offsets stay within nb blocks of the group and N rows of nb
+    // SAFETY: (whole body) offsets stay within nb blocks of the group and N rows of nb
     // activation blocks, as the caller guarantees; loads are unaligned.
     unsafe {
         let act = |n: usize, b: usize| (first + n) * nb + b;
