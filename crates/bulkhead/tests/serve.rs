@@ -310,7 +310,7 @@ fn a_base_model_refuses_chat_until_given_a_chat_template() {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("qwen3.gguf");
     std::fs::write(&path, model_support::llamacpp_tiny("qwen3", None).to_bytes()).unwrap();
-    let s = serve_model(&path, &[], &[]);
+    let s = serve_model(&path, &["--model-id", MODEL_ID], &[]);
     let (status, b) = chat(&s.http, SYSTEM, "hello", 4);
     assert_eq!((status, b["error"]["code"].as_str()), (400, Some("no_chat_template")), "{b}");
     assert!(b["error"]["message"].as_str().unwrap().contains("/v1/completions"), "{b}");
@@ -320,7 +320,7 @@ fn a_base_model_refuses_chat_until_given_a_chat_template() {
     drop(s);
     let template = dir.join("chat.jinja");
     std::fs::write(&template, "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:").unwrap();
-    let s = serve_model(&path, &["--chat-template", template.to_str().unwrap()], &[]);
+    let s = serve_model(&path, &["--model-id", MODEL_ID, "--chat-template", template.to_str().unwrap()], &[]);
     let (status, b) = chat(&s.http, SYSTEM, "hello", 4);
     assert_eq!(status, 200, "{b}");
     // The template's text is in the prompt (the tiny vocabulary spells it byte by byte).
@@ -625,7 +625,7 @@ fn a_worker_without_the_cluster_key_or_with_a_wrong_one_cannot_join_and_exits_no
     let err = stranger(&[]);
     assert!(err.contains("refused this worker") && err.contains("needs its key"), "{err}");
     let err = stranger(&["--cluster-key-file", &key_file()]);
-    assert!(err.contains("does not hold this cluster's key"), "{err}");
+    assert!(err.contains("the proof does not match") && err.contains("a different cluster key"), "{err}");
     assert!(counter(&s, "bulkhead:auth_refusals_total", &[("worker", "gateway")], 2.0) >= 2.0);
     let (_, metrics) = get(&s.http, "/metrics");
     assert!(metrics.contains("bulkhead:workers{role=\"decode\"} 1"), "only the real decode worker: {metrics}");
@@ -928,5 +928,88 @@ fn a_forged_frame_over_ucx_closes_its_connection_like_one_over_tcp() {
     assert!(counter(&s, "bulkhead:bad_connections_total", &[("role", "decode")], 1.0) >= 1.0);
     let log = std::fs::read_to_string(&s.stderr_log).unwrap();
     assert!(log.lines().any(|l| l.contains("bad frame on a KV connection") && l.contains("failed authentication")), "{log}");
+    assert_eq!(chat(&s.http, SYSTEM, "Hi", 4).0, 200);
+}
+
+/// Resident memory of process `pid`, in bytes.
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap();
+    kib * 1024
+}
+
+/// Before the handshake a port holds little (I9). 256 connections that trickle a frame
+/// header a byte at a time cannot keep a real peer out: the oldest waiting connections are
+/// closed to make room, and each is cut at the handshake deadline. 48 keyless connections
+/// announcing 15 MiB frames are closed at their header, and the gateway does not grow.
+#[test]
+fn trickling_and_oversize_connections_before_the_handshake_hold_nothing() {
+    use bulkhead_protocol::{Message, Purpose};
+    let key = key_file();
+    let s = serve(&["--cluster-key-file", &key], &[]);
+    let kv = kv_addr(&s);
+    // A well-formed AuthHello, sent a byte at a time: never complete, never wrong.
+    let hello = Message::AuthHello { purpose: Purpose::Kv, claim: 9, nonce: [7; 32], encrypt: false };
+    let mut frame = Vec::new();
+    bulkhead_protocol::encode(&hello, &mut frame);
+    let trickle: Vec<TcpStream> = (0..256)
+        .map(|_| {
+            let mut c = TcpStream::connect(&kv).unwrap();
+            c.write_all(&frame[..1]).unwrap();
+            c
+        })
+        .collect();
+    let clones: Vec<TcpStream> = trickle.iter().map(|c| c.try_clone().unwrap()).collect();
+    let trickler = std::thread::spawn(move || {
+        for byte in &frame[1..9] {
+            std::thread::sleep(Duration::from_millis(500));
+            for mut c in &clones {
+                let _ = c.write_all(std::slice::from_ref(byte));
+            }
+        }
+    });
+    // A real peer's handshake gets through the trickle at once.
+    let started = std::time::Instant::now();
+    let real = internal(&kv, Some(&key), Purpose::Kv, 9);
+    assert!(real.is_ok(), "{:?}", real.err());
+    assert!(started.elapsed() < Duration::from_secs(2), "the handshake took {:?}", started.elapsed());
+    // Every trickle is closed: made room for a newer one, or cut at the deadline (3 s).
+    for mut c in trickle {
+        c.set_read_timeout(Some(Duration::from_secs(8))).unwrap();
+        let r = c.read(&mut [0u8; 16]);
+        assert!(matches!(r, Ok(0)) || r.as_ref().is_err_and(|e| e.kind() != std::io::ErrorKind::WouldBlock), "{r:?}");
+    }
+    trickler.join().unwrap();
+    let decode = [("role", "decode")];
+    assert!(counter(&s, "bulkhead:handshake_refusals_total", &[decode[0], ("reason", "evicted")], 200.0) >= 200.0);
+    assert!(counter(&s, "bulkhead:handshake_refusals_total", &[decode[0], ("reason", "deadline")], 1.0) >= 1.0);
+    // Oversize first frames on the gateway's worker port.
+    let gateway = s.child.id();
+    let before = rss(gateway);
+    let mut header = vec![b'B', b'H', bulkhead_protocol::VERSION, 1];
+    header.extend_from_slice(&(15u32 << 20).to_le_bytes());
+    let senders: Vec<_> = (0..48)
+        .map(|_| {
+            let (addr, header) = (s.workers.clone(), header.clone());
+            std::thread::spawn(move || {
+                let mut c = TcpStream::connect(addr).unwrap();
+                let _ = c.write_all(&header);
+                let chunk = vec![0x5a; 1 << 20];
+                for _ in 0..15 {
+                    if c.write_all(&chunk).is_err() {
+                        break;
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in senders {
+        t.join().unwrap();
+    }
+    let grown = rss(gateway).saturating_sub(before);
+    assert!(grown <= 16 << 20, "the gateway grew by {} MiB", grown >> 20);
+    // Each closed at its header, or first made room for a newer one (16 wait per address).
+    let gw = |reason| counter(&s, "bulkhead:handshake_refusals_total", &[("role", "gateway"), ("reason", reason)], 1.0);
+    assert!(gw("malformed") >= 1.0 && gw("malformed") + gw("evicted") >= 48.0, "{} {}", gw("malformed"), gw("evicted"));
     assert_eq!(chat(&s.http, SYSTEM, "Hi", 4).0, 200);
 }

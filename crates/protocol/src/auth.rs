@@ -99,7 +99,7 @@ impl std::fmt::Debug for ClusterKey {
 pub enum AuthError {
     #[error("a cluster key is 64 hexadecimal digits (32 bytes)")]
     KeyFormat,
-    #[error("the peer does not hold this cluster's key (its proof does not match)")]
+    #[error("the proof does not match: the peer holds a different cluster key, or the handshake was altered on the way")]
     WrongKey,
     #[error("the handshake was for {got:?}, this port serves {want:?}")]
     WrongPurpose { want: Purpose, got: Purpose },

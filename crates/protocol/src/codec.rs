@@ -765,6 +765,12 @@ impl FrameDecoder {
         FrameDecoder { buf: Vec::new(), taken: 0, end: 0, max_frame, opener: None, payloads: Arc::default() }
     }
 
+    /// From now on, refuse payloads over `max_frame` bytes (a port raises its limit once the
+    /// peer has authenticated).
+    pub fn set_max_frame(&mut self, max_frame: usize) {
+        self.max_frame = max_frame;
+    }
+
     /// From now on every frame must carry a MAC that `opener` accepts (bytes already
     /// buffered included: they came after the handshake's last frame).
     pub fn open_with(&mut self, opener: Opener) {

@@ -7,8 +7,9 @@
 //! closes.
 //!
 //! KV connections: at most [`MAX_KV_CONNECTIONS`] at once, one reader thread each (one
-//! per prefill worker in a healthy cluster); one that does not start with `KvHello` within
-//! [`HELLO_TIMEOUT`] is closed and counted.
+//! per prefill worker in a healthy cluster); each comes in through the KV port's [`Door`]
+//! (a handshake deadline and a capped waiting room, [`crate::door`]), and one that has not
+//! authenticated and sent its `KvHello` by the deadline is closed and counted.
 //!
 //! Log lines about a request run in its span (request, trace id, `x-request-id`) from its
 //! `Reserve` on; the worker's metrics go to the gateway every
@@ -31,13 +32,15 @@ use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeLink};
 use bulkhead_protocol::{Hello, Message, Purpose, Role, WorkerId};
 use tracing::Span;
 
+use crate::door::{self, Door, Refusal, Waiter};
 use crate::metrics::{self, Families, Pusher};
 use crate::wire::{FrameReader, FrameWriter, WireError, accept_handshake, count_auth_refusal, count_bad_connection};
 use crate::worker::{INBOX, WorkerConfig, WorkerError, load, register, request_span};
 
 /// KV connections served at once; more are closed at once (and counted).
 pub const MAX_KV_CONNECTIONS: usize = 256;
-/// How long a new KV connection may take to send its `KvHello`.
+/// How long each answer may take while a KV connection is set up after its introduction
+/// (choosing the transport), and the connecting side's wait for each handshake answer.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
 enum In {
@@ -238,70 +241,81 @@ impl DecodeLink for Link {
     }
 }
 
-/// Accept KV connections, at most [`MAX_KV_CONNECTIONS`] at once. With a cluster key, the
+/// Accept KV connections, at most [`MAX_KV_CONNECTIONS`] at once, each through the KV
+/// port's [`Door`] (a handshake deadline, a capped waiting room). With a cluster key, the
 /// handshake comes first and must prove the key; then (or without a key, at once) the
-/// first frame must be `KvHello` naming the identity the handshake claimed, all within
-/// [`HELLO_TIMEOUT`]. Anything else (garbage, a port scanner, an HTTP client, silence, no
-/// key or a wrong one, another prefill's id) closes that connection and the worker serves
-/// on.
+/// first frame must be `KvHello` naming the identity the handshake claimed. Anything else
+/// (garbage, a port scanner, an HTTP client, silence, a trickle, no key or a wrong one,
+/// another prefill's id) closes that connection and the worker serves on.
 fn accept_prefills(listener: TcpListener, tx: SyncSender<In>, trust: Trust, transport: KvTransport) {
     let open = Arc::new(AtomicUsize::new(0));
+    let door = Door::new("kv");
     for conn in listener.incoming() {
         let Ok(stream) = conn else { continue };
+        let peer = stream.peer_addr().ok().map(|a| a.ip());
         if open.load(Ordering::Acquire) >= MAX_KV_CONNECTIONS {
-            let total = count_bad_connection();
-            tracing::warn!(max = MAX_KV_CONNECTIONS, bad_connections = total, "too many KV connections; closed");
+            door::refuse("kv", peer, Refusal::Full, &format_args!("{MAX_KV_CONNECTIONS} KV connections are open"));
             continue;
         }
+        // Eviction shuts the socket down: the handshake's blocked read returns at once.
+        let Ok(evictable) = stream.try_clone() else { continue };
+        let evict: door::Evict = Box::new(move || {
+            let _ = evictable.shutdown(std::net::Shutdown::Both);
+        });
+        let waiter = door.enter(peer.unwrap_or(std::net::Ipv4Addr::UNSPECIFIED.into()), evict);
         open.fetch_add(1, Ordering::AcqRel);
         let (tx, open, trust) = (tx.clone(), open.clone(), trust.clone());
         std::thread::spawn(move || {
-            serve_prefill(stream, &tx, &trust, transport);
+            serve_prefill(stream, waiter, &tx, &trust, transport);
             open.fetch_sub(1, Ordering::AcqRel);
         });
     }
 }
 
-fn serve_prefill(stream: TcpStream, tx: &SyncSender<In>, trust: &Trust, transport: KvTransport) {
+fn serve_prefill(stream: TcpStream, waiter: Waiter, tx: &SyncSender<In>, trust: &Trust, transport: KvTransport) {
     let _ = stream.set_nodelay(true);
     let Ok(writer) = stream.try_clone() else { return };
     let mut writer = FrameWriter::new(writer);
-    let _ = stream.set_read_timeout(Some(HELLO_TIMEOUT));
-    let Ok(unlimited) = stream.try_clone() else { return };
+    let peer_ip = stream.peer_addr().ok().map(|a| a.ip());
     let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-    let mut reader = FrameReader::new(stream);
+    let mut reader = FrameReader::before_handshake(stream, Instant::now() + door::HANDSHAKE_DEADLINE);
     let hello = reader.recv().and_then(|first| {
         let auth = accept_handshake(first.clone(), &mut reader, &mut writer, trust, Purpose::Kv)?;
         // Without a key the first frame was already the introduction.
         let hello = if auth.is_some() { reader.recv()? } else { first };
         Ok((auth, hello))
     });
+    let refuse = |reason: Refusal, detail: &dyn std::fmt::Display| door::refuse("kv", peer_ip, reason, detail);
     let (from, auth) = match hello {
         Ok((auth, Message::KvHello { prefill })) if auth.is_none_or(|a| a.claim == prefill.0) => (prefill, auth),
         Ok((Some(auth), Message::KvHello { prefill })) => {
             let claim = auth.claim;
-            let total = count_auth_refusal();
-            tracing::warn!(%peer, claimed = claim, named = %prefill, auth_refusals = total, "KV connection authenticated as one prefill worker names another; closed");
+            count_auth_refusal();
+            refuse(Refusal::Identity, &format_args!("authenticated as worker-{claim}, introduced as {prefill}"));
             let _ =
                 writer.send(&Message::AuthRefused { reason: format!("this connection authenticated as worker-{claim}, not {prefill}") });
             return;
         }
         Ok((_, other)) => {
-            let total = count_bad_connection();
-            tracing::warn!(%peer, first = other.kind_name(), bad_connections = total, "KV connection did not start with KvHello; closed");
-            return;
-        }
-        Err(WireError::Auth(e)) => {
-            let total = crate::wire::AUTH_REFUSALS.load(std::sync::atomic::Ordering::Relaxed);
-            tracing::warn!(%peer, error = %e, auth_refusals = total, "KV connection refused: cluster handshake failed");
+            count_bad_connection();
+            refuse(Refusal::Unexpected, &format_args!("the first frame was {}, not KvHello", other.kind_name()));
             return;
         }
         Err(e) => {
-            let total = count_bad_connection();
-            tracing::warn!(error = %e, bad_connections = total, "bad bytes or silence on the KV port; connection closed");
+            if matches!(e, WireError::Codec(_)) {
+                count_bad_connection();
+            }
+            if let Some(reason) = door::refusal_of(&e) {
+                refuse(reason, &e);
+            }
             return;
         }
     };
+    // Admitted: full-size frames, no deadline, and its place in the waiting room is free.
+    drop(waiter);
+    if reader.admitted().and_then(|()| reader.set_timeout(Some(HELLO_TIMEOUT))).is_err() {
+        return;
+    }
     let chosen = match transport.accept(auth.is_some(), &mut reader, &mut writer) {
         Ok(c) => c,
         Err(e) => {
@@ -316,8 +330,10 @@ fn serve_prefill(stream: TcpStream, tx: &SyncSender<In>, trust: &Trust, transpor
         %peer, prefill = %from, authenticated = auth.is_some(), encrypted = auth.is_some_and(|a| a.encrypted),
         transport = chosen.name(), detail = chosen.detail(), "KV connection from a prefill worker"
     );
-    // Once introduced, a prefill may stay quiet between keepalives as long as it likes.
-    let _ = unlimited.set_read_timeout(None);
+    // Once set up, a prefill may stay quiet between keepalives as long as it likes.
+    if reader.set_timeout(None).is_err() {
+        return;
+    }
     if tx.send(In::PrefillConnected(from, writer)).is_err() {
         return;
     }

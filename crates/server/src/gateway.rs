@@ -28,6 +28,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 
+use crate::door::{self, Door, Refusal, Waiter};
 use crate::http::HttpLimits;
 use crate::metrics::{self, Families, RequestMetrics};
 use crate::trust::Trust;
@@ -651,22 +652,38 @@ impl Actor {
     }
 }
 
+/// Worker connections the gateway serves at once (registered or still in their handshake);
+/// more are closed at once (and counted).
+pub const MAX_WORKER_CONNECTIONS: usize = 256;
+
+/// Accept worker connections, at most [`MAX_WORKER_CONNECTIONS`] at once, each through the
+/// worker port's [`Door`] (a handshake deadline, a capped waiting room).
 async fn accept_workers(l: TcpListener, cmds: mpsc::Sender<Cmd>, trust: Trust) {
+    let open = Arc::new(AtomicUsize::new(0));
+    let door = Door::new("worker");
     loop {
         let Ok((s, peer)) = l.accept().await else { continue };
-        let (cmds, trust) = (cmds.clone(), trust.clone());
+        if open.load(Ordering::Acquire) >= MAX_WORKER_CONNECTIONS {
+            door::refuse("worker", Some(peer.ip()), Refusal::Full, &format_args!("{MAX_WORKER_CONNECTIONS} worker connections are open"));
+            continue;
+        }
+        let (evict, evicted) = oneshot::channel::<()>();
+        let evict: door::Evict = Box::new(move || {
+            let _ = evict.send(());
+        });
+        let waiter = door.enter(peer.ip(), evict);
+        open.fetch_add(1, Ordering::AcqRel);
+        let (cmds, trust, open) = (cmds.clone(), trust.clone(), Arc::clone(&open));
         tokio::spawn(async move {
-            if let Err(e) = serve_worker(s, cmds, &trust).await {
-                if e.kind() == std::io::ErrorKind::PermissionDenied {
-                    let total = crate::wire::count_auth_refusal();
-                    tracing::warn!(%peer, error = %e, auth_refusals = total, "worker refused: cluster handshake failed");
-                } else if e.kind() == std::io::ErrorKind::Other {
+            if let Err(e) = serve_worker(s, cmds, &trust, waiter, evicted).await {
+                if e.kind() == std::io::ErrorKind::Other {
                     let total = crate::wire::count_bad_connection();
                     tracing::warn!(%peer, error = %e, bad_connections = total, "worker connection closed for bad bytes");
                 } else {
                     tracing::warn!(%peer, error = %e, "worker connection closed");
                 }
             }
+            open.fetch_sub(1, Ordering::AcqRel);
         });
     }
 }
@@ -676,17 +693,14 @@ async fn read_msg(r: &mut tokio::net::tcp::OwnedReadHalf, d: &mut FrameDecoder) 
         if let Some(m) = d.next_message().map_err(std::io::Error::other)? {
             return Ok(m);
         }
-        let n = r.read(d.spare(crate::wire::READ_BYTES)).await?;
+        // Never more than one largest frame: before the handshake that is a few hundred bytes.
+        let want = crate::wire::READ_BYTES.min(d.max_wire_frame());
+        let n = r.read(d.spare(want)).await?;
         if n == 0 {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
         d.filled(n);
     }
-}
-
-/// Read the next message within the time a worker has to introduce itself.
-async fn read_hello(r: &mut tokio::net::tcp::OwnedReadHalf, d: &mut FrameDecoder) -> std::io::Result<Message> {
-    tokio::time::timeout(Duration::from_secs(10), read_msg(r, d)).await.map_err(|_| std::io::Error::other("no Hello within 10 s"))?
 }
 
 async fn write_msg(w: &mut tokio::net::tcp::OwnedWriteHalf, enc: &mut FrameEncoder, m: &Message) -> std::io::Result<()> {
@@ -695,61 +709,104 @@ async fn write_msg(w: &mut tokio::net::tcp::OwnedWriteHalf, enc: &mut FrameEncod
     w.write_all(&b).await
 }
 
-/// The gateway's side of the cluster handshake ([`crate::wire::accept_handshake`] is the
-/// same over blocking sockets): with a key, `first` must open a handshake that proves it,
-/// and both directions are sealed from then on; without one, `first` must not. Returns
-/// the worker's first message after it. A refusal is sent to the worker, and returned as
-/// `PermissionDenied` (counted by the caller).
-async fn authenticate(
-    first: Message,
+/// Why a worker connection closed before it was admitted: the refusal's reason and what
+/// to log. `None` for a connection that merely ended.
+type NotAdmitted = Option<(Refusal, String)>;
+
+fn not_admitted(e: std::io::Error) -> NotAdmitted {
+    match e.into_inner().map(|inner| inner.downcast::<bulkhead_protocol::CodecError>()) {
+        Some(Ok(codec)) => {
+            let detail = codec.to_string();
+            door::refusal_of(&crate::wire::WireError::Codec(*codec)).map(|r| (r, detail))
+        }
+        // End of stream, a reset, or an eviction (counted when it happened).
+        _ => None,
+    }
+}
+
+/// The worker's introduction (its `Hello`), read through the gateway's side of the cluster
+/// handshake ([`crate::wire::accept_handshake`] is the same over blocking sockets): with a
+/// key, the first frame must open a handshake that proves it, and both directions are
+/// sealed from then on; without one, it must not. A refusal is sent to the worker.
+async fn introduce(
     trust: &Trust,
     peer: Option<std::net::IpAddr>,
     r: &mut tokio::net::tcp::OwnedReadHalf,
     w: &mut tokio::net::tcp::OwnedWriteHalf,
     d: &mut FrameDecoder,
     enc: &mut FrameEncoder,
-) -> std::io::Result<Message> {
-    let refused = |reason: String| std::io::Error::new(std::io::ErrorKind::PermissionDenied, reason);
-    let key = match (trust.key.as_deref(), &first) {
+) -> Result<Hello, NotAdmitted> {
+    let first = read_msg(r, d).await.map_err(not_admitted)?;
+    let first = match (trust.key.as_deref(), first) {
         (None, Message::AuthHello { .. }) => {
             let reason = crate::wire::NO_KEY_HERE.to_string();
             let _ = write_msg(w, enc, &Message::AuthRefused { reason: reason.clone() }).await;
-            return Err(refused(reason));
+            crate::wire::count_auth_refusal();
+            return Err(Some((Refusal::NoKey, reason)));
         }
-        (None, _) => return Ok(first),
-        (Some(key), _) => key,
-    };
-    let nonce = crate::trust::random().map_err(std::io::Error::other)?;
-    let result = match Server::start(key, Purpose::Control, first, trust.wants_encryption(peer), nonce) {
-        Ok((server, challenge)) => {
-            write_msg(w, enc, &challenge).await?;
-            server.finish(read_hello(r, d).await?)
-        }
-        Err(e) => Err(e),
-    };
-    match result {
-        Ok(session) => {
+        (None, first) => first,
+        (Some(key), first) => {
+            let nonce = crate::trust::random().map_err(|e| Some((Refusal::Proof, e.to_string())))?;
+            let result = match Server::start(key, Purpose::Control, first, trust.wants_encryption(peer), nonce) {
+                Ok((server, challenge)) => {
+                    write_msg(w, enc, &challenge).await.map_err(|_| None)?;
+                    server.finish(read_msg(r, d).await.map_err(not_admitted)?)
+                }
+                Err(e) => Err(e),
+            };
+            let session = match result {
+                Ok(session) => session,
+                Err(e) => {
+                    let _ = write_msg(w, enc, &Message::AuthRefused { reason: e.to_string() }).await;
+                    crate::wire::count_auth_refusal();
+                    let reason = door::refusal_of(&crate::wire::WireError::Auth(e.clone())).unwrap_or(Refusal::Proof);
+                    return Err(Some((reason, e.to_string())));
+                }
+            };
             tracing::info!(?peer, encrypted = session.encrypted, "worker connection authenticated");
             d.open_with(session.recv);
             *enc = FrameEncoder::sealed(session.send);
-            read_hello(r, d).await
+            read_msg(r, d).await.map_err(not_admitted)?
         }
-        Err(e) => {
-            let _ = write_msg(w, enc, &Message::AuthRefused { reason: e.to_string() }).await;
-            Err(refused(e.to_string()))
+    };
+    match first {
+        Message::Hello(hello) => Ok(hello),
+        other => {
+            crate::wire::count_bad_connection();
+            Err(Some((Refusal::Unexpected, format!("the first frame was {}, not Hello", other.kind_name()))))
         }
     }
 }
 
-async fn serve_worker(s: TcpStream, cmds: mpsc::Sender<Cmd>, trust: &Trust) -> std::io::Result<()> {
+async fn serve_worker(
+    s: TcpStream,
+    cmds: mpsc::Sender<Cmd>,
+    trust: &Trust,
+    waiter: Waiter,
+    evicted: oneshot::Receiver<()>,
+) -> std::io::Result<()> {
     s.set_nodelay(true)?;
     let peer = s.peer_addr().ok().map(|a| a.ip());
     let (mut r, mut w) = s.into_split();
-    let mut d = FrameDecoder::new(DEFAULT_MAX_FRAME);
+    let mut d = FrameDecoder::new(door::PRE_AUTH_MAX_FRAME);
     let mut enc = FrameEncoder::plain();
-    let first = read_hello(&mut r, &mut d).await?;
-    let first = authenticate(first, trust, peer, &mut r, &mut w, &mut d, &mut enc).await?;
-    let Message::Hello(hello) = first else { return Err(std::io::Error::other("first message was not Hello")) };
+    let intro = tokio::time::timeout(door::HANDSHAKE_DEADLINE, introduce(trust, peer, &mut r, &mut w, &mut d, &mut enc));
+    let outcome = tokio::select! {
+        o = intro => o.unwrap_or_else(|_| Err(Some((Refusal::Deadline, crate::wire::WireError::Deadline.to_string())))),
+        // Made room for a newer connection (counted then).
+        _ = evicted => Err(None),
+    };
+    let hello = match outcome {
+        Ok(hello) => hello,
+        Err(Some((reason, detail))) => {
+            door::refuse("worker", peer, reason, &detail);
+            return Ok(());
+        }
+        Err(None) => return Ok(()),
+    };
+    // Admitted: full-size frames, and its place in the waiting room is free.
+    drop(waiter);
+    d.set_max_frame(DEFAULT_MAX_FRAME);
     let (wtx, mut wrx) = mpsc::channel::<Message>(WORKER_OUTBOX);
     let (reply, answer) = oneshot::channel();
     cmds.send(Cmd::Register { hello, writer: wtx, reply }).await.map_err(|_| std::io::Error::other("gateway stopped"))?;

@@ -6,6 +6,8 @@
 //! - [`prefill_worker`], [`decode_worker`]: blocking threads around the protocol's roles.
 //! - [`worker`]: what both workers share: loading, the capacity contract (I5), registration.
 //! - [`wire`]: frames over blocking TCP (or UCX), and the cluster handshake over them.
+//! - [`door`]: what a connection may hold before it has proved the key (I9): the
+//!   handshake deadline, the waiting room's caps and evictions, refusals by reason.
 //! - [`kv_transport`]: which road a KV connection's frames take (UCX or TCP), chosen per
 //!   connection over its authenticated session.
 //! - [`trust`]: where the cluster key comes from, and which listeners may run without one.
@@ -15,6 +17,7 @@
 
 pub mod core_budget;
 pub mod decode_worker;
+pub mod door;
 pub mod gateway;
 pub mod http;
 pub mod kv_transport;

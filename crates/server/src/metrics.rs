@@ -172,6 +172,12 @@ impl Families {
         );
         let help = "Internal connections refused by the cluster handshake: no key, a wrong key, or an identity that does not match.";
         self.counter("bulkhead:auth_refusals_total", help, labels, crate::wire::AUTH_REFUSALS.load(Relaxed));
+        let help = "Internal connections closed before they authenticated, by reason (deadline, evicted, full, malformed, unexpected, version, proof, no_key, identity).";
+        for (reason, n) in crate::door::refusals() {
+            let mut l = labels.to_vec();
+            l.push(("reason", reason.as_str()));
+            self.counter("bulkhead:handshake_refusals_total", help, &l, n);
+        }
     }
 
     /// The families built.

@@ -5,7 +5,7 @@
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bulkhead_kv::transfer::ChunkExport;
 use bulkhead_kv::{KvError, RequestId};
@@ -48,6 +48,8 @@ pub enum WireError {
     Ucx(#[from] bulkhead_ucx::UcxError),
     #[error("{0}")]
     Transport(String),
+    #[error("the handshake did not finish within {} s", crate::door::HANDSHAKE_DEADLINE.as_secs())]
+    Deadline,
 }
 
 /// How long one frame may take over UCX before the link counts as down (a stalled or
@@ -66,12 +68,28 @@ pub struct FrameReader {
     /// Once the connection chose UCX: where its frames arrive (and a buffer for the next),
     /// while the TCP stream only says when the peer is gone.
     ucx: Option<(bulkhead_ucx::Receiver, Vec<u8>)>,
+    /// Before the peer is admitted: when its handshake must be over.
+    deadline: Option<Instant>,
 }
 
 impl FrameReader {
     /// Wrap a stream (typically a `try_clone` of the writer's).
     pub fn new(stream: TcpStream) -> Self {
-        FrameReader { stream, decoder: FrameDecoder::new(DEFAULT_MAX_FRAME), ucx: None }
+        FrameReader { stream, decoder: FrameDecoder::new(DEFAULT_MAX_FRAME), ucx: None, deadline: None }
+    }
+
+    /// The accepting side of a connection that has not yet proved anything: frames (and
+    /// reads) of at most [`crate::door::PRE_AUTH_MAX_FRAME`] bytes, and the whole handshake
+    /// by `deadline`, until [`FrameReader::admitted`].
+    pub fn before_handshake(stream: TcpStream, deadline: Instant) -> Self {
+        FrameReader { stream, decoder: FrameDecoder::new(crate::door::PRE_AUTH_MAX_FRAME), ucx: None, deadline: Some(deadline) }
+    }
+
+    /// The peer authenticated and introduced itself: full-size frames, no deadline.
+    pub fn admitted(&mut self) -> Result<(), WireError> {
+        self.decoder.set_max_frame(DEFAULT_MAX_FRAME);
+        self.deadline = None;
+        Ok(self.stream.set_read_timeout(None)?)
     }
 
     /// From now on, frames come over UCX. The peer's last frame on TCP must have been the
@@ -114,8 +132,22 @@ impl FrameReader {
                 }
                 continue;
             }
-            // Straight into the decoder's buffer: KV chunks are most of these bytes.
-            let n = self.stream.read(self.decoder.spare(READ_BYTES))?;
+            if let Some(d) = self.deadline {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(WireError::Deadline);
+                }
+                self.stream.set_read_timeout(Some(left))?;
+            }
+            // Straight into the decoder's buffer: KV chunks are most of these bytes. Never
+            // more than one largest frame: before the handshake that is a few hundred bytes.
+            let want = READ_BYTES.min(self.decoder.max_wire_frame());
+            let n = match self.stream.read(self.decoder.spare(want)) {
+                Err(e) if self.deadline.is_some() && matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                    return Err(WireError::Deadline);
+                }
+                r => r?,
+            };
             if n == 0 {
                 return Err(WireError::Closed);
             }
