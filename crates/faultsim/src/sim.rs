@@ -15,12 +15,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
 use bulkhead_kv::{CacheStats, Generation, KvChecks, KvPool, PageId, PoolConfig, PoolStats, PrefixCache, RequestId};
-use bulkhead_modelcheck::Variant;
-use bulkhead_modelcheck::drivers::DecodeVariant;
 use bulkhead_protocol::cache::CacheSecret;
 use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole, DecodeStats};
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeEngine, DecodeLink};
 use bulkhead_protocol::driver::prefill::{Batching, LinkDown, PrefillDriver, PrefillLink, Step};
+use bulkhead_protocol::driver::sabotage::DecodeSabotage;
 use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, TenantId, client_of};
 use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillRole};
 use bulkhead_protocol::{Hello, Message, RejectReason, Role, TraceContext, WorkerId};
@@ -130,7 +129,7 @@ struct PrefillWorker<P> {
 }
 
 struct DecodeWorker<D> {
-    driver: DecodeDriver<D, DecodeVariant>,
+    driver: DecodeDriver<D, DecodeSabotage>,
     gw: ConnId,
     /// Accepted KV connections and the prefill worker each announced (None before KvHello).
     kv: BTreeMap<ConnId, Option<WorkerId>>,
@@ -177,15 +176,15 @@ enum Due {
     PrefillTick(WorkerId),
 }
 
-/// The decode driver's policy in a schedule: the production one, or one of the sabotages
-/// that show the checks bite. The broken decode drivers are the model checker's own
-/// ([`DecodeVariant`]): one set, caught by both checkers.
-fn decode_policy(s: Sabotage) -> DecodeVariant {
-    DecodeVariant(match s {
-        Sabotage::DropFences => Variant::DropFence,
-        Sabotage::ReleaseOnTimeout => Variant::ReleaseQuarantineOnTick,
-        Sabotage::None | Sabotage::DropFirstToken => Variant::Production,
-    })
+/// The decode driver's policy in a schedule: the production one, or one of the driver
+/// core's sabotages ([`DecodeSabotage`]) that show the checks bite; the model checker
+/// plants the same ones.
+fn decode_policy(s: Sabotage) -> DecodeSabotage {
+    match s {
+        Sabotage::DropFences => DecodeSabotage::DropFences,
+        Sabotage::ReleaseOnTimeout => DecodeSabotage::FenceOnTimeout,
+        Sabotage::None | Sabotage::DropFirstToken => DecodeSabotage::None,
+    }
 }
 
 /// What a prefill worker's chunks set off (the plan's mid-transfer fault), for the loop to

@@ -1,16 +1,16 @@
 //! What the model checker plugs into the production driver core
-//! ([`bulkhead_protocol::driver`]): the mock model on both sides, and the broken
-//! [`Variant`]s as driver policies. The transports are in [`crate::world`].
+//! ([`bulkhead_protocol::driver`]): the mock model on both sides, and which of the driver
+//! core's sabotage policies ([`bulkhead_protocol::driver::sabotage`]) each broken
+//! [`Variant`] plants. The transports are in [`crate::world`].
 
 use std::collections::BTreeMap;
 
-use bulkhead_kv::{KvError, KvPool, PageKey, RequestId, SequenceKv};
-use bulkhead_protocol::cache::CacheScope;
-use bulkhead_protocol::decode::{DecodeAction, DecodeEvent, DecodeStart};
-use bulkhead_protocol::driver::decode::{DecodeEngine, DecodePolicy, GenEvent, Growing, make_room};
-use bulkhead_protocol::driver::prefill::{Chunk, First, PrefillCompute, PrefillPolicy};
-use bulkhead_protocol::prefill::PrefillJob;
-use bulkhead_protocol::{FinishReason, Message};
+use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv};
+use bulkhead_protocol::FinishReason;
+use bulkhead_protocol::decode::DecodeStart;
+use bulkhead_protocol::driver::decode::{DecodeEngine, GenEvent, Growing, make_room};
+use bulkhead_protocol::driver::prefill::{Chunk, First, PrefillCompute};
+use bulkhead_protocol::driver::sabotage::{DecodeSabotage, PrefillSabotage};
 
 use crate::config::{LAYOUT, Variant};
 use crate::world::{FIRST_TOKEN, Prop, Values};
@@ -282,63 +282,22 @@ fn read_positions(pool: &KvPool, values: &Values, req: RequestId, seq: &Sequence
     Ok(())
 }
 
-/// The prefill side of a [`Variant`]: honest, except under [`Variant::KeepRejectedJob`],
-/// the incident's scheduler, which swallows a refusal and runs a 1-token placeholder of
-/// the refused prompt behind the role's back.
-#[derive(Debug)]
-pub struct PrefillVariant {
-    keeps_rejected: bool,
-    unscoped_keys: bool,
-    /// Requests the role refused, whatever the policy did with the refusal (for the ghost
-    /// state: from then on they must not reach transfer or decode).
-    pub refused: Vec<RequestId>,
-}
-
-impl PrefillVariant {
-    /// The policy of `variant`.
-    pub fn new(variant: Variant) -> Self {
-        PrefillVariant {
-            keeps_rejected: variant == Variant::KeepRejectedJob,
-            unscoped_keys: variant == Variant::UnscopedCacheKeys,
-            refused: Vec::new(),
-        }
+/// The prefill side of a [`Variant`]: honest, except under [`Variant::KeepRejectedJob`]
+/// (the incident's scheduler) and [`Variant::UnscopedCacheKeys`].
+pub fn prefill_policy(variant: Variant) -> PrefillSabotage {
+    match variant {
+        Variant::KeepRejectedJob => PrefillSabotage::keep_rejected(),
+        Variant::UnscopedCacheKeys => PrefillSabotage::unscoped_keys(),
+        _ => PrefillSabotage::none(),
     }
 }
 
-impl PrefillPolicy for PrefillVariant {
-    fn refused(&mut self, job: &PrefillJob) -> Option<PrefillJob> {
-        self.refused.push(job.req);
-        self.keeps_rejected.then(|| PrefillJob { tokens: job.tokens[..1.min(job.tokens.len())].to_vec(), ..job.clone() })
-    }
-
-    fn page_keys(&mut self, scope: &CacheScope, model_digest: u64, tokens: &[u32], page_size: usize) -> Vec<PageKey> {
-        // Broken: one key space for every tenant and salt.
-        let scope = if self.unscoped_keys { CacheScope([0; 32]) } else { *scope };
-        scope.page_keys(model_digest, tokens, page_size)
-    }
-}
-
-/// The decode side of a [`Variant`]: honest, except under [`Variant::DropFence`] (a
-/// `Fenced` from a prefill worker is taken for information and dropped) and
-/// [`Variant::ReleaseQuarantineOnTick`] (a transfer timeout is taken for a fence: the
-/// quarantined pages of every timed-out transfer are released while its prefill may still
-/// write).
-#[derive(Debug)]
-pub struct DecodeVariant(pub Variant);
-
-impl DecodePolicy for DecodeVariant {
-    fn inbound(&mut self, ev: DecodeEvent) -> Option<DecodeEvent> {
-        match ev {
-            DecodeEvent::Prefill { msg: Message::Fenced { .. }, .. } if self.0 == Variant::DropFence => None,
-            ev => Some(ev),
-        }
-    }
-
-    fn outbound(&mut self, acts: Vec<DecodeAction>, feedback: &mut Vec<DecodeEvent>) -> Vec<DecodeAction> {
-        if self.0 == Variant::ReleaseQuarantineOnTick {
-            let fences = acts.iter().filter_map(DecodeAction::timeout_abort);
-            feedback.extend(fences.map(|(from, req)| DecodeEvent::Prefill { from, msg: Message::Fenced { req } }));
-        }
-        acts
+/// The decode side of a [`Variant`]: honest, except under [`Variant::DropFence`] and
+/// [`Variant::ReleaseQuarantineOnTick`].
+pub fn decode_policy(variant: Variant) -> DecodeSabotage {
+    match variant {
+        Variant::DropFence => DecodeSabotage::DropFences,
+        Variant::ReleaseQuarantineOnTick => DecodeSabotage::FenceOnTimeout,
+        _ => DecodeSabotage::None,
     }
 }

@@ -24,7 +24,8 @@ use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillRole};
 use bulkhead_protocol::{FailReason, Hello, Message, RejectReason, Role, Sampling, TraceContext, WorkerId};
 
 use crate::config::{Config, LAYOUT, TICK_MS, Variant};
-use crate::drivers::{DecodeVariant, MockDecode, MockPrefill, PrefillVariant};
+use crate::drivers::{MockDecode, MockPrefill, decode_policy, prefill_policy};
+use bulkhead_protocol::driver::sabotage::{DecodeSabotage, PrefillSabotage};
 
 /// The decode worker's id.
 pub const DECODE: WorkerId = WorkerId(1);
@@ -180,12 +181,12 @@ const BATCHING: Batching = Batching { chunk_tokens: LAYOUT.page_size, step_token
 
 struct PrefillWorker {
     id: WorkerId,
-    driver: PrefillDriver<PrefillVariant>,
+    driver: PrefillDriver<PrefillSabotage>,
     pool: KvPool,
     now: u64,
 }
 
-type Decode = DecodeDriver<MockDecode, DecodeVariant>;
+type Decode = DecodeDriver<MockDecode, DecodeSabotage>;
 
 /// Remaining fault budgets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -388,7 +389,7 @@ impl<'c> World<'c> {
         let mut dec = DecodeDriver::with_policy(
             DecodeRole::new(DecodeConfig { max_context: cfg.decode_max_context, transfer_timeout_ms: TICK_MS }),
             MockDecode::new(dpool, cfg.variant, Values::new(cfg)),
-            DecodeVariant(cfg.variant),
+            decode_policy(cfg.variant),
         );
         let mut prefills = Vec::new();
         for i in 0..cfg.prefill_workers {
@@ -432,7 +433,7 @@ impl<'c> World<'c> {
             PrefillRole::new(PrefillConfig { max_prompt: cfg.prefill_max_prompt, page_size: LAYOUT.page_size, keepalive_ms: TICK_MS });
         role.handle(PrefillEvent::DecodeConnected { decode: DECODE });
         dec.handle(DecodeEvent::PrefillConnected { from: id }, &mut Nowhere);
-        let driver = PrefillDriver::with_policy(role, BATCHING, PrefillVariant::new(cfg.variant));
+        let driver = PrefillDriver::with_policy(role, BATCHING, prefill_policy(cfg.variant));
         let driver = if cfg.prefix_cache { driver.with_cache(PrefixCache::new(cfg.prefill_pool_pages), DIGEST) } else { driver };
         PrefillWorker { id, driver, pool: ppool, now: 0 }
     }

@@ -716,6 +716,7 @@ type NotAdmitted = Option<(Refusal, String)>;
 fn not_admitted(e: std::io::Error) -> NotAdmitted {
     match e.into_inner().map(|inner| inner.downcast::<bulkhead_protocol::CodecError>()) {
         Some(Ok(codec)) => {
+            crate::wire::count_bad_connection();
             let detail = codec.to_string();
             door::refusal_of(&crate::wire::WireError::Codec(*codec)).map(|r| (r, detail))
         }

@@ -10,14 +10,17 @@
 //! - a model ([`prefill::PrefillCompute`], [`decode::DecodeEngine`]): what computes KV
 //!   and tokens;
 //! - a policy ([`prefill::PrefillPolicy`], [`decode::DecodePolicy`]): [`Honest`] in
-//!   production; the checkers' deliberately broken variants implement it in their own
-//!   crates, to show that the checks catch a driver that misbehaves.
+//!   production; the deliberately broken ones the checkers plant, to show that the checks
+//!   catch a driver that misbehaves, are in `sabotage` (feature `sabotage`), here beside
+//!   the code they break, so that neither checker depends on the other.
 //!
 //! So a bug put into this module is a bug in every one of them, and the checkers verify
 //! the code that production runs. Like the roles, it has no sockets, threads or clocks.
 
 pub mod decode;
 pub mod prefill;
+#[cfg(feature = "sabotage")]
+pub mod sabotage;
 
 /// The production policy: drivers that do exactly what the roles decide.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
