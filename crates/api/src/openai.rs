@@ -252,51 +252,12 @@ enum Endpoint {
 
 /// The fields chat and text completions share.
 fn common(obj: &Map<String, Value>, prompts: Vec<Prompt>, endpoint: Endpoint) -> Result<CompletionParams, ApiError> {
-    for (name, why, default) in UNSUPPORTED {
-        let Some(v) = field(obj, name) else { continue };
-        let harmless = default.is_some_and(|d| v.as_bool() == Some(d));
-        if !harmless && (*name != "suffix" || endpoint == Endpoint::Text) {
-            return Err(ApiError::invalid_request(*name, format!("'{name}': {why}.")).with_code("unsupported_parameter"));
-        }
-    }
-    let own = match endpoint {
-        Endpoint::Chat => CHAT_ONLY,
-        Endpoint::Text => TEXT_ONLY,
-    };
-    deny_unknown(obj, "", |k| {
-        KNOWN.contains(&k) || own.contains(&k) || UNSUPPORTED.iter().any(|u| u.0 == k && (k != "suffix" || endpoint == Endpoint::Text))
-    })?;
-    match field(obj, "modalities") {
-        None => {}
-        Some(Value::Array(m)) if m.iter().all(|x| x.as_str() == Some("text")) => {}
-        Some(_) => {
-            return Err(
-                ApiError::invalid_request("modalities", "Only the 'text' modality is supported.").with_code("unsupported_parameter")
-            );
-        }
-    }
-    if let Some(Value::Bool(true)) = field(obj, "store") {
-        return Err(ApiError::invalid_request("store", "Stored completions are not supported: this server keeps no completions.")
-            .with_code("unsupported_parameter"));
-    }
-    match field(obj, "service_tier") {
-        None => {}
-        Some(Value::String(t)) if t == "auto" || t == "default" => {}
-        Some(_) => {
-            return Err(ApiError::invalid_request("service_tier", "Only the 'auto' and 'default' service tiers exist here.")
-                .with_code("unsupported_parameter"));
-        }
-    }
+    check_fields(obj, endpoint)?;
     let user = match field(obj, "user") {
         None => None,
         Some(Value::String(u)) => Some(u.chars().take(256).collect()),
         Some(v) => return Err(type_error("user", "a string", v)),
     };
-    match field(obj, "metadata") {
-        None => {}
-        Some(Value::Object(m)) if m.values().all(Value::is_string) => {}
-        Some(v) => return Err(type_error("metadata", "an object of strings", v)),
-    }
     let model = match field(obj, "model") {
         None => {
             return Err(ApiError::invalid_request("model", "Missing required parameter: 'model'."));
@@ -308,78 +269,7 @@ fn common(obj: &Map<String, Value>, prompts: Vec<Prompt>, endpoint: Endpoint) ->
         Some(v) => Some(positive_int(v, "max_completion_tokens")?),
         None => field(obj, "max_tokens").map(|v| positive_int(v, "max_tokens")).transpose()?,
     };
-    let mut sampling = Sampling::default();
-    if let Some(v) = field(obj, "temperature") {
-        let t = number(v, "temperature")?;
-        if !(0.0..=MAX_TEMPERATURE).contains(&t) {
-            return Err(range_error("temperature", format!("a value in [0, {MAX_TEMPERATURE}]"), v));
-        }
-        sampling.temperature = t as f32;
-    }
-    if let Some(v) = field(obj, "top_p") {
-        let p = number(v, "top_p")?;
-        if !(p > 0.0 && p <= 1.0) {
-            return Err(range_error("top_p", "a value in (0, 1]".into(), v));
-        }
-        // The f32 rounding must not turn a tiny positive top_p into 0 (outside the sampler's
-        // range): the smallest positive f32 keeps only the most likely token, as `p` does.
-        sampling.top_p = (p as f32).max(f32::MIN_POSITIVE);
-    }
-    if let Some(v) = field(obj, "top_k") {
-        sampling.top_k = match v.as_f64() {
-            Some(-1.0) => 0, // vLLM's "off"
-            _ => u32::try_from(int(v, "top_k", 0)?).unwrap_or(u32::MAX),
-        };
-    }
-    sampling.min_p = bounded(obj, "min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32;
-    sampling.presence_penalty = bounded(obj, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
-    sampling.frequency_penalty = bounded(obj, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
-    if let Some(v) = field(obj, "repetition_penalty") {
-        let r = number(v, "repetition_penalty")?;
-        if !(r > 0.0 && r <= 2.0) {
-            return Err(range_error("repetition_penalty", "a value in (0, 2]".into(), v));
-        }
-        sampling.repetition_penalty = r as f32;
-    }
-    sampling.logit_bias = parse_logit_bias(obj)?;
-    if let Some(v) = field(obj, "min_tokens") {
-        sampling.min_tokens =
-            u32::try_from(int(v, "min_tokens", 0)?).map_err(|_| range_error("min_tokens", "a value that fits the context".into(), v))?;
-        if max_tokens.is_some_and(|m| sampling.min_tokens as usize > m) {
-            return Err(ApiError::invalid_request("min_tokens", "min_tokens must not be larger than max_tokens."));
-        }
-    }
-    sampling.stop_token_ids = match field(obj, "stop_token_ids") {
-        None => Vec::new(),
-        Some(Value::Array(ids)) if ids.len() <= MAX_TOKEN_LIST => ids
-            .iter()
-            .enumerate()
-            .map(|(i, v)| {
-                let p = format!("stop_token_ids[{i}]");
-                u32::try_from(int(v, &p, 0)?).map_err(|_| range_error(&p, "a token id".into(), v))
-            })
-            .collect::<Result<_, _>>()?,
-        Some(Value::Array(_)) => {
-            return Err(ApiError::invalid_request("stop_token_ids", format!("At most {MAX_TOKEN_LIST} stop_token_ids.")));
-        }
-        Some(v) => return Err(type_error("stop_token_ids", "an array of token ids", v)),
-    };
-    sampling.logprobs = parse_logprobs(obj, endpoint)?;
-    if let Some(v) = field(obj, "seed") {
-        sampling.seed = Some(seed(v)?);
-    }
-    // Not OpenAI's: llama.cpp's and vLLM's extension, for fixed-length benchmarks.
-    match field(obj, "ignore_eos") {
-        None => {}
-        Some(Value::Bool(b)) => sampling.ignore_eos = *b,
-        Some(v) => return Err(type_error("ignore_eos", "a boolean", v)),
-    }
-    // vLLM's: special tokens (`<|im_start|>`, ...) are left out of the text unless asked for.
-    match field(obj, "skip_special_tokens") {
-        None => {}
-        Some(Value::Bool(b)) => sampling.skip_special_tokens = *b,
-        Some(v) => return Err(type_error("skip_special_tokens", "a boolean", v)),
-    }
+    let mut sampling = parse_sampling(obj, endpoint, max_tokens)?;
     let (grammar, grammar_param) = match grammar::parse(obj)? {
         Some((g, param)) => (Some(g), Some(param)),
         None => (None, None),
@@ -467,6 +357,129 @@ fn common(obj: &Map<String, Value>, prompts: Vec<Prompt>, endpoint: Endpoint) ->
         grammar_param,
         user,
     })
+}
+
+/// The field set of a body: unsupported fields (unless set to their default), unknown ones
+/// and the few whose only accepted value is the default are refused, naming the field.
+fn check_fields(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<(), ApiError> {
+    for (name, why, default) in UNSUPPORTED {
+        let Some(v) = field(obj, name) else { continue };
+        let harmless = default.is_some_and(|d| v.as_bool() == Some(d));
+        if !harmless && (*name != "suffix" || endpoint == Endpoint::Text) {
+            return Err(ApiError::invalid_request(*name, format!("'{name}': {why}.")).with_code("unsupported_parameter"));
+        }
+    }
+    let own = match endpoint {
+        Endpoint::Chat => CHAT_ONLY,
+        Endpoint::Text => TEXT_ONLY,
+    };
+    deny_unknown(obj, "", |k| {
+        KNOWN.contains(&k) || own.contains(&k) || UNSUPPORTED.iter().any(|u| u.0 == k && (k != "suffix" || endpoint == Endpoint::Text))
+    })?;
+    match field(obj, "modalities") {
+        None => {}
+        Some(Value::Array(m)) if m.iter().all(|x| x.as_str() == Some("text")) => {}
+        Some(_) => {
+            return Err(
+                ApiError::invalid_request("modalities", "Only the 'text' modality is supported.").with_code("unsupported_parameter")
+            );
+        }
+    }
+    if let Some(Value::Bool(true)) = field(obj, "store") {
+        return Err(ApiError::invalid_request("store", "Stored completions are not supported: this server keeps no completions.")
+            .with_code("unsupported_parameter"));
+    }
+    match field(obj, "service_tier") {
+        None => {}
+        Some(Value::String(t)) if t == "auto" || t == "default" => {}
+        Some(_) => {
+            return Err(ApiError::invalid_request("service_tier", "Only the 'auto' and 'default' service tiers exist here.")
+                .with_code("unsupported_parameter"));
+        }
+    }
+    match field(obj, "metadata") {
+        None => {}
+        Some(Value::Object(m)) if m.values().all(Value::is_string) => {}
+        Some(v) => return Err(type_error("metadata", "an object of strings", v)),
+    }
+    Ok(())
+}
+
+/// The sampling controls of a body, range-checked (`max_tokens` bounds `min_tokens`).
+fn parse_sampling(obj: &Map<String, Value>, endpoint: Endpoint, max_tokens: Option<usize>) -> Result<Sampling, ApiError> {
+    let mut sampling = Sampling::default();
+    if let Some(v) = field(obj, "temperature") {
+        let t = number(v, "temperature")?;
+        if !(0.0..=MAX_TEMPERATURE).contains(&t) {
+            return Err(range_error("temperature", format!("a value in [0, {MAX_TEMPERATURE}]"), v));
+        }
+        sampling.temperature = t as f32;
+    }
+    if let Some(v) = field(obj, "top_p") {
+        let p = number(v, "top_p")?;
+        if !(p > 0.0 && p <= 1.0) {
+            return Err(range_error("top_p", "a value in (0, 1]".into(), v));
+        }
+        // The f32 rounding must not turn a tiny positive top_p into 0 (outside the sampler's
+        // range): the smallest positive f32 keeps only the most likely token, as `p` does.
+        sampling.top_p = (p as f32).max(f32::MIN_POSITIVE);
+    }
+    if let Some(v) = field(obj, "top_k") {
+        sampling.top_k = match v.as_f64() {
+            Some(-1.0) => 0, // vLLM's "off"
+            _ => u32::try_from(int(v, "top_k", 0)?).unwrap_or(u32::MAX),
+        };
+    }
+    sampling.min_p = bounded(obj, "min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32;
+    sampling.presence_penalty = bounded(obj, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
+    sampling.frequency_penalty = bounded(obj, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
+    if let Some(v) = field(obj, "repetition_penalty") {
+        let r = number(v, "repetition_penalty")?;
+        if !(r > 0.0 && r <= 2.0) {
+            return Err(range_error("repetition_penalty", "a value in (0, 2]".into(), v));
+        }
+        sampling.repetition_penalty = r as f32;
+    }
+    sampling.logit_bias = parse_logit_bias(obj)?;
+    if let Some(v) = field(obj, "min_tokens") {
+        sampling.min_tokens =
+            u32::try_from(int(v, "min_tokens", 0)?).map_err(|_| range_error("min_tokens", "a value that fits the context".into(), v))?;
+        if max_tokens.is_some_and(|m| sampling.min_tokens as usize > m) {
+            return Err(ApiError::invalid_request("min_tokens", "min_tokens must not be larger than max_tokens."));
+        }
+    }
+    sampling.stop_token_ids = match field(obj, "stop_token_ids") {
+        None => Vec::new(),
+        Some(Value::Array(ids)) if ids.len() <= MAX_TOKEN_LIST => ids
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let p = format!("stop_token_ids[{i}]");
+                u32::try_from(int(v, &p, 0)?).map_err(|_| range_error(&p, "a token id".into(), v))
+            })
+            .collect::<Result<_, _>>()?,
+        Some(Value::Array(_)) => {
+            return Err(ApiError::invalid_request("stop_token_ids", format!("At most {MAX_TOKEN_LIST} stop_token_ids.")));
+        }
+        Some(v) => return Err(type_error("stop_token_ids", "an array of token ids", v)),
+    };
+    sampling.logprobs = parse_logprobs(obj, endpoint)?;
+    if let Some(v) = field(obj, "seed") {
+        sampling.seed = Some(seed(v)?);
+    }
+    // Not OpenAI's: llama.cpp's and vLLM's extension, for fixed-length benchmarks.
+    match field(obj, "ignore_eos") {
+        None => {}
+        Some(Value::Bool(b)) => sampling.ignore_eos = *b,
+        Some(v) => return Err(type_error("ignore_eos", "a boolean", v)),
+    }
+    // vLLM's: special tokens (`<|im_start|>`, ...) are left out of the text unless asked for.
+    match field(obj, "skip_special_tokens") {
+        None => {}
+        Some(Value::Bool(b)) => sampling.skip_special_tokens = *b,
+        Some(v) => return Err(type_error("skip_special_tokens", "a boolean", v)),
+    }
+    Ok(sampling)
 }
 
 /// `n` or `best_of`: 1 to [`MAX_N`].

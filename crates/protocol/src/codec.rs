@@ -375,182 +375,311 @@ fn metric_kind(v: u8) -> Option<MetricKind> {
     [MetricKind::Counter, MetricKind::Gauge, MetricKind::Histogram].get(usize::from(v)).copied()
 }
 
+// The message table: each message's kind number and fields, declared once. `encode`,
+// `decode_payload` and `Message::kind_name` are generated from it, so a message cannot be
+// added to one side of the codec and not the other, and each field is read in the order
+// it is written (a struct expression evaluates its fields in the order written).
+
+/// A field's bytes on the wire, written and read by one impl so both directions agree.
+trait Wire: Sized {
+    fn put(&self, w: &mut W<'_>);
+    /// `field` names it in errors.
+    fn get(r: &mut R<'_>, field: &'static str) -> Result<Self, CodecError>;
+}
+
+impl Wire for u32 {
+    fn put(&self, w: &mut W<'_>) {
+        w.u32(*self);
+    }
+    fn get(r: &mut R<'_>, _: &'static str) -> Result<Self, CodecError> {
+        r.u32()
+    }
+}
+
+impl Wire for u64 {
+    fn put(&self, w: &mut W<'_>) {
+        w.u64(*self);
+    }
+    fn get(r: &mut R<'_>, _: &'static str) -> Result<Self, CodecError> {
+        r.u64()
+    }
+}
+
+impl Wire for bool {
+    fn put(&self, w: &mut W<'_>) {
+        w.u8(u8::from(*self));
+    }
+    fn get(r: &mut R<'_>, field: &'static str) -> Result<Self, CodecError> {
+        r.enum_u8(field, flag)
+    }
+}
+
+impl Wire for String {
+    fn put(&self, w: &mut W<'_>) {
+        w.str(self);
+    }
+    fn get(r: &mut R<'_>, field: &'static str) -> Result<Self, CodecError> {
+        r.str(field)
+    }
+}
+
+impl Wire for RequestId {
+    fn put(&self, w: &mut W<'_>) {
+        w.req(*self);
+    }
+    fn get(r: &mut R<'_>, _: &'static str) -> Result<Self, CodecError> {
+        r.req()
+    }
+}
+
+impl Wire for WorkerId {
+    fn put(&self, w: &mut W<'_>) {
+        w.u32(self.0);
+    }
+    fn get(r: &mut R<'_>, _: &'static str) -> Result<Self, CodecError> {
+        Ok(WorkerId(r.u32()?))
+    }
+}
+
+impl<const N: usize> Wire for [u8; N] {
+    fn put(&self, w: &mut W<'_>) {
+        w.0.extend_from_slice(self);
+    }
+    fn get(r: &mut R<'_>, _: &'static str) -> Result<Self, CodecError> {
+        r.arr()
+    }
+}
+
+/// Opaque bytes (a UCX worker address).
+impl Wire for Vec<u8> {
+    fn put(&self, w: &mut W<'_>) {
+        w.bytes(self);
+    }
+    fn get(r: &mut R<'_>, _: &'static str) -> Result<Self, CodecError> {
+        Ok(r.bytes()?.to_vec())
+    }
+}
+
+/// Token ids.
+impl Wire for Vec<u32> {
+    fn put(&self, w: &mut W<'_>) {
+        w.tokens(self);
+    }
+    fn get(r: &mut R<'_>, _: &'static str) -> Result<Self, CodecError> {
+        r.tokens()
+    }
+}
+
+impl Wire for Vec<String> {
+    fn put(&self, w: &mut W<'_>) {
+        w.u32(self.len() as u32);
+        self.iter().for_each(|s| w.str(s));
+    }
+    fn get(r: &mut R<'_>, field: &'static str) -> Result<Self, CodecError> {
+        let n = r.count(4)?;
+        (0..n).map(|_| r.str(field)).collect()
+    }
+}
+
+impl Wire for Vec<PageRef> {
+    fn put(&self, w: &mut W<'_>) {
+        w.pages(self);
+    }
+    fn get(r: &mut R<'_>, _: &'static str) -> Result<Self, CodecError> {
+        r.pages()
+    }
+}
+
+impl Wire for Vec<PageKey> {
+    fn put(&self, w: &mut W<'_>) {
+        w.keys(self);
+    }
+    fn get(r: &mut R<'_>, _: &'static str) -> Result<Self, CodecError> {
+        r.keys()
+    }
+}
+
+impl Wire for Vec<MetricFamily> {
+    fn put(&self, w: &mut W<'_>) {
+        w.families(self);
+    }
+    fn get(r: &mut R<'_>, _: &'static str) -> Result<Self, CodecError> {
+        r.families()
+    }
+}
+
+impl Wire for Option<CacheScope> {
+    fn put(&self, w: &mut W<'_>) {
+        w.scope(self);
+    }
+    fn get(r: &mut R<'_>, _: &'static str) -> Result<Self, CodecError> {
+        r.scope()
+    }
+}
+
+impl Wire for Option<TokenLogprobs> {
+    fn put(&self, w: &mut W<'_>) {
+        w.logprobs(self);
+    }
+    fn get(r: &mut R<'_>, _: &'static str) -> Result<Self, CodecError> {
+        r.logprobs()
+    }
+}
+
+impl Wire for Sampling {
+    fn put(&self, w: &mut W<'_>) {
+        w.sampling(self);
+    }
+    fn get(r: &mut R<'_>, _: &'static str) -> Result<Self, CodecError> {
+        r.sampling()
+    }
+}
+
+impl Wire for TraceContext {
+    fn put(&self, w: &mut W<'_>) {
+        w.trace(self);
+    }
+    fn get(r: &mut R<'_>, _: &'static str) -> Result<Self, CodecError> {
+        r.trace()
+    }
+}
+
+/// One-byte enums: the variant's number, and the table that reads it back.
+macro_rules! wire_u8_enum {
+    ($($t:ty => $of:ident),* $(,)?) => {$(
+        impl Wire for $t {
+            fn put(&self, w: &mut W<'_>) {
+                w.u8(*self as u8);
+            }
+            fn get(r: &mut R<'_>, field: &'static str) -> Result<Self, CodecError> {
+                r.enum_u8(field, $of)
+            }
+        }
+    )*};
+}
+wire_u8_enum!(Role => role, Purpose => purpose, RejectReason => reject, FailReason => fail, AbortReason => abort, FinishReason => finish);
+
+/// A struct written field by field, in the order listed.
+macro_rules! wire_struct {
+    ($t:ident { $($f:ident),* $(,)? }) => {
+        impl Wire for $t {
+            fn put(&self, w: &mut W<'_>) {
+                $(self.$f.put(w);)*
+            }
+            fn get(r: &mut R<'_>, _: &'static str) -> Result<Self, CodecError> {
+                Ok($t { $($f: Wire::get(r, stringify!($f))?),* })
+            }
+        }
+    };
+}
+wire_struct!(Hello { role, model_digest, page_size, kv_bytes_per_token, capacity_tokens, max_context, kv_addr });
+
+/// The message table (see above). `KvChunk` is written and read apart, straight between its
+/// data and the frame (`FrameEncoder::encode_kv_chunk`, `decode_kv_chunk`), so it has only
+/// its kind here.
+macro_rules! messages {
+    (
+        newtype { $($nt:ident = $ntk:literal ($inner:ident)),* $(,)? }
+        unit { $($u:ident = $uk:literal),* $(,)? }
+        fields { $($s:ident = $sk:literal { $($f:ident),* $(,)? }),* $(,)? }
+        apart { $($a:ident = $ak:literal),* $(,)? }
+    ) => {
+        /// Every message's kind byte on the wire.
+        #[repr(u8)]
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        enum Kind {
+            $($nt = $ntk,)* $($u = $uk,)* $($s = $sk,)* $($a = $ak,)*
+        }
+
+        impl Kind {
+            fn of(k: u8) -> Option<Kind> {
+                match k {
+                    $($ntk => Some(Kind::$nt),)* $($uk => Some(Kind::$u),)* $($sk => Some(Kind::$s),)* $($ak => Some(Kind::$a),)*
+                    _ => None,
+                }
+            }
+        }
+
+        impl Message {
+            /// The message's name, for errors and logs that must not print its fields.
+            pub fn kind_name(&self) -> &'static str {
+                match self {
+                    $(Message::$nt(..) => stringify!($nt),)*
+                    $(Message::$u => stringify!($u),)*
+                    $(Message::$s { .. } => stringify!($s),)*
+                    $(Message::$a { .. } => stringify!($a),)*
+                }
+            }
+        }
+
+        /// Write `m`'s fields (not `KvChunk`'s); its kind.
+        fn put_fields(m: &Message, w: &mut W<'_>) -> Kind {
+            match m {
+                $(Message::$nt(x) => { x.put(w); Kind::$nt })*
+                $(Message::$u => Kind::$u,)*
+                $(Message::$s { $($f),* } => { $($f.put(w);)* Kind::$s })*
+                Message::KvChunk { req, header, data } => {
+                    w.0.extend_from_slice(&kv_chunk_fields(*req, header, data.len()));
+                    w.0.extend_from_slice(data);
+                    Kind::KvChunk
+                }
+            }
+        }
+
+        /// Read the fields of a message of kind `kind` (not `KvChunk`).
+        fn get_fields(kind: Kind, r: &mut R<'_>) -> Result<Message, CodecError> {
+            Ok(match kind {
+                $(Kind::$nt => Message::$nt(Wire::get(r, stringify!($nt))?),)*
+                $(Kind::$u => Message::$u,)*
+                $(Kind::$s => Message::$s { $($f: Wire::get(r, stringify!($f))?),* },)*
+                // Read apart, by `decode_payload`, before it gets here.
+                $(Kind::$a => return Err(CodecError::UnknownKind($ak)),)*
+            })
+        }
+    };
+}
+
+messages! {
+    newtype { Hello = 1 (Hello) }
+    unit { KvKeepalive = 21, Room = 24 }
+    fields {
+        Welcome = 2 { worker },
+        Refuse = 3 { reason },
+        KvHello = 4 { prefill },
+        Reserve = 5 { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, prompt, trace },
+        Reserved = 6 { req, pages },
+        Rejected = 7 { req, reason, detail },
+        Prefill = 8 { req, tokens, decode, pages, sampling, skip_draws, trace, cache },
+        Done = 10 { req, tokens, first_token, manifest, cached, first_logprobs },
+        Fenced = 11 { req },
+        Token = 12 { req, token, text, logprobs },
+        Finished = 13 { req, finish, text, prompt_tokens, completion_tokens, cached_tokens },
+        Failed = 14 { req, reason, detail },
+        Abort = 15 { req, reason },
+        DecodePeer = 16 { worker, addr },
+        Cancel = 17 { req },
+        Metrics = 18 { families },
+        PrefillUnreachable = 19 { worker },
+        KvLost = 20 { decode },
+        Retracted = 22 { req, tokens },
+        PeerLeft = 23 { worker },
+        AuthHello = 25 { purpose, claim, nonce, encrypt },
+        AuthChallenge = 26 { nonce, proof, encrypt },
+        AuthProof = 27 { proof },
+        AuthRefused = 28 { reason },
+        CacheReport = 29 { stored, evicted },
+        KvUcxAddress = 30 { address },
+        KvUcxUse = 31 { address },
+    }
+    apart { KvChunk = 9 }
+}
+
 /// Append `m` as one frame to `out`.
 pub fn encode(m: &Message, out: &mut Vec<u8>) {
     let start = out.len();
     out.extend_from_slice(&[MAGIC[0], MAGIC[1], VERSION, 0, 0, 0, 0, 0]);
-    let mut w = W(out);
-    let kind: u8 = match m {
-        Message::Hello(h) => {
-            w.u8(h.role as u8);
-            w.u64(h.model_digest);
-            w.u32(h.page_size);
-            w.u32(h.kv_bytes_per_token);
-            w.u64(h.capacity_tokens);
-            w.u32(h.max_context);
-            w.str(&h.kv_addr);
-            1
-        }
-        Message::Welcome { worker } => {
-            w.u32(worker.0);
-            2
-        }
-        Message::Refuse { reason } => {
-            w.str(reason);
-            3
-        }
-        Message::KvHello { prefill } => {
-            w.u32(prefill.0);
-            4
-        }
-        Message::PrefillUnreachable { worker } => {
-            w.u32(worker.0);
-            19
-        }
-        Message::KvLost { decode } => {
-            w.u32(decode.0);
-            20
-        }
-        Message::KvKeepalive => 21,
-        Message::Retracted { req, tokens } => {
-            w.req(*req);
-            w.tokens(tokens);
-            22
-        }
-        Message::PeerLeft { worker } => {
-            w.u32(worker.0);
-            23
-        }
-        Message::Room => 24,
-        Message::AuthHello { purpose, claim, nonce, encrypt } => {
-            w.u8(*purpose as u8);
-            w.u32(*claim);
-            w.0.extend_from_slice(nonce);
-            w.u8(u8::from(*encrypt));
-            25
-        }
-        Message::AuthChallenge { nonce, proof, encrypt } => {
-            w.0.extend_from_slice(nonce);
-            w.0.extend_from_slice(proof);
-            w.u8(u8::from(*encrypt));
-            26
-        }
-        Message::AuthProof { proof } => {
-            w.0.extend_from_slice(proof);
-            27
-        }
-        Message::AuthRefused { reason } => {
-            w.str(reason);
-            28
-        }
-        Message::KvUcxAddress { address } => {
-            w.bytes(address);
-            30
-        }
-        Message::KvUcxUse { address } => {
-            w.bytes(address);
-            31
-        }
-        Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, prompt, trace } => {
-            w.req(*req);
-            w.u32(*prompt_tokens);
-            w.u32(*max_tokens);
-            w.u32(prefill.0);
-            w.sampling(sampling);
-            w.u32(stop.len() as u32);
-            stop.iter().for_each(|s| w.str(s));
-            w.tokens(resume);
-            w.tokens(prompt);
-            w.trace(trace);
-            5
-        }
-        Message::Reserved { req, pages } => {
-            w.req(*req);
-            w.pages(pages);
-            6
-        }
-        Message::Rejected { req, reason, detail } => {
-            w.req(*req);
-            w.u8(*reason as u8);
-            w.str(detail);
-            7
-        }
-        Message::Prefill { req, tokens, decode, pages, sampling, skip_draws, trace, cache } => {
-            w.req(*req);
-            w.tokens(tokens);
-            w.u32(decode.0);
-            w.pages(pages);
-            w.sampling(sampling);
-            w.u32(*skip_draws);
-            w.trace(trace);
-            w.scope(cache);
-            8
-        }
-        Message::KvChunk { req, header, data } => {
-            w.0.extend_from_slice(&kv_chunk_fields(*req, header, data.len()));
-            w.0.extend_from_slice(data);
-            KV_CHUNK
-        }
-        Message::Done { req, tokens, first_token, manifest, cached, first_logprobs } => {
-            w.req(*req);
-            w.u32(*tokens);
-            w.u32(*first_token);
-            w.u64(*manifest);
-            w.u32(*cached);
-            w.logprobs(first_logprobs);
-            10
-        }
-        Message::Fenced { req } => {
-            w.req(*req);
-            11
-        }
-        Message::Token { req, token, text, logprobs } => {
-            w.req(*req);
-            w.u32(*token);
-            w.str(text);
-            w.logprobs(logprobs);
-            12
-        }
-        Message::Finished { req, finish, text, prompt_tokens, completion_tokens, cached_tokens } => {
-            w.req(*req);
-            w.u8(*finish as u8);
-            w.str(text);
-            w.u32(*prompt_tokens);
-            w.u32(*completion_tokens);
-            w.u32(*cached_tokens);
-            13
-        }
-        Message::Failed { req, reason, detail } => {
-            w.req(*req);
-            w.u8(*reason as u8);
-            w.str(detail);
-            14
-        }
-        Message::Abort { req, reason } => {
-            w.req(*req);
-            w.u8(*reason as u8);
-            15
-        }
-        Message::DecodePeer { worker, addr } => {
-            w.u32(worker.0);
-            w.str(addr);
-            16
-        }
-        Message::Cancel { req } => {
-            w.req(*req);
-            17
-        }
-        Message::Metrics { families } => {
-            w.families(families);
-            18
-        }
-        Message::CacheReport { stored, evicted } => {
-            w.keys(stored);
-            w.keys(evicted);
-            29
-        }
-    };
-    finish_header(out, start, kind);
+    let kind = put_fields(m, &mut W(out));
+    finish_header(out, start, kind as u8);
 }
 
 /// Fill in the kind and payload length of the frame that starts at `out[start]` and runs to
@@ -561,8 +690,6 @@ fn finish_header(out: &mut [u8], start: usize, kind: u8) {
     out[start + 4..start + 8].copy_from_slice(&len.to_le_bytes());
 }
 
-/// The kind of a `KvChunk` frame.
-const KV_CHUNK: u8 = 9;
 /// A `KvChunk` payload's bytes before its data: request, chunk header, data length.
 const KV_CHUNK_FIELDS: usize = 8 + ChunkHeader::LEN + 4;
 
@@ -593,87 +720,13 @@ fn decode_kv_chunk(b: &[u8]) -> Result<(RequestId, ChunkHeader, Range<usize>), C
 }
 
 fn decode_payload(kind: u8, b: &[u8], payloads: &Arc<PayloadPool>) -> Result<Message, CodecError> {
+    let kind = Kind::of(kind).ok_or(CodecError::UnknownKind(kind))?;
+    if kind == Kind::KvChunk {
+        let (req, header, data) = decode_kv_chunk(b)?;
+        return Ok(Message::KvChunk { req, header, data: payloads.copy_of(&b[data]) });
+    }
     let mut r = R { b, what: "message" };
-    let m = match kind {
-        1 => Message::Hello(Hello {
-            role: r.enum_u8("role", role)?,
-            model_digest: r.u64()?,
-            page_size: r.u32()?,
-            kv_bytes_per_token: r.u32()?,
-            capacity_tokens: r.u64()?,
-            max_context: r.u32()?,
-            kv_addr: r.str("kv_addr")?,
-        }),
-        2 => Message::Welcome { worker: WorkerId(r.u32()?) },
-        3 => Message::Refuse { reason: r.str("reason")? },
-        4 => Message::KvHello { prefill: WorkerId(r.u32()?) },
-        5 => {
-            let req = r.req()?;
-            let prompt_tokens = r.u32()?;
-            let max_tokens = r.u32()?;
-            let prefill = WorkerId(r.u32()?);
-            let sampling = r.sampling()?;
-            let n = r.count(4)?;
-            let stop = (0..n).map(|_| r.str("stop")).collect::<Result<_, _>>()?;
-            let resume = r.tokens()?;
-            let prompt = r.tokens()?;
-            Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, prompt, trace: r.trace()? }
-        }
-        6 => Message::Reserved { req: r.req()?, pages: r.pages()? },
-        7 => Message::Rejected { req: r.req()?, reason: r.enum_u8("reject reason", reject)?, detail: r.str("detail")? },
-        8 => {
-            let req = r.req()?;
-            let tokens = r.tokens()?;
-            let (decode, pages, sampling) = (WorkerId(r.u32()?), r.pages()?, r.sampling()?);
-            Message::Prefill { req, tokens, decode, pages, sampling, skip_draws: r.u32()?, trace: r.trace()?, cache: r.scope()? }
-        }
-        KV_CHUNK => {
-            let (req, header, data) = decode_kv_chunk(b)?;
-            return Ok(Message::KvChunk { req, header, data: payloads.copy_of(&b[data]) });
-        }
-        10 => Message::Done {
-            req: r.req()?,
-            tokens: r.u32()?,
-            first_token: r.u32()?,
-            manifest: r.u64()?,
-            cached: r.u32()?,
-            first_logprobs: r.logprobs()?,
-        },
-        11 => Message::Fenced { req: r.req()? },
-        12 => Message::Token { req: r.req()?, token: r.u32()?, text: r.str("text")?, logprobs: r.logprobs()? },
-        13 => Message::Finished {
-            req: r.req()?,
-            finish: r.enum_u8("finish", finish)?,
-            text: r.str("text")?,
-            prompt_tokens: r.u32()?,
-            completion_tokens: r.u32()?,
-            cached_tokens: r.u32()?,
-        },
-        14 => Message::Failed { req: r.req()?, reason: r.enum_u8("fail reason", fail)?, detail: r.str("detail")? },
-        15 => Message::Abort { req: r.req()?, reason: r.enum_u8("abort reason", abort)? },
-        16 => Message::DecodePeer { worker: WorkerId(r.u32()?), addr: r.str("addr")? },
-        17 => Message::Cancel { req: r.req()? },
-        18 => Message::Metrics { families: r.families()? },
-        19 => Message::PrefillUnreachable { worker: WorkerId(r.u32()?) },
-        20 => Message::KvLost { decode: WorkerId(r.u32()?) },
-        21 => Message::KvKeepalive,
-        22 => Message::Retracted { req: r.req()?, tokens: r.tokens()? },
-        23 => Message::PeerLeft { worker: WorkerId(r.u32()?) },
-        24 => Message::Room,
-        25 => Message::AuthHello {
-            purpose: r.enum_u8("purpose", purpose)?,
-            claim: r.u32()?,
-            nonce: r.arr()?,
-            encrypt: r.enum_u8("encrypt", flag)?,
-        },
-        26 => Message::AuthChallenge { nonce: r.arr()?, proof: r.arr()?, encrypt: r.enum_u8("encrypt", flag)? },
-        27 => Message::AuthProof { proof: r.arr()? },
-        28 => Message::AuthRefused { reason: r.str("reason")? },
-        29 => Message::CacheReport { stored: r.keys()?, evicted: r.keys()? },
-        30 => Message::KvUcxAddress { address: r.bytes()?.to_vec() },
-        31 => Message::KvUcxUse { address: r.bytes()?.to_vec() },
-        k => return Err(CodecError::UnknownKind(k)),
-    };
+    let m = get_fields(kind, &mut r)?;
     if !r.b.is_empty() {
         return Err(CodecError::Trailing(r.b.len()));
     }
@@ -728,7 +781,7 @@ impl FrameEncoder {
         let fields = start + HEADER;
         let data_len = out.len() - fields - KV_CHUNK_FIELDS;
         out[fields..fields + KV_CHUNK_FIELDS].copy_from_slice(&kv_chunk_fields(req, &header, data_len));
-        finish_header(out, start, KV_CHUNK);
+        finish_header(out, start, Kind::KvChunk as u8);
         self.seal(out, start);
         Some(Ok(()))
     }
@@ -853,7 +906,7 @@ impl FrameDecoder {
             o.open(header, payload, &rest[..tag])?;
         }
         let frame = HEADER + len + tag;
-        if kind == KV_CHUNK && self.taken == 0 && self.end == frame && self.buf.len() == frame {
+        if kind == Kind::KvChunk as u8 && self.taken == 0 && self.end == frame && self.buf.len() == frame {
             // The buffer is this one frame (one UCX message): it becomes the chunk's payload
             // instead of being copied into one, and a pooled buffer takes its place.
             let (req, header, data) = decode_kv_chunk(&self.buf[HEADER..HEADER + len])?;

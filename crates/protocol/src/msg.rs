@@ -450,41 +450,4 @@ impl Message {
             | Message::AuthRefused { .. } => None,
         }
     }
-
-    /// The message's name, for errors and logs that must not print its fields.
-    pub fn kind_name(&self) -> &'static str {
-        match self {
-            Message::AuthHello { .. } => "AuthHello",
-            Message::AuthChallenge { .. } => "AuthChallenge",
-            Message::AuthProof { .. } => "AuthProof",
-            Message::AuthRefused { .. } => "AuthRefused",
-            Message::Hello(_) => "Hello",
-            Message::Welcome { .. } => "Welcome",
-            Message::Refuse { .. } => "Refuse",
-            Message::DecodePeer { .. } => "DecodePeer",
-            Message::KvHello { .. } => "KvHello",
-            Message::KvUcxAddress { .. } => "KvUcxAddress",
-            Message::KvUcxUse { .. } => "KvUcxUse",
-            Message::KvKeepalive => "KvKeepalive",
-            Message::KvLost { .. } => "KvLost",
-            Message::PrefillUnreachable { .. } => "PrefillUnreachable",
-            Message::PeerLeft { .. } => "PeerLeft",
-            Message::Room => "Room",
-            Message::Reserve { .. } => "Reserve",
-            Message::Reserved { .. } => "Reserved",
-            Message::Rejected { .. } => "Rejected",
-            Message::Prefill { .. } => "Prefill",
-            Message::KvChunk { .. } => "KvChunk",
-            Message::Done { .. } => "Done",
-            Message::Fenced { .. } => "Fenced",
-            Message::Token { .. } => "Token",
-            Message::Finished { .. } => "Finished",
-            Message::Retracted { .. } => "Retracted",
-            Message::Failed { .. } => "Failed",
-            Message::Abort { .. } => "Abort",
-            Message::Cancel { .. } => "Cancel",
-            Message::Metrics { .. } => "Metrics",
-            Message::CacheReport { .. } => "CacheReport",
-        }
-    }
 }
