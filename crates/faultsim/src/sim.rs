@@ -1120,6 +1120,8 @@ impl<'m, M: Models> Sim<'m, M> {
     /// reference output for every finished request; every pool full with nothing
     /// quarantined and its invariants holding; no read fault, poisoned read or audit
     /// violation anywhere, dead workers' pools included; every role idle.
+    // Long on purpose (~140 lines): a flat list of end-state checks, a few lines each, in the
+    // order a failing schedule reports them.
     pub fn verdict(&mut self) {
         let mut bad = Vec::new();
         let served = self.plan.served_context();

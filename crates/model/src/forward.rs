@@ -448,6 +448,9 @@ impl Llama {
         self.threads.install(|| self.forward_inner(pool, seqs, scratch, logits))
     }
 
+    // Long on purpose (~170 lines): the pass's phases (embedding, each layer's attention
+    // and MLP, the head) share the scratch buffers and the thread pool's scope; split, each
+    // phase would take a dozen of them as arguments and hide the order they run in.
     fn forward_inner(
         &self,
         pool: &mut KvPool,

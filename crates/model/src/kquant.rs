@@ -181,6 +181,8 @@ fn put_f16(out: &mut Vec<u8>, v: f32) {
 
 /// Quantise whole superblocks to `ty` with plain per-group maxima (not ggml's search for
 /// the best scales): valid blocks close to `x`, for test fixtures.
+// Long on purpose (~150 lines): one arm per k-quant format, each a few lines of its
+// layout, kept side by side so the layouts can be read against `unpack`'s.
 pub fn quantize(ty: GgmlType, x: &[f32]) -> Vec<u8> {
     let mut out = Vec::new();
     for sb in x.chunks_exact(QK_K) {

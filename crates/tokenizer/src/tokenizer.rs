@@ -328,6 +328,9 @@ impl Tokenizer {
     /// (absent means llama.cpp's "default"). Token types, special-token ids and
     /// `add_bos_token` are optional, with llama.cpp's defaults. Every failure names the
     /// offending key.
+    // Long on purpose (~125 lines): the keys depend on each other (the model type decides
+    // which are required and what their defaults are), and each failure names its key;
+    // read in one place, the order of the checks is the order of the errors.
     pub fn from_gguf(gguf: &GgufFile) -> Result<Tokenizer, TokenizerError> {
         let model = required(KEY_MODEL, gguf.get_str(KEY_MODEL))?;
         if model != "gpt2" && model != "llama" {
