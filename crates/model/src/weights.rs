@@ -5,7 +5,7 @@ use bulkhead_gguf::{GgmlType, GgufFile};
 use crate::ModelError;
 use crate::config::{Arch, LlamaConfig};
 use crate::kernels::{Isa, packed};
-use crate::quant::{QK, dequantize_row};
+use crate::quant::dequantize_row;
 
 /// A weight matrix of `rows` output features by `cols` input features, rows stored in
 /// ggml's layout for its type (F32, F16, Q4_0, Q4_1 or Q8_0), or, for the quantised types
@@ -97,7 +97,7 @@ impl Matrix {
     /// this matrix is packed.
     pub fn packed_rows(&self, r0: usize, r1: usize) -> Option<&[u8]> {
         let p = self.packed.as_deref()?;
-        let gb = packed::block_offset(self.ty, self.cols / QK, 1, 0);
+        let gb = packed::group_bytes(self.ty, self.row_bytes);
         debug_assert!(r0.is_multiple_of(packed::GROUP));
         Some(&p[r0 / packed::GROUP * gb..r1.div_ceil(packed::GROUP) * gb])
     }

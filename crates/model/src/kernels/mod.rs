@@ -439,8 +439,10 @@ mod tests {
             return;
         };
         let mut seed = 7;
-        let cols = 128;
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0] {
+        let types = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K];
+        for ty in types {
+            // k-quants come in 256-element superblocks: two of them.
+            let cols = if crate::kquant::is_kquant(ty) { 512 } else { 128 };
             for rows in [1, 5, 8, 13, 24] {
                 let mut w: Vec<u8> =
                     (0..rows).flat_map(|_| quantize_row(ty, &(0..cols).map(|_| rng(&mut seed)).collect::<Vec<_>>())).collect();

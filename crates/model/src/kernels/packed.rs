@@ -17,13 +17,165 @@
 //!
 //! Rows past the last group boundary are zero (scale 0), and their results are discarded.
 //! Packing is a permutation of the bytes, so [`unpack`] restores the original rows exactly.
+//!
+//! The k-quants Q4_K and Q6_K are packed per 256-element superblock instead (16 rows'
+//! superblocks together, [`KSB_Q4K`] and [`KSB_Q6K`] bytes):
+//! - Q4_K: `d[16]`, `dmin[16]` (f16); the eight 6-bit scales and eight mins decoded to bytes,
+//!   `sc[8][16]` then `mn[8][16]` (so a kernel reads sixteen rows' scale as one vector; 64
+//!   bytes more than the 16 rows' 192 bytes of packed scales); then 32 vectors of 64 bytes,
+//!   vector `8c + k` holding bytes `32c + 4k..32c + 4k + 4` of each row's 128 nibble bytes:
+//!   low nibbles are lane `k` of block `2c`, high nibbles lane `k` of block `2c + 1`.
+//! - Q6_K: `d[16]` (f16); the sixteen i8 scales as `sc[16][16]`; 32 vectors of the low nibbles
+//!   laid out as Q4_K's (source chunk `c` = `ql[32c..32c + 32]`: low nibbles block
+//!   `4(c / 2) + c % 2`, high nibbles block `4(c / 2) + 2 + c % 2`); then 16 vectors of the
+//!   high bits, vector `8h + k` holding bytes `32h + 4k..32h + 4k + 4` of each row's `qh`
+//!   (bits `2u, 2u + 1` of a byte belong to block `4h + u`). The same size as the rows.
+//!
+//! Lane `k` of a block again covers the elements the AVX2 row kernel's lane `k` covers.
 
 use bulkhead_gguf::GgmlType;
 
 /// Whether the VNNI kernel has a packed layout for `ty` (the others stay in rows and run
 /// the AVX2 row kernel).
 pub fn supports(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0)
+    matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0) || is_packed_kquant(ty)
+}
+
+/// Whether `ty` is a k-quant with a packed superblock layout.
+pub fn is_packed_kquant(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K)
+}
+
+/// Bytes of one packed group (sixteen rows) of rows of `row_bytes` bytes.
+pub fn group_bytes(ty: GgmlType, row_bytes: usize) -> usize {
+    match ty {
+        GgmlType::Q4_K => row_bytes / Q4K_BYTES * KSB_Q4K,
+        GgmlType::Q6_K => row_bytes / Q6K_BYTES * KSB_Q6K,
+        _ => GROUP * row_bytes,
+    }
+}
+
+/// Bytes of a Q4_K and a Q6_K superblock in ggml's row layout.
+const Q4K_BYTES: usize = 144;
+const Q6K_BYTES: usize = 210;
+
+/// Bytes of sixteen rows' packed Q4_K superblock: d, dmin, sc, mn, 32 nibble vectors.
+pub const KSB_Q4K: usize = 2 * 2 * GROUP + 2 * 8 * GROUP + 32 * 4 * GROUP;
+/// Offsets in a packed Q4_K superblock: dmin, the scales, the mins, the nibble vectors.
+pub const Q4K_DMIN: usize = 2 * GROUP;
+pub const Q4K_SC: usize = 4 * GROUP;
+pub const Q4K_MN: usize = Q4K_SC + 8 * GROUP;
+pub const Q4K_QS: usize = Q4K_MN + 8 * GROUP;
+
+/// Bytes of sixteen rows' packed Q6_K superblock: d, sc, 32 nibble vectors, 16 high-bit vectors.
+pub const KSB_Q6K: usize = 2 * GROUP + 16 * GROUP + 48 * 4 * GROUP;
+/// Offsets in a packed Q6_K superblock: the scales, the nibble vectors, the high-bit vectors.
+pub const Q6K_SC: usize = 2 * GROUP;
+pub const Q6K_QL: usize = Q6K_SC + 16 * GROUP;
+pub const Q6K_QH: usize = Q6K_QL + 32 * 4 * GROUP;
+
+/// Where byte `q` of row `r`'s run of bytes lands among the packed vectors: vector `q / 4`,
+/// row `r`, byte `q % 4`.
+fn vec_dest(q: usize, r: usize) -> usize {
+    (q / 4) * 4 * GROUP + r * 4 + q % 4
+}
+
+/// Pack one row's superblock `sb` (ggml layout) into lane `r` of a packed group superblock.
+fn pack_ksb(ty: GgmlType, sb: &[u8], r: usize, out: &mut [u8]) {
+    match ty {
+        GgmlType::Q4_K => {
+            out[2 * r..2 * r + 2].copy_from_slice(&sb[0..2]);
+            out[Q4K_DMIN + 2 * r..Q4K_DMIN + 2 * r + 2].copy_from_slice(&sb[2..4]);
+            for j in 0..8 {
+                let (s, m) = crate::kquant::scale_min_k4(j, &sb[4..16]);
+                out[Q4K_SC + j * GROUP + r] = s;
+                out[Q4K_MN + j * GROUP + r] = m;
+            }
+            for (q, &b) in sb[16..144].iter().enumerate() {
+                out[Q4K_QS + vec_dest(q, r)] = b;
+            }
+        }
+        GgmlType::Q6_K => {
+            out[2 * r..2 * r + 2].copy_from_slice(&sb[208..210]);
+            for g in 0..16 {
+                out[Q6K_SC + g * GROUP + r] = sb[192 + g];
+            }
+            for (q, &b) in sb[..128].iter().enumerate() {
+                out[Q6K_QL + vec_dest(q, r)] = b;
+            }
+            for (q, &b) in sb[128..192].iter().enumerate() {
+                out[Q6K_QH + vec_dest(q, r)] = b;
+            }
+        }
+        other => unreachable!("{other} has no packed superblock layout"),
+    }
+}
+
+/// The inverse of [`pack_ksb`]: lane `r` of a packed group superblock as ggml's superblock.
+fn unpack_ksb(ty: GgmlType, p: &[u8], r: usize, sb: &mut [u8]) {
+    match ty {
+        GgmlType::Q4_K => {
+            sb[0..2].copy_from_slice(&p[2 * r..2 * r + 2]);
+            sb[2..4].copy_from_slice(&p[Q4K_DMIN + 2 * r..Q4K_DMIN + 2 * r + 2]);
+            let sc = |j: usize| p[Q4K_SC + j * GROUP + r];
+            let mn = |j: usize| p[Q4K_MN + j * GROUP + r];
+            // The inverse of `scale_min_k4`: 96 bits, sixteen 6-bit values, one way each.
+            for j in 0..4 {
+                sb[4 + j] = (sc(j) & 63) | ((sc(j + 4) >> 4) << 6);
+                sb[8 + j] = (mn(j) & 63) | ((mn(j + 4) >> 4) << 6);
+                sb[12 + j] = (sc(j + 4) & 0xF) | ((mn(j + 4) & 0xF) << 4);
+            }
+            for (q, b) in sb[16..144].iter_mut().enumerate() {
+                *b = p[Q4K_QS + vec_dest(q, r)];
+            }
+        }
+        GgmlType::Q6_K => {
+            sb[208..210].copy_from_slice(&p[2 * r..2 * r + 2]);
+            for g in 0..16 {
+                sb[192 + g] = p[Q6K_SC + g * GROUP + r];
+            }
+            for (q, b) in sb[..128].iter_mut().enumerate() {
+                *b = p[Q6K_QL + vec_dest(q, r)];
+            }
+            for (q, b) in sb[128..192].iter_mut().enumerate() {
+                *b = p[Q6K_QH + vec_dest(q, r)];
+            }
+        }
+        other => unreachable!("{other} has no packed superblock layout"),
+    }
+}
+
+/// The bytes of a source and a packed superblock of `ty`.
+fn ksb_sizes(ty: GgmlType) -> (usize, usize) {
+    if ty == GgmlType::Q4_K { (Q4K_BYTES, KSB_Q4K) } else { (Q6K_BYTES, KSB_Q6K) }
+}
+
+fn pack_kquant(ty: GgmlType, rows: usize, row_bytes: usize, data: &[u8]) -> Vec<u8> {
+    let (src, dst) = ksb_sizes(ty);
+    let nsb = row_bytes / src;
+    let mut out = vec![0u8; rows.div_ceil(GROUP) * nsb * dst];
+    for (r, row) in data.chunks_exact(row_bytes).enumerate().take(rows) {
+        let (g, lane) = (r / GROUP, r % GROUP);
+        for (s, sb) in row.chunks_exact(src).enumerate() {
+            let at = (g * nsb + s) * dst;
+            pack_ksb(ty, sb, lane, &mut out[at..at + dst]);
+        }
+    }
+    out
+}
+
+fn unpack_kquant(ty: GgmlType, rows: usize, row_bytes: usize, packed: &[u8]) -> Vec<u8> {
+    let (src, dst) = ksb_sizes(ty);
+    let nsb = row_bytes / src;
+    let mut out = vec![0u8; rows * row_bytes];
+    for (r, row) in out.chunks_exact_mut(row_bytes).enumerate() {
+        let (g, lane) = (r / GROUP, r % GROUP);
+        for (s, sb) in row.chunks_exact_mut(src).enumerate() {
+            let at = (g * nsb + s) * dst;
+            unpack_ksb(ty, &packed[at..at + dst], lane, sb);
+        }
+    }
+    out
 }
 
 /// Bytes of one 32-element block of a type the packed layout supports.
@@ -70,6 +222,9 @@ fn dest(ty: GgmlType, r: usize, j: usize) -> usize {
 
 /// Regroup `rows` rows of `row_bytes` bytes each (`ty` blocks) into packed groups.
 pub fn pack(ty: GgmlType, rows: usize, row_bytes: usize, data: &[u8]) -> Vec<u8> {
+    if is_packed_kquant(ty) {
+        return pack_kquant(ty, rows, row_bytes, data);
+    }
     let bs = block_bytes(ty);
     let nb = row_bytes / bs;
     let groups = rows.div_ceil(GROUP);
@@ -88,6 +243,9 @@ pub fn pack(ty: GgmlType, rows: usize, row_bytes: usize, data: &[u8]) -> Vec<u8>
 
 /// The inverse of [`pack`]: `rows` rows in ggml's row layout.
 pub fn unpack(ty: GgmlType, rows: usize, row_bytes: usize, packed: &[u8]) -> Vec<u8> {
+    if is_packed_kquant(ty) {
+        return unpack_kquant(ty, rows, row_bytes, packed);
+    }
     let bs = block_bytes(ty);
     let nb = row_bytes / bs;
     let mut out = vec![0u8; rows * row_bytes];
@@ -106,6 +264,20 @@ pub fn unpack(ty: GgmlType, rows: usize, row_bytes: usize, packed: &[u8]) -> Vec
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kquant_packing_is_lossless() {
+        for (ty, src) in [(GgmlType::Q4_K, Q4K_BYTES), (GgmlType::Q6_K, Q6K_BYTES)] {
+            for rows in [1, 7, 16, 17, 24] {
+                let row_bytes = 2 * src;
+                let data: Vec<u8> = (0..rows * row_bytes).map(|i| (i * 131 % 251) as u8).collect();
+                let p = pack(ty, rows, row_bytes, &data);
+                assert_eq!(p.len(), rows.div_ceil(GROUP) * group_bytes(ty, row_bytes));
+                assert_eq!(unpack(ty, rows, row_bytes, &p), data, "{ty} rows {rows}");
+            }
+        }
+        assert_eq!(KSB_Q6K, GROUP * Q6K_BYTES);
+    }
 
     #[test]
     fn packing_is_a_lossless_permutation() {

@@ -21,7 +21,7 @@ use std::arch::x86_64::*;
 use bulkhead_gguf::GgmlType;
 use half::f16;
 
-use super::packed::{GROUP, block_offset};
+use super::packed::{self, GROUP, block_offset};
 use crate::quant::{Q8Acts, QK};
 
 /// Activation rows handled together against one packed group (eight lane accumulators
@@ -148,13 +148,122 @@ unsafe fn group<const F: u8, const N: usize>(g: *const u8, nb: usize, acts: &Q8A
             }
         }
         for (r, (a, sm)) in res.iter_mut().zip(acc.iter().zip(&summ)) {
-            // hsum's order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
-            let (s0, s1, s2, s3) =
-                (_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[2], a[6]), _mm512_add_ps(a[3], a[7]));
-            let total = _mm512_add_ps(_mm512_add_ps(s0, s2), _mm512_add_ps(s1, s3));
-            _mm512_storeu_ps(r.as_mut_ptr(), _mm512_add_ps(total, *sm));
+            _mm512_storeu_ps(r.as_mut_ptr(), _mm512_add_ps(hsum_order(a), *sm));
         }
     }
+}
+
+/// Sixteen rows' packed Q4_K superblocks (`nsb` of them at `g`) against activation row
+/// `row`. Per row the AVX2 row kernel's operations, lane for lane: block `j`'s lane `k` is the
+/// exact integer dot product of elements `4k..4k + 4` (one `vpdpbusd`: nibbles are unsigned),
+/// times the block's integer scale (exact in f32: the product is below 2^24), accumulated with
+/// `fma(d · d_a, lane, acc[k])`; the min terms `m_j · (s_2j + s_2j+1)` (exact in f32 too) go
+/// into one accumulator per block of the superblock, `fma(d_a, dmin · term, summ[j])`; then
+/// `hsum(acc) - hsum(summ)` in hsum's order. Same bits as `ktile`.
+///
+/// # Safety
+/// The CPU has AVX2, FMA, F16C, AVX-512F/VL/BW/VNNI; `g` points to `nsb` packed Q4_K
+/// superblocks; `acts` holds row `row` of `8 * nsb` blocks (and its group sums).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+unsafe fn group_q4k(g: *const u8, nsb: usize, acts: &Q8Acts, row: usize) -> [f32; GROUP] {
+    use packed::{KSB_Q4K, Q4K_DMIN, Q4K_MN, Q4K_QS, Q4K_SC};
+    let zero = _mm512_setzero_si512();
+    let mut acc = [_mm512_setzero_ps(); 8];
+    let mut summ = [_mm512_setzero_ps(); 8];
+    let mask = _mm512_set1_epi8(0x0F);
+    let nb = 8 * nsb;
+    let mut out = [0.0f32; GROUP];
+    // SAFETY: (whole body) offsets stay within nsb packed superblocks and row `row`'s nb
+    // activation blocks and 2 * nb group sums, as the caller guarantees; loads are unaligned.
+    unsafe {
+        for sb in 0..nsb {
+            let p = g.add(sb * KSB_Q4K);
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()));
+            let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(Q4K_DMIN).cast()));
+            for j in 0..8 {
+                let blk = row * nb + sb * 8 + j;
+                let da = *acts.d.get_unchecked(blk);
+                let dd = _mm512_mul_ps(d, _mm512_set1_ps(da));
+                let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(Q4K_SC + GROUP * j).cast())));
+                let q = acts.qs.as_ptr().add(blk * QK);
+                for k in 0..8 {
+                    let v = _mm512_loadu_si512(p.add(Q4K_QS + (8 * (j / 2) + k) * 4 * GROUP).cast());
+                    let w = if j % 2 == 0 { _mm512_and_si512(v, mask) } else { _mm512_and_si512(_mm512_srli_epi16(v, 4), mask) };
+                    let a = _mm512_set1_epi32(std::ptr::read_unaligned(q.add(4 * k).cast::<i32>()));
+                    let lane = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, w, a)), sc);
+                    acc[k] = _mm512_fmadd_ps(dd, lane, acc[k]);
+                }
+                let mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(Q4K_MN + GROUP * j).cast())));
+                let (s0, s1) = (*acts.sums.get_unchecked(2 * blk) as f32, *acts.sums.get_unchecked(2 * blk + 1) as f32);
+                let term = _mm512_add_ps(_mm512_mul_ps(mn, _mm512_set1_ps(s0)), _mm512_mul_ps(mn, _mm512_set1_ps(s1)));
+                summ[j] = _mm512_fmadd_ps(_mm512_set1_ps(da), _mm512_mul_ps(dmin, term), summ[j]);
+            }
+        }
+        _mm512_storeu_ps(out.as_mut_ptr(), _mm512_sub_ps(hsum_order(&acc), hsum_order(&summ)));
+    }
+    out
+}
+
+/// Sixteen rows' packed Q6_K superblocks against activation row `row`: as [`group_q4k`]
+/// without the mins, and with the weights' offset of 32 taken out of the integer sum
+/// (`Σ (q - 32) a = vpdpbusd(-32 Σ a, q, a)`, exact), so each lane is `ktile`'s integer.
+///
+/// # Safety
+/// As [`group_q4k`], for packed Q6_K superblocks.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+unsafe fn group_q6k(g: *const u8, nsb: usize, acts: &Q8Acts, row: usize) -> [f32; GROUP] {
+    use packed::{KSB_Q6K, Q6K_QH, Q6K_QL, Q6K_SC};
+    let mut acc = [_mm512_setzero_ps(); 8];
+    let (mask, high) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x30));
+    let ones = _mm256_set1_epi8(1);
+    let nb = 8 * nsb;
+    let mut out = [0.0f32; GROUP];
+    // SAFETY: (whole body) offsets stay within nsb packed superblocks and row `row`'s nb
+    // activation blocks, as the caller guarantees; loads are unaligned.
+    unsafe {
+        for sb in 0..nsb {
+            let p = g.add(sb * KSB_Q6K);
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()));
+            for b in 0..8 {
+                let (h, u) = (b / 4, b % 4);
+                let blk = row * nb + sb * 8 + b;
+                let dd = _mm512_mul_ps(d, _mm512_set1_ps(*acts.d.get_unchecked(blk)));
+                let q = acts.qs.as_ptr().add(blk * QK);
+                // -32 times each lane's four activations.
+                let mut offs = [0i32; 8];
+                let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, _mm256_loadu_si256(q.cast()));
+                _mm256_storeu_si256(offs.as_mut_ptr().cast(), _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, 5)));
+                let chunk = 2 * h + u % 2;
+                for k in 0..8 {
+                    let v = _mm512_loadu_si512(p.add(Q6K_QL + (8 * chunk + k) * 4 * GROUP).cast());
+                    let low = if u < 2 { _mm512_and_si512(v, mask) } else { _mm512_and_si512(_mm512_srli_epi16(v, 4), mask) };
+                    let qh = _mm512_loadu_si512(p.add(Q6K_QH + (8 * h + k) * 4 * GROUP).cast());
+                    // Bits 2u, 2u + 1 of each byte to bits 4, 5.
+                    let hb = match u {
+                        0 => _mm512_slli_epi16(qh, 4),
+                        1 => _mm512_slli_epi16(qh, 2),
+                        2 => qh,
+                        _ => _mm512_srli_epi16(qh, 2),
+                    };
+                    let w = _mm512_or_si512(low, _mm512_and_si512(hb, high));
+                    let a = _mm512_set1_epi32(std::ptr::read_unaligned(q.add(4 * k).cast::<i32>()));
+                    let dot = _mm512_dpbusd_epi32(_mm512_set1_epi32(offs[k]), w, a);
+                    let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(Q6K_SC + GROUP * (2 * b + k / 4)).cast())));
+                    acc[k] = _mm512_fmadd_ps(dd, _mm512_mul_ps(_mm512_cvtepi32_ps(dot), sc), acc[k]);
+                }
+            }
+        }
+        _mm512_storeu_ps(out.as_mut_ptr(), hsum_order(&acc));
+    }
+    out
+}
+
+/// The eight lane accumulators summed in the AVX2 `hsum`'s order:
+/// `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`, sixteen rows at once.
+#[target_feature(enable = "avx512f")]
+fn hsum_order(a: &[__m512; 8]) -> __m512 {
+    let (s0, s1, s2, s3) = (_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[2], a[6]), _mm512_add_ps(a[3], a[7]));
+    _mm512_add_ps(_mm512_add_ps(s0, s2), _mm512_add_ps(s1, s3))
 }
 
 /// One instance of [`group`]: a format and a tile of activation rows.
@@ -181,13 +290,30 @@ fn pick_kernel(f: u8, one: bool) -> GroupFn {
 /// group's sixteen results are contiguous.
 pub(super) fn dot_packed(ty: GgmlType, p: &[u8], rows: usize, acts: &Q8Acts, first: usize, n: usize, out: &mut [f32]) {
     let nb = acts.blocks_per_row();
-    let group_bytes = block_offset(ty, nb, 1, 0);
-    let f = format_code(ty);
+    let row_bytes = ty.bytes_for((nb * QK) as u64).map_or(0, |b| b as usize);
+    let group_bytes = packed::group_bytes(ty, row_bytes);
     let end = (first + n) * nb;
-    // These bounds are what `group` relies on.
-    assert!(p.len() == rows.div_ceil(GROUP) * group_bytes, "packed groups for {rows} rows");
+    // These bounds are what `group`, `group_q4k` and `group_q6k` rely on.
+    assert!(row_bytes > 0 && p.len() == rows.div_ceil(GROUP) * group_bytes, "packed groups for {rows} rows");
     assert!(out.len() == rows * n, "output shape");
-    assert!(acts.qs.len() >= end * QK && acts.d.len() >= end && acts.s.len() >= end, "activations too short");
+    assert!(acts.qs.len() >= end * QK && acts.d.len() >= end && acts.s.len() >= end && acts.sums.len() >= 2 * end, "activations too short");
+    if packed::is_packed_kquant(ty) {
+        assert!(nb.is_multiple_of(8), "k-quant rows of whole superblocks");
+        let kernel = if ty == GgmlType::Q4_K { group_q4k } else { group_q6k };
+        for (gi, g) in p.chunks_exact(group_bytes).enumerate() {
+            let lanes = (rows - gi * GROUP).min(GROUP);
+            for i in 0..n {
+                // SAFETY: only reached through an Isa at level Avx512Vnni (only detection makes
+                // one); `g` holds nb / 8 packed superblocks and row first + i < first + n is
+                // within the asserted activation lengths.
+                let r = unsafe { kernel(g.as_ptr(), nb / 8, acts, first + i) };
+                let at = i * rows + gi * GROUP;
+                out[at..at + lanes].copy_from_slice(&r[..lanes]);
+            }
+        }
+        return;
+    }
+    let f = format_code(ty);
     let (full, one) = (pick_kernel(f, false), pick_kernel(f, true));
     for (gi, g) in p.chunks_exact(group_bytes).enumerate() {
         let lanes = (rows - gi * GROUP).min(GROUP);
