@@ -66,10 +66,18 @@ unsafe fn group<const F: u8, const N: usize>(g: *const u8, nb: usize, acts: &Q8A
     let mut summ = [_mm512_setzero_ps(); N];
     let mask = _mm512_set1_epi8(0x0F);
     let gb = block_offset(format_type(F), nb, 0, 1);
-    // Q4_0, Q5_0 and Q8_0 weights are signed: multiply |w| by a * sign(w), as the AVX2
-    // kernel does (AVX-512 has no vpsignb: a is negated under w's sign mask, and where w
-    // is 0 the product is 0 either way); Q4_1's and Q5_1's are unsigned, with a min.
+    // Q4_0, Q5_0 and Q8_0 weights are signed: they enter vpdpbusd unsigned, as stored (Q8_0's
+    // with its sign bit flipped, +128), and the offset comes out of the integer sum through
+    // the accumulator: Σ (u - o) a = vpdpbusd(-o Σ a, u, a), exact, the AVX2 kernel's integer.
+    // Q4_1's and Q5_1's are unsigned, with a min.
     let with_min = F == Q4_1 || F == Q5_1;
+    let bias: i32 = match F {
+        Q4_0 => 8,
+        Q5_0 => 16,
+        Q8_0 => 128,
+        _ => 0,
+    };
+    let ones = _mm256_set1_epi8(1);
     let five = F == Q5_0 || F == Q5_1;
     // Byte i of every 4-byte lane: bit i of the lane's low byte (fifth bits, see below).
     let spread = _mm512_set_epi64(
@@ -102,6 +110,15 @@ unsafe fn group<const F: u8, const N: usize>(g: *const u8, nb: usize, acts: &Q8A
                     summ[n] = _mm512_add_ps(summ[n], _mm512_mul_ps(mw, _mm512_set1_ps(*acts.s.get_unchecked(act(n, b)))));
                 }
             }
+            // Per activation row and lane: -bias times the sum of the lane's four activations.
+            let mut offs = [[0i32; 8]; N];
+            if bias != 0 {
+                for (n, o) in offs.iter_mut().enumerate() {
+                    let q = acts.qs.as_ptr().add(act(n, b) * QK);
+                    let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, _mm256_loadu_si256(q.cast()));
+                    _mm256_storeu_si256(o.as_mut_ptr().cast(), _mm256_mullo_epi32(sums, _mm256_set1_epi32(-bias)));
+                }
+            }
             let qh = if five {
                 let v = _mm512_loadu_si512(quants.cast());
                 quants = quants.add(4 * GROUP);
@@ -119,18 +136,14 @@ unsafe fn group<const F: u8, const N: usize>(g: *const u8, nb: usize, acts: &Q8A
                     let high = _mm512_test_epi8_mask(bits, pick);
                     w = _mm512_mask_add_epi8(w, high, w, _mm512_set1_epi8(0x10));
                 }
-                match F {
-                    Q4_0 => w = _mm512_sub_epi8(w, _mm512_set1_epi8(8)),
-                    Q5_0 => w = _mm512_sub_epi8(w, _mm512_set1_epi8(16)),
-                    _ => {}
+                if F == Q8_0 {
+                    w = _mm512_xor_si512(w, _mm512_set1_epi8(-128));
                 }
-                // What vpdpbusd takes unsigned: w itself for Q4_1 and Q5_1, |w| otherwise.
-                let (u, negative) = if with_min { (w, 0) } else { (_mm512_abs_epi8(w), _mm512_movepi8_mask(w)) };
                 for n in 0..N {
                     let q = acts.qs.as_ptr().add(act(n, b) * QK);
                     let a = _mm512_set1_epi32(std::ptr::read_unaligned(q.add(4 * k).cast::<i32>()));
-                    let a = if with_min { a } else { _mm512_mask_sub_epi8(a, negative, zero, a) };
-                    let lane = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, u, a));
+                    let start = if bias != 0 { _mm512_set1_epi32(offs[n][k]) } else { zero };
+                    let lane = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w, a));
                     acc[n][k] = _mm512_fmadd_ps(scale[n], lane, acc[n][k]);
                 }
             };
