@@ -166,86 +166,98 @@ unsafe fn group<const F: u8, const N: usize>(g: *const u8, nb: usize, acts: &Q8A
     }
 }
 
-/// Sixteen rows' packed Q4_K superblocks (`nsb` of them at `g`) against activation row
-/// `row`. Per row the AVX2 row kernel's operations, lane for lane: block `j`'s lane `k` is the
-/// exact integer dot product of elements `4k..4k + 4` (one `vpdpbusd`: nibbles are unsigned),
-/// times the block's integer scale (exact in f32: the product is below 2^24), accumulated with
-/// `fma(d · d_a, lane, acc[k])`; the min terms `m_j · (s_2j + s_2j+1)` (exact in f32 too) go
-/// into one accumulator per block of the superblock, `fma(d_a, dmin · term, summ[j])`; then
-/// `hsum(acc) - hsum(summ)` in hsum's order. Same bits as `ktile`.
+/// Sixteen rows' packed Q4_K superblocks (`nsb` of them at `g`) against `N` activation rows
+/// from `first`; `res[n]` receives row `first + n`'s sixteen results. Per row the AVX2 row
+/// kernel's operations, lane for lane: block `j`'s lane `k` is the exact integer dot product
+/// of elements `4k..4k + 4` (one `vpdpbusd`: nibbles are unsigned), times the block's integer
+/// scale (exact in f32: the product is below 2^24), accumulated with `fma(d · d_a, lane,
+/// acc[k])`; the min terms `m_j · (s_2j + s_2j+1)` (exact in f32 too) go into one accumulator
+/// per block of the superblock, `fma(d_a, dmin · term, summ[j])`, in a second pass (the two
+/// sums meet only at the end); then `hsum(acc) - hsum(summ)` in hsum's order. Same bits as
+/// `ktile`.
 ///
 /// # Safety
 /// The CPU has AVX2, FMA, F16C, AVX-512F/VL/BW/VNNI; `g` points to `nsb` packed Q4_K
-/// superblocks; `acts` holds row `row` of `8 * nsb` blocks (and its group sums).
+/// superblocks; `acts` holds rows `first..first + N` of `8 * nsb` blocks (and group sums).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
-unsafe fn group_q4k(g: *const u8, nsb: usize, acts: &Q8Acts, row: usize) -> [f32; GROUP] {
+unsafe fn group_q4k<const N: usize>(g: *const u8, nsb: usize, acts: &Q8Acts, first: usize, res: &mut [[f32; GROUP]; PACKED_TILE]) {
     use packed::{KSB_Q4K, Q4K_DMIN, Q4K_MN, Q4K_QS, Q4K_SC};
     let zero = _mm512_setzero_si512();
-    let mut acc = [_mm512_setzero_ps(); 8];
-    let mut summ = [_mm512_setzero_ps(); 8];
+    let mut acc = [[_mm512_setzero_ps(); 8]; N];
     let mask = _mm512_set1_epi8(0x0F);
     let nb = 8 * nsb;
-    let mut out = [0.0f32; GROUP];
-    // SAFETY: (whole body) offsets stay within nsb packed superblocks and row `row`'s nb
-    // activation blocks and 2 * nb group sums, as the caller guarantees; loads are unaligned.
+    // SAFETY: (whole body) offsets stay within nsb packed superblocks and rows first..first+N
+    // of nb activation blocks and 2 * nb group sums, as the caller guarantees; loads are
+    // unaligned.
     unsafe {
         for sb in 0..nsb {
             let p = g.add(sb * KSB_Q4K);
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()));
-            let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(Q4K_DMIN).cast()));
             for j in 0..8 {
-                let blk = row * nb + sb * 8 + j;
-                let da = *acts.d.get_unchecked(blk);
-                let dd = _mm512_mul_ps(d, _mm512_set1_ps(da));
+                let blk = |n: usize| (first + n) * nb + sb * 8 + j;
+                let dd: [__m512; N] = std::array::from_fn(|n| _mm512_mul_ps(d, _mm512_set1_ps(*acts.d.get_unchecked(blk(n)))));
                 let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(Q4K_SC + GROUP * j).cast())));
-                let q = acts.qs.as_ptr().add(blk * QK);
                 for k in 0..8 {
                     let v = _mm512_loadu_si512(p.add(Q4K_QS + (8 * (j / 2) + k) * 4 * GROUP).cast());
                     let w = if j % 2 == 0 { _mm512_and_si512(v, mask) } else { _mm512_and_si512(_mm512_srli_epi16(v, 4), mask) };
-                    let a = _mm512_set1_epi32(std::ptr::read_unaligned(q.add(4 * k).cast::<i32>()));
-                    let lane = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, w, a)), sc);
-                    acc[k] = _mm512_fmadd_ps(dd, lane, acc[k]);
+                    for n in 0..N {
+                        let q = acts.qs.as_ptr().add(blk(n) * QK + 4 * k);
+                        let a = _mm512_set1_epi32(std::ptr::read_unaligned(q.cast::<i32>()));
+                        let lane = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, w, a)), sc);
+                        acc[n][k] = _mm512_fmadd_ps(dd[n], lane, acc[n][k]);
+                    }
                 }
-                let mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(Q4K_MN + GROUP * j).cast())));
-                let (s0, s1) = (*acts.sums.get_unchecked(2 * blk) as f32, *acts.sums.get_unchecked(2 * blk + 1) as f32);
-                let term = _mm512_add_ps(_mm512_mul_ps(mn, _mm512_set1_ps(s0)), _mm512_mul_ps(mn, _mm512_set1_ps(s1)));
-                summ[j] = _mm512_fmadd_ps(_mm512_set1_ps(da), _mm512_mul_ps(dmin, term), summ[j]);
             }
         }
-        _mm512_storeu_ps(out.as_mut_ptr(), _mm512_sub_ps(hsum_order(&acc), hsum_order(&summ)));
+        for n in 0..N {
+            let mut summ = [_mm512_setzero_ps(); 8];
+            for sb in 0..nsb {
+                let p = g.add(sb * KSB_Q4K);
+                let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(Q4K_DMIN).cast()));
+                for (j, s) in summ.iter_mut().enumerate() {
+                    let blk = (first + n) * nb + sb * 8 + j;
+                    let mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(Q4K_MN + GROUP * j).cast())));
+                    let (s0, s1) = (*acts.sums.get_unchecked(2 * blk) as f32, *acts.sums.get_unchecked(2 * blk + 1) as f32);
+                    let term = _mm512_add_ps(_mm512_mul_ps(mn, _mm512_set1_ps(s0)), _mm512_mul_ps(mn, _mm512_set1_ps(s1)));
+                    *s = _mm512_fmadd_ps(_mm512_set1_ps(*acts.d.get_unchecked(blk)), _mm512_mul_ps(dmin, term), *s);
+                }
+            }
+            _mm512_storeu_ps(res[n].as_mut_ptr(), _mm512_sub_ps(hsum_order(&acc[n]), hsum_order(&summ)));
+        }
     }
-    out
 }
 
-/// Sixteen rows' packed Q6_K superblocks against activation row `row`: as [`group_q4k`]
-/// without the mins, and with the weights' offset of 32 taken out of the integer sum
-/// (`Σ (q - 32) a = vpdpbusd(-32 Σ a, q, a)`, exact), so each lane is `ktile`'s integer.
+/// Sixteen rows' packed Q6_K superblocks against `N` activation rows from `first`: as
+/// [`group_q4k`] without the mins, and with the weights' offset of 32 taken out of the
+/// integer sum (`Σ (q - 32) a = vpdpbusd(-32 Σ a, q, a)`, exact), so each lane is `ktile`'s
+/// integer.
 ///
 /// # Safety
 /// As [`group_q4k`], for packed Q6_K superblocks.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
-unsafe fn group_q6k(g: *const u8, nsb: usize, acts: &Q8Acts, row: usize) -> [f32; GROUP] {
+unsafe fn group_q6k<const N: usize>(g: *const u8, nsb: usize, acts: &Q8Acts, first: usize, res: &mut [[f32; GROUP]; PACKED_TILE]) {
     use packed::{KSB_Q6K, Q6K_QH, Q6K_QL, Q6K_SC};
-    let mut acc = [_mm512_setzero_ps(); 8];
+    let mut acc = [[_mm512_setzero_ps(); 8]; N];
     let (mask, high) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x30));
     let ones = _mm256_set1_epi8(1);
     let nb = 8 * nsb;
-    let mut out = [0.0f32; GROUP];
-    // SAFETY: (whole body) offsets stay within nsb packed superblocks and row `row`'s nb
-    // activation blocks, as the caller guarantees; loads are unaligned.
+    // SAFETY: (whole body) offsets stay within nsb packed superblocks and rows first..first+N
+    // of nb activation blocks, as the caller guarantees; loads are unaligned.
     unsafe {
         for sb in 0..nsb {
             let p = g.add(sb * KSB_Q6K);
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()));
             for b in 0..8 {
                 let (h, u) = (b / 4, b % 4);
-                let blk = row * nb + sb * 8 + b;
-                let dd = _mm512_mul_ps(d, _mm512_set1_ps(*acts.d.get_unchecked(blk)));
-                let q = acts.qs.as_ptr().add(blk * QK);
-                // -32 times each lane's four activations.
-                let mut offs = [0i32; 8];
-                let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, _mm256_loadu_si256(q.cast()));
-                _mm256_storeu_si256(offs.as_mut_ptr().cast(), _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, 5)));
+                let blk = |n: usize| (first + n) * nb + sb * 8 + b;
+                let dd: [__m512; N] = std::array::from_fn(|n| _mm512_mul_ps(d, _mm512_set1_ps(*acts.d.get_unchecked(blk(n)))));
+                // Per activation row: -32 times each lane's four activations.
+                let mut offs = [[0i32; 8]; N];
+                for (n, o) in offs.iter_mut().enumerate() {
+                    let q = acts.qs.as_ptr().add(blk(n) * QK);
+                    let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, _mm256_loadu_si256(q.cast()));
+                    _mm256_storeu_si256(o.as_mut_ptr().cast(), _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, 5)));
+                }
                 let chunk = 2 * h + u % 2;
                 for k in 0..8 {
                     let v = _mm512_loadu_si512(p.add(Q6K_QL + (8 * chunk + k) * 4 * GROUP).cast());
@@ -259,16 +271,20 @@ unsafe fn group_q6k(g: *const u8, nsb: usize, acts: &Q8Acts, row: usize) -> [f32
                         _ => _mm512_srli_epi16(qh, 2),
                     };
                     let w = _mm512_or_si512(low, _mm512_and_si512(hb, high));
-                    let a = _mm512_set1_epi32(std::ptr::read_unaligned(q.add(4 * k).cast::<i32>()));
-                    let dot = _mm512_dpbusd_epi32(_mm512_set1_epi32(offs[k]), w, a);
                     let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(Q6K_SC + GROUP * (2 * b + k / 4)).cast())));
-                    acc[k] = _mm512_fmadd_ps(dd, _mm512_mul_ps(_mm512_cvtepi32_ps(dot), sc), acc[k]);
+                    for n in 0..N {
+                        let q = acts.qs.as_ptr().add(blk(n) * QK + 4 * k);
+                        let a = _mm512_set1_epi32(std::ptr::read_unaligned(q.cast::<i32>()));
+                        let dot = _mm512_dpbusd_epi32(_mm512_set1_epi32(offs[n][k]), w, a);
+                        acc[n][k] = _mm512_fmadd_ps(dd[n], _mm512_mul_ps(_mm512_cvtepi32_ps(dot), sc), acc[n][k]);
+                    }
                 }
             }
         }
-        _mm512_storeu_ps(out.as_mut_ptr(), hsum_order(&acc));
+        for n in 0..N {
+            _mm512_storeu_ps(res[n].as_mut_ptr(), hsum_order(&acc[n]));
+        }
     }
-    out
 }
 
 /// The eight lane accumulators summed in the AVX2 `hsum`'s order:
@@ -282,8 +298,14 @@ fn hsum_order(a: &[__m512; 8]) -> __m512 {
 /// One instance of [`group`]: a format and a tile of activation rows.
 type GroupFn = unsafe fn(*const u8, usize, &Q8Acts, usize, &mut [[f32; GROUP]; PACKED_TILE]);
 
-/// [`group`] for format `f`, one activation row or a full tile of them.
-fn pick_kernel(f: u8, one: bool) -> GroupFn {
+/// The group kernel for `ty`, one activation row or a full tile of them (`nb` blocks a row).
+fn pick_kernel(ty: GgmlType, one: bool) -> GroupFn {
+    match ty {
+        GgmlType::Q4_K => return if one { group_q4k::<1> } else { group_q4k::<PACKED_TILE> },
+        GgmlType::Q6_K => return if one { group_q6k::<1> } else { group_q6k::<PACKED_TILE> },
+        _ => {}
+    }
+    let f = format_code(ty);
     macro_rules! tiles {
         ($f:expr) => {
             if one { group::<$f, 1> } else { group::<$f, PACKED_TILE> }
@@ -310,24 +332,10 @@ pub(super) fn dot_packed(ty: GgmlType, p: &[u8], rows: usize, acts: &Q8Acts, fir
     assert!(row_bytes > 0 && p.len() == rows.div_ceil(GROUP) * group_bytes, "packed groups for {rows} rows");
     assert!(out.len() == rows * n, "output shape");
     assert!(acts.qs.len() >= end * QK && acts.d.len() >= end && acts.s.len() >= end && acts.sums.len() >= 2 * end, "activations too short");
-    if packed::is_packed_kquant(ty) {
-        assert!(nb.is_multiple_of(8), "k-quant rows of whole superblocks");
-        let kernel = if ty == GgmlType::Q4_K { group_q4k } else { group_q6k };
-        for (gi, g) in p.chunks_exact(group_bytes).enumerate() {
-            let lanes = (rows - gi * GROUP).min(GROUP);
-            for i in 0..n {
-                // SAFETY: only reached through an Isa at level Avx512Vnni (only detection makes
-                // one); `g` holds nb / 8 packed superblocks and row first + i < first + n is
-                // within the asserted activation lengths.
-                let r = unsafe { kernel(g.as_ptr(), nb / 8, acts, first + i) };
-                let at = i * rows + gi * GROUP;
-                out[at..at + lanes].copy_from_slice(&r[..lanes]);
-            }
-        }
-        return;
-    }
-    let f = format_code(ty);
-    let (full, one) = (pick_kernel(f, false), pick_kernel(f, true));
+    assert!(!packed::is_packed_kquant(ty) || nb.is_multiple_of(8), "k-quant rows of whole superblocks");
+    // The group kernels take their row length in blocks, the k-quant ones in superblocks.
+    let len = if packed::is_packed_kquant(ty) { nb / 8 } else { nb };
+    let (full, one) = (pick_kernel(ty, false), pick_kernel(ty, true));
     for (gi, g) in p.chunks_exact(group_bytes).enumerate() {
         let lanes = (rows - gi * GROUP).min(GROUP);
         for i in (0..n).step_by(PACKED_TILE) {
@@ -335,9 +343,9 @@ pub(super) fn dot_packed(ty: GgmlType, p: &[u8], rows: usize, acts: &Q8Acts, fir
             let kernel = if k == PACKED_TILE { full } else { one };
             let mut res = [[0.0f32; GROUP]; PACKED_TILE];
             // SAFETY: only reached through an Isa at level Avx512Vnni (only detection makes
-            // one); `g` holds nb packed blocks and rows first+i..first+i+k <= first+n are
-            // within the asserted activation lengths.
-            unsafe { kernel(g.as_ptr(), nb, acts, first + i, &mut res) }
+            // one); `g` holds `len` packed blocks (superblocks for k-quants) and rows
+            // first+i..first+i+k <= first+n are within the asserted activation lengths.
+            unsafe { kernel(g.as_ptr(), len, acts, first + i, &mut res) }
             for (j, r) in res.iter().enumerate().take(k) {
                 let at = (i + j) * rows + gi * GROUP;
                 out[at..at + lanes].copy_from_slice(&r[..lanes]);
