@@ -387,6 +387,30 @@ trait Wire: Sized {
     fn get(r: &mut R<'_>, field: &'static str) -> Result<Self, CodecError>;
 }
 
+/// Types whose bytes `W` and `R` already write and read with a method of one name.
+macro_rules! wire_by_method {
+    ($($t:ty => $put:ident, $get:ident;)*) => {$(
+        impl Wire for $t {
+            fn put(&self, w: &mut W<'_>) {
+                w.$put(self);
+            }
+            fn get(r: &mut R<'_>, _: &'static str) -> Result<Self, CodecError> {
+                r.$get()
+            }
+        }
+    )*};
+}
+wire_by_method! {
+    Vec<u32> => tokens, tokens;
+    Vec<PageRef> => pages, pages;
+    Vec<PageKey> => keys, keys;
+    Vec<MetricFamily> => families, families;
+    Option<CacheScope> => scope, scope;
+    Option<TokenLogprobs> => logprobs, logprobs;
+    Sampling => sampling, sampling;
+    TraceContext => trace, trace;
+}
+
 impl Wire for u32 {
     fn put(&self, w: &mut W<'_>) {
         w.u32(*self);
@@ -460,16 +484,6 @@ impl Wire for Vec<u8> {
     }
 }
 
-/// Token ids.
-impl Wire for Vec<u32> {
-    fn put(&self, w: &mut W<'_>) {
-        w.tokens(self);
-    }
-    fn get(r: &mut R<'_>, _: &'static str) -> Result<Self, CodecError> {
-        r.tokens()
-    }
-}
-
 impl Wire for Vec<String> {
     fn put(&self, w: &mut W<'_>) {
         w.u32(self.len() as u32);
@@ -478,69 +492,6 @@ impl Wire for Vec<String> {
     fn get(r: &mut R<'_>, field: &'static str) -> Result<Self, CodecError> {
         let n = r.count(4)?;
         (0..n).map(|_| r.str(field)).collect()
-    }
-}
-
-impl Wire for Vec<PageRef> {
-    fn put(&self, w: &mut W<'_>) {
-        w.pages(self);
-    }
-    fn get(r: &mut R<'_>, _: &'static str) -> Result<Self, CodecError> {
-        r.pages()
-    }
-}
-
-impl Wire for Vec<PageKey> {
-    fn put(&self, w: &mut W<'_>) {
-        w.keys(self);
-    }
-    fn get(r: &mut R<'_>, _: &'static str) -> Result<Self, CodecError> {
-        r.keys()
-    }
-}
-
-impl Wire for Vec<MetricFamily> {
-    fn put(&self, w: &mut W<'_>) {
-        w.families(self);
-    }
-    fn get(r: &mut R<'_>, _: &'static str) -> Result<Self, CodecError> {
-        r.families()
-    }
-}
-
-impl Wire for Option<CacheScope> {
-    fn put(&self, w: &mut W<'_>) {
-        w.scope(self);
-    }
-    fn get(r: &mut R<'_>, _: &'static str) -> Result<Self, CodecError> {
-        r.scope()
-    }
-}
-
-impl Wire for Option<TokenLogprobs> {
-    fn put(&self, w: &mut W<'_>) {
-        w.logprobs(self);
-    }
-    fn get(r: &mut R<'_>, _: &'static str) -> Result<Self, CodecError> {
-        r.logprobs()
-    }
-}
-
-impl Wire for Sampling {
-    fn put(&self, w: &mut W<'_>) {
-        w.sampling(self);
-    }
-    fn get(r: &mut R<'_>, _: &'static str) -> Result<Self, CodecError> {
-        r.sampling()
-    }
-}
-
-impl Wire for TraceContext {
-    fn put(&self, w: &mut W<'_>) {
-        w.trace(self);
-    }
-    fn get(r: &mut R<'_>, _: &'static str) -> Result<Self, CodecError> {
-        r.trace()
     }
 }
 
