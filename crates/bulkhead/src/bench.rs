@@ -250,6 +250,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
             "kv_page_tokens": layout.page_size,
             "kv_slack_slots_per_sequence": slack,
             "isa": m.isa().name(),
+            "weight_kernels": m.weights.kernels(m.isa()).into_iter().map(|(ty, k, n)| serde_json::json!({"type": ty.to_string(), "kernel": k, "params": n})).collect::<Vec<_>>(),
             "threads": m.threads(),
             "prompt_tokens": a.prompt_tokens,
             "prefill_tok_s": prefill,
@@ -260,6 +261,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         println!("{j}");
     } else {
         println!("bulkhead bench-engine: {} threads, kernels {}", m.threads(), m.isa().name());
+        println!("weights by type and kernel: {}", m.kernels_line());
         println!(
             "KV: {} bytes per token (model's f16 figure 2 x {} layers x {} kv heads x {} x 2 = {theoretical}); pages of {} tokens, \
              a {seq_tokens}-token sequence leaves {slack} slots unused (< 1 page)",

@@ -107,6 +107,7 @@ impl ModelArgs {
             threads = m.model.threads(),
             layers = m.model.config.layers,
             context = m.model.config.context_length,
+            kernels = %m.model.kernels_line(),
             "model loaded"
         );
         Ok(m)

@@ -40,7 +40,6 @@ pub struct CacheStats {
 }
 
 /// The prefix cache of one pool. See the module docs.
-#[derive(Debug)]
 pub struct PrefixCache {
     entries: HashMap<PageKey, Entry>,
     /// Most pages it keeps; more are evicted at once.
@@ -50,6 +49,22 @@ pub struct PrefixCache {
     /// Keys stored and evicted since [`PrefixCache::take_changes`], for the router.
     stored: Vec<PageKey>,
     evicted: Vec<PageKey>,
+}
+
+/// Entries in key order: two caches with equal contents print alike whatever their hash
+/// maps' iteration order (the model checker's state fingerprint reads this text).
+impl std::fmt::Debug for PrefixCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let entries: std::collections::BTreeMap<&PageKey, &Entry> = self.entries.iter().collect();
+        f.debug_struct("PrefixCache")
+            .field("entries", &entries)
+            .field("max_pages", &self.max_pages)
+            .field("clock", &self.clock)
+            .field("stats", &self.stats)
+            .field("stored", &self.stored)
+            .field("evicted", &self.evicted)
+            .finish()
+    }
 }
 
 impl PrefixCache {

@@ -175,6 +175,14 @@ impl Llama {
         }
     }
 
+    /// Each weight type's kernel family and parameter count, as one line for logs and
+    /// benchmarks: `Q5_0 vnni512 63.4M, Q4_K vnni512 23.6M, ...`.
+    pub fn kernels_line(&self) -> String {
+        let parts: Vec<String> =
+            self.weights.kernels(self.isa()).into_iter().map(|(ty, k, n)| format!("{ty} {k} {:.1}M", n as f64 / 1e6)).collect();
+        parts.join(", ")
+    }
+
     /// The instruction set in use.
     pub fn isa(&self) -> Isa {
         self.isa

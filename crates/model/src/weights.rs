@@ -273,6 +273,24 @@ impl Weights {
         }
     }
 
+    /// Which kernel family multiplies each weight type of the matrices the forward pass
+    /// multiplies (the layers' and the output's), with its parameter count, by type:
+    /// `vnni512` (packed), `avx2` (the row kernels, on AVX2 or AVX-512 CPUs), `scalar`.
+    pub fn kernels(&self, isa: Isa) -> Vec<(GgmlType, &'static str, usize)> {
+        let mut by_type: std::collections::BTreeMap<String, (GgmlType, &'static str, usize)> = Default::default();
+        let layers = self.layers.iter().flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]);
+        for m in layers.chain(std::iter::once(self.output())) {
+            let kernel = match (m.is_packed(), isa.level()) {
+                (true, _) => "vnni512",
+                (false, crate::kernels::IsaLevel::Scalar) => "scalar",
+                (false, _) => "avx2",
+            };
+            let e = by_type.entry(format!("{}/{kernel}", m.ty)).or_insert((m.ty, kernel, 0));
+            e.2 += m.rows * m.cols;
+        }
+        by_type.into_values().collect()
+    }
+
     /// Total bytes of weights held.
     pub fn bytes(&self) -> usize {
         let l: usize = self

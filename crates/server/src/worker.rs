@@ -134,6 +134,7 @@ pub fn load(cfg: &WorkerConfig) -> Result<Loaded, WorkerError> {
     let pool = KvPool::new(PoolConfig { layout, pages, checks: cfg.kv_checks })?;
     let context = advertised_context(model.model.config.context_length, cfg.context_length, pool.capacity_tokens(), cfg.clamp_context)?;
     let digest = model.digest;
+    tracing::info!(isa = model.model.isa().name(), kernels = %model.model.kernels_line(), "model loaded");
     tracing::info!(
         pool_tokens = pool.capacity_tokens(),
         kv_bytes_per_token = layout.bytes_per_token(),
