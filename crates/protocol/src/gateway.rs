@@ -310,6 +310,9 @@ pub struct GatewayRole {
     /// Decode workers that refused or retracted for lack of room since they last freed
     /// something (or since the last tick): not sent new reservations meanwhile.
     full: BTreeSet<WorkerId>,
+    /// (prefill, decode) pairs whose KV connection the prefill worker reported lost: no
+    /// request takes that route until the prefill worker rejoins under a new id.
+    unreachable: BTreeSet<(WorkerId, WorkerId)>,
     stats: GatewayStats,
 }
 
@@ -342,6 +345,7 @@ impl GatewayRole {
             last_served: None,
             cached: BTreeMap::new(),
             full: BTreeSet::new(),
+            unreachable: BTreeSet::new(),
             stats: GatewayStats::default(),
         }
     }
@@ -401,6 +405,15 @@ impl GatewayRole {
     /// Whether at least one worker of each role is registered.
     pub fn ready(&self) -> bool {
         !self.prefills.is_empty() && !self.decodes.is_empty()
+    }
+
+    /// Whether every role without a worker lost its last one less than the queue timeout
+    /// ago (so one may rejoin while a request waits).
+    fn may_rejoin(&self) -> bool {
+        [Role::Prefill, Role::Decode]
+            .into_iter()
+            .filter(|r| self.workers(*r).is_empty())
+            .all(|r| self.lost_since_ms[role_index(r)].is_some_and(|t| self.now_ms.saturating_sub(t) < self.cfg.queue_timeout_ms))
     }
 
     /// Why requests cannot be served now, if no worker of a role is registered: the server
@@ -525,7 +538,10 @@ impl GatewayRole {
             let detail = format!("request id {req} is in use or out of range");
             return out.push(GatewayAction::ToClient { req, out: ClientOutput::Unavailable { detail } });
         }
-        if let Some(detail) = self.unavailable() {
+        // A role that never had a worker: the server is starting, say so at once. A role
+        // that lost its last worker: wait in the queue for one to rejoin (a restarted worker
+        // takes seconds), up to the queue timeout.
+        if let Some(detail) = self.unavailable().filter(|_| !self.may_rejoin()) {
             return out.push(GatewayAction::ToClient { req, out: ClientOutput::Unavailable { detail } });
         }
         let waiting = self.queues.get(&f.tenant).map_or(0, VecDeque::len);
@@ -572,14 +588,22 @@ impl GatewayRole {
     fn pick(&mut self, req: RequestId) -> Option<Route> {
         let decodes: Vec<WorkerId> = self.decodes.iter().copied().filter(|d| !self.full.contains(d)).collect();
         let avoid = self.inflight.get(&req).and_then(|f| f.avoid);
-        let preferred: Vec<WorkerId> = self.prefills.iter().copied().filter(|p| Some(*p) != avoid).collect();
-        let prefills = if preferred.is_empty() { self.prefills.clone() } else { preferred };
-        if decodes.is_empty() || prefills.is_empty() {
+        if decodes.is_empty() {
             return None;
         }
         self.next_pick = self.next_pick.wrapping_add(1);
-        let decode = decodes[self.next_pick % decodes.len()];
-        Some(Route { decode, prefill: self.pick_prefill(req, &prefills) })
+        // Round robin over the decode workers, each with the prefill workers that can still
+        // reach it; the first decode worker some prefill worker reaches.
+        let start = self.next_pick % decodes.len();
+        for decode in decodes.iter().cycle().skip(start).take(decodes.len()).copied() {
+            let reach: Vec<WorkerId> = self.prefills.iter().copied().filter(|p| !self.unreachable.contains(&(*p, decode))).collect();
+            let preferred: Vec<WorkerId> = reach.iter().copied().filter(|p| Some(*p) != avoid).collect();
+            let prefills = if preferred.is_empty() { reach } else { preferred };
+            if !prefills.is_empty() {
+                return Some(Route { decode, prefill: self.pick_prefill(req, &prefills) });
+            }
+        }
+        None
     }
 
     /// The prefill worker with the longest cached run of `req`'s page keys, ties broken by
@@ -658,8 +682,15 @@ impl GatewayRole {
             if let Some(f) = self.inflight.remove(&req) {
                 self.stats.queue_timeouts += 1;
                 record_queue_wait(&mut self.stats, f.queued_at_ms.unwrap_or(now), now);
-                let detail = format!("waited {} ms in the queue for capacity", self.cfg.queue_timeout_ms);
-                out.push(GatewayAction::ToClient { req, out: ClientOutput::Busy { reason: BusyReason::QueueTimeout, detail } });
+                // No worker of a role came back while it waited: 503, not 429.
+                let client = match self.unavailable() {
+                    Some(detail) => ClientOutput::Unavailable { detail },
+                    None => {
+                        let detail = format!("waited {} ms in the queue for capacity", self.cfg.queue_timeout_ms);
+                        ClientOutput::Busy { reason: BusyReason::QueueTimeout, detail }
+                    }
+                };
+                out.push(GatewayAction::ToClient { req, out: client });
             }
         }
         let late: Vec<RequestId> = self.inflight.iter().filter(|(_, f)| f.deadline_ms <= now).map(|(r, _)| *r).collect();
@@ -674,6 +705,7 @@ impl GatewayRole {
         self.prefills.retain(|w| *w != id);
         self.decodes.retain(|w| *w != id);
         self.full.remove(&id);
+        self.unreachable.retain(|&(p, d)| p != id && d != id);
         if self.workers(left.role).is_empty() {
             self.lost_since_ms[role_index(left.role)] = Some(self.now_ms);
         }
@@ -760,6 +792,10 @@ impl GatewayRole {
         if let Message::KvLost { decode } = msg {
             if self.decodes.contains(&decode) {
                 out.push(GatewayAction::ToWorker { to: decode, msg: Message::PrefillUnreachable { worker: from } });
+                // New requests take other routes at once (not this one until it rejoins).
+                if self.prefills.contains(&from) {
+                    self.unreachable.insert((from, decode));
+                }
             }
             return;
         }

@@ -486,10 +486,11 @@ fn a_prefill_worker_lost_mid_transfer_fences_its_pages_and_its_request_waits_for
     assert_eq!((c.gw.queued(), c.gw.stats().retried), (1, 1));
     let s = c.dpool().stats();
     assert_eq!((s.free_pages, s.quarantined_pages), (s.total_pages, 0));
-    // No worker comes: the queue turns it away, and nothing is left anywhere.
+    // No worker comes: the queue turns it away with 503 (no prefill worker), not 429, and
+    // nothing is left anywhere.
     c.tick(10_000);
     c.run();
-    assert!(matches!(c.terminal(1), Some(ClientOutput::Busy { reason: BusyReason::QueueTimeout, .. })), "{:?}", c.outputs);
+    assert!(matches!(c.terminal(1), Some(ClientOutput::Unavailable { detail }) if detail.contains("no prefill worker")), "{:?}", c.outputs);
     c.assert_clean(&[1]);
 }
 

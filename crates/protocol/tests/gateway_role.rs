@@ -200,6 +200,53 @@ fn a_departed_prefill_worker_costs_its_unsent_requests_nothing_and_a_departed_de
     }
 }
 
+/// A prefill worker that lost its KV connection to a decode worker leaves that route at
+/// once: new requests take the other prefill worker (not a 503 `worker_lost` while it
+/// rejoins), and it is back in the rotation under its new id only.
+#[test]
+fn a_prefill_worker_that_lost_its_kv_connection_is_routed_around_at_once() {
+    let mut g = gateway(&[(P1, Role::Prefill), (D2, Role::Decode), (P3, Role::Prefill)]);
+    from(&mut g, P1, Message::KvLost { decode: D2 });
+    for req in 1..5 {
+        assert_eq!(routed(&submit(&mut g, req, 4, 4)), (D2, P3), "request {req}");
+    }
+    // It rejoins under a new id: routable again; the old id is gone for good.
+    g.handle(GatewayEvent::WorkerLeft { id: P1 });
+    join(&mut g, WorkerId(5), Role::Prefill);
+    let routes: Vec<WorkerId> = (5..9).map(|req| routed(&submit(&mut g, req, 4, 4)).1).collect();
+    assert!(routes.contains(&WorkerId(5)) && !routes.contains(&P1), "{routes:?}");
+}
+
+/// With the only prefill worker lost, requests wait in the queue for one to come back (a
+/// restarted worker rejoins within seconds) instead of getting 503 at once; they get 503,
+/// saying why, when none came back within the queue timeout. A server that never had a
+/// prefill worker says it is starting, at once.
+#[test]
+fn requests_wait_for_a_lost_role_to_rejoin_and_get_503_only_past_the_queue_timeout() {
+    let mut g = gateway(&[(P1, Role::Prefill), (D2, Role::Decode)]);
+    g.handle(GatewayEvent::WorkerLeft { id: P1 });
+    assert!(to_client(&submit(&mut g, 1, 4, 4)).is_empty(), "queued, not refused");
+    assert_eq!(g.queued(), 1);
+    // The worker comes back: the request goes on.
+    let acts = join(&mut g, P3, Role::Prefill);
+    assert_eq!(reserves(&acts), [(D2, RequestId(1))]);
+    assert!(acts.iter().any(|a| matches!(a, GatewayAction::ToWorker { to: D2, msg: Message::Reserve { prefill: P3, .. } })));
+    // Lost again, and nobody comes: 503 at the queue timeout, naming the role.
+    g.handle(GatewayEvent::WorkerLeft { id: P3 });
+    assert!(to_client(&submit(&mut g, 2, 4, 4)).is_empty());
+    let acts = g.handle(GatewayEvent::Tick { now_ms: TIMEOUT_MS / 2 });
+    assert!(
+        to_client(&acts).iter().any(|o| matches!(o, ClientOutput::Unavailable { detail } if detail.contains("no prefill worker"))),
+        "{acts:?}"
+    );
+    // Past the queue timeout since the loss: refused at once.
+    assert!(matches!(to_client(&submit(&mut g, 3, 4, 4)).as_slice(), [ClientOutput::Unavailable { .. }]));
+    // Never had one: refused at once, saying the server is starting.
+    let mut fresh = gateway(&[(D2, Role::Decode)]);
+    let acts = submit(&mut fresh, 1, 4, 4);
+    assert!(matches!(to_client(&acts).as_slice(), [ClientOutput::Unavailable { detail }] if detail.contains("starting")), "{acts:?}");
+}
+
 #[test]
 fn a_request_times_out_at_its_deadline_and_not_before() {
     let mut g = gateway(&[(P1, Role::Prefill), (D2, Role::Decode)]);
