@@ -205,8 +205,8 @@ fn a_chunk_altered_on_the_wire_is_refused_and_counted_and_never_answers_wrong() 
     assert!(counter(&s, "bulkhead:bad_connections_total", &[], 1.0) >= 1.0);
     let log = std::fs::read_to_string(&s.stderr_log).unwrap();
     assert!(log.lines().any(|l| l.contains("bad frame on a KV connection") && l.contains("failed authentication")), "{log}");
-    // The prefill worker rejoins under a new id; until it has, requests get a 503 that
-    // says so. Never a wrong answer.
+    // The prefill worker rejoins under a new id; until it has, requests wait in the queue
+    // (or, past the queue timeout, get a 503 that says so). Never a wrong answer.
     let mut served = 0;
     for _ in 0..150 {
         let (status, v) = chat(&s.http, SYSTEM, PROMPTS[0], 32);
