@@ -564,6 +564,20 @@ impl GatewayRole {
             let Some(route) = self.pick(req) else { return };
             self.last_served = Some(tenant);
             self.unqueue(req);
+            // Admitted against the context served when it arrived, perhaps while a role had no
+            // worker; a worker that joined since may serve less (the served context is the
+            // smallest any worker accepts): check again before anything is reserved (I3, I5).
+            let refused = self
+                .inflight
+                .get(&req)
+                .filter(|f| self.cfg.admission_check && f.resume.is_empty())
+                .and_then(|f| admit(f.tokens.len(), Generate::Tokens(f.max_tokens as usize), self.max_context).err());
+            if let Some(refusal) = refused {
+                self.inflight.remove(&req);
+                self.stats.rejected_at_gateway += 1;
+                out.push(Self::reject(req, refusal.reason(), refusal.to_string()));
+                continue;
+            }
             let Some(f) = self.inflight.get_mut(&req) else { continue };
             f.phase = Phase::Reserving;
             f.route = Some(route);

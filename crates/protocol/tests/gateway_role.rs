@@ -247,6 +247,20 @@ fn requests_wait_for_a_lost_role_to_rejoin_and_get_503_only_past_the_queue_timeo
     assert!(matches!(to_client(&acts).as_slice(), [ClientOutput::Unavailable { detail }] if detail.contains("starting")), "{acts:?}");
 }
 
+/// A request admitted while a role had no worker is checked again when one joins: a worker
+/// serving a shorter context makes it over-long, and it is refused before anything is
+/// reserved (found by the fault schedules, seed 5741: it had finished with 200).
+#[test]
+fn a_queued_request_is_admitted_again_against_the_context_of_the_workers_that_joined() {
+    let mut g = gateway(&[(P1, Role::Prefill), (D2, Role::Decode)]);
+    g.handle(GatewayEvent::WorkerLeft { id: P1 });
+    assert!(to_client(&submit(&mut g, 1, 3, 4)).is_empty(), "7 tokens fit the model's 8: queued");
+    let acts = g.join(P3, &hello(Role::Prefill, 4)).expect("joins");
+    assert!(reserves(&acts).is_empty(), "{acts:?}");
+    assert!(matches!(to_client(&acts).as_slice(), [ClientOutput::Rejected { reason: RejectReason::ContextLength, .. }]), "{acts:?}");
+    assert_eq!((g.in_flight(), g.stats().rejected_at_gateway), (0, 1));
+}
+
 #[test]
 fn a_request_times_out_at_its_deadline_and_not_before() {
     let mut g = gateway(&[(P1, Role::Prefill), (D2, Role::Decode)]);
