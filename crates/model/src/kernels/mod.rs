@@ -469,6 +469,58 @@ mod tests {
         }
     }
 
+    /// The packed k-quant kernels keep the row kernel's bits at the formats' extremes too:
+    /// every byte of the superblocks random (scales up to 63, Q6_K's down to -128, all
+    /// nibbles and high bits), activations at full scale, where the kernels' exactness rests
+    /// on every product staying below 2^24.
+    #[test]
+    fn packed_kquants_give_the_row_kernels_bits_for_any_bytes() {
+        let (Some(avx2_isa), Some(vnni_isa)) = (Isa::get(IsaLevel::Avx2), Isa::get(IsaLevel::Avx512Vnni)) else {
+            eprintln!("packed_kquants_give_the_row_kernels_bits_for_any_bytes: this CPU has no AVX-512 VNNI; nothing to compare");
+            return;
+        };
+        let mut seed = 11u64;
+        let mut byte = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 56) as u8
+        };
+        let (rows, cols) = (19, 512);
+        for (ty, sb, scales) in [(GgmlType::Q4_K, 144, [0usize, 2].as_slice()), (GgmlType::Q6_K, 210, [208].as_slice())] {
+            let mut w: Vec<u8> = (0..rows * cols / 256 * sb).map(|_| byte()).collect();
+            for blk in w.chunks_exact_mut(sb) {
+                for &at in scales {
+                    // A modest positive f16 scale (0.0039..0.0156): no infinities or NaNs.
+                    blk[at..at + 2].copy_from_slice(&(0x1c00u16 + u16::from(byte())).to_le_bytes());
+                }
+            }
+            let row_bytes = w.len() / rows;
+            let p = packed::pack(ty, rows, row_bytes, &w);
+            // Activations that quantise to the ends of the range.
+            let x: Vec<f32> = (0..3 * cols)
+                .map(|i| {
+                    if i % 3 == 0 {
+                        1.0
+                    } else if i % 3 == 1 {
+                        -1.0
+                    } else {
+                        0.5
+                    }
+                })
+                .collect();
+            let mut acts = Q8Acts::default();
+            quantize_acts(avx2_isa, &x, 3, cols, &mut acts);
+            let mut want = vec![0.0; rows * 3];
+            dot_q_rows(avx2_isa, ty, &w, row_bytes, &acts, 0, 3, &mut want);
+            let mut got = vec![0.0; rows * 3];
+            dot_q_packed(vnni_isa, ty, &p, rows, &acts, 0, 3, &mut got);
+            for r in 0..rows {
+                for a in 0..3 {
+                    assert_eq!(got[a * rows + r].to_bits(), want[r * 3 + a].to_bits(), "{ty} row {r} act {a}");
+                }
+            }
+        }
+    }
+
     /// `exp_shifted` gives glibc's `expf` bits on every ISA: the whole f32 line at a stride
     /// (every value with `BULKHEAD_EXP_STRIDE=1`), which crosses every branch (NaN, both
     /// infinities, overflow, the two underflow ranges, subnormals), and a dense run over the
