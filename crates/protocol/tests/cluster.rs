@@ -10,7 +10,7 @@ use bulkhead_protocol::decode::{DecodeAction, DecodeConfig, DecodeEvent, DecodeR
 use bulkhead_protocol::driver::Honest;
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeEngine, DecodeLink, DecodePolicy, GenEvent};
 use bulkhead_protocol::driver::prefill::{Batching, Chunk, First, LinkDown, PrefillCompute, PrefillDriver, PrefillLink, PrefillPolicy};
-use bulkhead_protocol::gateway::{BusyReason, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, TenantId};
+use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, TenantId};
 use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillJob, PrefillRole};
 use bulkhead_protocol::*;
 
