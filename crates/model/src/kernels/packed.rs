@@ -5,8 +5,10 @@
 //! Per group of sixteen rows and per 32-element block (`16 * block_bytes(ty)` bytes, the
 //! same size as the sixteen rows' blocks it replaces):
 //! - `d[16]` (f16), then for Q4_1 and Q5_1 `m[16]` (f16);
-//! - Q5_0 and Q5_1: then one 64-byte vector of the sixteen rows' `qh` (a u32 each: bit `e`
-//!   is element `e`'s fifth bit), and their nibbles as for Q4_0;
+//! - Q5_0 and Q5_1: then one 64-byte vector of the sixteen rows' `qh`, four bytes each,
+//!   transposed: bit `k` of byte `e` is element `4k + e`'s fifth bit (ggml's `qh` has it at
+//!   bit `4k + e`), so a lane's four fifth bits sit one in each of its four bytes; then their
+//!   nibbles as for Q4_0;
 //! - Q4_0 and Q4_1: four 64-byte vectors; vector `k` holds bytes `4k..4k+4` of each row's
 //!   16 nibble bytes, row after row: low nibbles are elements `4k..4k+4`, high nibbles
 //!   elements `16+4k..16+4k+4`;
@@ -16,7 +18,8 @@
 //! `k` of the AVX2 row kernel's, which is what keeps the two bit-identical.
 //!
 //! Rows past the last group boundary are zero (scale 0), and their results are discarded.
-//! Packing is a permutation of the bytes, so [`unpack`] restores the original rows exactly.
+//! Packing is a permutation of the bytes (of the bits, within a Q5 row's `qh`), so
+//! [`unpack`] restores the original rows exactly.
 //!
 //! The k-quants Q4_K and Q6_K are packed per 256-element superblock instead (16 rows'
 //! superblocks together, [`KSB_Q4K`] and [`KSB_Q6K`] bytes):
@@ -233,12 +236,33 @@ pub fn pack(ty: GgmlType, rows: usize, row_bytes: usize, data: &[u8]) -> Vec<u8>
         let (g, lane) = (r / GROUP, r % GROUP);
         for (b, blk) in row.chunks_exact(bs).enumerate() {
             let base = block_offset(ty, nb, g, b);
-            for (j, &byte) in blk.iter().enumerate() {
+            let mut blk: [u8; 34] = std::array::from_fn(|j| blk.get(j).copied().unwrap_or(0));
+            transpose_qh(ty, &mut blk, false);
+            for (j, &byte) in blk[..bs].iter().enumerate() {
                 out[base + dest(ty, lane, j)] = byte;
             }
         }
     }
     out
+}
+
+/// A Q5 block's `qh` between ggml's bit order (element `i` at bit `i`) and the packed one
+/// (element `4k + e` at bit `k` of byte `e`); `back` undoes it. Other types: nothing.
+fn transpose_qh(ty: GgmlType, blk: &mut [u8; 34], back: bool) {
+    if !matches!(ty, GgmlType::Q5_0 | GgmlType::Q5_1) {
+        return;
+    }
+    let at = scale_bytes(ty);
+    let qh = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
+    let mut out = 0u32;
+    for k in 0..8 {
+        for e in 0..4 {
+            let (ggml, packed) = (4 * k + e, 8 * e + k);
+            let (from, to) = if back { (packed, ggml) } else { (ggml, packed) };
+            out |= ((qh >> from) & 1) << to;
+        }
+    }
+    blk[at..at + 4].copy_from_slice(&out.to_le_bytes());
 }
 
 /// The inverse of [`pack`]: `rows` rows in ggml's row layout.
@@ -253,9 +277,9 @@ pub fn unpack(ty: GgmlType, rows: usize, row_bytes: usize, packed: &[u8]) -> Vec
         let (g, lane) = (r / GROUP, r % GROUP);
         for (b, blk) in row.chunks_exact_mut(bs).enumerate() {
             let base = block_offset(ty, nb, g, b);
-            for (j, byte) in blk.iter_mut().enumerate() {
-                *byte = packed[base + dest(ty, lane, j)];
-            }
+            let mut got: [u8; 34] = std::array::from_fn(|j| if j < bs { packed[base + dest(ty, lane, j)] } else { 0 });
+            transpose_qh(ty, &mut got, true);
+            blk.copy_from_slice(&got[..bs]);
         }
     }
     out

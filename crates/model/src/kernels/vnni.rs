@@ -79,18 +79,7 @@ unsafe fn group<const F: u8, const N: usize>(g: *const u8, nb: usize, acts: &Q8A
     };
     let ones = _mm256_set1_epi8(1);
     let five = F == Q5_0 || F == Q5_1;
-    // Byte i of every 4-byte lane: bit i of the lane's low byte (fifth bits, see below).
-    let spread = _mm512_set_epi64(
-        0x0c0c0c0c_08080808,
-        0x04040404_00000000,
-        0x0c0c0c0c_08080808,
-        0x04040404_00000000,
-        0x0c0c0c0c_08080808,
-        0x04040404_00000000,
-        0x0c0c0c0c_08080808,
-        0x04040404_00000000,
-    );
-    let pick = _mm512_set1_epi32(0x0804_0201);
+    let fifth = _mm512_set1_epi8(0x10);
     // SAFETY: (whole body) offsets stay within nb blocks of the group and N rows of nb
     // activation blocks, as the caller guarantees; loads are unaligned.
     unsafe {
@@ -130,11 +119,15 @@ unsafe fn group<const F: u8, const N: usize>(g: *const u8, nb: usize, acts: &Q8A
             // activation row: fma(d_w * d_a, lane, acc) per lane, blocks in order.
             let mut step = |k: usize, mut w: __m512i| {
                 if five {
-                    // Lane k of vector k covers elements 4k..4k+4 of its row: their fifth
-                    // bits are bits 4k..4k+4 of the row's qh.
-                    let bits = _mm512_shuffle_epi8(_mm512_srlv_epi32(qh, _mm512_set1_epi32(4 * k as i32)), spread);
-                    let high = _mm512_test_epi8_mask(bits, pick);
-                    w = _mm512_mask_add_epi8(w, high, w, _mm512_set1_epi8(0x10));
+                    // Lane k covers elements 4k..4k+4 of its row; byte e of the row's packed
+                    // qh holds element 4k+e's fifth bit at bit k: moved to bit 4 (16-bit
+                    // shifts, whose bits from the neighbouring byte never reach bit 4).
+                    let at4 = if k <= 4 {
+                        _mm512_sll_epi16(qh, _mm_cvtsi32_si128(4 - k as i32))
+                    } else {
+                        _mm512_srl_epi16(qh, _mm_cvtsi32_si128(k as i32 - 4))
+                    };
+                    w = _mm512_or_si512(w, _mm512_and_si512(at4, fifth));
                 }
                 if F == Q8_0 {
                     w = _mm512_xor_si512(w, _mm512_set1_epi8(-128));
