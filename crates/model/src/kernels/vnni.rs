@@ -252,6 +252,10 @@ unsafe fn group_q6k<const N: usize>(g: *const u8, nsb: usize, acts: &Q8Acts, fir
                     _mm256_storeu_si256(o.as_mut_ptr().cast(), _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, 5)));
                 }
                 let chunk = 2 * h + u % 2;
+                // The block's two 16-element groups' scales: lanes 0..4 and 4..8.
+                let scales: [__m512; 2] = std::array::from_fn(|g| {
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(Q6K_SC + GROUP * (2 * b + g)).cast())))
+                });
                 for k in 0..8 {
                     let v = _mm512_loadu_si512(p.add(Q6K_QL + (8 * chunk + k) * 4 * GROUP).cast());
                     let low = if u < 2 { _mm512_and_si512(v, mask) } else { _mm512_and_si512(_mm512_srli_epi16(v, 4), mask) };
@@ -264,7 +268,7 @@ unsafe fn group_q6k<const N: usize>(g: *const u8, nsb: usize, acts: &Q8Acts, fir
                         _ => _mm512_srli_epi16(qh, 2),
                     };
                     let w = _mm512_or_si512(low, _mm512_and_si512(hb, high));
-                    let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(Q6K_SC + GROUP * (2 * b + k / 4)).cast())));
+                    let sc = scales[k / 4];
                     for n in 0..N {
                         let q = acts.qs.as_ptr().add(blk(n) * QK + 4 * k);
                         let a = _mm512_set1_epi32(std::ptr::read_unaligned(q.cast::<i32>()));
