@@ -10,12 +10,13 @@
 //! Eviction takes least-recently-used entries without children and without readers (the
 //! pool refuses the rest), so a cached prefix never loses its middle.
 
+use bulkhead_fingerprint::Fingerprint;
 use std::collections::HashMap;
 
 use crate::pool::{CachedPage, SharedLease};
 use crate::{Fence, KvError, KvPool, PageKey, RequestId, SeqPage, SequenceKv};
 
-#[derive(Debug)]
+#[derive(Debug, Fingerprint)]
 struct Entry {
     page: CachedPage,
     parent: Option<PageKey>,
@@ -40,11 +41,13 @@ pub struct CacheStats {
 }
 
 /// The prefix cache of one pool. See the module docs.
+#[derive(Fingerprint)]
 pub struct PrefixCache {
     entries: HashMap<PageKey, Entry>,
     /// Most pages it keeps; more are evicted at once.
     max_pages: usize,
     clock: u64,
+    #[fingerprint(skip)]
     stats: CacheStats,
     /// Keys stored and evicted since [`PrefixCache::take_changes`], for the router.
     stored: Vec<PageKey>,
@@ -52,7 +55,7 @@ pub struct PrefixCache {
 }
 
 /// Entries in key order: two caches with equal contents print alike whatever their hash
-/// maps' iteration order (the model checker's state fingerprint reads this text).
+/// maps' iteration order (logs and the model checker's counterexample dumps).
 impl std::fmt::Debug for PrefixCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let entries: std::collections::BTreeMap<&PageKey, &Entry> = self.entries.iter().collect();

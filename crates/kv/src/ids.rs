@@ -1,6 +1,8 @@
 //! Small copyable identifiers: pages, generations, requests and pools.
 
 use std::fmt;
+
+use bulkhead_fingerprint::{Fingerprint, Fingerprinter};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 macro_rules! id_type {
@@ -40,13 +42,13 @@ id_type!(
 /// The (tenant, cache salt) scope a cached page belongs to, as a digest the gateway
 /// derives with the cluster's secret (design I7). The pool compares fences and never
 /// interprets them: a page written under one fence is never shared under another.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Fingerprint)]
 pub struct Fence(pub [u8; 16]);
 
 /// Name of one full page of tokens in a prefix cache: a keyed hash chaining the page's
 /// tokens, its parent's key and its fence (computed outside this crate). Equal keys mean
 /// equal content under the same fence, up to the hash.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Fingerprint)]
 pub struct PageKey(pub [u8; 16]);
 
 impl PageId {
@@ -55,6 +57,32 @@ impl PageId {
         // u32 -> usize is lossless on every target this crate builds for (>= 32-bit).
         self.0 as usize
     }
+}
+
+impl Fingerprint for PageId {
+    fn fingerprint(&self, h: &mut Fingerprinter) {
+        self.0.fingerprint(h);
+    }
+}
+
+impl Fingerprint for RequestId {
+    fn fingerprint(&self, h: &mut Fingerprinter) {
+        self.0.fingerprint(h);
+    }
+}
+
+/// Renamed in order of first appearance: the pool only compares generations for equality
+/// and draws each fresh one above all earlier ones.
+impl Fingerprint for Generation {
+    fn fingerprint(&self, h: &mut Fingerprinter) {
+        h.generation(self.0);
+    }
+}
+
+/// Nothing: every replay makes new pools, and a pool id is only compared with its own
+/// worker's pool.
+impl Fingerprint for PoolId {
+    fn fingerprint(&self, _: &mut Fingerprinter) {}
 }
 
 /// Next pool id; starts at 1 and only grows, so no two pools in a process share an id.

@@ -1,5 +1,6 @@
 //! [`KvPool`]: page storage, leases, watermarks, quarantine and the checks on every access.
 
+use bulkhead_fingerprint::Fingerprint;
 use std::cell::Cell;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,7 +18,7 @@ pub const POISON: f16 = f16::from_bits(0x7EAD);
 /// What a handle claims about its page: the pool, page, generation and owner. [`Lease`] and
 /// [`Quarantined`] are each a tag plus what the holder may do with it, and both dereference
 /// to their tag for these accessors.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Fingerprint)]
 pub struct PageTag {
     pool: PoolId,
     page: PageId,
@@ -52,7 +53,7 @@ impl PageTag {
 /// leased (never reused, so never leaked to another request); [`KvPool::revoke_owner`]
 /// recovers such pages.
 #[must_use = "a dropped lease keeps its page leased; release or quarantine it"]
-#[derive(Debug)]
+#[derive(Debug, Fingerprint)]
 pub struct Lease {
     tag: PageTag,
 }
@@ -60,7 +61,7 @@ pub struct Lease {
 /// A page taken out of service until its writer is fenced (design I4): neither free nor
 /// readable nor writable. Not `Clone`; [`KvPool::release_quarantined`] consumes it.
 #[must_use = "a dropped quarantine handle keeps its page out of service forever"]
-#[derive(Debug)]
+#[derive(Debug, Fingerprint)]
 pub struct Quarantined {
     tag: PageTag,
 }
@@ -69,7 +70,7 @@ pub struct Quarantined {
 /// belongs to one fence. Not `Clone`; only [`KvPool::publish`] makes one and only
 /// [`KvPool::evict`] consumes it. Its tag's owner is the request that wrote the page.
 #[must_use = "a dropped cache handle keeps its page cached forever"]
-#[derive(Debug)]
+#[derive(Debug, Fingerprint)]
 pub struct CachedPage {
     tag: PageTag,
     fence: Fence,
@@ -94,7 +95,7 @@ impl CachedPage {
 /// }
 /// ```
 #[must_use = "a dropped shared lease keeps its page from being evicted"]
-#[derive(Debug)]
+#[derive(Debug, Fingerprint)]
 pub struct SharedLease {
     tag: PageTag,
     writer: RequestId,

@@ -2,10 +2,11 @@
 
 use crate::pool::{PageHandle, PageTag, SharedLease};
 use crate::{KvError, KvPool, Lease, PoolId, Quarantined, RequestId};
+use bulkhead_fingerprint::Fingerprint;
 
 /// One page of a sequence: its own, which it writes, or a cached one it shares read-only
 /// (design I7). Shared pages always come first: they hold a cached prefix.
-#[derive(Debug)]
+#[derive(Debug, Fingerprint)]
 pub enum SeqPage {
     /// Leased to the sequence's request.
     Own(Lease),
@@ -45,7 +46,7 @@ impl<'a> From<&'a SeqPage> for PageHandle<'a> {
 }
 
 /// The pool a sequence took its pages from, fixed at its first [`SequenceKv::reserve`].
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Fingerprint)]
 struct Binding {
     pool: PoolId,
     page_size: usize,
@@ -57,7 +58,7 @@ struct Binding {
 /// Not `Clone`: it owns its leases. Give it back with [`SequenceKv::release`] or
 /// [`SequenceKv::quarantine`]; dropping it leaves its pages leased (recover them with
 /// [`KvPool::revoke_owner`]).
-#[derive(Debug)]
+#[derive(Debug, Fingerprint)]
 pub struct SequenceKv {
     owner: RequestId,
     pages: Vec<SeqPage>,

@@ -11,12 +11,13 @@
 //! xxh3-64 is a fast non-cryptographic hash: it detects corruption, not forgery (a sender
 //! that can write KV can already write wrong KV into its own request's pages).
 
+use bulkhead_fingerprint::Fingerprint;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use crate::{Generation, KvError, KvPool, PageId, RequestId, SequenceKv};
 
 /// A page of a reservation, as handed to the sender.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Fingerprint)]
 pub struct PageRef {
     /// Receiver's page.
     pub page: PageId,
@@ -25,7 +26,7 @@ pub struct PageRef {
 }
 
 /// What a chunk claims about its bytes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Fingerprint)]
 pub struct ChunkHeader {
     /// Receiver's page the bytes are for.
     pub page: PageId,
@@ -66,6 +67,14 @@ pub fn checksum(data: &[u8]) -> u64 {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Manifest(u64);
 
+/// Renamed in order of first appearance: a hash over chunk headers (which hold
+/// generations), only ever compared for equality.
+impl bulkhead_fingerprint::Fingerprint for Manifest {
+    fn fingerprint(&self, h: &mut bulkhead_fingerprint::Fingerprinter) {
+        h.manifest(self.0);
+    }
+}
+
 impl Manifest {
     /// Fold in the next chunk.
     pub fn add(&mut self, h: &ChunkHeader) {
@@ -103,7 +112,7 @@ pub enum TransferError {
 }
 
 /// The receiving side of one request's handoff: its reservation and what has landed.
-#[derive(Debug)]
+#[derive(Debug, Fingerprint)]
 pub struct Inbound {
     seq: SequenceKv,
     prompt_tokens: usize,

@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 
+use bulkhead_fingerprint::Fingerprint;
 use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv};
 use bulkhead_protocol::FinishReason;
 use bulkhead_protocol::decode::DecodeStart;
@@ -54,7 +55,7 @@ impl PrefillCompute for MockPrefill<'_> {
 }
 
 /// One sequence in the mock decode loop.
-#[derive(Debug)]
+#[derive(Debug, Fingerprint)]
 pub struct Running {
     /// Its pages.
     pub seq: SequenceKv,

@@ -8,7 +8,8 @@
 //! aborts, prefill steps, decode steps, timeouts, message loss, duplication and reordering,
 //! and prefill worker crashes, within the budgets of a [`Config`]. A state is the history of
 //! choices; its production state is rebuilt by replaying that history, and states are
-//! deduplicated by a fingerprint of the replayed world ([`fingerprint`]).
+//! deduplicated by a typed fingerprint of the replayed world ([`bulkhead_fingerprint`],
+//! [`world::World::fingerprint`]).
 //!
 //! The properties ([`model::names`]) are named after the isolation contract's invariants
 //! (I1–I4) and are observed on the real pools and roles: reads go through `KvPool::read`,
@@ -26,7 +27,6 @@
 
 pub mod config;
 pub mod drivers;
-pub mod fingerprint;
 pub mod model;
 pub mod world;
 

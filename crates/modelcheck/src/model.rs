@@ -2,14 +2,14 @@
 //! code; the checker deduplicates them by the fingerprint of the replayed world.
 
 use std::collections::BTreeMap;
-use std::fmt::{self, Write as _};
+use std::fmt;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
+use bulkhead_fingerprint::Fingerprinter;
 use stateright::{Model, Property};
 
 use crate::config::Config;
-use crate::fingerprint::fingerprint;
 use crate::world::{Action, Prop, World};
 
 /// The KV handoff protocol, on the production state machines, under one configuration.
@@ -42,11 +42,12 @@ impl HandoffModel {
         w.check_state();
         let violations: BTreeMap<Prop, String> =
             w.violations().iter().filter(|(p, _)| !before.contains(p)).map(|(p, why)| (*p, why.clone())).collect();
-        let mut description = w.describe();
-        let _ = write!(description, " | violations {:?}", violations.keys());
+        let mut h = Fingerprinter::new();
+        w.fingerprint(&mut h);
+        h.write(&violations.keys().collect::<Vec<_>>());
         State {
             cfg: Arc::clone(&self.cfg),
-            key: fingerprint(&description),
+            key: h.finish(),
             enabled: w.enabled(),
             violations,
             ended: w.requests_ended(),

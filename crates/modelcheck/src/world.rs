@@ -9,6 +9,7 @@
 //! or changes to the gateway's driver here; the roles and the driver core are the
 //! production ones in every variant.
 
+use bulkhead_fingerprint::{Fingerprint, Fingerprinter};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt::Write as _;
 
@@ -36,7 +37,7 @@ pub const FIRST_TOKEN: u32 = 7;
 /// The model digest every worker of the model announces.
 const DIGEST: u64 = 1;
 /// An end of a connection.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Fingerprint)]
 pub enum Node {
     /// The gateway.
     Gateway,
@@ -83,7 +84,7 @@ pub enum Action {
 }
 
 /// What travels on a connection.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Fingerprint)]
 pub enum Envelope {
     /// A message.
     Msg(Message),
@@ -92,7 +93,7 @@ pub enum Envelope {
 }
 
 /// The properties, each named after the invariant it checks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Fingerprint)]
 pub enum Prop {
     /// I1, I2: every read is of a slot leased to the reader at its generation, below the
     /// watermark, and holds the reader's own KV.
@@ -115,7 +116,7 @@ pub enum Prop {
 }
 
 /// How a request ended for its client.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Fingerprint)]
 pub enum Outcome {
     /// Finished (HTTP 200).
     Finished,
@@ -130,7 +131,7 @@ pub enum Outcome {
 }
 
 /// What the driver has seen of one request (ghost state for the properties).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Fingerprint)]
 pub struct Ghost {
     /// Submitted by its client.
     pub submitted: bool,
@@ -189,7 +190,7 @@ struct PrefillWorker {
 type Decode = DecodeDriver<MockDecode, DecodeSabotage>;
 
 /// Remaining fault budgets.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Fingerprint)]
 struct Budget {
     client_aborts: u8,
     lose: u8,
@@ -1107,44 +1108,22 @@ impl<'c> World<'c> {
 
     // ---------------------------------------------------------------- fingerprint
 
-    /// The canonical description of the state the checker deduplicates on (see
-    /// [`crate::fingerprint`]): every driver's, role's and pool's `Debug` output, the
-    /// network, the budgets and the ghost state.
-    pub fn describe(&self) -> String {
-        let mut s = String::with_capacity(4096);
+    /// Writes the state the checker deduplicates on (see [`bulkhead_fingerprint`]): every
+    /// role, driver and running sequence, the pools' page counts, the network, the budgets
+    /// and the ghost state.
+    pub fn fingerprint(&self, h: &mut Fingerprinter) {
         // Clocks and deadlines are read only by the next tick; once a role can tick no more,
-        // they are dead state and two worlds that differ only there behave alike.
-        let mut gw = format!("{:?}", self.gw);
-        if self.budget.gateway_ticks == 0 {
-            gw = blank_numbers(&gw, &["now_ms: ", "deadline_ms: "]);
-        }
-        // The round-robin position matters only to requests not yet submitted.
-        if self.ghosts.values().all(|g| g.submitted) && self.cfg.variant != Variant::RetryAfterReject {
-            gw = blank_numbers(&gw, &["next_pick: "]);
-        }
-        let _ = write!(s, "gw {gw} | ");
+        // they are dead state and two worlds that differ only there behave alike. The
+        // round-robin position matters only to requests not yet submitted.
+        let all_submitted = self.ghosts.values().all(|g| g.submitted) && self.cfg.variant != Variant::RetryAfterReject;
+        h.clocks_dead(self.budget.gateway_ticks == 0).turns_dead(all_submitted).write(&self.gw).turns_dead(false);
         for p in &self.prefills {
-            let mut driver = format!("{:?}", p.driver);
-            if self.budget.prefill_ticks == 0 {
-                driver = blank_numbers(&driver, &["now_ms: ", "last_keepalive_ms: "]);
-            }
-            let _ = write!(s, "prefill {:?} {driver} free {} | ", p.id, p.pool.stats().free_pages);
+            h.clocks_dead(self.budget.prefill_ticks == 0).write(&p.id).write(&p.driver).write(&p.pool.stats().free_pages);
         }
         let d = self.dec.engine().pool.stats();
-        let mut role = format!("{:?}", self.dec.role());
-        if self.budget.decode_ticks == 0 {
-            role = blank_numbers(&role, &["now_ms: ", "deadline_ms: "]);
-        }
-        let _ = write!(s, "decode {role} pool {} {} {} running [", d.free_pages, d.leased_pages, d.quarantined_pages);
-        for (req, r) in &self.dec.engine().running {
-            let _ = write!(s, "{req:?} {r:?} ");
-        }
-        let _ = write!(s, "] | net ");
-        for ((from, to), q) in &self.net {
-            let _ = write!(s, "{from:?}->{to:?} {q:?} ");
-        }
-        let _ = write!(s, "| ghosts {:?} budget {:?} next {}", self.ghosts, self.budget, self.next_worker);
-        s
+        h.clocks_dead(self.budget.decode_ticks == 0).write(self.dec.role()).clocks_dead(false);
+        h.write(&(d.free_pages, d.leased_pages, d.quarantined_pages)).write(&self.dec.engine().running);
+        h.write(&self.net).write(&self.ghosts).write(&self.budget).write(&self.next_worker);
     }
 
     /// A readable dump of the world, for counterexamples and the explorer.
@@ -1175,21 +1154,6 @@ impl<'c> World<'c> {
         }
         s
     }
-}
-
-/// `s` with the number after each of `keys` replaced by `_`.
-fn blank_numbers(s: &str, keys: &[&str]) -> String {
-    let mut hits: Vec<usize> = keys.iter().flat_map(|k| s.match_indices(k).map(move |(i, _)| i + k.len())).collect();
-    hits.sort_unstable();
-    let mut out = String::with_capacity(s.len());
-    let mut i = 0;
-    for at in hits {
-        out.push_str(&s[i..at]);
-        out.push('_');
-        i = at + s[at..].bytes().take_while(u8::is_ascii_digit).count();
-    }
-    out.push_str(&s[i..]);
-    out
 }
 
 /// Nothing leased, quarantined or read: every page free, or cached with no reader.

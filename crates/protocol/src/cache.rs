@@ -9,6 +9,7 @@
 //! the secret can compute or guess a key. The pool's [`Fence`] of the scope is checked on
 //! every shared read, so even a wrong key reaches no other tenant's page.
 
+use bulkhead_fingerprint::Fingerprint;
 use bulkhead_kv::{Fence, PageKey};
 
 use crate::auth::ClusterKey;
@@ -55,7 +56,7 @@ impl CacheSecret {
 
 /// The cache scope of one (tenant, salt): the key of its page keys. Travels from the
 /// gateway to the prefill worker with each request.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq, Fingerprint)]
 pub struct CacheScope(pub [u8; 32]);
 
 impl std::fmt::Debug for CacheScope {

@@ -14,6 +14,7 @@
 //! gateway's request timeout bounds that), while a cut link or a hung prefill is noticed
 //! within the timeout.
 
+use bulkhead_fingerprint::Fingerprint;
 use std::collections::{BTreeMap, BTreeSet};
 
 use bulkhead_kv::{Inbound, KvError, KvPool, PageTag, Quarantined, RequestId, SequenceKv, TransferError, VerifiedSequence};
@@ -22,7 +23,7 @@ use crate::admission::{Generate, admit};
 use crate::msg::*;
 
 /// Limits of a decode worker.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Fingerprint)]
 pub struct DecodeConfig {
     /// Longest request (prompt + generation) admitted.
     pub max_context: usize,
@@ -163,7 +164,7 @@ pub struct DecodeStats {
     pub refused_connections: u64,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Fingerprint)]
 struct Pending {
     inbound: Inbound,
     prefill: WorkerId,
@@ -175,10 +176,11 @@ struct Pending {
     /// `transfer_timeout_ms` after the reservation or the last frame from its prefill worker,
     /// whichever is later: a prefill that keeps talking (chunks for any request, keepalives)
     /// may have this prompt queued behind others; one silent that long is cut off or hung.
+    #[fingerprint(clock)]
     deadline_ms: u64,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Fingerprint)]
 struct Fencing {
     pages: Vec<Quarantined>,
     prefill: WorkerId,
@@ -187,9 +189,10 @@ struct Fencing {
 }
 
 /// The decode worker's protocol state.
-#[derive(Debug)]
+#[derive(Debug, Fingerprint)]
 pub struct DecodeRole {
     cfg: DecodeConfig,
+    #[fingerprint(clock)]
     now_ms: u64,
     pending: BTreeMap<RequestId, Pending>,
     fencing: BTreeMap<RequestId, Fencing>,
@@ -208,6 +211,7 @@ pub struct DecodeRole {
     /// A reservation was refused for want of room and the gateway has not been told of
     /// pages freed since (`Room`): it holds its queue back until then.
     owes_room: bool,
+    #[fingerprint(skip)]
     stats: DecodeStats,
 }
 

@@ -1,13 +1,14 @@
 //! Messages between the roles. Every request is named by the gateway's [`RequestId`], which
 //! is also the owner of the KV leases taken for it on every worker.
 
+use bulkhead_fingerprint::Fingerprint;
 use bulkhead_kv::{ChunkHeader, KvPool, PageKey, PageRef, RequestId};
 
 use crate::cache::CacheScope;
 use crate::payload::Payload;
 
 /// A worker's identity within one gateway (assigned at registration).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Fingerprint)]
 pub struct WorkerId(pub u32);
 
 impl std::fmt::Display for WorkerId {
@@ -17,7 +18,7 @@ impl std::fmt::Display for WorkerId {
 }
 
 /// What a worker does.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Fingerprint)]
 pub enum Role {
     /// Computes prompt KV and sends it to a decode worker.
     Prefill,
@@ -26,7 +27,7 @@ pub enum Role {
 }
 
 /// What a worker announces when it connects (I5: capacity is a contract).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Fingerprint)]
 pub struct Hello {
     /// Role of the worker.
     pub role: Role,
@@ -68,7 +69,7 @@ impl Hello {
 /// log-probabilities that are reported ([`Sampling::logprobs`]); then the repetition,
 /// frequency and presence penalties, `logit_bias`, `min_tokens` and the grammar's mask
 /// change the logits; then temperature, `min_p`, `top_k` and `top_p` pick the token.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Fingerprint)]
 pub struct Sampling {
     /// Softmax temperature; 0 = greedy (argmax).
     pub temperature: f32,
@@ -146,7 +147,7 @@ impl Sampling {
 /// What a request's output must match (structured outputs). Every worker that samples a
 /// token compiles it over its vocabulary (the grammar crate, with llguidance) and masks
 /// every token it does not allow, the first token on the prefill worker included.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Fingerprint)]
 pub enum GrammarSpec {
     /// Any JSON object (`response_format: {"type": "json_object"}`).
     JsonObject,
@@ -162,7 +163,7 @@ pub enum GrammarSpec {
 
 /// One generated token's log-probability under the model (before penalties, bias and
 /// grammar), and the most likely tokens at that step with theirs.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Fingerprint)]
 pub struct TokenLogprobs {
     /// The log-probability of the picked token.
     pub logprob: f32,
@@ -173,7 +174,7 @@ pub struct TokenLogprobs {
 /// Where a request came from, carried to every worker so that its log lines can be found
 /// from the client's side: the W3C trace id the gateway continued or started, and the
 /// HTTP `x-request-id`.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Fingerprint)]
 pub struct TraceContext {
     /// W3C trace id (16 bytes; all zero when none was set, e.g. in tests).
     pub trace_id: [u8; 16],
@@ -184,7 +185,7 @@ pub struct TraceContext {
 }
 
 /// Prometheus type of a [`MetricFamily`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Fingerprint)]
 pub enum MetricKind {
     /// Only goes up (restarts at zero with the process).
     Counter,
@@ -195,7 +196,7 @@ pub enum MetricKind {
 }
 
 /// One sample of a metric family.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Fingerprint)]
 pub struct MetricSample {
     /// Full sample name: the family's, or for a histogram with `_bucket`, `_sum`, `_count`.
     pub name: String,
@@ -207,7 +208,7 @@ pub struct MetricSample {
 
 /// A metric family as a worker reports it: self-describing, so a gateway renders metrics
 /// it does not know by name (a newer worker's) without a protocol change.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Fingerprint)]
 pub struct MetricFamily {
     /// Family name, e.g. `bulkhead:kv_cache_usage_perc`.
     pub name: String,
@@ -220,7 +221,7 @@ pub struct MetricFamily {
 }
 
 /// Why a request was refused before it ran (I3). Terminal.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Fingerprint)]
 pub enum RejectReason {
     /// Prompt plus generation exceeds what the worker can hold.
     ContextLength,
@@ -233,7 +234,7 @@ pub enum RejectReason {
 }
 
 /// Why a running request failed. Terminal.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Fingerprint)]
 pub enum FailReason {
     /// A KV chunk or the completion claim failed verification (I2).
     TransferRefused,
@@ -246,7 +247,7 @@ pub enum FailReason {
 }
 
 /// Why a request is being aborted.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Fingerprint)]
 pub enum AbortReason {
     /// The client went away.
     ClientGone,
@@ -259,7 +260,7 @@ pub enum AbortReason {
 }
 
 /// Why a generation ended: the one vocabulary of the engine, the wire and the API.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Fingerprint)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema), schema(rename_all = "lowercase"))]
 pub enum FinishReason {
     /// End-of-generation token or a stop string.
@@ -285,7 +286,7 @@ impl FinishReason {
 
 /// What an internal connection is for; part of its handshake, so a handshake made for one
 /// port cannot be replayed on the other.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Fingerprint)]
 pub enum Purpose {
     /// Worker → gateway: registration and control.
     Control = 0,
@@ -294,7 +295,7 @@ pub enum Purpose {
 }
 
 /// Every message of protocol version [`crate::codec::VERSION`].
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Fingerprint)]
 pub enum Message {
     /// Connecting side, first frame where the cluster has a key ([`crate::auth`]): what the
     /// connection is for, the identity it claims (a prefill worker's id on a KV
@@ -364,7 +365,12 @@ pub enum Message {
     /// Decode → gateway: reserved; these are the prompt pages the prefill may write.
     Reserved { req: RequestId, pages: Vec<PageRef> },
     /// Worker → gateway: refused before running. Terminal for the request.
-    Rejected { req: RequestId, reason: RejectReason, detail: String },
+    Rejected {
+        req: RequestId,
+        reason: RejectReason,
+        #[fingerprint(skip)]
+        detail: String,
+    },
     /// Gateway → prefill: compute this prompt's KV into `decode`'s `pages`. `skip_draws`:
     /// sampling draws made before (a retracted request's tokens), so a seeded sampler picks
     /// up where it was. `cache`: the request's prefix-cache scope (its tenant and salt),
@@ -380,12 +386,25 @@ pub enum Message {
         cache: Option<CacheScope>,
     },
     /// Prefill → decode: KV bytes for one page segment.
-    KvChunk { req: RequestId, header: ChunkHeader, data: Payload },
+    KvChunk {
+        req: RequestId,
+        header: ChunkHeader,
+        #[fingerprint(skip)]
+        data: Payload,
+    },
     /// Prefill → decode: all chunks sent. The last message for `req` on this connection.
     /// `cached`: how many of the `tokens` came from the prefill's cache (they were sent and
     /// are verified like the others).
     /// `first_logprobs`: the first token's, when the request asked for them.
-    Done { req: RequestId, tokens: u32, first_token: u32, manifest: u64, cached: u32, first_logprobs: Option<TokenLogprobs> },
+    Done {
+        req: RequestId,
+        tokens: u32,
+        first_token: u32,
+        #[fingerprint(manifest)]
+        manifest: u64,
+        cached: u32,
+        first_logprobs: Option<TokenLogprobs>,
+    },
     /// Prefill → decode: nothing (more) will be sent for `req`. The last message for `req`.
     Fenced { req: RequestId },
     /// Decode → gateway: one generated token, the text it released, and its
@@ -399,7 +418,12 @@ pub enum Message {
     /// gateway queues it again with `tokens` (everything it generated so far) as `resume`.
     Retracted { req: RequestId, tokens: Vec<u32> },
     /// Worker → gateway: the request failed. Terminal.
-    Failed { req: RequestId, reason: FailReason, detail: String },
+    Failed {
+        req: RequestId,
+        reason: FailReason,
+        #[fingerprint(skip)]
+        detail: String,
+    },
     /// Any direction: end the request.
     Abort { req: RequestId, reason: AbortReason },
     /// Gateway → decode: end a reservation that was never dispatched to a prefill worker, so

@@ -19,6 +19,7 @@
 //! reservation that was released on that fence (I4). Under a new id it only ever gets
 //! reservations made for it.
 
+use bulkhead_fingerprint::Fingerprint;
 use std::collections::{BTreeMap, VecDeque};
 
 use bulkhead_kv::{KvError, PageRef, RequestId};
@@ -28,7 +29,7 @@ use crate::cache::CacheScope;
 use crate::msg::*;
 
 /// Limits of a prefill worker.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Fingerprint)]
 pub struct PrefillConfig {
     /// Longest prompt admitted: the model's context and the KV pool's capacity, whichever
     /// is smaller (the incident's prefill pool was smaller than the advertised context).
@@ -48,7 +49,7 @@ impl PrefillConfig {
 }
 
 /// A prompt to compute and send.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Fingerprint)]
 pub struct PrefillJob {
     /// The request.
     pub req: RequestId,
@@ -155,7 +156,7 @@ pub struct PrefillStats {
 pub const REJOIN_AFTER_MS: u64 = 500;
 
 /// The KV connection to a decode worker this prefill worker was introduced to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Fingerprint)]
 enum Link {
     /// The driver is opening it.
     Opening,
@@ -166,7 +167,7 @@ enum Link {
 }
 
 /// A job being computed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Fingerprint)]
 struct Running {
     req: RequestId,
     decode: WorkerId,
@@ -175,10 +176,12 @@ struct Running {
 }
 
 /// The prefill worker's protocol state.
-#[derive(Debug)]
+#[derive(Debug, Fingerprint)]
 pub struct PrefillRole {
     cfg: PrefillConfig,
+    #[fingerprint(clock)]
     now_ms: u64,
+    #[fingerprint(clock)]
     last_keepalive_ms: u64,
     queue: VecDeque<PrefillJob>,
     /// Jobs taken and not yet ended, in the order they were taken.
@@ -187,6 +190,7 @@ pub struct PrefillRole {
     peers: BTreeMap<WorkerId, Link>,
     /// A rejoin was asked for: the role takes nothing more.
     rejoining: bool,
+    #[fingerprint(skip)]
     stats: PrefillStats,
 }
 

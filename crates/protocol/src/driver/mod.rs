@@ -17,11 +17,12 @@
 //! So a bug put into this module is a bug in every one of them, and the checkers verify
 //! the code that production runs. Like the roles, it has no sockets, threads or clocks.
 
+use bulkhead_fingerprint::Fingerprint;
 pub mod decode;
 pub mod prefill;
 #[cfg(feature = "sabotage")]
 pub mod sabotage;
 
 /// The production policy: drivers that do exactly what the roles decide.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Fingerprint)]
 pub struct Honest;

@@ -23,6 +23,7 @@
 //! included, for the decode worker to verify as always. A finished job's new full pages
 //! are published to the cache; what was stored and evicted goes to the gateway.
 
+use bulkhead_fingerprint::Fingerprint;
 use std::collections::VecDeque;
 
 use bulkhead_kv::transfer::{ChunkExport, Manifest};
@@ -75,7 +76,7 @@ pub trait PrefillCompute {
 }
 
 /// How much a step computes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Fingerprint)]
 pub struct Batching {
     /// Most prompt positions of one job per step (a whole number of pages).
     pub chunk_tokens: usize,
@@ -157,7 +158,7 @@ pub trait PrefillPolicy {
 impl PrefillPolicy for Honest {}
 
 /// A job in progress: its pages, how far it got, the manifest of what it sent.
-#[derive(Debug)]
+#[derive(Debug, Fingerprint)]
 struct Job {
     job: PrefillJob,
     seq: SequenceKv,
@@ -182,7 +183,7 @@ impl Job {
 }
 
 /// A prefill worker's prefix cache and what its keys need.
-#[derive(Debug)]
+#[derive(Debug, Fingerprint)]
 struct Cache {
     cache: PrefixCache,
     model_digest: u64,
@@ -201,7 +202,7 @@ pub enum Step {
 }
 
 /// The prefill driver: the role, the running jobs and the step budget.
-#[derive(Debug)]
+#[derive(Debug, Fingerprint)]
 pub struct PrefillDriver<P: PrefillPolicy = Honest> {
     role: PrefillRole,
     /// Jobs in progress, in the order they were taken.

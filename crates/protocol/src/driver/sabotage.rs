@@ -5,6 +5,7 @@
 //! (`crates/faultsim`) can show that they catch it. Both checkers take them from here, the
 //! driver core's own crate, so neither depends on the other. Production never builds them.
 
+use bulkhead_fingerprint::Fingerprint;
 use bulkhead_kv::{PageKey, RequestId};
 
 use crate::Message;
@@ -15,7 +16,7 @@ use crate::driver::prefill::PrefillPolicy;
 use crate::prefill::PrefillJob;
 
 /// A decode driver that breaks the fence (I4).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Fingerprint)]
 pub enum DecodeSabotage {
     /// Honest: what production does.
     None,
@@ -45,7 +46,7 @@ impl DecodePolicy for DecodeSabotage {
 }
 
 /// A prefill driver that breaks admission (I1) or the tenant fence (I7).
-#[derive(Debug)]
+#[derive(Debug, Fingerprint)]
 pub struct PrefillSabotage {
     /// The incident's scheduler: a job the role refused is kept, and a 1-token placeholder
     /// of the refused prompt runs behind the role's back.
