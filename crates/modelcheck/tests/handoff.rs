@@ -43,7 +43,9 @@ fn assert_holds(report: &Report, model: &HandoffModel) {
 /// configuration exercises keepalives, and without it the faulty network has 471,665.
 /// The gateway's in-flight record came to remember whether a decode worker has refused a
 /// request for room (so `requeued_capacity` counts requests, not refusals): the faulty
-/// network went from 526,737 to 527,718, the states where that is all that differs.
+/// network went from 526,737 to 527,718, the states where that is all that differs. The
+/// typed fingerprint (`derive(Fingerprint)`) that replaced the canonicalised `Debug` text
+/// left every count here unchanged.
 #[test]
 fn three_requests_two_prefill_workers_one_decode_worker_hold_every_property() {
     let (report, model) = check_all(Config::three_requests());
