@@ -98,7 +98,7 @@ fn transfer_times(
             let chosen = transport.connect(true, &mut r, &mut w)?;
             for (req, targets) in targets_rx {
                 let mut m = Manifest::default();
-                let mut chunks = ChunkExport::new(srcref, seqref, &targets, 0, n, &mut m);
+                let mut chunks = ChunkExport::new(srcref, seqref, &targets, 0, 0, n, &mut m);
                 while w.send_kv_chunk(req, &mut chunks)?.is_some() {}
                 digest_tx.send(m.digest())?;
             }

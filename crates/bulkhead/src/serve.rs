@@ -230,11 +230,13 @@ pub struct ServeArgs {
     /// One API key every /v1/ request must carry (one tenant, `default`); vLLM's flag.
     #[arg(long, env = "BULKHEAD_API_KEY")]
     api_key: Option<String>,
-    /// Do not share KV pages between requests: no prefix cache on the prefill workers.
+    /// Do not share KV pages between requests: no prefix cache on the prefill workers, and
+    /// none on the decode workers (every turn's whole prompt is then sent).
     #[arg(long, env = "BULKHEAD_NO_PREFIX_CACHE", value_parser = clap::builder::BoolishValueParser::new())]
     no_prefix_cache: bool,
-    /// Most KV pages of a prefill worker's pool its prefix cache keeps (default: the whole
-    /// pool; cached pages nobody reads are evicted whenever a prompt needs room).
+    /// Most KV pages of a worker's pool its prefix cache keeps, on prefill and decode workers
+    /// alike (default: the whole pool; cached pages nobody reads are evicted whenever a
+    /// prompt or a growing sequence needs room).
     #[arg(long, env = "BULKHEAD_PREFIX_CACHE_PAGES")]
     prefix_cache_pages: Option<usize>,
     /// Test only: switch the gateway's context check off to show the workers' own holds.
@@ -409,7 +411,7 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
     let cache = if a.no_prefix_cache {
         "off".to_string()
     } else {
-        a.prefix_cache_pages.map_or("on (up to the prefill pool)".into(), |p| format!("on (up to {p} pages per prefill worker)"))
+        a.prefix_cache_pages.map_or("on (up to each worker's pool)".into(), |p| format!("on (up to {p} pages per worker)"))
     };
     let opts = GatewayOptions {
         chat_template: a.model.chat_template.clone(),

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv, Unreleased};
 use bulkhead_model::{Llama, ModelError, SeqInput};
 use bulkhead_protocol::admission::{Generate, Refusal, admit};
-use bulkhead_protocol::decode::DecodeStart;
+use bulkhead_protocol::decode::{DecodeStart, Retired};
 use bulkhead_protocol::driver::decode::{GenEvent, Growing, make_room};
 use bulkhead_protocol::{FinishReason, Sampling, TokenLogprobs};
 use bulkhead_tokenizer::{TokenType, Tokenizer};
@@ -151,6 +151,9 @@ pub struct Engine {
     retractions: u64,
     /// The last step's logits; its memory serves the next step.
     logits: Vec<f32>,
+    /// Keep finished sequences for the decode-side cache ([`Engine::keep_finished`]).
+    keep_finished: bool,
+    retired: Vec<Retired>,
 }
 
 impl Engine {
@@ -172,7 +175,20 @@ impl Engine {
             prefill_chunk: cfg.prefill_chunk.max(1),
             context_limit,
             retractions: 0,
+            keep_finished: false,
+            retired: Vec::new(),
         }
+    }
+
+    /// From now on, a request that finishes normally leaves its pages to
+    /// [`Engine::take_retired`] (for the decode worker's cache) instead of giving them back.
+    pub fn keep_finished(&mut self) {
+        self.keep_finished = true;
+    }
+
+    /// The sequences kept since the last call, each with every token it generated.
+    pub fn take_retired(&mut self) -> Vec<Retired> {
+        std::mem::take(&mut self.retired)
     }
 
     /// Sequences retracted so far to let others grow.
@@ -355,7 +371,12 @@ impl Engine {
     fn finish(&mut self, i: usize, reason: FinishReason, text: String, events: &mut Vec<Event>) {
         let s = self.seqs.swap_remove(i);
         let (req, prompt_tokens, completion_tokens) = (s.id, s.prompt_len as u32, s.history.len() as u32);
-        self.give_back(s.kv);
+        // Only a verified sequence's positions follow the client's prompt and `history`.
+        if self.keep_finished && s.prompt.is_none() {
+            self.retired.push(Retired { seq: s.kv, generated: s.history });
+        } else {
+            self.give_back(s.kv);
+        }
         events.push(Event::Finished { req, finish: reason, text, prompt_tokens, completion_tokens });
     }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use bulkhead_kv::{KvPool, RequestId};
 use bulkhead_model::{Llama, SeqInput};
-use bulkhead_protocol::decode::DecodeStart;
+use bulkhead_protocol::decode::{DecodeStart, Retired};
 use bulkhead_protocol::driver::decode::{DecodeEngine, GenEvent};
 use bulkhead_protocol::driver::prefill::{Chunk, First, PrefillCompute};
 use bulkhead_tokenizer::Tokenizer;
@@ -41,6 +41,14 @@ impl DecodeEngine for Engine {
 
     fn active(&self) -> usize {
         Engine::active(self)
+    }
+
+    fn keep_finished(&mut self) {
+        Engine::keep_finished(self);
+    }
+
+    fn take_retired(&mut self) -> Vec<Retired> {
+        Engine::take_retired(self)
     }
 }
 

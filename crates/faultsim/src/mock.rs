@@ -327,6 +327,13 @@ impl DecodeEngine for MockDecode {
     fn active(&self) -> usize {
         self.seqs.len()
     }
+
+    // This loop gives every finished sequence back itself (no decode-side cache here).
+    fn keep_finished(&mut self) {}
+
+    fn take_retired(&mut self) -> Vec<bulkhead_protocol::decode::Retired> {
+        Vec::new()
+    }
 }
 
 impl DecodeModel for MockDecode {

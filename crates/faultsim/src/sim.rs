@@ -376,9 +376,9 @@ fn brief(m: &Message) -> String {
         Message::Reserve { req, prompt_tokens, max_tokens, prefill, .. } => {
             format!("Reserve r{req} prompt {prompt_tokens} max {max_tokens} via w{}", prefill.0)
         }
-        Message::Reserved { req, pages } => {
+        Message::Reserved { req, held, pages } => {
             let p: Vec<String> = pages.iter().map(|p| format!("{}@{}", p.page, p.generation)).collect();
-            format!("Reserved r{req} [{}]", p.join(" "))
+            format!("Reserved r{req} held {held} [{}]", p.join(" "))
         }
         Message::Rejected { req, reason, .. } => format!("Rejected r{req} {reason:?}"),
         Message::Prefill { req, tokens, decode, .. } => format!("Prefill r{req} {} tokens to w{}", tokens.len(), decode.0),

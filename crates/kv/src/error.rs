@@ -36,6 +36,16 @@ pub enum KvError {
         /// Pages free at the time.
         free: usize,
     },
+    /// A shared prefix that cannot start a reservation: not leased from this pool to its
+    /// owner, or covering the whole prompt (the sender must write at least its last
+    /// position, whose logits pick the first token).
+    #[error("a shared prefix of {pages} pages cannot start a reservation of {prompt} prompt tokens")]
+    SharedPrefix {
+        /// Shared pages offered.
+        pages: usize,
+        /// Prompt tokens reserved.
+        prompt: usize,
+    },
     /// A lease (or quarantine handle) made by another pool.
     #[error("lease from KV pool {lease_pool} presented to KV pool {pool}")]
     ForeignLease {

@@ -23,6 +23,14 @@ impl SeqPage {
         }
     }
 
+    /// The shared lease, if the page is one.
+    pub fn into_shared(self) -> Option<SharedLease> {
+        match self {
+            SeqPage::Shared(l) => Some(l),
+            SeqPage::Own(_) => None,
+        }
+    }
+
     /// Whether the page is shared (read-only).
     pub fn is_shared(&self) -> bool {
         matches!(self, SeqPage::Shared(_))

@@ -14,7 +14,7 @@
 use bulkhead_fingerprint::Fingerprint;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
-use crate::{Generation, KvError, KvPool, PageId, RequestId, SequenceKv};
+use crate::{Generation, KvError, KvPool, PageId, RequestId, SequenceKv, SharedLease};
 
 /// A page of a reservation, as handed to the sender.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Fingerprint)]
@@ -148,17 +148,53 @@ impl Inbound {
     /// Reserve pages for `total_tokens` (prompt + generation), all or nothing, for a prompt of
     /// `prompt_tokens` that a sender will write.
     pub fn reserve(pool: &mut KvPool, owner: RequestId, prompt_tokens: usize, total_tokens: usize) -> Result<Self, KvError> {
-        let mut seq = SequenceKv::new(owner);
-        seq.reserve(pool, total_tokens.max(prompt_tokens))?;
-        Ok(Inbound { seq, prompt_tokens, received: 0, manifest: Manifest::default() })
+        Self::reserve_after(pool, owner, Vec::new(), prompt_tokens, total_tokens).map_err(|(e, _)| e)
     }
 
-    /// The pages the sender may write: those holding prompt positions, in order.
+    /// Like [`Inbound::reserve`], for a prompt whose first pages this pool holds already:
+    /// `shared`, leased read-only to `owner` from this pool's cache (design I10). They count
+    /// towards coverage only as these live shared leases; the sender writes the rest, from
+    /// the first position past them. At least the prompt's last position must be left to
+    /// the sender. On failure the shared leases come back with the error, for the caller to
+    /// give back.
+    pub fn reserve_after(
+        pool: &mut KvPool,
+        owner: RequestId,
+        shared: Vec<SharedLease>,
+        prompt_tokens: usize,
+        total_tokens: usize,
+    ) -> Result<Self, (KvError, Vec<SharedLease>)> {
+        let page_size = pool.layout().page_size;
+        let mut seq = SequenceKv::new(owner);
+        if !shared.is_empty() {
+            let refused = KvError::SharedPrefix { pages: shared.len(), prompt: prompt_tokens };
+            if shared.len() * page_size >= prompt_tokens {
+                return Err((refused, shared));
+            }
+            seq.attach_shared(pool, shared).map_err(|shared| (refused, shared))?;
+        }
+        if let Err(e) = seq.reserve(pool, total_tokens.max(prompt_tokens)) {
+            // Reserve is all or nothing: only the shared prefix is held.
+            let shared = seq.into_pages().into_iter().filter_map(|p| p.into_shared()).collect();
+            return Err((e, shared));
+        }
+        let received = seq.shared_tokens();
+        Ok(Inbound { seq, prompt_tokens, received, manifest: Manifest::default() })
+    }
+
+    /// Leading prompt tokens held in shared (cached) pages: the sender writes from here.
+    pub fn shared_tokens(&self) -> usize {
+        self.seq.shared_tokens()
+    }
+
+    /// The pages the sender may write: its own pages holding prompt positions, in order
+    /// (the first holds position [`Inbound::shared_tokens`]).
     pub fn prompt_pages(&self, page_size: usize) -> Vec<PageRef> {
         self.seq
             .pages()
             .iter()
             .take(self.prompt_tokens.div_ceil(page_size))
+            .filter(|p| !p.is_shared())
             .map(|l| PageRef { page: l.page(), generation: l.generation() })
             .collect()
     }
@@ -168,12 +204,12 @@ impl Inbound {
         self.seq.owner()
     }
 
-    /// The reservation's pages, in position order (prompt pages first); all its own.
+    /// The reservation's pages, in position order (shared prefix, own prompt pages, the rest).
     pub fn pages(&self) -> &[crate::SeqPage] {
         self.seq.pages()
     }
 
-    /// Prompt tokens written so far.
+    /// Prompt tokens in place so far: the shared prefix and what was written after it.
     pub fn received_tokens(&self) -> usize {
         self.received
     }
@@ -187,7 +223,10 @@ impl Inbound {
     pub fn accept(&mut self, pool: &mut KvPool, h: &ChunkHeader, data: &[u8]) -> Result<(), TransferError> {
         let page_size = pool.layout().page_size;
         let prompt_pages = self.prompt_tokens.div_ceil(page_size);
-        let Some(index) = self.seq.pages().iter().take(prompt_pages).position(|l| l.page() == h.page) else {
+        // Only the reservation's own prompt pages are written: a shared page is never a
+        // target, whatever page number a chunk names.
+        let own = |l: &crate::SeqPage| !l.is_shared() && l.page() == h.page;
+        let Some(index) = self.seq.pages().iter().take(prompt_pages).position(own) else {
             return Err(TransferError::UnknownPage { page: h.page, generation: h.generation });
         };
         let (lease, _) = self.seq.locate(index * page_size)?;
@@ -233,7 +272,8 @@ impl Inbound {
             return Err((e, self.seq));
         }
         // commit re-checks every layer's watermark on every page against the positions.
-        match self.seq.commit(pool, self.prompt_tokens) {
+        let written = self.prompt_tokens - self.seq.len();
+        match self.seq.commit(pool, written) {
             Ok(()) => Ok(VerifiedSequence { seq: self.seq, prompt_tokens: self.prompt_tokens }),
             Err(e) => Err((e.into(), self.seq)),
         }
@@ -254,15 +294,27 @@ pub struct ChunkExport<'a> {
     pool: &'a KvPool,
     src: &'a SequenceKv,
     targets: &'a [PageRef],
+    /// The position `targets[0]` starts at: the receiver's shared prefix, which is not sent.
+    base: usize,
     pos: usize,
     to: usize,
     manifest: &'a mut Manifest,
 }
 
 impl<'a> ChunkExport<'a> {
-    /// The chunks for `from..to` (none if `from >= to`).
-    pub fn new(pool: &'a KvPool, src: &'a SequenceKv, targets: &'a [PageRef], from: usize, to: usize, manifest: &'a mut Manifest) -> Self {
-        ChunkExport { pool, src, targets, pos: from, to, manifest }
+    /// The chunks for `from..to` (none if `from >= to`), addressed to `targets`, the
+    /// receiver's pages from position `base` on (a multiple of the page size: the prefix
+    /// it holds already). Positions before `base` are never sent.
+    pub fn new(
+        pool: &'a KvPool,
+        src: &'a SequenceKv,
+        targets: &'a [PageRef],
+        base: usize,
+        from: usize,
+        to: usize,
+        manifest: &'a mut Manifest,
+    ) -> Self {
+        ChunkExport { pool, src, targets, base, pos: from.max(base), to, manifest }
     }
 
     /// Append the next chunk's bytes to `out` and return its header; `None` once every chunk
@@ -286,7 +338,10 @@ impl<'a> ChunkExport<'a> {
         // Cached (shared) pages travel like the request's own: the receiver verifies both.
         let (lease, slot) = self.src.locate_page(pos)?;
         let count = (page_size - slot).min(self.to - pos);
-        let target = self.targets.get(pos / page_size).ok_or(KvError::NotReserved { pos, reserved: self.targets.len() * page_size })?;
+        let target = self
+            .targets
+            .get((pos - self.base) / page_size)
+            .ok_or(KvError::NotReserved { pos, reserved: self.base + self.targets.len() * page_size })?;
         let start = out.len();
         self.pool.export_slots(lease, slot, count, out)?;
         let h = ChunkHeader {
@@ -313,7 +368,7 @@ pub fn export_chunks(
     to: usize,
     manifest: &mut Manifest,
 ) -> Result<Vec<(ChunkHeader, Vec<u8>)>, KvError> {
-    let mut chunks = ChunkExport::new(pool, src, targets, from, to, manifest);
+    let mut chunks = ChunkExport::new(pool, src, targets, 0, from, to, manifest);
     let mut out = Vec::new();
     loop {
         let mut data = Vec::new();

@@ -205,3 +205,102 @@ fn chunks_without_checksums_are_refused_by_a_receiver_that_checks() {
         inb.into_sequence().release(&mut rp).unwrap();
     }
 }
+
+/// The receiver holds the first pages already (cached, shared read-only): the sender
+/// writes only the rest, addressed from the first position past them, and the verified
+/// sequence reads the prefix from the shared pages and the tail from what landed.
+#[test]
+fn a_shared_prefix_is_covered_by_its_leases_and_only_the_tail_is_sent() {
+    use bulkhead_kv::{Fence, PageKey, PrefixCache};
+    let (mut sp, mut rp) = (pool(8), pool(12));
+    let ps = LAYOUT.page_size;
+    let n = 2 * ps + 3;
+    let fence = Fence([7; 16]);
+    let keys = [PageKey([1; 16]), PageKey([2; 16])];
+    // An earlier request of the same scope left its two full prompt pages in the
+    // receiver's cache (the same values the sender computes for this request).
+    let mut cache = PrefixCache::new(8);
+    let earlier = sender(&mut rp, 7, 2 * ps);
+    assert_eq!(cache.finish(&mut rp, earlier, &keys, fence), 2);
+    let shared = cache.lookup(&mut rp, &keys, 2, RequestId(15), fence, n).unwrap();
+    assert_eq!(shared.len(), 2);
+    let mut inb = Inbound::reserve_after(&mut rp, RequestId(15), shared, n, n + 1).map_err(|(e, _)| e).unwrap();
+    assert_eq!((inb.shared_tokens(), inb.received_tokens()), (2 * ps, 2 * ps));
+    let targets = inb.prompt_pages(ps);
+    assert_eq!(targets.len(), 1, "only the tail's page is a target");
+    let s = sender(&mut sp, 7, n);
+    let mut m = Manifest::default();
+    let cs = export_chunks_from(&sp, &s, &targets, 2 * ps, n, &mut m);
+    assert_eq!(cs.len(), 1, "the shared prefix is not sent");
+    for (h, d) in &cs {
+        inb.accept(&mut rp, h, d).unwrap();
+    }
+    let seq = inb.finish(&rp, n, m.digest()).map_err(|(e, _)| e).unwrap().into_sequence();
+    assert_eq!(seq.len(), n);
+    for pos in [0, ps + 1, 2 * ps, n - 1] {
+        let (page, slot) = seq.locate_page(pos).unwrap();
+        let read = rp.read(page, 1).unwrap();
+        assert_eq!(read.k_head(0)[slot * 4].to_f32(), value(7, pos, 1, 0), "position {pos}");
+    }
+}
+
+/// A chunk naming one of the shared pages is refused: the receiver's own prompt pages are
+/// the only targets, whatever page number a chunk carries.
+#[test]
+fn a_chunk_for_a_shared_page_is_refused() {
+    use bulkhead_kv::{Fence, PageKey, PrefixCache};
+    let mut rp = pool(12);
+    let ps = LAYOUT.page_size;
+    let fence = Fence([7; 16]);
+    let keys = [PageKey([1; 16])];
+    let mut cache = PrefixCache::new(8);
+    let earlier = sender(&mut rp, 7, ps);
+    cache.finish(&mut rp, earlier, &keys, fence);
+    let shared = cache.lookup(&mut rp, &keys, 1, RequestId(15), fence, ps + 2).unwrap();
+    let page = shared[0].page();
+    let generation = shared[0].generation();
+    let mut inb = Inbound::reserve_after(&mut rp, RequestId(15), shared, ps + 2, ps + 2).map_err(|(e, _)| e).unwrap();
+    let h = ChunkHeader { page, generation, slot_start: 0, slot_count: 1, checksum: 0 };
+    let data = vec![0u8; LAYOUT.bytes_per_token()];
+    assert!(matches!(inb.accept(&mut rp, &h, &data), Err(TransferError::UnknownPage { .. })));
+}
+
+/// A prefix that covers the whole prompt, or is leased to another reader, cannot start a
+/// reservation; the shared leases come back to be given back.
+#[test]
+fn a_shared_prefix_must_leave_the_last_position_and_belong_to_the_reader() {
+    use bulkhead_kv::{Fence, KvError, PageKey, PrefixCache};
+    let mut rp = pool(12);
+    let ps = LAYOUT.page_size;
+    let fence = Fence([7; 16]);
+    let keys = [PageKey([1; 16])];
+    let mut cache = PrefixCache::new(8);
+    let earlier = sender(&mut rp, 7, ps);
+    cache.finish(&mut rp, earlier, &keys, fence);
+    let whole = cache.lookup(&mut rp, &keys, 1, RequestId(15), fence, ps).unwrap();
+    let (e, back) = Inbound::reserve_after(&mut rp, RequestId(15), whole, ps, ps + 1).err().unwrap();
+    assert_eq!((e, back.len()), (KvError::SharedPrefix { pages: 1, prompt: ps }, 1));
+    back.into_iter().for_each(|l| rp.unshare(l).unwrap());
+    let others = cache.lookup(&mut rp, &keys, 1, RequestId(16), fence, ps + 1).unwrap();
+    let (e, back) = Inbound::reserve_after(&mut rp, RequestId(15), others, ps + 1, ps + 1).err().unwrap();
+    assert_eq!((e, back.len()), (KvError::SharedPrefix { pages: 1, prompt: ps + 1 }, 1));
+}
+
+fn export_chunks_from(
+    p: &KvPool,
+    s: &SequenceKv,
+    targets: &[PageRef],
+    base: usize,
+    to: usize,
+    m: &mut Manifest,
+) -> Vec<(ChunkHeader, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut export = bulkhead_kv::ChunkExport::new(p, s, targets, base, 0, to, m);
+    loop {
+        let mut data = Vec::new();
+        match export.next_into(&mut data) {
+            Some(h) => out.push((h.unwrap(), data)),
+            None => return out,
+        }
+    }
+}

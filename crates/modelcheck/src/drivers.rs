@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use bulkhead_fingerprint::Fingerprint;
 use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv};
 use bulkhead_protocol::FinishReason;
-use bulkhead_protocol::decode::DecodeStart;
+use bulkhead_protocol::decode::{DecodeStart, Retired};
 use bulkhead_protocol::driver::decode::{DecodeEngine, GenEvent, Growing, make_room};
 use bulkhead_protocol::driver::prefill::{Chunk, First, PrefillCompute};
 use bulkhead_protocol::driver::sabotage::{DecodeSabotage, PrefillSabotage};
@@ -107,6 +107,9 @@ pub struct MockDecode {
     /// Sequences retracted so far.
     pub retractions: u64,
     values: Values,
+    /// Finished sequences go to the driver (the decode-side cache) instead of the pool.
+    keep_finished: bool,
+    retired: Vec<Retired>,
 }
 
 impl MockDecode {
@@ -123,6 +126,8 @@ impl MockDecode {
             next_order: 0,
             retractions: 0,
             values,
+            keep_finished: false,
+            retired: Vec::new(),
         }
     }
 
@@ -182,7 +187,9 @@ impl MockDecode {
     /// The request is done: its pages go back, and the gateway hears `Finished`.
     fn finish(&mut self, req: RequestId, r: Running) -> GenEvent {
         let prompt_tokens = (r.seq.len() as u32).saturating_sub(r.generated - 1);
-        if let Err(u) = r.seq.release(&mut self.pool) {
+        if self.keep_finished {
+            self.retired.push(Retired { seq: r.seq, generated: vec![FIRST_TOKEN; r.generated as usize] });
+        } else if let Err(u) = r.seq.release(&mut self.pool) {
             self.seen.push((Prop::SingleLease, format!("releasing finished {req}: {u}")));
         }
         GenEvent::Finished { req, finish: FinishReason::Length, text: String::new(), prompt_tokens, completion_tokens: r.generated }
@@ -254,6 +261,14 @@ impl DecodeEngine for MockDecode {
     fn active(&self) -> usize {
         self.running.len()
     }
+
+    fn keep_finished(&mut self) {
+        self.keep_finished = true;
+    }
+
+    fn take_retired(&mut self) -> Vec<Retired> {
+        std::mem::take(&mut self.retired)
+    }
 }
 
 /// Reads positions `0..positions` of `seq` through the pool and checks each holds the mock
@@ -261,7 +276,8 @@ impl DecodeEngine for MockDecode {
 fn read_positions(pool: &KvPool, values: &Values, req: RequestId, seq: &SequenceKv, positions: usize) -> Result<(), String> {
     let hd = LAYOUT.head_dim;
     for pos in 0..positions {
-        let (lease, slot) = seq.locate(pos).map_err(|e| format!("{req} position {pos}: {e}"))?;
+        // A shared (cached) page is read like an own one, through its lease.
+        let (lease, slot) = seq.locate_page(pos).map_err(|e| format!("{req} position {pos}: {e}"))?;
         for layer in 0..LAYOUT.layers {
             let r = pool.read(lease, layer).map_err(|e| format!("{req} read of page {} refused: {e}", lease.page()))?;
             if slot >= r.len() {

@@ -31,8 +31,9 @@ use std::sync::Arc;
 /// 9: prefix-cache scopes and reports; 10: `Sampling` carries penalties, `logit_bias`,
 /// `min_p`, `min_tokens`, `stop_token_ids`, log-probabilities and a grammar, `Token` and
 /// `Done` carry log-probabilities, `Reserve` the prompt when the sampling needs it);
-/// 11: the KV transport is negotiated after `KvHello` (`KvUcxAddress`, `KvUcxUse`).
-pub const VERSION: u8 = 11;
+/// 11: the KV transport is negotiated after `KvHello` (`KvUcxAddress`, `KvUcxUse`);
+/// 12: the decode side's cache: `Reserve.cache`, `Reserved.held`, `Prefill.held`).
+pub const VERSION: u8 = 12;
 /// Default largest payload accepted (a KV chunk of one page is ~370 KB for the default model).
 pub const DEFAULT_MAX_FRAME: usize = 16 << 20;
 const MAGIC: [u8; 2] = *b"BH";
@@ -597,10 +598,10 @@ messages! {
         Welcome = 2 { worker },
         Refuse = 3 { reason },
         KvHello = 4 { prefill },
-        Reserve = 5 { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, prompt, trace },
-        Reserved = 6 { req, pages },
+        Reserve = 5 { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, prompt, trace, cache },
+        Reserved = 6 { req, held, pages },
         Rejected = 7 { req, reason, detail },
-        Prefill = 8 { req, tokens, decode, pages, sampling, skip_draws, trace, cache },
+        Prefill = 8 { req, tokens, decode, held, pages, sampling, skip_draws, trace, cache },
         Done = 10 { req, tokens, first_token, manifest, cached, first_logprobs },
         Fenced = 11 { req },
         Token = 12 { req, token, text, logprobs },
@@ -937,13 +938,15 @@ mod tests {
                 resume: vec![8, 9],
                 prompt: vec![1, 2, 3],
                 trace: trace.clone(),
+                cache: Some(CacheScope([9; 32])),
             },
-            Message::Reserved { req: RequestId(5), pages: pages.clone() },
+            Message::Reserved { req: RequestId(5), held: 32, pages: pages.clone() },
             Message::Rejected { req: RequestId(5), reason: RejectReason::ContextLength, detail: "too long".into() },
             Message::Prefill {
                 req: RequestId(5),
                 tokens: vec![1, 2, 3],
                 decode: WorkerId(2),
+                held: 16,
                 pages: pages.clone(),
                 sampling: s.clone(),
                 skip_draws: 2,
@@ -954,6 +957,7 @@ mod tests {
                 req: RequestId(6),
                 tokens: vec![1],
                 decode: WorkerId(2),
+                held: 0,
                 pages,
                 sampling: s,
                 skip_draws: 0,
@@ -1034,6 +1038,7 @@ mod tests {
             req: RequestId(req),
             tokens: vec![1],
             decode: WorkerId(2),
+            held: 0,
             pages: vec![],
             sampling,
             skip_draws: 0,

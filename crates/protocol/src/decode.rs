@@ -17,9 +17,12 @@
 use bulkhead_fingerprint::Fingerprint;
 use std::collections::{BTreeMap, BTreeSet};
 
-use bulkhead_kv::{Inbound, KvError, KvPool, PageTag, Quarantined, RequestId, SequenceKv, TransferError, VerifiedSequence};
+use bulkhead_kv::{
+    CacheStats, Inbound, KvError, KvPool, PageTag, PrefixCache, Quarantined, RequestId, SequenceKv, TransferError, VerifiedSequence,
+};
 
 use crate::admission::{Generate, admit};
+use crate::cache::CacheScope;
 use crate::msg::*;
 
 /// Limits of a decode worker.
@@ -162,6 +165,12 @@ pub struct DecodeStats {
     pub timeouts: u64,
     /// KV connections refused: they arrived after their prefill worker left the cluster.
     pub refused_connections: u64,
+    /// Prompt tokens reservations found in this worker's cache (not sent by the prefill).
+    pub held_tokens: u64,
+    /// Bytes of KV those tokens would have taken on the wire.
+    pub held_bytes: u64,
+    /// Prompt tokens sent by prefill workers and verified (the rest of each prompt).
+    pub transferred_tokens: u64,
 }
 
 #[derive(Debug, Fingerprint)]
@@ -173,6 +182,9 @@ struct Pending {
     stop: Vec<String>,
     resume: Vec<u32>,
     prompt: Vec<u32>,
+    /// The request's cache scope and its client's prompt: its full pages are published
+    /// here when it ends.
+    publish: Option<(CacheScope, Vec<u32>)>,
     /// `transfer_timeout_ms` after the reservation or the last frame from its prefill worker,
     /// whichever is later: a prefill that keeps talking (chunks for any request, keepalives)
     /// may have this prompt queued behind others; one silent that long is cut off or hung.
@@ -188,6 +200,34 @@ struct Fencing {
     received: usize,
 }
 
+/// A request in the decode loop.
+#[derive(Debug, Fingerprint)]
+struct Decoding {
+    /// The prompt tokens its prefill took from the prefill's cache (for its usage).
+    cached: u32,
+    /// Its cache scope and the tokens before what the loop generates (the client's prompt;
+    /// the resumed tokens are the loop's): its full pages are published under this scope
+    /// when it ends.
+    publish: Option<(CacheScope, Vec<u32>)>,
+}
+
+/// The decode worker's prefix cache (design I10) and what its keys need.
+#[derive(Debug, Fingerprint)]
+struct DecodeCache {
+    cache: PrefixCache,
+    model_digest: u64,
+}
+
+/// A sequence the decode loop finished, handed back for the cache: `generated` holds every
+/// token it generated (resumed ones first), in position order after the client's prompt.
+#[derive(Debug)]
+pub struct Retired {
+    /// Its pages.
+    pub seq: SequenceKv,
+    /// The tokens the loop generated for it (an earlier attempt's first).
+    pub generated: Vec<u32>,
+}
+
 /// The decode worker's protocol state.
 #[derive(Debug, Fingerprint)]
 pub struct DecodeRole {
@@ -196,9 +236,8 @@ pub struct DecodeRole {
     now_ms: u64,
     pending: BTreeMap<RequestId, Pending>,
     fencing: BTreeMap<RequestId, Fencing>,
-    /// Requests in the decode loop, with the prompt tokens their prefill took from its
-    /// cache (for the usage they finish with).
-    decoding: BTreeMap<RequestId, u32>,
+    /// Requests in the decode loop.
+    decoding: BTreeMap<RequestId, Decoding>,
     /// Prefill workers whose KV connection closed. Worker ids are never reused (a restarted
     /// worker, or one that lost a KV connection, registers anew), so nothing can arrive from
     /// these again: a transfer naming one is fenced by construction, and a new connection
@@ -211,6 +250,8 @@ pub struct DecodeRole {
     /// A reservation was refused for want of room and the gateway has not been told of
     /// pages freed since (`Room`): it holds its queue back until then.
     owes_room: bool,
+    /// Full pages of ended requests, shared read-only with later requests of their scope.
+    cache: Option<DecodeCache>,
     #[fingerprint(skip)]
     stats: DecodeStats,
 }
@@ -232,8 +273,57 @@ impl DecodeRole {
             connected_prefills: BTreeSet::new(),
             departed: BTreeSet::new(),
             owes_room: false,
+            cache: None,
             stats: DecodeStats::default(),
         }
+    }
+
+    /// The same role with a prefix cache over the worker's pool, for the model with digest
+    /// `model_digest` (part of every page key): requests of a cache scope share the cached
+    /// pages of their prompt, read-only, and leave their full pages behind when they end.
+    pub fn with_cache(mut self, cache: PrefixCache, model_digest: u64) -> Self {
+        self.cache = Some(DecodeCache { cache, model_digest });
+        self
+    }
+
+    /// The prefix cache, if there is one.
+    pub fn cache(&self) -> Option<&PrefixCache> {
+        self.cache.as_ref().map(|c| &c.cache)
+    }
+
+    /// The cache's counters, if there is one.
+    pub fn cache_stats(&self) -> Option<CacheStats> {
+        self.cache().map(PrefixCache::stats)
+    }
+
+    /// The pages the cache stored and evicted since the last call, for the gateway's
+    /// routing index: `None` when there is nothing to report.
+    pub fn cache_report(&mut self) -> Option<Message> {
+        let (stored, evicted) = self.cache.as_mut()?.cache.take_changes();
+        (!stored.is_empty() || !evicted.is_empty()).then_some(Message::CacheReport { stored, evicted })
+    }
+
+    /// Evicts cached pages nobody reads until `free` pages are free (or nothing more can
+    /// go): the decode loop calls this before it grows its sequences, so a cache entry is
+    /// always evicted before a live sequence is retracted.
+    pub fn make_room(&mut self, pool: &mut KvPool, free: usize) {
+        if let Some(c) = self.cache.as_mut() {
+            c.cache.make_room(pool, free);
+        }
+    }
+
+    /// The decode loop finished a sequence normally: its own full pages are published to
+    /// the cache under its request's scope (their keys chain the client's prompt and what
+    /// was generated, up to the positions whose KV is written), the rest given back.
+    pub fn retire(&mut self, pool: &mut KvPool, r: Retired) {
+        let req = r.seq.owner();
+        let publish = self.decoding.get(&req).and_then(|d| d.publish.as_ref());
+        let (Some(c), Some((scope, prompt))) = (self.cache.as_mut(), publish) else {
+            return self.release_seq(pool, r.seq);
+        };
+        let tokens: Vec<u32> = prompt.iter().chain(&r.generated).copied().take(r.seq.len()).collect();
+        let keys = scope.page_keys(c.model_digest, &tokens, pool.layout().page_size);
+        c.cache.finish(pool, r.seq, &keys, scope.fence());
     }
 
     /// Counters.
@@ -294,7 +384,7 @@ impl DecodeRole {
     /// The decode loop finished `req` (and released its pages); the prompt tokens its
     /// prefill took from the cache.
     pub fn finished(&mut self, req: RequestId) -> u32 {
-        self.decoding.remove(&req).unwrap_or(0)
+        self.decoding.remove(&req).map_or(0, |d| d.cached)
     }
 
     /// The decode loop freed pages (it ended sequences): the `Room` owed to the gateway,
@@ -416,7 +506,7 @@ impl DecodeRole {
 
     fn on_gateway(&mut self, pool: &mut KvPool, m: Message, out: &mut Vec<DecodeAction>) {
         match m {
-            Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, prompt, .. } => {
+            Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, prompt, cache, .. } => {
                 if self.known(req) {
                     out.push(self.reject(req, RejectReason::Duplicate, format!("request {req} is already in flight")));
                     return;
@@ -440,18 +530,45 @@ impl DecodeRole {
                     ));
                     return;
                 }
-                match Inbound::reserve(pool, req, prompt_tokens as usize, first_slice) {
+                let cache = cache.filter(|_| self.cache.is_some());
+                let attempt_prompt: Vec<u32> = prompt.iter().chain(&resume).copied().collect();
+                if cache.is_some() && attempt_prompt.len() != prompt_tokens as usize {
+                    let why = format!("{} prompt tokens sent for a prompt of {prompt_tokens}", attempt_prompt.len());
+                    out.push(self.reject(req, RejectReason::Invalid, why));
+                    return;
+                }
+                let shared = match self.shared_prefix(pool, req, cache, &attempt_prompt, first_slice) {
+                    Ok(shared) => shared,
+                    Err(e) => {
+                        out.push(failed(req, FailReason::Internal, format!("decode-side cache lookup refused: {e}")));
+                        return;
+                    }
+                };
+                match Inbound::reserve_after(pool, req, shared, prompt_tokens as usize, first_slice) {
                     Ok(inbound) => {
                         self.stats.reserved += 1;
-                        let pages = inbound.prompt_pages(pool.layout().page_size);
+                        let ps = pool.layout().page_size;
+                        let held = inbound.shared_tokens();
+                        self.stats.held_tokens += held as u64;
+                        self.stats.held_bytes += (held * pool.layout().bytes_per_token()) as u64;
+                        let pages = inbound.prompt_pages(ps);
                         let deadline_ms = self.now_ms.saturating_add(self.cfg.transfer_timeout_ms);
-                        self.pending.insert(req, Pending { inbound, prefill, max_tokens, sampling, stop, resume, prompt, deadline_ms });
-                        out.push(DecodeAction::ToGateway(Message::Reserved { req, pages }));
+                        let publish = cache.map(|scope| (scope, prompt.clone()));
+                        let prompt = if sampling.needs_prompt() { prompt } else { Vec::new() };
+                        let pending = Pending { inbound, prefill, max_tokens, sampling, stop, resume, prompt, publish, deadline_ms };
+                        self.pending.insert(req, pending);
+                        out.push(DecodeAction::ToGateway(Message::Reserved { req, held: held as u32, pages }));
                     }
-                    Err(KvError::Exhausted { requested, free }) => {
-                        out.push(self.reject(req, RejectReason::Capacity, format!("needs {requested} KV pages, {free} free")));
+                    Err((e, shared)) => {
+                        shared.into_iter().for_each(|l| drop(pool.unshare(l)));
+                        match e {
+                            KvError::Exhausted { requested, free } => {
+                                let why = format!("needs {requested} KV pages, {free} free");
+                                out.push(self.reject(req, RejectReason::Capacity, why));
+                            }
+                            e => out.push(self.reject(req, RejectReason::Invalid, e.to_string())),
+                        }
                     }
-                    Err(e) => out.push(self.reject(req, RejectReason::Invalid, e.to_string())),
                 }
             }
             // The gateway never dispatched this reservation: no writer knows its pages. If
@@ -515,10 +632,12 @@ impl DecodeRole {
                 if self.pending.get(&req).is_some_and(|p| p.prefill == from) {
                     let Some(p) = self.pending.remove(&req) else { return };
                     // Done is the sender's last message for req: from here it is fenced.
+                    let sent = p.inbound.received_tokens().saturating_sub(p.inbound.shared_tokens());
                     match p.inbound.finish(pool, tokens as usize, manifest) {
                         Ok(seq) => {
                             self.stats.coverage_verified += 1;
-                            self.decoding.insert(req, cached.min(tokens));
+                            self.stats.transferred_tokens += sent as u64;
+                            self.decoding.insert(req, Decoding { cached: cached.min(tokens), publish: p.publish });
                             out.push(DecodeAction::Start(DecodeStart {
                                 req,
                                 seq,
@@ -556,6 +675,34 @@ impl DecodeRole {
             }
             _ => {}
         }
+    }
+
+    /// The cached pages of the prompt `tokens` this worker holds under `scope`, shared to
+    /// `req` read-only (none without a scope), and room made for the rest of `total` tokens
+    /// by evicting pages nobody reads (with a cache). A lookup the pool's fence refuses
+    /// (a key that led to another scope's page) fails the request.
+    fn shared_prefix(
+        &mut self,
+        pool: &mut KvPool,
+        req: RequestId,
+        scope: Option<CacheScope>,
+        tokens: &[u32],
+        total: usize,
+    ) -> Result<Vec<bulkhead_kv::SharedLease>, KvError> {
+        let Some(c) = self.cache.as_mut() else { return Ok(Vec::new()) };
+        let shared = match scope {
+            Some(scope) => {
+                let ps = pool.layout().page_size;
+                let keys = scope.page_keys(c.model_digest, tokens, ps);
+                // The last position is always sent: its logits pick the first token.
+                let most = tokens.len().saturating_sub(1) / ps;
+                c.cache.lookup(pool, &keys, most, req, scope.fence(), tokens.len())?
+            }
+            None => Vec::new(),
+        };
+        // A cache under pressure gives way: what a cold pool would serve is served.
+        c.cache.make_room(pool, pool.layout().pages_for_tokens(total).saturating_sub(shared.len()));
+        Ok(shared)
     }
 
     fn quarantine(&mut self, pool: &mut KvPool, req: RequestId, p: Pending) {

@@ -12,10 +12,11 @@
 //! is ignored, so a second terminal outcome cannot reach the client.
 //!
 //! Fairness: each tenant has its own queue, and the queues are served round robin, one
-//! request each in turn, so one tenant's burst cannot starve another. Routing: a request
-//! goes to the prefill worker that reported the longest run of its page keys cached
-//! (`CacheReport`), unless the prefill workers' loads are out of balance; keys are scoped
-//! by tenant and salt, so what another tenant cached never moves a request.
+//! request each in turn, so one tenant's burst cannot starve another; nothing reorders a
+//! queue by what is cached. Routing: a request goes to the decode worker, and to the
+//! prefill worker, that reported the longest run of its page keys cached (`CacheReport`),
+//! unless the prefill workers' loads are out of balance; keys are scoped by tenant and
+//! salt, so what another tenant cached never moves a request.
 //!
 //! Attempts: workers know a request by its attempt id ([`attempt_id`]): the client's id
 //! for the first attempt, the client's id with the attempt number in the high bits for
@@ -264,6 +265,8 @@ pub struct GatewayStats {
     pub retried: u64,
     /// Sent to the prefill worker with the longest cached prefix of theirs (a hit > 0).
     pub routed_by_cache: u64,
+    /// Sent to the decode worker with the longest cached prefix of theirs (a hit > 0).
+    pub decode_routed_by_cache: u64,
     /// Sent to the least loaded prefill worker because loads were out of balance.
     pub routed_by_load: u64,
     /// Requests that left the queue, for a decode worker's pages or by timing out, by how
@@ -595,15 +598,17 @@ impl GatewayRole {
                 sampling: f.sampling.clone(),
                 stop: f.stop.clone(),
                 resume: f.resume.clone(),
-                prompt: if f.sampling.needs_prompt() { f.tokens.clone() } else { Vec::new() },
+                prompt: if f.sampling.needs_prompt() || f.cache.is_some() { f.tokens.clone() } else { Vec::new() },
                 trace: f.trace.clone(),
+                cache: f.cache,
             };
             out.push(GatewayAction::ToWorker { to: route.decode, msg });
         }
     }
 
-    /// Where `req` goes: a decode worker that may have room (round robin) and a prefill
-    /// worker (not the one it lost, if another exists), chosen by [`Self::pick_prefill`].
+    /// Where `req` goes: a decode worker that may have room (the one holding the longest
+    /// cached prefix of the request's scope, else round robin) and a prefill worker (not
+    /// the one it lost, if another exists), chosen by [`Self::pick_prefill`].
     fn pick(&mut self, req: RequestId) -> Option<Route> {
         let decodes: Vec<WorkerId> = self.decodes.iter().copied().filter(|d| !self.full.contains(d)).collect();
         let avoid = self.inflight.get(&req).and_then(|f| f.avoid);
@@ -612,22 +617,50 @@ impl GatewayRole {
         }
         self.next_pick = self.next_pick.wrapping_add(1);
         // Round robin over the decode workers, each with the prefill workers that can still
-        // reach it; the first decode worker some prefill worker reaches.
+        // reach it; the first decode worker some prefill worker reaches. One that holds a
+        // cached prefix of this request's scope goes first (the sort is stable: round robin
+        // among equals), so a conversation's next turn goes where its last one ended.
+        let keys = self.page_keys(req);
         let start = self.next_pick % decodes.len();
-        for decode in decodes.iter().cycle().skip(start).take(decodes.len()).copied() {
+        let mut order: Vec<(usize, WorkerId)> =
+            decodes.iter().cycle().skip(start).take(decodes.len()).map(|&d| (self.hit(d, keys.as_deref()), d)).collect();
+        order.sort_by_key(|&(hit, _)| std::cmp::Reverse(hit));
+        for (hit, decode) in order {
             let reach: Vec<WorkerId> = self.prefills.iter().copied().filter(|p| !self.unreachable.contains(&(*p, decode))).collect();
             let preferred: Vec<WorkerId> = reach.iter().copied().filter(|p| Some(*p) != avoid).collect();
             let prefills = if preferred.is_empty() { reach } else { preferred };
             if !prefills.is_empty() {
-                return Some(Route { decode, prefill: self.pick_prefill(req, &prefills) });
+                if hit > 0 {
+                    self.stats.decode_routed_by_cache += 1;
+                }
+                return Some(Route { decode, prefill: self.pick_prefill(keys.as_deref(), &prefills) });
             }
         }
         None
     }
 
-    /// The prefill worker with the longest cached run of `req`'s page keys, ties broken by
-    /// load, then round robin; the least loaded one when loads are out of balance.
-    fn pick_prefill(&mut self, req: RequestId, prefills: &[WorkerId]) -> WorkerId {
+    /// The page keys of the prompt of `req`'s next attempt (the client's prompt, then what
+    /// earlier attempts generated), if it uses the cache.
+    fn page_keys(&self, req: RequestId) -> Option<Vec<PageKey>> {
+        let (f, shape) = (self.inflight.get(&req)?, self.shape?);
+        let scope = f.cache?;
+        let tokens: std::borrow::Cow<'_, [u32]> =
+            if f.resume.is_empty() { (&f.tokens[..]).into() } else { [&f.tokens[..], &f.resume[..]].concat().into() };
+        Some(scope.page_keys(self.cfg.model_digest, &tokens, shape.page_size as usize))
+    }
+
+    /// How many of `keys`, from the first, worker `w` reported cached. Keys are scoped by
+    /// tenant and salt, so another scope's entries never count.
+    fn hit(&self, w: WorkerId, keys: Option<&[PageKey]>) -> usize {
+        match (keys, self.cached.get(&w)) {
+            (Some(keys), Some(set)) => keys.iter().take_while(|k| set.contains(k)).count(),
+            _ => 0,
+        }
+    }
+
+    /// The prefill worker with the longest cached run of `keys`, ties broken by load, then
+    /// round robin; the least loaded one when loads are out of balance.
+    fn pick_prefill(&mut self, keys: Option<&[PageKey]>, prefills: &[WorkerId]) -> WorkerId {
         let start = self.next_pick % prefills.len();
         let order = prefills.iter().cycle().skip(start).take(prefills.len()).copied();
         let load = |p: WorkerId| {
@@ -643,18 +676,10 @@ impl GatewayRole {
             self.stats.routed_by_load += 1;
             return least;
         }
-        let keys = match (self.inflight.get(&req), self.shape) {
-            (Some(f), Some(shape)) => f.cache.map(|scope| {
-                // The attempt's prompt: the client's, then what earlier attempts generated.
-                let tokens: std::borrow::Cow<'_, [u32]> =
-                    if f.resume.is_empty() { (&f.tokens[..]).into() } else { [&f.tokens[..], &f.resume[..]].concat().into() };
-                scope.page_keys(self.cfg.model_digest, &tokens, shape.page_size as usize)
-            }),
-            _ => None,
-        };
-        let Some(keys) = keys else { return least };
-        let hit = |p: WorkerId| self.cached.get(&p).map_or(0, |set| keys.iter().take_while(|k| set.contains(k)).count());
-        let best = loads.iter().map(|&(p, l)| (hit(p), std::cmp::Reverse(l), p)).max_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
+        if keys.is_none() {
+            return least;
+        }
+        let best = loads.iter().map(|&(p, l)| (self.hit(p, keys), std::cmp::Reverse(l), p)).max_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
         match best {
             Some((h, _, p)) if h > 0 => {
                 self.stats.routed_by_cache += 1;
@@ -819,7 +844,7 @@ impl GatewayRole {
             return;
         }
         if let Message::CacheReport { stored, evicted } = msg {
-            if self.prefills.contains(&from) {
+            if self.prefills.contains(&from) || self.decodes.contains(&from) {
                 let set = self.cached.entry(from).or_default();
                 set.extend(stored);
                 for k in &evicted {
@@ -847,7 +872,7 @@ impl GatewayRole {
         }
         let Some(f) = self.inflight.get_mut(&req) else { return };
         match msg {
-            Message::Reserved { pages, .. } if f.phase == Phase::Reserving && from == route.decode => {
+            Message::Reserved { held, pages, .. } if f.phase == Phase::Reserving && from == route.decode => {
                 if !self.prefills.contains(&route.prefill) {
                     // Its prefill worker left since: send the request elsewhere.
                     return self.requeue(req, None, out);
@@ -862,6 +887,7 @@ impl GatewayRole {
                     req: attempt,
                     tokens,
                     decode: route.decode,
+                    held,
                     pages,
                     sampling: f.sampling.clone(),
                     skip_draws: f.resume.len() as u32,

@@ -349,8 +349,11 @@ pub enum Message {
     /// Gateway → decode: reserve pages for a prompt that `prefill` will write. `resume`
     /// holds the tokens a retracted request already generated (and the client already has):
     /// they end the prompt, and the decode loop replays them to pick up where it was.
-    /// `prompt` holds the prompt's tokens only when the sampling needs them
-    /// ([`Sampling::needs_prompt`]), else it is empty.
+    /// `prompt` holds the prompt's tokens (the client's, then `resume`) when the sampling
+    /// needs them ([`Sampling::needs_prompt`]) or the request uses the cache, else it is
+    /// empty. `cache`: the request's prefix-cache scope, as in `Prefill`: the decode worker
+    /// shares the prompt's cached pages of this scope and keeps the request's full pages
+    /// when it ends.
     Reserve {
         req: RequestId,
         prompt_tokens: u32,
@@ -361,9 +364,12 @@ pub enum Message {
         resume: Vec<u32>,
         prompt: Vec<u32>,
         trace: TraceContext,
+        cache: Option<CacheScope>,
     },
-    /// Decode → gateway: reserved; these are the prompt pages the prefill may write.
-    Reserved { req: RequestId, pages: Vec<PageRef> },
+    /// Decode → gateway: reserved. `held`: the leading prompt tokens the decode worker
+    /// holds already (cached pages of the request's scope, shared to it); `pages`: the
+    /// prompt pages the prefill may write, the first holding position `held`.
+    Reserved { req: RequestId, held: u32, pages: Vec<PageRef> },
     /// Worker → gateway: refused before running. Terminal for the request.
     Rejected {
         req: RequestId,
@@ -371,7 +377,8 @@ pub enum Message {
         #[fingerprint(skip)]
         detail: String,
     },
-    /// Gateway → prefill: compute this prompt's KV into `decode`'s `pages`. `skip_draws`:
+    /// Gateway → prefill: compute this prompt's KV and send positions `held..` into
+    /// `decode`'s `pages` (the decode worker holds the first `held`). `skip_draws`:
     /// sampling draws made before (a retracted request's tokens), so a seeded sampler picks
     /// up where it was. `cache`: the request's prefix-cache scope (its tenant and salt),
     /// `None` when it must neither use nor fill the cache.
@@ -379,6 +386,7 @@ pub enum Message {
         req: RequestId,
         tokens: Vec<u32>,
         decode: WorkerId,
+        held: u32,
         pages: Vec<PageRef>,
         sampling: Sampling,
         skip_draws: u32,
@@ -429,8 +437,8 @@ pub enum Message {
     /// Gateway → decode: end a reservation that was never dispatched to a prefill worker, so
     /// no writer can exist for its pages (they are released, not quarantined).
     Cancel { req: RequestId },
-    /// Prefill → gateway: pages its prefix cache stored and evicted since its last report,
-    /// for cache-aware routing. The gateway learns the index from these, not from guesses.
+    /// Prefill or decode → gateway: pages its prefix cache stored and evicted since its
+    /// last report, for cache-aware routing. The gateway learns the index from these, not from guesses.
     CacheReport { stored: Vec<PageKey>, evicted: Vec<PageKey> },
     /// Worker → gateway, periodically and when a request ends on the worker: the worker's
     /// current metrics, replacing what it sent before (I6: evidence leaves the worker).

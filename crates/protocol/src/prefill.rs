@@ -57,7 +57,10 @@ pub struct PrefillJob {
     pub tokens: Vec<u32>,
     /// Decode worker receiving the KV.
     pub decode: WorkerId,
-    /// Its pages for the prompt, in order.
+    /// Leading prompt tokens the decode worker holds already (a multiple of the page
+    /// size): they are computed here if need be but never sent.
+    pub held: u32,
+    /// Its pages for the prompt past `held`, in order.
     pub pages: Vec<PageRef>,
     /// How to pick the first token.
     pub sampling: Sampling,
@@ -261,8 +264,8 @@ impl PrefillRole {
                 self.peers.remove(&worker);
                 self.fail_jobs_for(worker, "decode worker left", &mut out);
             }
-            PrefillEvent::Gateway(Message::Prefill { req, tokens, decode, pages, sampling, skip_draws, trace, cache }) => {
-                self.admit(PrefillJob { req, tokens, decode, pages, sampling, skip_draws, trace, cache }, &mut out);
+            PrefillEvent::Gateway(Message::Prefill { req, tokens, decode, held, pages, sampling, skip_draws, trace, cache }) => {
+                self.admit(PrefillJob { req, tokens, decode, held, pages, sampling, skip_draws, trace, cache }, &mut out);
             }
             // The gateway ends a request, or a decode worker asks to stop a transfer (it
             // refused a chunk or timed out).
@@ -309,9 +312,16 @@ impl PrefillRole {
             let detail = format!("no KV connection to {decode}");
             return out.push(PrefillAction::ToGateway(Message::Failed { req, reason: FailReason::WorkerLost, detail }));
         }
-        let want = job.tokens.len().div_ceil(self.cfg.page_size);
+        let (n, held, ps) = (job.tokens.len(), job.held as usize, self.cfg.page_size);
+        // The decode worker holds whole pages, and never the last position (its logits pick
+        // the first token, so it is always computed and sent).
+        if held % ps != 0 || held >= n {
+            let why = format!("{held} held tokens of a {n}-token prompt with pages of {ps}");
+            return self.reject(req, RejectReason::Invalid, why, Some(decode), out);
+        }
+        let want = (n - held).div_ceil(ps);
         if job.pages.len() != want {
-            let why = format!("{} tokens need {want} target pages, {} were given", job.tokens.len(), job.pages.len());
+            let why = format!("{} tokens past {held} held need {want} target pages, {} were given", n - held, job.pages.len());
             return self.reject(req, RejectReason::Invalid, why, Some(decode), out);
         }
         self.stats.admitted += 1;

@@ -98,6 +98,13 @@ impl DecodeEngine for MockEngine {
     fn active(&self) -> usize {
         self.decoding.len()
     }
+
+    // This loop gives every finished sequence back itself (no decode-side cache here).
+    fn keep_finished(&mut self) {}
+
+    fn take_retired(&mut self) -> Vec<bulkhead_protocol::decode::Retired> {
+        Vec::new()
+    }
 }
 
 /// The prefill worker's transport: onto the wire.

@@ -58,6 +58,7 @@ impl Rig {
             resume: vec![],
             prompt: vec![],
             trace,
+            cache: None,
         })
     }
 

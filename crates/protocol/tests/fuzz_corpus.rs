@@ -51,6 +51,7 @@ fn a_seed_flag_other_than_0_or_1_and_a_seed_sent_without_its_flag_are_refused() 
         resume: Vec::new(),
         prompt: Vec::new(),
         trace: Default::default(),
+        cache: None,
     };
     let mut frame = Vec::new();
     encode(&m, &mut frame);

@@ -85,6 +85,7 @@ impl Worker {
             req: RequestId(req),
             tokens,
             decode: DECODE,
+            held: 0,
             pages,
             sampling: Sampling::default(),
             skip_draws: 0,

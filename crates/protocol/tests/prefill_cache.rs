@@ -75,6 +75,7 @@ impl Worker {
             req: RequestId(req),
             tokens: tokens.to_vec(),
             decode: DECODE,
+            held: 0,
             pages,
             sampling: Sampling::default(),
             skip_draws: 0,

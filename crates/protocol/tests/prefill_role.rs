@@ -31,6 +31,7 @@ fn prefill_for(req: u64, tokens: usize, pages: usize, decode: WorkerId) -> Prefi
         req: RequestId(req),
         tokens: vec![5; tokens],
         decode,
+        held: 0,
         pages,
         sampling: Sampling::default(),
         skip_draws: 0,

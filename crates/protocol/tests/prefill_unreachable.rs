@@ -30,6 +30,7 @@ fn aborted_reservation(connected: bool) -> (DecodeRole, KvPool) {
         resume: vec![],
         prompt: vec![],
         trace: TraceContext::default(),
+        cache: None,
     };
     dec.handle(&mut pool, DecodeEvent::Gateway(reserve));
     dec.handle(&mut pool, DecodeEvent::Gateway(Message::Abort { req: RequestId(1), reason: AbortReason::ClientGone }));

@@ -26,7 +26,7 @@ use crate::core_budget::{self, DecodeBudget, DecodeShare};
 use crate::kv_transport::KvTransport;
 use crate::trust::Trust;
 use bulkhead_engine::{Engine, EngineConfig};
-use bulkhead_kv::{KvPool, RequestId};
+use bulkhead_kv::{KvPool, PrefixCache, RequestId};
 use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeLink};
 use bulkhead_protocol::{Hello, Message, Purpose, Role, WorkerId};
@@ -69,7 +69,7 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
         let (tx, trust, transport) = (tx.clone(), cfg.trust.clone(), cfg.kv_transport);
         std::thread::spawn(move || accept_prefills(listener, tx, trust, transport));
     }
-    let crate::worker::Loaded { model, pool, context, .. } = loaded;
+    let crate::worker::Loaded { model, pool, context, digest, .. } = loaded;
     let mut llama = model.model;
     let mut budget = cfg.core_budget.as_ref().and_then(|b| {
         let r = DecodeBudget::join(b).and_then(|budget| {
@@ -78,8 +78,18 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
         });
         core_budget::joined(b, "decode", r)
     });
+    let cache_pages = cfg.prefix_cache_pages.min(pool.total_pages());
     let engine = Engine::new(Arc::new(llama), Arc::new(model.tokenizer), pool, EngineConfig::for_context(context));
     let role = DecodeRole::new(DecodeConfig { max_context: context, transfer_timeout_ms: cfg.transfer_timeout_ms });
+    let role = if cache_pages > 0 {
+        tracing::info!(
+            pages = cache_pages,
+            "decode-side cache on: an ended request's full pages stay, shared within one tenant and salt; the next turn receives only what is new"
+        );
+        role.with_cache(PrefixCache::new(cache_pages), digest)
+    } else {
+        role
+    };
     let mut driver = DecodeDriver::new(role, engine);
     let share = budget.as_ref().map(DecodeBudget::core_share);
     let mut link =
@@ -196,6 +206,9 @@ impl Link {
         let requests = [("pending_transfer", role.pending()), ("fencing", role.fencing()), ("decoding", role.decoding())];
         metrics::worker_families(&mut f, &pool.stats(), &requests, self.received_bytes);
         metrics::decode_families(&role.stats(), pool.checks().checksums, &mut f);
+        if let Some(c) = role.cache() {
+            metrics::prefix_cache_families(&c.stats(), c.len(), c.max_pages(), &mut f);
+        }
         if let Some(s) = &self.share {
             f.counter("bulkhead:narrowed_layers_total", core_budget::NARROWED_HELP, &[], s.narrowed_layers());
         }

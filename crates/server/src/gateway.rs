@@ -554,6 +554,8 @@ impl Actor {
         let help = "Requests sent to a prefill worker for its cached prefix (cache) or because loads were out of balance (load).";
         f.counter("bulkhead:prefill_routing_total", help, &[("by", "cache")], g.routed_by_cache);
         f.counter("bulkhead:prefill_routing_total", help, &[("by", "load")], g.routed_by_load);
+        let help = "Requests sent to a decode worker for its cached prefix of their scope.";
+        f.counter("bulkhead:decode_routing_total", help, &[("by", "cache")], g.decode_routed_by_cache);
         let r = &self.shared.refused;
         // The role's own context check only fires if the served context shrank between the
         // HTTP side's check and the actor's.

@@ -219,7 +219,8 @@ pub fn pool_families(s: &PoolStats, f: &mut Families) {
     f.gauge("bulkhead:kv_shared_leases", "Read-only leases out on cached KV pages.", &[], s.shared_leases as f64);
 }
 
-/// A prefill worker's prefix cache (vLLM's names: queries and hits count prompt tokens).
+/// A worker's prefix cache, prefill or decode side (vLLM's names: queries and hits count
+/// prompt tokens).
 pub fn prefix_cache_families(s: &CacheStats, pages: usize, max_pages: usize, f: &mut Families) {
     f.counter("bulkhead:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", &[], s.query_tokens);
     f.counter(
@@ -257,6 +258,19 @@ pub fn decode_families(s: &DecodeStats, checksums: bool, f: &mut Families) {
         s.timeouts,
     );
     f.counter("bulkhead:kv_reservations_total", "KV reservations granted to requests.", &[], s.reserved);
+    f.counter(
+        "bulkhead:kv_held_tokens_total",
+        "Prompt tokens a decode worker already held in its cache (shared read-only), so no prefill worker sent them.",
+        &[],
+        s.held_tokens,
+    );
+    f.counter("bulkhead:kv_held_bytes_total", "KV bytes those held tokens would have taken on the wire.", &[], s.held_bytes);
+    f.counter(
+        "bulkhead:kv_transferred_tokens_total",
+        "Prompt tokens prefill workers sent and the decode worker verified.",
+        &[],
+        s.transferred_tokens,
+    );
     f.rejected("decode", "context_length", s.rejected_context);
     f.rejected("decode", "capacity", s.rejected_capacity);
     f.rejected("decode", "invalid", s.rejected_invalid);

@@ -53,7 +53,8 @@ pub struct WorkerConfig {
     pub kv_checks: KvChecks,
     /// The cluster key, if any (every internal connection authenticates with it).
     pub trust: Trust,
-    /// Prefill only: most pages of the pool the prefix cache keeps (0: no cache).
+    /// Most pages of the pool the prefix cache keeps (0: no cache): a prefill worker's
+    /// cache of prompt pages, a decode worker's cache of ended requests' pages.
     pub prefix_cache_pages: usize,
     /// Which road KV frames may take between prefill and decode workers.
     pub kv_transport: crate::kv_transport::KvTransport,

@@ -7,7 +7,7 @@
 
 use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv};
 
-use crate::decode::{DecodeAction, DecodeEvent, DecodeRole, DecodeStart};
+use crate::decode::{DecodeAction, DecodeEvent, DecodeRole, DecodeStart, Retired};
 use crate::driver::Honest;
 use crate::msg::{FailReason, FinishReason, Message, TokenLogprobs, WorkerId};
 
@@ -75,6 +75,12 @@ pub trait DecodeEngine {
     fn abort(&mut self, req: RequestId);
     /// Requests in the loop.
     fn active(&self) -> usize;
+    /// From now on, keep the pages of a request that finishes normally and hand them over
+    /// through [`DecodeEngine::take_retired`] instead of giving them back (the driver
+    /// publishes their full pages to the decode-side cache).
+    fn keep_finished(&mut self);
+    /// The sequences kept since the last call (see [`DecodeEngine::keep_finished`]).
+    fn take_retired(&mut self) -> Vec<Retired>;
 }
 
 /// Where a decode worker's messages go.
@@ -128,7 +134,10 @@ impl<E: DecodeEngine> DecodeDriver<E, Honest> {
 
 impl<E: DecodeEngine, P: DecodePolicy> DecodeDriver<E, P> {
     /// A driver that departs from the role where `policy` says so.
-    pub fn with_policy(role: DecodeRole, engine: E, policy: P) -> Self {
+    pub fn with_policy(role: DecodeRole, mut engine: E, policy: P) -> Self {
+        if role.cache().is_some() {
+            engine.keep_finished();
+        }
         DecodeDriver { role, engine, policy }
     }
 
@@ -164,6 +173,14 @@ impl<E: DecodeEngine, P: DecodePolicy> DecodeDriver<E, P> {
         for ev in feedback {
             self.handle(ev, link);
         }
+        self.report_cache(link);
+    }
+
+    /// What the cache stored and evicted, for the gateway's routing index.
+    fn report_cache(&mut self, link: &mut impl DecodeLink) {
+        if let Some(m) = self.role.cache_report() {
+            link.to_gateway(m);
+        }
     }
 
     fn dispatch(&mut self, a: DecodeAction, link: &mut impl DecodeLink) {
@@ -195,6 +212,10 @@ impl<E: DecodeEngine, P: DecodePolicy> DecodeDriver<E, P> {
     /// Run one step of the decode loop and send what it produced. An error leaves the
     /// loop's sequences in an unknown state: the caller ends the worker.
     pub fn step(&mut self, link: &mut impl DecodeLink) -> Result<(), E::Error> {
+        // Each sequence grows by a page at most per step: cached pages nobody reads give
+        // way first, so no live sequence is retracted while the cache could make room.
+        let active = self.engine.active();
+        self.role.make_room(self.engine.pool_mut(), active);
         let events = self.engine.step()?;
         self.emit(events, link);
         Ok(())
@@ -203,6 +224,9 @@ impl<E: DecodeEngine, P: DecodePolicy> DecodeDriver<E, P> {
     /// Send the loop's events. The role learns first which requests left the loop, and the
     /// transport gets its chance to send evidence before their last messages.
     fn emit(&mut self, events: Vec<GenEvent>, link: &mut impl DecodeLink) {
+        for r in self.engine.take_retired() {
+            self.role.retire(self.engine.pool_mut(), r);
+        }
         let mut ended = false;
         let mut cached = Vec::with_capacity(events.len());
         for e in &events {
@@ -219,6 +243,7 @@ impl<E: DecodeEngine, P: DecodePolicy> DecodeDriver<E, P> {
         if let Some(m) = ended.then(|| self.role.room()).flatten() {
             link.to_gateway(m);
         }
+        self.report_cache(link);
     }
 }
 

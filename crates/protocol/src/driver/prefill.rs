@@ -275,11 +275,12 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
     /// Process one event and carry out the role's actions.
     pub fn handle(&mut self, ev: PrefillEvent, link: &mut impl PrefillLink) {
         let refused_job = match &ev {
-            PrefillEvent::Gateway(Message::Prefill { req, tokens, decode, pages, sampling, skip_draws, trace, cache }) => {
+            PrefillEvent::Gateway(Message::Prefill { req, tokens, decode, held, pages, sampling, skip_draws, trace, cache }) => {
                 Some(PrefillJob {
                     req: *req,
                     tokens: tokens.clone(),
                     decode: *decode,
+                    held: *held,
                     pages: pages.clone(),
                     sampling: sampling.clone(),
                     skip_draws: *skip_draws,
@@ -387,8 +388,10 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
                 }
             };
             // The cached prefix travels with the first computed chunk: the decode worker
-            // verifies every prompt page, wherever its KV came from.
-            let mut chunks = ChunkExport::new(pool, &j.seq, &j.job.pages, j.sent, to, &mut j.manifest);
+            // verifies every prompt page, wherever its KV came from; only what the decode
+            // worker holds already (`held`) stays here.
+            let held = j.job.held as usize;
+            let mut chunks = ChunkExport::new(pool, &j.seq, &j.job.pages, held, j.sent, to, &mut j.manifest);
             let sent = match link.to_decode_chunks(j.job.decode, req, &mut chunks) {
                 Ok(sent) => sent,
                 Err(ChunkSendError::Export(e)) => {
