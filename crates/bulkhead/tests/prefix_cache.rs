@@ -152,7 +152,8 @@ fn keys_pick_tenants_and_a_cached_prefix_is_reused_only_within_one_tenant_and_sa
 
     // The pool's own counters agree with what the responses said.
     let total = (3 * want) as f64;
-    assert_eq!(polled_sum(&s.http, "bulkhead:prefix_cache_hits_total", &[], total), total);
+    let prefill = [("role", "prefill")];
+    assert_eq!(polled_sum(&s.http, "bulkhead:prefix_cache_hits_total", &prefill, total), total);
     let fence = [("check", "tenant_fence")];
     assert!(polled_sum(&s.http, "bulkhead:isolation_checks_total", &fence, 1.0) >= 1.0, "fence checks ran");
     assert_eq!(polled_sum(&s.http, "bulkhead:isolation_failures_total", &fence, 0.0), 0.0);
@@ -160,6 +161,69 @@ fn keys_pick_tenants_and_a_cached_prefix_is_reused_only_within_one_tenant_and_sa
     let log = std::fs::read_to_string(&s.log).unwrap();
     assert!(log.contains("tenant=alpha") && log.contains("tenant=beta"), "the tenant is on the request's log lines");
     assert!(log.contains("prefix cache on"), "the start-up line says the cache is on");
+    let _ = std::fs::remove_file(tenants);
+}
+
+fn conversation(s: &Server, key: &str, extra: Value, turns: &[(&str, Option<&str>)]) -> (u16, Value) {
+    let mut messages = vec![json!({"role": "system", "content": system()})];
+    for (user, answer) in turns {
+        messages.push(json!({"role": "user", "content": user}));
+        if let Some(a) = answer {
+            messages.push(json!({"role": "assistant", "content": a}));
+        }
+    }
+    let mut body = json!({ "model": MODEL_ID, "temperature": 0, "max_tokens": 24, "messages": messages });
+    if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+        b.extend(e.clone());
+    }
+    let auth = format!("Bearer {key}");
+    let r = support::request(&s.http, "POST", "/v1/chat/completions", &[("Authorization", &auth)], &body.to_string());
+    (r.status, serde_json::from_str(&r.body).unwrap_or(Value::String(r.body)))
+}
+
+/// A conversation's next turn: the decode worker kept the last turn's pages (prompt and
+/// answer), so only the new part crosses from the prefill worker; the answer is the same
+/// bits as a cold run's (another salt: nothing cached); another tenant's identical turn
+/// holds nothing.
+#[test]
+fn a_conversations_next_turn_sends_only_what_is_new_and_answers_as_a_cold_run() {
+    let tenants = tenants_file();
+    let s = serve(&["--tenants", tenants.to_str().unwrap()]);
+    let sum = |name: &str| support::sum(&support::scrape(&s.http), name, &[]);
+    let q1 = "Where is the green lamp?";
+    let (status, first) = conversation(&s, KEY_A, json!({}), &[(q1, None)]);
+    assert_eq!(status, 200, "{first}");
+    let a1 = first["choices"][0]["message"]["content"].as_str().expect("an answer").to_string();
+    let p1 = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    let sent_before = polled_sum(&s.http, "bulkhead:kv_transferred_tokens_total", &[], p1 as f64);
+    assert_eq!(sent_before, p1 as f64, "the first turn sends its whole prompt");
+    assert_eq!(sum("bulkhead:kv_held_tokens_total"), 0.0);
+    // The decode worker published the first turn's full pages.
+    assert!(polled_sum(&s.http, "bulkhead:prefix_cache_pages", &[("role", "decode")], 1.0) >= (p1 / 16) as f64);
+
+    let turns = [(q1, Some(a1.as_str())), ("And the red one?", None)];
+    let (status, second) = conversation(&s, KEY_A, json!({}), &turns);
+    assert_eq!(status, 200, "{second}");
+    let p2 = second["usage"]["prompt_tokens"].as_u64().unwrap();
+    let held = polled_sum(&s.http, "bulkhead:kv_held_tokens_total", &[], 1.0);
+    assert!(held >= (p1 / 16 * 16) as f64, "the decode worker held at least the first turn's full prompt pages: {held} of {p2}");
+    let sent = polled_sum(&s.http, "bulkhead:kv_transferred_tokens_total", &[], sent_before + 1.0) - sent_before;
+    assert_eq!(held + sent, p2 as f64, "held and sent cover the prompt exactly once");
+    let new = p2 - p1 - 24; // the new part: past the first turn's prompt and at most 24 answer tokens
+    assert!(sent <= (new + 16 + 24) as f64, "only the new part crossed: {sent} of {p2} tokens (new: about {new})");
+    assert_eq!(polled_sum(&s.http, "bulkhead:decode_routing_total", &[("by", "cache")], 1.0), 1.0);
+
+    // The same turn cold (another salt: neither side holds anything): the same answer.
+    let (_, cold) = conversation(&s, KEY_A, json!({ "cache_salt": "cold" }), &turns);
+    assert_eq!(cold["choices"][0]["message"]["content"], second["choices"][0]["message"]["content"], "{cold}\n{second}");
+    // Another tenant's identical conversation holds nothing of A's.
+    let held_before = sum("bulkhead:kv_held_tokens_total");
+    let (_, other) = conversation(&s, KEY_B, json!({}), &turns);
+    assert_eq!(other["choices"][0]["message"]["content"], second["choices"][0]["message"]["content"]);
+    assert_eq!(sum("bulkhead:kv_held_tokens_total"), held_before, "another tenant never holds A's pages");
+    let fence = [("check", "tenant_fence")];
+    assert_eq!(polled_sum(&s.http, "bulkhead:isolation_failures_total", &fence, 0.0), 0.0);
+    assert!(support::pools_idle(&support::scrape(&s.http)), "every pool idle: free or cached pages only");
     let _ = std::fs::remove_file(tenants);
 }
 
