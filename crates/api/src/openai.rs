@@ -1,22 +1,27 @@
-//! The OpenAI wire format: request bodies checked field by field (so a wrong type names its
-//! `param`, and an unknown field is refused with 400 naming it, as OpenAI does: a misspelt
-//! `temprature` must not pass as a default) and the response and stream-chunk objects.
+//! The OpenAI wire format: request bodies read into the request types (`request`, whose
+//! fields name their `param` when refused; an unknown field is refused with 400 naming it,
+//! as OpenAI does: a misspelt `temprature` must not pass as a default) and checked as a
+//! whole, and the response and stream-chunk objects.
 
 use bulkhead_protocol::Sampling;
-use bulkhead_tokenizer::ChatMessage;
 use std::collections::BTreeMap;
 
 use serde::Serialize;
-use serde_json::{Map, Number, Value};
-use utoipa::openapi::RefOr;
-use utoipa::openapi::schema::{ArrayBuilder, ObjectBuilder, OneOfBuilder, Schema, Type};
-use utoipa::{PartialSchema, ToSchema};
+use serde_json::{Map, Value};
+use utoipa::ToSchema;
 
 use crate::backend::{FinishReason, ModelCard, Prompt};
 use crate::error::ApiError;
 use crate::tools::{self, Tools};
 
+mod de;
 mod grammar;
+mod request;
+
+pub use request::{
+    ChatCompletionRequest, ChatMessageParam, CompletionOptions, CompletionRequest, ContentPart, ContentPartType, MessageContent,
+    PromptParam, Role, StopParam, StreamOptions,
+};
 
 /// Most stop strings a request may give (OpenAI's limit).
 pub const MAX_STOP: usize = 4;
@@ -64,27 +69,6 @@ const UNSUPPORTED: &[(&str, &str, Option<bool>)] = &[
     ("guided_whitespace_pattern", "guided_whitespace_pattern is not supported", None),
     ("spaces_between_special_tokens", "special tokens are detokenised as they are", Some(true)),
     ("priority", "request priorities are not supported (the queue is fair across tenants)", None),
-];
-
-/// Request fields both endpoints read; any field outside these, [`CHAT_ONLY`] or
-/// [`TEXT_ONLY`] (by endpoint) and [`UNSUPPORTED`] is refused as unknown.
-#[rustfmt::skip]
-const KNOWN: &[&str] = &[
-    "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stream",
-    "stream_options", "stop", "ignore_eos", "skip_special_tokens", "cache_salt", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "logit_bias", "logprobs", "min_tokens", "stop_token_ids", "response_format", "guided_json",
-    "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "structured_outputs", "user", "metadata",
-    "store", "service_tier", "modalities",
-];
-/// Fields only `/v1/chat/completions` reads.
-const CHAT_ONLY: &[&str] = &["messages", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs"];
-/// Fields only `/v1/completions` reads.
-const TEXT_ONLY: &[&str] = &["prompt", "best_of", "echo"];
-/// A chat message's fields. The last four are what the official clients send back when a
-/// response's message is appended to the conversation; they are accepted only empty.
-#[rustfmt::skip]
-const MESSAGE_FIELDS: &[&str] = &[
-    "role", "content", "name", "tool_calls", "tool_call_id", "refusal", "annotations", "audio", "function_call",
 ];
 
 /// A completion request (chat or text), checked and reduced to what generation needs.
@@ -169,10 +153,20 @@ impl CompletionParams {
 
 /// Parse a `POST /v1/chat/completions` body.
 pub fn parse_chat(body: &Value) -> Result<CompletionParams, ApiError> {
-    let obj = as_object(body)?;
-    let messages = parse_messages(obj)?;
-    let tools = tools::parse(obj)?;
-    let mut p = common(obj, vec![Prompt::Chat { messages, tools: tools.clone() }], Endpoint::Chat)?;
+    let req: ChatCompletionRequest = read_body(body)?;
+    refuse_extra(&req.extra, Endpoint::Chat)?;
+    let Some(messages) = req.messages else {
+        return Err(ApiError::invalid_request("messages", "Missing required parameter: 'messages'."));
+    };
+    let tools = tools::parse_fields(req.tools.as_ref(), req.tool_choice.as_ref(), req.parallel_tool_calls.as_ref())?;
+    let logprobs = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
+        (false, Some(_)) => return Err(ApiError::invalid_request("top_logprobs", "top_logprobs requires logprobs: true.")),
+        (false, None) => None,
+        (true, top) => Some(top.unwrap_or(0) as u8),
+    };
+    let messages = messages.into_iter().map(ChatMessageParam::into_message).collect();
+    let own = Own { model: req.model, logprobs, best_of: None, echo: false };
+    let mut p = common(own, req.options, vec![Prompt::Chat { messages, tools: tools.clone() }])?;
     if let Some(t) = &tools
         && let Some(g) = t.grammar()
     {
@@ -191,56 +185,22 @@ pub fn parse_chat(body: &Value) -> Result<CompletionParams, ApiError> {
 
 /// Parse a `POST /v1/completions` body.
 pub fn parse_completion(body: &Value) -> Result<CompletionParams, ApiError> {
-    let obj = as_object(body)?;
-    let prompts = match field(obj, "prompt") {
-        None => {
-            return Err(ApiError::invalid_request("prompt", "Missing required parameter: 'prompt'."));
-        }
-        Some(Value::String(s)) => vec![text_prompt(s, "prompt")?],
-        Some(Value::Array(items)) if items.is_empty() => {
-            return Err(ApiError::invalid_request("prompt", "Invalid 'prompt': empty array."));
-        }
-        Some(Value::Array(items)) if items.iter().all(Value::is_number) => vec![token_prompt(items, "prompt")?],
-        Some(Value::Array(items)) => items
-            .iter()
-            .enumerate()
-            .map(|(i, item)| {
-                let param = format!("prompt[{i}]");
-                match item {
-                    Value::String(s) => text_prompt(s, &param),
-                    Value::Array(ids) => token_prompt(ids, &param),
-                    v => Err(type_error(&param, "a string or an array of token ids", v)),
-                }
-            })
-            .collect::<Result<_, _>>()?,
-        Some(v) => {
-            return Err(type_error("prompt", "a string, an array of strings, an array of token ids or an array of such arrays", v));
-        }
+    let req: CompletionRequest = read_body(body)?;
+    refuse_extra(&req.extra, Endpoint::Text)?;
+    let Some(PromptParam(prompts)) = req.prompt else {
+        return Err(ApiError::invalid_request("prompt", "Missing required parameter: 'prompt'."));
     };
-    common(obj, prompts, Endpoint::Text)
+    let own = Own { model: req.model, logprobs: req.logprobs.map(|n| n as u8), best_of: req.best_of, echo: req.echo.unwrap_or(false) };
+    common(own, req.options, prompts)
 }
 
-/// A text prompt; empty is refused (nothing to continue from; vLLM refuses it too).
-fn text_prompt(s: &str, param: &str) -> Result<Prompt, ApiError> {
-    if s.is_empty() {
-        return Err(ApiError::invalid_request(param, format!("Invalid '{param}': it is empty. Send at least one character.")));
-    }
-    Ok(Prompt::Text(s.to_owned()))
-}
-
-/// A token-id prompt (checked against the vocabulary by the backend).
-fn token_prompt(ids: &[Value], param: &str) -> Result<Prompt, ApiError> {
-    if ids.is_empty() {
-        return Err(ApiError::invalid_request(param, format!("Invalid '{param}': empty array of token ids.")));
-    }
-    let ids = ids
-        .iter()
-        .enumerate()
-        .map(|(i, v)| {
-            u32::try_from(int(v, &format!("{param}[{i}]"), 0)?).map_err(|_| range_error(&format!("{param}[{i}]"), "a token id".into(), v))
-        })
-        .collect::<Result<_, _>>()?;
-    Ok(Prompt::Tokens(ids))
+/// A body read as its request type `T`. The shared options are read on their own first:
+/// inside `#[serde(flatten)]` serde loses the path of an error, and with it the `param`
+/// (reading them again as part of `T` then cannot fail).
+fn read_body<'a, T: serde::Deserialize<'a>>(body: &'a Value) -> Result<T, ApiError> {
+    as_object(body)?;
+    de::typed::<CompletionOptions>(body)?;
+    de::typed(body)
 }
 
 /// Which endpoint a body came to: some fields belong to one.
@@ -250,50 +210,38 @@ enum Endpoint {
     Text,
 }
 
-/// The fields chat and text completions share.
-fn common(obj: &Map<String, Value>, prompts: Vec<Prompt>, endpoint: Endpoint) -> Result<CompletionParams, ApiError> {
-    check_fields(obj, endpoint)?;
-    let user = match field(obj, "user") {
-        None => None,
-        Some(Value::String(u)) => Some(u.chars().take(256).collect()),
-        Some(v) => return Err(type_error("user", "a string", v)),
+/// What a body's own fields (beside the shared [`CompletionOptions`]) bring.
+struct Own {
+    model: Option<String>,
+    logprobs: Option<u8>,
+    best_of: Option<u32>,
+    echo: bool,
+}
+
+/// The checks across fields, and the request reduced to what generation needs.
+fn common(own: Own, mut o: CompletionOptions, prompts: Vec<Prompt>) -> Result<CompletionParams, ApiError> {
+    let Some(model) = own.model else {
+        return Err(ApiError::invalid_request("model", "Missing required parameter: 'model'."));
     };
-    let model = match field(obj, "model") {
-        None => {
-            return Err(ApiError::invalid_request("model", "Missing required parameter: 'model'."));
-        }
-        Some(Value::String(s)) => s.clone(),
-        Some(v) => return Err(type_error("model", "a string", v)),
+    let max_tokens = match (o.max_completion_tokens, &o.max_tokens) {
+        (Some(n), _) => Some(n as usize),
+        (None, Some(v)) => Some(de::positive_int(v).map_err(|f| f.named("max_tokens"))? as usize),
+        (None, None) => None,
     };
-    let max_tokens = match field(obj, "max_completion_tokens") {
-        Some(v) => Some(positive_int(v, "max_completion_tokens")?),
-        None => field(obj, "max_tokens").map(|v| positive_int(v, "max_tokens")).transpose()?,
-    };
-    let mut sampling = parse_sampling(obj, endpoint, max_tokens)?;
-    let (grammar, grammar_param) = match grammar::parse(obj)? {
+    let mut sampling = sampling(&mut o, max_tokens)?;
+    sampling.logprobs = own.logprobs;
+    let (grammar, grammar_param) = match grammar::parse(&o)? {
         Some((g, param)) => (Some(g), Some(param)),
         None => (None, None),
     };
     sampling.grammar = grammar;
-    let n = match field(obj, "n") {
-        None => 1,
-        Some(v) => choices(v, "n")?,
+    let n = o.n.map_or(1, |n| n as usize);
+    let best_of = match own.best_of.map(|b| b as usize) {
+        Some(b) if b < n => return Err(ApiError::invalid_request("best_of", "best_of must be at least n.")),
+        Some(b) => b,
+        None => n,
     };
-    let best_of = match (endpoint, field(obj, "best_of")) {
-        (Endpoint::Text, Some(v)) => {
-            let b = choices(v, "best_of")?;
-            if b < n {
-                return Err(ApiError::invalid_request("best_of", "best_of must be at least n."));
-            }
-            b
-        }
-        _ => n,
-    };
-    let stream = match field(obj, "stream") {
-        None => false,
-        Some(Value::Bool(b)) => *b,
-        Some(v) => return Err(type_error("stream", "a boolean", v)),
-    };
+    let stream = o.stream.unwrap_or(false);
     if stream && best_of > n {
         return Err(ApiError::invalid_request("best_of", "best_of larger than n cannot be streamed (the best are known only at the end)."));
     }
@@ -303,426 +251,95 @@ fn common(obj: &Map<String, Value>, prompts: Vec<Prompt>, endpoint: Endpoint) ->
             format!("{} prompts times {best_of} generations each is over the limit of {MAX_GENERATIONS} per request.", prompts.len()),
         ));
     }
-    let echo = match (endpoint, field(obj, "echo")) {
-        (Endpoint::Text, Some(Value::Bool(b))) => *b,
-        (Endpoint::Text, Some(v)) => return Err(type_error("echo", "a boolean", v)),
-        _ => false,
-    };
-    if echo && sampling.logprobs.is_some() {
+    if own.echo && sampling.logprobs.is_some() {
         return Err(ApiError::invalid_request(
             "echo",
             "echo with logprobs is not supported: the prompt's log-probabilities are not computed.",
         )
         .with_code("unsupported_parameter"));
     }
-    let include_usage = match field(obj, "stream_options") {
-        None => false,
-        Some(Value::Object(o)) => match deny_unknown(o, "stream_options", |k| k == "include_usage").and(Ok(field(o, "include_usage")))? {
-            None => false,
-            Some(Value::Bool(b)) => *b,
-            Some(v) => return Err(type_error("stream_options.include_usage", "a boolean", v)),
-        },
-        Some(v) => return Err(type_error("stream_options", "an object", v)),
-    };
-    let stop = parse_stop(obj)?;
-    let cache_salt = match field(obj, "cache_salt") {
-        None => None,
-        // vLLM's rule: an empty salt is refused rather than silently made a scope of its own
-        // (leave the field out to share the tenant's cache).
-        Some(Value::String(s)) if s.is_empty() => {
-            return Err(ApiError::invalid_request(
-                "cache_salt",
-                "cache_salt must be a non-empty string if provided; leave it out to share the tenant's cache.",
-            ));
-        }
-        Some(Value::String(s)) if s.len() <= MAX_CACHE_SALT => Some(s.clone()),
-        Some(Value::String(s)) => {
-            return Err(ApiError::invalid_request("cache_salt", format!("cache_salt is {} bytes; the most is {MAX_CACHE_SALT}.", s.len())));
-        }
-        Some(v) => return Err(type_error("cache_salt", "a string", v)),
-    };
     Ok(CompletionParams {
         model,
         prompts,
         max_tokens,
         sampling,
-        stop,
+        stop: o.stop.map(StopParam::into_strings).unwrap_or_default(),
         stream,
-        include_usage,
-        cache_salt,
+        include_usage: o.stream_options.and_then(|s| s.include_usage).unwrap_or(false),
+        cache_salt: o.cache_salt,
         n,
         best_of,
-        echo,
+        echo: own.echo,
         tools: None,
         grammar_param,
-        user,
+        user: o.user.map(|u| u.chars().take(256).collect()),
     })
 }
 
-/// The field set of a body: unsupported fields (unless set to their default), unknown ones
-/// and the few whose only accepted value is the default are refused, naming the field.
-fn check_fields(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<(), ApiError> {
+/// The fields a body's type does not name: OpenAI's and vLLM's that are not implemented
+/// (400 `unsupported_parameter`, unless set to their default) and unknown ones (400
+/// `unknown_parameter`), each named.
+fn refuse_extra(extra: &Map<String, Value>, endpoint: Endpoint) -> Result<(), ApiError> {
+    // `suffix` is a text completion's field: in a chat body it is unknown.
+    let unsupported = |k: &str| UNSUPPORTED.iter().any(|u| u.0 == k && (k != "suffix" || endpoint == Endpoint::Text));
     for (name, why, default) in UNSUPPORTED {
-        let Some(v) = field(obj, name) else { continue };
+        let Some(v) = extra.get(*name).filter(|v| !v.is_null()) else { continue };
         let harmless = default.is_some_and(|d| v.as_bool() == Some(d));
-        if !harmless && (*name != "suffix" || endpoint == Endpoint::Text) {
+        if !harmless && unsupported(name) {
             return Err(ApiError::invalid_request(*name, format!("'{name}': {why}.")).with_code("unsupported_parameter"));
         }
     }
-    let own = match endpoint {
-        Endpoint::Chat => CHAT_ONLY,
-        Endpoint::Text => TEXT_ONLY,
-    };
-    deny_unknown(obj, "", |k| {
-        KNOWN.contains(&k) || own.contains(&k) || UNSUPPORTED.iter().any(|u| u.0 == k && (k != "suffix" || endpoint == Endpoint::Text))
-    })?;
-    match field(obj, "modalities") {
-        None => {}
-        Some(Value::Array(m)) if m.iter().all(|x| x.as_str() == Some("text")) => {}
-        Some(_) => {
-            return Err(
-                ApiError::invalid_request("modalities", "Only the 'text' modality is supported.").with_code("unsupported_parameter")
-            );
-        }
-    }
-    if let Some(Value::Bool(true)) = field(obj, "store") {
-        return Err(ApiError::invalid_request("store", "Stored completions are not supported: this server keeps no completions.")
-            .with_code("unsupported_parameter"));
-    }
-    match field(obj, "service_tier") {
-        None => {}
-        Some(Value::String(t)) if t == "auto" || t == "default" => {}
-        Some(_) => {
-            return Err(ApiError::invalid_request("service_tier", "Only the 'auto' and 'default' service tiers exist here.")
-                .with_code("unsupported_parameter"));
-        }
-    }
-    match field(obj, "metadata") {
-        None => {}
-        Some(Value::Object(m)) if m.values().all(Value::is_string) => {}
-        Some(v) => return Err(type_error("metadata", "an object of strings", v)),
-    }
-    Ok(())
+    deny_unknown(extra, "", unsupported)
 }
 
-/// The sampling controls of a body, range-checked (`max_tokens` bounds `min_tokens`).
-fn parse_sampling(obj: &Map<String, Value>, endpoint: Endpoint, max_tokens: Option<usize>) -> Result<Sampling, ApiError> {
-    let mut sampling = Sampling::default();
-    if let Some(v) = field(obj, "temperature") {
-        let t = number(v, "temperature")?;
-        if !(0.0..=MAX_TEMPERATURE).contains(&t) {
-            return Err(range_error("temperature", format!("a value in [0, {MAX_TEMPERATURE}]"), v));
-        }
-        sampling.temperature = t as f32;
+/// The sampling controls (each range-checked as it was read; `max_tokens` bounds
+/// `min_tokens`).
+fn sampling(o: &mut CompletionOptions, max_tokens: Option<usize>) -> Result<Sampling, ApiError> {
+    let mut s = Sampling::default();
+    if let Some(t) = o.temperature {
+        s.temperature = t as f32;
     }
-    if let Some(v) = field(obj, "top_p") {
-        let p = number(v, "top_p")?;
-        if !(p > 0.0 && p <= 1.0) {
-            return Err(range_error("top_p", "a value in (0, 1]".into(), v));
-        }
+    if let Some(p) = o.top_p {
         // The f32 rounding must not turn a tiny positive top_p into 0 (outside the sampler's
         // range): the smallest positive f32 keeps only the most likely token, as `p` does.
-        sampling.top_p = (p as f32).max(f32::MIN_POSITIVE);
+        s.top_p = (p as f32).max(f32::MIN_POSITIVE);
     }
-    if let Some(v) = field(obj, "top_k") {
-        sampling.top_k = match v.as_f64() {
-            Some(-1.0) => 0, // vLLM's "off"
-            _ => u32::try_from(int(v, "top_k", 0)?).unwrap_or(u32::MAX),
-        };
+    if let Some(k) = o.top_k {
+        s.top_k = k;
     }
-    sampling.min_p = bounded(obj, "min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32;
-    sampling.presence_penalty = bounded(obj, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
-    sampling.frequency_penalty = bounded(obj, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
-    if let Some(v) = field(obj, "repetition_penalty") {
-        let r = number(v, "repetition_penalty")?;
-        if !(r > 0.0 && r <= 2.0) {
-            return Err(range_error("repetition_penalty", "a value in (0, 2]".into(), v));
-        }
-        sampling.repetition_penalty = r as f32;
+    s.min_p = o.min_p.unwrap_or(0.0) as f32;
+    s.presence_penalty = o.presence_penalty.unwrap_or(0.0) as f32;
+    s.frequency_penalty = o.frequency_penalty.unwrap_or(0.0) as f32;
+    if let Some(r) = o.repetition_penalty {
+        s.repetition_penalty = r as f32;
     }
-    sampling.logit_bias = parse_logit_bias(obj)?;
-    if let Some(v) = field(obj, "min_tokens") {
-        sampling.min_tokens =
-            u32::try_from(int(v, "min_tokens", 0)?).map_err(|_| range_error("min_tokens", "a value that fits the context".into(), v))?;
-        if max_tokens.is_some_and(|m| sampling.min_tokens as usize > m) {
+    s.logit_bias = o.logit_bias.take().unwrap_or_default();
+    if let Some(m) = o.min_tokens {
+        s.min_tokens = m;
+        if max_tokens.is_some_and(|max| m as usize > max) {
             return Err(ApiError::invalid_request("min_tokens", "min_tokens must not be larger than max_tokens."));
         }
     }
-    sampling.stop_token_ids = match field(obj, "stop_token_ids") {
-        None => Vec::new(),
-        Some(Value::Array(ids)) if ids.len() <= MAX_TOKEN_LIST => ids
-            .iter()
-            .enumerate()
-            .map(|(i, v)| {
-                let p = format!("stop_token_ids[{i}]");
-                u32::try_from(int(v, &p, 0)?).map_err(|_| range_error(&p, "a token id".into(), v))
-            })
-            .collect::<Result<_, _>>()?,
-        Some(Value::Array(_)) => {
-            return Err(ApiError::invalid_request("stop_token_ids", format!("At most {MAX_TOKEN_LIST} stop_token_ids.")));
-        }
-        Some(v) => return Err(type_error("stop_token_ids", "an array of token ids", v)),
-    };
-    sampling.logprobs = parse_logprobs(obj, endpoint)?;
-    if let Some(v) = field(obj, "seed") {
-        sampling.seed = Some(seed(v)?);
+    s.stop_token_ids = o.stop_token_ids.take().unwrap_or_default();
+    if let Some(seed) = o.seed {
+        s.seed = Some(seed);
     }
     // Not OpenAI's: llama.cpp's and vLLM's extension, for fixed-length benchmarks.
-    match field(obj, "ignore_eos") {
-        None => {}
-        Some(Value::Bool(b)) => sampling.ignore_eos = *b,
-        Some(v) => return Err(type_error("ignore_eos", "a boolean", v)),
+    if let Some(b) = o.ignore_eos {
+        s.ignore_eos = b;
     }
     // vLLM's: special tokens (`<|im_start|>`, ...) are left out of the text unless asked for.
-    match field(obj, "skip_special_tokens") {
-        None => {}
-        Some(Value::Bool(b)) => sampling.skip_special_tokens = *b,
-        Some(v) => return Err(type_error("skip_special_tokens", "a boolean", v)),
+    if let Some(b) = o.skip_special_tokens {
+        s.skip_special_tokens = b;
     }
-    Ok(sampling)
-}
-
-/// `n` or `best_of`: 1 to [`MAX_N`].
-fn choices(v: &Value, param: &str) -> Result<usize, ApiError> {
-    match int(v, param, 1)? {
-        x if x as usize <= MAX_N => Ok(x as usize),
-        _ => Err(range_error(param, format!("a value in [1, {MAX_N}]"), v)),
-    }
-}
-
-/// An optional number in `[lo, hi]`.
-fn bounded(obj: &Map<String, Value>, param: &str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
-    let Some(v) = field(obj, param) else { return Ok(None) };
-    let x = number(v, param)?;
-    if !(lo..=hi).contains(&x) {
-        return Err(range_error(param, format!("a value in [{lo}, {hi}]"), v));
-    }
-    Ok(Some(x))
-}
-
-/// `logit_bias`: token ids (as strings, OpenAI's form) to a bias in [-100, 100].
-fn parse_logit_bias(obj: &Map<String, Value>) -> Result<Vec<(u32, f32)>, ApiError> {
-    let Some(v) = field(obj, "logit_bias") else { return Ok(Vec::new()) };
-    let Value::Object(map) = v else { return Err(type_error("logit_bias", "an object of token ids to numbers", v)) };
-    if map.len() > MAX_TOKEN_LIST {
-        return Err(ApiError::invalid_request("logit_bias", format!("At most {MAX_TOKEN_LIST} logit_bias entries.")));
-    }
-    let mut out = Vec::with_capacity(map.len());
-    for (k, b) in map {
-        let param = format!("logit_bias.{k}");
-        let id: u32 =
-            k.parse().map_err(|_| ApiError::invalid_request(param.clone(), format!("Invalid 'logit_bias': '{k}' is not a token id.")))?;
-        let bias = number(b, &param)?;
-        if !(-100.0..=100.0).contains(&bias) {
-            return Err(range_error(&param, "a value in [-100, 100]".into(), b));
-        }
-        out.push((id, bias as f32));
-    }
-    out.sort_unstable_by_key(|e| e.0);
-    Ok(out)
-}
-
-/// Chat: `logprobs` (boolean) and `top_logprobs` (0–20, only with `logprobs`). Text:
-/// `logprobs` (0–5 alternatives).
-fn parse_logprobs(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<Option<u8>, ApiError> {
-    match endpoint {
-        Endpoint::Chat => {
-            let on = match field(obj, "logprobs") {
-                None => false,
-                Some(Value::Bool(b)) => *b,
-                Some(v) => return Err(type_error("logprobs", "a boolean", v)),
-            };
-            let top = match field(obj, "top_logprobs") {
-                None => None,
-                Some(v) => match int(v, "top_logprobs", 0)? {
-                    x if x <= MAX_TOP_LOGPROBS => Some(x as u8),
-                    _ => return Err(range_error("top_logprobs", format!("a value in [0, {MAX_TOP_LOGPROBS}]"), v)),
-                },
-            };
-            match (on, top) {
-                (false, Some(_)) => Err(ApiError::invalid_request("top_logprobs", "top_logprobs requires logprobs: true.")),
-                (false, None) => Ok(None),
-                (true, top) => Ok(Some(top.unwrap_or(0))),
-            }
-        }
-        Endpoint::Text => match field(obj, "logprobs") {
-            None => Ok(None),
-            Some(v) => match int(v, "logprobs", 0)? {
-                x if x <= MAX_TEXT_LOGPROBS => Ok(Some(x as u8)),
-                _ => Err(range_error("logprobs", format!("a value in [0, {MAX_TEXT_LOGPROBS}]"), v)),
-            },
-        },
-    }
-}
-
-fn parse_messages(obj: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError> {
-    let items = match field(obj, "messages") {
-        None => {
-            return Err(ApiError::invalid_request("messages", "Missing required parameter: 'messages'."));
-        }
-        Some(Value::Array(items)) => items,
-        Some(v) => return Err(type_error("messages", "an array", v)),
-    };
-    if items.is_empty() {
-        return Err(ApiError::invalid_request(
-            "messages",
-            "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty array instead.",
-        ));
-    }
-    items.iter().enumerate().map(|(i, m)| parse_message(i, m)).collect()
-}
-
-fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
-    let p = |f: &str| format!("messages[{i}].{f}");
-    let Value::Object(m) = m else {
-        return Err(type_error(&format!("messages[{i}]"), "an object", m));
-    };
-    deny_unknown(m, &format!("messages[{i}]"), |k| MESSAGE_FIELDS.contains(&k))?;
-    for key in &MESSAGE_FIELDS[5..] {
-        match m.get(*key) {
-            None | Some(Value::Null) => {}
-            Some(Value::Array(a)) if a.is_empty() => {}
-            Some(_) => {
-                return Err(ApiError::invalid_request(p(key), format!("'{}' is not supported in a request.", p(key)))
-                    .with_code("unsupported_parameter"));
-            }
-        }
-    }
-    let role = match field(m, "role") {
-        None => {
-            return Err(ApiError::invalid_request(p("role"), format!("Missing required parameter: '{}'.", p("role"))));
-        }
-        Some(Value::String(r)) => match r.as_str() {
-            "system" | "user" | "assistant" | "tool" => r.clone(),
-            "developer" => "system".to_string(),
-            other => {
-                return Err(ApiError::invalid_request(
-                    p("role"),
-                    format!("Invalid value: '{other}'. Supported values are: 'system', 'developer', 'user', 'assistant' and 'tool'."),
-                ));
-            }
-        },
-        Some(v) => return Err(type_error(&p("role"), "a string", v)),
-    };
-    let content = match field(m, "content") {
-        // An assistant turn that only called tools has no content.
-        None if role == "assistant" => String::new(),
-        None => {
-            return Err(ApiError::invalid_request(p("content"), format!("Missing required parameter: '{}'.", p("content"))));
-        }
-        Some(Value::String(s)) => s.clone(),
-        Some(Value::Array(parts)) => {
-            let mut texts = Vec::with_capacity(parts.len());
-            for (j, part) in parts.iter().enumerate() {
-                texts.push(text_part(&format!("messages[{i}].content[{j}]"), part)?);
-            }
-            texts.join("\n")
-        }
-        Some(v) => {
-            return Err(type_error(&p("content"), "a string or an array of content parts", v));
-        }
-    };
-    let mut msg = ChatMessage::new(role, content);
-    match field(m, "tool_calls") {
-        None => {}
-        Some(Value::Array(calls)) if msg.role == "assistant" => msg.tool_calls = Some(Value::Array(parse_tool_calls(i, calls)?)),
-        Some(Value::Array(_)) => return Err(ApiError::invalid_request(p("tool_calls"), "Only assistant messages carry tool_calls.")),
-        Some(v) => return Err(type_error(&p("tool_calls"), "an array", v)),
-    }
-    for (key, slot) in [("tool_call_id", &mut msg.tool_call_id), ("name", &mut msg.name)] {
-        match field(m, key) {
-            None => {}
-            Some(Value::String(s)) => *slot = Some(s.clone()),
-            Some(v) => return Err(type_error(&p(key), "a string", v)),
-        }
-    }
-    if msg.role == "tool" && msg.tool_call_id.is_none() {
-        return Err(ApiError::invalid_request(p("tool_call_id"), format!("Missing required parameter: '{}'.", p("tool_call_id"))));
-    }
-    Ok(msg)
-}
-
-/// An assistant message's `tool_calls`, checked: each has an `id` and a `function` with a
-/// `name` and `arguments` (a JSON text, parsed into an object for the template where it is
-/// one, as Hugging Face templates expect).
-fn parse_tool_calls(i: usize, calls: &[Value]) -> Result<Vec<Value>, ApiError> {
-    calls
-        .iter()
-        .enumerate()
-        .map(|(j, c)| {
-            let p = format!("messages[{i}].tool_calls[{j}]");
-            let bad = |what: &str| ApiError::invalid_request(p.clone(), format!("Invalid '{p}': {what}."));
-            let f = c.get("function").and_then(Value::as_object).ok_or_else(|| bad("'function' must be an object"))?;
-            let name = f.get("name").and_then(Value::as_str).ok_or_else(|| bad("'function.name' must be a string"))?;
-            let arguments = match f.get("arguments") {
-                None | Some(Value::Null) => Value::Object(Map::new()),
-                Some(Value::String(s)) => serde_json::from_str::<Value>(s).unwrap_or_else(|_| Value::String(s.clone())),
-                Some(v) => v.clone(),
-            };
-            let id = c.get("id").and_then(Value::as_str).unwrap_or_default();
-            Ok(serde_json::json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}}))
-        })
-        .collect()
-}
-
-fn text_part<'a>(param: &str, part: &'a Value) -> Result<&'a str, ApiError> {
-    let Value::Object(o) = part else {
-        return Err(type_error(param, "an object", part));
-    };
-    if field(o, "type").and_then(Value::as_str) == Some("text") {
-        deny_unknown(o, param, |k| k == "type" || k == "text")?;
-    }
-    match field(o, "type") {
-        Some(Value::String(t)) if t == "text" => {}
-        Some(Value::String(t)) => {
-            return Err(ApiError::invalid_request(
-                format!("{param}.type"),
-                format!("Unsupported content part type '{t}': only 'text' is supported."),
-            ));
-        }
-        Some(v) => return Err(type_error(&format!("{param}.type"), "a string", v)),
-        None => {
-            return Err(ApiError::invalid_request(format!("{param}.type"), format!("Missing required parameter: '{param}.type'.")));
-        }
-    }
-    match field(o, "text") {
-        Some(Value::String(s)) => Ok(s),
-        Some(v) => Err(type_error(&format!("{param}.text"), "a string", v)),
-        None => Err(ApiError::invalid_request(format!("{param}.text"), format!("Missing required parameter: '{param}.text'."))),
-    }
-}
-
-fn parse_stop(obj: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
-    let list: Vec<String> = match field(obj, "stop") {
-        None => Vec::new(),
-        Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(items)) => {
-            if items.len() > MAX_STOP {
-                return Err(ApiError::invalid_request(
-                    "stop",
-                    format!("Invalid 'stop': array too long. Expected at most {MAX_STOP} stop sequences, but got {}.", items.len()),
-                ));
-            }
-            let mut out = Vec::with_capacity(items.len());
-            for (i, s) in items.iter().enumerate() {
-                match s {
-                    Value::String(s) => out.push(s.clone()),
-                    v => return Err(type_error(&format!("stop[{i}]"), "a string", v)),
-                }
-            }
-            out
-        }
-        Some(v) => return Err(type_error("stop", "a string or an array of strings", v)),
-    };
-    // An empty stop string would end every generation at once; it is no stop at all.
-    Ok(list.into_iter().filter(|s| !s.is_empty()).collect())
+    Ok(s)
 }
 
 /// The top-level object of a body, or 400.
 fn as_object(body: &Value) -> Result<&Map<String, Value>, ApiError> {
     match body {
         Value::Object(o) => Ok(o),
-        v => Err(ApiError::bad_request(format!("The request body must be a JSON object, but got {}.", type_name(v)))),
+        v => Err(ApiError::bad_request(format!("The request body must be a JSON object, but got {}.", de::type_name(v)))),
     }
 }
 
@@ -740,379 +357,15 @@ pub fn deny_unknown(obj: &Map<String, Value>, path: &str, known: impl Fn(&str) -
     }
 }
 
-/// A field that is present and not `null` (clients send `null` for "not given").
+/// A field of a free-form object that is present and not `null` (clients send `null` for
+/// "not given").
 fn field<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
     obj.get(key).filter(|v| !v.is_null())
 }
 
-/// The value of a JSON number that is a whole number, `4` and `4.0` alike (JSON Schema's
-/// `integer` admits both, so clients generated from a schema may send either); `None` for a
-/// fraction. Whole numbers past the `i128` range saturate, which keeps them out of range.
-fn whole(n: &Number) -> Option<i128> {
-    if let Some(x) = n.as_u64() {
-        return Some(x.into());
-    }
-    if let Some(x) = n.as_i64() {
-        return Some(x.into());
-    }
-    n.as_f64().filter(|f| f.is_finite() && f.fract() == 0.0).map(|f| f as i128)
-}
-
-/// A JSON integer (or whole decimal) `>= min`, or 400 naming `param`.
-fn int(v: &Value, param: &str, min: u64) -> Result<u64, ApiError> {
-    let Value::Number(n) = v else {
-        return Err(type_error(param, "an integer", v));
-    };
-    match whole(n) {
-        None => Err(type_error(param, "an integer", v)),
-        Some(x) if x < i128::from(min) => Err(range_error(param, format!("a value >= {min}"), v)),
-        Some(x) => u64::try_from(x).map_err(|_| range_error(param, format!("a value <= {}", u64::MAX), v)),
-    }
-}
-
-fn positive_int(v: &Value, param: &str) -> Result<usize, ApiError> {
-    let x = int(v, param, 1)?;
-    usize::try_from(x).map_err(|_| range_error(param, format!("a value <= {}", usize::MAX), v))
-}
-
-/// A finite JSON number, or 400 naming `param`.
-fn number(v: &Value, param: &str) -> Result<f64, ApiError> {
-    match v.as_f64() {
-        Some(x) if x.is_finite() => Ok(x),
-        _ => Err(type_error(param, "a number", v)),
-    }
-}
-
-/// Any non-negative integer (or whole decimal). Integers past `u64::MAX` (which JSON
-/// parsing turns into floats) are folded into a `u64` deterministically, so the same seed
-/// still gives the same output.
-fn seed(v: &Value) -> Result<u64, ApiError> {
-    let Value::Number(n) = v else {
-        return Err(type_error("seed", "an integer", v));
-    };
-    match whole(n) {
-        None => Err(type_error("seed", "an integer", v)),
-        Some(x) if x < 0 => Err(range_error("seed", "a value >= 0".into(), v)),
-        Some(x) => Ok(u64::try_from(x).unwrap_or_else(|_| n.as_f64().map_or(u64::MAX, f64::to_bits))),
-    }
-}
-
-fn type_name(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(n) if n.is_f64() => "a decimal number",
-        Value::Number(_) => "an integer",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
-}
-
+/// `Invalid type for '{param}': ...`, for the checks of free-form objects.
 fn type_error(param: &str, expected: &str, got: &Value) -> ApiError {
-    ApiError::invalid_request(param, format!("Invalid type for '{param}': expected {expected}, but got {} instead.", type_name(got)))
-}
-
-fn range_error(param: &str, expected: String, got: &Value) -> ApiError {
-    // Integers past u64 reach here as floats (`1.8446744073709552e19`): print them whole.
-    let shown = match got {
-        Value::Number(n) if n.is_f64() && whole(n).is_some() => n.as_f64().map_or_else(|| got.to_string(), |f| format!("{f:.0}")),
-        _ => got.to_string(),
-    };
-    ApiError::invalid_request(param, format!("Invalid '{param}': expected {expected}, but got {shown} instead."))
-}
-
-// Request bodies as the OpenAPI document describes them. The handlers do not deserialise
-// into these types: they parse the raw JSON with `parse_chat` / `parse_completion`, which name
-// the faulty `param`. Unknown fields are accepted and ignored. tests/openapi.rs checks that
-// every field documented here is one the parser reads, and the other way round.
-
-/// The body of `POST /v1/chat/completions`.
-#[derive(Debug, Clone, ToSchema)]
-pub struct ChatCompletionRequest {
-    /// The model to use (see `GET /v1/models`).
-    pub model: String,
-    /// The conversation so far; the model's chat template is applied to it.
-    #[schema(min_items = 1)]
-    pub messages: Vec<ChatMessageParam>,
-    /// Functions the model may call (`{"type": "function", "function": {name, description,
-    /// parameters}}`). They reach the chat template's `tools`, or a default tool preamble in
-    /// the system message where the template has none.
-    #[schema(value_type = Option<Vec<Object>>)]
-    pub tools: Option<Vec<Value>>,
-    /// `none` (tools left out), `auto` (the default), `required`, or
-    /// `{"type": "function", "function": {"name": ...}}`; the last two are enforced by a
-    /// grammar, so the call always parses against the function's schema.
-    #[schema(value_type = Option<Object>)]
-    pub tool_choice: Option<Value>,
-    /// Whether several calls may come in one reply (default true).
-    pub parallel_tool_calls: Option<bool>,
-    /// Return each generated token's log-probability.
-    pub logprobs: Option<bool>,
-    /// With `logprobs`: this many most likely alternatives per token.
-    #[schema(minimum = 0, maximum = 20)]
-    pub top_logprobs: Option<u32>,
-    /// Settings shared with text completions.
-    #[serde(flatten)]
-    pub options: CompletionOptions,
-}
-
-/// The body of `POST /v1/completions`.
-#[derive(Debug, Clone, ToSchema)]
-pub struct CompletionRequest {
-    /// The model to use (see `GET /v1/models`).
-    pub model: String,
-    /// The text to continue, tokenised as is: a string, token ids, or a batch of either.
-    pub prompt: PromptParam,
-    /// Return each generated token's log-probability and this many most likely
-    /// alternatives.
-    #[schema(minimum = 0, maximum = 5)]
-    pub logprobs: Option<u32>,
-    /// Start each choice's text with the prompt's (not with `logprobs`).
-    pub echo: Option<bool>,
-    /// Generate this many per prompt and return the `n` most likely (by the sum of their
-    /// tokens' log-probabilities); not with `stream`.
-    #[schema(minimum = 1, maximum = 16)]
-    pub best_of: Option<u32>,
-    /// Settings shared with chat completions.
-    #[serde(flatten)]
-    pub options: CompletionOptions,
-}
-
-/// Generation settings both completion endpoints take; `null` means not given.
-#[derive(Debug, Clone, ToSchema)]
-pub struct CompletionOptions {
-    /// Most tokens to generate (default: what the context leaves after the prompt). A value
-    /// larger than the model's context is refused with `context_length_exceeded`.
-    #[schema(minimum = 1)]
-    pub max_tokens: Option<u64>,
-    /// Takes precedence over `max_tokens`.
-    #[schema(minimum = 1)]
-    pub max_completion_tokens: Option<u64>,
-    /// Sampling temperature; 0 is greedy.
-    #[schema(minimum = 0.0, maximum = 2.0)]
-    pub temperature: Option<f64>,
-    /// Nucleus sampling: keep the smallest set of tokens whose probability reaches `top_p`.
-    #[schema(exclusive_minimum = 0.0, maximum = 1.0)]
-    pub top_p: Option<f64>,
-    /// Keep only the `top_k` most likely tokens; 0 or -1 means no limit (not OpenAI's: vLLM's).
-    #[schema(minimum = -1)]
-    pub top_k: Option<i64>,
-    /// Same seed, same parameters, same prompt: same output, also with `temperature > 0`.
-    #[schema(minimum = 0)]
-    pub seed: Option<u64>,
-    /// Choices per prompt, each sampled independently (a seed gives each its own
-    /// derived seed).
-    #[schema(minimum = 1, maximum = 16)]
-    pub n: Option<u32>,
-    /// Keep only tokens at least this fraction as likely as the most likely one (vLLM's).
-    #[schema(minimum = 0.0, maximum = 1.0)]
-    pub min_p: Option<f64>,
-    /// Lowers the logit of every token already generated, once.
-    #[schema(minimum = -2.0, maximum = 2.0)]
-    pub presence_penalty: Option<f64>,
-    /// Lowers the logit of every token already generated, per occurrence.
-    #[schema(minimum = -2.0, maximum = 2.0)]
-    pub frequency_penalty: Option<f64>,
-    /// Divides the positive logits (multiplies the negative ones) of tokens in the prompt
-    /// or generated so far (vLLM's); 1 is off.
-    #[schema(exclusive_minimum = 0.0, maximum = 2.0)]
-    pub repetition_penalty: Option<f64>,
-    /// Token ids (as strings) to a bias in [-100, 100] added to their logits.
-    #[schema(value_type = Option<HashMap<String, f64>>)]
-    pub logit_bias: Option<Value>,
-    /// End-of-generation and `stop_token_ids` tokens are held back until this many tokens
-    /// were generated (vLLM's).
-    #[schema(minimum = 0)]
-    pub min_tokens: Option<u64>,
-    /// Tokens that end the generation like the end-of-generation token (vLLM's).
-    pub stop_token_ids: Option<Vec<u32>>,
-    /// `{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema",
-    /// "json_schema": {"name", "schema", "strict"}}`: the output is constrained to it at
-    /// every token (llguidance), the first one included.
-    #[schema(value_type = Option<Object>)]
-    pub response_format: Option<Value>,
-    /// vLLM's: the output is JSON valid under this JSON Schema (an object or its text).
-    #[schema(value_type = Option<Object>)]
-    pub guided_json: Option<Value>,
-    /// vLLM's: the output matches this regular expression.
-    pub guided_regex: Option<String>,
-    /// vLLM's: the output is exactly one of these strings.
-    pub guided_choice: Option<Vec<String>>,
-    /// vLLM's: the output follows this Lark grammar (llguidance's dialect).
-    pub guided_grammar: Option<String>,
-    /// vLLM's: `auto`, `llguidance` or `guidance` (all llguidance here).
-    pub guided_decoding_backend: Option<String>,
-    /// vLLM's newer form: one of `json`, `regex`, `choice`, `grammar` or `json_object`.
-    #[schema(value_type = Option<Object>)]
-    pub structured_outputs: Option<Value>,
-    /// Only `["text"]`.
-    pub modalities: Option<Vec<String>>,
-    /// Only false: completions are not stored.
-    pub store: Option<bool>,
-    /// Only `auto` or `default`.
-    pub service_tier: Option<String>,
-    /// An end-user id, for the logs.
-    #[schema(max_length = 256)]
-    pub user: Option<String>,
-    /// Up to 16 string pairs, for the logs.
-    #[schema(value_type = Option<HashMap<String, String>>)]
-    pub metadata: Option<Value>,
-    /// Answer with server-sent events (`text/event-stream`), one chunk object per `data:`
-    /// line, ending with `data: [DONE]`.
-    pub stream: Option<bool>,
-    /// Streaming options.
-    pub stream_options: Option<StreamOptions>,
-    /// Up to 4 strings; generation ends before the first one, which is not returned.
-    pub stop: Option<StopParam>,
-    /// Keep generating past the end-of-generation token until `max_tokens` (not OpenAI's:
-    /// llama.cpp's and vLLM's, for fixed-length benchmarks).
-    pub ignore_eos: Option<bool>,
-    /// Leave special tokens such as `<|im_start|>` out of the text (default true; vLLM's).
-    pub skip_special_tokens: Option<bool>,
-    /// Splits your prefix cache further (vLLM's): requests share cached prompt pages only
-    /// with requests of the same tenant (API key) and the same salt.
-    #[schema(max_length = 256)]
-    pub cache_salt: Option<String>,
-}
-
-/// `stream_options` of a completion request.
-#[derive(Debug, Clone, ToSchema)]
-pub struct StreamOptions {
-    /// Send one more chunk before `[DONE]`, with no choices and the request's `usage`; every
-    /// other chunk then carries `usage: null`.
-    pub include_usage: Option<bool>,
-}
-
-/// One or several stop strings.
-#[derive(Debug, Clone)]
-pub enum StopParam {
-    /// One stop string.
-    One(String),
-    /// Up to [`MAX_STOP`] stop strings.
-    Many(Vec<String>),
-}
-
-impl PartialSchema for StopParam {
-    fn schema() -> RefOr<Schema> {
-        string_or_array(
-            ObjectBuilder::new().description(Some("One stop string.")),
-            ArrayBuilder::new().max_items(Some(MAX_STOP)).description(Some("Up to 4 stop strings.")),
-        )
-    }
-}
-
-impl ToSchema for StopParam {}
-
-/// The prompt of a text completion: a string, token ids, or a batch of either.
-#[derive(Debug, Clone)]
-pub enum PromptParam {
-    /// The prompt.
-    Text(String),
-    /// A batch of prompts: one choice (or `n`) each.
-    Batch(Vec<String>),
-    /// Token ids.
-    Tokens(Vec<u32>),
-    /// A batch of token-id prompts.
-    TokenBatch(Vec<Vec<u32>>),
-}
-
-impl PartialSchema for PromptParam {
-    fn schema() -> RefOr<Schema> {
-        let text = || ObjectBuilder::new().schema_type(Type::String).min_length(Some(1));
-        let ids = || ArrayBuilder::new().min_items(Some(1)).items(ObjectBuilder::new().schema_type(Type::Integer).minimum(Some(0)));
-        OneOfBuilder::new()
-            .item(text().description(Some("The prompt (not empty).")))
-            .item(
-                ArrayBuilder::new()
-                    .min_items(Some(1))
-                    .max_items(Some(MAX_GENERATIONS))
-                    .items(text())
-                    .description(Some("A batch of prompts.")),
-            )
-            .item(ids().description(Some("Token ids.")))
-            .item(
-                ArrayBuilder::new()
-                    .min_items(Some(1))
-                    .max_items(Some(MAX_GENERATIONS))
-                    .items(ids())
-                    .description(Some("A batch of token-id prompts.")),
-            )
-            .into()
-    }
-}
-
-impl ToSchema for PromptParam {}
-
-/// `oneOf` a string (`one`, with its bounds) and an array of such strings (`many`, with its
-/// bounds). utoipa's derive cannot bound the array of an enum variant, hence the two
-/// hand-written schemas above.
-fn string_or_array(one: ObjectBuilder, many: ArrayBuilder) -> RefOr<Schema> {
-    let one = one.schema_type(Type::String).build();
-    let mut item = one.clone();
-    item.description = None;
-    OneOfBuilder::new().item(one).item(many.items(item)).into()
-}
-
-/// One message of a chat request.
-#[derive(Debug, Clone, ToSchema)]
-pub struct ChatMessageParam {
-    /// Who wrote it.
-    pub role: Role,
-    /// Its text, or text parts (joined with newlines). An `assistant` message may omit it.
-    pub content: MessageContent,
-    /// An assistant message's tool calls (`id`, `type`, `function` with `name` and
-    /// `arguments`).
-    #[schema(value_type = Option<Vec<Object>>)]
-    pub tool_calls: Option<Vec<Value>>,
-    /// A `tool` message: the call it answers.
-    pub tool_call_id: Option<String>,
-    /// A participant's or function's name.
-    pub name: Option<String>,
-}
-
-/// The author of a chat message.
-#[derive(Debug, Clone, Copy, ToSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum Role {
-    /// Instructions.
-    System,
-    /// Instructions (OpenAI's newer name for `system`; treated the same).
-    Developer,
-    /// The user.
-    User,
-    /// The model.
-    Assistant,
-    /// A tool's result.
-    Tool,
-}
-
-/// The content of a chat message.
-#[derive(Debug, Clone, ToSchema)]
-#[serde(untagged)]
-pub enum MessageContent {
-    /// Plain text.
-    Text(String),
-    /// Text parts (only `text` parts are supported).
-    Parts(Vec<ContentPart>),
-}
-
-/// One part of a message's content.
-#[derive(Debug, Clone, ToSchema)]
-pub struct ContentPart {
-    /// Always `text`.
-    #[serde(rename = "type")]
-    pub kind: ContentPartType,
-    /// The text.
-    pub text: String,
-}
-
-/// The type of a [`ContentPart`]; only `text` is supported.
-#[derive(Debug, Clone, Copy, ToSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum ContentPartType {
-    /// A text part.
-    Text,
+    ApiError::invalid_request(param, format!("Invalid type for '{param}': expected {expected}, but got {} instead.", de::type_name(got)))
 }
 
 /// Token counts of one completion.

@@ -113,7 +113,16 @@ impl Tools {
 /// names no tools (a `tool_choice` without tools is refused, as OpenAI does).
 pub fn parse(obj: &Map<String, Value>) -> Result<Option<Tools>, ApiError> {
     let get = |k: &str| obj.get(k).filter(|v| !v.is_null());
-    let defs = match get("tools") {
+    parse_fields(get("tools"), get("tool_choice"), get("parallel_tool_calls"))
+}
+
+/// [`parse`] from the three fields as read (each `None` when absent or `null`).
+pub fn parse_fields(
+    tools: Option<&Value>,
+    tool_choice: Option<&Value>,
+    parallel_tool_calls: Option<&Value>,
+) -> Result<Option<Tools>, ApiError> {
+    let defs = match tools {
         None => Vec::new(),
         Some(Value::Array(items)) => {
             for (i, t) in items.iter().enumerate() {
@@ -124,7 +133,7 @@ pub fn parse(obj: &Map<String, Value>) -> Result<Option<Tools>, ApiError> {
         Some(_) => return Err(ApiError::invalid_request("tools", "Invalid type for 'tools': expected an array of tools.")),
     };
     let names: Vec<&str> = defs.iter().filter_map(|d| d.pointer("/function/name")?.as_str()).collect();
-    let choice = match get("tool_choice") {
+    let choice = match tool_choice {
         None => ToolChoice::Auto,
         Some(Value::String(s)) => match s.as_str() {
             "none" => ToolChoice::None,
@@ -158,7 +167,7 @@ pub fn parse(obj: &Map<String, Value>) -> Result<Option<Tools>, ApiError> {
         },
         Some(_) => return Err(ApiError::invalid_request("tool_choice", "Invalid type for 'tool_choice': expected a string or an object.")),
     };
-    let parallel = match get("parallel_tool_calls") {
+    let parallel = match parallel_tool_calls {
         None => true,
         Some(Value::Bool(b)) => *b,
         Some(_) => {

@@ -4,14 +4,14 @@
 //! bad one refused with 400) before the request is queued.
 
 use bulkhead_protocol::GrammarSpec;
-use serde_json::{Map, Value};
+use serde_json::Value;
 
-use super::{field, type_error};
+use super::{CompletionOptions, field, type_error};
 use crate::error::ApiError;
 
 /// The grammar a body asks for and the field it came from.
-pub(super) fn parse(obj: &Map<String, Value>) -> Result<Option<(GrammarSpec, &'static str)>, ApiError> {
-    match field(obj, "guided_decoding_backend") {
+pub(super) fn parse(o: &CompletionOptions) -> Result<Option<(GrammarSpec, &'static str)>, ApiError> {
+    match &o.guided_decoding_backend {
         None => {}
         Some(Value::String(b)) if matches!(b.as_str(), "auto" | "llguidance" | "guidance") => {}
         Some(Value::String(b)) => {
@@ -23,19 +23,23 @@ pub(super) fn parse(obj: &Map<String, Value>) -> Result<Option<(GrammarSpec, &'s
         Some(v) => return Err(type_error("guided_decoding_backend", "a string", v)),
     }
     let mut found: Vec<(GrammarSpec, &'static str)> = Vec::new();
-    if let Some(v) = field(obj, "response_format")
+    if let Some(v) = &o.response_format
         && let Some(g) = response_format(v)?
     {
         found.push((g, "response_format"));
     }
-    let vllm: [(&'static str, GrammarParser); 4] =
-        [("guided_json", json_schema), ("guided_regex", regex), ("guided_choice", choice), ("guided_grammar", lark)];
-    for (name, f) in vllm {
-        if let Some(v) = field(obj, name) {
+    let vllm: [(&'static str, &Option<Value>, GrammarParser); 4] = [
+        ("guided_json", &o.guided_json, json_schema),
+        ("guided_regex", &o.guided_regex, regex),
+        ("guided_choice", &o.guided_choice, choice),
+        ("guided_grammar", &o.guided_grammar, lark),
+    ];
+    for (name, v, f) in vllm {
+        if let Some(v) = v {
             found.push((f(v, name)?, name));
         }
     }
-    if let Some(v) = field(obj, "structured_outputs") {
+    if let Some(v) = &o.structured_outputs {
         let Value::Object(o) = v else { return Err(type_error("structured_outputs", "an object", v)) };
         let kinds: [(&'static str, GrammarParser); 4] = [("json", json_schema), ("regex", regex), ("choice", choice), ("grammar", lark)];
         for (name, f) in kinds {
