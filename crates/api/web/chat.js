@@ -22,7 +22,9 @@
 
   // ---- Markdown, as DOM nodes -------------------------------------------------------------
 
-  const INLINE = /`([^`\n]+)`|\*\*([^*\n]+)\*\*|__([^_\n]+)__|\*([^*\n]+)\*|\[([^\]\n]+)\]\(([^()\s]+)\)/g;
+  // `code`, **bold**, *italic* (not `* ` as in a product) and [text](url). No `__bold__`:
+  // identifiers like __init__ are common in model output.
+  const INLINE = /`([^`\n]+)`|\*\*([^*\n]+)\*\*|\*([^*\s][^*\n]*)\*|\[([^\]\n]+)\]\(([^()\s]+)\)/g;
 
   /** Appends `text` to `parent`, with `code`, **bold**, *italic* and [links](url). */
   function inline(text, parent) {
@@ -33,16 +35,16 @@
         const c = el("code");
         c.textContent = m[1];
         parent.append(c);
-      } else if (m[2] !== undefined || m[3] !== undefined) {
+      } else if (m[2] !== undefined) {
         const b = el("strong");
-        inline(m[2] ?? m[3], b);
+        inline(m[2], b);
         parent.append(b);
-      } else if (m[4] !== undefined) {
+      } else if (m[3] !== undefined) {
         const i = el("em");
-        inline(m[4], i);
+        inline(m[3], i);
         parent.append(i);
       } else {
-        link(m[5], m[6], m[0], parent);
+        link(m[4], m[5], m[0], parent);
       }
       last = m.index + m[0].length;
     }

@@ -277,7 +277,11 @@
   function render() {
     const samples = history[history.length - 1].samples;
     const tokens = sum(samples, "bulkhead:generation_tokens_total");
-    set("tokens-per-s", count(rate("bulkhead:generation_tokens_total") || 0));
+    // Tokens as they stream: each first token and each gap after one is an observation of a
+    // gateway histogram, so this moves while requests run (generation_tokens_total only
+    // counts finished requests).
+    const streamed = rate("bulkhead:time_to_first_token_seconds_count") + rate("bulkhead:inter_token_latency_seconds_count");
+    set("tokens-per-s", count(streamed || 0));
     set("tokens-total", `${count(tokens)} generated`);
     set("running", count(sum(samples, "bulkhead:num_requests_running")));
     const ok = sum(samples, "bulkhead:request_success_total");
