@@ -9,6 +9,8 @@ use axum::http::{HeaderName, HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 
+use crate::routes::method_not_allowed;
+
 /// The Content-Security-Policy of every page and asset: scripts, styles and connections from
 /// this origin only, no inline script or style, no plugins, no framing, no forms posted away.
 pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; \
@@ -38,12 +40,14 @@ const AUTH_PLACEHOLDER: &str = "data-auth=\"open\"";
 /// asks for an API key up front (it also asks after any 401).
 pub fn router(api_key_required: bool) -> Router {
     let chat: &'static str = if api_key_required { chat_page_with_key() } else { CHAT_HTML };
+    // Another method on a page path is 405 as an OpenAI error body, as on the API's paths.
+    let file = |ct: &'static str, body: &'static str| get(move || async move { page(ct, body) }).fallback(method_not_allowed);
     Router::new()
-        .route("/", get(move || async move { page("text/html; charset=utf-8", chat) }))
-        .route("/dashboard", get(|| async { page("text/html; charset=utf-8", DASHBOARD_HTML) }))
-        .route("/ui/chat.js", get(|| async { page("text/javascript; charset=utf-8", CHAT_JS) }))
-        .route("/ui/dashboard.js", get(|| async { page("text/javascript; charset=utf-8", DASHBOARD_JS) }))
-        .route("/ui/style.css", get(|| async { page("text/css; charset=utf-8", STYLE_CSS) }))
+        .route("/", file("text/html; charset=utf-8", chat))
+        .route("/dashboard", file("text/html; charset=utf-8", DASHBOARD_HTML))
+        .route("/ui/chat.js", file("text/javascript; charset=utf-8", CHAT_JS))
+        .route("/ui/dashboard.js", file("text/javascript; charset=utf-8", DASHBOARD_JS))
+        .route("/ui/style.css", file("text/css; charset=utf-8", STYLE_CSS))
 }
 
 /// The chat page marked to ask for an API key; built once and kept for the process's life.

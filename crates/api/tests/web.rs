@@ -55,6 +55,14 @@ async fn unknown_paths_are_not_the_chat_page() {
     }
 }
 
+#[tokio::test]
+async fn other_methods_on_a_page_are_405_error_bodies() {
+    let resp = app(false).oneshot(Request::post("/").body(Body::empty()).unwrap()).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::METHOD_NOT_ALLOWED);
+    let body = axum::body::to_bytes(resp.into_body(), usize::MAX).await.unwrap();
+    assert!(String::from_utf8_lossy(&body).contains("method_not_allowed"), "{body:?}");
+}
+
 #[test]
 fn the_csp_allows_no_inline_code_and_no_other_origin() {
     for directive in ["default-src 'none'", "script-src 'self'", "style-src 'self'", "connect-src 'self'", "frame-ancestors 'none'"] {
