@@ -24,6 +24,18 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libucp\.so\.0'; then
     fi
 fi
 
+# The web UI's browser tests (tests/python/test_web_ui.py) drive Debian's chromium through
+# its chromium-driver. As root (CI), install both when missing; otherwise those tests say
+# so and skip.
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        { apt-get install -y -q chromium chromium-driver || { apt-get update -q && apt-get install -y -q chromium chromium-driver; }; } >/dev/null 2>&1 ||
+            echo "note: could not install chromium and chromium-driver; the browser tests will skip"
+    else
+        echo "note: chromium and chromium-driver are not installed; the browser tests will skip"
+    fi
+fi
+
 # Fetch the models (the default and Gemma 3 270M) once up front, so the first tests do not
 # all wait on the fetch lock.
 cargo run --quiet -p bulkhead-fetch --example fetch-model
@@ -33,16 +45,17 @@ trap 'rm -f "$log" "$log.py"' EXIT
 cargo test --workspace --doc 2>&1 | tee "$log"
 cargo test --workspace --all-targets 2>&1 | tee -a "$log"
 
-# The official `openai` Python client and schemathesis against a real `bulkhead serve` (the
-# debug build the tests above used), from a virtual environment that tests/python/venv.sh
-# makes once per machine. A failure here still prints the summary, then fails the suite.
+# The official `openai` Python client, the web UI in headless Chromium, and schemathesis
+# against a real `bulkhead serve` (the debug build the tests above used), from a virtual
+# environment that tests/python/venv.sh makes once per machine. A failure here still prints
+# the summary, then fails the suite.
 cargo build --quiet -p bulkhead
 export BULKHEAD_BIN="${CARGO_TARGET_DIR:-target}/debug/bulkhead"
 export PYTHONDONTWRITEBYTECODE=1 # no __pycache__ in the work tree
 venv=$(bash tests/python/venv.sh)
 status=0
-"$venv/bin/python" -m pytest -p no:cacheprovider -q -rfE tests/python 2>&1 | tee "$log.py" ||
-    { status=1; echo "FAILED: the openai client tests (tests/python/test_openai_client.py), above"; }
+"$venv/bin/python" -m pytest -p no:cacheprovider -q -rfEs tests/python 2>&1 | tee "$log.py" ||
+    { status=1; echo "FAILED: the Python tests (the openai client, the web UI in Chromium: tests/python), above"; }
 # The one-minute chaos soak (issue 13): one prefill and one decode worker killed under load.
 bash scripts/soak.sh --short ||
     { status=1; echo "FAILED: the chaos soak (scripts/soak.sh --short), above"; }

@@ -43,9 +43,10 @@ def ready(addr):
 
 
 @contextlib.contextmanager
-def serve(*args, ready_timeout=60):
+def serve(*args, ready_timeout=60, wait_ready=True):
     """`bulkhead serve --port 0` (gateway, one prefill and one decode worker) with `args`,
-    serving the default model under its own name and ALIAS; killed with its workers on exit."""
+    serving the default model under its own name and ALIAS; killed with its workers on exit.
+    `wait_ready=False` for a gateway without workers (`--role gateway`), never ready."""
     binary = os.environ.get("BULKHEAD_BIN", str(ROOT / "target" / "debug" / "bulkhead"))
     fd, log = tempfile.mkstemp(prefix="bulkhead-serve-", suffix=".log")
     env = {**os.environ, "BULKHEAD_LOG": os.environ.get("BULKHEAD_LOG", "info")}
@@ -65,7 +66,7 @@ def serve(*args, ready_timeout=60):
             raise RuntimeError(f"bulkhead serve did not start ({binary}): {line!r}\n{Path(log).read_text()}")
         server = Server(line.split("http://", 1)[1].split()[0], log)
         deadline = time.monotonic() + ready_timeout
-        while not ready(server.addr):
+        while wait_ready and not ready(server.addr):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"bulkhead serve never became ready:\n{server.log_tail()}")
             time.sleep(0.1)

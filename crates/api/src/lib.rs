@@ -22,6 +22,8 @@
 //! - [`testing`]: a byte-level vocabulary for mock backends in tests and fuzzing.
 //! - [`tools`]: tool calling: `tools`/`tool_choice`, the default tool preamble, the grammar
 //!   of `required` and named calls, and the `<tool_call>` parser.
+//! - [`web`]: the browser pages built into the binary: the chat page at `/` and the live
+//!   isolation dashboard at `/dashboard`, under a strict Content-Security-Policy.
 //! - `respond`: one request's generations merged into one response or event stream.
 //! - `ids`: completion and request ids.
 
@@ -38,6 +40,7 @@ pub mod tenants;
 pub mod testing;
 pub mod tools;
 pub mod trace;
+pub mod web;
 
 pub use backend::{Backend, FinishReason, GenEvent, GenerationRequest, ModelCard, Prompt};
 pub use error::{ApiError, ErrorKind};

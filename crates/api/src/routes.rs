@@ -624,7 +624,8 @@ async fn not_found(method: Method, uri: Uri) -> ApiError {
     ApiError::route_not_found(method.as_str(), uri.path())
 }
 
-async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+/// 405 as an OpenAI error body, like every other error.
+pub(crate) async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
     ApiError::new(StatusCode::METHOD_NOT_ALLOWED, ErrorKind::InvalidRequest, format!("Method {method} is not allowed for {}.", uri.path()))
         .with_code("method_not_allowed")
 }

@@ -87,6 +87,25 @@ impl CoreBudgetArg {
     }
 }
 
+/// `--web-ui`: whether the gateway serves the chat page and the dashboard.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum WebUi {
+    /// Served.
+    On,
+    /// Not served: `/` and `/dashboard` are 404.
+    Off,
+}
+
+/// Whether the gateway serves the web UI: as `--web-ui` says, else when it listens on
+/// loopback only (a page only this machine reaches) or tenants need API keys (a page that
+/// needs one).
+fn web_ui_on(flag: Option<WebUi>, host: &str, keys_required: bool) -> bool {
+    match flag {
+        Some(w) => w == WebUi::On,
+        None => keys_required || host == "localhost" || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback()),
+    }
+}
+
 /// Which part of the system this process runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ServeRole {
@@ -230,6 +249,11 @@ pub struct ServeArgs {
     /// One API key every /v1/ request must carry (one tenant, `default`); vLLM's flag.
     #[arg(long, env = "BULKHEAD_API_KEY")]
     api_key: Option<String>,
+    /// The chat page at `/` and the live isolation dashboard at `/dashboard` (gateway): on or
+    /// off. Default: on when --host is a loopback address or API keys are required (--tenants,
+    /// --api-key), off otherwise.
+    #[arg(long, env = "BULKHEAD_WEB_UI", value_enum)]
+    web_ui: Option<WebUi>,
     /// Do not share KV pages between requests: no prefix cache on the prefill workers, and
     /// none on the decode workers (every turn's whole prompt is then sent).
     #[arg(long, env = "BULKHEAD_NO_PREFIX_CACHE", value_parser = clap::builder::BoolishValueParser::new())]
@@ -426,6 +450,7 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
         http: HttpLimits { max_connections: a.max_connections, header_timeout: Duration::from_millis(a.http_header_timeout_ms.max(1)) },
         body_timeout: Duration::from_millis(a.http_body_timeout_ms.max(1)),
         trust,
+        web_ui: web_ui_on(a.web_ui, &a.host, tenants.authenticates()),
         tenants: Arc::new(tenants),
         prefix_cache: !a.no_prefix_cache,
     };
@@ -723,6 +748,18 @@ mod tests {
     fn check(args: &[&str]) -> Result<(), String> {
         let s = Serve::try_parse_from(std::iter::once("serve").chain(args.iter().copied())).map_err(|e| e.to_string())?;
         s.a.check_core_budget().map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn the_web_ui_is_on_for_loopback_or_keys_unless_the_flag_says() {
+        assert!(web_ui_on(None, "127.0.0.1", false));
+        assert!(web_ui_on(None, "::1", false));
+        assert!(web_ui_on(None, "localhost", false));
+        assert!(!web_ui_on(None, "0.0.0.0", false));
+        assert!(!web_ui_on(None, "10.1.2.3", false));
+        assert!(web_ui_on(None, "0.0.0.0", true));
+        assert!(!web_ui_on(Some(WebUi::Off), "127.0.0.1", true));
+        assert!(web_ui_on(Some(WebUi::On), "0.0.0.0", false));
     }
 
     #[test]

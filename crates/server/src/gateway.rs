@@ -65,6 +65,8 @@ pub struct GatewayOptions {
     pub tenants: Arc<Tenants>,
     /// Whether requests carry a prefix-cache scope to the prefill workers.
     pub prefix_cache: bool,
+    /// Serve the chat page at `/` and the dashboard at `/dashboard` ([`bulkhead_api::web`]).
+    pub web_ui: bool,
 }
 
 /// Why the gateway could not start.
@@ -353,9 +355,12 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
     let hl = TcpListener::bind(&opts.http_addr).await?;
     let http_addr = hl.local_addr()?;
     let backend_shared = shared.clone();
-    let app = bulkhead_api::router_with_tenants(Arc::new(ClusterBackend(shared)), opts.tenants.clone())
-        .route("/metrics", axum::routing::get(move || serve_metrics(cmds.clone())))
-        .layer(axum::Extension(bulkhead_api::BodyTimeout(opts.body_timeout)));
+    let mut app = bulkhead_api::router_with_tenants(Arc::new(ClusterBackend(shared)), opts.tenants.clone())
+        .route("/metrics", axum::routing::get(move || serve_metrics(cmds.clone())));
+    if opts.web_ui {
+        app = app.merge(bulkhead_api::web::router(opts.tenants.authenticates()));
+    }
+    let app = app.layer(axum::Extension(bulkhead_api::BodyTimeout(opts.body_timeout)));
     let (tx, rx) = oneshot::channel::<()>();
     let server = tokio::spawn(crate::http::serve(hl, app, opts.http, rx));
     tracing::info!(%http_addr, %worker_addr, model = %model_id, "gateway listening");
