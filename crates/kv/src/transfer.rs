@@ -214,6 +214,12 @@ impl Inbound {
         self.received
     }
 
+    /// Prompt tokens a sender wrote here so far (past the shared prefix): none means no
+    /// writer has touched the reservation.
+    pub fn written_tokens(&self) -> usize {
+        self.received - self.seq.shared_tokens()
+    }
+
     /// Prompt tokens reserved.
     pub fn prompt_tokens(&self) -> usize {
         self.prompt_tokens

@@ -88,6 +88,10 @@ pub enum Variant {
     /// salt), as if the salt entered no page's key: equal prompts of two tenants get
     /// equal keys.
     UnscopedCacheKeys,
+    /// The decode driver looks every reservation up, and keeps it, under the first cache
+    /// scope it saw: a second tenant's prompt hits the first tenant's decode-side pages
+    /// (the fence, derived from the same scope, cannot tell).
+    OneDecodeScope,
     /// The KV transport writes frames straight into the decode worker's memory (one-sided
     /// RDMA or CMA puts) instead of handing them to its reader: a frame a close overtook
     /// ([`Faults::close_overtakes`]) still lands after the decode worker saw the close and
@@ -129,6 +133,9 @@ pub struct Config {
     pub check_original_error: bool,
     /// Whether prefill workers run a prefix cache over their pools.
     pub prefix_cache: bool,
+    /// Whether the decode worker keeps ended requests' full pages for later requests of
+    /// their scope (the decode-side cache).
+    pub decode_cache: bool,
     /// Driver variant.
     pub variant: Variant,
 }
@@ -158,6 +165,7 @@ impl Config {
             decode_tick_ms: TICK_MS,
             check_original_error: false,
             prefix_cache: false,
+            decode_cache: false,
             variant: Variant::Production,
         }
     }
@@ -190,6 +198,7 @@ impl Config {
             decode_tick_ms: TICK_MS,
             check_original_error: false,
             prefix_cache: false,
+            decode_cache: false,
             variant: Variant::Production,
         }
     }
@@ -288,6 +297,30 @@ impl Config {
             decode_pool_pages: 4,
             faults: Faults { client_aborts: 1, ..Faults::default() },
             prefix_cache: true,
+            ..Self::faulty_network()
+        }
+    }
+
+    /// The decode-side cache with two tenants: two requests of tenant 0 and one of tenant
+    /// 1, all with the same 3-token prompt (one full page and one partial), so the second
+    /// request of tenant 0 may find the first one's full page on the decode worker and
+    /// receive only the rest, while tenant 1's never does. The decode pool (2 pages) holds
+    /// one two-page reservation, or one cached page beside a hit's own page, so the cached
+    /// page is evicted when tenant 1's prompt needs room (never while shared: that prompt
+    /// waits for room instead). One client goes away at any point, also during a hit.
+    pub fn decode_cache() -> Self {
+        Config {
+            name: "decode-cache",
+            requests: vec![
+                Request { prompt: 3, max_tokens: 1, tenant: Some(0) },
+                Request { prompt: 3, max_tokens: 1, tenant: Some(0) },
+                Request { prompt: 3, max_tokens: 1, tenant: Some(1) },
+            ],
+            prefill_workers: 1,
+            prefill_pool_pages: 2,
+            decode_pool_pages: 2,
+            faults: Faults { client_aborts: 1, ..Faults::default() },
+            decode_cache: true,
             ..Self::faulty_network()
         }
     }

@@ -93,8 +93,9 @@ pub struct MockDecode {
     pub running: BTreeMap<RequestId, Running>,
     /// The request the next step is for.
     pub focus: Option<RequestId>,
-    /// Requests started, with their verified prompt tokens and committed length.
-    pub started: Vec<(RequestId, usize, usize)>,
+    /// Requests started, with their verified prompt tokens, committed length and the
+    /// tokens held in shared (cached) pages.
+    pub started: Vec<(RequestId, usize, usize, usize)>,
     /// Property violations observed by reads and releases.
     pub seen: Vec<(Prop, String)>,
     /// Attend over every reserved slot instead of the written ones (the broken
@@ -207,7 +208,7 @@ impl DecodeEngine for MockDecode {
         let req = ds.req;
         let verified = ds.seq.prompt_tokens();
         let seq = ds.seq.into_sequence();
-        self.started.push((req, verified, seq.len()));
+        self.started.push((req, verified, seq.len(), seq.shared_tokens()));
         self.read_all(req, &seq);
         // The first token came with `Done`; a one-token request ends at once. A resumed
         // one continues the count of the attempt it resumes.
@@ -309,12 +310,13 @@ pub fn prefill_policy(variant: Variant) -> PrefillSabotage {
     }
 }
 
-/// The decode side of a [`Variant`]: honest, except under [`Variant::DropFence`] and
-/// [`Variant::ReleaseQuarantineOnTick`].
+/// The decode side of a [`Variant`]: honest, except under [`Variant::DropFence`],
+/// [`Variant::ReleaseQuarantineOnTick`] and [`Variant::OneDecodeScope`].
 pub fn decode_policy(variant: Variant) -> DecodeSabotage {
     match variant {
         Variant::DropFence => DecodeSabotage::DropFences,
         Variant::ReleaseQuarantineOnTick => DecodeSabotage::FenceOnTimeout,
+        Variant::OneDecodeScope => DecodeSabotage::OneScope(None),
         _ => DecodeSabotage::None,
     }
 }

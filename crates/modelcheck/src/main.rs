@@ -29,6 +29,7 @@ fn main() -> ExitCode {
         "keepalive" => Config::keepalive(),
         "growth" => Config::growth(),
         "prefix-cache" => Config::prefix_cache(),
+        "decode-cache" => Config::decode_cache(),
         "batched-prefill" => Config::batched_prefill(),
         other => {
             eprintln!(
@@ -47,6 +48,7 @@ fn main() -> ExitCode {
         "drop-fence" => Variant::DropFence,
         "keep-retracted-running" => Variant::KeepRetractedRunning,
         "unscoped-cache-keys" => Variant::UnscopedCacheKeys,
+        "one-decode-scope" => Variant::OneDecodeScope,
         "one-sided-writes" => Variant::OneSidedWrites,
         other => {
             eprintln!("unknown variant {other:?}");

@@ -187,7 +187,7 @@ impl Model for HandoffModel {
             Property::always(names::REJECTION_TERMINAL, |_, s: &State| holds(s, Prop::RejectionTerminal)),
             Property::always(names::ONE_OUTCOME, |_, s: &State| holds(s, Prop::OneOutcome)),
         ];
-        if self.cfg.prefix_cache {
+        if self.cfg.prefix_cache || self.cfg.decode_cache {
             p.push(Property::always(names::CACHE_FENCE, |_, s: &State| holds(s, Prop::CacheFence)));
         }
         if self.cfg.check_original_error {
@@ -204,7 +204,7 @@ impl Model for HandoffModel {
         p.push(Property::sometimes(names::SERVED, |_, s: &State| s.served));
         p.push(Property::sometimes(names::RESUMED, |_, s: &State| s.resumed));
         p.push(Property::sometimes(names::BATCHED, |_, s: &State| s.batched));
-        if self.cfg.prefix_cache {
+        if self.cfg.prefix_cache || self.cfg.decode_cache {
             p.push(Property::sometimes(names::SHARED, |_, s: &State| s.shared));
         }
         p

@@ -148,6 +148,8 @@ pub struct Ghost {
     pub resumed: usize,
     /// Prompt tokens in chunks of `attempt` the decode verifier accepted.
     pub landed: usize,
+    /// Leading prompt tokens of `attempt` the decode worker said it held in its cache.
+    pub held: usize,
     /// A role decided to reject it (the gateway told the client, or a worker refused it
     /// for context or capacity): from here it must not reach Reserve, transfer or decode.
     pub rejected: bool,
@@ -323,7 +325,7 @@ impl DecodeLink for DecodeWire<'_> {
         match &msg {
             Message::Rejected { req, reason, .. } => worker_rejected(self.ghosts, client_of(*req), *reason),
             Message::Retracted { req, tokens } => self.ghosts.entry(client_of(*req)).or_default().resumed = tokens.len(),
-            Message::Reserved { req, .. } => {
+            Message::Reserved { req, held, .. } => {
                 let client = client_of(*req);
                 let g = self.ghosts.entry(client).or_default();
                 if g.rejected {
@@ -334,6 +336,7 @@ impl DecodeLink for DecodeWire<'_> {
                     g.attempt = Some(*req);
                     g.landed = 0;
                 }
+                g.held = *held as usize;
             }
             _ => {}
         }
@@ -387,11 +390,9 @@ impl<'c> World<'c> {
         // Registration is atomic here: its welcomes and introductions are not modelled.
         let registered = gw.join(DECODE, &Hello::for_pool(Role::Decode, DIGEST, &dpool, cfg.decode_max_context, String::new()));
         assert!(registered.is_ok(), "the decode worker registers: {registered:?}");
-        let mut dec = DecodeDriver::with_policy(
-            DecodeRole::new(DecodeConfig { max_context: cfg.decode_max_context, transfer_timeout_ms: TICK_MS }),
-            MockDecode::new(dpool, cfg.variant, Values::new(cfg)),
-            decode_policy(cfg.variant),
-        );
+        let role = DecodeRole::new(DecodeConfig { max_context: cfg.decode_max_context, transfer_timeout_ms: TICK_MS });
+        let role = if cfg.decode_cache { role.with_cache(PrefixCache::new(cfg.decode_pool_pages), DIGEST) } else { role };
+        let mut dec = DecodeDriver::with_policy(role, MockDecode::new(dpool, cfg.variant, Values::new(cfg)), decode_policy(cfg.variant));
         let mut prefills = Vec::new();
         for i in 0..cfg.prefill_workers {
             let id = WorkerId(FIRST_PREFILL + i as u32);
@@ -936,9 +937,10 @@ impl<'c> World<'c> {
             && after.coverage_failed > before.coverage_failed
             && self.cfg.variant == Variant::TrustDone
         {
-            // Broken: "transfer complete" is trusted; the request is started on what landed.
-            let landed = self.ghosts.get(&client_of(req)).map_or(0, |g| g.landed);
-            self.check_start(req, landed);
+            // Broken: "transfer complete" is trusted; the request is started on what is in
+            // place (what it held and what landed).
+            let (held, landed) = self.ghosts.get(&client_of(req)).map_or((0, 0), |g| (g.held, g.landed));
+            self.check_start(req, held + landed, held);
         }
         self.drain_engine();
     }
@@ -946,9 +948,9 @@ impl<'c> World<'c> {
     /// What the mock decode loop saw: requests it started (checked against their
     /// reservations) and property violations of its reads.
     fn drain_engine(&mut self) {
-        let started: Vec<(RequestId, usize, usize)> = self.dec.engine_mut().started.drain(..).collect();
-        for (attempt, verified, committed) in started {
-            self.check_start(attempt, verified);
+        let started: Vec<(RequestId, usize, usize, usize)> = self.dec.engine_mut().started.drain(..).collect();
+        for (attempt, verified, committed, shared) in started {
+            self.check_start(attempt, verified, shared);
             let req = client_of(attempt);
             if committed != self.ghosts.get(&req).and_then(|g| g.reserved_prompt).unwrap_or(usize::MAX) {
                 self.violate(Prop::VerifiedCoverage, format!("{req} started with {committed} committed prompt tokens"));
@@ -959,14 +961,19 @@ impl<'c> World<'c> {
     }
 
     /// I2 at the moment decode starts attempt `attempt` with `coverage` prompt tokens in
-    /// place; I3: a rejected request never reaches decode.
-    fn check_start(&mut self, attempt: RequestId, coverage: usize) {
+    /// place, `shared` of them in shared (cached) pages; I10: what the decode worker said
+    /// it held is exactly what its shared leases cover, and held and landed tokens cover
+    /// the prompt with no gap and no overlap; I3: a rejected request never reaches decode.
+    fn check_start(&mut self, attempt: RequestId, coverage: usize, shared: usize) {
         let req = client_of(attempt);
         let g = self.ghosts.get(&req).cloned().unwrap_or_default();
-        if g.attempt != Some(attempt) || g.reserved_prompt != Some(coverage) || g.landed != coverage {
+        if g.attempt != Some(attempt) || g.reserved_prompt != Some(coverage) || g.held != shared || g.held + g.landed != coverage {
             self.violate(
                 Prop::VerifiedCoverage,
-                format!("{req} started with {coverage} prompt tokens; reserved {:?}, landed {}", g.reserved_prompt, g.landed),
+                format!(
+                    "{req} started with {coverage} prompt tokens, {shared} shared; reserved {:?}, held {}, landed {}",
+                    g.reserved_prompt, g.held, g.landed
+                ),
             );
         }
         if g.rejected {
@@ -988,6 +995,14 @@ impl<'c> World<'c> {
             if refused > 0 {
                 problems.push((Prop::CacheFence, format!("prefill {} looked up {refused} cached page(s) of another tenant", p.id)));
             }
+        }
+        if stats.fence_failures > 0 {
+            problems.push((Prop::CacheFence, format!("decode looked up {} cached page(s) of another tenant", stats.fence_failures)));
+        }
+        // I10: every shared page a holder counts is one of the pool's live shared leases.
+        let shared = self.shared_handles();
+        if shared != stats.shared_leases {
+            problems.push((Prop::SingleLease, format!("holders count {shared} shared decode pages, the pool {}", stats.shared_leases)));
         }
         let mut by_page: BTreeMap<u32, &Handle> = BTreeMap::new();
         for h in &handles {
@@ -1028,10 +1043,18 @@ impl<'c> World<'c> {
     /// and the decode loop's sequences.
     fn handles(&self) -> Vec<Handle> {
         let role = self.dec.role().held_pages().into_iter().map(|h| (h.tag, h.quarantined));
-        let running = self.dec.engine().running.values().flat_map(|r| r.seq.pages()).map(|l| (**l, false));
+        let running = self.dec.engine().running.values().flat_map(|r| r.seq.pages()).filter(|p| !p.is_shared()).map(|l| (**l, false));
         role.chain(running)
             .map(|(tag, quarantined)| Handle { page: tag.page().0, generation: tag.generation().0, owner: tag.owner(), quarantined })
             .collect()
+    }
+
+    /// Shared (cached, read-only) decode pages the role's reservations and the decode
+    /// loop's sequences hold.
+    fn shared_handles(&self) -> usize {
+        let role = self.dec.role().shared_pages();
+        let running: usize = self.dec.engine().running.values().map(|r| r.seq.pages().iter().filter(|p| p.is_shared()).count()).sum();
+        role + running
     }
 
     /// Every way a chunk for a decode page may still arrive: a `Prefill` on its way to a
@@ -1084,7 +1107,8 @@ impl<'c> World<'c> {
 
     /// Whether some prefill worker's cache shared a page and some evicted one.
     pub fn cache_hit_and_eviction(&self) -> bool {
-        let stats = || self.prefills.iter().filter_map(|p| p.driver.cache()).map(|c| c.stats());
+        let decode = self.dec.role().cache_stats();
+        let stats = || self.prefills.iter().filter_map(|p| p.driver.cache()).map(|c| c.stats()).chain(decode);
         stats().any(|s| s.hit_tokens > 0) && stats().any(|s| s.evicted_pages > 0)
     }
 

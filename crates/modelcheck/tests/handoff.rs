@@ -285,6 +285,29 @@ fn cache_keys_without_the_tenant_are_caught_by_the_fence_property() {
     assert!(last.contains("of another tenant"), "{last}");
 }
 
+/// The decode-side cache (design I10): tenant 0's second request may find the first one's
+/// full page on the decode worker and receive only the rest of its prompt, tenant 1's never
+/// does; a cached page is evicted when another reservation needs room (never while shared,
+/// also while a transfer is under way), and a client may leave during a hit. Every property
+/// holds, the holders' shared pages are always the pool's live shared leases, and the
+/// happy path (a hit and an eviction, everything served, pools idle) is reachable.
+#[test]
+fn the_decode_cache_shares_within_a_tenant_only_and_holds_every_property() {
+    let (report, model) = check_all(Config::decode_cache());
+    assert_holds(&report, &model);
+    assert!(report.discoveries.contains_key(names::SHARED), "no decode-side hit and eviction on the happy path: {report}");
+    assert_eq!(report.unique_states, 4_781, "the model changed: {report}");
+}
+
+/// A decode driver that keeps every reservation under one scope lets tenant 1's prompt hit
+/// tenant 0's decode-side page; the fence (derived from the same scope) cannot tell, and
+/// the read of another tenant's KV is caught.
+#[test]
+fn a_decode_side_hit_across_tenants_is_caught() {
+    let last = finds(Config::decode_cache().with_variant(Variant::OneDecodeScope), names::READ_ISOLATION);
+    assert!(last.contains("not its own KV"), "{last}");
+}
+
 // ------------------------------------------------------------------ findings
 
 /// The protocol relies on exactly-once delivery per connection (TCP): a duplicated

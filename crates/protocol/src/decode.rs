@@ -196,7 +196,7 @@ struct Pending {
 struct Fencing {
     pages: Vec<Quarantined>,
     prefill: WorkerId,
-    /// Prompt tokens that had landed when the transfer was given up.
+    /// Prompt tokens a sender had written when the transfer was given up.
     received: usize,
 }
 
@@ -364,11 +364,18 @@ impl DecodeRole {
         }
     }
 
-    /// Every page the role holds (reservations and quarantines; not the decode loop's).
+    /// Every page the role holds (reservations and quarantines; not the decode loop's, and
+    /// not the cache's pages a reservation shares, see [`DecodeRole::shared_pages`]).
     pub fn held_pages(&self) -> Vec<HeldPage> {
-        let leased = self.pending.values().flat_map(|p| p.inbound.pages()).map(|l| HeldPage { tag: **l, quarantined: false });
+        let own = self.pending.values().flat_map(|p| p.inbound.pages()).filter(|l| !l.is_shared());
+        let leased = own.map(|l| HeldPage { tag: **l, quarantined: false });
         let quarantined = self.fencing.values().flat_map(|f| &f.pages).map(|q| HeldPage { tag: **q, quarantined: true });
         leased.chain(quarantined).collect()
+    }
+
+    /// Cached pages the role's reservations share read-only.
+    pub fn shared_pages(&self) -> usize {
+        self.pending.values().map(|p| p.inbound.pages().iter().filter(|l| l.is_shared()).count()).sum()
     }
 
     /// Whether prefill worker `prefill` ever opened its KV connection here.
@@ -574,7 +581,7 @@ impl DecodeRole {
             // The gateway never dispatched this reservation: no writer knows its pages. If
             // chunks did land, someone did write, so keep waiting for the fence instead.
             Message::Cancel { req } => {
-                if self.pending.get(&req).is_some_and(|p| p.inbound.received_tokens() == 0) {
+                if self.pending.get(&req).is_some_and(|p| p.inbound.written_tokens() == 0) {
                     if let Some(p) = self.pending.remove(&req) {
                         self.release_seq(pool, p.inbound.into_sequence());
                     }
@@ -632,7 +639,7 @@ impl DecodeRole {
                 if self.pending.get(&req).is_some_and(|p| p.prefill == from) {
                     let Some(p) = self.pending.remove(&req) else { return };
                     // Done is the sender's last message for req: from here it is fenced.
-                    let sent = p.inbound.received_tokens().saturating_sub(p.inbound.shared_tokens());
+                    let sent = p.inbound.written_tokens();
                     match p.inbound.finish(pool, tokens as usize, manifest) {
                         Ok(seq) => {
                             self.stats.coverage_verified += 1;
@@ -712,7 +719,7 @@ impl DecodeRole {
             self.release_seq(pool, p.inbound.into_sequence());
             return;
         }
-        let received = p.inbound.received_tokens();
+        let received = p.inbound.written_tokens();
         let pages = match p.inbound.into_sequence().quarantine(pool) {
             Ok(pages) => pages,
             // Leases this role made are live unless the pool was tampered with; keep them

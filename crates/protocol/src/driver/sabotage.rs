@@ -15,7 +15,7 @@ use crate::driver::decode::DecodePolicy;
 use crate::driver::prefill::PrefillPolicy;
 use crate::prefill::PrefillJob;
 
-/// A decode driver that breaks the fence (I4).
+/// A decode driver that breaks the fence (I4) or the decode-side cache's scopes (I10).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Fingerprint)]
 pub enum DecodeSabotage {
     /// Honest: what production does.
@@ -26,13 +26,36 @@ pub enum DecodeSabotage {
     /// A transfer timeout is taken for a fence: the quarantined pages of every timed-out
     /// transfer are released while its prefill worker may still write into them.
     FenceOnTimeout,
+    /// Every reservation is looked up and kept under the first cache scope the driver saw,
+    /// whatever its own (a driver that mixes up scopes): requests of every tenant share one
+    /// decode-side cache, and the fence, derived from the same scope, cannot tell them apart.
+    OneScope(Option<CacheScope>),
 }
 
 impl DecodePolicy for DecodeSabotage {
     fn inbound(&mut self, ev: DecodeEvent) -> Option<DecodeEvent> {
-        match ev {
-            DecodeEvent::Prefill { msg: Message::Fenced { .. }, .. } if *self == DecodeSabotage::DropFences => None,
-            ev => Some(ev),
+        match (ev, self) {
+            (DecodeEvent::Prefill { msg: Message::Fenced { .. }, .. }, DecodeSabotage::DropFences) => None,
+            (
+                DecodeEvent::Gateway(Message::Reserve {
+                    req,
+                    prompt_tokens,
+                    max_tokens,
+                    prefill,
+                    sampling,
+                    stop,
+                    resume,
+                    prompt,
+                    trace,
+                    cache: Some(scope),
+                }),
+                DecodeSabotage::OneScope(first),
+            ) => {
+                let cache = Some(*first.get_or_insert(scope));
+                let reserve = Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, prompt, trace, cache };
+                Some(DecodeEvent::Gateway(reserve))
+            }
+            (ev, _) => Some(ev),
         }
     }
 
