@@ -176,6 +176,9 @@ struct Turn {
     turn: usize,
     result: Result<Outcome, (String, String)>,
     max_tokens: u32,
+    /// A later turn's prompt tokens past the previous turn's prompt and answer (what is
+    /// new in it, if the answer tokenizes back as it was generated), from `usage`.
+    new_tokens: Option<u64>,
 }
 
 /// TTFT of one turn number over all conversations.
@@ -260,6 +263,11 @@ pub struct MultiTurnReport {
     pub prompt_tokens: u64,
     /// Sum of `usage.prompt_tokens_details.cached_tokens` (absent counts as 0).
     pub cached_tokens: u64,
+    /// Sum of first turns' `usage.prompt_tokens`.
+    pub first_turn_prompt_tokens: u64,
+    /// Sum over later turns of their prompt tokens past the previous turn's prompt and
+    /// answer: what is new in them (exact when the answer tokenizes back as generated).
+    pub later_turn_new_tokens: u64,
     /// `cached_tokens / prompt_tokens`, when any prompt tokens were reported.
     pub cached_share: Option<f64>,
 }
@@ -287,6 +295,7 @@ pub async fn run(clients: &[Client], cfg: &MultiTurnConfig) -> Result<MultiTurnR
                 // The semaphore is never closed, so acquiring cannot fail.
                 let _permit = permits.acquire_owned().await.ok();
                 let mut turns = Vec::with_capacity(cfg.turns);
+                let mut before: Option<u64> = None;
                 loop {
                     let r = client.complete_body(Api::Chat, &conv.body(&cfg), HangUp::Never).await;
                     let result = match r {
@@ -295,7 +304,10 @@ pub async fn run(clients: &[Client], cfg: &MultiTurnConfig) -> Result<MultiTurnR
                         Err(e) => Err((e.kind().to_string(), e.to_string())),
                     };
                     let text = result.as_ref().ok().map(|o| o.text.clone());
-                    turns.push(Turn { turn: conv.turn, result, max_tokens: conv.max_tokens });
+                    let usage = result.as_ref().ok().and_then(|o| o.usage.map(|u| (u.prompt_tokens, o.output_tokens())));
+                    let new_tokens = before.zip(usage).map(|(b, (prompt, _))| prompt.saturating_sub(b));
+                    before = usage.map(|(prompt, output)| prompt + output);
+                    turns.push(Turn { turn: conv.turn, result, max_tokens: conv.max_tokens, new_tokens });
                     // A failed turn has no answer to build on: the conversation ends.
                     let Some(text) = text else { break };
                     if !conv.answer(&cfg, text) {
@@ -344,7 +356,9 @@ fn report(clients: &[Client], cfg: &MultiTurnConfig, turns: &[Turn], elapsed: Du
     let mut by_turn: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
     let (mut ok, mut tokens, mut short) = (0u64, 0u64, 0u64);
     let (mut with_usage, mut with_cached, mut prompt_tokens, mut cached_tokens) = (0u64, 0u64, 0u64, 0u64);
+    let (mut first_turn_prompt_tokens, mut later_turn_new_tokens) = (0u64, 0u64);
     for t in turns {
+        later_turn_new_tokens += t.new_tokens.unwrap_or(0);
         match &t.result {
             Err((kind, msg)) => {
                 *errors.entry(kind.clone()).or_insert(0) += 1;
@@ -360,6 +374,9 @@ fn report(clients: &[Client], cfg: &MultiTurnConfig, turns: &[Turn], elapsed: Du
                 if let Some(u) = o.usage {
                     with_usage += 1;
                     prompt_tokens += u.prompt_tokens;
+                    if t.turn == 1 {
+                        first_turn_prompt_tokens += u.prompt_tokens;
+                    }
                     with_cached += u64::from(u.cached_tokens.is_some());
                     cached_tokens += u.cached_tokens.unwrap_or(0);
                 }
@@ -413,6 +430,8 @@ fn report(clients: &[Client], cfg: &MultiTurnConfig, turns: &[Turn], elapsed: Du
         responses_with_cached_tokens: with_cached,
         prompt_tokens,
         cached_tokens,
+        first_turn_prompt_tokens,
+        later_turn_new_tokens,
         cached_share: (prompt_tokens > 0).then(|| cached_tokens as f64 / prompt_tokens as f64),
     }
 }
