@@ -18,7 +18,7 @@
 //! never the poison NaN.
 
 use bulkhead_kv::{KvChecks, KvError, KvLayout, KvPool, PoolConfig, RequestId, SequenceKv};
-use bulkhead_protocol::decode::DecodeStart;
+use bulkhead_protocol::decode::{DecodeStart, Retired};
 use bulkhead_protocol::driver::decode::{DecodeEngine, GenEvent, Growing, make_room};
 use bulkhead_protocol::driver::prefill::{Chunk, First, PrefillCompute};
 use bulkhead_protocol::{FinishReason, Sampling};
@@ -270,6 +270,21 @@ pub struct MockDecode {
     next_order: u64,
     faults: u64,
     retractions: u64,
+    /// Finished sequences go to the driver (the decode-side cache) instead of the pool.
+    keep_finished: bool,
+    retired: Vec<Retired>,
+}
+
+impl MockDecode {
+    /// A finished sequence: to the driver for the decode-side cache, or back to the pool.
+    fn finished(&mut self, g: Gen) -> Result<(), ModelFault> {
+        if self.keep_finished {
+            self.retired.push(Retired { seq: g.kv, generated: g.history });
+            return Ok(());
+        }
+        g.kv.release(&mut self.pool).map_err(|u| u.error)?;
+        Ok(())
+    }
 }
 
 impl DecodeEngine for MockDecode {
@@ -289,7 +304,7 @@ impl DecodeEngine for MockDecode {
         let mut g = Gen::new(kv, self.next_order, start.max_tokens, &start.resume);
         let mut events = Vec::new();
         if g.on_token(start.first_token, &mut events) {
-            g.kv.release(&mut self.pool).map_err(|u| u.error)?;
+            self.finished(g)?;
         } else {
             self.seqs.push(g);
         }
@@ -310,7 +325,7 @@ impl DecodeEngine for MockDecode {
         }
         for i in done.into_iter().rev() {
             let g = self.seqs.remove(i);
-            g.kv.release(&mut self.pool).map_err(|u| u.error)?;
+            self.finished(g)?;
         }
         Ok(events)
     }
@@ -328,11 +343,12 @@ impl DecodeEngine for MockDecode {
         self.seqs.len()
     }
 
-    // This loop gives every finished sequence back itself (no decode-side cache here).
-    fn keep_finished(&mut self) {}
+    fn keep_finished(&mut self) {
+        self.keep_finished = true;
+    }
 
-    fn take_retired(&mut self) -> Vec<bulkhead_protocol::decode::Retired> {
-        Vec::new()
+    fn take_retired(&mut self) -> Vec<Retired> {
+        std::mem::take(&mut self.retired)
     }
 }
 
@@ -399,7 +415,7 @@ impl Models for MockModels {
     }
 
     fn decode(&self, pool: KvPool, _max_context: usize) -> MockDecode {
-        MockDecode { pool, seqs: Vec::new(), next_order: 0, faults: 0, retractions: 0 }
+        MockDecode { pool, seqs: Vec::new(), next_order: 0, faults: 0, retractions: 0, keep_finished: false, retired: Vec::new() }
     }
 
     /// The mock picks no tokens: its output does not depend on `sampling`.

@@ -83,6 +83,10 @@ pub struct Tally {
     /// Finished requests whose usage counted cached tokens (each checked against the
     /// prompts of its own tenant).
     pub cached_finished: u64,
+    /// Prompt tokens decode workers held in their caches and did not receive.
+    pub decode_held_tokens: u64,
+    /// Pages decode workers' caches evicted.
+    pub decode_cache_evictions: u64,
 }
 
 impl std::ops::AddAssign for Tally {
@@ -107,6 +111,8 @@ impl std::ops::AddAssign for Tally {
         self.cache_hit_tokens += o.cache_hit_tokens;
         self.cache_evictions += o.cache_evictions;
         self.cached_finished += o.cached_finished;
+        self.decode_held_tokens += o.decode_held_tokens;
+        self.decode_cache_evictions += o.decode_cache_evictions;
     }
 }
 
@@ -685,6 +691,9 @@ impl<'m, M: Models> Sim<'m, M> {
             }
             Role::Decode => {
                 let role = DecodeRole::new(DecodeConfig { max_context: wp.context, transfer_timeout_ms: self.plan.transfer_timeout_ms });
+                // The decode side keeps ended requests' full pages wherever the prefill side
+                // caches: later requests of a scope then share them and receive only the rest.
+                let role = if self.plan.prefix_cache { role.with_cache(PrefixCache::new(wp.pool_pages), DIGEST) } else { role };
                 let model = self.models.decode(pool, wp.context);
                 let driver = DecodeDriver::with_policy(role, model, decode_policy(self.plan.options.sabotage));
                 let (kv, identified, reserved_via, handed_out) = (BTreeMap::new(), BTreeSet::new(), BTreeMap::new(), BTreeMap::new());
@@ -1259,6 +1268,10 @@ impl<'m, M: Models> Sim<'m, M> {
         for c in caches {
             self.tally.cache_hit_tokens += c.hit_tokens;
             self.tally.cache_evictions += c.evicted_pages;
+        }
+        for d in self.decodes.values() {
+            self.tally.decode_held_tokens += d.driver.role().stats().held_tokens;
+            self.tally.decode_cache_evictions += d.driver.role().cache_stats().map_or(0, |c| c.evicted_pages);
         }
         for why in bad {
             self.violate(why);

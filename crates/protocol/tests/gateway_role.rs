@@ -539,6 +539,48 @@ fn routing_follows_the_cache_a_prefill_reported_for_the_same_scope_and_load_wins
     assert_eq!(g.stats().routed_by_cache, 0);
 }
 
+/// The decode side's cache moves a request to the decode worker that holds its scope's
+/// prefix (and tells it the scope and prompt), never another tenant's request, and never
+/// moves a request ahead in its queue: a cached prefix decides where, not when.
+#[test]
+fn a_decode_workers_cache_picks_where_a_request_goes_never_when() {
+    use bulkhead_protocol::cache::CacheSecret;
+    let secret = CacheSecret::from_random([9; 32]);
+    let (a, b) = (secret.scope("a", None), secret.scope("b", None));
+    let setup = |report: bool| {
+        let mut g = gateway(&[(P1, Role::Prefill), (D2, Role::Decode), (D4, Role::Decode)]);
+        if report {
+            // D4 kept tenant a's page of this prompt from an earlier turn.
+            from(&mut g, D4, Message::CacheReport { stored: a.page_keys(DIGEST, &[5; 4], 4), evicted: vec![] });
+        }
+        g
+    };
+    // Tenant a's requests go to D4 whatever the round robin's turn; the Reserve carries the
+    // scope and the prompt, for the decode worker's own lookup.
+    let mut g = setup(true);
+    for req in 1..=3 {
+        let acts = submit_as(&mut g, req, 0, Some(a));
+        assert_eq!(routed(&acts).0, D4, "request {req}");
+        assert!(
+            matches!(&acts[..], [GatewayAction::ToWorker { msg: Message::Reserve { cache: Some(c), prompt, .. }, .. }] if *c == a && prompt.len() == 4)
+        );
+    }
+    assert_eq!(g.stats().decode_routed_by_cache, 3);
+    // What tenant a cached never moves tenant b's request.
+    let (mut with, mut without) = (setup(true), setup(false));
+    assert_eq!(routed(&submit_as(&mut with, 1, 1, Some(b))), routed(&submit_as(&mut without, 1, 1, Some(b))));
+    assert_eq!(with.stats().decode_routed_by_cache, 0);
+    // Queued behind requests that hold nothing cached, the one whose prefix is cached waits
+    // its turn: the decode worker that holds it is out of room, then has room again.
+    let mut g = gateway(&[(P1, Role::Prefill), (D4, Role::Decode)]);
+    from(&mut g, D4, Message::CacheReport { stored: a.page_keys(DIGEST, &[5; 4], 4), evicted: vec![] });
+    assert_eq!(reserved_reqs(&submit_as(&mut g, 1, 0, None)), [1]);
+    from(&mut g, D4, Message::Rejected { req: RequestId(1), reason: RejectReason::Capacity, detail: String::new() });
+    assert!(reserved_reqs(&submit_as(&mut g, 2, 0, None)).is_empty(), "no room");
+    assert!(reserved_reqs(&submit_as(&mut g, 3, 0, Some(a))).is_empty(), "no room");
+    assert_eq!(reserved_reqs(&from(&mut g, D4, Message::Room)), [1, 2, 3], "first come, first served within the tenant");
+}
+
 /// Queue-wait buckets with `n` requests that left the queue as soon as they came.
 fn left_queue_at_once(n: u64) -> [u64; QUEUE_WAIT_BUCKETS.len() + 1] {
     let mut w = [0; QUEUE_WAIT_BUCKETS.len() + 1];

@@ -233,3 +233,29 @@ fn a_job_whose_prefix_a_running_job_computes_waits_for_it_and_shares_its_pages()
     assert_eq!(w.model.computed, 27);
     w.pool.check_invariants();
 }
+
+/// Conversations of one system prompt: once the shared prefix is cached, their next turns
+/// differ only past it, so none waits for another (the first page each misses is its own);
+/// each computes only its own part. Under the old rule (same first page: wait) they ran one
+/// at a time.
+#[test]
+fn jobs_that_share_only_cached_pages_run_side_by_side() {
+    let mut w = worker_batching(64, Batching { chunk_tokens: 4, step_tokens: 32 });
+    let system: Vec<u32> = (0..8).collect();
+    w.submit(1, &[&system[..], &[100]].concat(), Some(scope("a")));
+    for _ in 0..10 {
+        w.driver.step(&mut w.model, &mut w.pool, &mut w.link);
+    }
+    // Two conversations' next turns: the system prompt's two pages are cached.
+    w.submit(2, &[&system[..], &[200, 201, 202, 203, 204]].concat(), Some(scope("a")));
+    w.submit(3, &[&system[..], &[300, 301, 302, 303, 304]].concat(), Some(scope("a")));
+    let steps = w.driver.step(&mut w.model, &mut w.pool, &mut w.link);
+    let running: Vec<RequestId> = steps
+        .iter()
+        .filter_map(|s| match s {
+            Step::Computed { req, .. } | Step::Ended { req, .. } => Some(*req),
+        })
+        .collect();
+    assert_eq!(running, [RequestId(2), RequestId(3)], "both turns run in the first step: {steps:?}");
+    w.pool.check_invariants();
+}

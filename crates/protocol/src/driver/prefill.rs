@@ -462,18 +462,18 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
             // Cached pages nobody reads can be evicted to make room.
             let room = stats.free_pages + stats.cached_pages;
             let fits = |j: &PrefillJob| alone || pool.layout().pages_for_tokens(j.tokens.len()) <= room;
-            // A job whose first full page a running job of its scope is computing waits for
-            // it to end and publish its pages (the siblings of `n > 1`, a conversation's
-            // next turn), rather than computing the same prefix beside it.
-            let cache = self.cache.is_some();
+            // A job whose first page missing from the cache a running job of its scope will
+            // publish waits for it to end and publish its pages (the siblings of `n > 1`),
+            // rather than computing the same prefix beside it. Jobs that share only cached
+            // pages (the conversations of one system prompt) run side by side.
+            let cache = self.cache.as_ref();
             let jobs = &self.jobs;
             let defer = |j: &PrefillJob| {
-                cache
-                    && j.cache.is_some()
-                    && j.tokens.len() > ps
-                    && jobs
-                        .iter()
-                        .any(|r| !r.rogue && r.job.cache == j.cache && r.job.tokens.len() > ps && r.job.tokens[..ps] == j.tokens[..ps])
+                let (Some(c), Some(scope)) = (cache, j.cache) else { return false };
+                let keys = scope.page_keys(c.model_digest, &j.tokens, ps);
+                let lookup = j.tokens.len().saturating_sub(1) / ps;
+                let Some(missing) = keys.iter().take(lookup).find(|k| !c.cache.contains(k)) else { return false };
+                jobs.iter().any(|r| !r.rogue && r.job.cache == j.cache && r.keys.contains(missing))
             };
             let (job, rogue) = match self.role.next_job_if(defer, |j| fits(j)) {
                 Some(job) => (job, false),
