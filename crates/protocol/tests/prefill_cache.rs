@@ -252,8 +252,8 @@ fn jobs_that_share_only_cached_pages_run_side_by_side() {
     let steps = w.driver.step(&mut w.model, &mut w.pool, &mut w.link);
     let running: Vec<RequestId> = steps
         .iter()
-        .filter_map(|s| match s {
-            Step::Computed { req, .. } | Step::Ended { req, .. } => Some(*req),
+        .map(|s| match s {
+            Step::Computed { req, .. } | Step::Ended { req, .. } => *req,
         })
         .collect();
     assert_eq!(running, [RequestId(2), RequestId(3)], "both turns run in the first step: {steps:?}");
