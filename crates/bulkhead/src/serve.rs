@@ -178,6 +178,11 @@ pub struct ServeArgs {
     /// How long a request may wait at the gateway for KV capacity or workers before it gets 429 (ms).
     #[arg(long, env = "BULKHEAD_QUEUE_TIMEOUT_MS", default_value_t = 120_000)]
     queue_timeout_ms: u64,
+    /// How many times one request may move to another decode worker when the one it was on
+    /// is lost, resuming from the tokens the client already has; past that its stream ends
+    /// with an error event (0: never move).
+    #[arg(long, env = "BULKHEAD_MIGRATION_LIMIT", default_value_t = 3)]
+    migration_limit: u32,
     /// Client connections served at once; more wait in the listen backlog until one closes.
     #[arg(long, env = "BULKHEAD_MAX_CONNECTIONS", default_value_t = 4096)]
     max_connections: usize,
@@ -447,6 +452,7 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
         request_timeout_ms: a.request_timeout_ms,
         max_queued: a.max_queued_requests,
         queue_timeout_ms: a.queue_timeout_ms,
+        migration_limit: a.migration_limit,
         http: HttpLimits { max_connections: a.max_connections, header_timeout: Duration::from_millis(a.http_header_timeout_ms.max(1)) },
         body_timeout: Duration::from_millis(a.http_body_timeout_ms.max(1)),
         trust,

@@ -380,33 +380,45 @@ fn worker_pid(s: &Server, role: &str) -> u32 {
         .expect("worker logs its pid")
 }
 
-/// A decode worker killed mid-stream: the client's stream ends with an error chunk and
-/// `[DONE]` (no hang, no finish claiming success); `serve` reaps the dead worker and starts
-/// another, which registers, and the server serves again.
-#[test]
-fn a_decode_worker_killed_mid_stream_ends_the_request_with_an_error_and_is_replaced() {
-    let s = serve(&[], &[]);
-    let body = serde_json::json!({"model": MODEL_ID, "stream": true, "max_tokens": 2000,
+/// Starts a greedy stream of exactly `max_tokens` tokens and returns its connection once
+/// the first content has arrived (what was read so far comes back too).
+fn start_stream(s: &Server, max_tokens: usize) -> (TcpStream, String) {
+    let body = serde_json::json!({"model": MODEL_ID, "stream": true, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true,
+        "stream_options": {"include_usage": true},
         "messages": [{"role": "user", "content": "Tell me a very long story."}]})
     .to_string();
     let mut c = TcpStream::connect(&s.http).unwrap();
-    c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
     write!(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+    let mut seen = String::new();
     let mut buf = [0u8; 4096];
-    let n = c.read(&mut buf).unwrap();
-    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
-    let pid = worker_pid(&s, "decode");
-    assert!(Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap().success());
-    let mut rest = String::new();
-    c.read_to_string(&mut rest).expect("the stream ends instead of hanging");
-    let tail = &rest[rest.len().saturating_sub(600)..];
-    let (error, done) = (rest.find("\"error\"").unwrap_or(usize::MAX), rest.find("data: [DONE]").unwrap_or(0));
-    assert!(error < done && rest.contains("was lost"), "the stream ends with an error chunk, then [DONE]: {tail}");
-    assert!(
-        !rest.contains("\"finish_reason\":\"stop\"") && !rest.contains("\"finish_reason\":\"length\""),
-        "no finish claims success: {tail}"
-    );
-    // Replaced: a second decode registration, the old process reaped (not a zombie).
+    while seen.matches("\"content\":\"").count() < 4 {
+        let n = c.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream ended early: {seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    assert!(seen.starts_with("HTTP/1.1 200"), "{seen}");
+    (c, seen)
+}
+
+/// The text of an SSE stream's content deltas, and its last chunk with a finish reason.
+fn streamed_text(sse: &str) -> (String, serde_json::Value) {
+    let mut text = String::new();
+    let mut last = serde_json::Value::Null;
+    for v in sse.lines().filter_map(|l| l.strip_prefix("data: ")).filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok()) {
+        if let Some(t) = v["choices"][0]["delta"]["content"].as_str() {
+            text.push_str(t);
+        }
+        if !v["choices"][0]["finish_reason"].is_null() || v["usage"].is_object() {
+            last = v;
+        }
+    }
+    (text, last)
+}
+
+/// Waits for the killed decode worker's replacement: a second registration, the old
+/// process reaped (not a zombie), the server ready.
+fn replaced(s: &Server, pid: u32) {
     let registered = || std::fs::read_to_string(&s.stderr_log).unwrap().matches("decode worker registered").count();
     for _ in 0..300 {
         if registered() == 2 && get(&s.http, "/ready").0 == 200 {
@@ -418,6 +430,57 @@ fn a_decode_worker_killed_mid_stream_ends_the_request_with_an_error_and_is_repla
     let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     assert!(state.is_empty(), "the killed worker was not reaped: {state}");
     assert_eq!(get(&s.http, "/health").0, 200);
+}
+
+/// I11: a decode worker killed mid-stream costs the client nothing. `serve` replaces the
+/// worker; the request waits for it, moves there as a new attempt whose prompt ends with
+/// the tokens already streamed, and the stream goes on: no error event, no repeated or
+/// missing token, the same text as an uninterrupted greedy run, usage counted once.
+#[test]
+fn a_decode_worker_killed_mid_stream_costs_the_stream_nothing() {
+    let s = serve(&[], &[]);
+    let (mut c, mut seen) = start_stream(&s, 96);
+    let mut rest = String::new();
+    c.read_to_string(&mut rest).expect("the uninterrupted stream ends");
+    seen.push_str(&rest);
+    let (want, _) = streamed_text(&seen);
+    let (mut c, mut seen) = start_stream(&s, 96);
+    let pid = worker_pid(&s, "decode");
+    assert!(Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap().success());
+    let mut rest = String::new();
+    c.read_to_string(&mut rest).expect("the stream ends instead of hanging");
+    seen.push_str(&rest);
+    let tail = &seen[seen.len().saturating_sub(600)..];
+    assert!(!seen.contains("\"error\""), "no error event: {tail}");
+    let (text, last) = streamed_text(&seen);
+    assert_eq!(text, want, "the same text as the uninterrupted run");
+    assert!(seen.contains("\"finish_reason\":\"length\""), "{tail}");
+    assert_eq!(last["usage"]["completion_tokens"], 96, "completion tokens counted once: {last}");
+    assert!(seen.contains("data: [DONE]"), "{tail}");
+    replaced(&s, pid);
+    let metrics = get(&s.http, "/metrics").1;
+    assert!(metrics.contains("bulkhead:requeue_events_total{event=\"migrated\"} 1"), "the move is counted");
+}
+
+/// With `--migration-limit 0` a lost decode worker ends its streams as before: an error
+/// chunk and `[DONE]` (no hang, no finish claiming success), and the worker is replaced.
+#[test]
+fn past_the_migration_limit_a_killed_decode_worker_ends_the_stream_with_an_error() {
+    let s = serve(&["--migration-limit", "0"], &[]);
+    let (mut c, mut seen) = start_stream(&s, 2000);
+    let pid = worker_pid(&s, "decode");
+    assert!(Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap().success());
+    let mut rest = String::new();
+    c.read_to_string(&mut rest).expect("the stream ends instead of hanging");
+    seen.push_str(&rest);
+    let tail = &seen[seen.len().saturating_sub(600)..];
+    let (error, done) = (seen.find("\"error\"").unwrap_or(usize::MAX), seen.find("data: [DONE]").unwrap_or(0));
+    assert!(error < done && seen.contains("was lost"), "the stream ends with an error chunk, then [DONE]: {tail}");
+    assert!(
+        !seen.contains("\"finish_reason\":\"stop\"") && !seen.contains("\"finish_reason\":\"length\""),
+        "no finish claims success: {tail}"
+    );
+    replaced(&s, pid);
     let (status, v) = chat(&s.http, SYSTEM, "Hi", 4);
     assert_eq!(status, 200, "{v}");
 }

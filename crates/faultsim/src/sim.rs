@@ -85,6 +85,8 @@ pub struct Tally {
     pub cached_finished: u64,
     /// Prompt tokens decode workers held in their caches and did not receive.
     pub decode_held_tokens: u64,
+    /// Requests moved off a lost decode worker (each then checked like any other).
+    pub migrated: u64,
     /// Pages decode workers' caches evicted.
     pub decode_cache_evictions: u64,
 }
@@ -112,6 +114,7 @@ impl std::ops::AddAssign for Tally {
         self.cache_evictions += o.cache_evictions;
         self.cached_finished += o.cached_finished;
         self.decode_held_tokens += o.decode_held_tokens;
+        self.migrated += o.migrated;
         self.decode_cache_evictions += o.decode_cache_evictions;
     }
 }
@@ -448,6 +451,7 @@ impl<'m, M: Models> Sim<'m, M> {
             request_timeout_ms: plan.request_timeout_ms,
             max_queued: plan.requests.len(),
             queue_timeout_ms: plan.request_timeout_ms,
+            migration_limit: 3,
         });
         let mut timeline = BTreeMap::new();
         for (i, (at, p)) in plan.events.iter().enumerate() {
@@ -1263,6 +1267,7 @@ impl<'m, M: Models> Sim<'m, M> {
         self.tally.retractions += self.decodes.values().map(|d| d.driver.engine().retractions()).sum::<u64>()
             + self.dead.iter().map(|r| r.retractions).sum::<u64>();
         self.tally.retried += self.gw.role.stats().retried;
+        self.tally.migrated += self.gw.role.stats().migrated;
         let caches =
             self.prefills.values().filter_map(|p| p.driver.cache()).map(PrefixCache::stats).chain(self.dead.iter().map(|r| r.cache));
         for c in caches {

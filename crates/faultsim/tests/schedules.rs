@@ -46,6 +46,7 @@ fn seeded_fault_schedules_keep_every_invariant() {
         n < 1_000 || (t.cache_hit_tokens > 0 && t.cache_evictions > 0 && t.cached_finished > 0),
         "the prefix cache never hit or evicted: {t:?}"
     );
+    assert!(n < 1_000 || t.migrated > 0, "no request moved off a lost decode worker: {t:?}");
     assert!(
         n < 1_000 || (t.decode_held_tokens > 0 && t.decode_cache_evictions > 0),
         "the decode side's cache never held or evicted: {t:?}"

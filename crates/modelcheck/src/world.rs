@@ -385,6 +385,7 @@ impl<'c> World<'c> {
             request_timeout_ms: TICK_MS,
             max_queued: cfg.requests.len(),
             queue_timeout_ms: TICK_MS,
+            migration_limit: 3,
         });
         let dpool = pool(cfg.decode_pool_pages);
         // Registration is atomic here: its welcomes and introductions are not modelled.

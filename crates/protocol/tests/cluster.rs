@@ -162,6 +162,7 @@ impl<PP: PrefillPolicy, DP: DecodePolicy> Cluster<PP, DP> {
             request_timeout_ms: 10_000,
             max_queued: 16,
             queue_timeout_ms: 10_000,
+            migration_limit: 3,
         });
         let (ppool, dpool) = (pool(prefill_pool_tokens), pool(decode_pool_tokens));
         // Registration's introductions are the transports' business here: the KV

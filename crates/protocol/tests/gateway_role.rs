@@ -35,6 +35,7 @@ fn gateway(workers: &[(WorkerId, Role)]) -> GatewayRole {
         request_timeout_ms: TIMEOUT_MS,
         max_queued: 4,
         queue_timeout_ms: TIMEOUT_MS / 2,
+        migration_limit: 3,
     });
     for &(id, role) in workers {
         join(&mut g, id, role);
@@ -167,7 +168,7 @@ fn a_failure_reported_by_one_worker_aborts_the_request_on_the_other() {
 }
 
 #[test]
-fn a_departed_prefill_worker_costs_its_unsent_requests_nothing_and_a_departed_decode_fails_its_own() {
+fn a_departed_prefill_worker_costs_its_unsent_requests_nothing_and_a_departed_decode_moves_its_own() {
     let mut g = gateway(&[(P1, Role::Prefill), (D2, Role::Decode), (P3, Role::Prefill), (D4, Role::Decode)]);
     // Round robin: the first request goes to the second worker of each role.
     assert_eq!(routed(&submit(&mut g, 1, 4, 4)), (D4, P3));
@@ -185,16 +186,19 @@ fn a_departed_prefill_worker_costs_its_unsent_requests_nothing_and_a_departed_de
     assert_eq!((attempt, prefill), (attempt_id(RequestId(2), 1), P3));
     assert_eq!(client_of(attempt), RequestId(2));
     assert_eq!(g.in_flight(), 2);
-    // The decode worker D4 leaves: what it held fails, nothing else.
+    // The decode worker D4 leaves: what it held moves to D2 as a new attempt (I11), the
+    // client hears nothing, and prefill workers stop reconnecting to it.
     let acts = g.handle(GatewayEvent::WorkerLeft { id: D4 });
-    let lost = if decode == D4 { 2 } else { 1 };
-    assert_eq!(to_client(&acts).len(), lost, "{acts:?}");
-    assert!(to_client(&acts).iter().all(|o| matches!(o, ClientOutput::Failed { reason: FailReason::WorkerLost, .. })), "{acts:?}");
+    let moved = if decode == D4 { 2 } else { 1 };
+    assert!(to_client(&acts).is_empty(), "{acts:?}");
+    let reserves = acts.iter().filter(|a| matches!(a, GatewayAction::ToWorker { to: D2, msg: Message::Reserve { .. } })).count();
+    assert_eq!(reserves, moved, "{acts:?}");
     assert!(
         acts.iter().any(|a| matches!(a, GatewayAction::ToWorker { to: P3, msg: Message::PeerLeft { worker: D4 } })),
         "prefill workers stop reconnecting to it"
     );
-    assert_eq!(g.in_flight(), 2 - lost);
+    assert_eq!(g.in_flight(), 2);
+    assert_eq!(g.stats().migrated, moved as u64);
     for req in 3..5 {
         assert_eq!(routed(&submit(&mut g, req, 4, 4)), (D2, P3));
     }
@@ -586,4 +590,40 @@ fn left_queue_at_once(n: u64) -> [u64; QUEUE_WAIT_BUCKETS.len() + 1] {
     let mut w = [0; QUEUE_WAIT_BUCKETS.len() + 1];
     w[0] = n;
     w
+}
+
+/// I11: a lost decode worker costs no answer. Its streaming request moves to another
+/// decode worker and resumes from the tokens the client has (they end the new attempt's
+/// prompt, the sampler's draws for them skipped), without an error for the client; after
+/// `migration_limit` moves the next loss fails it as before.
+#[test]
+fn a_stream_moves_off_a_lost_decode_worker_and_resumes_from_what_the_client_has() {
+    let mut g = gateway(&[(P1, Role::Prefill), (D2, Role::Decode), (D4, Role::Decode)]);
+    let (mut decode, _) = routed(&submit(&mut g, 1, 2, 6));
+    from(&mut g, decode, reserved(1));
+    for t in [11, 12] {
+        from(&mut g, decode, Message::Token { req: RequestId(1), token: t, text: "x".into(), logprobs: None });
+    }
+    for attempt in 1..=3u32 {
+        let acts = g.handle(GatewayEvent::WorkerLeft { id: decode });
+        assert!(to_client(&acts).is_empty(), "move {attempt}: the client hears nothing: {acts:?}");
+        let reserve = acts.iter().find_map(|a| match a {
+            GatewayAction::ToWorker { to, msg: Message::Reserve { req, prompt_tokens, max_tokens, resume, .. } } => {
+                Some((*to, *req, *prompt_tokens, *max_tokens, resume.clone()))
+            }
+            _ => None,
+        });
+        let (to, req, prompt_tokens, max_tokens, resume) = reserve.unwrap_or_else(|| panic!("move {attempt}: no new Reserve: {acts:?}"));
+        assert_eq!((req, prompt_tokens, max_tokens, resume), (attempt_id(RequestId(1), attempt), 4, 4, vec![11, 12]));
+        assert_ne!(to, decode);
+        // A replacement registers, so a decode worker is always there to move to.
+        join(&mut g, WorkerId(10 + attempt), Role::Decode);
+        decode = to;
+    }
+    assert_eq!(g.stats().migrated, 3);
+    let acts = g.handle(GatewayEvent::WorkerLeft { id: decode });
+    assert!(
+        matches!(to_client(&acts).as_slice(), [ClientOutput::Failed { reason: FailReason::WorkerLost, .. }]),
+        "past the limit the loss fails it: {acts:?}"
+    );
 }

@@ -55,6 +55,8 @@ pub struct GatewayOptions {
     pub max_queued: usize,
     /// How long a request may wait for capacity before it gets 429.
     pub queue_timeout_ms: u64,
+    /// How many times one request may move off a lost decode worker.
+    pub migration_limit: u32,
     /// Client connection limits.
     pub http: HttpLimits,
     /// How long a request body may take to arrive (then 408).
@@ -324,6 +326,7 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
         request_timeout_ms: opts.request_timeout_ms,
         max_queued: opts.max_queued,
         queue_timeout_ms: opts.queue_timeout_ms,
+        migration_limit: opts.migration_limit,
     });
     let actor = Actor {
         role,
@@ -548,6 +551,7 @@ impl Actor {
             ("requeued_capacity", g.requeued_capacity),
             ("retracted", g.retracted),
             ("retried", g.retried),
+            ("migrated", g.migrated),
         ];
         for (event, n) in queue {
             f.counter("bulkhead:requeue_events_total", "Requests turned away from the queue, or sent back to it.", &[("event", event)], n);
