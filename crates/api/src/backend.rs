@@ -73,6 +73,8 @@ pub struct GenerationRequest {
     pub tenant: Tenant,
     /// `cache_salt`: splits the tenant's prefix cache further (at most 256 bytes).
     pub cache_salt: Option<String>,
+    /// Its place in its tenant's queue: lower first (vLLM's `priority`).
+    pub priority: i64,
 }
 
 /// What a backend streams for one request. The stream ends after `Finished` or `Failed`.

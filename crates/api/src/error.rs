@@ -50,6 +50,8 @@ pub struct ApiError {
     pub param: Option<String>,
     /// What went wrong, for people.
     pub message: String,
+    /// `Retry-After` of a 429 or 503, in seconds (1 unless set).
+    pub retry_after_s: u32,
 }
 
 impl ApiError {
@@ -60,7 +62,13 @@ impl ApiError {
 
     /// An error with the given parts and no `code` or `param`.
     pub fn new(status: StatusCode, kind: ErrorKind, message: impl Into<String>) -> Self {
-        ApiError { status, kind, code: None, param: None, message: message.into() }
+        ApiError { status, kind, code: None, param: None, message: message.into(), retry_after_s: 1 }
+    }
+
+    /// The same error with `Retry-After` set to `seconds` (at least 1).
+    pub fn with_retry_after(mut self, seconds: u32) -> Self {
+        self.retry_after_s = seconds.max(1);
+        self
     }
 
     /// The same error with `code` set.
@@ -155,7 +163,8 @@ impl ApiError {
     }
 
     /// 429 `rate_limit_error`: the server has too much waiting to take this request now;
-    /// `code` says why (`queue_full`, `queue_timeout`). Answered with `Retry-After`.
+    /// `code` says why (`queue_full`, `queue_timeout`, `concurrency_limit_exceeded`,
+    /// `tokens_per_minute_exceeded`). Answered with `Retry-After`.
     pub fn too_many_requests(code: &'static str, message: impl Into<String>) -> Self {
         ApiError::new(StatusCode::TOO_MANY_REQUESTS, ErrorKind::RateLimited, message).with_code(code)
     }
@@ -217,7 +226,7 @@ impl IntoResponse for ApiError {
         }
         let mut resp = (self.status, axum::Json(self.body())).into_response();
         if matches!(self.status, StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS) {
-            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(self.retry_after_s));
         }
         resp
     }

@@ -68,7 +68,6 @@ const UNSUPPORTED: &[(&str, &str, Option<bool>)] = &[
     ("logits_processors", "logits processors are not supported", None),
     ("guided_whitespace_pattern", "guided_whitespace_pattern is not supported", None),
     ("spaces_between_special_tokens", "special tokens are detokenised as they are", Some(true)),
-    ("priority", "request priorities are not supported (the queue is fair across tenants)", None),
 ];
 
 /// A completion request (chat or text), checked and reduced to what generation needs.
@@ -102,6 +101,8 @@ pub struct CompletionParams {
     pub grammar_param: Option<&'static str>,
     /// `user`: the client's end-user id, for the logs.
     pub user: Option<String>,
+    /// vLLM's `priority`: lower first, within the tenant's own queue.
+    pub priority: i64,
 }
 
 impl CompletionParams {
@@ -273,6 +274,7 @@ fn common(own: Own, mut o: CompletionOptions, prompts: Vec<Prompt>) -> Result<Co
         tools: None,
         grammar_param,
         user: o.user.map(|u| u.chars().take(256).collect()),
+        priority: o.priority.unwrap_or(0),
     })
 }
 

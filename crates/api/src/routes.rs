@@ -358,6 +358,7 @@ async fn complete(
                     stop: p.stop.clone(),
                     tenant: tenant.clone(),
                     cache_salt: p.cache_salt.clone(),
+                    priority: p.priority,
                 },
             ));
         }

@@ -10,7 +10,14 @@
 //! [[tenant]]
 //! name = "globex"
 //! api_keys = ["sk-globex-1"]          # plain keys work too; digests are recommended
+//! weight = 2                          # its share of the queue: 2 requests per turn (default 1)
+//! max_concurrent_requests = 8         # in flight at once, queued or running (default: no limit)
+//! tokens_per_minute = 200000          # prompt + max_tokens charged at admission, unused refunded
 //! ```
+//!
+//! Over a limit a request gets 429 with `Retry-After` and an OpenAI error body naming the
+//! limit (`concurrency_limit_exceeded`, `tokens_per_minute_exceeded`). Limits hold per
+//! gateway.
 //!
 //! `Authorization: Bearer <key>` picks the tenant. Keys are compared as SHA-256 digests,
 //! against every configured digest, in constant time: how long the check takes says
@@ -18,9 +25,11 @@
 //! `--tenants` nor `--api-key`) every request belongs to one tenant named `default` and
 //! nothing is checked.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::http::{HeaderMap, header};
+use bulkhead_protocol::gateway::{TenantId, TenantPolicy};
 use serde::Deserialize;
 
 use crate::error::ApiError;
@@ -52,6 +61,14 @@ pub enum TenantsError {
     /// It is not valid TOML of the expected shape.
     #[error("the tenants file is not valid: {0}")]
     Parse(String),
+    /// What is wrong in which file.
+    #[error("the tenants file {path}: {source}")]
+    InFile {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        source: Box<TenantsError>,
+    },
     /// A tenant is not usable.
     #[error("tenant {name:?}: {why}")]
     Tenant {
@@ -77,6 +94,9 @@ struct Entry {
     api_keys: Vec<String>,
     #[serde(default)]
     api_key_sha256: Vec<String>,
+    weight: Option<i64>,
+    max_concurrent_requests: Option<i64>,
+    tokens_per_minute: Option<i64>,
 }
 
 /// The configured tenants and their key digests.
@@ -86,6 +106,8 @@ pub struct Tenants {
     /// nothing is checked.
     keys: Vec<(u32, [u8; 32])>,
     names: Vec<Arc<str>>,
+    /// Each tenant's share and limits, by index.
+    policies: Vec<TenantPolicy>,
 }
 
 fn sha256(bytes: &[u8]) -> [u8; 32] {
@@ -110,7 +132,7 @@ fn hex32(s: &str) -> Option<[u8; 32]> {
 impl Tenants {
     /// No authentication: one tenant, `default`.
     pub fn open() -> Self {
-        Tenants { keys: Vec::new(), names: vec![Arc::from("default")] }
+        Tenants { keys: Vec::new(), names: vec![Arc::from("default")], policies: vec![TenantPolicy::default()] }
     }
 
     /// One tenant, `default`, whose key is `key` (vLLM's `--api-key`).
@@ -118,7 +140,7 @@ impl Tenants {
         if key.is_empty() {
             return Err(TenantsError::Tenant { name: "default".into(), why: "the API key is empty".into() });
         }
-        Ok(Tenants { keys: vec![(0, sha256(key.as_bytes()))], names: vec![Arc::from("default")] })
+        Ok(Tenants { keys: vec![(0, sha256(key.as_bytes()))], names: vec![Arc::from("default")], policies: vec![TenantPolicy::default()] })
     }
 
     /// Tenants from the text of a tenants file (see the module docs).
@@ -127,7 +149,7 @@ impl Tenants {
         if file.tenant.is_empty() {
             return Err(TenantsError::Parse("no [[tenant]] table".into()));
         }
-        let mut t = Tenants { keys: Vec::new(), names: Vec::new() };
+        let mut t = Tenants { keys: Vec::new(), names: Vec::new(), policies: Vec::new() };
         for (i, e) in file.tenant.into_iter().enumerate() {
             let bad = |why: &str| TenantsError::Tenant { name: e.name.clone(), why: why.into() };
             let name_ok = !e.name.is_empty()
@@ -152,7 +174,22 @@ impl Tenants {
             for h in &e.api_key_sha256 {
                 t.keys.push((id, hex32(h).ok_or_else(|| bad("api_key_sha256 holds 64 hex digits (a SHA-256 digest)"))?));
             }
+            // At least 1, and within u32 (weights, concurrency) or u64 (tokens).
+            let positive = |field: &str, v: Option<i64>| match v {
+                None => Ok(None),
+                Some(x) if x >= 1 => Ok(Some(x)),
+                Some(x) => Err(bad(&format!("{field} = {x}: it must be at least 1"))),
+            };
+            let small = |field: &str, v: Option<i64>| {
+                positive(field, v)?.map(|x| u32::try_from(x).map_err(|_| bad(&format!("{field} = {x}: at most {}", u32::MAX)))).transpose()
+            };
+            let policy = TenantPolicy {
+                weight: small("weight", e.weight)?.unwrap_or(1),
+                max_concurrent_requests: small("max_concurrent_requests", e.max_concurrent_requests)?,
+                tokens_per_minute: positive("tokens_per_minute", e.tokens_per_minute)?.map(|x| x.unsigned_abs()),
+            };
             t.names.push(Arc::from(e.name.as_str()));
+            t.policies.push(policy);
         }
         let mut digests: Vec<[u8; 32]> = t.keys.iter().map(|k| k.1).collect();
         digests.sort_unstable();
@@ -162,10 +199,15 @@ impl Tenants {
         Ok(t)
     }
 
-    /// Tenants from the file at `path`.
+    /// Tenants from the file at `path`; an error names the file.
     pub fn load(path: &std::path::Path) -> Result<Self, TenantsError> {
         let text = std::fs::read_to_string(path).map_err(|source| TenantsError::Read { path: path.display().to_string(), source })?;
-        Self::from_toml(&text)
+        Self::from_toml(&text).map_err(|e| TenantsError::InFile { path: path.display().to_string(), source: Box::new(e) })
+    }
+
+    /// Each tenant's share of the queue and limits, for the gateway.
+    pub fn policies(&self) -> BTreeMap<TenantId, TenantPolicy> {
+        self.policies.iter().enumerate().filter_map(|(i, p)| Some((TenantId(u32::try_from(i).ok()?), *p))).collect()
     }
 
     /// Whether requests must carry a key.
@@ -229,6 +271,30 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert(header::AUTHORIZATION, format!("Bearer {k}").parse().unwrap());
         h
+    }
+
+    #[test]
+    fn weights_and_limits_are_read_and_bad_ones_refused_naming_the_tenant_and_field() {
+        let t = Tenants::from_toml(
+            "[[tenant]]\nname = \"a\"\napi_keys = [\"ka\"]\nweight = 3\nmax_concurrent_requests = 8\ntokens_per_minute = 100000\n\
+             [[tenant]]\nname = \"b\"\napi_keys = [\"kb\"]\n",
+        )
+        .unwrap();
+        let p = t.policies();
+        assert_eq!(p[&TenantId(0)], TenantPolicy { weight: 3, max_concurrent_requests: Some(8), tokens_per_minute: Some(100_000) });
+        assert_eq!(p[&TenantId(1)], TenantPolicy::default());
+        for (field, value) in [("weight", "0"), ("weight", "-2"), ("max_concurrent_requests", "-1"), ("tokens_per_minute", "0")] {
+            let e = Tenants::from_toml(&format!("[[tenant]]\nname = \"a\"\napi_keys = [\"ka\"]\n{field} = {value}\n")).unwrap_err();
+            let text = e.to_string();
+            assert!(text.contains("\"a\"") && text.contains(field) && text.contains("at least 1"), "{text}");
+        }
+        let e = Tenants::from_toml("[[tenant]]\nname = \"a\"\napi_keys = [\"ka\"]\nwieght = 2\n").unwrap_err();
+        assert!(e.to_string().contains("wieght"), "{e}");
+        let path = std::env::temp_dir().join(format!("bulkhead-tenants-test-{}.toml", std::process::id()));
+        std::fs::write(&path, "[[tenant]]\nname = \"a\"\napi_keys = [\"ka\"]\nweight = 0\n").unwrap();
+        let e = Tenants::load(&path).unwrap_err().to_string();
+        let _ = std::fs::remove_file(&path);
+        assert!(e.contains(&path.display().to_string()) && e.contains("weight"), "the file is named: {e}");
     }
 
     #[test]

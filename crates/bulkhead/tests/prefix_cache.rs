@@ -239,3 +239,58 @@ fn without_the_prefix_cache_nothing_is_reused_and_one_api_key_guards_the_api() {
     }
     assert!(std::fs::read_to_string(&s.log).unwrap().contains("prefix cache off"));
 }
+
+/// A tenant's `max_concurrent_requests` and `tokens_per_minute` from the tenants file:
+/// over them a request gets 429 with `Retry-After` and an error body naming the limit;
+/// another tenant is served meanwhile; `priority` is accepted (an integer) or refused
+/// naming it.
+#[test]
+fn a_tenant_over_its_limits_gets_429_naming_the_limit_and_another_tenant_is_served() {
+    let path = std::env::temp_dir().join(format!("bulkhead-limits-{}-{}.toml", std::process::id(), rand_u64()));
+    let text = format!(
+        "[[tenant]]\nname = \"alpha\"\napi_keys = [\"{KEY_A}\"]\nmax_concurrent_requests = 1\ntokens_per_minute = 600\n\n\
+         [[tenant]]\nname = \"beta\"\napi_keys = [\"{KEY_B}\"]\nweight = 2\n"
+    );
+    std::fs::write(&path, text).expect("tenants file");
+    let s = serve(&["--tenants", path.to_str().unwrap()]);
+    let auth_a = format!("Bearer {KEY_A}");
+    // A long answer keeps alpha's one slot busy.
+    let long = json!({"model": MODEL_ID, "max_tokens": 200, "ignore_eos": true, "temperature": 0,
+        "messages": [{"role": "user", "content": "Tell me a long story."}]});
+    let http = s.http.clone();
+    let (a, b) = (auth_a.clone(), long.to_string());
+    let slow = std::thread::spawn(move || support::request(&http, "POST", "/v1/chat/completions", &[("Authorization", &a)], &b));
+    std::thread::sleep(Duration::from_millis(300));
+    let short = |key: &str, extra: Value| {
+        let mut body = json!({"model": MODEL_ID, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]});
+        if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+            b.extend(e.clone());
+        }
+        let auth = format!("Bearer {key}");
+        support::request(&s.http, "POST", "/v1/chat/completions", &[("Authorization", &auth)], &body.to_string())
+    };
+    let r = short(KEY_A, json!({}));
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert!(r.body.contains("concurrency_limit_exceeded") && r.body.contains("max_concurrent_requests is 1"), "{}", r.body);
+    assert_eq!(r.headers.get("retry-after").map(String::as_str), Some("1"));
+    let r = short(KEY_B, json!({ "priority": -5 }));
+    assert_eq!(r.status, 200, "another tenant is served meanwhile: {}", r.body);
+    let r = short(KEY_B, json!({ "priority": "high" }));
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("\"param\":\"priority\""), "{}", r.body);
+    assert_eq!(slow.join().expect("the long request").status, 200);
+    // The long request was charged its prompt and 200 tokens, and used them: what is left
+    // of 600 a minute does not cover another long one.
+    let auth_a = format!("Bearer {KEY_A}");
+    let r = support::request(&s.http, "POST", "/v1/chat/completions", &[("Authorization", &auth_a)], &long.to_string());
+    let r = if r.status == 200 {
+        support::request(&s.http, "POST", "/v1/chat/completions", &[("Authorization", &auth_a)], &long.to_string())
+    } else {
+        r
+    };
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert!(r.body.contains("tokens_per_minute_exceeded"), "{}", r.body);
+    let wait: u32 = r.headers.get("retry-after").and_then(|v| v.parse().ok()).expect("Retry-After");
+    assert!(wait >= 1, "{wait}");
+    let _ = std::fs::remove_file(path);
+}

@@ -452,6 +452,7 @@ impl<'m, M: Models> Sim<'m, M> {
             max_queued: plan.requests.len(),
             queue_timeout_ms: plan.request_timeout_ms,
             migration_limit: 3,
+            tenants: Default::default(),
         });
         let mut timeline = BTreeMap::new();
         for (i, (at, p)) in plan.events.iter().enumerate() {
@@ -653,6 +654,7 @@ impl<'m, M: Models> Sim<'m, M> {
                     trace: TraceContext::default(),
                     tenant: TenantId(r.tenant),
                     cache: self.plan.prefix_cache.then(|| CacheSecret::from_random([5; 32]).scope(&format!("tenant-{}", r.tenant), None)),
+                    priority: 0,
                 };
                 let acts = self.gw.role.handle(ev);
                 self.gateway_actions(acts);

@@ -386,6 +386,7 @@ impl<'c> World<'c> {
             max_queued: cfg.requests.len(),
             queue_timeout_ms: TICK_MS,
             migration_limit: 3,
+            tenants: Default::default(),
         });
         let dpool = pool(cfg.decode_pool_pages);
         // Registration is atomic here: its welcomes and introductions are not modelled.
@@ -738,6 +739,7 @@ impl<'c> World<'c> {
             trace: TraceContext::default(),
             tenant: TenantId(r.tenant.map_or(0, u32::from)),
             cache: r.tenant.map(|t| secret.scope(&format!("tenant-{t}"), None)),
+            priority: 0,
         });
         self.gateway_actions(acts);
     }

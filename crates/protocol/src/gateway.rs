@@ -75,7 +75,39 @@ pub struct GatewayConfig {
     /// How many times one request may move to another decode worker because the one it
     /// was on was lost (I11); past that, it fails as before.
     pub migration_limit: u32,
+    /// Each tenant's share and limits; a tenant not named here has weight 1 and none.
+    pub tenants: BTreeMap<TenantId, TenantPolicy>,
 }
+
+/// A tenant's share of the queue and its limits (the tenants file's `weight`,
+/// `max_concurrent_requests`, `tokens_per_minute`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Fingerprint)]
+pub struct TenantPolicy {
+    /// Requests it may send on per turn of the queues (weighted round robin), at least 1.
+    pub weight: u32,
+    /// Requests it may have in flight (queued or running) at once.
+    pub max_concurrent_requests: Option<u32>,
+    /// Prompt tokens plus `max_tokens` it may be charged per minute (a token bucket of that
+    /// size refilled at that rate); what a request did not use is refunded when it ends.
+    pub tokens_per_minute: Option<u64>,
+}
+
+impl Default for TenantPolicy {
+    fn default() -> Self {
+        TenantPolicy { weight: 1, max_concurrent_requests: None, tokens_per_minute: None }
+    }
+}
+
+/// A tenant's token bucket, in token-milliminutes: a full bucket holds `tokens_per_minute`
+/// × 60,000 and refills by `tokens_per_minute` every millisecond, so integers suffice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Fingerprint)]
+struct Bucket {
+    level: u64,
+    #[fingerprint(clock)]
+    at_ms: u64,
+}
+
+const MS_PER_MINUTE: u64 = 60_000;
 
 /// What happened at the gateway.
 #[derive(Debug)]
@@ -90,6 +122,8 @@ pub enum GatewayEvent {
         trace: TraceContext,
         tenant: TenantId,
         cache: Option<CacheScope>,
+        /// Its place within its tenant's queue: lower first (vLLM's `priority`, default 0).
+        priority: i64,
     },
     /// The client went away.
     ClientGone { req: RequestId },
@@ -108,6 +142,11 @@ pub enum BusyReason {
     QueueFull,
     /// It waited in the queue for the queue timeout.
     QueueTimeout,
+    /// Its tenant has `max_concurrent_requests` in flight.
+    ConcurrencyLimit,
+    /// Its tenant's `tokens_per_minute` would be exceeded; enough is refilled in
+    /// `retry_after_s` seconds.
+    TokenLimit { retry_after_s: u32 },
 }
 
 impl BusyReason {
@@ -116,6 +155,16 @@ impl BusyReason {
         match self {
             BusyReason::QueueFull => "queue_full",
             BusyReason::QueueTimeout => "queue_timeout",
+            BusyReason::ConcurrencyLimit => "concurrency_limit_exceeded",
+            BusyReason::TokenLimit { .. } => "tokens_per_minute_exceeded",
+        }
+    }
+
+    /// Seconds the client should wait before retrying (`Retry-After`).
+    pub fn retry_after_s(self) -> u32 {
+        match self {
+            BusyReason::TokenLimit { retry_after_s } => retry_after_s.max(1),
+            _ => 1,
         }
     }
 }
@@ -229,6 +278,10 @@ struct InFlight {
     sent: Vec<u32>,
     /// Times it moved off a lost decode worker.
     migrations: u32,
+    /// Tokens charged to its tenant's bucket at admission (prompt + `max_tokens`).
+    charged: u64,
+    /// Its priority within its tenant's queue (lower first, as vLLM's `priority`).
+    priority: i64,
     #[fingerprint(clock)]
     deadline_ms: u64,
     /// When it began waiting for room: set when queued, kept while decode workers refuse
@@ -273,6 +326,8 @@ pub struct GatewayStats {
     pub retried: u64,
     /// Moved to another decode worker after losing theirs (I11).
     pub migrated: u64,
+    /// Turned away by their tenant's `max_concurrent_requests` or `tokens_per_minute`.
+    pub over_limit: u64,
     /// Sent to the prefill worker with the longest cached prefix of theirs (a hit > 0).
     pub routed_by_cache: u64,
     /// Sent to the decode worker with the longest cached prefix of theirs (a hit > 0).
@@ -320,8 +375,11 @@ pub struct GatewayRole {
     /// Client request ids waiting for capacity, one queue per tenant, each first come
     /// first served; the queues take turns.
     queues: BTreeMap<TenantId, VecDeque<RequestId>>,
-    /// The tenant whose queue was served last.
+    /// The tenant whose queue was served last, and how many more it may send this turn.
     last_served: Option<TenantId>,
+    turn_left: u32,
+    /// Token buckets of the tenants with `tokens_per_minute`.
+    buckets: BTreeMap<TenantId, Bucket>,
     /// Page keys each prefill worker reported cached.
     cached: BTreeMap<WorkerId, BTreeSet<PageKey>>,
     /// Decode workers that refused or retracted for lack of room since they last freed
@@ -361,6 +419,8 @@ impl GatewayRole {
             inflight: BTreeMap::new(),
             queues: BTreeMap::new(),
             last_served: None,
+            turn_left: 0,
+            buckets: BTreeMap::new(),
             cached: BTreeMap::new(),
             full: BTreeSet::new(),
             unreachable: BTreeSet::new(),
@@ -403,8 +463,66 @@ impl GatewayRole {
 
     /// The next tenant to serve: the first after the last served with anything queued.
     fn next_tenant(&self) -> Option<TenantId> {
+        // Weighted round robin by requests: the tenant served last goes on while its turn
+        // (its weight) lasts and it has requests waiting.
+        if let Some(last) = self.last_served.filter(|t| self.turn_left > 0 && self.queues.get(t).is_some_and(|q| !q.is_empty())) {
+            return Some(last);
+        }
         let after = self.last_served.and_then(|last| self.queues.range(..).find(|(t, q)| **t > last && !q.is_empty()));
         after.or_else(|| self.queues.iter().find(|(_, q)| !q.is_empty())).map(|(t, _)| *t)
+    }
+
+    fn policy(&self, tenant: TenantId) -> TenantPolicy {
+        self.cfg.tenants.get(&tenant).copied().unwrap_or_default()
+    }
+
+    /// The tenant's limits at admission: `Some(reason, detail)` when over one, else the
+    /// request is charged to its bucket. A refusal leaves nothing charged.
+    fn over_limit(&mut self, f: &mut InFlight) -> Option<(BusyReason, String)> {
+        let policy = self.policy(f.tenant);
+        if let Some(most) = policy.max_concurrent_requests {
+            let running = self.inflight.values().filter(|o| o.tenant == f.tenant).count();
+            if running >= most as usize {
+                let detail = format!("this tenant has {running} requests in flight, its max_concurrent_requests is {most}");
+                return Some((BusyReason::ConcurrencyLimit, detail));
+            }
+        }
+        let tpm = policy.tokens_per_minute?;
+        let now = self.now_ms;
+        let full = tpm.saturating_mul(MS_PER_MINUTE);
+        let bucket = self.buckets.entry(f.tenant).or_insert(Bucket { level: full, at_ms: now });
+        bucket.level = bucket.level.saturating_add(now.saturating_sub(bucket.at_ms).saturating_mul(tpm)).min(full);
+        bucket.at_ms = now;
+        let tokens = f.tokens.len() as u64 + u64::from(f.max_tokens);
+        let cost = tokens.saturating_mul(MS_PER_MINUTE);
+        if cost > bucket.level {
+            // Refilled at `tpm` per ms: whole seconds until it holds `cost` (never, past a full bucket).
+            let wait_ms = if cost > full { u64::MAX } else { (cost - bucket.level).div_ceil(tpm) };
+            let retry_after_s = u32::try_from(wait_ms.div_ceil(1000)).unwrap_or(u32::MAX);
+            let detail = if cost > full {
+                format!("this request counts {tokens} tokens (prompt and max_tokens), over this tenant's tokens_per_minute of {tpm}")
+            } else {
+                format!(
+                    "this request counts {tokens} tokens (prompt and max_tokens); this tenant's tokens_per_minute ({tpm}) allows it in {retry_after_s} s"
+                )
+            };
+            return Some((BusyReason::TokenLimit { retry_after_s }, detail));
+        }
+        bucket.level -= cost;
+        f.charged = tokens;
+        None
+    }
+
+    /// Ends `req`'s record: what its tenant was charged and it did not use (the prompt and
+    /// the tokens it generated are used) goes back to the bucket.
+    fn end(&mut self, req: &RequestId) -> Option<InFlight> {
+        let f = self.inflight.remove(req)?;
+        let used = (f.tokens.len() + f.sent.len()) as u64;
+        if let (Some(b), Some(tpm)) = (self.buckets.get_mut(&f.tenant), self.cfg.tenants.get(&f.tenant).and_then(|p| p.tokens_per_minute)) {
+            let refund = f.charged.saturating_sub(used).saturating_mul(MS_PER_MINUTE);
+            b.level = b.level.saturating_add(refund).min(tpm.saturating_mul(MS_PER_MINUTE));
+        }
+        Some(f)
     }
 
     /// Where the request that workers know as `attempt` stands, if that attempt is current.
@@ -501,7 +619,7 @@ impl GatewayRole {
     pub fn handle(&mut self, ev: GatewayEvent) -> Vec<GatewayAction> {
         let mut out = Vec::new();
         match ev {
-            GatewayEvent::Submit { req, tokens, max_tokens, sampling, stop, trace, tenant, cache } => {
+            GatewayEvent::Submit { req, tokens, max_tokens, sampling, stop, trace, tenant, cache, priority } => {
                 let f = InFlight {
                     phase: Phase::Queued,
                     attempt: 0,
@@ -518,6 +636,8 @@ impl GatewayRole {
                     waited_for_room: false,
                     sent: Vec::new(),
                     migrations: 0,
+                    charged: 0,
+                    priority,
                     avoid: None,
                     tenant,
                     cache,
@@ -525,7 +645,7 @@ impl GatewayRole {
                 self.submit(req, f, &mut out);
             }
             GatewayEvent::ClientGone { req } => {
-                if let Some(f) = self.inflight.remove(&req) {
+                if let Some(f) = self.end(&req) {
                     self.stats.client_gone += 1;
                     self.unqueue(req);
                     Self::abort_workers(req, &f, AbortReason::ClientGone, None, &mut out);
@@ -570,7 +690,19 @@ impl GatewayRole {
             let detail = format!("{waiting} requests of this tenant are waiting, the most this server queues per tenant");
             return out.push(GatewayAction::ToClient { req, out: ClientOutput::Busy { reason: BusyReason::QueueFull, detail } });
         }
-        self.queues.entry(f.tenant).or_default().push_back(req);
+        let mut f = f;
+        if let Some((reason, detail)) = self.over_limit(&mut f) {
+            self.stats.over_limit += 1;
+            return out.push(GatewayAction::ToClient { req, out: ClientOutput::Busy { reason, detail } });
+        }
+        // Within the tenant's queue, lower priority values first, first come first served
+        // among equals, never ahead of a request sent back to the queue (it was admitted
+        // before); another tenant's queue is never affected.
+        let inflight = &self.inflight;
+        let queue = self.queues.entry(f.tenant).or_default();
+        let behind = |o: &InFlight| o.attempt == 0 && o.priority > f.priority;
+        let at = queue.iter().position(|r| inflight.get(r).is_some_and(behind)).unwrap_or(queue.len());
+        queue.insert(at, req);
         self.inflight.insert(req, f);
         self.dispatch(out);
     }
@@ -582,7 +714,12 @@ impl GatewayRole {
         while let Some(tenant) = self.next_tenant() {
             let Some(&req) = self.queues.get(&tenant).and_then(VecDeque::front) else { return };
             let Some(route) = self.pick(req) else { return };
-            self.last_served = Some(tenant);
+            if self.last_served == Some(tenant) && self.turn_left > 0 {
+                self.turn_left -= 1;
+            } else {
+                self.last_served = Some(tenant);
+                self.turn_left = self.policy(tenant).weight.max(1) - 1;
+            }
             self.unqueue(req);
             // Admitted against the context served when it arrived, perhaps while a role had no
             // worker; a worker that joined since may serve less (the served context is the
@@ -593,7 +730,7 @@ impl GatewayRole {
                 .filter(|f| self.cfg.admission_check && f.resume.is_empty())
                 .and_then(|f| admit(f.tokens.len(), Generate::Tokens(f.max_tokens as usize), self.max_context).err());
             if let Some(refusal) = refused {
-                self.inflight.remove(&req);
+                self.end(&req);
                 self.stats.rejected_at_gateway += 1;
                 out.push(Self::reject(req, refusal.reason(), refusal.to_string()));
                 continue;
@@ -735,7 +872,7 @@ impl GatewayRole {
             .collect();
         for req in waited {
             self.unqueue(req);
-            if let Some(f) = self.inflight.remove(&req) {
+            if let Some(f) = self.end(&req) {
                 self.stats.queue_timeouts += 1;
                 record_queue_wait(&mut self.stats, f.queued_at_ms.unwrap_or(now), now);
                 // No worker of a role came back while it waited: 503, not 429.
@@ -846,7 +983,7 @@ impl GatewayRole {
     }
 
     fn fail(&mut self, req: RequestId, reason: FailReason, detail: String, except: Option<WorkerId>, out: &mut Vec<GatewayAction>) {
-        if let Some(f) = self.inflight.remove(&req) {
+        if let Some(f) = self.end(&req) {
             self.unqueue(req);
             self.stats.failed += 1;
             Self::abort_workers(req, &f, AbortReason::Failed, except, out);
@@ -932,7 +1069,7 @@ impl GatewayRole {
                 out.push(GatewayAction::ToClient { req, out: ClientOutput::Token { token, text, logprobs } });
             }
             Message::Finished { finish, text, prompt_tokens, completion_tokens, cached_tokens, .. } if from == route.decode => {
-                self.inflight.remove(&req);
+                self.end(&req);
                 self.stats.finished += 1;
                 let cached_tokens = cached_tokens.min(prompt_tokens);
                 out.push(GatewayAction::ToClient {
@@ -957,7 +1094,7 @@ impl GatewayRole {
                 self.requeue(req, Some(from), out);
             }
             Message::Rejected { reason, detail, .. } => {
-                self.inflight.remove(&req);
+                self.end(&req);
                 self.stats.rejected_by_worker += 1;
                 // A prefill rejection leaves a reservation on the decode worker.
                 if from == route.prefill {

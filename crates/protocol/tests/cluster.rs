@@ -163,6 +163,7 @@ impl<PP: PrefillPolicy, DP: DecodePolicy> Cluster<PP, DP> {
             max_queued: 16,
             queue_timeout_ms: 10_000,
             migration_limit: 3,
+            tenants: Default::default(),
         });
         let (ppool, dpool) = (pool(prefill_pool_tokens), pool(decode_pool_tokens));
         // Registration's introductions are the transports' business here: the KV
@@ -216,6 +217,7 @@ impl<PP: PrefillPolicy, DP: DecodePolicy> Cluster<PP, DP> {
             trace: TraceContext::default(),
             tenant: TenantId(0),
             cache: None,
+            priority: 0,
         });
     }
 
@@ -551,6 +553,7 @@ fn the_trace_context_reaches_the_decode_reservation_and_the_prefill_job() {
         trace: trace.clone(),
         tenant: TenantId(0),
         cache: None,
+        priority: 0,
     });
     let (mut reserve, mut prefill, mut job) = (None, None, None);
     for _ in 0..1000 {

@@ -6,7 +6,7 @@
 use bulkhead_kv::{Generation, PageId, PageRef, RequestId};
 use bulkhead_protocol::gateway::{
     BusyReason, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, GatewayStats, KvShape, Phase, QUEUE_WAIT_BUCKETS,
-    RegisterError, TenantId, attempt_id, client_of,
+    RegisterError, TenantId, TenantPolicy, attempt_id, client_of,
 };
 use bulkhead_protocol::*;
 
@@ -36,6 +36,7 @@ fn gateway(workers: &[(WorkerId, Role)]) -> GatewayRole {
         max_queued: 4,
         queue_timeout_ms: TIMEOUT_MS / 2,
         migration_limit: 3,
+        tenants: Default::default(),
     });
     for &(id, role) in workers {
         join(&mut g, id, role);
@@ -53,6 +54,7 @@ fn submit(g: &mut GatewayRole, req: u64, prompt: usize, max_tokens: u32) -> Vec<
         trace: TraceContext::default(),
         tenant: TenantId(0),
         cache: None,
+        priority: 0,
     };
     g.handle(ev)
 }
@@ -477,6 +479,7 @@ fn submit_as(g: &mut GatewayRole, req: u64, tenant: u32, cache: Option<bulkhead_
         trace: TraceContext::default(),
         tenant: TenantId(tenant),
         cache,
+        priority: 0,
     };
     g.handle(ev)
 }
@@ -626,4 +629,98 @@ fn a_stream_moves_off_a_lost_decode_worker_and_resumes_from_what_the_client_has(
         matches!(to_client(&acts).as_slice(), [ClientOutput::Failed { reason: FailReason::WorkerLost, .. }]),
         "past the limit the loss fails it: {acts:?}"
     );
+}
+
+fn with_policies(policies: &[(u32, TenantPolicy)]) -> GatewayRole {
+    let mut g = GatewayRole::new(GatewayConfig {
+        model_context: 8,
+        model_digest: DIGEST,
+        admission_check: true,
+        request_timeout_ms: TIMEOUT_MS,
+        max_queued: 16,
+        queue_timeout_ms: TIMEOUT_MS / 2,
+        migration_limit: 3,
+        tenants: policies.iter().map(|(t, p)| (TenantId(*t), *p)).collect(),
+    });
+    join(&mut g, P1, Role::Prefill);
+    join(&mut g, D2, Role::Decode);
+    g
+}
+
+fn submit_with(g: &mut GatewayRole, req: u64, tenant: u32, priority: i64) -> Vec<GatewayAction> {
+    let ev = GatewayEvent::Submit {
+        req: RequestId(req),
+        tokens: vec![5; 4],
+        max_tokens: 4,
+        sampling: Sampling::default(),
+        stop: vec![],
+        trace: TraceContext::default(),
+        tenant: TenantId(tenant),
+        cache: None,
+        priority,
+    };
+    g.handle(ev)
+}
+
+/// Weights: a tenant of weight 2 sends two requests per turn of the queues; `priority`
+/// orders a tenant's own queue (lower first, first come first served among equals) and
+/// never lets it pass another tenant.
+#[test]
+fn weights_share_the_queue_and_priority_orders_only_the_tenants_own_requests() {
+    let two = TenantPolicy { weight: 2, ..TenantPolicy::default() };
+    let mut g = with_policies(&[(0, two)]);
+    assert_eq!(reserved_reqs(&submit_with(&mut g, 1, 1, 0)), [1]);
+    from(&mut g, D2, Message::Rejected { req: RequestId(1), reason: RejectReason::Capacity, detail: String::new() });
+    for (req, tenant, priority) in [(2, 0, 0), (3, 0, 5), (4, 0, -1), (5, 1, -100), (6, 0, 0), (7, 1, 0)] {
+        assert!(reserved_reqs(&submit_with(&mut g, req, tenant, priority)).is_empty());
+    }
+    // Tenant 1 was served last: tenant 0 goes next, two at a time, its own queue by
+    // priority (4 at -1, then 2 and 6 at 0 in arrival order, then 3 at 5); tenant 1's
+    // requeued request stays ahead of its -100, which waits its turn.
+    assert_eq!(reserved_reqs(&from(&mut g, D2, Message::Room)), [4, 2, 1, 6, 3, 5, 7]);
+}
+
+/// Limits: over `max_concurrent_requests` or `tokens_per_minute` a request is turned away
+/// (429, with how long to wait), counted, and nothing of it is charged or queued; another
+/// tenant is not affected; a finished request refunds what it did not use.
+#[test]
+fn a_tenant_over_its_limits_is_turned_away_alone_and_unused_tokens_come_back() {
+    let limited = TenantPolicy { max_concurrent_requests: Some(2), tokens_per_minute: Some(20), ..TenantPolicy::default() };
+    let mut g = with_policies(&[(0, limited)]);
+    let busy = |acts: &[GatewayAction]| match to_client(acts).as_slice() {
+        [ClientOutput::Busy { reason, detail }] => Some((*reason, detail.clone())),
+        _ => None,
+    };
+    assert_eq!(reserved_reqs(&submit_with(&mut g, 1, 0, 0)), [1]); // 8 of 20 tokens
+    assert_eq!(reserved_reqs(&submit_with(&mut g, 2, 0, 0)), [2]); // 16 of 20
+    let (reason, detail) = busy(&submit_with(&mut g, 3, 0, 0)).expect("a third one in flight is refused");
+    assert_eq!(reason, BusyReason::ConcurrencyLimit);
+    assert!(detail.contains("max_concurrent_requests is 2"), "{detail}");
+    assert_eq!(reason.code(), "concurrency_limit_exceeded");
+    // Another tenant is not limited by tenant 0's limits.
+    assert_eq!(reserved_reqs(&submit_with(&mut g, 4, 1, 0)), [4]);
+    // Request 2 fails before any token: its prompt was used, 4 come back; request 1
+    // finishes after one token: it used 5 of its 8, 3 come back. 11 of 20 are free again:
+    // request 5 (8 tokens) fits, request 6 no longer does.
+    from(&mut g, D2, Message::Failed { req: RequestId(2), reason: FailReason::Internal, detail: String::new() });
+    from(&mut g, D2, reserved(1));
+    from(&mut g, D2, token(1));
+    let done = Message::Finished {
+        req: RequestId(1),
+        finish: FinishReason::Stop,
+        text: String::new(),
+        prompt_tokens: 4,
+        completion_tokens: 1,
+        cached_tokens: 0,
+    };
+    from(&mut g, D2, done);
+    assert_eq!(reserved_reqs(&submit_with(&mut g, 5, 0, 0)), [5]);
+    let (reason, detail) = busy(&submit_with(&mut g, 6, 0, 0)).expect("over the tokens per minute");
+    assert!(matches!(reason, BusyReason::TokenLimit { retry_after_s } if retry_after_s >= 1), "{reason:?}");
+    assert!(detail.contains("tokens_per_minute (20)"), "{detail}");
+    assert_eq!(g.stats().over_limit, 2);
+    // A minute later the bucket is full again.
+    g.handle(GatewayEvent::Tick { now_ms: 60_000 });
+    from(&mut g, D2, Message::Failed { req: RequestId(5), reason: FailReason::Internal, detail: String::new() });
+    assert!(busy(&submit_with(&mut g, 7, 0, 0)).is_none());
 }

@@ -97,6 +97,7 @@ enum Cmd {
         trace: TraceContext,
         tenant: TenantId,
         cache: Option<CacheScope>,
+        priority: i64,
         arrived: Instant,
         events: mpsc::Sender<GenEvent>,
         /// `messages` or `prompt`: the field a context-length error names.
@@ -214,6 +215,7 @@ impl Backend for ClusterBackend {
             trace,
             tenant,
             cache,
+            priority: req.priority,
             arrived,
             events: tx,
             prompt_param,
@@ -327,6 +329,7 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
         max_queued: opts.max_queued,
         queue_timeout_ms: opts.queue_timeout_ms,
         migration_limit: opts.migration_limit,
+        tenants: opts.tenants.policies(),
     });
     let actor = Actor {
         role,
@@ -431,13 +434,13 @@ impl Actor {
     async fn run(mut self, mut inbox: mpsc::Receiver<Cmd>) {
         while let Some(cmd) = inbox.recv().await {
             match cmd {
-                Cmd::Submit { tokens, max_tokens, sampling, stop, trace, tenant, cache, arrived, events, prompt_param } => {
+                Cmd::Submit { tokens, max_tokens, sampling, stop, trace, tenant, cache, priority, arrived, events, prompt_param } => {
                     let req = RequestId(self.next_req);
                     self.next_req += 1;
                     let prompt_tokens = tokens.len();
                     let client = Client { events, prompt_tokens, max_tokens: max_tokens as usize, arrived, last_token: None, prompt_param };
                     self.clients.insert(req, client);
-                    self.apply(GatewayEvent::Submit { req, tokens, max_tokens, sampling, stop, trace, tenant, cache });
+                    self.apply(GatewayEvent::Submit { req, tokens, max_tokens, sampling, stop, trace, tenant, cache, priority });
                 }
                 Cmd::Register { hello, writer, reply } => {
                     let r = self.register(hello, writer);
@@ -552,6 +555,7 @@ impl Actor {
             ("retracted", g.retracted),
             ("retried", g.retried),
             ("migrated", g.migrated),
+            ("over_limit", g.over_limit),
         ];
         for (event, n) in queue {
             f.counter("bulkhead:requeue_events_total", "Requests turned away from the queue, or sent back to it.", &[("event", event)], n);
@@ -646,7 +650,7 @@ impl Actor {
             }
             ClientOutput::Busy { reason, detail } => {
                 count(&self.shared.refused.busy);
-                events.push(GenEvent::Failed(ApiError::too_many_requests(reason.code(), detail)));
+                events.push(GenEvent::Failed(ApiError::too_many_requests(reason.code(), detail).with_retry_after(reason.retry_after_s())));
             }
         }
         let mut closed = false;

@@ -161,6 +161,14 @@ rules! {
         x if x as usize <= MAX_N => Ok(x as u32),
         _ => Err(Fault::range(&format!("a value in [1, {MAX_N}]"), v)),
     };
+    /// `priority`: any integer (or whole decimal) in `i64`.
+    priority -> i64 = |v| match v {
+        Value::Number(n) => match whole(n) {
+            Some(x) => i64::try_from(x).map_err(|_| Fault::range("an integer in the 64-bit range", v)),
+            None => Err(Fault::type_error("an integer", v)),
+        },
+        _ => Err(Fault::type_error("an integer", v)),
+    };
     /// `temperature`: `[0, MAX_TEMPERATURE]`.
     temperature -> f64 = |v| bounded(v, 0.0, MAX_TEMPERATURE);
     /// `top_p`: `(0, 1]`.

@@ -127,6 +127,10 @@ pub struct CompletionOptions {
     #[schema(minimum = 1, maximum = 16)]
     #[serde(default, deserialize_with = "de::choices")]
     pub n: Option<u32>,
+    /// vLLM's `priority`: lower values are served first within the request's own tenant's
+    /// queue (a tenant cannot outrank another). Default 0.
+    #[serde(default, deserialize_with = "de::priority")]
+    pub priority: Option<i64>,
     /// Keep only tokens at least this fraction as likely as the most likely one (vLLM's).
     #[schema(minimum = 0.0, maximum = 1.0)]
     #[serde(default, deserialize_with = "de::unit")]
