@@ -185,6 +185,13 @@ print("chat answer through the gateway:", repr(text), "usage:", r["usage"])
 assert text.strip(), "empty answer"
 ' "$answer"
 
+rss=()
+for c in gateway prefill decode; do
+    pid=$(podman inspect --format '{{.State.Pid}}' "bulkhead-$c-pod-0-$c")
+    rss+=("$c $(awk '/^VmRSS/ {printf "%d MiB", $2 / 1024}' "/proc/$pid/status")")
+done
+echo "resident memory after the request (against the YAML's requests): $(IFS=,; echo "${rss[*]}" | sed 's/,/, /g')"
+
 metrics=$(curl -sf "http://127.0.0.1:$http/metrics")
 echo "isolation counters from /metrics:"
 grep -E '^bulkhead:(isolation_checks_total|isolation_failures_total|workers|kv_connections_total|auth_refusals_total)' <<<"$metrics" | sed 's/^/    /'
