@@ -218,6 +218,12 @@ pub struct ServeArgs {
     /// can enter, the same for all of them, where they meet for the core budget.
     #[arg(long, env = "BULKHEAD_CORE_BUDGET_DIR")]
     core_budget_dir: Option<PathBuf>,
+    /// Prefill and decode workers: answer HTTP probes at this address, `GET /health`
+    /// (liveness: 200 while loading and while the worker's main loop turned in the last 60
+    /// s) and `GET /ready` (200 while registered with the gateway and not stalled). For
+    /// Kubernetes httpGet probes; it shows nothing but the state.
+    #[arg(long, env = "BULKHEAD_HEALTH_LISTEN")]
+    health_listen: Option<String>,
     /// Name of the model in the API; give it more than once (or comma-separated) for
     /// aliases, the first being the main one. Default: the model file's name without
     /// `.gguf` (`SmolLM2-135M-Instruct.Q4_1`), as `GET /v1/models` shows.
@@ -375,6 +381,7 @@ impl ServeArgs {
                 mode,
                 decode_interval: Duration::from_millis(self.decode_interval_ms.unwrap_or(DEFAULT_DECODE_INTERVAL_MS)),
             }),
+            health: None,
         })
     }
 }
@@ -410,10 +417,28 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     if a.role != ServeRole::Gateway {
         KvTransport::from(a.kv_transport).check(&trust).map_err(anyhow::Error::msg)?;
     }
+    if a.health_listen.is_some() && !matches!(a.role, ServeRole::Prefill | ServeRole::Decode) {
+        anyhow::bail!(
+            "--health-listen is for prefill and decode workers (--role prefill or decode); the gateway answers /health and /ready on its HTTP port"
+        );
+    }
     match a.role {
         ServeRole::Prefill | ServeRole::Decode => {
             let gw = a.gateway.clone().context("--gateway HOST:PORT is required for a worker role")?;
-            let cfg = a.worker(model, gw, trust)?;
+            // Bound before the model loads, so probes see a worker that is starting.
+            let health = match &a.health_listen {
+                Some(addr) => {
+                    let l = std::net::TcpListener::bind(addr)
+                        .with_context(|| format!("cannot listen for health probes on {addr} (--health-listen)"))?;
+                    tracing::info!(addr = %l.local_addr()?, "health probes: GET /health, GET /ready");
+                    let h = bulkhead_server::health::Health::new();
+                    bulkhead_server::health::spawn(l, h.clone());
+                    Some(h)
+                }
+                None => None,
+            };
+            let mut cfg = a.worker(model, gw, trust)?;
+            cfg.health = health;
             if a.role == ServeRole::Prefill {
                 bulkhead_server::prefill_worker::run(cfg)?;
             } else {
@@ -515,6 +540,7 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
                 cmd.env_remove("BULKHEAD_ROLE")
                     .env_remove("BULKHEAD_PORT")
                     .env_remove("BULKHEAD_CONFIG")
+                    .env_remove("BULKHEAD_HEALTH_LISTEN")
                     .env_remove("BULKHEAD_API_KEY")
                     .env_remove("BULKHEAD_TENANTS");
                 workers.add(role, cmd).with_context(|| format!("cannot start a {role} worker"))?;

@@ -97,6 +97,9 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     let start = Instant::now();
     let mut last_tick = 0;
     loop {
+        if let Some(h) = &cfg.health {
+            h.beat();
+        }
         // Block only when nothing is decoding, or while the core budget leaves prefill its share.
         let decoding = driver.engine().active() > 0;
         let pace = match &mut budget {

@@ -12,6 +12,7 @@
 //!   connection over its authenticated session.
 //! - [`trust`]: where the cluster key comes from, and which listeners may run without one.
 //! - [`core_budget`]: decode steps first when the workers share one host's cores.
+//! - [`health`]: a worker's optional liveness and readiness listener for probes.
 //! - [`metrics`]: what each process counts, the workers' reports, the `/metrics` exposition.
 #![forbid(unsafe_code)]
 
@@ -19,6 +20,7 @@ pub mod core_budget;
 pub mod decode_worker;
 pub mod door;
 pub mod gateway;
+pub mod health;
 pub mod http;
 pub mod kv_transport;
 pub mod metrics;

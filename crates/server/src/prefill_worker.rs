@@ -216,6 +216,9 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
         match incarnation(&cfg, me, gw, gw_reader, &compute, &mut pool, budget.as_mut(), context, cache)? {
             Ended::GatewayClosed => return Ok(()),
             Ended::Rejoin => {
+                if let Some(h) = &cfg.health {
+                    h.unregistered();
+                }
                 let (min, max) = REJOIN_BACKOFF;
                 backoff = if started.elapsed() >= STABLE_INCARNATION { min } else { (backoff * 2).clamp(min, max) };
                 tracing::warn!(worker = %me, backoff_ms = backoff.as_millis() as u64, "a KV connection was lost: rejoining the cluster under a new id");
@@ -279,6 +282,9 @@ fn incarnation(
         started: Instant::now(),
     };
     loop {
+        if let Some(h) = &cfg.health {
+            h.beat();
+        }
         if !w.pump(&rx)? {
             return Ok(Ended::GatewayClosed);
         }

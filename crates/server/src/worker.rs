@@ -60,6 +60,8 @@ pub struct WorkerConfig {
     pub kv_transport: crate::kv_transport::KvTransport,
     /// The core budget shared with the other workers on this host, if any.
     pub core_budget: Option<crate::core_budget::CoreBudget>,
+    /// The main loop's heartbeat for the health listener (`--health-listen`), if any.
+    pub health: Option<std::sync::Arc<crate::health::Health>>,
 }
 
 /// Why a worker could not start or stopped.
