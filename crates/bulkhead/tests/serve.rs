@@ -416,6 +416,17 @@ fn streamed_text(sse: &str) -> (String, serde_json::Value) {
     (text, last)
 }
 
+/// Kills `s`'s decode worker with SIGKILL and reads the rest of the stream on `c` into
+/// `seen`; the worker's pid comes back.
+fn kill_decode_and_read(s: &Server, c: &mut TcpStream, seen: &mut String) -> u32 {
+    let pid = worker_pid(s, "decode");
+    assert!(Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap().success());
+    let mut rest = String::new();
+    c.read_to_string(&mut rest).expect("the stream ends instead of hanging");
+    seen.push_str(&rest);
+    pid
+}
+
 /// Waits for the killed decode worker's replacement: a second registration, the old
 /// process reaped (not a zombie), the server ready.
 fn replaced(s: &Server, pid: u32) {
@@ -445,11 +456,7 @@ fn a_decode_worker_killed_mid_stream_costs_the_stream_nothing() {
     seen.push_str(&rest);
     let (want, _) = streamed_text(&seen);
     let (mut c, mut seen) = start_stream(&s, 96);
-    let pid = worker_pid(&s, "decode");
-    assert!(Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap().success());
-    let mut rest = String::new();
-    c.read_to_string(&mut rest).expect("the stream ends instead of hanging");
-    seen.push_str(&rest);
+    let pid = kill_decode_and_read(&s, &mut c, &mut seen);
     let tail = &seen[seen.len().saturating_sub(600)..];
     assert!(!seen.contains("\"error\""), "no error event: {tail}");
     let (text, last) = streamed_text(&seen);
@@ -468,11 +475,7 @@ fn a_decode_worker_killed_mid_stream_costs_the_stream_nothing() {
 fn past_the_migration_limit_a_killed_decode_worker_ends_the_stream_with_an_error() {
     let s = serve(&["--migration-limit", "0"], &[]);
     let (mut c, mut seen) = start_stream(&s, 2000);
-    let pid = worker_pid(&s, "decode");
-    assert!(Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap().success());
-    let mut rest = String::new();
-    c.read_to_string(&mut rest).expect("the stream ends instead of hanging");
-    seen.push_str(&rest);
+    let pid = kill_decode_and_read(&s, &mut c, &mut seen);
     let tail = &seen[seen.len().saturating_sub(600)..];
     let (error, done) = (seen.find("\"error\"").unwrap_or(usize::MAX), seen.find("data: [DONE]").unwrap_or(0));
     assert!(error < done && seen.contains("was lost"), "the stream ends with an error chunk, then [DONE]: {tail}");

@@ -248,14 +248,8 @@ fn a_shared_prefix_is_covered_by_its_leases_and_only_the_tail_is_sent() {
 /// the only targets, whatever page number a chunk carries.
 #[test]
 fn a_chunk_for_a_shared_page_is_refused() {
-    use bulkhead_kv::{Fence, PageKey, PrefixCache};
-    let mut rp = pool(12);
+    let (mut rp, mut cache, keys, fence) = one_cached_page();
     let ps = LAYOUT.page_size;
-    let fence = Fence([7; 16]);
-    let keys = [PageKey([1; 16])];
-    let mut cache = PrefixCache::new(8);
-    let earlier = sender(&mut rp, 7, ps);
-    cache.finish(&mut rp, earlier, &keys, fence);
     let shared = cache.lookup(&mut rp, &keys, 1, RequestId(15), fence, ps + 2).unwrap();
     let page = shared[0].page();
     let generation = shared[0].generation();
@@ -269,14 +263,9 @@ fn a_chunk_for_a_shared_page_is_refused() {
 /// reservation; the shared leases come back to be given back.
 #[test]
 fn a_shared_prefix_must_leave_the_last_position_and_belong_to_the_reader() {
-    use bulkhead_kv::{Fence, KvError, PageKey, PrefixCache};
-    let mut rp = pool(12);
+    use bulkhead_kv::KvError;
+    let (mut rp, mut cache, keys, fence) = one_cached_page();
     let ps = LAYOUT.page_size;
-    let fence = Fence([7; 16]);
-    let keys = [PageKey([1; 16])];
-    let mut cache = PrefixCache::new(8);
-    let earlier = sender(&mut rp, 7, ps);
-    cache.finish(&mut rp, earlier, &keys, fence);
     let whole = cache.lookup(&mut rp, &keys, 1, RequestId(15), fence, ps).unwrap();
     let (e, back) = Inbound::reserve_after(&mut rp, RequestId(15), whole, ps, ps + 1).err().unwrap();
     assert_eq!((e, back.len()), (KvError::SharedPrefix { pages: 1, prompt: ps }, 1));
@@ -284,6 +273,17 @@ fn a_shared_prefix_must_leave_the_last_position_and_belong_to_the_reader() {
     let others = cache.lookup(&mut rp, &keys, 1, RequestId(16), fence, ps + 1).unwrap();
     let (e, back) = Inbound::reserve_after(&mut rp, RequestId(15), others, ps + 1, ps + 1).err().unwrap();
     assert_eq!((e, back.len()), (KvError::SharedPrefix { pages: 1, prompt: ps + 1 }, 1));
+}
+
+/// A receiver pool whose cache holds one full page of request 7's KV, under key 1 and
+/// fence 7.
+fn one_cached_page() -> (KvPool, bulkhead_kv::PrefixCache, [bulkhead_kv::PageKey; 1], bulkhead_kv::Fence) {
+    let mut rp = pool(12);
+    let (fence, keys) = (bulkhead_kv::Fence([7; 16]), [bulkhead_kv::PageKey([1; 16])]);
+    let mut cache = bulkhead_kv::PrefixCache::new(8);
+    let earlier = sender(&mut rp, 7, LAYOUT.page_size);
+    cache.finish(&mut rp, earlier, &keys, fence);
+    (rp, cache, keys, fence)
 }
 
 fn export_chunks_from(

@@ -27,17 +27,21 @@ fn join(g: &mut GatewayRole, id: WorkerId, role: Role) -> Vec<GatewayAction> {
     g.join(id, &hello(role, 8)).expect("a matching worker registers")
 }
 
-fn gateway(workers: &[(WorkerId, Role)]) -> GatewayRole {
-    let mut g = GatewayRole::new(GatewayConfig {
+fn config(max_queued: usize, tenants: &[(u32, TenantPolicy)]) -> GatewayConfig {
+    GatewayConfig {
         model_context: 8,
         model_digest: DIGEST,
         admission_check: true,
         request_timeout_ms: TIMEOUT_MS,
-        max_queued: 4,
+        max_queued,
         queue_timeout_ms: TIMEOUT_MS / 2,
         migration_limit: 3,
-        tenants: Default::default(),
-    });
+        tenants: tenants.iter().map(|(t, p)| (TenantId(*t), *p)).collect(),
+    }
+}
+
+fn gateway(workers: &[(WorkerId, Role)]) -> GatewayRole {
+    let mut g = GatewayRole::new(config(4, &[]));
     for &(id, role) in workers {
         join(&mut g, id, role);
     }
@@ -470,6 +474,17 @@ fn after_losing_its_last_worker_of_a_role_the_gateway_says_since_when_and_queued
 }
 
 fn submit_as(g: &mut GatewayRole, req: u64, tenant: u32, cache: Option<bulkhead_protocol::cache::CacheScope>) -> Vec<GatewayAction> {
+    submit_scoped(g, req, tenant, cache, 0)
+}
+
+/// A 4-token prompt with 4 tokens to generate, of `tenant`, under `cache`, at `priority`.
+fn submit_scoped(
+    g: &mut GatewayRole,
+    req: u64,
+    tenant: u32,
+    cache: Option<bulkhead_protocol::cache::CacheScope>,
+    priority: i64,
+) -> Vec<GatewayAction> {
     let ev = GatewayEvent::Submit {
         req: RequestId(req),
         tokens: vec![5; 4],
@@ -479,7 +494,7 @@ fn submit_as(g: &mut GatewayRole, req: u64, tenant: u32, cache: Option<bulkhead_
         trace: TraceContext::default(),
         tenant: TenantId(tenant),
         cache,
-        priority: 0,
+        priority,
     };
     g.handle(ev)
 }
@@ -632,34 +647,14 @@ fn a_stream_moves_off_a_lost_decode_worker_and_resumes_from_what_the_client_has(
 }
 
 fn with_policies(policies: &[(u32, TenantPolicy)]) -> GatewayRole {
-    let mut g = GatewayRole::new(GatewayConfig {
-        model_context: 8,
-        model_digest: DIGEST,
-        admission_check: true,
-        request_timeout_ms: TIMEOUT_MS,
-        max_queued: 16,
-        queue_timeout_ms: TIMEOUT_MS / 2,
-        migration_limit: 3,
-        tenants: policies.iter().map(|(t, p)| (TenantId(*t), *p)).collect(),
-    });
+    let mut g = GatewayRole::new(config(16, policies));
     join(&mut g, P1, Role::Prefill);
     join(&mut g, D2, Role::Decode);
     g
 }
 
 fn submit_with(g: &mut GatewayRole, req: u64, tenant: u32, priority: i64) -> Vec<GatewayAction> {
-    let ev = GatewayEvent::Submit {
-        req: RequestId(req),
-        tokens: vec![5; 4],
-        max_tokens: 4,
-        sampling: Sampling::default(),
-        stop: vec![],
-        trace: TraceContext::default(),
-        tenant: TenantId(tenant),
-        cache: None,
-        priority,
-    };
-    g.handle(ev)
+    submit_scoped(g, req, tenant, None, priority)
 }
 
 /// Weights: a tenant of weight 2 sends two requests per turn of the queues; `priority`
