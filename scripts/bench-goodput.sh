@@ -199,9 +199,11 @@ for i, slo in enumerate(slos):
             ratio += " (a bound: a sweep never fell below 90%)"
         row += f" | {ratio}"
     print(row + " |")
+print()
+for i, slo in enumerate(slos):
     for s, r in reports.items():
-        print(f"\n- {names.get(s, s)}: {r['goodput'][i]['note']}", end="")
-    print("\n")
+        print(f"- {pair(slo)}, {names.get(s, s)}: {r['goodput'][i]['note']}")
+print()
 print("load average (1, 5, 15 min) after each sweep:")
 print(open(os.path.join(out, "loadavg.txt")).read())
 print(f"plot: {os.path.join(out, 'goodput.png')}")
