@@ -113,7 +113,8 @@ pub fn run(a: PlotArgs) -> anyhow::Result<()> {
         if title.is_none() {
             title = Some(format!(
                 "SLO attainment vs offered rate (Poisson arrivals): {}, prompt {} words, max_tokens {}",
-                v["model"].as_str().unwrap_or("?"),
+                // A path (llama-server lists its model file) shortened to the file name.
+                v["model"].as_str().map_or("?", |m| m.rsplit('/').next().unwrap_or(m)),
                 dist(&v["prompt_words"]),
                 dist(&v["max_tokens"])
             ));
@@ -160,13 +161,14 @@ pub fn draw(curves: &[Curve], title: &str, out: &Path) -> anyhow::Result<()> {
             .margin(14)
             .x_label_area_size(42)
             .y_label_area_size(56)
-            .build_cartesian_2d(0.0..max_rate, 0.0..100.0)
+            // Headroom above 100% for the legend, so it never hides a curve.
+            .build_cartesian_2d(0.0..max_rate, 0.0..128.0)
             .map_err(e)?;
         chart
             .configure_mesh()
             .x_desc("offered rate (requests/s)")
             .y_desc("requests meeting both SLOs (%)")
-            .y_label_formatter(&|y| format!("{y:.0}"))
+            .y_label_formatter(&|y| if *y <= 100.0 { format!("{y:.0}") } else { String::new() })
             // No minor grid: it only adds noise (and bytes to the PNG).
             .light_line_style(TRANSPARENT)
             .label_style((FAMILY, 14))
