@@ -1,7 +1,11 @@
 //! `bulkhead loadgen URL`: load any OpenAI-compatible server and report throughput, time to
 //! first token and inter-token latency (the work is in `bulkhead_client::loadgen`, and for
-//! `--scenario multi-turn` in `bulkhead_client::multiturn`).
+//! `--scenario multi-turn` in `bulkhead_client::multiturn`). With `--rate`, `--rates` or
+//! `--tenant-rates` the load is open-loop (Poisson arrivals) and the report gives SLO
+//! attainment and goodput (`bulkhead_client::openloop`); `bulkhead loadgen-plot` draws such
+//! reports.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -9,6 +13,7 @@ use bulkhead_client::dist::{Dist, Rng};
 use bulkhead_client::http::{Timeouts, Url};
 use bulkhead_client::loadgen::{self, LoadgenConfig};
 use bulkhead_client::multiturn::{self, MultiTurnConfig};
+use bulkhead_client::openloop::{self, OpenLoopConfig, RatePoint, Slo};
 use bulkhead_client::{Api, Client, ClientConfig};
 use clap::{Args, ValueEnum};
 
@@ -95,12 +100,48 @@ pub struct LoadgenArgs {
     /// (default all of them).
     #[arg(long, short = 'c', env = "BULKHEAD_LOADGEN_CONCURRENCY")]
     concurrency: Option<usize>,
-    /// Requests to send (default 100 when no --duration-s is given).
+    /// Requests to send (default 100 when no --duration-s is given); open loop: per rate.
     #[arg(long, short = 'n', env = "BULKHEAD_LOADGEN_REQUESTS")]
     requests: Option<u64>,
-    /// Stop starting requests after this many seconds (in-flight ones finish and count).
+    /// Stop starting requests after this many seconds (in-flight ones finish and count);
+    /// open loop: per rate, whichever of this and --requests comes first.
     #[arg(long, env = "BULKHEAD_LOADGEN_DURATION_S")]
     duration_s: Option<f64>,
+    /// Open loop: Poisson arrivals at this rate (requests/s, seeded) instead of
+    /// --concurrency clients; each request is sent at its arrival time, answered or not.
+    #[arg(long, env = "BULKHEAD_LOADGEN_RATE", conflicts_with_all = ["rates", "tenant_rates"])]
+    rate: Option<f64>,
+    /// Open loop: a sweep of rates (requests/s, ','-separated), one after another, each
+    /// waiting for the previous one's requests to finish; reports goodput per SLO pair.
+    #[arg(long, env = "BULKHEAD_LOADGEN_RATES", value_delimiter = ',', conflicts_with = "tenant_rates")]
+    rates: Vec<f64>,
+    /// Open loop: one point with a Poisson stream per tenant at these rates (requests/s,
+    /// ','-separated), e.g. 12,0.5 for a noisy neighbour; tenant keys from --tenant-key.
+    #[arg(long, env = "BULKHEAD_LOADGEN_TENANT_RATES", value_delimiter = ',')]
+    tenant_rates: Vec<f64>,
+    /// Open loop: time-to-first-token SLOs (ms, ','-separated), paired in order with
+    /// --slo-tpot-ms; every pair is judged on the same requests.
+    #[arg(long, env = "BULKHEAD_LOADGEN_SLO_TTFT_MS", value_delimiter = ',', default_value = "2500")]
+    slo_ttft_ms: Vec<f64>,
+    /// Open loop: time-per-output-token SLOs (ms, ','-separated): a request's (latency -
+    /// TTFT) / (output tokens - 1).
+    #[arg(long, env = "BULKHEAD_LOADGEN_SLO_TPOT_MS", value_delimiter = ',', default_value = "100")]
+    slo_tpot_ms: Vec<f64>,
+    /// Open loop: requests in flight at most; an arrival past it waits, is charged for the
+    /// wait, and the report says how often it happened.
+    #[arg(long, env = "BULKHEAD_LOADGEN_MAX_IN_FLIGHT", default_value_t = 512)]
+    max_in_flight: usize,
+    /// Open loop: end a sweep after a rate where every SLO pair's attainment (both SLOs) is
+    /// below this fraction (e.g. 0.5): higher rates only take longer to drain.
+    #[arg(long, env = "BULKHEAD_LOADGEN_STOP_BELOW")]
+    stop_below: Option<f64>,
+    /// Open loop: the server's name in the report and in plots (default: the URL).
+    #[arg(long, env = "BULKHEAD_LOADGEN_LABEL")]
+    label: Option<String>,
+    /// Also write the report as JSON to this file (open loop: with every request's TTFT
+    /// and TPOT, for `bulkhead loadgen-plot`).
+    #[arg(long, env = "BULKHEAD_LOADGEN_JSON_OUT")]
+    json_out: Option<PathBuf>,
     /// Prompt length in words, about one token each: N, uniform:MIN:MAX or normal:MEAN:STD.
     #[arg(long, env = "BULKHEAD_LOADGEN_PROMPT_TOKENS", default_value = "512")]
     prompt_tokens: Dist,
@@ -137,8 +178,8 @@ pub struct LoadgenArgs {
     /// Multi-turn: words in each tenant's system prompt (about one token each).
     #[arg(long, env = "BULKHEAD_LOADGEN_SYSTEM_PROMPT_TOKENS", default_value_t = 1000)]
     system_prompt_tokens: usize,
-    /// Multi-turn: the API key of the next tenant, in order (repeatable; env:
-    /// ','-separated); tenants without one use --api-key.
+    /// Multi-turn and --tenant-rates: the API key of the next tenant, in order (repeatable;
+    /// env: ','-separated); tenants without one use --api-key.
     #[arg(long, env = "BULKHEAD_LOADGEN_TENANT_KEYS", value_delimiter = ',')]
     tenant_key: Vec<String>,
 }
@@ -150,9 +191,13 @@ pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 
 pub fn run(a: LoadgenArgs) -> anyhow::Result<()> {
     if a.scenario == Scenario::MultiTurn {
+        anyhow::ensure!(a.rate.is_none() && a.rates.is_empty() && a.tenant_rates.is_empty(), "open-loop rates apply to single-shot");
         return run_multi_turn(a);
     }
-    anyhow::ensure!(a.tenant_key.is_empty(), "--tenant-key applies to --scenario multi-turn only");
+    if a.rate.is_some() || !a.rates.is_empty() || !a.tenant_rates.is_empty() {
+        return run_open_loop(a);
+    }
+    anyhow::ensure!(a.tenant_key.is_empty(), "--tenant-key applies to --scenario multi-turn and --tenant-rates only");
     let duration = a.duration_s.map(Duration::try_from_secs_f64).transpose().context("--duration-s must be a positive number")?;
     let requests = match (a.requests, duration) {
         (None, None) => Some(100),
@@ -176,6 +221,7 @@ pub fn run(a: LoadgenArgs) -> anyhow::Result<()> {
         };
         let report = loadgen::run(&client, &cfg).await?;
         print_report(a.json, &report)?;
+        write_json(a.json_out.as_deref(), &report)?;
         anyhow::ensure!(report.ok > 0, "no request succeeded");
         Ok(())
     })
@@ -192,6 +238,78 @@ pub fn print_report<R: serde::Serialize + std::fmt::Display>(json: bool, report:
     }
     out.flush()?;
     Ok(())
+}
+
+/// Write `report` as pretty JSON to `path`, if given.
+fn write_json<R: serde::Serialize>(path: Option<&std::path::Path>, report: &R) -> anyhow::Result<()> {
+    if let Some(p) = path {
+        let text = serde_json::to_string_pretty(report)?;
+        std::fs::write(p, text + "\n").with_context(|| format!("cannot write {}", p.display()))?;
+    }
+    Ok(())
+}
+
+/// `--rate`, `--rates` or `--tenant-rates`: open-loop arrivals, SLO attainment and goodput.
+fn run_open_loop(a: LoadgenArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(a.concurrency.is_none(), "--concurrency does not apply to open-loop runs (--rate, --rates, --tenant-rates)");
+    anyhow::ensure!(!a.no_stream, "open-loop runs stream: TTFT and TPOT need every token's timing");
+    anyhow::ensure!(
+        a.slo_ttft_ms.len() == a.slo_tpot_ms.len(),
+        "{} --slo-ttft-ms values but {} --slo-tpot-ms values: they pair up in order",
+        a.slo_ttft_ms.len(),
+        a.slo_tpot_ms.len()
+    );
+    let points: Vec<Vec<f64>> = if let Some(r) = a.rate {
+        vec![vec![r]]
+    } else if !a.rates.is_empty() {
+        a.rates.iter().map(|&r| vec![r]).collect()
+    } else {
+        vec![a.tenant_rates.clone()]
+    };
+    let tenants = points.iter().map(Vec::len).max().unwrap_or(1);
+    anyhow::ensure!(a.tenant_key.len() <= tenants, "{} --tenant-key values for {tenants} tenants", a.tenant_key.len());
+    let window = a.duration_s.map(Duration::try_from_secs_f64).transpose().context("--duration-s must be a positive number")?;
+    let max_requests = match (a.requests, window) {
+        (None, None) => Some(100),
+        (n, _) => n,
+    };
+    let slos = a.slo_ttft_ms.iter().zip(&a.slo_tpot_ms).map(|(&ttft_ms, &tpot_ms)| Slo { ttft_ms, tpot_ms }).collect();
+    runtime()?.block_on(async {
+        let clients = (0..tenants)
+            .map(|i| a.target.client(a.tenant_key.get(i).cloned().or_else(|| a.target.api_key.clone()), Vec::new()))
+            .collect::<anyhow::Result<Vec<Client>>>()?;
+        let Some(first) = clients.first() else { anyhow::bail!("no tenants") };
+        let cfg = OpenLoopConfig {
+            requests: LoadgenConfig {
+                api: a.target.api.into(),
+                model: a.target.model(first).await?,
+                concurrency: 1,
+                requests: None,
+                duration: None,
+                prompt_tokens: a.prompt_tokens,
+                output_tokens: a.output_tokens,
+                seed: a.seed.unwrap_or_else(Rng::entropy),
+                ignore_eos: !a.no_ignore_eos,
+                stream: true,
+                temperature: a.temperature,
+                warmup: a.warmup,
+            },
+            points,
+            max_requests,
+            window,
+            max_in_flight: a.max_in_flight,
+            slos,
+            stop_below: a.stop_below,
+            label: a.label.clone().unwrap_or_else(|| a.target.url.clone()),
+        };
+        // Progress on stderr: a sweep takes minutes.
+        eprintln!("{}", RatePoint::header(&cfg.slos));
+        let report = openloop::run(&clients, &cfg, |p| eprintln!("{}", p.line())).await?;
+        print_report(a.json, &report)?;
+        write_json(a.json_out.as_deref(), &report)?;
+        anyhow::ensure!(report.any_ok(), "no request succeeded");
+        Ok(())
+    })
 }
 
 /// `--scenario multi-turn`.
@@ -223,6 +341,7 @@ fn run_multi_turn(a: LoadgenArgs) -> anyhow::Result<()> {
         };
         let report = multiturn::run(&clients, &cfg).await?;
         print_report(a.json, &report)?;
+        write_json(a.json_out.as_deref(), &report)?;
         anyhow::ensure!(report.ok > 0, "no request succeeded");
         Ok(())
     })

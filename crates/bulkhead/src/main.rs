@@ -8,6 +8,7 @@
 //! - `serve.rs`: `bulkhead serve`, the gateway and workers (one role or all three).
 //! - `loadgen.rs`: `bulkhead loadgen`, load on any OpenAI-compatible server (and the flags
 //!   naming a target server, shared with `probe`).
+//! - `plot.rs`: `bulkhead loadgen-plot`, open-loop reports' SLO attainment curves as a PNG.
 //! - `probe.rs`: `bulkhead probe`, the cross-tenant isolation probe of any such server.
 //! - `config.rs`: `--config FILE` (TOML) and the generated configuration reference.
 #![forbid(unsafe_code)]
@@ -18,6 +19,7 @@ mod bench_transfer;
 mod config;
 mod generate;
 mod loadgen;
+mod plot;
 mod probe;
 mod serve;
 
@@ -49,6 +51,9 @@ enum Cmd {
     BenchTransfer(bench_transfer::TransferArgs),
     /// Load any OpenAI-compatible server: throughput, time to first token, inter-token latency.
     Loadgen(loadgen::LoadgenArgs),
+    /// Draw open-loop loadgen reports (--json-out) as SLO attainment against offered rate:
+    /// one line per report, one panel per SLO pair, each server's goodput, in one PNG.
+    LoadgenPlot(plot::PlotArgs),
     /// Probe any OpenAI-compatible server for cross-request leaks, accepted over-context
     /// prompts and long inputs whose answers ignore them (exit 2 on findings).
     Probe(probe::ProbeArgs),
@@ -135,6 +140,7 @@ fn main() {
         Cmd::BenchEngine(a) => bench::run(a),
         Cmd::BenchTransfer(a) => bench_transfer::run(a),
         Cmd::Loadgen(a) => loadgen::run(a),
+        Cmd::LoadgenPlot(a) => plot::run(a),
         Cmd::Probe(a) => probe::run(a),
         Cmd::Keygen { file } => bulkhead_server::trust::write_key_file(&file).map_err(anyhow::Error::from).map(|()| {
             println!(

@@ -7,6 +7,8 @@
 //! - [`dist`]: seeded generator, length distributions, filler text and random codes.
 //! - [`stats`]: percentiles, latency summaries and the two-sample Kolmogorov–Smirnov test.
 //! - [`loadgen`]: N concurrent streaming clients; throughput, TTFT and inter-token latency.
+//! - [`openloop`]: open-loop (Poisson) arrivals at one or more rates; SLO attainment per
+//!   rate and goodput, the highest rate at which 90% of requests meet a TTFT and a TPOT SLO.
 //! - [`multiturn`]: concurrent multi-turn chats of several tenants, each with its own
 //!   shared system prompt; TTFT by turn and the prompt tokens the server took from cache.
 //! - [`probe`]: tenant A plants canaries while tenant B sends long, over-context, aborted
@@ -21,6 +23,7 @@ pub mod http;
 pub mod loadgen;
 pub mod multiturn;
 pub mod openai;
+pub mod openloop;
 pub mod probe;
 pub mod sse;
 pub mod stats;

@@ -77,22 +77,31 @@ struct Sample {
 
 impl Sample {
     fn new(r: Result<Outcome, ClientError>, streamed: bool, max_tokens: u32) -> Sample {
-        let (result, kind) = match r {
-            Err(e) => (Err(e.to_string()), Some(e.kind().to_string())),
-            Ok(o) if o.ok(streamed) => (Ok(o), None),
-            Ok(o) => {
-                let kind = if !(200..300).contains(&o.status) {
-                    format!("http_{}", o.status)
-                } else if o.error.is_some() {
-                    "stream_error".into()
-                } else {
-                    "incomplete_stream".into()
-                };
-                let msg = o.error.clone().unwrap_or_else(|| "the stream ended without [DONE]".into());
-                (Err(msg), Some(kind))
-            }
+        let (result, kind) = match classify(r, streamed) {
+            Ok(o) => (Ok(o), None),
+            Err((kind, msg)) => (Err(msg), Some(kind)),
         };
         Sample { result, kind, max_tokens }
+    }
+}
+
+/// A request's result as success, or `(kind, message)` of its failure: a client error, a
+/// non-2xx status, an error event, or a stream cut short.
+pub(crate) fn classify(r: Result<Outcome, ClientError>, streamed: bool) -> Result<Outcome, (String, String)> {
+    match r {
+        Err(e) => Err((e.kind().to_string(), e.to_string())),
+        Ok(o) if o.ok(streamed) => Ok(o),
+        Ok(o) => {
+            let kind = if !(200..300).contains(&o.status) {
+                format!("http_{}", o.status)
+            } else if o.error.is_some() {
+                "stream_error".into()
+            } else {
+                "incomplete_stream".into()
+            };
+            let msg = o.error.clone().unwrap_or_else(|| "the stream ended without [DONE]".into());
+            Err((kind, msg))
+        }
     }
 }
 

@@ -1,0 +1,873 @@
+//! Open-loop load and goodput: requests arrive as a Poisson process at a set rate, each
+//! sent at its arrival time whatever the server is doing (unlike [`crate::loadgen`]'s
+//! clients, which wait for an answer before asking again, so a slow server slows its own
+//! load). Each rate of a sweep is one *point*; every request's TTFT and TPOT are judged
+//! against one or more SLO pairs, and the *goodput* of a pair is the highest rate at which
+//! at least 90% of requests meet both of its SLOs.
+//!
+//! - TTFT is timed from the request's scheduled arrival, so a request the client sent late
+//!   (at the in-flight cap) is charged for the wait.
+//! - TPOT of a request = (end-to-end latency − TTFT) ÷ (output tokens − 1).
+//! - A request that fails meets no SLO.
+//! - A point may carry several tenants, each its own Poisson stream and API key (the
+//!   noisy-neighbour scenario); attainment is then also reported per tenant.
+//!
+//! Arrival times and prompts come from the seed: two runs with one seed send the same
+//! requests at the same moments. Each request of a run has its own prompt index, so no
+//! server can answer a later point from a cache filled by an earlier one.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+
+use crate::ClientError;
+use crate::dist::{Dist, Rng};
+use crate::loadgen::{LoadgenConfig, classify};
+use crate::openai::{Api, Client, HangUp};
+use crate::stats::Summary;
+
+/// Attainment a rate must reach to count towards goodput.
+pub const GOODPUT_TARGET: f64 = 0.9;
+/// Separates the arrival-time stream from the prompt streams drawn from one seed.
+const ARRIVAL_STREAM: u64 = 0x4152_5249_5645_0003;
+/// Error messages kept per point (the counts cover all).
+const ERROR_EXAMPLES: usize = 3;
+
+/// A pair of service-level objectives; a request meets the pair when it meets both.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Slo {
+    /// Largest time to first token (ms).
+    pub ttft_ms: f64,
+    /// Largest mean time per output token after the first (ms).
+    pub tpot_ms: f64,
+}
+
+impl std::fmt::Display for Slo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TTFT <= {} ms, TPOT <= {} ms", self.ttft_ms, self.tpot_ms)
+    }
+}
+
+/// What to send: the requests of [`LoadgenConfig`] (its `concurrency`, `requests` and
+/// `duration` are not used), at these rates.
+#[derive(Debug, Clone)]
+pub struct OpenLoopConfig {
+    /// Prompts, lengths, seed, endpoint and warm-up.
+    pub requests: LoadgenConfig,
+    /// Each point's arrival rate per tenant (requests/s): a sweep has one tenant per point.
+    pub points: Vec<Vec<f64>>,
+    /// A point's arrivals stop after this many requests (all tenants together)...
+    pub max_requests: Option<u64>,
+    /// ...or after this long, whichever comes first (at least one is needed).
+    pub window: Option<Duration>,
+    /// Requests in flight at most; an arrival past it waits (and is charged for the wait).
+    pub max_in_flight: usize,
+    /// SLO pairs to judge every request against.
+    pub slos: Vec<Slo>,
+    /// End a sweep early after a point where every pair's attainment (both SLOs) is below
+    /// this: higher rates only overload the server further, and take long to drain.
+    pub stop_below: Option<f64>,
+    /// A name for the server in reports and plots.
+    pub label: String,
+}
+
+/// One scheduled request of a point.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Arrival {
+    /// Time from the point's start.
+    pub at: Duration,
+    /// Whose request it is.
+    pub tenant: usize,
+}
+
+/// The arrivals of point `point`: per tenant a Poisson process at its rate (exponential
+/// gaps from a generator seeded by `seed`, the point and the tenant), merged in time order
+/// and cut at `max_requests` in all or at `window`, whichever comes first. Rates must be
+/// positive and finite, and one of the bounds given.
+pub fn arrivals(seed: u64, point: usize, rates: &[f64], max_requests: Option<u64>, window: Option<Duration>) -> Vec<Arrival> {
+    let mut all = Vec::new();
+    for (tenant, &rate) in rates.iter().enumerate() {
+        let mut rng = Rng::for_index(seed ^ ARRIVAL_STREAM, ((point as u64) << 16) | tenant as u64);
+        let mut t = 0.0f64;
+        let mut n = 0u64;
+        loop {
+            // 1 - unit() is in (0, 1]: the logarithm is finite.
+            t += -(1.0 - rng.unit()).ln() / rate;
+            let at = Duration::from_secs_f64(t);
+            if window.is_some_and(|w| at >= w) || max_requests.is_some_and(|m| n >= m) {
+                break;
+            }
+            all.push(Arrival { at, tenant });
+            n += 1;
+        }
+    }
+    all.sort_by_key(|a| a.at);
+    if let Some(m) = max_requests {
+        all.truncate(usize::try_from(m).unwrap_or(usize::MAX));
+    }
+    all
+}
+
+/// TPOT (ms): the time after the first token over the tokens after it; `None` for fewer
+/// than two output tokens (nothing to divide).
+pub fn tpot_ms(latency_ms: f64, ttft_ms: f64, output_tokens: u64) -> Option<f64> {
+    (output_tokens >= 2).then(|| (latency_ms - ttft_ms).max(0.0) / (output_tokens - 1) as f64)
+}
+
+/// One measured request.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RequestRecord {
+    /// Its point (index into the report's points).
+    pub point: usize,
+    /// Its tenant.
+    pub tenant: usize,
+    /// Scheduled arrival, from the point's start (s).
+    pub arrival_s: f64,
+    /// How long after its arrival it was sent (ms): above ~0 only at the in-flight cap.
+    pub late_ms: f64,
+    /// Whether it succeeded.
+    pub ok: bool,
+    /// Its failure kind, if it failed.
+    pub error: Option<String>,
+    /// Time to first token from the scheduled arrival (ms).
+    pub ttft_ms: Option<f64>,
+    /// End-to-end latency from the scheduled arrival (ms).
+    pub latency_ms: Option<f64>,
+    /// Output tokens (server's `usage`, else content chunks).
+    pub output_tokens: u64,
+    /// Time per output token after the first (ms).
+    pub tpot_ms: Option<f64>,
+}
+
+impl RequestRecord {
+    /// Whether it meets the TTFT objective of `slo` (a failure meets nothing).
+    pub fn meets_ttft(&self, slo: &Slo) -> bool {
+        self.ok && self.ttft_ms.is_some_and(|t| t <= slo.ttft_ms)
+    }
+
+    /// Whether it meets the TPOT objective of `slo`; a successful request of one token has
+    /// no TPOT and meets it.
+    pub fn meets_tpot(&self, slo: &Slo) -> bool {
+        self.ok && self.tpot_ms.is_none_or(|t| t <= slo.tpot_ms)
+    }
+}
+
+/// The fraction of requests that meet an SLO pair.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Attainment {
+    /// The pair.
+    pub slo: Slo,
+    /// Both objectives.
+    pub both: f64,
+    /// The TTFT objective alone.
+    pub ttft: f64,
+    /// The TPOT objective alone.
+    pub tpot: f64,
+}
+
+/// Attainment of `slo` over `records` (failures included, meeting nothing); `None` for no
+/// records.
+pub fn attainment<'a>(records: impl IntoIterator<Item = &'a RequestRecord>, slo: Slo) -> Option<Attainment> {
+    let (mut n, mut both, mut ttft, mut tpot) = (0u64, 0u64, 0u64, 0u64);
+    for r in records {
+        let (a, b) = (r.meets_ttft(&slo), r.meets_tpot(&slo));
+        n += 1;
+        ttft += u64::from(a);
+        tpot += u64::from(b);
+        both += u64::from(a && b);
+    }
+    let frac = |k: u64| k as f64 / n as f64;
+    (n > 0).then(|| Attainment { slo, both: frac(both), ttft: frac(ttft), tpot: frac(tpot) })
+}
+
+/// How a goodput figure was found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GoodputKind {
+    /// Interpolated between the last rate at or above the target and the first below it.
+    Interpolated,
+    /// Even the lowest rate missed the target: goodput 0.
+    BelowLowestRate,
+    /// No rate missed the target: goodput is at least the highest rate measured.
+    AtLeastHighestRate,
+    /// No rates.
+    NoData,
+}
+
+/// The goodput of one SLO pair.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Goodput {
+    /// The pair.
+    pub slo: Slo,
+    /// Requests/s (a lower bound with [`GoodputKind::AtLeastHighestRate`]).
+    pub rate: f64,
+    /// How it was found.
+    pub kind: GoodputKind,
+    /// In words.
+    pub note: String,
+}
+
+/// Goodput from `(rate, attainment)` points: the rate where attainment crosses `target`,
+/// interpolated linearly between the two rates that bracket it. Points are taken in rate
+/// order; with a non-monotone curve the *first* crossing counts: the last rate before the
+/// first one below `target` (a higher rate that recovers does not raise goodput, since
+/// the server already failed a lower load). Exactly `target` meets it. If the lowest rate
+/// misses, goodput is 0.
+pub fn goodput(slo: Slo, points: &[(f64, f64)], target: f64) -> Goodput {
+    let mut p: Vec<(f64, f64)> = points.iter().copied().filter(|(r, a)| r.is_finite() && a.is_finite()).collect();
+    p.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let pct = |a: f64| a * 100.0;
+    let Some(&(r0, a0)) = p.first() else {
+        return Goodput { slo, rate: 0.0, kind: GoodputKind::NoData, note: "no rates measured".into() };
+    };
+    if a0 < target {
+        return Goodput {
+            slo,
+            rate: 0.0,
+            kind: GoodputKind::BelowLowestRate,
+            note: format!("goodput 0: even the lowest rate, {r0} req/s, met the SLOs for only {:.1}% of requests", pct(a0)),
+        };
+    }
+    match p.windows(2).find(|w| w[1].1 < target) {
+        None => {
+            let &(rn, an) = p.last().unwrap_or(&(r0, a0));
+            Goodput {
+                slo,
+                rate: rn,
+                kind: GoodputKind::AtLeastHighestRate,
+                note: format!("at least {rn} req/s: the highest rate measured still met the SLOs for {:.1}% of requests", pct(an)),
+            }
+        }
+        Some(w) => {
+            let ((lo, alo), (hi, ahi)) = (w[0], w[1]);
+            let rate = lo + (alo - target) / (alo - ahi) * (hi - lo);
+            Goodput {
+                slo,
+                rate,
+                kind: GoodputKind::Interpolated,
+                note: format!("{rate:.3} req/s: attainment falls from {:.1}% at {lo} req/s to {:.1}% at {hi} req/s", pct(alo), pct(ahi)),
+            }
+        }
+    }
+}
+
+/// One tenant's share of a point.
+#[derive(Debug, Clone, Serialize)]
+pub struct TenantPoint {
+    /// The tenant.
+    pub tenant: usize,
+    /// Its offered rate (requests/s).
+    pub rate: f64,
+    /// Its requests.
+    pub sent: u64,
+    /// Those that succeeded.
+    pub ok: u64,
+    /// Attainment per SLO pair.
+    pub attainment: Vec<Attainment>,
+    /// Its TTFT (ms).
+    pub ttft_ms: Option<Summary>,
+    /// Its TPOT (ms).
+    pub tpot_ms: Option<Summary>,
+}
+
+/// The results at one offered rate.
+#[derive(Debug, Clone, Serialize)]
+pub struct RatePoint {
+    /// Offered rate, all tenants together (requests/s).
+    pub rate: f64,
+    /// Requests sent.
+    pub sent: u64,
+    /// The rate actually drawn: requests sent over the window when it cut the arrivals,
+    /// else over the time to the last arrival.
+    pub arrival_rate: f64,
+    /// Requests that succeeded.
+    pub ok: u64,
+    /// Requests that failed.
+    pub failed: u64,
+    /// Failures by kind.
+    pub errors: BTreeMap<String, u64>,
+    /// The first few failure messages.
+    pub error_examples: Vec<String>,
+    /// From the first arrival to the last answer (s).
+    pub duration_s: f64,
+    /// Successful requests per second over `duration_s`.
+    pub requests_per_s: f64,
+    /// Output tokens of successful requests per second over `duration_s`.
+    pub output_tokens_per_s: f64,
+    /// Most requests in flight at once.
+    pub max_in_flight: usize,
+    /// Arrivals that found the in-flight cap full and were sent late.
+    pub cap_waits: u64,
+    /// Successful requests that returned fewer tokens than asked.
+    pub short_outputs: u64,
+    /// Attainment per SLO pair, all tenants together.
+    pub attainment: Vec<Attainment>,
+    /// TTFT from arrival (ms), successful requests.
+    pub ttft_ms: Option<Summary>,
+    /// TPOT (ms), successful requests.
+    pub tpot_ms: Option<Summary>,
+    /// End-to-end latency from arrival (ms), successful requests.
+    pub latency_ms: Option<Summary>,
+    /// Per tenant, when the point has several.
+    pub tenants: Vec<TenantPoint>,
+}
+
+/// Facts about a point's run that its records do not hold.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PointRun {
+    /// From the point's start to the last answer.
+    pub elapsed: Duration,
+    /// The last arrival.
+    pub last_arrival: Duration,
+    /// The window, when it (not the request count) ended the arrivals.
+    pub window_cut: Option<Duration>,
+    /// Most requests in flight at once.
+    pub max_in_flight: usize,
+    /// Arrivals that waited for the in-flight cap.
+    pub cap_waits: u64,
+}
+
+/// A request as measured, before it is judged.
+#[derive(Debug, Clone)]
+struct Measured {
+    record: RequestRecord,
+    message: Option<String>,
+    max_tokens: u32,
+}
+
+/// Summarise one point's records (their `point` fields are not checked).
+fn rate_point(rates: &[f64], records: &[Measured], slos: &[Slo], run: PointRun) -> RatePoint {
+    let mut errors = BTreeMap::new();
+    let mut error_examples = Vec::new();
+    let (mut ok, mut tokens, mut short) = (0u64, 0u64, 0u64);
+    for m in records {
+        let r = &m.record;
+        if r.ok {
+            ok += 1;
+            tokens += r.output_tokens;
+            short += u64::from(r.output_tokens < u64::from(m.max_tokens));
+        } else {
+            *errors.entry(r.error.clone().unwrap_or_default()).or_insert(0) += 1;
+            if let Some(msg) = &m.message
+                && error_examples.len() < ERROR_EXAMPLES
+            {
+                error_examples.push(msg.chars().take(300).collect());
+            }
+        }
+    }
+    let recs: Vec<&RequestRecord> = records.iter().map(|m| &m.record).collect();
+    let summary = |f: fn(&RequestRecord) -> Option<f64>, tenant: Option<usize>| {
+        let v: Vec<f64> = recs.iter().filter(|r| r.ok && tenant.is_none_or(|t| r.tenant == t)).filter_map(|r| f(r)).collect();
+        Summary::of(&v)
+    };
+    let attain = |tenant: Option<usize>| {
+        slos.iter()
+            .filter_map(|&s| attainment(recs.iter().copied().filter(|r| tenant.is_none_or(|t| r.tenant == t)), s))
+            .collect::<Vec<_>>()
+    };
+    let tenants = if rates.len() > 1 {
+        rates
+            .iter()
+            .enumerate()
+            .map(|(t, &rate)| TenantPoint {
+                tenant: t,
+                rate,
+                sent: recs.iter().filter(|r| r.tenant == t).count() as u64,
+                ok: recs.iter().filter(|r| r.tenant == t && r.ok).count() as u64,
+                attainment: attain(Some(t)),
+                ttft_ms: summary(|r| r.ttft_ms, Some(t)),
+                tpot_ms: summary(|r| r.tpot_ms, Some(t)),
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let secs = run.elapsed.as_secs_f64().max(1e-9);
+    let sent = records.len() as u64;
+    RatePoint {
+        rate: rates.iter().sum(),
+        sent,
+        arrival_rate: sent as f64 / run.window_cut.unwrap_or(run.last_arrival).as_secs_f64().max(1e-9),
+        ok,
+        failed: sent - ok,
+        errors,
+        error_examples,
+        duration_s: secs,
+        requests_per_s: ok as f64 / secs,
+        output_tokens_per_s: tokens as f64 / secs,
+        max_in_flight: run.max_in_flight,
+        cap_waits: run.cap_waits,
+        short_outputs: short,
+        attainment: attain(None),
+        ttft_ms: summary(|r| r.ttft_ms, None),
+        tpot_ms: summary(|r| r.tpot_ms, None),
+        latency_ms: summary(|r| r.latency_ms, None),
+        tenants,
+    }
+}
+
+/// The result of an open-loop run.
+#[derive(Debug, Clone, Serialize)]
+pub struct OpenLoopReport {
+    /// Always `"open-loop"`, so plotting can tell this report from others.
+    pub mode: &'static str,
+    /// The server's name in plots.
+    pub label: String,
+    /// Server.
+    pub url: String,
+    /// Endpoint.
+    pub api: Api,
+    /// Model asked for.
+    pub model: String,
+    /// Prompt length distribution (words).
+    pub prompt_words: Dist,
+    /// `max_tokens` distribution.
+    pub max_tokens: Dist,
+    /// Seed of prompts and arrival times.
+    pub seed: u64,
+    /// `ignore_eos` sent.
+    pub ignore_eos: bool,
+    /// Warm-up requests sent one at a time before the first point (not counted).
+    pub warmup: u64,
+    /// A point's arrivals stop after this many requests...
+    pub max_requests_per_point: Option<u64>,
+    /// ...or this many seconds, whichever first.
+    pub window_s: Option<f64>,
+    /// The in-flight cap.
+    pub max_in_flight: usize,
+    /// The SLO pairs judged.
+    pub slos: Vec<Slo>,
+    /// The sweep's early-stop floor, if any.
+    pub stop_below: Option<f64>,
+    /// The goodput target (0.9).
+    pub target: f64,
+    /// One per offered rate.
+    pub points: Vec<RatePoint>,
+    /// Goodput per SLO pair (a sweep, one tenant per point; empty otherwise).
+    pub goodput: Vec<Goodput>,
+    /// Every measured request, for judging other SLO pairs later.
+    pub requests: Vec<RequestRecord>,
+}
+
+impl OpenLoopReport {
+    /// Whether any request succeeded.
+    pub fn any_ok(&self) -> bool {
+        self.points.iter().any(|p| p.ok > 0)
+    }
+}
+
+/// Check the settings before any request is sent.
+fn validate(clients: &[Client], cfg: &OpenLoopConfig) -> Result<(), ClientError> {
+    let bad = |m: String| Err(ClientError::Config(m));
+    if cfg.points.is_empty() {
+        return bad("give at least one rate".into());
+    }
+    if cfg.max_requests.is_none() && cfg.window.is_none() {
+        return bad("give a request count or a duration per rate".into());
+    }
+    if cfg.max_requests == Some(0) || cfg.window.is_some_and(|w| w.is_zero()) {
+        return bad("the request count and duration per rate must be positive".into());
+    }
+    if cfg.max_in_flight == 0 {
+        return bad("the in-flight cap must be at least 1".into());
+    }
+    if !cfg.requests.stream {
+        return bad("open-loop runs stream: TTFT and TPOT need the timing of each token".into());
+    }
+    if cfg.slos.is_empty()
+        || cfg.slos.iter().any(|s| !(s.ttft_ms > 0.0 && s.tpot_ms > 0.0 && s.ttft_ms.is_finite() && s.tpot_ms.is_finite()))
+    {
+        return bad("give at least one SLO pair, each of positive finite values".into());
+    }
+    for p in &cfg.points {
+        if p.is_empty() || p.iter().any(|r| !(r.is_finite() && *r > 0.0)) {
+            return bad(format!("rates must be positive and finite: {p:?}"));
+        }
+        if p.len() > clients.len() {
+            return bad(format!("{} tenants' rates but {} clients", p.len(), clients.len()));
+        }
+    }
+    Ok(())
+}
+
+/// Run every point against the server, one after another (each waits for the previous
+/// point's requests to finish). `progress` sees each point as it completes.
+pub async fn run(clients: &[Client], cfg: &OpenLoopConfig, mut progress: impl FnMut(&RatePoint)) -> Result<OpenLoopReport, ClientError> {
+    validate(clients, cfg)?;
+    let Some(first) = clients.first() else { return Err(ClientError::Config("no client".into())) };
+    let base = &cfg.requests;
+    for i in 0..base.warmup {
+        let r = first.complete(&base.request(i), HangUp::Never).await;
+        tracing::debug!(i, ok = r.as_ref().is_ok_and(|o| o.ok(true)), "warm-up request");
+    }
+    let mut next_index = base.warmup;
+    let (mut points, mut requests) = (Vec::new(), Vec::new());
+    for (p, rates) in cfg.points.iter().enumerate() {
+        let plan = arrivals(base.seed, p, rates, cfg.max_requests, cfg.window);
+        let (measured, run) = run_point(clients, cfg, p, &plan, next_index).await?;
+        next_index += plan.len() as u64;
+        let point = rate_point(rates, &measured, &cfg.slos, run);
+        progress(&point);
+        let hopeless = cfg.stop_below.is_some_and(|floor| point.attainment.iter().all(|a| a.both < floor));
+        points.push(point);
+        requests.extend(measured.into_iter().map(|m| m.record));
+        if hopeless && p + 1 < cfg.points.len() {
+            tracing::info!(rate = points[p].rate, "every SLO pair's attainment is below --stop-below: the sweep ends here");
+            break;
+        }
+    }
+    let goodput = if cfg.points.iter().all(|p| p.len() == 1) {
+        cfg.slos
+            .iter()
+            .enumerate()
+            .map(|(i, &slo)| {
+                let curve: Vec<(f64, f64)> = points.iter().filter_map(|p| p.attainment.get(i).map(|a| (p.rate, a.both))).collect();
+                goodput(slo, &curve, GOODPUT_TARGET)
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    Ok(OpenLoopReport {
+        mode: "open-loop",
+        label: cfg.label.clone(),
+        url: first.config().url.to_string(),
+        api: base.api,
+        model: base.model.clone(),
+        prompt_words: base.prompt_tokens,
+        max_tokens: base.output_tokens,
+        seed: base.seed,
+        ignore_eos: base.ignore_eos,
+        warmup: base.warmup,
+        max_requests_per_point: cfg.max_requests,
+        window_s: cfg.window.map(|w| w.as_secs_f64()),
+        max_in_flight: cfg.max_in_flight,
+        slos: cfg.slos.clone(),
+        stop_below: cfg.stop_below,
+        target: GOODPUT_TARGET,
+        points,
+        goodput,
+        requests,
+    })
+}
+
+/// Send one point's requests at their arrival times and wait for all of them.
+async fn run_point(
+    clients: &[Client],
+    cfg: &OpenLoopConfig,
+    point: usize,
+    plan: &[Arrival],
+    first_index: u64,
+) -> Result<(Vec<Measured>, PointRun), ClientError> {
+    let gate = Arc::new(Semaphore::new(cfg.max_in_flight));
+    let measured = Arc::new(Mutex::new(Vec::with_capacity(plan.len())));
+    let mut tasks = tokio::task::JoinSet::new();
+    let (mut max_in_flight, mut cap_waits) = (0usize, 0u64);
+    let start = Instant::now();
+    for (k, a) in plan.iter().enumerate() {
+        let req = cfg.requests.request(first_index + k as u64);
+        let scheduled = start + a.at;
+        tokio::time::sleep_until(scheduled).await;
+        let permit = match gate.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                cap_waits += 1;
+                gate.clone().acquire_owned().await.map_err(|e| ClientError::Config(format!("in-flight gate closed: {e}")))?
+            }
+        };
+        max_in_flight = max_in_flight.max(cfg.max_in_flight - gate.available_permits());
+        let (client, measured, a) = (clients[a.tenant].clone(), measured.clone(), *a);
+        tasks.spawn(async move {
+            let _permit = permit;
+            let late = Instant::now() - scheduled;
+            let r = classify(client.complete(&req, HangUp::Never).await, true);
+            let ms = |d: Duration| (d + late).as_secs_f64() * 1e3;
+            let mut record = RequestRecord {
+                point,
+                tenant: a.tenant,
+                arrival_s: a.at.as_secs_f64(),
+                late_ms: late.as_secs_f64() * 1e3,
+                ok: r.is_ok(),
+                error: None,
+                ttft_ms: None,
+                latency_ms: None,
+                output_tokens: 0,
+                tpot_ms: None,
+            };
+            let message = match r {
+                Ok(o) => {
+                    record.ttft_ms = o.ttft.map(ms);
+                    record.latency_ms = Some(ms(o.latency));
+                    record.output_tokens = o.output_tokens();
+                    record.tpot_ms = o.ttft.and_then(|t| tpot_ms(ms(o.latency), ms(t), o.output_tokens()));
+                    // A stream whose first token never came cannot be judged on TTFT:
+                    // count it as a failure, not a success that meets nothing.
+                    if record.ttft_ms.is_none() {
+                        record.ok = false;
+                        record.error = Some("no_tokens".into());
+                    }
+                    None
+                }
+                Err((kind, msg)) => {
+                    record.error = Some(kind);
+                    Some(msg)
+                }
+            };
+            measured.lock().unwrap_or_else(PoisonError::into_inner).push(Measured { record, message, max_tokens: req.max_tokens });
+        });
+    }
+    let last_arrival = plan.last().map_or(Duration::ZERO, |a| a.at);
+    while let Some(r) = tasks.join_next().await {
+        if let Err(e) = r {
+            return Err(ClientError::Config(format!("a request task failed: {e}")));
+        }
+    }
+    let elapsed = start.elapsed();
+    let mut measured = std::mem::take(&mut *measured.lock().unwrap_or_else(PoisonError::into_inner));
+    measured.sort_by(|a, b| a.record.arrival_s.total_cmp(&b.record.arrival_s));
+    let window_cut = cfg.window.filter(|_| cfg.max_requests.is_none_or(|m| (plan.len() as u64) < m));
+    Ok((measured, PointRun { elapsed, last_arrival, window_cut, max_in_flight, cap_waits }))
+}
+
+fn pct(x: f64) -> String {
+    format!("{:5.1}%", x * 100.0)
+}
+
+fn ptiles(s: &Option<Summary>) -> String {
+    s.map_or_else(|| format!("{:>20}", "-"), |s| format!("{:6.0} {:6.0} {:6.0}", s.p50, s.p90, s.p99))
+}
+
+impl RatePoint {
+    /// One line of the text table (see [`OpenLoopReport`]'s `Display`).
+    pub fn line(&self) -> String {
+        let mut s = format!(
+            "{:7.2} {:7.2} {:5} {:5} {:5} {:7.3} {:8.1}  {}  {}",
+            self.rate,
+            self.arrival_rate,
+            self.sent,
+            self.ok,
+            self.failed,
+            self.requests_per_s,
+            self.output_tokens_per_s,
+            ptiles(&self.ttft_ms),
+            ptiles(&self.tpot_ms)
+        );
+        for a in &self.attainment {
+            s.push_str(&format!("  {} {} {}", pct(a.both), pct(a.ttft), pct(a.tpot)));
+        }
+        if self.cap_waits > 0 {
+            s.push_str(&format!("  (in-flight cap hit {}x)", self.cap_waits));
+        }
+        s
+    }
+
+    /// The table's header lines for `slos`.
+    pub fn header(slos: &[Slo]) -> String {
+        let mut top = format!(
+            "{:>7} {:>7} {:>5} {:>5} {:>5} {:>7} {:>8}  {:^20}  {:^20}",
+            "rate", "drawn", "sent", "ok", "fail", "req/s", "tok/s", "TTFT ms p50/p90/p99", "TPOT ms p50/p90/p99"
+        );
+        for (i, _) in slos.iter().enumerate() {
+            top.push_str(&format!("  {:^20}", format!("SLO {} both/TTFT/TPOT", i + 1)));
+        }
+        top
+    }
+}
+
+impl std::fmt::Display for OpenLoopReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "open-loop loadgen ({}): {} {} (model {}), prompt {} words, max_tokens {}{}, seed {}",
+            self.label,
+            self.url,
+            self.api.path(),
+            self.model,
+            self.prompt_words,
+            self.max_tokens,
+            if self.ignore_eos { " (ignore_eos)" } else { "" },
+            self.seed
+        )?;
+        let n = self.max_requests_per_point.map(|n| format!("{n} requests"));
+        let w = self.window_s.map(|w| format!("{w} s"));
+        writeln!(
+            f,
+            "  Poisson arrivals; per rate {} (whichever first), after {} warm-up requests; in-flight cap {}",
+            [n, w].into_iter().flatten().collect::<Vec<_>>().join(" or "),
+            self.warmup,
+            self.max_in_flight
+        )?;
+        for (i, s) in self.slos.iter().enumerate() {
+            writeln!(f, "  SLO {}: {s}", i + 1)?;
+        }
+        writeln!(f, "{}", RatePoint::header(&self.slos))?;
+        for p in &self.points {
+            writeln!(f, "{}", p.line())?;
+            for t in &p.tenants {
+                write!(f, "    tenant {} at {:.2} req/s: {} sent, {} ok", t.tenant, t.rate, t.sent, t.ok)?;
+                for (i, a) in t.attainment.iter().enumerate() {
+                    write!(f, "; SLO {} both {} (TTFT {}, TPOT {})", i + 1, pct(a.both).trim(), pct(a.ttft).trim(), pct(a.tpot).trim())?;
+                }
+                if let (Some(tt), Some(tp)) = (t.ttft_ms, t.tpot_ms) {
+                    write!(f, "; TTFT p90 {:.0} ms, TPOT p90 {:.1} ms", tt.p90, tp.p90)?;
+                }
+                writeln!(f)?;
+            }
+            for (kind, n) in &p.errors {
+                writeln!(f, "    errors: {kind} x {n}")?;
+            }
+            for e in &p.error_examples {
+                writeln!(f, "      e.g. {e}")?;
+            }
+            if p.short_outputs > 0 {
+                writeln!(f, "    note: {} requests ended before max_tokens", p.short_outputs)?;
+            }
+        }
+        for (i, g) in self.goodput.iter().enumerate() {
+            writeln!(f, "goodput, SLO {} ({}): {}", i + 1, g.slo, g.note)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CHAT: Slo = Slo { ttft_ms: 2500.0, tpot_ms: 100.0 };
+
+    fn rec(ok: bool, ttft: f64, tpot: f64) -> RequestRecord {
+        RequestRecord {
+            point: 0,
+            tenant: 0,
+            arrival_s: 0.0,
+            late_ms: 0.0,
+            ok,
+            error: (!ok).then(|| "io".into()),
+            ttft_ms: ok.then_some(ttft),
+            latency_ms: ok.then_some(ttft + 127.0 * tpot),
+            output_tokens: 128,
+            tpot_ms: ok.then_some(tpot),
+        }
+    }
+
+    #[test]
+    fn tpot_divides_the_time_after_the_first_token_by_the_tokens_after_it() {
+        assert_eq!(tpot_ms(1500.0, 230.0, 128), Some(10.0));
+        assert_eq!(tpot_ms(500.0, 500.0, 2), Some(0.0));
+        assert_eq!(tpot_ms(500.0, 400.0, 1), None, "one token: nothing to divide");
+        assert_eq!(tpot_ms(500.0, 400.0, 0), None);
+    }
+
+    #[test]
+    fn attainment_counts_each_objective_and_failures_meet_neither() {
+        let rs = [
+            rec(true, 1000.0, 50.0),  // both
+            rec(true, 2500.0, 100.0), // both, exactly at the limits
+            rec(true, 3000.0, 50.0),  // TPOT only
+            rec(true, 1000.0, 150.0), // TTFT only
+            rec(false, 0.0, 0.0),     // neither
+        ];
+        let a = attainment(&rs, CHAT).unwrap();
+        assert_eq!((a.both, a.ttft, a.tpot), (0.4, 0.6, 0.6));
+        assert!(attainment(&[], CHAT).is_none());
+        let mut one = rec(true, 100.0, 0.0);
+        one.tpot_ms = None;
+        assert_eq!(attainment(&[one], CHAT).unwrap().both, 1.0, "a one-token answer has no TPOT to miss");
+    }
+
+    #[test]
+    fn goodput_interpolates_between_the_rates_that_bracket_ninety_percent() {
+        let g = goodput(CHAT, &[(1.0, 1.0), (2.0, 0.95), (4.0, 0.85), (8.0, 0.2)], 0.9);
+        assert_eq!(g.kind, GoodputKind::Interpolated);
+        assert!((g.rate - 3.0).abs() < 1e-9, "{}", g.rate);
+        // Given out of order: sorted by rate first.
+        let g2 = goodput(CHAT, &[(8.0, 0.2), (4.0, 0.85), (1.0, 1.0), (2.0, 0.95)], 0.9);
+        assert_eq!(g2.rate, g.rate);
+    }
+
+    #[test]
+    fn goodput_is_zero_with_a_message_when_even_the_lowest_rate_misses() {
+        let g = goodput(CHAT, &[(0.5, 0.8), (1.0, 0.5)], 0.9);
+        assert_eq!((g.rate, g.kind), (0.0, GoodputKind::BelowLowestRate));
+        assert!(g.note.contains("goodput 0") && g.note.contains("0.5 req/s") && g.note.contains("80.0%"), "{}", g.note);
+        assert_eq!(goodput(CHAT, &[], 0.9).kind, GoodputKind::NoData);
+    }
+
+    #[test]
+    fn exactly_ninety_percent_meets_the_target() {
+        let g = goodput(CHAT, &[(1.0, 1.0), (2.0, 0.9), (3.0, 0.5)], 0.9);
+        assert_eq!((g.rate, g.kind), (2.0, GoodputKind::Interpolated));
+        let g = goodput(CHAT, &[(1.0, 0.9), (2.0, 0.9)], 0.9);
+        assert_eq!((g.rate, g.kind), (2.0, GoodputKind::AtLeastHighestRate));
+        assert!(g.note.starts_with("at least 2"), "{}", g.note);
+    }
+
+    #[test]
+    fn a_non_monotone_curve_takes_the_first_fall_below_the_target() {
+        // Falls below at 3, recovers at 4 (noise), falls again at 6: the first crossing counts.
+        let g = goodput(CHAT, &[(1.0, 1.0), (2.0, 0.94), (3.0, 0.86), (4.0, 0.95), (6.0, 0.3)], 0.9);
+        assert_eq!(g.kind, GoodputKind::Interpolated);
+        assert!((g.rate - 2.5).abs() < 1e-9, "{}", g.rate);
+    }
+
+    #[test]
+    fn arrivals_are_seeded_poisson_and_stop_at_the_first_bound() {
+        let a = arrivals(7, 0, &[4.0], Some(2000), None);
+        assert_eq!(a, arrivals(7, 0, &[4.0], Some(2000), None));
+        assert_ne!(a, arrivals(8, 0, &[4.0], Some(2000), None));
+        assert_ne!(a, arrivals(7, 1, &[4.0], Some(2000), None), "each point has its own stream");
+        assert_eq!(a.len(), 2000);
+        assert!(a.windows(2).all(|w| w[0].at <= w[1].at));
+        // Mean gap 1/rate; exponential gaps have standard deviation equal to their mean.
+        let gaps: Vec<f64> =
+            std::iter::once(a[0].at.as_secs_f64()).chain(a.windows(2).map(|w| (w[1].at - w[0].at).as_secs_f64())).collect();
+        let mean = gaps.iter().sum::<f64>() / gaps.len() as f64;
+        let sd = (gaps.iter().map(|g| (g - mean).powi(2)).sum::<f64>() / gaps.len() as f64).sqrt();
+        assert!((mean - 0.25).abs() < 0.02 && (sd - 0.25).abs() < 0.03, "mean {mean} sd {sd}");
+        // A window shorter than the count's time stops first.
+        let w = arrivals(7, 0, &[4.0], Some(2000), Some(Duration::from_secs(10)));
+        assert!((25..=60).contains(&w.len()) && w.iter().all(|x| x.at < Duration::from_secs(10)), "{}", w.len());
+        assert_eq!(w[..], a[..w.len()], "the same draws, cut earlier");
+    }
+
+    #[test]
+    fn tenants_share_one_window_and_the_count_covers_all_of_them() {
+        let a = arrivals(3, 0, &[10.0, 1.0], None, Some(Duration::from_secs(60)));
+        let n = |t| a.iter().filter(|x| x.tenant == t).count() as f64;
+        assert!((n(0) / 600.0 - 1.0).abs() < 0.15 && (n(1) / 60.0 - 1.0).abs() < 0.4, "{} {}", n(0), n(1));
+        let capped = arrivals(3, 0, &[10.0, 1.0], Some(100), Some(Duration::from_secs(60)));
+        assert_eq!(capped.len(), 100);
+        assert_eq!(capped[..], a[..100]);
+    }
+
+    #[test]
+    fn a_point_summarises_attainment_per_tenant() {
+        let m = |tenant, ok, ttft, tpot| {
+            let mut record = rec(ok, ttft, tpot);
+            record.tenant = tenant;
+            Measured { record, message: (!ok).then(|| "boom".into()), max_tokens: 128 }
+        };
+        let ms = [m(0, true, 3000.0, 10.0), m(0, false, 0.0, 0.0), m(1, true, 100.0, 10.0), m(1, true, 200.0, 20.0)];
+        let run = PointRun {
+            elapsed: Duration::from_secs(2),
+            last_arrival: Duration::from_secs(1),
+            window_cut: None,
+            max_in_flight: 3,
+            cap_waits: 0,
+        };
+        let p = rate_point(&[8.0, 0.5], &ms, &[CHAT], run);
+        assert_eq!((p.rate, p.sent, p.ok, p.failed, p.arrival_rate), (8.5, 4, 3, 1, 4.0));
+        assert_eq!(p.attainment[0].both, 0.5);
+        assert_eq!(p.tenants.len(), 2);
+        assert_eq!((p.tenants[0].sent, p.tenants[0].attainment[0].both), (2, 0.0));
+        assert_eq!((p.tenants[1].sent, p.tenants[1].attainment[0].both), (2, 1.0));
+        assert_eq!(p.errors.get("io"), Some(&1));
+        assert_eq!(p.error_examples, vec!["boom".to_string()]);
+        assert_eq!(p.ttft_ms.unwrap().count, 3, "failures have no TTFT");
+    }
+}
