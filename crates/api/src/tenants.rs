@@ -129,6 +129,24 @@ fn hex32(s: &str) -> Option<[u8; 32]> {
     Some(out)
 }
 
+/// Whether `headers` carry exactly one bearer token whose SHA-256 is `digest` (compared
+/// in constant time): the operator's key for its own pages.
+pub fn bearer_matches(headers: &HeaderMap, digest: &[u8; 32]) -> bool {
+    let mut values = headers.get_all(header::AUTHORIZATION).iter();
+    let (Some(v), None) = (values.next(), values.next()) else { return false };
+    let Some(token) =
+        v.to_str().ok().and_then(|v| v.split_once(' ')).filter(|(s, _)| s.eq_ignore_ascii_case("bearer")).map(|(_, t)| t.trim())
+    else {
+        return false;
+    };
+    constant_time_eq::constant_time_eq(&sha256(token.as_bytes()), digest)
+}
+
+/// The SHA-256 of a key, as [`bearer_matches`] compares it.
+pub fn key_digest(key: &str) -> [u8; 32] {
+    sha256(key.as_bytes())
+}
+
 impl Tenants {
     /// No authentication: one tenant, `default`.
     pub fn open() -> Self {

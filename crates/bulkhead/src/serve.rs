@@ -260,6 +260,12 @@ pub struct ServeArgs {
     /// One API key every /v1/ request must carry (one tenant, `default`); vLLM's flag.
     #[arg(long, env = "BULKHEAD_API_KEY")]
     api_key: Option<String>,
+    /// The operator's key (gateway): with it, `/metrics/tenants` serves per-tenant series
+    /// (latencies, outcomes, tokens, refusals, waiting requests, labelled with tenant names)
+    /// to a bearer of this key only; without it, that page is not served. `/metrics` keeps
+    /// cluster-wide series only.
+    #[arg(long, env = "BULKHEAD_ADMIN_KEY")]
+    admin_key: Option<String>,
     /// The chat page at `/` and the live isolation dashboard at `/dashboard` (gateway): on or
     /// off. Default: on when --host is a loopback address or API keys are required (--tenants,
     /// --api-key), off otherwise.
@@ -482,6 +488,11 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
         body_timeout: Duration::from_millis(a.http_body_timeout_ms.max(1)),
         trust,
         web_ui: web_ui_on(a.web_ui, &a.host, tenants.authenticates()),
+        admin_key_sha256: match a.admin_key.as_deref() {
+            Some("") => anyhow::bail!("--admin-key is empty"),
+            Some(k) => Some(bulkhead_api::tenants::key_digest(k)),
+            None => None,
+        },
         tenants: Arc::new(tenants),
         prefix_cache: !a.no_prefix_cache,
     };

@@ -102,6 +102,7 @@ fn keys_pick_tenants_and_a_cached_prefix_is_reused_only_within_one_tenant_and_sa
         assert_eq!(v["error"]["code"], "invalid_api_key", "{v}");
     }
     assert_eq!(support::request(&s.http, "GET", "/health", &[], "").status, 200, "liveness needs no key");
+    assert_eq!(support::request(&s.http, "GET", "/metrics/tenants", &[], "").status, 404, "not served without --admin-key");
     // A bad salt: 400 naming it.
     for salt in [json!("x".repeat(257)), json!(7), json!(["a"])] {
         let (status, v) = chat(&s, Some(KEY_A), json!({ "cache_salt": salt }), "Where is the red lamp?");
@@ -252,7 +253,7 @@ fn a_tenant_over_its_limits_gets_429_naming_the_limit_and_another_tenant_is_serv
          [[tenant]]\nname = \"beta\"\napi_keys = [\"{KEY_B}\"]\nweight = 2\n"
     );
     std::fs::write(&path, text).expect("tenants file");
-    let s = serve(&["--tenants", path.to_str().unwrap()]);
+    let s = serve(&["--tenants", path.to_str().unwrap(), "--admin-key", "op-key"]);
     let auth_a = format!("Bearer {KEY_A}");
     // A long answer keeps alpha's one slot busy.
     let long = json!({"model": MODEL_ID, "max_tokens": 200, "ignore_eos": true, "temperature": 0,
@@ -292,5 +293,20 @@ fn a_tenant_over_its_limits_gets_429_naming_the_limit_and_another_tenant_is_serv
     assert!(r.body.contains("tokens_per_minute_exceeded"), "{}", r.body);
     let wait: u32 = r.headers.get("retry-after").and_then(|v| v.parse().ok()).expect("Retry-After");
     assert!(wait >= 1, "{wait}");
+    // The per-tenant series are the operator's: its key only; tenant names, never keys.
+    for key in [None, Some(KEY_A), Some("op-ke")] {
+        let auth = key.map(|k| format!("Bearer {k}"));
+        let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("Authorization", a.as_str())).collect();
+        assert_eq!(support::request(&s.http, "GET", "/metrics/tenants", &headers, "").status, 401, "{key:?}");
+    }
+    let page = support::request(&s.http, "GET", "/metrics/tenants", &[("Authorization", "Bearer op-key")], "");
+    assert_eq!(page.status, 200, "{}", page.body);
+    let samples = support::parse(&page.body).expect("the per-tenant page parses as Prometheus text");
+    let refused = |code: &str| support::sum(&samples, "bulkhead:tenant_refusals_total", &[("tenant", "alpha"), ("code", code)]);
+    assert_eq!(refused("concurrency_limit_exceeded"), 1.0, "{}", page.body);
+    assert!(refused("tokens_per_minute_exceeded") >= 1.0, "{}", page.body);
+    assert!(support::sum(&samples, "bulkhead:request_success_total", &[("tenant", "beta")]) >= 1.0, "{}", page.body);
+    assert!(!page.body.contains(KEY_A) && !page.body.contains(KEY_B) && !page.body.contains("op-key"));
+    assert!(!support::request(&s.http, "GET", "/metrics", &[], "").body.contains("tenant=\""), "/metrics stays cluster-wide");
     let _ = std::fs::remove_file(path);
 }

@@ -69,6 +69,8 @@ pub struct GatewayOptions {
     pub prefix_cache: bool,
     /// Serve the chat page at `/` and the dashboard at `/dashboard` ([`bulkhead_api::web`]).
     pub web_ui: bool,
+    /// SHA-256 of the operator's key for `/metrics/tenants`; none: that page is not served.
+    pub admin_key_sha256: Option<[u8; 32]>,
 }
 
 /// Why the gateway could not start.
@@ -118,8 +120,9 @@ enum Cmd {
     Tick {
         now_ms: u64,
     },
-    /// Render `/metrics`.
+    /// Render `/metrics`, or with `tenants` the operator's per-tenant series.
     Metrics {
+        tenants: bool,
         reply: oneshot::Sender<String>,
     },
 }
@@ -341,6 +344,7 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
         next_worker: 1,
         registered: [0, 0],
         requests: RequestMetrics::default(),
+        tenants: BTreeMap::new(),
     };
     tokio::spawn(actor.run(inbox));
     let ticker = cmds.clone();
@@ -361,8 +365,24 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
     let hl = TcpListener::bind(&opts.http_addr).await?;
     let http_addr = hl.local_addr()?;
     let backend_shared = shared.clone();
+    let tenant_cmds = cmds.clone();
     let mut app = bulkhead_api::router_with_tenants(Arc::new(ClusterBackend(shared)), opts.tenants.clone())
-        .route("/metrics", axum::routing::get(move || serve_metrics(cmds.clone())));
+        .route("/metrics", axum::routing::get(move || serve_metrics(cmds.clone(), false)));
+    if let Some(digest) = opts.admin_key_sha256 {
+        // Per-tenant series name the tenants and their load: the operator's only (I7).
+        let page = move |headers: axum::http::HeaderMap| {
+            let cmds = tenant_cmds.clone();
+            async move {
+                match bulkhead_api::tenants::bearer_matches(&headers, &digest) {
+                    true => serve_metrics(cmds, true).await,
+                    false => axum::response::IntoResponse::into_response(ApiError::invalid_api_key(
+                        "/metrics/tenants needs the operator's key (--admin-key) as a bearer token.",
+                    )),
+                }
+            }
+        };
+        app = app.route("/metrics/tenants", axum::routing::get(page));
+    }
     if opts.web_ui {
         app = app.merge(bulkhead_api::web::router(opts.tenants.authenticates()));
     }
@@ -378,10 +398,10 @@ fn unix_now() -> u64 {
 }
 
 /// `GET /metrics`: the actor renders, so the figures are one consistent snapshot.
-async fn serve_metrics(cmds: mpsc::Sender<Cmd>) -> axum::response::Response {
+async fn serve_metrics(cmds: mpsc::Sender<Cmd>, tenants: bool) -> axum::response::Response {
     use axum::response::IntoResponse;
     let (reply, text) = oneshot::channel();
-    if cmds.send(Cmd::Metrics { reply }).await.is_err() {
+    if cmds.send(Cmd::Metrics { tenants, reply }).await.is_err() {
         return axum::http::StatusCode::SERVICE_UNAVAILABLE.into_response();
     }
     match text.await {
@@ -400,6 +420,16 @@ struct Client {
     last_token: Option<Instant>,
     /// `messages` or `prompt`: the field a context-length error names.
     prompt_param: &'static str,
+    /// Its tenant's name, for the per-tenant series.
+    tenant: Arc<str>,
+}
+
+/// One tenant's series on `/metrics/tenants`.
+#[derive(Default)]
+struct TenantSeries {
+    requests: RequestMetrics,
+    /// Requests turned away before running, by the code the client got.
+    refused: BTreeMap<&'static str, u64>,
 }
 
 struct WorkerInfo {
@@ -428,6 +458,8 @@ struct Actor {
     /// Workers ever registered per role (prefill, decode): the next metrics label number.
     registered: [u32; 2],
     requests: RequestMetrics,
+    /// The same per tenant, by name.
+    tenants: BTreeMap<Arc<str>, TenantSeries>,
 }
 
 impl Actor {
@@ -438,7 +470,16 @@ impl Actor {
                     let req = RequestId(self.next_req);
                     self.next_req += 1;
                     let prompt_tokens = tokens.len();
-                    let client = Client { events, prompt_tokens, max_tokens: max_tokens as usize, arrived, last_token: None, prompt_param };
+                    let tenant_name: Arc<str> = Arc::from(trace.tenant.as_str());
+                    let client = Client {
+                        events,
+                        prompt_tokens,
+                        max_tokens: max_tokens as usize,
+                        arrived,
+                        last_token: None,
+                        prompt_param,
+                        tenant: tenant_name,
+                    };
                     self.clients.insert(req, client);
                     self.apply(GatewayEvent::Submit { req, tokens, max_tokens, sampling, stop, trace, tenant, cache, priority });
                 }
@@ -468,8 +509,11 @@ impl Actor {
                     }
                     self.apply(GatewayEvent::Tick { now_ms });
                 }
-                Cmd::Metrics { reply } => {
+                Cmd::Metrics { tenants: false, reply } => {
                     let _ = reply.send(self.metrics_text());
+                }
+                Cmd::Metrics { tenants: true, reply } => {
+                    let _ = reply.send(self.tenant_metrics_text());
                 }
             }
         }
@@ -525,10 +569,29 @@ impl Actor {
 
     /// The client of `req` went away: the abort reaches every role (I3).
     fn client_gone(&mut self, req: RequestId) {
-        if self.clients.remove(&req).is_some() {
+        if let Some(c) = self.clients.remove(&req) {
             self.requests.failed("client_gone");
+            self.tenants.entry(c.tenant).or_default().requests.failed("client_gone");
             self.apply(GatewayEvent::ClientGone { req });
         }
+    }
+
+    /// `/metrics/tenants`: each tenant's request series (latencies, outcomes, tokens),
+    /// refusals and requests waiting, labelled with the tenant's name (never a key).
+    fn tenant_metrics_text(&self) -> String {
+        let mut f = Families::new();
+        for (name, s) in &self.tenants {
+            let labels = [("tenant", &**name)];
+            s.requests.export_labeled(&mut f, &labels);
+            for (code, n) in &s.refused {
+                let help = "Requests of a tenant turned away before running, by the error code the client got.";
+                f.counter("bulkhead:tenant_refusals_total", help, &[("tenant", name), ("code", code)], *n);
+            }
+            let waiting = self.clients.values().filter(|c| c.tenant == *name && c.last_token.is_none()).count();
+            let help = "Requests of a tenant admitted and not generating yet (queued, reserving KV, in prefill).";
+            f.gauge("bulkhead:tenant_requests_waiting", help, &labels, waiting as f64);
+        }
+        metrics::render(std::iter::once((&[][..], &f.into_vec()[..])))
     }
 
     /// `/metrics`: the gateway's own families, then every registered worker's latest.
@@ -595,9 +658,19 @@ impl Actor {
         let terminal = out.is_terminal();
         let Some(c) = self.clients.get_mut(&req) else { return };
         let mut events = Vec::new();
+        let series = self.tenants.entry(Arc::clone(&c.tenant)).or_default();
+        if let ClientOutput::Rejected { reason, .. } = &out {
+            let code = match reason {
+                RejectReason::ContextLength => "context_length_exceeded",
+                RejectReason::Capacity => "overloaded",
+                RejectReason::Invalid | RejectReason::Duplicate => "invalid_request",
+            };
+            *series.refused.entry(code).or_default() += 1;
+        }
         match out {
             ClientOutput::Token { token, text, logprobs } => {
                 self.requests.token(c.arrived, c.last_token);
+                series.requests.token(c.arrived, c.last_token);
                 c.last_token = Some(Instant::now());
                 if !text.is_empty() || logprobs.is_some() {
                     events.push(GenEvent::Text { text, logprobs: logprobs.map(|l| (token, l)) });
@@ -609,8 +682,10 @@ impl Actor {
                 }
                 if c.last_token.is_none() && completion_tokens > 0 {
                     self.requests.token(c.arrived, None);
+                    series.requests.token(c.arrived, None);
                 }
                 self.requests.finished(c.arrived, finish.as_str(), prompt_tokens, completion_tokens);
+                series.requests.finished(c.arrived, finish.as_str(), prompt_tokens, completion_tokens);
                 events.push(GenEvent::Finished {
                     reason: finish,
                     prompt_tokens: prompt_tokens as usize,
@@ -642,6 +717,7 @@ impl Actor {
                     FailReason::Internal => ("internal", ApiError::internal(detail)),
                 };
                 self.requests.failed(label);
+                series.requests.failed(label);
                 events.push(GenEvent::Failed(e));
             }
             ClientOutput::Unavailable { detail } => {
@@ -650,6 +726,7 @@ impl Actor {
             }
             ClientOutput::Busy { reason, detail } => {
                 count(&self.shared.refused.busy);
+                *series.refused.entry(reason.code()).or_default() += 1;
                 events.push(GenEvent::Failed(ApiError::too_many_requests(reason.code(), detail).with_retry_after(reason.retry_after_s())));
             }
         }
