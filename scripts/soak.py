@@ -3,8 +3,8 @@
 Clients send chat requests with and without `max_tokens`, prompts of roughly 20 to 4,000
 tokens, some streamed, some of them hanging up early; on a schedule a random worker
 process is killed with SIGKILL. At the end it prints requests by outcome, every request
-whose outcome is not a success, a clean 429, a clean error while a worker it may have
-used died, a `timeout` once the server's request limit has passed, or a deliberate
+whose outcome is not a success, a clean 429, a clean error while a prefill worker it may
+have used died (a decode worker's death must cost nothing: its requests move), a `timeout` once the server's request limit has passed, or a deliberate
 hang-up; pages free on every worker; RSS of every process at
 start and end; and isolation-check failures. Exit status 1 if any of those is wrong.
 
@@ -84,6 +84,17 @@ def metrics(host, port):
     return samples
 
 
+def excused_loss(err):
+    """Whether a lost worker excuses this error. A lost prefill worker may cost a request
+    its answer (it is retried once); a lost decode worker may not: its requests move to
+    another decode worker, unless one moved `--migration-limit` times already or had sent
+    its last token but not its end."""
+    msg = str(err.get("message", ""))
+    if "decode" in msg:
+        return "migration limit" in msg or "last token was sent" in msg
+    return True
+
+
 def lost_role(err):
     """Which worker an error says was lost: "a decode worker", "a prefill worker" or "a worker"."""
     msg = str(err.get("message", ""))
@@ -156,7 +167,7 @@ class Soak:
                     err = json.loads(raw)["error"]
                 except (ValueError, KeyError, TypeError):
                     return self.record(f"{r.status} garbled", f"{r.status} with a body that is no OpenAI error: {raw[:200]!r}")
-                if self.killed_during(start, time.monotonic()) and err.get("code") in ("worker_lost", "overloaded"):
+                if self.killed_during(start, time.monotonic()) and err.get("code") in ("worker_lost", "overloaded") and excused_loss(err):
                     return self.record(f"{r.status} {err.get('code')} after {lost_role(err)} died")
                 if self.at_server_limit(start, err):
                     return self.record(f"{r.status} timeout at the server's request limit")
@@ -189,7 +200,7 @@ class Soak:
                     return self.record("hung up mid-stream (deliberate)")
             if finished and done and not error:
                 return self.record("200 streamed")
-            if error and done and self.killed_during(start, time.monotonic()) and error.get("code") == "worker_lost":
+            if error and done and self.killed_during(start, time.monotonic()) and error.get("code") == "worker_lost" and excused_loss(error):
                 return self.record(f"stream error after {lost_role(error)} died")
             if error and done and self.at_server_limit(start, error):
                 return self.record("stream ended at the server's request limit")
