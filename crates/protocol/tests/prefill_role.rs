@@ -219,3 +219,27 @@ fn a_decode_peer_from_the_gateway_asks_the_driver_to_connect() {
     assert_eq!(acts, [PrefillAction::Connect { decode: WorkerId(5), addr: "h:1".into() }]);
     assert!(!p.connected(WorkerId(5)), "connected only once the driver says so");
 }
+
+/// What the decode worker holds (`held`) must be whole pages short of the prompt's last
+/// position, and the target pages must cover exactly the rest; anything else is refused and
+/// fenced before a position is computed or sent.
+#[test]
+fn held_tokens_must_be_whole_pages_before_the_last_position_with_pages_for_the_rest() {
+    let mut p = role();
+    let with_held = |req: u64, tokens: usize, held: u32, pages: usize| {
+        let PrefillEvent::Gateway(Message::Prefill { req: r, tokens: t, decode, pages: pg, sampling, skip_draws, trace, cache, .. }) =
+            prefill(req, tokens, pages)
+        else {
+            unreachable!("prefill() makes a Prefill")
+        };
+        PrefillEvent::Gateway(Message::Prefill { req: r, tokens: t, decode, held, pages: pg, sampling, skip_draws, trace, cache })
+    };
+    assert!(p.handle(with_held(1, 7, 4, 1)).is_empty(), "one page held, one page of targets for the rest");
+    // Not a whole page; the whole prompt (its last position must be sent); past it; pages
+    // for the whole prompt although one is held.
+    for (req, tokens, held, pages) in [(2, 7, 2, 2), (3, 8, 8, 0), (4, 7, 12, 0), (5, 7, 4, 2)] {
+        let acts = sent(p.handle(with_held(req, tokens, held, pages)));
+        assert!(matches!(acts.as_slice(), [a, b] if rejected(RejectReason::Invalid)(a) && fenced(req)(b)), "{req}: {acts:?}");
+    }
+    assert_eq!(p.queued(), 1);
+}
