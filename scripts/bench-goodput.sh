@@ -40,6 +40,8 @@
 # Takes about 10-13 minutes per server with the defaults on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/bench-lib.sh
+source scripts/bench-lib.sh
 
 LLAMA_CPP_PY_VERSION=0.3.36
 BULKHEAD_HOME="${BULKHEAD_HOME:-$HOME/.cache/bulkhead}"
@@ -76,8 +78,6 @@ while [[ $# -gt 0 ]]; do
     *) echo "unknown argument: $1" >&2; usage >&2; exit 2 ;;
   esac
 done
-log() { printf '\n==> %s\n' "$*" >&2; }
-die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 
 [[ -x "$LLAMA_SERVER" ]] || bash scripts/bench-llamacpp.sh --build-only
 [[ -x "$LLAMA_SERVER" ]] || die "no llama-server at $LLAMA_SERVER"
@@ -89,7 +89,6 @@ BULKHEAD="${CARGO_TARGET_DIR:-$PWD/target}/release/bulkhead"
 
 [[ -n "$OUT" ]] || OUT="$CACHE_DIR/goodput/$(date -u +%Y%m%dT%H%M%SZ)"
 mkdir -p "$OUT"
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 PID=""
 stop_server() {
@@ -102,17 +101,6 @@ stop_server() {
 trap stop_server EXIT
 trap 'exit 130' INT TERM   # run the EXIT trap on signals too
 
-wait_ready() { # URL PATH
-  local i
-  for ((i = 0; i < 600; i++)); do
-    if python3 - "$1$2" <<'PY' 2>/dev/null; then return 0; fi
-import sys, urllib.request
-urllib.request.urlopen(sys.argv[1], timeout=2).read()
-PY
-    sleep 0.5
-  done
-  die "$1 did not become ready (see $OUT/*.log)"
-}
 
 KV_TOKENS=$((SLOTS * CTX))
 {

@@ -12,6 +12,8 @@
 #   bash scripts/bench-multiturn.sh [--reps N] [--out DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/bench-lib.sh
+source scripts/bench-lib.sh
 
 LLAMA_CPP_PY_VERSION=0.3.36
 BULKHEAD_HOME="${BULKHEAD_HOME:-$HOME/.cache/bulkhead}"
@@ -28,7 +30,6 @@ while [[ $# -gt 0 ]]; do
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
-die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 [[ -x "$LLAMA_SERVER" ]] || bash scripts/bench-llamacpp.sh --build-only
 [[ -x "$LLAMA_SERVER" ]] || die "no llama-server at $LLAMA_SERVER"
 [[ -f "$MODEL" ]] || cargo run --quiet -p bulkhead-fetch --example fetch-model smollm2-135m
@@ -37,17 +38,9 @@ BULKHEAD="$PWD/target/release/bulkhead"
 [[ -n "$OUT" ]] || OUT="$CACHE_DIR/multiturn/$(date -u +%Y%m%dT%H%M%SZ)"
 mkdir -p "$OUT"
 printf '[[tenant]]\nname = "a"\napi_keys = ["ka"]\n\n[[tenant]]\nname = "b"\napi_keys = ["kb"]\n' > "$OUT/tenants.toml"
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 PID=""
 stop() { [[ -z "$PID" ]] || { kill "$PID" 2>/dev/null || true; wait "$PID" 2>/dev/null || true; PID=""; }; }
 trap stop EXIT
-wait_ready() { # URL
-  for _ in $(seq 600); do
-    python3 -c 'import sys,urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2).read()' "$1" 2>/dev/null && return 0
-    sleep 0.5
-  done
-  die "$1 never became ready (see $OUT)"
-}
 metric() { # URL NAME: the sum of a metric's samples
   python3 - "$1" "$2" <<'PY'
 import sys, urllib.request

@@ -51,6 +51,8 @@
 # use, ~10 min on 2 cores). Needs: bash, python3, cargo, and what bench-llamacpp.sh needs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/bench-lib.sh
+source scripts/bench-lib.sh
 
 LLAMA_CPP_PY_VERSION=0.3.36
 BULKHEAD_HOME="${BULKHEAD_HOME:-$HOME/.cache/bulkhead}"
@@ -83,8 +85,6 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 BH_THREADS="${BH_THREADS:-$THREADS}"
-log() { printf '\n==> %s\n' "$*" >&2; }
-die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 
 [[ -x "$LLAMA_SERVER" ]] || bash scripts/bench-llamacpp.sh --build-only
 [[ -x "$LLAMA_SERVER" ]] || die "no llama-server at $LLAMA_SERVER"
@@ -104,7 +104,6 @@ log "bench-engine for the ceiling (--threads $THREADS)"
     --prompt-tokens 512 --decode-context 512 --decode-steps 128
   BULKHEAD_LOG=warn "$BULKHEAD" bench-engine --model "$MODEL" --threads "$THREADS" --batches 16 --reps 3 \
     --prompt-tokens 512 --decode-context 128 | grep '^decode'; } | tee "$OUT/bench-engine.txt"
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 LPORT=$(free_port)
 BPORT=$(free_port)
 
@@ -128,17 +127,6 @@ BULKHEAD_LOG=warn "$BULKHEAD" serve --model "$MODEL" --threads "$BH_THREADS" --c
   --port "$BPORT" > "$OUT/bulkhead-serve.log" 2>&1 &
 PIDS+=($!)
 
-wait_ready() { # URL PATH
-  local i
-  for ((i = 0; i < 600; i++)); do
-    if python3 - "$1$2" <<'PY' 2>/dev/null; then return 0; fi
-import sys, urllib.request
-urllib.request.urlopen(sys.argv[1], timeout=2).read()
-PY
-    sleep 0.5
-  done
-  die "$1 did not become ready (see $OUT/*.log)"
-}
 wait_ready "http://127.0.0.1:$LPORT" /health
 wait_ready "http://127.0.0.1:$BPORT" /ready
 declare -A URL=([llamacpp]="http://127.0.0.1:$LPORT" [bulkhead]="http://127.0.0.1:$BPORT")

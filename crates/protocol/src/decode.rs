@@ -167,8 +167,6 @@ pub struct DecodeStats {
     pub refused_connections: u64,
     /// Prompt tokens reservations found in this worker's cache (not sent by the prefill).
     pub held_tokens: u64,
-    /// Bytes of KV those tokens would have taken on the wire.
-    pub held_bytes: u64,
     /// Prompt tokens sent by prefill workers and verified (the rest of each prompt).
     pub transferred_tokens: u64,
 }
@@ -557,7 +555,6 @@ impl DecodeRole {
                         let ps = pool.layout().page_size;
                         let held = inbound.shared_tokens();
                         self.stats.held_tokens += held as u64;
-                        self.stats.held_bytes += (held * pool.layout().bytes_per_token()) as u64;
                         let pages = inbound.prompt_pages(ps);
                         let deadline_ms = self.now_ms.saturating_add(self.cfg.transfer_timeout_ms);
                         let publish = cache.map(|scope| (scope, prompt.clone()));

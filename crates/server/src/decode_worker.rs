@@ -208,7 +208,7 @@ impl Link {
         let mut f = Families::new();
         let requests = [("pending_transfer", role.pending()), ("fencing", role.fencing()), ("decoding", role.decoding())];
         metrics::worker_families(&mut f, &pool.stats(), &requests, self.received_bytes);
-        metrics::decode_families(&role.stats(), pool.checks().checksums, &mut f);
+        metrics::decode_families(&role.stats(), pool.checks().checksums, pool.layout().bytes_per_token(), &mut f);
         if let Some(c) = role.cache() {
             metrics::prefix_cache_families(&c.stats(), c.len(), c.max_pages(), &mut f);
         }

@@ -237,7 +237,7 @@ pub fn prefix_cache_families(s: &CacheStats, pages: usize, max_pages: usize, f: 
 
 /// A decode worker's handoff checks and admission; `checksums`: whether its pool verifies
 /// chunk checksums (when off, none ran).
-pub fn decode_families(s: &DecodeStats, checksums: bool, f: &mut Families) {
+pub fn decode_families(s: &DecodeStats, checksums: bool, kv_bytes_per_token: usize, f: &mut Families) {
     f.check("chunk_verified", s.chunks_verified + s.chunks_refused, Some(s.chunks_refused));
     // The checksum is the last per-chunk check: every chunk that passed, and every one
     // refused for its checksum, ran it.
@@ -264,7 +264,8 @@ pub fn decode_families(s: &DecodeStats, checksums: bool, f: &mut Families) {
         &[],
         s.held_tokens,
     );
-    f.counter("bulkhead:kv_held_bytes_total", "KV bytes those held tokens would have taken on the wire.", &[], s.held_bytes);
+    let held_bytes = s.held_tokens.saturating_mul(kv_bytes_per_token as u64);
+    f.counter("bulkhead:kv_held_bytes_total", "KV bytes those held tokens would have taken on the wire.", &[], held_bytes);
     f.counter(
         "bulkhead:kv_transferred_tokens_total",
         "Prompt tokens prefill workers sent and the decode worker verified.",
