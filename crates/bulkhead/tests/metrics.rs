@@ -4,57 +4,17 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use support::{BIN, MODEL_ID, parse, request, sum};
+use support::{MODEL_ID, Server, parse, request, sum};
 /// KV bytes per token of the default model in the transfer layout (f16).
 const KV_BYTES_PER_TOKEN: f64 = 23_040.0;
 
-/// A running `bulkhead serve`, killed (with its workers) on drop.
-struct Server {
-    child: Child,
-    http: String,
-    workers: String,
-    log: std::path::PathBuf,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_file(&self.log);
-    }
-}
-
+/// A short context keeps the pools small and the over-context prompt cheap.
 fn serve() -> Server {
-    let model = bulkhead_fetch::ensure_default_model(false).expect("default model");
-    let log = std::env::temp_dir().join(format!("bulkhead-metrics-{}.log", std::process::id()));
-    // A short context keeps the pools small and the over-context prompt cheap.
-    let mut child = Command::new(BIN)
-        .args(["serve", "--port", "0", "--threads", "1", "--context-length", "512", "--model"])
-        .arg(model)
-        .env("BULKHEAD_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&log).expect("log file"))
-        .spawn()
-        .expect("spawn bulkhead serve");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("serve prints its address");
-    // "bulkhead: serving on http://ADDR (workers register at ADDR)"
-    let http = line.split("http://").nth(1).and_then(|r| r.split_whitespace().next()).map(str::to_string);
-    let workers = line.split("register at ").nth(1).map(|r| r.trim().trim_end_matches(')').to_string());
-    let s = Server { child, http: http.unwrap_or_default(), workers: workers.unwrap_or_default(), log };
-    assert!(!s.http.is_empty() && !s.workers.is_empty(), "serve did not start: {line:?}\n{}", s.logs());
-    s
-}
-
-impl Server {
-    fn logs(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
+    Server::start(&["--context-length", "512"], &[])
 }
 
 const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";

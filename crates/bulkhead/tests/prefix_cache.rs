@@ -4,25 +4,10 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use support::{BIN, MODEL_ID, model, polled_sum, rand_u64};
-
-struct Server {
-    child: Child,
-    http: String,
-    log: std::path::PathBuf,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use support::{MODEL_ID, Server, polled_sum, rand_u64};
 
 const KEY_A: &str = "sk-tenant-a";
 const KEY_B: &str = "sk-tenant-b";
@@ -38,31 +23,9 @@ fn tenants_file() -> std::path::PathBuf {
 }
 
 fn serve(args: &[&str]) -> Server {
-    let log = std::env::temp_dir().join(format!("bulkhead-prefix-{}-{}.log", std::process::id(), rand_u64()));
-    let mut child = Command::new(BIN)
-        .args(["serve", "--port", "0", "--threads", "1", "--model"])
-        .arg(model())
-        .args(args)
-        .env("BULKHEAD_LOG", "info")
-        .env_remove("BULKHEAD_API_KEY")
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&log).expect("log file"))
-        .spawn()
-        .expect("spawn bulkhead serve");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("address line");
-    let Some(http) = line.split("http://").nth(1).and_then(|r| r.split_whitespace().next()).map(str::to_string) else {
-        let _ = child.wait();
-        panic!("serve did not start: {line:?}\n{}", std::fs::read_to_string(&log).unwrap_or_default());
-    };
-    let s = Server { child, http, log };
-    for _ in 0..300 {
-        if support::request(&s.http, "GET", "/ready", &[], "").status == 200 {
-            return s;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    panic!("never ready: {}", std::fs::read_to_string(&s.log).unwrap_or_default());
+    let s = Server::start(args, &[]);
+    s.wait_ready();
+    s
 }
 
 /// A system prompt of a few hundred tokens, so the prompt spans many 16-token pages.

@@ -4,64 +4,22 @@ mod support;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use support::{BIN, MODEL_ID, model, rand_u64};
+use support::{BIN, MODEL_ID, Server, model, rand_u64};
 
 #[path = "../../model/tests/support/mod.rs"]
 mod model_support;
-
-/// A running `bulkhead serve`, killed (with its workers) on drop.
-struct Server {
-    child: Child,
-    http: String,
-    workers: String,
-    stderr_log: std::path::PathBuf,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        // SIGKILL on the parent closes the workers' gateway connections: they exit too.
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn serve(args: &[&str], env: &[(&str, &str)]) -> Server {
     serve_model(&model(), args, env)
 }
 
 fn serve_model(model: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> Server {
-    let log = std::env::temp_dir().join(format!("bulkhead-serve-{}-{}.log", std::process::id(), rand_u64()));
-    let mut cmd = Command::new(BIN);
-    cmd.args(["serve", "--port", "0", "--threads", "1", "--model"]).arg(model).args(args);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let mut child = cmd
-        .env("BULKHEAD_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&log).expect("log file"))
-        .spawn()
-        .expect("spawn bulkhead serve");
-    let out = child.stdout.take().expect("stdout");
-    let mut line = String::new();
-    BufReader::new(out).read_line(&mut line).expect("serve prints its address");
-    // "bulkhead: serving on http://ADDR (workers register at ADDR)"
-    let Some(http) = line.split("http://").nth(1).and_then(|r| r.split_whitespace().next()).map(str::to_string) else {
-        let _ = child.wait();
-        panic!("serve did not start: {line:?}\n{}", std::fs::read_to_string(&log).unwrap_or_default());
-    };
-    let workers = line.split("register at ").nth(1).map(|r| r.trim().trim_end_matches(')').to_string()).expect("worker address");
-    let s = Server { child, http, workers, stderr_log: log };
-    for _ in 0..300 {
-        if get(&s.http, "/ready").0 == 200 {
-            return s;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    panic!("server never became ready: {}", std::fs::read_to_string(&s.stderr_log).unwrap_or_default());
+    let s = Server::start_model(model, args, env);
+    s.wait_ready();
+    s
 }
 
 fn request(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
@@ -143,7 +101,7 @@ fn forced_encryption_on_loopback_serves_the_same_greedy_answer() {
     let (status, v) = chat(&s.http, SYSTEM, PROMPTS[0], 32);
     assert_eq!(status, 200, "{v}");
     assert_eq!(content(&v), want);
-    let log = std::fs::read_to_string(&s.stderr_log).unwrap();
+    let log = std::fs::read_to_string(&s.log).unwrap();
     for line in ["worker connection authenticated", "KV connection open", "KV connection from a prefill worker"] {
         let found: Vec<&str> = log.lines().filter(|l| l.contains(line)).collect();
         assert!(!found.is_empty() && found.iter().all(|l| l.contains("encrypted=true")), "{line}: {found:?}\n{log}");
@@ -203,7 +161,7 @@ fn a_chunk_altered_on_the_wire_is_refused_and_counted_and_never_answers_wrong() 
     let (status, v) = chat(&s.http, SYSTEM, PROMPTS[0], 32);
     assert!(status == 200 && content(&v) == want || status >= 500 && v.get("error").is_some(), "{status} {v}");
     assert!(counter(&s, "bulkhead:bad_connections_total", &[], 1.0) >= 1.0);
-    let log = std::fs::read_to_string(&s.stderr_log).unwrap();
+    let log = std::fs::read_to_string(&s.log).unwrap();
     assert!(log.lines().any(|l| l.contains("bad frame on a KV connection") && l.contains("failed authentication")), "{log}");
     // The prefill worker rejoins under a new id; until it has, requests wait in the queue
     // (or, past the queue timeout, get a 503 that says so). Never a wrong answer.
@@ -371,7 +329,7 @@ fn garbage_on_worker_ports_closes_that_connection_and_serving_goes_on() {
 }
 
 fn worker_pid(s: &Server, role: &str) -> u32 {
-    let log = std::fs::read_to_string(&s.stderr_log).unwrap();
+    let log = std::fs::read_to_string(&s.log).unwrap();
     log.lines()
         .filter(|l| l.contains(&format!("{role} worker registered")))
         .find_map(|l| l.split("pid=").nth(1))
@@ -430,14 +388,14 @@ fn kill_decode_and_read(s: &Server, c: &mut TcpStream, seen: &mut String) -> u32
 /// Waits for the killed decode worker's replacement: a second registration, the old
 /// process reaped (not a zombie), the server ready.
 fn replaced(s: &Server, pid: u32) {
-    let registered = || std::fs::read_to_string(&s.stderr_log).unwrap().matches("decode worker registered").count();
+    let registered = || std::fs::read_to_string(&s.log).unwrap().matches("decode worker registered").count();
     for _ in 0..300 {
         if registered() == 2 && get(&s.http, "/ready").0 == 200 {
             break;
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert_eq!((registered(), get(&s.http, "/ready").0), (2, 200), "{}", std::fs::read_to_string(&s.stderr_log).unwrap());
+    assert_eq!((registered(), get(&s.http, "/ready").0), (2, 200), "{}", std::fs::read_to_string(&s.log).unwrap());
     let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     assert!(state.is_empty(), "the killed worker was not reaped: {state}");
     assert_eq!(get(&s.http, "/health").0, 200);
@@ -539,9 +497,8 @@ fn several_prefill_and_decode_workers_serve_concurrent_requests() {
     let want = generate(PROMPTS[0]);
     let s = serve(&["--prefill-workers", "2", "--decode-workers", "2", "--kv-pool-tokens", "8192"], &[]);
     // The gateway's line for each registration names the role.
-    let registered = || {
-        std::fs::read_to_string(&s.stderr_log).unwrap().lines().filter(|l| l.contains("worker registered") && l.contains("role=")).count()
-    };
+    let registered =
+        || std::fs::read_to_string(&s.log).unwrap().lines().filter(|l| l.contains("worker registered") && l.contains("role=")).count();
     for _ in 0..300 {
         if registered() == 4 {
             break;
@@ -632,7 +589,7 @@ fn internal(
 
 /// The decode worker's KV address, from its start-up log line.
 fn kv_addr(s: &Server) -> String {
-    let log = std::fs::read_to_string(&s.stderr_log).unwrap();
+    let log = std::fs::read_to_string(&s.log).unwrap();
     log.lines()
         .find_map(|l| l.split("kv_addr=").nth(1))
         .and_then(|a| a.split_whitespace().next())
@@ -912,7 +869,7 @@ fn kv_frames_take_ucx_where_it_loads_and_tcp_when_asked_with_the_same_answers() 
         }
         let other = if road == "ucx" { "tcp" } else { "ucx" };
         assert_eq!(support::sum(&support::scrape(&s.http), "bulkhead:kv_connections_total", &[("transport", other)]), 0.0);
-        let log = std::fs::read_to_string(&s.stderr_log).unwrap();
+        let log = std::fs::read_to_string(&s.log).unwrap();
         let open = format!("transport=\"{road}\"");
         assert!(log.lines().any(|l| l.contains("KV connection open") && l.contains(&open)), "{log}");
         assert!(log.lines().any(|l| l.contains("KV connection from a prefill worker") && l.contains(&open)), "{log}");
@@ -937,7 +894,7 @@ fn a_prefill_worker_stalled_mid_transfer_over_ucx_keeps_its_pages_quarantined_un
     let victim = std::thread::spawn(move || chat(&http, SYSTEM, &long, 8));
     let decode = [("role", "decode")];
     let metric = |name: &str, labels: &[(&str, &str)]| support::sum(&support::scrape(&s.http), name, labels);
-    let logs = [s.stderr_log.as_path()];
+    let logs = [s.log.as_path()];
     support::wait_for("the first KV chunk at the decode worker", Duration::from_secs(120), &logs, || {
         metric("bulkhead:isolation_checks_total", &[("role", "decode"), ("check", "chunk_verified")]) > 0.0
     });
@@ -992,7 +949,7 @@ fn a_forged_frame_over_ucx_closes_its_connection_like_one_over_tcp() {
     tx.send(frame, std::os::fd::AsRawFd::as_raw_fd(&watch), Duration::from_secs(10)).unwrap();
     assert!(r.recv().is_err(), "the decode worker closes the connection");
     assert!(counter(&s, "bulkhead:bad_connections_total", &[("role", "decode")], 1.0) >= 1.0);
-    let log = std::fs::read_to_string(&s.stderr_log).unwrap();
+    let log = std::fs::read_to_string(&s.log).unwrap();
     assert!(log.lines().any(|l| l.contains("bad frame on a KV connection") && l.contains("failed authentication")), "{log}");
     assert_eq!(chat(&s.http, SYSTEM, "Hi", 4).0, 200);
 }

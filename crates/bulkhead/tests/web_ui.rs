@@ -5,53 +5,15 @@
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use support::{BIN, MODEL_ID, request};
-
-/// A running `bulkhead serve`, killed (with any workers) on drop.
-struct Server {
-    child: Child,
-    http: String,
-    log: std::path::PathBuf,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_file(&self.log);
-    }
-}
-
-impl Server {
-    fn logs(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
+use support::{MODEL_ID, Server, request};
 
 fn serve(args: &[&str]) -> Server {
-    let log = std::env::temp_dir().join(format!("bulkhead-web-ui-{}-{}.log", std::process::id(), support::rand_u64()));
-    let mut child = Command::new(BIN)
-        .args(["serve", "--port", "0", "--threads", "1", "--context-length", "512", "--model"])
-        .arg(support::model())
-        .args(args)
-        .env("BULKHEAD_LOG", "info")
-        .env_remove("BULKHEAD_WEB_UI")
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&log).expect("log file"))
-        .spawn()
-        .expect("spawn bulkhead serve");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("serve prints its address");
-    let http = line.split("http://").nth(1).and_then(|r| r.split_whitespace().next()).unwrap_or_default().to_string();
-    let s = Server { child, http, log };
-    assert!(!s.http.is_empty(), "serve did not start: {line:?}\n{}", s.logs());
-    s
+    Server::start(&[&["--context-length", "512"], args].concat(), &[])
 }
 
 /// A gateway alone: enough for the pages, no workers to wait for.

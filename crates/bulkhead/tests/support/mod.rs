@@ -190,3 +190,76 @@ pub fn scrape(addr: &str) -> Vec<Sample> {
     assert_eq!(r.status, 200, "{}", r.body);
     parse(&r.body).unwrap_or_else(|e| panic!("/metrics does not parse: {e}\n{}", r.body))
 }
+
+/// A running `bulkhead serve`, killed (with its workers, whose gateway connections close)
+/// on drop; its log is removed then.
+pub struct Server {
+    /// The `serve` process.
+    pub child: std::process::Child,
+    /// The gateway's HTTP address.
+    pub http: String,
+    /// The gateway's worker port.
+    pub workers: String,
+    /// Its standard error, logged at `info`.
+    pub log: std::path::PathBuf,
+}
+
+impl Server {
+    /// `serve` on the default model on a free port with one thread per worker, `args` and
+    /// `env` added; returns once it printed its addresses (see [`Server::wait_ready`]).
+    pub fn start(args: &[&str], env: &[(&str, &str)]) -> Server {
+        Server::start_model(&model(), args, env)
+    }
+
+    /// [`Server::start`] on the model at `model`.
+    pub fn start_model(model: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> Server {
+        use std::io::BufRead;
+        let log = std::env::temp_dir().join(format!("bulkhead-e2e-{}-{}.log", std::process::id(), rand_u64()));
+        let mut cmd = std::process::Command::new(BIN);
+        cmd.args(["serve", "--port", "0", "--threads", "1", "--model"]).arg(model).args(args);
+        // What a developer's shell may set must not change what a test asks for.
+        cmd.env_remove("BULKHEAD_API_KEY").env_remove("BULKHEAD_WEB_UI").env("BULKHEAD_LOG", "info");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::fs::File::create(&log).expect("log file"))
+            .spawn()
+            .expect("spawn bulkhead serve");
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("serve prints its address");
+        // "bulkhead: serving on http://ADDR (workers register at ADDR)"
+        let http = line.split("http://").nth(1).and_then(|r| r.split_whitespace().next()).map(str::to_string);
+        let workers = line.split("register at ").nth(1).map(|r| r.trim().trim_end_matches(')').to_string());
+        let (Some(http), Some(workers)) = (http, workers) else {
+            let _ = child.wait();
+            panic!("serve did not start: {line:?}\n{}", std::fs::read_to_string(&log).unwrap_or_default());
+        };
+        Server { child, http, workers, log }
+    }
+
+    /// What it logged so far.
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Polls `/ready` for 30 s; panics with the log if it never answers 200.
+    pub fn wait_ready(&self) {
+        for _ in 0..300 {
+            if request(&self.http, "GET", "/ready", &[], "").status == 200 {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("server never became ready: {}", self.logs());
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
