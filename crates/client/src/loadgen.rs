@@ -87,6 +87,24 @@ impl Sample {
 
 /// A request's result as success, or `(kind, message)` of its failure: a client error, a
 /// non-2xx status, an error event, or a stream cut short.
+/// Failures by kind, with the first few messages (each cut to 300 characters), as the
+/// reports show them.
+#[derive(Debug, Default)]
+pub(crate) struct Failures {
+    pub(crate) errors: BTreeMap<String, u64>,
+    pub(crate) examples: Vec<String>,
+}
+
+impl Failures {
+    /// One failure of `kind`; its `message` is kept while fewer than `keep` are.
+    pub(crate) fn record(&mut self, kind: &str, message: Option<&str>, keep: usize) {
+        *self.errors.entry(kind.to_owned()).or_insert(0) += 1;
+        if let Some(m) = message.filter(|_| self.examples.len() < keep) {
+            self.examples.push(m.chars().take(300).collect());
+        }
+    }
+}
+
 pub(crate) fn classify(r: Result<Outcome, ClientError>, streamed: bool) -> Result<Outcome, (String, String)> {
     match r {
         Err(e) => Err((e.kind().to_string(), e.to_string())),
@@ -219,18 +237,12 @@ fn ms(d: Duration) -> f64 {
 }
 
 fn report(client: &Client, cfg: &LoadgenConfig, samples: &[Sample], elapsed: Duration) -> Report {
-    let mut errors = BTreeMap::new();
-    let mut error_examples = Vec::new();
+    let mut failures = Failures::default();
     let (mut ttft, mut itl, mut latency, mut prompt) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut ok, mut tokens, mut short, mut from_usage) = (0u64, 0u64, 0u64, 0u64);
     for s in samples {
         match &s.result {
-            Err(msg) => {
-                *errors.entry(s.kind.clone().unwrap_or_default()).or_insert(0) += 1;
-                if error_examples.len() < ERROR_EXAMPLES {
-                    error_examples.push(msg.chars().take(300).collect());
-                }
-            }
+            Err(msg) => failures.record(s.kind.as_deref().unwrap_or_default(), Some(msg), ERROR_EXAMPLES),
             Ok(o) => {
                 ok += 1;
                 let n = o.output_tokens();
@@ -260,8 +272,8 @@ fn report(client: &Client, cfg: &LoadgenConfig, samples: &[Sample], elapsed: Dur
         requests: samples.len() as u64,
         ok,
         failed: samples.len() as u64 - ok,
-        errors,
-        error_examples,
+        errors: failures.errors,
+        error_examples: failures.examples,
         duration_s: secs,
         requests_per_s: ok as f64 / secs,
         output_tokens_per_s: tokens as f64 / secs,

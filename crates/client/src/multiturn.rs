@@ -350,8 +350,7 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
 }
 
 fn report(clients: &[Client], cfg: &MultiTurnConfig, turns: &[Turn], elapsed: Duration) -> MultiTurnReport {
-    let mut errors = BTreeMap::new();
-    let mut error_examples = Vec::new();
+    let mut failures = crate::loadgen::Failures::default();
     let (mut ttft, mut itl, mut latency) = (Vec::new(), Vec::new(), Vec::new());
     let mut by_turn: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
     let (mut ok, mut tokens, mut short) = (0u64, 0u64, 0u64);
@@ -360,12 +359,7 @@ fn report(clients: &[Client], cfg: &MultiTurnConfig, turns: &[Turn], elapsed: Du
     for t in turns {
         later_turn_new_tokens += t.new_tokens.unwrap_or(0);
         match &t.result {
-            Err((kind, msg)) => {
-                *errors.entry(kind.clone()).or_insert(0) += 1;
-                if error_examples.len() < ERROR_EXAMPLES {
-                    error_examples.push(msg.chars().take(300).collect());
-                }
-            }
+            Err((kind, msg)) => failures.record(kind, Some(msg), ERROR_EXAMPLES),
             Ok(o) => {
                 ok += 1;
                 let n = o.output_tokens();
@@ -413,8 +407,8 @@ fn report(clients: &[Client], cfg: &MultiTurnConfig, turns: &[Turn], elapsed: Du
         ok,
         failed: requests - ok,
         skipped_turns: planned.saturating_sub(requests),
-        errors,
-        error_examples,
+        errors: failures.errors,
+        error_examples: failures.examples,
         duration_s: secs,
         requests_per_s: ok as f64 / secs,
         output_tokens: tokens,

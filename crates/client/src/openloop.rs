@@ -341,8 +341,7 @@ struct Measured {
 
 /// Summarise one point's records (their `point` fields are not checked).
 fn rate_point(rates: &[f64], records: &[Measured], slos: &[Slo], run: PointRun) -> RatePoint {
-    let mut errors = BTreeMap::new();
-    let mut error_examples = Vec::new();
+    let mut failures = crate::loadgen::Failures::default();
     let (mut ok, mut tokens, mut short) = (0u64, 0u64, 0u64);
     for m in records {
         let r = &m.record;
@@ -351,12 +350,7 @@ fn rate_point(rates: &[f64], records: &[Measured], slos: &[Slo], run: PointRun) 
             tokens += r.output_tokens;
             short += u64::from(r.output_tokens < u64::from(m.max_tokens));
         } else {
-            *errors.entry(r.error.clone().unwrap_or_default()).or_insert(0) += 1;
-            if let Some(msg) = &m.message
-                && error_examples.len() < ERROR_EXAMPLES
-            {
-                error_examples.push(msg.chars().take(300).collect());
-            }
+            failures.record(r.error.as_deref().unwrap_or_default(), m.message.as_deref(), ERROR_EXAMPLES);
         }
     }
     let recs: Vec<&RequestRecord> = records.iter().map(|m| &m.record).collect();
@@ -394,8 +388,8 @@ fn rate_point(rates: &[f64], records: &[Measured], slos: &[Slo], run: PointRun) 
         arrival_rate: sent as f64 / run.window_cut.unwrap_or(run.last_arrival).as_secs_f64().max(1e-9),
         ok,
         failed: sent - ok,
-        errors,
-        error_examples,
+        errors: failures.errors,
+        error_examples: failures.examples,
         duration_s: secs,
         requests_per_s: ok as f64 / secs,
         output_tokens_per_s: tokens as f64 / secs,
