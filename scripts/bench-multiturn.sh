@@ -64,7 +64,7 @@ for rep in $(seq "$REPS"); do
   BULKHEAD_LOG=info "$BULKHEAD" serve --model "$MODEL" --threads "$THREADS" --tenants "$OUT/tenants.toml" --port "$port" \
     > "$OUT/bulkhead-$rep.log" 2>&1 &
   PID=$!
-  wait_ready "http://127.0.0.1:$port/ready"
+  wait_ready "http://127.0.0.1:$port" /ready
   load "http://127.0.0.1:$port" "$OUT/bulkhead-$rep.json" "$seed"
   sleep 1 # the workers' last metrics
   metric "http://127.0.0.1:$port" bulkhead:kv_transferred_tokens_total > "$OUT/bulkhead-$rep.transferred"
@@ -74,7 +74,7 @@ for rep in $(seq "$REPS"); do
   "$LLAMA_SERVER" -m "$MODEL" -t "$THREADS" -tb "$THREADS" -np 16 -c 32768 --host 127.0.0.1 --port "$port" \
     > "$OUT/llama-server-$rep.log" 2>&1 &
   PID=$!
-  wait_ready "http://127.0.0.1:$port/health"
+  wait_ready "http://127.0.0.1:$port" /health
   load "http://127.0.0.1:$port" "$OUT/llama-server-$rep.json" "$seed"
   stop
 done

@@ -166,6 +166,9 @@ pub struct ServeArgs {
     /// How long a decode worker waits for a reservation's prefill worker to send anything (a chunk for any request, or a keepalive) before it fails the transfer (ms); a prefill worker sends keepalives every quarter of this, at most every second, so give both the same value. Queueing at a busy prefill is bounded by --request-timeout-ms.
     #[arg(long, env = "BULKHEAD_TRANSFER_TIMEOUT_MS", default_value_t = 60_000)]
     transfer_timeout_ms: u64,
+    /// Decode workers: a request that finds part of its prompt in the decode worker's cache (a conversation's earlier turns) and at most this many prompt tokens missing has the rest computed on the decode worker, beside its decoding sequences, instead of by a prefill worker: no prefill queue, no transfer, and the previous answer, which only the decode worker holds, is not computed again. 0: every prompt goes through a prefill worker.
+    #[arg(long, env = "BULKHEAD_MAX_LOCAL_PREFILL_TOKENS", default_value_t = 256)]
+    max_local_prefill_tokens: usize,
     /// Which road KV frames take from prefill to decode workers, chosen per connection and logged with it (`bulkhead:kv_connections_total{transport}`); the frames, their MACs and the chunk checks are the same on both.
     #[arg(long, env = "BULKHEAD_KV_TRANSPORT", value_enum, default_value_t = KvTransportArg::Auto)]
     kv_transport: KvTransportArg,
@@ -378,6 +381,7 @@ impl ServeArgs {
             transfer_batch_pages: self.transfer_batch_pages,
             max_prefill_tokens: self.max_prefill_tokens as usize,
             transfer_timeout_ms: self.transfer_timeout_ms,
+            max_local_prefill_tokens: self.max_local_prefill_tokens,
             kv_checks: self.checks.checks(),
             trust,
             prefix_cache_pages: if self.no_prefix_cache { 0 } else { self.prefix_cache_pages.unwrap_or(usize::MAX) },
@@ -511,6 +515,7 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
                 cmd.args(["--transfer-batch-pages", &a.transfer_batch_pages.to_string()]);
                 cmd.args(["--max-prefill-tokens", &a.max_prefill_tokens.to_string()]);
                 cmd.args(["--transfer-timeout-ms", &a.transfer_timeout_ms.to_string()]);
+                cmd.args(["--max-local-prefill-tokens", &a.max_local_prefill_tokens.to_string()]);
                 let pool = if role == "prefill" { a.prefill_kv_pool_tokens.or(a.kv_pool_tokens) } else { a.kv_pool_tokens };
                 if let Some(t) = pool {
                     cmd.args(["--kv-pool-tokens", &t.to_string()]);

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv, Unreleased};
 use bulkhead_model::{Llama, ModelError, SeqInput};
 use bulkhead_protocol::admission::{Generate, Refusal, admit};
-use bulkhead_protocol::decode::{DecodeStart, Retired};
+use bulkhead_protocol::decode::{DecodeStart, LocalStart, Retired};
 use bulkhead_protocol::driver::decode::{GenEvent, Growing, make_room};
 use bulkhead_protocol::{FinishReason, Sampling, TokenLogprobs};
 use bulkhead_tokenizer::{TokenType, Tokenizer};
@@ -104,10 +104,12 @@ struct Seq {
     order: u64,
     kv: SequenceKv,
     /// Tokens whose KV this sequence holds or must compute, in position order; positions
-    /// `kv.len()..` are still to prefill here (none for a verified sequence).
+    /// `kv.len()..` are still to prefill here (none for a verified sequence; the rest past
+    /// its shared prefix for one computed here, [`Engine::add_local`]).
     feed: Vec<u32>,
     /// The prompt, for a request admitted here: after a retraction it is recomputed over
-    /// this and `history`. `None` for a verified sequence (its prompt is the gateway's).
+    /// this and `history`. `None` for a request of the gateway's (verified, or computed
+    /// here from a shared prefix): retracted, it goes back to the gateway.
     prompt: Option<Vec<u32>>,
     /// Prompt tokens the client sent (what `usage` reports).
     prompt_len: usize,
@@ -351,14 +353,7 @@ impl Engine {
             utf8: Utf8Stream::new(),
             stop: StopMatcher::new(stop),
         };
-        for &tok in &resume {
-            // Already shown to the client: only the state that follows from it matters.
-            let hidden = self.hidden(&s, tok);
-            let bytes = if hidden { &[][..] } else { self.tokenizer.token_bytes(tok).unwrap_or(&[]) };
-            let piece = s.utf8.push(bytes);
-            s.stop.push(&piece);
-            s.history.push(tok);
-        }
+        self.replay_resumed(&mut s, &resume);
         self.seqs.push(s);
         let i = self.seqs.len() - 1;
         let mut events = Vec::new();
@@ -366,6 +361,66 @@ impl Engine {
             self.finish(i, reason, text, &mut events);
         }
         Ok((id, events))
+    }
+
+    /// Tokens an earlier attempt generated, which the client has: only the state that
+    /// follows from them matters (the detokeniser, the stop matcher, the history).
+    fn replay_resumed(&self, s: &mut Seq, resume: &[u32]) {
+        for &tok in resume {
+            let hidden = self.hidden(s, tok);
+            let bytes = if hidden { &[][..] } else { self.tokenizer.token_bytes(tok).unwrap_or(&[]) };
+            let piece = s.utf8.push(bytes);
+            s.stop.push(&piece);
+            s.history.push(tok);
+        }
+    }
+
+    /// Admit a request whose prompt this worker holds all but a short rest of (its shared
+    /// prefix): the rest is computed here in the next steps, within the prefill budget and
+    /// beside the decoding sequences, and its first token sampled from the last position's
+    /// logits as a prefill worker would (the chooser follows `resume` first). Retracted
+    /// before it is done, it leaves with [`Event::Retracted`] like a verified sequence.
+    pub fn add_local(&mut self, start: LocalStart) -> Result<RequestId, EngineError> {
+        let LocalStart { seq, tokens, max_tokens, sampling, stop, resume, .. } = start;
+        let prompt_tokens = seq.prompt_tokens();
+        let kv = seq.into_sequence();
+        let checked = if resume.len() >= prompt_tokens || tokens.len() != prompt_tokens {
+            Err(EngineError::BadResume { prompt: prompt_tokens, resumed: resume.len() })
+        } else {
+            admit(prompt_tokens, Generate::Tokens(max_tokens as usize), self.context_limit).map_err(EngineError::from).and_then(|_| {
+                let mut c = self.vocab.chooser(sampling, &tokens[..prompt_tokens - resume.len()])?;
+                for &t in &resume {
+                    c.replay(t)?;
+                }
+                Ok(c)
+            })
+        };
+        let chooser = match checked {
+            Ok(c) => c,
+            Err(e) => {
+                self.give_back(kv);
+                return Err(e);
+            }
+        };
+        let id = kv.owner();
+        let order = self.order();
+        let mut s = Seq {
+            id,
+            order,
+            kv,
+            feed: tokens,
+            prompt: None,
+            prompt_len: prompt_tokens - resume.len(),
+            history: Vec::new(),
+            next: None,
+            max_tokens: max_tokens as usize + resume.len(),
+            chooser,
+            utf8: Utf8Stream::new(),
+            stop: StopMatcher::new(stop),
+        };
+        self.replay_resumed(&mut s, &resume);
+        self.seqs.push(s);
+        Ok(id)
     }
 
     fn finish(&mut self, i: usize, reason: FinishReason, text: String, events: &mut Vec<Event>) {

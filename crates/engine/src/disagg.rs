@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use bulkhead_kv::{KvPool, RequestId};
 use bulkhead_model::{Llama, SeqInput};
-use bulkhead_protocol::decode::{DecodeStart, Retired};
+use bulkhead_protocol::decode::{DecodeStart, LocalStart, Retired};
 use bulkhead_protocol::driver::decode::{DecodeEngine, GenEvent};
 use bulkhead_protocol::driver::prefill::{Chunk, First, PrefillCompute};
 use bulkhead_tokenizer::Tokenizer;
@@ -25,6 +25,11 @@ impl DecodeEngine for Engine {
     fn add_verified(&mut self, s: DecodeStart) -> Result<Vec<GenEvent>, EngineError> {
         let (_, events) = Engine::add_verified(self, s)?;
         Ok(events)
+    }
+
+    fn add_local(&mut self, s: LocalStart) -> Result<Vec<GenEvent>, EngineError> {
+        Engine::add_local(self, s)?;
+        Ok(Vec::new())
     }
 
     fn step(&mut self) -> Result<Vec<GenEvent>, EngineError> {

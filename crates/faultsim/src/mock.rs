@@ -18,7 +18,7 @@
 //! never the poison NaN.
 
 use bulkhead_kv::{KvChecks, KvError, KvLayout, KvPool, PoolConfig, RequestId, SequenceKv};
-use bulkhead_protocol::decode::{DecodeStart, Retired};
+use bulkhead_protocol::decode::{DecodeStart, LocalStart, Retired};
 use bulkhead_protocol::driver::decode::{DecodeEngine, GenEvent, Growing, make_room};
 use bulkhead_protocol::driver::prefill::{Chunk, First, PrefillCompute};
 use bulkhead_protocol::{FinishReason, Sampling};
@@ -276,6 +276,39 @@ pub struct MockDecode {
 }
 
 impl MockDecode {
+    /// A request joins the loop once `first` has its prompt in place and its first token
+    /// (as the engine: something to generate, and a prompt longer than what it resumes).
+    fn join(
+        &mut self,
+        mut kv: SequenceKv,
+        max_tokens: u32,
+        resume: &[u32],
+        first: impl FnOnce(&mut KvPool, &mut SequenceKv) -> Result<u32, ModelFault>,
+    ) -> Result<Vec<GenEvent>, ModelFault> {
+        let picked = if max_tokens == 0 { Err(ModelFault("0 max tokens".into())) } else { first(&mut self.pool, &mut kv) };
+        let checked = match picked {
+            Ok(t) if resume.len() < kv.len() => Ok(t),
+            Ok(_) => Err(ModelFault(format!("{max_tokens} max tokens, {} resumed of {} prompt tokens", resume.len(), kv.len()))),
+            Err(e) => Err(e),
+        };
+        let first_token = match checked {
+            Ok(t) => t,
+            Err(e) => {
+                kv.release(&mut self.pool).map_err(|u| u.error)?;
+                return Err(e);
+            }
+        };
+        self.next_order += 1;
+        let mut g = Gen::new(kv, self.next_order, max_tokens, resume);
+        let mut events = Vec::new();
+        if g.on_token(first_token, &mut events) {
+            self.finished(g)?;
+        } else {
+            self.seqs.push(g);
+        }
+        Ok(events)
+    }
+
     /// A finished sequence: to the driver for the decode-side cache, or back to the pool.
     fn finished(&mut self, g: Gen) -> Result<(), ModelFault> {
         if self.keep_finished {
@@ -294,21 +327,20 @@ impl DecodeEngine for MockDecode {
     }
     fn add_verified(&mut self, start: DecodeStart) -> Result<Vec<GenEvent>, ModelFault> {
         let kv = start.seq.into_sequence();
-        // As the engine: something to generate, and a prompt longer than what it resumes.
-        if start.max_tokens == 0 || start.resume.len() >= kv.len() {
-            let why = format!("{} max tokens, {} resumed of {} prompt tokens", start.max_tokens, start.resume.len(), kv.len());
-            kv.release(&mut self.pool).map_err(|u| u.error)?;
-            return Err(ModelFault(why));
-        }
-        self.next_order += 1;
-        let mut g = Gen::new(kv, self.next_order, start.max_tokens, &start.resume);
-        let mut events = Vec::new();
-        if g.on_token(start.first_token, &mut events) {
-            self.finished(g)?;
-        } else {
-            self.seqs.push(g);
-        }
-        Ok(events)
+        self.join(kv, start.max_tokens, &start.resume, |_, _| Ok(start.first_token))
+    }
+
+    /// The rest of the prompt computed here, as a prefill worker computes it (so the same
+    /// tokens follow), in one go rather than over the next steps.
+    fn add_local(&mut self, start: LocalStart) -> Result<Vec<GenEvent>, ModelFault> {
+        let kv = start.seq.into_sequence();
+        let tokens = start.tokens;
+        self.join(kv, start.max_tokens, &start.resume, |pool, kv| {
+            let from = kv.len();
+            let mut faults = 0;
+            let first = prefill(pool, kv, &tokens, from, tokens.len(), &mut faults)?;
+            first.ok_or_else(|| ModelFault(format!("no first token after computing {from}..{}", tokens.len())))
+        })
     }
 
     fn step(&mut self) -> Result<Vec<GenEvent>, ModelFault> {

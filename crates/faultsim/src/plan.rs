@@ -180,6 +180,10 @@ pub struct Plan {
     /// Whether prefill workers run a prefix cache (and requests carry their tenant's
     /// scope).
     pub prefix_cache: bool,
+    /// With the cache, the decode worker computes a rest of at most this many tokens
+    /// itself (`DecodeConfig::local_prefill_tokens`): every other cached schedule, by the
+    /// seed's parity, so no draw of the dice moves.
+    pub local_prefill: usize,
     /// Extras beyond production behaviour.
     pub options: Options,
 }
@@ -222,6 +226,7 @@ impl Plan {
             events: Vec::new(),
             mid_transfer: None,
             prefix_cache: false,
+            local_prefill: 0,
             options,
         };
         let mut events = Vec::new();
@@ -291,6 +296,9 @@ impl Plan {
             if dice.chance(300) {
                 r.sampling = sampling_variant(dice.below(3));
             }
+        }
+        if plan.prefix_cache && seed.is_multiple_of(2) {
+            plan.local_prefill = 2 * ps;
         }
         plan.events = events;
         plan

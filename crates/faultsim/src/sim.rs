@@ -89,6 +89,8 @@ pub struct Tally {
     pub migrated: u64,
     /// Pages decode workers' caches evicted.
     pub decode_cache_evictions: u64,
+    /// Requests whose rest of the prompt a decode worker computed itself.
+    pub local_prefills: u64,
 }
 
 impl std::ops::AddAssign for Tally {
@@ -116,6 +118,7 @@ impl std::ops::AddAssign for Tally {
         self.decode_held_tokens += o.decode_held_tokens;
         self.migrated += o.migrated;
         self.decode_cache_evictions += o.decode_cache_evictions;
+        self.local_prefills += o.local_prefills;
     }
 }
 
@@ -385,9 +388,9 @@ fn brief(m: &Message) -> String {
         Message::Reserve { req, prompt_tokens, max_tokens, prefill, .. } => {
             format!("Reserve r{req} prompt {prompt_tokens} max {max_tokens} via w{}", prefill.0)
         }
-        Message::Reserved { req, held, pages } => {
+        Message::Reserved { req, held, pages, local } => {
             let p: Vec<String> = pages.iter().map(|p| format!("{}@{}", p.page, p.generation)).collect();
-            format!("Reserved r{req} held {held} [{}]", p.join(" "))
+            format!("Reserved r{req} held {held} [{}]{}", p.join(" "), if *local { " local" } else { "" })
         }
         Message::Rejected { req, reason, .. } => format!("Rejected r{req} {reason:?}"),
         Message::Prefill { req, tokens, decode, .. } => format!("Prefill r{req} {} tokens to w{}", tokens.len(), decode.0),
@@ -696,7 +699,11 @@ impl<'m, M: Models> Sim<'m, M> {
                 self.prefills.insert(id, PrefillWorker { driver, model, pool, gw, kv: BTreeMap::new(), busy_until: 0, next_tick });
             }
             Role::Decode => {
-                let role = DecodeRole::new(DecodeConfig { max_context: wp.context, transfer_timeout_ms: self.plan.transfer_timeout_ms });
+                let role = DecodeRole::new(DecodeConfig {
+                    max_context: wp.context,
+                    transfer_timeout_ms: self.plan.transfer_timeout_ms,
+                    local_prefill_tokens: self.plan.local_prefill,
+                });
                 // The decode side keeps ended requests' full pages wherever the prefill side
                 // caches: later requests of a scope then share them and receive only the rest.
                 let role = if self.plan.prefix_cache { role.with_cache(PrefixCache::new(wp.pool_pages), DIGEST) } else { role };
@@ -1279,6 +1286,7 @@ impl<'m, M: Models> Sim<'m, M> {
         for d in self.decodes.values() {
             self.tally.decode_held_tokens += d.driver.role().stats().held_tokens;
             self.tally.decode_cache_evictions += d.driver.role().cache_stats().map_or(0, |c| c.evicted_pages);
+            self.tally.local_prefills += d.driver.role().stats().local_prefills;
         }
         for why in bad {
             self.violate(why);

@@ -37,7 +37,8 @@
 //! - `cache`: [`PrefixCache`], full pages published read-only ([`CachedPage`]) and shared
 //!   ([`SharedLease`]) with later requests of the same [`Fence`] (I7).
 //! - [`transfer`]: the verified handoff between pools: [`Inbound`] checks every chunk and
-//!   alone makes a [`VerifiedSequence`].
+//!   alone makes a [`VerifiedSequence`]
+//!   (or, for a prompt the worker computes itself, a [`LocalPrefill`]).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -55,4 +56,4 @@ pub use ids::{Fence, Generation, PageId, PageKey, PoolId, RequestId};
 pub use layout::{KvChecks, KvLayout, PoolConfig};
 pub use pool::{CachedPage, KvPool, Lease, POISON, PageHandle, PageRead, PageReader, PageTag, PoolStats, Quarantined, SharedLease};
 pub use sequence::{SeqPage, SequenceKv, Unreleased};
-pub use transfer::{ChunkExport, ChunkHeader, Inbound, Manifest, PageRef, TransferError, VerifiedSequence};
+pub use transfer::{ChunkExport, ChunkHeader, Inbound, LocalPrefill, Manifest, PageRef, TransferError, VerifiedSequence};

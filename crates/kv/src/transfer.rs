@@ -144,6 +144,40 @@ impl VerifiedSequence {
     }
 }
 
+/// A reservation whose prompt past its shared prefix this worker computes itself instead of
+/// receiving it: no sender was told of its pages, so none can write them. Only
+/// [`Inbound::compute_here`] makes one. Its positions count only once the worker's own
+/// forward pass has written them and [`SequenceKv::commit`] has checked every layer's
+/// watermark (I2): the forward pass writes from the committed length on, and attention
+/// refuses a position its page does not hold written in this generation.
+#[derive(Debug)]
+pub struct LocalPrefill {
+    seq: SequenceKv,
+    prompt_tokens: usize,
+}
+
+impl LocalPrefill {
+    /// Prompt tokens reserved (the shared prefix and what is to be computed).
+    pub fn prompt_tokens(&self) -> usize {
+        self.prompt_tokens
+    }
+
+    /// Leading prompt tokens held in shared (cached) pages: computing starts here.
+    pub fn shared_tokens(&self) -> usize {
+        self.seq.shared_tokens()
+    }
+
+    /// The request it belongs to.
+    pub fn owner(&self) -> RequestId {
+        self.seq.owner()
+    }
+
+    /// The sequence, for the forward pass to write and commit.
+    pub fn into_sequence(self) -> SequenceKv {
+        self.seq
+    }
+}
+
 impl Inbound {
     /// Reserve pages for `total_tokens` (prompt + generation), all or nothing, for a prompt of
     /// `prompt_tokens` that a sender will write.
@@ -283,6 +317,15 @@ impl Inbound {
             Ok(()) => Ok(VerifiedSequence { seq: self.seq, prompt_tokens: self.prompt_tokens }),
             Err(e) => Err((e.into(), self.seq)),
         }
+    }
+
+    /// Compute the prompt here instead of receiving it (the decode worker holds all but a
+    /// short rest). Refused, with the reservation back, once any sender wrote into it.
+    pub fn compute_here(self) -> Result<LocalPrefill, Inbound> {
+        if self.written_tokens() != 0 {
+            return Err(self);
+        }
+        Ok(LocalPrefill { seq: self.seq, prompt_tokens: self.prompt_tokens })
     }
 
     /// Give up on the transfer; the caller quarantines or releases the pages.

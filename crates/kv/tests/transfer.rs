@@ -304,3 +304,41 @@ fn export_chunks_from(
         }
     }
 }
+
+/// A reservation is computed here only while no sender has written into it: once a chunk
+/// landed, a sender knows its pages and the local compute is refused (the reservation comes
+/// back whole). Computed here, the rest counts only as what the worker itself wrote and
+/// committed: an unwritten position cannot be committed.
+#[test]
+fn a_reservation_is_computed_here_only_untouched_and_only_what_is_written_counts() {
+    use bulkhead_kv::KvError;
+    let ps = LAYOUT.page_size;
+    let (mut rp, mut cache, keys, fence) = one_cached_page();
+    let shared = cache.lookup(&mut rp, &keys, 1, RequestId(15), fence, ps + 2).unwrap();
+    let mut inb = Inbound::reserve_after(&mut rp, RequestId(15), shared, ps + 2, ps + 3).map_err(|(e, _)| e).unwrap();
+    let mut sp = pool(4);
+    let s = sender(&mut sp, 15, ps + 2);
+    let mut m = Manifest::default();
+    let cs = export_chunks_from(&sp, &s, &inb.prompt_pages(ps), ps, ps + 1, &mut m);
+    inb.accept(&mut rp, &cs[0].0, &cs[0].1).unwrap();
+    let inb = inb.compute_here().err().expect("a reservation a sender wrote into is not computed here");
+    assert_eq!(inb.written_tokens(), 1);
+
+    let shared = cache.lookup(&mut rp, &keys, 1, RequestId(16), fence, ps + 2).unwrap();
+    let inb = Inbound::reserve_after(&mut rp, RequestId(16), shared, ps + 2, ps + 3).map_err(|(e, _)| e).unwrap();
+    let local = inb.compute_here().expect("an untouched reservation is computed here");
+    assert_eq!((local.shared_tokens(), local.prompt_tokens(), local.owner()), (ps, ps + 2, RequestId(16)));
+    let mut seq = local.into_sequence();
+    assert_eq!(seq.len(), ps, "the shared prefix only");
+    assert!(matches!(seq.commit(&rp, 2), Err(KvError::NotWritten { .. })), "nothing written past the prefix yet");
+    let row = LAYOUT.row_elems();
+    for pos in ps..ps + 2 {
+        let (lease, slot) = seq.locate(pos).unwrap();
+        for layer in 0..LAYOUT.layers {
+            let k: Vec<f32> = (0..row).map(|i| value(16, pos, layer, i)).collect();
+            rp.write(lease, layer, slot, &k, &k).unwrap();
+        }
+    }
+    seq.commit(&rp, 2).unwrap();
+    assert_eq!(seq.len(), ps + 2);
+}

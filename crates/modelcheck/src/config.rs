@@ -136,6 +136,9 @@ pub struct Config {
     /// Whether the decode worker keeps ended requests' full pages for later requests of
     /// their scope (the decode-side cache).
     pub decode_cache: bool,
+    /// With the decode-side cache: a rest of at most this many prompt tokens is computed on
+    /// the decode worker instead of sent (`DecodeConfig::local_prefill_tokens`); 0: never.
+    pub decode_local_prefill: usize,
     /// Driver variant.
     pub variant: Variant,
 }
@@ -166,6 +169,7 @@ impl Config {
             check_original_error: false,
             prefix_cache: false,
             decode_cache: false,
+            decode_local_prefill: 0,
             variant: Variant::Production,
         }
     }
@@ -199,6 +203,7 @@ impl Config {
             check_original_error: false,
             prefix_cache: false,
             decode_cache: false,
+            decode_local_prefill: 0,
             variant: Variant::Production,
         }
     }
@@ -323,6 +328,14 @@ impl Config {
             decode_cache: true,
             ..Self::faulty_network()
         }
+    }
+
+    /// The decode-side cache with a short rest computed on the decode worker: as
+    /// [`Config::decode_cache`], but a hit (one full page of a 3-token prompt) has its last
+    /// token computed by the decode loop instead of sent, while misses still go through the
+    /// prefill worker. One client goes away at any point, also during a local compute.
+    pub fn decode_local() -> Self {
+        Config { name: "decode-local", decode_local_prefill: 2, ..Self::decode_cache() }
     }
 
     /// Batched prefill (issue 17): two requests of two pages each on one prefill worker

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use bulkhead_fingerprint::Fingerprint;
 use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv};
 use bulkhead_protocol::FinishReason;
-use bulkhead_protocol::decode::{DecodeStart, Retired};
+use bulkhead_protocol::decode::{DecodeStart, LocalStart, Retired};
 use bulkhead_protocol::driver::decode::{DecodeEngine, GenEvent, Growing, make_room};
 use bulkhead_protocol::driver::prefill::{Chunk, First, PrefillCompute};
 use bulkhead_protocol::driver::sabotage::{DecodeSabotage, PrefillSabotage};
@@ -93,9 +93,8 @@ pub struct MockDecode {
     pub running: BTreeMap<RequestId, Running>,
     /// The request the next step is for.
     pub focus: Option<RequestId>,
-    /// Requests started, with their verified prompt tokens, committed length and the
-    /// tokens held in shared (cached) pages.
-    pub started: Vec<(RequestId, usize, usize, usize)>,
+    /// Requests started.
+    pub started: Vec<Started>,
     /// Property violations observed by reads and releases.
     pub seen: Vec<(Prop, String)>,
     /// Attend over every reserved slot instead of the written ones (the broken
@@ -111,6 +110,21 @@ pub struct MockDecode {
     /// Finished sequences go to the driver (the decode-side cache) instead of the pool.
     keep_finished: bool,
     retired: Vec<Retired>,
+}
+
+/// A request the mock decode loop started.
+#[derive(Clone, Copy, Debug)]
+pub struct Started {
+    /// Its attempt.
+    pub req: RequestId,
+    /// Prompt tokens it started with (verified, or computed here).
+    pub prompt: usize,
+    /// Its sequence's committed length.
+    pub committed: usize,
+    /// Tokens held in shared (cached) pages.
+    pub shared: usize,
+    /// Prompt tokens the loop computed itself (`add_local`); 0 for a verified transfer.
+    pub computed: usize,
 }
 
 impl MockDecode {
@@ -185,6 +199,21 @@ impl MockDecode {
         }
     }
 
+    /// A request joins the loop with its prompt in place and its first token picked (by its
+    /// prefill, or here); a one-token request ends at once. A resumed one continues the
+    /// count of the attempt it resumes.
+    fn start(&mut self, req: RequestId, seq: SequenceKv, prompt: usize, computed: usize, max_tokens: u32, resumed: u32) -> Vec<GenEvent> {
+        self.started.push(Started { req, prompt, committed: seq.len(), shared: seq.shared_tokens(), computed });
+        self.read_all(req, &seq);
+        self.next_order += 1;
+        let r = Running { seq, order: self.next_order, max_tokens: max_tokens + resumed, generated: resumed + 1 };
+        if r.generated < r.max_tokens {
+            self.running.insert(req, r);
+            return Vec::new();
+        }
+        vec![self.finish(req, r)]
+    }
+
     /// The request is done: its pages go back, and the gateway hears `Finished`.
     fn finish(&mut self, req: RequestId, r: Running) -> GenEvent {
         let prompt_tokens = (r.seq.len() as u32).saturating_sub(r.generated - 1);
@@ -205,21 +234,29 @@ impl DecodeEngine for MockDecode {
     }
 
     fn add_verified(&mut self, ds: DecodeStart) -> Result<Vec<GenEvent>, KvError> {
-        let req = ds.req;
         let verified = ds.seq.prompt_tokens();
-        let seq = ds.seq.into_sequence();
-        self.started.push((req, verified, seq.len(), seq.shared_tokens()));
-        self.read_all(req, &seq);
-        // The first token came with `Done`; a one-token request ends at once. A resumed
-        // one continues the count of the attempt it resumes.
-        self.next_order += 1;
-        let resumed = ds.resume.len() as u32;
-        let r = Running { seq, order: self.next_order, max_tokens: ds.max_tokens + resumed, generated: resumed + 1 };
-        if r.generated < r.max_tokens {
-            self.running.insert(req, r);
-            return Ok(Vec::new());
+        Ok(self.start(ds.req, ds.seq.into_sequence(), verified, 0, ds.max_tokens, ds.resume.len() as u32))
+    }
+
+    fn add_local(&mut self, ls: LocalStart) -> Result<Vec<GenEvent>, KvError> {
+        let (req, prompt) = (ls.req, ls.seq.prompt_tokens());
+        let mut seq = ls.seq.into_sequence();
+        // The rest of the prompt, computed here: each position written in every layer
+        // through the sequence's own lease, then committed (which checks the watermarks).
+        let from = seq.len();
+        for pos in from..prompt {
+            let row = [self.values.of(req, pos); LAYOUT.kv_heads * LAYOUT.head_dim];
+            let written = seq
+                .locate(pos)
+                .and_then(|(lease, slot)| (0..LAYOUT.layers).try_for_each(|layer| self.pool.write(lease, layer, slot, &row, &row)));
+            if let Err(e) = written {
+                self.seen.push((Prop::ReadIsolation, format!("{req} cannot compute its own prompt position {pos}: {e}")));
+            }
         }
-        Ok(vec![self.finish(req, r)])
+        if let Err(e) = seq.commit(&self.pool, prompt - from) {
+            self.seen.push((Prop::ReadIsolation, format!("{req} cannot commit its own prompt {from}..{prompt}: {e}")));
+        }
+        Ok(self.start(req, seq, prompt, prompt - from, ls.max_tokens, ls.resume.len() as u32))
     }
 
     fn step(&mut self) -> Result<Vec<GenEvent>, KvError> {

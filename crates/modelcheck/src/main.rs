@@ -30,10 +30,11 @@ fn main() -> ExitCode {
         "growth" => Config::growth(),
         "prefix-cache" => Config::prefix_cache(),
         "decode-cache" => Config::decode_cache(),
+        "decode-local" => Config::decode_local(),
         "batched-prefill" => Config::batched_prefill(),
         other => {
             eprintln!(
-                "unknown configuration {other:?}: three-requests | faulty-network | duplicating-network | reordering-network | prefill-restart | ucx-restart | keepalive | growth | prefix-cache | batched-prefill"
+                "unknown configuration {other:?}: three-requests | faulty-network | duplicating-network | reordering-network | prefill-restart | ucx-restart | keepalive | growth | prefix-cache | decode-cache | decode-local | batched-prefill"
             );
             return ExitCode::FAILURE;
         }

@@ -25,7 +25,7 @@ use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillRole};
 use bulkhead_protocol::{FailReason, Hello, Message, RejectReason, Role, Sampling, TraceContext, WorkerId};
 
 use crate::config::{Config, LAYOUT, TICK_MS, Variant};
-use crate::drivers::{MockDecode, MockPrefill, decode_policy, prefill_policy};
+use crate::drivers::{MockDecode, MockPrefill, Started, decode_policy, prefill_policy};
 use bulkhead_protocol::driver::sabotage::{DecodeSabotage, PrefillSabotage};
 
 /// The decode worker's id.
@@ -150,6 +150,8 @@ pub struct Ghost {
     pub landed: usize,
     /// Leading prompt tokens of `attempt` the decode worker said it held in its cache.
     pub held: usize,
+    /// The decode worker said it computes the rest of `attempt`'s prompt itself.
+    pub local: bool,
     /// A role decided to reject it (the gateway told the client, or a worker refused it
     /// for context or capacity): from here it must not reach Reserve, transfer or decode.
     pub rejected: bool,
@@ -325,7 +327,7 @@ impl DecodeLink for DecodeWire<'_> {
         match &msg {
             Message::Rejected { req, reason, .. } => worker_rejected(self.ghosts, client_of(*req), *reason),
             Message::Retracted { req, tokens } => self.ghosts.entry(client_of(*req)).or_default().resumed = tokens.len(),
-            Message::Reserved { req, held, .. } => {
+            Message::Reserved { req, held, local, .. } => {
                 let client = client_of(*req);
                 let g = self.ghosts.entry(client).or_default();
                 if g.rejected {
@@ -337,6 +339,7 @@ impl DecodeLink for DecodeWire<'_> {
                     g.landed = 0;
                 }
                 g.held = *held as usize;
+                g.local = *local;
             }
             _ => {}
         }
@@ -392,7 +395,11 @@ impl<'c> World<'c> {
         // Registration is atomic here: its welcomes and introductions are not modelled.
         let registered = gw.join(DECODE, &Hello::for_pool(Role::Decode, DIGEST, &dpool, cfg.decode_max_context, String::new()));
         assert!(registered.is_ok(), "the decode worker registers: {registered:?}");
-        let role = DecodeRole::new(DecodeConfig { max_context: cfg.decode_max_context, transfer_timeout_ms: TICK_MS });
+        let role = DecodeRole::new(DecodeConfig {
+            max_context: cfg.decode_max_context,
+            transfer_timeout_ms: TICK_MS,
+            local_prefill_tokens: cfg.decode_local_prefill,
+        });
         let role = if cfg.decode_cache { role.with_cache(PrefixCache::new(cfg.decode_pool_pages), DIGEST) } else { role };
         let mut dec = DecodeDriver::with_policy(role, MockDecode::new(dpool, cfg.variant, Values::new(cfg)), decode_policy(cfg.variant));
         let mut prefills = Vec::new();
@@ -943,7 +950,7 @@ impl<'c> World<'c> {
             // Broken: "transfer complete" is trusted; the request is started on what is in
             // place (what it held and what landed).
             let (held, landed) = self.ghosts.get(&client_of(req)).map_or((0, 0), |g| (g.held, g.landed));
-            self.check_start(req, held + landed, held);
+            self.check_start(req, held + landed, held, 0);
         }
         self.drain_engine();
     }
@@ -951,9 +958,9 @@ impl<'c> World<'c> {
     /// What the mock decode loop saw: requests it started (checked against their
     /// reservations) and property violations of its reads.
     fn drain_engine(&mut self) {
-        let started: Vec<(RequestId, usize, usize, usize)> = self.dec.engine_mut().started.drain(..).collect();
-        for (attempt, verified, committed, shared) in started {
-            self.check_start(attempt, verified, shared);
+        let started: Vec<Started> = self.dec.engine_mut().started.drain(..).collect();
+        for Started { req: attempt, prompt, committed, shared, computed } in started {
+            self.check_start(attempt, prompt, shared, computed);
             let req = client_of(attempt);
             if committed != self.ghosts.get(&req).and_then(|g| g.reserved_prompt).unwrap_or(usize::MAX) {
                 self.violate(Prop::VerifiedCoverage, format!("{req} started with {committed} committed prompt tokens"));
@@ -964,18 +971,25 @@ impl<'c> World<'c> {
     }
 
     /// I2 at the moment decode starts attempt `attempt` with `coverage` prompt tokens in
-    /// place, `shared` of them in shared (cached) pages; I10: what the decode worker said
-    /// it held is exactly what its shared leases cover, and held and landed tokens cover
-    /// the prompt with no gap and no overlap; I3: a rejected request never reaches decode.
-    fn check_start(&mut self, attempt: RequestId, coverage: usize, shared: usize) {
+    /// place, `shared` of them in shared (cached) pages and `computed` computed by the decode
+    /// loop itself; I10: what the decode worker said it held is exactly what its shared
+    /// leases cover, and held, landed and computed tokens cover the prompt with no gap and
+    /// no overlap (a rest is computed only when the worker said so, and then nothing
+    /// lands); I3: a rejected request never reaches decode.
+    fn check_start(&mut self, attempt: RequestId, coverage: usize, shared: usize, computed: usize) {
         let req = client_of(attempt);
         let g = self.ghosts.get(&req).cloned().unwrap_or_default();
-        if g.attempt != Some(attempt) || g.reserved_prompt != Some(coverage) || g.held != shared || g.held + g.landed != coverage {
+        if g.attempt != Some(attempt)
+            || g.reserved_prompt != Some(coverage)
+            || g.held != shared
+            || g.held + g.landed + computed != coverage
+            || (computed > 0) != g.local
+        {
             self.violate(
                 Prop::VerifiedCoverage,
                 format!(
-                    "{req} started with {coverage} prompt tokens, {shared} shared; reserved {:?}, held {}, landed {}",
-                    g.reserved_prompt, g.held, g.landed
+                    "{req} started with {coverage} prompt tokens, {shared} shared, {computed} computed here; reserved {:?}, held {}, landed {}, local {}",
+                    g.reserved_prompt, g.held, g.landed, g.local
                 ),
             );
         }

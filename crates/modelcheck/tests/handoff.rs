@@ -308,6 +308,27 @@ fn a_decode_side_hit_across_tenants_is_caught() {
     assert!(last.contains("not its own KV"), "{last}");
 }
 
+/// A decode-side hit whose rest is short is computed by the decode loop itself: no
+/// `Prefill`, no chunk; coverage is the shared prefix plus what the loop wrote and
+/// committed, exactly the prompt, and only when the worker said so. Every property holds,
+/// and the happy path reaches such a local compute.
+#[test]
+fn a_short_rest_computed_on_the_decode_worker_holds_every_property() {
+    let (report, model) = check_all(Config::decode_local());
+    assert_holds(&report, &model);
+    let shared = report.discoveries.get(names::SHARED).map(|(_, dump)| dump.as_str()).unwrap_or_default();
+    assert!(shared.contains("local_prefills: 1"), "no local compute on the happy path: {report}");
+    assert_eq!(report.unique_states, 3_487, "the model changed: {report}");
+}
+
+/// With the rest computed on the decode worker, a driver that keeps every reservation
+/// under one scope still lets tenant 1 hit tenant 0's page, and the read is still caught.
+#[test]
+fn a_decode_side_hit_across_tenants_is_caught_when_the_rest_is_computed_there() {
+    let last = finds(Config::decode_local().with_variant(Variant::OneDecodeScope), names::READ_ISOLATION);
+    assert!(last.contains("not its own KV"), "{last}");
+}
+
 // ------------------------------------------------------------------ findings
 
 /// The protocol relies on exactly-once delivery per connection (TCP): a duplicated

@@ -32,8 +32,9 @@ use std::sync::Arc;
 /// `min_p`, `min_tokens`, `stop_token_ids`, log-probabilities and a grammar, `Token` and
 /// `Done` carry log-probabilities, `Reserve` the prompt when the sampling needs it);
 /// 11: the KV transport is negotiated after `KvHello` (`KvUcxAddress`, `KvUcxUse`);
-/// 12: the decode side's cache: `Reserve.cache`, `Reserved.held`, `Prefill.held`).
-pub const VERSION: u8 = 12;
+/// 12: the decode side's cache: `Reserve.cache`, `Reserved.held`, `Prefill.held`;
+/// 13: `Reserved.local`, a short rest computed on the decode worker).
+pub const VERSION: u8 = 13;
 /// Default largest payload accepted (a KV chunk of one page is ~370 KB for the default model).
 pub const DEFAULT_MAX_FRAME: usize = 16 << 20;
 const MAGIC: [u8; 2] = *b"BH";
@@ -599,7 +600,7 @@ messages! {
         Refuse = 3 { reason },
         KvHello = 4 { prefill },
         Reserve = 5 { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, prompt, trace, cache },
-        Reserved = 6 { req, held, pages },
+        Reserved = 6 { req, held, pages, local },
         Rejected = 7 { req, reason, detail },
         Prefill = 8 { req, tokens, decode, held, pages, sampling, skip_draws, trace, cache },
         Done = 10 { req, tokens, first_token, manifest, cached, first_logprobs },
@@ -940,7 +941,8 @@ mod tests {
                 trace: trace.clone(),
                 cache: Some(CacheScope([9; 32])),
             },
-            Message::Reserved { req: RequestId(5), held: 32, pages: pages.clone() },
+            Message::Reserved { req: RequestId(5), held: 32, pages: pages.clone(), local: false },
+            Message::Reserved { req: RequestId(5), held: 32, pages: Vec::new(), local: true },
             Message::Rejected { req: RequestId(5), reason: RejectReason::ContextLength, detail: "too long".into() },
             Message::Prefill {
                 req: RequestId(5),

@@ -18,7 +18,8 @@ use bulkhead_fingerprint::Fingerprint;
 use std::collections::{BTreeMap, BTreeSet};
 
 use bulkhead_kv::{
-    CacheStats, Inbound, KvError, KvPool, PageTag, PrefixCache, Quarantined, RequestId, SequenceKv, TransferError, VerifiedSequence,
+    CacheStats, Inbound, KvError, KvPool, LocalPrefill, PageTag, PrefixCache, Quarantined, RequestId, SequenceKv, TransferError,
+    VerifiedSequence,
 };
 
 use crate::admission::{Generate, admit};
@@ -33,6 +34,11 @@ pub struct DecodeConfig {
     /// How long a reservation may go without any frame from its prefill worker before it
     /// fails (see the module docs).
     pub transfer_timeout_ms: u64,
+    /// A reservation that finds part of its prompt in this worker's cache (a conversation's
+    /// earlier turns) and at most this many tokens missing computes the rest here instead
+    /// of receiving it: no transfer, no prefill queue, and the previous answer, which only
+    /// this worker holds, is not computed again. 0: always receive.
+    pub local_prefill_tokens: usize,
 }
 
 /// Something that happened to the decode worker.
@@ -74,6 +80,27 @@ pub struct DecodeStart {
     pub prompt: Vec<u32>,
 }
 
+/// A reserved request whose prompt the decode loop computes itself, from the first position
+/// past its shared prefix (see [`DecodeConfig::local_prefill_tokens`]).
+#[derive(Debug)]
+pub struct LocalStart {
+    /// The request.
+    pub req: RequestId,
+    /// Its pages: the shared prefix, then its own pages for the rest and the first output.
+    pub seq: LocalPrefill,
+    /// The attempt's prompt: the client's, then `resume`.
+    pub tokens: Vec<u32>,
+    /// Most tokens to generate, the first included.
+    pub max_tokens: u32,
+    /// Sampling settings.
+    pub sampling: Sampling,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Tokens an earlier attempt generated (the client has them): the last ones of
+    /// `tokens`, replayed by the decode loop so it picks up where it was.
+    pub resume: Vec<u32>,
+}
+
 /// What the driver must do.
 #[derive(Debug)]
 pub enum DecodeAction {
@@ -83,6 +110,8 @@ pub enum DecodeAction {
     ToPrefill { to: WorkerId, msg: Message },
     /// Hand a verified request to the decode loop.
     Start(DecodeStart),
+    /// Hand a request to the decode loop to compute the rest of its prompt here.
+    StartLocal(LocalStart),
     /// The decode loop must end this request now and release its pages.
     Stop { req: RequestId },
     /// Close the KV connection of prefill worker `prefill`, reading nothing more from it:
@@ -169,6 +198,10 @@ pub struct DecodeStats {
     pub held_tokens: u64,
     /// Prompt tokens sent by prefill workers and verified (the rest of each prompt).
     pub transferred_tokens: u64,
+    /// Reservations whose rest of the prompt this worker computed itself.
+    pub local_prefills: u64,
+    /// Prompt tokens those computed here (past their shared prefixes).
+    pub local_prefill_tokens: u64,
 }
 
 #[derive(Debug, Fingerprint)]
@@ -201,7 +234,8 @@ struct Fencing {
 /// A request in the decode loop.
 #[derive(Debug, Fingerprint)]
 struct Decoding {
-    /// The prompt tokens its prefill took from the prefill's cache (for its usage).
+    /// The prompt tokens not computed for it (for its usage): what its prefill took from the
+    /// prefill's cache, or, computed here, its shared prefix.
     cached: u32,
     /// Its cache scope and the tokens before what the loop generates (the client's prompt;
     /// the resumed tokens are the loop's): its full pages are published under this scope
@@ -555,13 +589,35 @@ impl DecodeRole {
                         let ps = pool.layout().page_size;
                         let held = inbound.shared_tokens();
                         self.stats.held_tokens += held as u64;
+                        let rest = prompt_tokens as usize - held;
+                        // Only with a cache hit: a miss goes to a prefill worker whatever its
+                        // length, and that worker's cache learns the prompt.
+                        let local = held > 0 && rest <= self.cfg.local_prefill_tokens && attempt_prompt.len() == prompt_tokens as usize;
+                        let inbound = match if local { inbound.compute_here() } else { Err(inbound) } {
+                            Ok(seq) => {
+                                self.stats.local_prefills += 1;
+                                self.stats.local_prefill_tokens += rest as u64;
+                                let publish = cache.map(|scope| (scope, prompt.clone()));
+                                self.decoding.insert(req, Decoding { cached: held as u32, publish });
+                                out.push(DecodeAction::ToGateway(Message::Reserved {
+                                    req,
+                                    held: held as u32,
+                                    pages: Vec::new(),
+                                    local: true,
+                                }));
+                                let start = LocalStart { req, seq, tokens: attempt_prompt, max_tokens, sampling, stop, resume };
+                                out.push(DecodeAction::StartLocal(start));
+                                return;
+                            }
+                            Err(inbound) => inbound,
+                        };
                         let pages = inbound.prompt_pages(ps);
                         let deadline_ms = self.now_ms.saturating_add(self.cfg.transfer_timeout_ms);
                         let publish = cache.map(|scope| (scope, prompt.clone()));
                         let prompt = if sampling.needs_prompt() { prompt } else { Vec::new() };
                         let pending = Pending { inbound, prefill, max_tokens, sampling, stop, resume, prompt, publish, deadline_ms };
                         self.pending.insert(req, pending);
-                        out.push(DecodeAction::ToGateway(Message::Reserved { req, held: held as u32, pages }));
+                        out.push(DecodeAction::ToGateway(Message::Reserved { req, held: held as u32, pages, local: false }));
                     }
                     Err((e, shared)) => {
                         shared.into_iter().for_each(|l| drop(pool.unshare(l)));

@@ -255,6 +255,7 @@ struct Member {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Fingerprint)]
 struct Route {
     decode: WorkerId,
+    /// The decode worker itself when it computes the prompt (`Reserved.local`).
     prefill: WorkerId,
 }
 
@@ -977,7 +978,9 @@ impl GatewayRole {
             }
             return;
         }
-        for to in [route.decode, route.prefill].into_iter().filter(|t| Some(*t) != except) {
+        // A locally computed attempt names its decode worker twice: tell it once.
+        let prefill = Some(route.prefill).filter(|p| *p != route.decode);
+        for to in [Some(route.decode), prefill].into_iter().flatten().filter(|t| Some(*t) != except) {
             out.push(GatewayAction::ToWorker { to, msg: Message::Abort { req: attempt, reason } });
         }
     }
@@ -1039,6 +1042,15 @@ impl GatewayRole {
         }
         let Some(f) = self.inflight.get_mut(&req) else { return };
         match msg {
+            Message::Reserved { local: true, .. } if f.phase == Phase::Reserving && from == route.decode => {
+                // The decode worker computes the rest itself: it is this attempt's only
+                // worker, and the prefill worker picked for it never hears of it.
+                f.phase = Phase::Prefilling;
+                f.route = Some(Route { decode: route.decode, prefill: route.decode });
+                if let Some(since) = f.queued_at_ms.take() {
+                    record_queue_wait(&mut self.stats, since, self.now_ms);
+                }
+            }
             Message::Reserved { held, pages, .. } if f.phase == Phase::Reserving && from == route.decode => {
                 if !self.prefills.contains(&route.prefill) {
                     // Its prefill worker left since: send the request elsewhere.
@@ -1097,7 +1109,7 @@ impl GatewayRole {
                 self.end(&req);
                 self.stats.rejected_by_worker += 1;
                 // A prefill rejection leaves a reservation on the decode worker.
-                if from == route.prefill {
+                if from == route.prefill && from != route.decode {
                     out.push(GatewayAction::ToWorker {
                         to: route.decode,
                         msg: Message::Abort { req: attempt, reason: AbortReason::Failed },

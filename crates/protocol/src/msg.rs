@@ -368,8 +368,11 @@ pub enum Message {
     },
     /// Decode → gateway: reserved. `held`: the leading prompt tokens the decode worker
     /// holds already (cached pages of the request's scope, shared to it); `pages`: the
-    /// prompt pages the prefill may write, the first holding position `held`.
-    Reserved { req: RequestId, held: u32, pages: Vec<PageRef> },
+    /// prompt pages the prefill may write, the first holding position `held`. `local`: the
+    /// decode worker computes the rest of the prompt itself (it is short, see
+    /// `DecodeConfig::local_prefill_tokens`): no `Prefill` is sent, and no prefill worker
+    /// takes part in this attempt.
+    Reserved { req: RequestId, held: u32, pages: Vec<PageRef>, local: bool },
     /// Worker → gateway: refused before running. Terminal for the request.
     Rejected {
         req: RequestId,

@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use bulkhead_kv::{KvChecks, KvError, KvLayout, KvPool, PoolConfig, RequestId, SequenceKv};
-use bulkhead_protocol::decode::{DecodeAction, DecodeConfig, DecodeEvent, DecodeRole, DecodeStart};
+use bulkhead_protocol::decode::{DecodeAction, DecodeConfig, DecodeEvent, DecodeRole, DecodeStart, LocalStart};
 use bulkhead_protocol::driver::Honest;
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeEngine, DecodeLink, DecodePolicy, GenEvent};
 use bulkhead_protocol::driver::prefill::{Batching, Chunk, First, LinkDown, PrefillCompute, PrefillDriver, PrefillLink, PrefillPolicy};
@@ -72,6 +72,11 @@ impl DecodeEngine for MockEngine {
         }
         self.decoding.insert(ds.req, (seq, ds.max_tokens));
         Ok(Vec::new())
+    }
+    fn add_local(&mut self, ls: LocalStart) -> Result<Vec<GenEvent>, KvError> {
+        // This cluster never configures local prefill.
+        ls.seq.into_sequence().release(&mut self.pool).map_err(|u| u.error)?;
+        Err(KvError::NotReserved { pos: 0, reserved: 0 })
     }
     fn step(&mut self) -> Result<Vec<GenEvent>, KvError> {
         let mut out = Vec::new();
@@ -176,7 +181,7 @@ impl<PP: PrefillPolicy, DP: DecodePolicy> Cluster<PP, DP> {
         let mut c = Cluster {
             gw,
             dec: DecodeDriver::with_policy(
-                DecodeRole::new(DecodeConfig { max_context: decode_pool_tokens, transfer_timeout_ms: 1_000 }),
+                DecodeRole::new(DecodeConfig { max_context: decode_pool_tokens, transfer_timeout_ms: 1_000, local_prefill_tokens: 0 }),
                 engine,
                 dp,
             ),

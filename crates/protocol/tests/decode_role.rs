@@ -25,7 +25,7 @@ fn pool(pages: usize) -> KvPool {
 
 impl Rig {
     fn new(decode_pages: usize) -> Rig {
-        let dec = DecodeRole::new(DecodeConfig { max_context: MAX_CONTEXT, transfer_timeout_ms: 1_000 });
+        let dec = DecodeRole::new(DecodeConfig { max_context: MAX_CONTEXT, transfer_timeout_ms: 1_000, local_prefill_tokens: 0 });
         let mut r = Rig { dec, pool: pool(decode_pages), ppool: pool(64) };
         for from in [A, B] {
             r.dec.handle(&mut r.pool, DecodeEvent::PrefillConnected { from });

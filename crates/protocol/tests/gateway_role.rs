@@ -68,7 +68,7 @@ fn from(g: &mut GatewayRole, from: WorkerId, msg: Message) -> Vec<GatewayAction>
 }
 
 fn reserved(req: u64) -> Message {
-    Message::Reserved { req: RequestId(req), held: 0, pages: vec![PageRef { page: PageId(0), generation: Generation(1) }] }
+    Message::Reserved { req: RequestId(req), held: 0, pages: vec![PageRef { page: PageId(0), generation: Generation(1) }], local: false }
 }
 
 fn token(req: u64) -> Message {
@@ -431,7 +431,7 @@ fn a_retracted_request_resumes_from_its_tokens_and_a_prompt_lost_with_its_prefil
     });
     let Some((attempt, ..)) = resent.clone() else { panic!("not resent: {acts:?}") };
     assert_eq!(resent, Some((attempt, 5, 2, vec![11, 12])), "{acts:?}");
-    let acts = from(&mut g, D2, Message::Reserved { req: attempt, held: 0, pages: vec![] });
+    let acts = from(&mut g, D2, Message::Reserved { req: attempt, held: 0, pages: vec![], local: false });
     let prefill = acts.iter().find_map(|a| match a {
         GatewayAction::ToWorker { to, msg: Message::Prefill { tokens, skip_draws, .. } } => Some((*to, tokens.clone(), *skip_draws)),
         _ => None,
@@ -448,7 +448,7 @@ fn a_retracted_request_resumes_from_its_tokens_and_a_prompt_lost_with_its_prefil
     });
     let Some((attempt, prefill)) = again else { panic!("not retried: {acts:?}") };
     assert_ne!(prefill, to, "another prefill worker, there being one");
-    from(&mut g, D2, Message::Reserved { req: attempt, held: 0, pages: vec![] });
+    from(&mut g, D2, Message::Reserved { req: attempt, held: 0, pages: vec![], local: false });
     let acts = from(&mut g, prefill, lost(attempt));
     assert!(matches!(to_client(&acts).as_slice(), [ClientOutput::Failed { reason: FailReason::WorkerLost, .. }]), "only once: {acts:?}");
     let s = g.stats();

@@ -15,7 +15,7 @@ const LAYOUT: KvLayout = KvLayout { layers: 2, kv_heads: 1, head_dim: 2, page_si
 /// pages are quarantined until that prefill is fenced.
 fn aborted_reservation(connected: bool) -> (DecodeRole, KvPool) {
     let mut pool = KvPool::new(PoolConfig { layout: LAYOUT, pages: 8, checks: KvChecks::all() }).expect("pool");
-    let mut dec = DecodeRole::new(DecodeConfig { max_context: 32, transfer_timeout_ms: 1_000 });
+    let mut dec = DecodeRole::new(DecodeConfig { max_context: 32, transfer_timeout_ms: 1_000, local_prefill_tokens: 0 });
     if connected {
         dec.handle(&mut pool, DecodeEvent::PrefillConnected { from: PREFILL });
     }

@@ -80,7 +80,11 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     });
     let cache_pages = cfg.prefix_cache_pages.min(pool.total_pages());
     let engine = Engine::new(Arc::new(llama), Arc::new(model.tokenizer), pool, EngineConfig::for_context(context));
-    let role = DecodeRole::new(DecodeConfig { max_context: context, transfer_timeout_ms: cfg.transfer_timeout_ms });
+    let role = DecodeRole::new(DecodeConfig {
+        max_context: context,
+        transfer_timeout_ms: cfg.transfer_timeout_ms,
+        local_prefill_tokens: cfg.max_local_prefill_tokens,
+    });
     let role = if cache_pages > 0 {
         tracing::info!(
             pages = cache_pages,

@@ -49,6 +49,9 @@ pub struct WorkerConfig {
     /// before it fails. Prefill: sets how often it sends `KvKeepalive` (a quarter of this,
     /// at most every second).
     pub transfer_timeout_ms: u64,
+    /// Decode only: a rest of a prompt this short, past what the worker's cache holds, is
+    /// computed here (`DecodeConfig::local_prefill_tokens`); 0: never.
+    pub max_local_prefill_tokens: usize,
     /// Optional KV integrity checks (canaries, checksums, auditor).
     pub kv_checks: KvChecks,
     /// The cluster key, if any (every internal connection authenticates with it).

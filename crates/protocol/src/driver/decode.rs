@@ -7,7 +7,7 @@
 
 use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv};
 
-use crate::decode::{DecodeAction, DecodeEvent, DecodeRole, DecodeStart, Retired};
+use crate::decode::{DecodeAction, DecodeEvent, DecodeRole, DecodeStart, LocalStart, Retired};
 use crate::driver::Honest;
 use crate::msg::{FailReason, FinishReason, Message, TokenLogprobs, WorkerId};
 
@@ -69,6 +69,10 @@ pub trait DecodeEngine {
     /// Take a verified request with the first token its prefill sampled; the events of
     /// that token. On error the request's pages are given back.
     fn add_verified(&mut self, start: DecodeStart) -> Result<Vec<GenEvent>, Self::Error>;
+    /// Take a request whose prompt past its shared prefix the loop computes itself (in its
+    /// next steps, beside the decoding sequences), then samples its first token; no events
+    /// until then. On error the request's pages are given back.
+    fn add_local(&mut self, start: LocalStart) -> Result<Vec<GenEvent>, Self::Error>;
     /// One step of every active request.
     fn step(&mut self) -> Result<Vec<GenEvent>, Self::Error>;
     /// End a request now and give its pages back.
@@ -189,14 +193,13 @@ impl<E: DecodeEngine, P: DecodePolicy> DecodeDriver<E, P> {
             DecodeAction::ToPrefill { to, msg } => link.to_prefill(to, msg),
             DecodeAction::Start(start) => {
                 let req = start.req;
-                match self.engine.add_verified(start) {
-                    Ok(events) => self.emit(events, link),
-                    Err(e) => {
-                        self.role.finished(req);
-                        link.ending(&self.role, self.engine.pool_mut());
-                        link.to_gateway(Message::Failed { req, reason: FailReason::Internal, detail: e.to_string() });
-                    }
-                }
+                let added = self.engine.add_verified(start);
+                self.started(req, added, link);
+            }
+            DecodeAction::StartLocal(start) => {
+                let req = start.req;
+                let added = self.engine.add_local(start);
+                self.started(req, added, link);
             }
             DecodeAction::Stop { req } => {
                 self.engine.abort(req);
@@ -206,6 +209,18 @@ impl<E: DecodeEngine, P: DecodePolicy> DecodeDriver<E, P> {
                 }
             }
             DecodeAction::Disconnect { prefill } => link.disconnect(prefill),
+        }
+    }
+
+    /// Send what a request's start in the loop produced, or its failure.
+    fn started(&mut self, req: RequestId, added: Result<Vec<GenEvent>, E::Error>, link: &mut impl DecodeLink) {
+        match added {
+            Ok(events) => self.emit(events, link),
+            Err(e) => {
+                self.role.finished(req);
+                link.ending(&self.role, self.engine.pool_mut());
+                link.to_gateway(Message::Failed { req, reason: FailReason::Internal, detail: e.to_string() });
+            }
         }
     }
 
