@@ -321,7 +321,7 @@ fn a_reservation_is_computed_here_only_untouched_and_only_what_is_written_counts
     let mut m = Manifest::default();
     let cs = export_chunks_from(&sp, &s, &inb.prompt_pages(ps), ps, ps + 1, &mut m);
     inb.accept(&mut rp, &cs[0].0, &cs[0].1).unwrap();
-    let inb = inb.compute_here().err().expect("a reservation a sender wrote into is not computed here");
+    let inb = inb.compute_here().expect_err("a reservation a sender wrote into is not computed here");
     assert_eq!(inb.written_tokens(), 1);
 
     let shared = cache.lookup(&mut rp, &keys, 1, RequestId(16), fence, ps + 2).unwrap();
