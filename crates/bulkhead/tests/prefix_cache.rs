@@ -56,7 +56,8 @@ fn cached(v: &Value) -> u64 {
 #[test]
 fn keys_pick_tenants_and_a_cached_prefix_is_reused_only_within_one_tenant_and_salt() {
     let tenants = tenants_file();
-    let s = serve(&["--tenants", tenants.to_str().unwrap()]);
+    // The prefill worker's cache: a repeated prompt is not computed on the decode worker.
+    let s = serve(&["--tenants", tenants.to_str().unwrap(), "--max-local-prefill-tokens", "0"]);
 
     // No key, an unknown key: 401 with an OpenAI error body, before anything else.
     for key in [None, Some("sk-nobody"), Some("")] {
@@ -146,13 +147,14 @@ fn conversation(s: &Server, key: &str, extra: Value, turns: &[(&str, Option<&str
 }
 
 /// A conversation's next turn: the decode worker kept the last turn's pages (prompt and
-/// answer), so only the new part crosses from the prefill worker; the answer is the same
+/// answer), so only the new part crosses from the prefill worker (the decode worker does
+/// not compute it itself here: `--max-local-prefill-tokens 0`); the answer is the same
 /// bits as a cold run's (another salt: nothing cached); another tenant's identical turn
 /// holds nothing.
 #[test]
 fn a_conversations_next_turn_sends_only_what_is_new_and_answers_as_a_cold_run() {
     let tenants = tenants_file();
-    let s = serve(&["--tenants", tenants.to_str().unwrap()]);
+    let s = serve(&["--tenants", tenants.to_str().unwrap(), "--max-local-prefill-tokens", "0"]);
     let sum = |name: &str| support::sum(&support::scrape(&s.http), name, &[]);
     let q1 = "Where is the green lamp?";
     let (status, first) = conversation(&s, KEY_A, json!({}), &[(q1, None)]);
@@ -185,6 +187,52 @@ fn a_conversations_next_turn_sends_only_what_is_new_and_answers_as_a_cold_run() 
     let (_, other) = conversation(&s, KEY_B, json!({}), &turns);
     assert_eq!(other["choices"][0]["message"]["content"], second["choices"][0]["message"]["content"]);
     assert_eq!(sum("bulkhead:kv_held_tokens_total"), held_before, "another tenant never holds A's pages");
+    let fence = [("check", "tenant_fence")];
+    assert_eq!(polled_sum(&s.http, "bulkhead:isolation_failures_total", &fence, 0.0), 0.0);
+    assert!(support::pools_idle(&support::scrape(&s.http)), "every pool idle: free or cached pages only");
+    let _ = std::fs::remove_file(tenants);
+}
+
+/// With the default `--max-local-prefill-tokens`, a conversation's next turn is computed by
+/// the decode worker that holds the conversation: nothing crosses from a prefill worker,
+/// held and computed tokens cover the prompt exactly once, `cached_tokens` counts what was
+/// held, and the answer is the same bits as a cold run's (computed on the prefill worker,
+/// transferred and verified). A miss, and another tenant's identical turn, still go
+/// through a prefill worker.
+#[test]
+fn a_conversations_short_next_turn_is_computed_on_the_decode_worker_and_answers_as_a_cold_run() {
+    let tenants = tenants_file();
+    let s = serve(&["--tenants", tenants.to_str().unwrap()]);
+    let sum = |name: &str| support::sum(&support::scrape(&s.http), name, &[]);
+    let q1 = "Where is the blue lamp?";
+    let (status, first) = conversation(&s, KEY_A, json!({}), &[(q1, None)]);
+    assert_eq!(status, 200, "{first}");
+    let a1 = first["choices"][0]["message"]["content"].as_str().expect("an answer").to_string();
+    let p1 = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    let sent_before = polled_sum(&s.http, "bulkhead:kv_transferred_tokens_total", &[], p1 as f64);
+    assert_eq!(sent_before, p1 as f64, "a miss goes through the prefill worker");
+    assert_eq!(sum("bulkhead:local_prefills_total"), 0.0);
+
+    let turns = [(q1, Some(a1.as_str())), ("And the amber one?", None)];
+    let (status, second) = conversation(&s, KEY_A, json!({}), &turns);
+    assert_eq!(status, 200, "{second}");
+    let p2 = second["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(polled_sum(&s.http, "bulkhead:local_prefills_total", &[], 1.0), 1.0, "the next turn was computed here");
+    let held = sum("bulkhead:kv_held_tokens_total");
+    let computed = sum("bulkhead:local_prefill_tokens_total");
+    assert_eq!(sum("bulkhead:kv_transferred_tokens_total"), sent_before, "nothing crossed for the next turn");
+    assert_eq!(held + computed, p2 as f64, "held and computed cover the prompt exactly once");
+    assert!(computed >= 1.0 && computed <= 256.0, "a short rest: {computed} of {p2}");
+    assert_eq!(cached(&second), held as u64, "cached_tokens: what was not computed for it");
+
+    // The same turn cold (another salt): computed by the prefill worker and sent.
+    let (_, cold) = conversation(&s, KEY_A, json!({ "cache_salt": "cold" }), &turns);
+    assert_eq!(cold["choices"][0]["message"]["content"], second["choices"][0]["message"]["content"], "{cold}\n{second}");
+    assert_eq!(cached(&cold), 0);
+    // Another tenant's identical conversation holds nothing of A's, so it is not computed there.
+    let (_, other) = conversation(&s, KEY_B, json!({}), &turns);
+    assert_eq!(other["choices"][0]["message"]["content"], second["choices"][0]["message"]["content"]);
+    assert_eq!(sum("bulkhead:local_prefills_total"), 1.0, "another tenant's turn is never computed on A's prefix");
     let fence = [("check", "tenant_fence")];
     assert_eq!(polled_sum(&s.http, "bulkhead:isolation_failures_total", &fence, 0.0), 0.0);
     assert!(support::pools_idle(&support::scrape(&s.http)), "every pool idle: free or cached pages only");

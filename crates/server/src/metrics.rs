@@ -272,6 +272,18 @@ pub fn decode_families(s: &DecodeStats, checksums: bool, kv_bytes_per_token: usi
         &[],
         s.transferred_tokens,
     );
+    f.counter(
+        "bulkhead:local_prefills_total",
+        "Requests whose short rest of the prompt (past what the decode worker held) the decode worker computed itself.",
+        &[],
+        s.local_prefills,
+    );
+    f.counter(
+        "bulkhead:local_prefill_tokens_total",
+        "Prompt tokens decode workers computed themselves (neither held nor sent).",
+        &[],
+        s.local_prefill_tokens,
+    );
     f.rejected("decode", "context_length", s.rejected_context);
     f.rejected("decode", "capacity", s.rejected_capacity);
     f.rejected("decode", "invalid", s.rejected_invalid);
