@@ -6,8 +6,9 @@
 # llama-server, with the same seed. Prints, per rep, later-turn and first-turn TTFT p50,
 # output tok/s and their ratios, and Bulkhead's KV handoff: prompt tokens its decode worker
 # received in later turns divided by those turns' new tokens (from its log: each
-# request's `reserved held_tokens=` and `decode finished prompt_tokens=`; the 16 smallest
-# prompts are the first turns).
+# request's `reserved held_tokens= ... local=` and `decode finished prompt_tokens=`; a rest
+# computed on the decode worker, `local=true`, received nothing; the 16 smallest prompts
+# are the first turns), and how many later turns the decode worker computed itself.
 #
 #   bash scripts/bench-multiturn.sh [--reps N] [--out DIR]
 set -euo pipefail
@@ -83,16 +84,19 @@ import json, re, sys
 out, reps = sys.argv[1], int(sys.argv[2])
 
 def handoff(log):
-    """(prompt tokens, tokens received) of each request that finished, from the decode worker's log."""
-    held, done = {}, []
+    """(prompt tokens, tokens received, computed here) of each request that finished, from the decode worker's log."""
+    held, local, done = {}, set(), []
     for line in open(log, errors="replace"):
         rid = re.search(r"request_id=(\w+)", line)
         if not rid:
             continue
         if m := re.search(r" reserved held_tokens=(\d+)", line):
             held[rid.group(1)] = int(m.group(1))
+            if "local=true" in line:
+                local.add(rid.group(1))
         elif m := re.search(r"decode finished prompt_tokens=(\d+)", line):
-            done.append((int(m.group(1)), int(m.group(1)) - held.get(rid.group(1), 0)))
+            here = rid.group(1) in local
+            done.append((int(m.group(1)), 0 if here else int(m.group(1)) - held.get(rid.group(1), 0), here))
     return sorted(done)
 for rep in range(1, reps + 1):
     b = json.load(open(f"{out}/bulkhead-{rep}.json"))
@@ -100,12 +104,14 @@ for rep in range(1, reps + 1):
     sent = float(open(f"{out}/bulkhead-{rep}.transferred").read())
     held = float(open(f"{out}/bulkhead-{rep}.held").read())
     reqs = handoff(f"{out}/bulkhead-{rep}.log")
-    later_sent = sum(r for _, r in reqs[16:])
+    later_sent = sum(r for _, r, _ in reqs[16:])
+    later_local = sum(1 for _, _, here in reqs[16:] if here)
     print(f"rep {rep}: ok {b['ok']}/{b['requests']} bulkhead, {l['ok']}/{l['requests']} llama-server")
     for key, name in [("ttft_later_turns_p50_ms", "TTFT p50 later turns ms"), ("ttft_first_turn_p50_ms", "TTFT p50 first turn ms"),
                       ("output_tokens_per_s", "output tok/s")]:
         print(f"  {name:26} bulkhead {b[key]:9.1f}  llama-server {l[key]:9.1f}  ratio {b[key] / l[key]:.2f}")
     print(f"  cached share of prompt tokens: bulkhead {b['cached_share']:.2f}, llama-server {l['cached_share'] or 0:.2f}")
     print(f"  KV handoff: {sent:.0f} prompt tokens received, {held:.0f} held by the decode worker; later turns received "
-          f"{later_sent:.0f} for {b['later_turn_new_tokens']} new tokens: ratio {later_sent / max(b['later_turn_new_tokens'], 1):.2f}")
+          f"{later_sent:.0f} for {b['later_turn_new_tokens']} new tokens: ratio {later_sent / max(b['later_turn_new_tokens'], 1):.2f}; "
+          f"{later_local} of {len(reqs) - 16} later turns computed on the decode worker")
 PY

@@ -235,8 +235,11 @@ impl DecodeLink for Link {
             Message::Finished { prompt_tokens, completion_tokens, finish, .. } => {
                 tracing::info!(prompt_tokens, completion_tokens, finish = finish.as_str(), "decode finished");
             }
-            // What the decode-side cache saved: the prompt's leading tokens this worker held.
-            Message::Reserved { held, pages, .. } => tracing::info!(held_tokens = held, target_pages = pages.len(), "reserved"),
+            // What the decode-side cache saved: the prompt's leading tokens this worker held
+            // (and, computing the rest here, that nothing is sent).
+            Message::Reserved { held, pages, local, .. } => {
+                tracing::info!(held_tokens = held, target_pages = pages.len(), local, "reserved")
+            }
             _ => {}
         }
         self.send_gateway(&msg);
