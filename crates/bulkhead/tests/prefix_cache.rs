@@ -222,7 +222,7 @@ fn a_conversations_short_next_turn_is_computed_on_the_decode_worker_and_answers_
     let computed = sum("bulkhead:local_prefill_tokens_total");
     assert_eq!(sum("bulkhead:kv_transferred_tokens_total"), sent_before, "nothing crossed for the next turn");
     assert_eq!(held + computed, p2 as f64, "held and computed cover the prompt exactly once");
-    assert!(computed >= 1.0 && computed <= 256.0, "a short rest: {computed} of {p2}");
+    assert!((1.0..=256.0).contains(&computed), "a short rest: {computed} of {p2}");
     assert_eq!(cached(&second), held as u64, "cached_tokens: what was not computed for it");
 
     // The same turn cold (another salt): computed by the prefill worker and sent.
@@ -320,4 +320,38 @@ fn a_tenant_over_its_limits_gets_429_naming_the_limit_and_another_tenant_is_serv
     assert!(!page.body.contains(KEY_A) && !page.body.contains(KEY_B) && !page.body.contains("op-key"));
     assert!(!support::request(&s.http, "GET", "/metrics", &[], "").body.contains("tenant=\""), "/metrics stays cluster-wide");
     let _ = std::fs::remove_file(path);
+}
+
+/// `n = 4` on the decode side: the first sibling's prompt crosses once, its full pages are
+/// published as soon as they are verified, and the three others, held back until then,
+/// share them and compute only their partial last page on the decode worker. One copy of
+/// the prompt's full pages in the decode pool, not four; the answers are the seeded ones.
+#[test]
+fn the_siblings_of_n_4_share_one_copy_of_their_prompt_on_the_decode_worker() {
+    let tenants = tenants_file();
+    let s = serve(&["--tenants", tenants.to_str().unwrap()]);
+    let sum = |name: &str| support::sum(&support::scrape(&s.http), name, &[]);
+    let extra = json!({ "n": 4, "temperature": 0.8, "seed": 7, "max_tokens": 16 });
+    let (status, v) = chat(&s, Some(KEY_A), extra.clone(), "Where is the amber lamp?");
+    assert_eq!(status, 200, "{v}");
+    let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap() as f64;
+    let choices = v["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 4);
+    let full = (prompt as u64 / 16 * 16) as f64;
+    assert_eq!(polled_sum(&s.http, "bulkhead:kv_transferred_tokens_total", &[], prompt), prompt, "the prompt crossed once");
+    assert_eq!(sum("bulkhead:kv_held_tokens_total"), 3.0 * full, "three siblings held its full pages");
+    assert_eq!(sum("bulkhead:local_prefills_total"), 3.0);
+    assert_eq!(sum("bulkhead:local_prefill_tokens_total"), 3.0 * (prompt - full), "and computed only their partial pages");
+    let fence = [("check", "tenant_fence")];
+    assert_eq!(polled_sum(&s.http, "bulkhead:isolation_failures_total", &fence, 0.0), 0.0);
+    assert!(support::pools_idle(&support::scrape(&s.http)), "every pool idle: free or cached pages only");
+    drop(s);
+    // Without caches every sibling computes and receives the whole prompt: the same seeded
+    // answers.
+    let cold = serve(&["--tenants", tenants.to_str().unwrap(), "--no-prefix-cache"]);
+    let (_, w) = chat(&cold, Some(KEY_A), extra, "Where is the amber lamp?");
+    for i in 0..4 {
+        assert_eq!(w["choices"][i]["message"]["content"], choices[i]["message"]["content"], "choice {i}");
+    }
+    let _ = std::fs::remove_file(tenants);
 }

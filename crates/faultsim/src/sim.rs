@@ -173,7 +173,8 @@ struct Client {
     gone_at: Option<usize>,
     /// The `DropFirstToken` sabotage already dropped this request's first token.
     dropped_first: bool,
-    /// `Prefill` messages the gateway sent for it (attempts that reached a prefill).
+    /// Attempts whose prompt was computed: `Prefill` messages the gateway sent for it, and
+    /// reservations a decode worker computed itself (`Reserved.local`).
     prefills: u32,
 }
 
@@ -828,6 +829,11 @@ impl<'m, M: Models> Sim<'m, M> {
         match del.arrival {
             Arrival::Message(Message::Hello(h)) => self.register(w, del.conn, h),
             Arrival::Message(msg) => {
+                if let Message::Reserved { req, local: true, .. } = &msg
+                    && let Some(c) = self.clients.get_mut(&client_of(*req))
+                {
+                    c.prefills += 1;
+                }
                 let acts = self.gw.role.handle(GatewayEvent::FromWorker { from: w, msg });
                 self.gateway_actions(acts);
             }

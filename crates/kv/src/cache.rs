@@ -178,6 +178,50 @@ impl PrefixCache {
         true
     }
 
+    /// Publishes the own full pages of a live sequence's first `pages` (its verified prompt's)
+    /// under `fence` (`keys[i]` names page `i`) and keeps reading each through a shared
+    /// lease of its owner instead of its lease, so later requests of the scope (the
+    /// siblings of `n > 1`) share them while it still runs. Stops at the first page it
+    /// cannot publish (its key cached already, or its parent not, the cache full, a partial
+    /// page), so the shared pages stay a prefix and the rest stays the sequence's own.
+    /// Returns the pages published.
+    pub fn publish_prefix(&mut self, pool: &mut KvPool, seq: &mut SequenceKv, keys: &[PageKey], pages: usize, fence: Fence) -> usize {
+        self.clock += 1;
+        let mut published = 0;
+        loop {
+            let i = seq.shared_pages();
+            let parent = i.checked_sub(1).map(|p| keys.get(p));
+            let reachable = match parent {
+                None => true,
+                Some(Some(p)) => self.entries.contains_key(p),
+                Some(None) => false,
+            };
+            let Some(&key) = keys.get(i).filter(|k| i < pages && reachable && !self.entries.contains_key(k)) else { return published };
+            if self.entries.len() >= self.max_pages && !self.evict_one(pool) {
+                return published;
+            }
+            let clock = self.clock;
+            let mut entry = None;
+            let turned = seq.share_first_own(|lease| {
+                let (page, shared) = pool.publish_and_keep(lease, fence).map_err(|(_, lease)| lease)?;
+                entry = Some(Entry { page, parent: parent.flatten().copied(), children: 0, last_used: clock });
+                Ok(shared)
+            });
+            if let Some(e) = entry {
+                if let Some(p) = e.parent.and_then(|p| self.entries.get_mut(&p)) {
+                    p.children += 1;
+                }
+                self.entries.insert(key, e);
+                self.stats.stored_pages += 1;
+                self.stored.push(key);
+                published += 1;
+            }
+            if turned != Some(Ok(())) {
+                return published;
+            }
+        }
+    }
+
     /// Ends a sequence: its own full pages whose key is not cached yet are published under
     /// `fence` (`keys[i]` names page `i`), everything else goes back to the pool (own pages
     /// released, shared ones unshared). Returns the pages published.

@@ -653,6 +653,19 @@ impl KvPool {
         Ok(CachedPage { tag: lease.tag, fence })
     }
 
+    /// [`KvPool::publish`], and the page shared back to its writer in the same step, for a
+    /// sequence that goes on attending to it: from now on it reads the page through the
+    /// shared lease (which cannot write), and the page always has a reader while it does,
+    /// so it cannot be evicted under it.
+    pub fn publish_and_keep(&mut self, lease: Lease, fence: Fence) -> Result<(CachedPage, SharedLease), (KvError, Lease)> {
+        let owner = lease.tag.owner;
+        let page = self.publish(lease, fence)?;
+        self.readers[page.tag.page.index()].push(owner);
+        self.shares += 1;
+        let shared = SharedLease { tag: page.tag, writer: owner, fence };
+        Ok((page, shared))
+    }
+
     /// A read-only lease of a cached page for `reader`, who asks under `fence`: refused
     /// with [`KvError::FenceMismatch`] unless the page was published under the same fence,
     /// whatever key led the caller to it (I7).

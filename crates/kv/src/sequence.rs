@@ -103,6 +103,21 @@ impl SequenceKv {
         self.canary_checked
     }
 
+    /// Hands the sequence's first own page to `f`, which either turns it into a shared
+    /// lease on the same page (published, and shared back to this sequence's owner) or gives
+    /// the lease back unchanged. Shared pages stay a prefix, and the page keeps its place
+    /// and its KV, so the committed length does not move. `None`: no own page left.
+    pub(crate) fn share_first_own(&mut self, f: impl FnOnce(Lease) -> Result<SharedLease, Lease>) -> Option<Result<(), ()>> {
+        let i = self.pages.iter().position(|p| !p.is_shared())?;
+        let SeqPage::Own(lease) = self.pages.remove(i) else { return None };
+        let (page, turned) = match f(lease) {
+            Ok(shared) => (SeqPage::Shared(shared), Ok(())),
+            Err(lease) => (SeqPage::Own(lease), Err(())),
+        };
+        self.pages.insert(i, page);
+        Some(turned)
+    }
+
     pub(crate) fn set_canary_checked(&mut self, n: usize) {
         self.canary_checked = n.min(self.committed);
     }
@@ -114,7 +129,12 @@ impl SequenceKv {
 
     /// Tokens held in shared (cached, read-only) pages: the sequence's first ones.
     pub fn shared_tokens(&self) -> usize {
-        self.binding.map_or(0, |b| self.pages.iter().take_while(|p| p.is_shared()).count() * b.page_size)
+        self.binding.map_or(0, |b| self.shared_pages() * b.page_size)
+    }
+
+    /// Shared (cached, read-only) pages: the sequence's first ones.
+    pub fn shared_pages(&self) -> usize {
+        self.pages.iter().take_while(|p| p.is_shared()).count()
     }
 
     /// Token positions the pages can hold.

@@ -142,6 +142,21 @@ impl VerifiedSequence {
     pub fn into_sequence(self) -> SequenceKv {
         self.seq
     }
+
+    /// Publishes the verified prompt's own full pages to `cache` under `fence` (`keys[i]`
+    /// names page `i`) and keeps reading them shared ([`PrefixCache::publish_prefix`]):
+    /// later requests of the scope share them while this one still decodes. Returns the
+    /// pages published.
+    pub fn publish_prompt(
+        &mut self,
+        pool: &mut KvPool,
+        cache: &mut crate::PrefixCache,
+        keys: &[crate::PageKey],
+        fence: crate::Fence,
+    ) -> usize {
+        let full = self.prompt_tokens / pool.layout().page_size;
+        cache.publish_prefix(pool, &mut self.seq, keys, full, fence)
+    }
 }
 
 /// A reservation whose prompt past its shared prefix this worker computes itself instead of

@@ -315,3 +315,32 @@ fn equal_caches_print_alike() {
     };
     assert_eq!(print(), print());
 }
+
+/// A live sequence's full prompt pages published while it runs (the siblings of `n > 1`):
+/// it keeps reading them, now through shared leases, a sibling of the same fence shares
+/// them at once, another fence cannot, and they cannot be evicted while either reads them;
+/// the partial page stays its own. When both end, the pages stay cached for later requests.
+#[test]
+fn a_running_sequence_publishes_its_full_prompt_pages_and_keeps_reading_them() {
+    let mut p = pool(8);
+    let mut cache = PrefixCache::new(8);
+    let mut seq = written(&mut p, RequestId(1), 2 * PS + 1, 5.0);
+    let keys = [key(1), key(2), key(3)];
+    assert_eq!(cache.publish_prefix(&mut p, &mut seq, &keys, 2, T1), 2, "both full pages, not the partial one");
+    assert_eq!((seq.shared_pages(), seq.len()), (2, 2 * PS + 1), "shared in place; the committed length did not move");
+    assert!(!seq.pages()[2].is_shared(), "the partial page stays its own");
+    p.check_reads(&mut seq).unwrap();
+    let (lease, _) = seq.locate_page(0).unwrap();
+    assert_eq!(p.read(lease, 1).unwrap().k_head(0)[0].to_f32(), 5.0, "it reads the same KV through its shared lease");
+    assert!(matches!(seq.locate(0), Err(KvError::ReadOnly { .. })), "and can no longer write it");
+    // Published again (a second call) changes nothing: the keys are cached.
+    assert_eq!(cache.publish_prefix(&mut p, &mut seq, &keys, 2, T1), 0);
+
+    assert!(matches!(cache.lookup(&mut p, &keys, 2, RequestId(3), T2, 2 * PS), Err(KvError::FenceMismatch { .. })));
+    let sibling = cache.lookup(&mut p, &keys, 2, RequestId(2), T1, 2 * PS + 1).unwrap();
+    assert_eq!(sibling.len(), 2, "a sibling shares both at once");
+    assert_eq!(cache.make_room(&mut p, 8), 0, "nothing is evicted while read");
+    sibling.into_iter().for_each(|l| p.unshare(l).unwrap());
+    assert_eq!(cache.finish(&mut p, seq, &keys, T1), 0, "nothing new to publish at the end");
+    assert_eq!((cache.len(), p.stats().cached_pages, p.stats().shared_leases), (2, 2, 0));
+}

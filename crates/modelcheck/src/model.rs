@@ -56,6 +56,7 @@ impl HandoffModel {
             resumed: w.all_served() && w.is_clean() && w.retractions() > 0,
             shared: w.all_served() && w.is_clean() && w.cache_hit_and_eviction(),
             batched: w.all_served() && w.is_clean() && w.batched(),
+            local: w.all_served() && w.is_clean() && w.local_prefills() > 0,
             history,
         }
     }
@@ -86,6 +87,8 @@ pub struct State {
     pub shared: bool,
     /// `served`, after a prefill step interleaved the chunks of two jobs.
     pub batched: bool,
+    /// `served`, after the decode worker computed a request's rest itself.
+    pub local: bool,
 }
 
 impl State {
@@ -151,6 +154,9 @@ pub mod names {
     /// Reachability of batched prefill, on the happy path.
     pub const BATCHED: &str =
         "sometimes: one prefill step computes the chunks of two jobs, and every request still finishes, all pools full";
+    /// Reachability of a rest computed on the decode worker, on the happy path.
+    pub const LOCAL: &str =
+        "sometimes: the decode worker computes a request's short rest itself, and every request finishes, all pools idle";
     /// Reachability of KV on demand's retraction, on the happy path.
     pub const RESUMED: &str = "sometimes: a sequence is retracted for another to grow, and every request still finishes, all pools full";
 }
@@ -206,6 +212,9 @@ impl Model for HandoffModel {
         p.push(Property::sometimes(names::BATCHED, |_, s: &State| s.batched));
         if self.cfg.prefix_cache || self.cfg.decode_cache {
             p.push(Property::sometimes(names::SHARED, |_, s: &State| s.shared));
+        }
+        if self.cfg.decode_local_prefill > 0 {
+            p.push(Property::sometimes(names::LOCAL, |_, s: &State| s.local));
         }
         p
     }

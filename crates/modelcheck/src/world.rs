@@ -972,16 +972,18 @@ impl<'c> World<'c> {
 
     /// I2 at the moment decode starts attempt `attempt` with `coverage` prompt tokens in
     /// place, `shared` of them in shared (cached) pages and `computed` computed by the decode
-    /// loop itself; I10: what the decode worker said it held is exactly what its shared
-    /// leases cover, and held, landed and computed tokens cover the prompt with no gap and
-    /// no overlap (a rest is computed only when the worker said so, and then nothing
+    /// loop itself; I10: its shared leases cover what the decode worker said it held, and
+    /// beyond that only pages that landed for it (its verified prompt, published at once
+    /// for its siblings), and held, landed and computed tokens cover the prompt with no gap
+    /// and no overlap (a rest is computed only when the worker said so, and then nothing
     /// lands); I3: a rejected request never reaches decode.
     fn check_start(&mut self, attempt: RequestId, coverage: usize, shared: usize, computed: usize) {
         let req = client_of(attempt);
         let g = self.ghosts.get(&req).cloned().unwrap_or_default();
         if g.attempt != Some(attempt)
             || g.reserved_prompt != Some(coverage)
-            || g.held != shared
+            || shared < g.held
+            || shared > g.held + g.landed
             || g.held + g.landed + computed != coverage
             || (computed > 0) != g.local
         {
@@ -1127,6 +1129,11 @@ impl<'c> World<'c> {
         let decode = self.dec.role().cache_stats();
         let stats = || self.prefills.iter().filter_map(|p| p.driver.cache()).map(|c| c.stats()).chain(decode);
         stats().any(|s| s.hit_tokens > 0) && stats().any(|s| s.evicted_pages > 0)
+    }
+
+    /// Requests whose rest the decode worker computed itself so far.
+    pub fn local_prefills(&self) -> u64 {
+        self.dec.role().stats().local_prefills
     }
 
     /// Whether some prefill step interleaved the chunks of two jobs.

@@ -145,7 +145,8 @@ pub enum ChunkRefusal {
 /// Where a request stands on a decode worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RequestState {
-    /// Reserved, its KV transfer not yet verified.
+    /// Reserved (or its `Reserve` held back for a sibling's transfer), its KV transfer not
+    /// yet verified.
     Pending,
     /// Its transfer was given up; its pages wait in quarantine for the writer's fence.
     Fencing,
@@ -284,6 +285,10 @@ pub struct DecodeRole {
     owes_room: bool,
     /// Full pages of ended requests, shared read-only with later requests of their scope.
     cache: Option<DecodeCache>,
+    /// `Reserve`s held back until a transfer of their scope lands the first full page they
+    /// miss (the siblings of `n > 1`, sent together): then they share it instead of
+    /// receiving a copy. In arrival order.
+    deferred: Vec<Message>,
     #[fingerprint(skip)]
     stats: DecodeStats,
 }
@@ -306,6 +311,7 @@ impl DecodeRole {
             departed: BTreeSet::new(),
             owes_room: false,
             cache: None,
+            deferred: Vec::new(),
             stats: DecodeStats::default(),
         }
     }
@@ -380,12 +386,12 @@ impl DecodeRole {
 
     /// Whether any request holds anything here.
     pub fn busy(&self) -> bool {
-        !(self.pending.is_empty() && self.fencing.is_empty() && self.decoding.is_empty())
+        !(self.pending.is_empty() && self.fencing.is_empty() && self.decoding.is_empty() && self.deferred.is_empty())
     }
 
     /// Where `req` stands here, if it holds anything.
     pub fn state_of(&self, req: RequestId) -> Option<RequestState> {
-        if self.pending.contains_key(&req) {
+        if self.pending.contains_key(&req) || self.deferred.iter().any(|m| m.req() == Some(req)) {
             Some(RequestState::Pending)
         } else if self.fencing.contains_key(&req) {
             Some(RequestState::Fencing)
@@ -436,7 +442,21 @@ impl DecodeRole {
     pub fn handle(&mut self, pool: &mut KvPool, ev: DecodeEvent) -> Vec<DecodeAction> {
         let mut out = Vec::new();
         let free_before = pool.stats().free_pages;
+        let pending_before = self.pending.len();
         self.on_event(pool, ev, &mut out);
+        if self.pending.len() < pending_before && !self.deferred.is_empty() {
+            // A transfer ended: reservations held back for it go on (and may wait again).
+            // Their answers go first: a refusal for want of room must reach the gateway
+            // before the `Room` that the event's own actions may bring (a request that
+            // starts and ends at once), or the gateway would wait for a `Room` already
+            // spent (found by the model checker).
+            let mut first = Vec::new();
+            for m in std::mem::take(&mut self.deferred) {
+                self.on_gateway(pool, m, &mut first);
+            }
+            first.append(&mut out);
+            out = first;
+        }
         if pool.stats().free_pages > free_before {
             out.extend(self.room().map(DecodeAction::ToGateway));
         }
@@ -545,7 +565,7 @@ impl DecodeRole {
 
     fn on_gateway(&mut self, pool: &mut KvPool, m: Message, out: &mut Vec<DecodeAction>) {
         match m {
-            Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, prompt, cache, .. } => {
+            Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, prompt, trace, cache } => {
                 if self.known(req) {
                     out.push(self.reject(req, RejectReason::Duplicate, format!("request {req} is already in flight")));
                     return;
@@ -574,6 +594,11 @@ impl DecodeRole {
                 if cache.is_some() && attempt_prompt.len() != prompt_tokens as usize {
                     let why = format!("{} prompt tokens sent for a prompt of {prompt_tokens}", attempt_prompt.len());
                     out.push(self.reject(req, RejectReason::Invalid, why));
+                    return;
+                }
+                if self.awaits_sibling(pool, cache, &attempt_prompt) {
+                    let m = Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, prompt, trace, cache };
+                    self.deferred.push(m);
                     return;
                 }
                 let shared = match self.shared_prefix(pool, req, cache, &attempt_prompt, first_slice) {
@@ -630,6 +655,10 @@ impl DecodeRole {
                         }
                     }
                 }
+            }
+            // Held back: nothing was reserved, nothing is owed.
+            Message::Cancel { req } | Message::Abort { req, .. } if self.deferred.iter().any(|m| m.req() == Some(req)) => {
+                self.deferred.retain(|m| m.req() != Some(req));
             }
             // The gateway never dispatched this reservation: no writer knows its pages. If
             // chunks did land, someone did write, so keep waiting for the fence instead.
@@ -694,7 +723,8 @@ impl DecodeRole {
                     // Done is the sender's last message for req: from here it is fenced.
                     let sent = p.inbound.written_tokens();
                     match p.inbound.finish(pool, tokens as usize, manifest) {
-                        Ok(seq) => {
+                        Ok(mut seq) => {
+                            self.publish_verified(pool, &mut seq, p.publish.as_ref(), &p.resume);
                             self.stats.coverage_verified += 1;
                             self.stats.transferred_tokens += sent as u64;
                             self.decoding.insert(req, Decoding { cached: cached.min(tokens), publish: p.publish });
@@ -763,6 +793,41 @@ impl DecodeRole {
         // A cache under pressure gives way: what a cold pool would serve is served.
         c.cache.make_room(pool, pool.layout().pages_for_tokens(total).saturating_sub(shared.len()));
         Ok(shared)
+    }
+
+    /// Whether a `Reserve` of `scope` for `tokens` should wait: the first full page it misses
+    /// here is one a transfer of its scope under way will land (a sibling of `n > 1`, or the
+    /// same prompt sent twice at once); once that transfer is verified its pages are
+    /// published ([`DecodeRole::publish_verified`]) and this one shares them.
+    fn awaits_sibling(&self, pool: &KvPool, scope: Option<CacheScope>, tokens: &[u32]) -> bool {
+        let (Some(c), Some(scope)) = (self.cache.as_ref(), scope) else { return false };
+        let ps = pool.layout().page_size;
+        let keys = scope.page_keys(c.model_digest, tokens, ps);
+        let lookup = tokens.len().saturating_sub(1) / ps;
+        let Some(missing) = keys.iter().take(lookup).find(|k| !c.cache.contains(k)) else { return false };
+        self.pending.values().any(|p| match &p.publish {
+            Some((s, prompt)) if *s == scope => {
+                let theirs: Vec<u32> = prompt.iter().chain(&p.resume).copied().collect();
+                let full = theirs.len() / ps;
+                scope.page_keys(c.model_digest, &theirs, ps).iter().take(full).any(|k| k == missing)
+            }
+            _ => false,
+        })
+    }
+
+    /// A verified prompt's own full pages go to the cache now, not when the request ends,
+    /// so a sibling held back for them shares them while this one decodes.
+    fn publish_verified(
+        &mut self,
+        pool: &mut KvPool,
+        seq: &mut VerifiedSequence,
+        publish: Option<&(CacheScope, Vec<u32>)>,
+        resume: &[u32],
+    ) {
+        let (Some(c), Some((scope, prompt))) = (self.cache.as_mut(), publish) else { return };
+        let tokens: Vec<u32> = prompt.iter().chain(resume).copied().collect();
+        let keys = scope.page_keys(c.model_digest, &tokens, pool.layout().page_size);
+        seq.publish_prompt(pool, &mut c.cache, &keys, scope.fence());
     }
 
     fn quarantine(&mut self, pool: &mut KvPool, req: RequestId, p: Pending) {
