@@ -297,6 +297,11 @@ struct InFlight {
     avoid: Option<WorkerId>,
     tenant: TenantId,
     cache: Option<CacheScope>,
+    /// The key of its prompt's first page, once routed (derived from `tokens` and `cache`):
+    /// a request of the same scope and first page sent meanwhile goes to the same decode
+    /// worker, to share the pages this one's transfer lands there (the siblings of `n > 1`).
+    #[fingerprint(skip)]
+    first_key: Option<PageKey>,
 }
 
 /// Counters.
@@ -642,6 +647,7 @@ impl GatewayRole {
                     avoid: None,
                     tenant,
                     cache,
+                    first_key: None,
                 };
                 self.submit(req, f, &mut out);
             }
@@ -757,7 +763,8 @@ impl GatewayRole {
     }
 
     /// Where `req` goes: a decode worker that may have room (the one holding the longest
-    /// cached prefix of the request's scope, else round robin) and a prefill worker (not
+    /// cached prefix of the request's scope, else one receiving a prompt with the same first
+    /// page, else round robin) and a prefill worker (not
     /// the one it lost, if another exists), chosen by [`Self::pick_prefill`].
     fn pick(&mut self, req: RequestId) -> Option<Route> {
         let decodes: Vec<WorkerId> = self.decodes.iter().copied().filter(|d| !self.full.contains(d)).collect();
@@ -771,11 +778,26 @@ impl GatewayRole {
         // cached prefix of this request's scope goes first (the sort is stable: round robin
         // among equals), so a conversation's next turn goes where its last one ended.
         let keys = self.page_keys(req);
+        let first = keys.as_ref().and_then(|k| k.first().copied());
+        if let Some(f) = self.inflight.get_mut(&req) {
+            f.first_key = first;
+        }
+        // Next, one where a request with the same first page (so of the same scope) is
+        // being transferred: its pages will be published there for this one to share.
+        let landing = |d: WorkerId| {
+            first.is_some()
+                && self.inflight.iter().any(|(r, f)| {
+                    *r != req
+                        && f.first_key == first
+                        && matches!(f.phase, Phase::Reserving | Phase::Prefilling)
+                        && f.route.is_some_and(|x| x.decode == d)
+                })
+        };
         let start = self.next_pick % decodes.len();
-        let mut order: Vec<(usize, WorkerId)> =
-            decodes.iter().cycle().skip(start).take(decodes.len()).map(|&d| (self.hit(d, keys.as_deref()), d)).collect();
-        order.sort_by_key(|&(hit, _)| std::cmp::Reverse(hit));
-        for (hit, decode) in order {
+        let mut order: Vec<(usize, bool, WorkerId)> =
+            decodes.iter().cycle().skip(start).take(decodes.len()).map(|&d| (self.hit(d, keys.as_deref()), landing(d), d)).collect();
+        order.sort_by_key(|&(hit, landing, _)| std::cmp::Reverse((hit, landing)));
+        for (hit, _, decode) in order {
             let reach: Vec<WorkerId> = self.prefills.iter().copied().filter(|p| !self.unreachable.contains(&(*p, decode))).collect();
             let preferred: Vec<WorkerId> = reach.iter().copied().filter(|p| Some(*p) != avoid).collect();
             let prefills = if preferred.is_empty() { reach } else { preferred };

@@ -719,3 +719,24 @@ fn a_tenant_over_its_limits_is_turned_away_alone_and_unused_tokens_come_back() {
     from(&mut g, D2, Message::Failed { req: RequestId(5), reason: FailReason::Internal, detail: String::new() });
     assert!(busy(&submit_with(&mut g, 7, 0, 0)).is_none());
 }
+
+/// The siblings of `n > 1` (requests of one scope and first page sent together, before any
+/// decode worker reported a page) go to the decode worker that is receiving the first
+/// one's prompt, whatever the round robin's turn, so they share the pages it publishes
+/// there; another scope's request with the same tokens is not drawn to it.
+#[test]
+fn requests_with_the_same_first_page_follow_one_being_received_to_its_decode_worker() {
+    use bulkhead_protocol::cache::CacheSecret;
+    let secret = CacheSecret::from_random([9; 32]);
+    let (a, b) = (secret.scope("a", None), secret.scope("b", None));
+    let mut g = gateway(&[(P1, Role::Prefill), (D2, Role::Decode), (D4, Role::Decode)]);
+    let first = routed(&submit_as(&mut g, 1, 0, Some(a))).0;
+    for req in 2..=4 {
+        assert_eq!(routed(&submit_as(&mut g, req, 0, Some(a))).0, first, "sibling {req}");
+    }
+    // Without a scope (no cache) or under another scope, the round robin decides.
+    let mut g = gateway(&[(P1, Role::Prefill), (D2, Role::Decode), (D4, Role::Decode)]);
+    let first = routed(&submit_as(&mut g, 1, 0, Some(a))).0;
+    assert_ne!(routed(&submit_as(&mut g, 2, 1, Some(b))).0, first, "another scope takes the next turn");
+    assert_ne!(routed(&submit_as(&mut g, 3, 1, None)).0, routed(&submit_as(&mut g, 4, 1, None)).0);
+}
