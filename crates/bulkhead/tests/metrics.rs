@@ -110,6 +110,11 @@ fn traffic_moves_the_evidence_counters_and_the_trace_id_travels_to_the_workers()
     assert_eq!(get("bulkhead:time_to_first_token_seconds_count", &[]), 1.0, "{text}");
     assert_eq!(get("bulkhead:time_to_first_token_seconds_bucket", &[("le", "+Inf")]), 1.0, "{text}");
     assert_eq!(get("bulkhead:inter_token_latency_seconds_count", &[]), 5.0, "{text}");
+    // One request of six tokens: one time per output token, the mean of its five gaps.
+    assert_eq!(get("bulkhead:time_per_output_token_seconds_count", &[]), 1.0, "{text}");
+    let tpot = get("bulkhead:time_per_output_token_seconds_sum", &[]);
+    let itl = get("bulkhead:inter_token_latency_seconds_sum", &[]);
+    assert!(tpot > 0.0 && (tpot * 5.0 - itl).abs() <= 0.05 * itl + 0.001, "TPOT {tpot} s against gaps {itl} s: {text}");
     assert_eq!(get("bulkhead:e2e_request_latency_seconds_count", &[]), 1.0, "{text}");
     assert!(get("bulkhead:e2e_request_latency_seconds_sum", &[]) > 0.0, "{text}");
     assert_eq!(get("bulkhead:num_requests_running", &[]) + get("bulkhead:num_requests_waiting", &[]), 0.0, "{text}");

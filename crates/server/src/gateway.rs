@@ -30,7 +30,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::door::{self, Door, Refusal, Waiter};
 use crate::http::HttpLimits;
-use crate::metrics::{self, Families, RequestMetrics};
+use crate::metrics::{self, Families, Finish, RequestMetrics};
 use crate::trust::Trust;
 
 /// Settings of the gateway.
@@ -416,7 +416,8 @@ struct Client {
     max_tokens: usize,
     /// When the HTTP side admitted it (before tokenising).
     arrived: Instant,
-    /// When its last token reached the gateway; none yet = still waiting.
+    /// When its first and its last token reached the gateway; none yet = still waiting.
+    first_token: Option<Instant>,
     last_token: Option<Instant>,
     /// `messages` or `prompt`: the field a context-length error names.
     prompt_param: &'static str,
@@ -476,6 +477,7 @@ impl Actor {
                         prompt_tokens,
                         max_tokens: max_tokens as usize,
                         arrived,
+                        first_token: None,
                         last_token: None,
                         prompt_param,
                         tenant: tenant_name,
@@ -672,6 +674,7 @@ impl Actor {
                 self.requests.token(c.arrived, c.last_token);
                 series.requests.token(c.arrived, c.last_token);
                 c.last_token = Some(Instant::now());
+                c.first_token = c.first_token.or(c.last_token);
                 if !text.is_empty() || logprobs.is_some() {
                     events.push(GenEvent::Text { text, logprobs: logprobs.map(|l| (token, l)) });
                 }
@@ -684,8 +687,10 @@ impl Actor {
                     self.requests.token(c.arrived, None);
                     series.requests.token(c.arrived, None);
                 }
-                self.requests.finished(c.arrived, finish.as_str(), prompt_tokens, completion_tokens);
-                series.requests.finished(c.arrived, finish.as_str(), prompt_tokens, completion_tokens);
+                let done =
+                    Finish { arrived: c.arrived, first_token: c.first_token, reason: finish.as_str(), prompt_tokens, completion_tokens };
+                self.requests.finished(&done);
+                series.requests.finished(&done);
                 events.push(GenEvent::Finished {
                     reason: finish,
                     prompt_tokens: prompt_tokens as usize,

@@ -361,6 +361,7 @@ impl Default for Pusher {
 pub struct RequestMetrics {
     ttft: Histogram,
     itl: Histogram,
+    tpot: Histogram,
     e2e: Histogram,
     success: BTreeMap<&'static str, u64>,
     failure: BTreeMap<&'static str, u64>,
@@ -368,11 +369,26 @@ pub struct RequestMetrics {
     generation_tokens: u64,
 }
 
+/// How a request finished, for [`RequestMetrics::finished`].
+pub struct Finish {
+    /// When the HTTP side admitted it.
+    pub arrived: Instant,
+    /// When its first token reached the gateway.
+    pub first_token: Option<Instant>,
+    /// Its finish reason (`stop`, `length`).
+    pub reason: &'static str,
+    /// Its prompt tokens.
+    pub prompt_tokens: u32,
+    /// Tokens it generated.
+    pub completion_tokens: u32,
+}
+
 impl Default for RequestMetrics {
     fn default() -> Self {
         RequestMetrics {
             ttft: Histogram::new(TTFT_BUCKETS),
             itl: Histogram::new(ITL_BUCKETS),
+            tpot: Histogram::new(ITL_BUCKETS),
             e2e: Histogram::new(E2E_BUCKETS),
             // Both reasons exist from the start, so the series do not appear mid-run.
             success: [("stop", 0), ("length", 0)].into(),
@@ -393,12 +409,17 @@ impl RequestMetrics {
         }
     }
 
-    /// A request finished normally.
-    pub fn finished(&mut self, arrived: Instant, reason: &'static str, prompt_tokens: u32, completion_tokens: u32) {
-        self.e2e.observe_since(arrived);
-        *self.success.entry(reason).or_default() += 1;
-        self.prompt_tokens += u64::from(prompt_tokens);
-        self.generation_tokens += u64::from(completion_tokens);
+    /// A request finished normally. Its time per output token, `(end − first token) ÷
+    /// (output tokens − 1)`, is what a per-token SLO is measured on (DistServe's TPOT); a
+    /// request of one token has none.
+    pub fn finished(&mut self, f: &Finish) {
+        self.e2e.observe_since(f.arrived);
+        if let (Some(first), Some(gaps)) = (f.first_token, f.completion_tokens.checked_sub(1).filter(|&g| g > 0)) {
+            self.tpot.observe(first.elapsed().as_secs_f64() / f64::from(gaps));
+        }
+        *self.success.entry(f.reason).or_default() += 1;
+        self.prompt_tokens += u64::from(f.prompt_tokens);
+        self.generation_tokens += u64::from(f.completion_tokens);
     }
 
     /// A request failed after admission.
@@ -419,6 +440,12 @@ impl RequestMetrics {
         }
         f.histogram("bulkhead:time_to_first_token_seconds", "Time from request arrival to its first token.", labels, &self.ttft);
         f.histogram("bulkhead:inter_token_latency_seconds", "Time between consecutive tokens of a request.", labels, &self.itl);
+        f.histogram(
+            "bulkhead:time_per_output_token_seconds",
+            "Mean time per output token after the first, per finished request of two tokens or more.",
+            labels,
+            &self.tpot,
+        );
         f.histogram("bulkhead:e2e_request_latency_seconds", "Time from request arrival to its end, finished requests.", labels, &self.e2e);
         for (reason, n) in &self.success {
             f.counter(
