@@ -22,7 +22,9 @@
 #   --window-s S    ...or S seconds, whichever first (env WINDOW_S; default 90)
 #   --stop-below F  end a server's sweep after a rate where both SLO pairs' attainment is
 #                   below F (env STOP_BELOW; default 0.3; 0 = sweep every rate)
-#   --servers LIST  which servers, in order (env SERVERS; default llamacpp,bulkhead)
+#   --servers LIST  which servers, in order (env SERVERS; default llamacpp,bulkhead):
+#                   llamacpp, bulkhead, bulkhead-slo (`serve --slo-tpot-ms 100
+#                   --slo-ttft-ms 2500`, the chat pair) or bulkhead-slo-tight (50 / 1200)
 #   --out DIR       results (env OUT; default $CACHE_DIR/goodput/<UTC timestamp>)
 #
 # Each server runs alone (the other is stopped) and fresh: its own process, started for
@@ -125,14 +127,19 @@ for server in "${SERVER_LIST[@]}"; do
       PID=$!
       wait_ready "http://127.0.0.1:$port" /health
       label=llama-server ;;
-    bulkhead)
-      log "bulkhead serve on :$port (--threads $THREADS per worker, --context-length $CTX, --kv-pool-tokens $KV_TOKENS)"
+    bulkhead|bulkhead-slo|bulkhead-slo-tight)
+      slo_args=()
+      case "$server" in
+        bulkhead-slo) slo_args=(--slo-tpot-ms 100 --slo-ttft-ms 2500) ;;
+        bulkhead-slo-tight) slo_args=(--slo-tpot-ms 50 --slo-ttft-ms 1200) ;;
+      esac
+      log "bulkhead serve on :$port (--threads $THREADS per worker, --context-length $CTX, --kv-pool-tokens $KV_TOKENS ${slo_args[*]})"
       BULKHEAD_LOG=warn "$BULKHEAD" serve --model "$MODEL" --threads "$THREADS" --context-length "$CTX" \
-        --kv-pool-tokens "$KV_TOKENS" --prefill-kv-pool-tokens $((8 * CTX)) \
-        --port "$port" > "$OUT/bulkhead-serve.log" 2>&1 &
+        --kv-pool-tokens "$KV_TOKENS" --prefill-kv-pool-tokens $((8 * CTX)) "${slo_args[@]}" \
+        --port "$port" > "$OUT/$server-serve.log" 2>&1 &
       PID=$!
       wait_ready "http://127.0.0.1:$port" /ready
-      label=bulkhead ;;
+      label="$server" ;;
     *) die "unknown server: $server (llamacpp, bulkhead)" ;;
   esac
   log "$server: sweep $RATES req/s (loadavg $(cut -d' ' -f1-3 /proc/loadavg))"
@@ -154,7 +161,8 @@ python3 - "$OUT" "$SERVERS" <<'PY' | tee "$OUT/summary.md"
 import json, os, sys
 out, servers = sys.argv[1], sys.argv[2].split(",")
 reports = {s: json.load(open(os.path.join(out, f"{s}.json"))) for s in servers}
-names = {"llamacpp": "llama-server", "bulkhead": "Bulkhead"}
+names = {"llamacpp": "llama-server", "bulkhead": "Bulkhead", "bulkhead-slo": "Bulkhead --slo 100/2500",
+         "bulkhead-slo-tight": "Bulkhead --slo 50/1200"}
 print(open(os.path.join(out, "setup.txt")).read())
 slos = next(iter(reports.values()))["slos"]
 pair = lambda s: f"TTFT <= {s['ttft_ms']:g} ms, TPOT <= {s['tpot_ms']:g} ms"
@@ -191,6 +199,13 @@ print()
 for i, slo in enumerate(slos):
     for s, r in reports.items():
         print(f"- {pair(slo)}, {names.get(s, s)}: {r['goodput'][i]['note']}")
+for slo_server in ("bulkhead-slo", "bulkhead-slo-tight"):
+    if slo_server in reports and "bulkhead" in reports:
+        print()
+        for i, slo in enumerate(slos):
+            a, b = reports[slo_server]["goodput"][i], reports["bulkhead"]["goodput"][i]
+            r = f"{a['rate'] / b['rate']:.2f}" if b["rate"] > 0 else "n/a (without: 0)"
+            print(f"- {pair(slo)}: goodput of {names[slo_server]} / Bulkhead without: {r}")
 print()
 print("load average (1, 5, 15 min) after each sweep:")
 print(open(os.path.join(out, "loadavg.txt")).read())

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use bulkhead_api::Tenants;
 use bulkhead_kv::KvChecks;
-use bulkhead_server::core_budget::{CoreBudget, ShareMode};
+use bulkhead_server::core_budget::{CoreBudget, ShareMode, Slo};
 use bulkhead_server::gateway::{self, GatewayOptions};
 use bulkhead_server::http::HttpLimits;
 use bulkhead_server::kv_transport::KvTransport;
@@ -210,13 +210,24 @@ pub struct ServeArgs {
     /// How the prefill and decode workers on one host share its cores while both have
     /// work, so that their compute threads stop pre-empting each other. Role all sets the
     /// budget up itself; workers started by hand on one host need --core-budget-dir as well.
-    #[arg(long, env = "BULKHEAD_CORE_BUDGET", value_enum, default_value_t = CoreBudgetArg::Split)]
-    core_budget: CoreBudgetArg,
+    /// Default split (pause paced by the SLO with --slo-tpot-ms).
+    #[arg(long, env = "BULKHEAD_CORE_BUDGET", value_enum)]
+    core_budget: Option<CoreBudgetArg>,
     /// With --core-budget pause only (refused with the other modes): while prompts wait, a
     /// decode step starts at most once per this many ms and prefill gets the rest
     /// (inter-token latency is then about this). Default 15.
     #[arg(long, env = "BULKHEAD_DECODE_INTERVAL_MS")]
     decode_interval_ms: Option<u64>,
+    /// Per-token latency target (ms): the core budget pauses prefill during decode steps,
+    /// and while a prompt is late decode steps start at most once per three quarters of
+    /// this, prefill taking the rest of the cores. Takes the place of --core-budget and
+    /// --decode-interval-ms (combining them is refused).
+    #[arg(long, env = "BULKHEAD_SLO_TPOT_MS", value_parser = clap::value_parser!(u64).range(4..=60_000))]
+    slo_tpot_ms: Option<u64>,
+    /// Time-to-first-token target (ms), with --slo-tpot-ms only: a prompt is late once it
+    /// has waited half of this at the prefill worker. Without it every waiting prompt is late.
+    #[arg(long, env = "BULKHEAD_SLO_TTFT_MS", value_parser = clap::value_parser!(u64).range(10..=600_000))]
+    slo_ttft_ms: Option<u64>,
     /// Prefill and decode workers started by hand on one host: a directory only this user
     /// can enter, the same for all of them, where they meet for the core budget.
     #[arg(long, env = "BULKHEAD_CORE_BUDGET_DIR")]
@@ -386,10 +397,11 @@ impl ServeArgs {
             trust,
             prefix_cache_pages: if self.no_prefix_cache { 0 } else { self.prefix_cache_pages.unwrap_or(usize::MAX) },
             kv_transport: self.kv_transport.into(),
-            core_budget: self.core_budget_dir.clone().zip(self.core_budget.mode()).map(|(dir, mode)| CoreBudget {
+            core_budget: self.core_budget_dir.clone().zip(self.budget_mode()).map(|(dir, mode)| CoreBudget {
                 dir,
                 mode,
                 decode_interval: Duration::from_millis(self.decode_interval_ms.unwrap_or(DEFAULT_DECODE_INTERVAL_MS)),
+                slo: self.slo(),
             }),
             health: None,
         })
@@ -400,10 +412,37 @@ impl ServeArgs {
 const DEFAULT_DECODE_INTERVAL_MS: u64 = 15;
 
 impl ServeArgs {
+    /// The SLO that paces decode, if any.
+    fn slo(&self) -> Option<Slo> {
+        self.slo_tpot_ms.map(|tpot| Slo { tpot: Duration::from_millis(tpot), ttft: self.slo_ttft_ms.map(Duration::from_millis) })
+    }
+
+    /// How the workers share the cores, or `None` for no budget.
+    fn budget_mode(&self) -> Option<ShareMode> {
+        match (self.slo_tpot_ms, self.core_budget) {
+            (Some(_), _) => Some(ShareMode::Pause),
+            (None, b) => b.unwrap_or(CoreBudgetArg::Split).mode(),
+        }
+    }
+
     /// Refuse core budget flags this configuration would otherwise ignore.
     fn check_core_budget(&self) -> anyhow::Result<()> {
-        let mode = self.core_budget.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default();
-        if self.decode_interval_ms.is_some() && self.core_budget != CoreBudgetArg::Pause {
+        if self.slo_ttft_ms.is_some() && self.slo_tpot_ms.is_none() {
+            anyhow::bail!("--slo-ttft-ms says when decode steps slow to the per-token target's pace; it needs --slo-tpot-ms");
+        }
+        if self.slo_tpot_ms.is_some() {
+            if self.core_budget.is_some() || self.decode_interval_ms.is_some() {
+                anyhow::bail!(
+                    "--slo-tpot-ms sets how decode and prefill share the cores; it takes the place of --core-budget and --decode-interval-ms, drop them"
+                );
+            }
+            if self.role == ServeRole::Gateway {
+                anyhow::bail!("--slo-tpot-ms paces the workers' compute; a gateway computes nothing (give it to the workers)");
+            }
+        }
+        let core_budget = self.core_budget.unwrap_or(CoreBudgetArg::Split);
+        let mode = core_budget.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default();
+        if self.decode_interval_ms.is_some() && core_budget != CoreBudgetArg::Pause {
             anyhow::bail!("--decode-interval-ms paces decode under --core-budget pause only; this is --core-budget {mode}");
         }
         if self.core_budget_dir.is_some() {
@@ -412,7 +451,7 @@ impl ServeArgs {
                     "--core-budget-dir is for prefill and decode workers started by hand (--role prefill or decode); role all makes its own, and a gateway computes nothing"
                 );
             }
-            if self.core_budget == CoreBudgetArg::Off {
+            if core_budget == CoreBudgetArg::Off {
                 anyhow::bail!("--core-budget-dir names a core budget, but --core-budget is off");
             }
         }
@@ -502,7 +541,7 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
     };
     let mut gw = gateway::start(opts).await.with_context(|| format!("cannot start the gateway on {}:{}", a.host, a.port))?;
     // Declared before the workers, so it is removed after they are stopped.
-    let budget = if a.role == ServeRole::All && a.core_budget.mode().is_some() { Some(BudgetDir::new()?) } else { None };
+    let budget = if a.role == ServeRole::All && a.budget_mode().is_some() { Some(BudgetDir::new()?) } else { None };
     let mut workers = Supervisor { slots: Vec::new(), secret };
     if a.role == ServeRole::All {
         let exe = std::env::current_exe()?;
@@ -543,11 +582,15 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
                 if let Some(t) = a.kv_transport.to_possible_value() {
                     cmd.args(["--kv-transport", t.get_name()]);
                 }
-                if let Some(b) = a.core_budget.to_possible_value() {
+                if let Some(b) = a.core_budget.and_then(|b| b.to_possible_value()) {
                     cmd.args(["--core-budget", b.get_name()]);
                 }
-                if let Some(ms) = a.decode_interval_ms {
-                    cmd.args(["--decode-interval-ms", &ms.to_string()]);
+                for (flag, ms) in
+                    [("--decode-interval-ms", a.decode_interval_ms), ("--slo-tpot-ms", a.slo_tpot_ms), ("--slo-ttft-ms", a.slo_ttft_ms)]
+                {
+                    if let Some(ms) = ms {
+                        cmd.args([flag, &ms.to_string()]);
+                    }
                 }
                 if let Some(b) = &budget {
                     cmd.arg("--core-budget-dir").arg(&b.0);
@@ -836,12 +879,22 @@ mod tests {
         assert_eq!(check(&[]), Ok(()));
         assert_eq!(check(&["--core-budget", "pause", "--decode-interval-ms", "30"]), Ok(()));
         assert_eq!(check(&["--role", "decode", "--core-budget-dir", "/tmp/x"]), Ok(()));
+        assert_eq!(check(&["--slo-tpot-ms", "100", "--slo-ttft-ms", "2500"]), Ok(()));
+        assert_eq!(check(&["--role", "decode", "--slo-tpot-ms", "100", "--core-budget-dir", "/tmp/x"]), Ok(()));
         for (args, names) in [
             (&["--decode-interval-ms", "30"][..], "--decode-interval-ms"),
             (&["--core-budget", "off", "--decode-interval-ms", "0"], "--decode-interval-ms"),
             (&["--core-budget-dir", "/tmp/x"], "--core-budget-dir"),
             (&["--role", "gateway", "--core-budget-dir", "/tmp/x"], "--core-budget-dir"),
             (&["--role", "prefill", "--core-budget", "off", "--core-budget-dir", "/tmp/x"], "--core-budget-dir"),
+            (&["--slo-ttft-ms", "2500"], "--slo-tpot-ms"),
+            (&["--slo-tpot-ms", "100", "--core-budget", "split"], "--core-budget"),
+            (&["--slo-tpot-ms", "100", "--core-budget", "pause"], "--core-budget"),
+            (&["--slo-tpot-ms", "100", "--decode-interval-ms", "20"], "--decode-interval-ms"),
+            (&["--role", "gateway", "--slo-tpot-ms", "100"], "gateway"),
+            (&["--slo-tpot-ms", "0"], "--slo-tpot-ms"),
+            (&["--slo-tpot-ms=-5"], "--slo-tpot-ms"),
+            (&["--slo-tpot-ms", "100", "--slo-ttft-ms", "99999999999"], "--slo-ttft-ms"),
         ] {
             let err = check(args).expect_err(&format!("{args:?} accepted"));
             assert!(err.contains(names), "{args:?}: {err}");

@@ -17,9 +17,17 @@
 //!   starts a step no sooner than `interval` after the previous one started, nor sooner
 //!   than a quarter of `interval` after it ended. Inter-token latency is then about
 //!   `interval`, at the cost of the time a small decode step leaves a core idle.
+//! - **pause at the SLO's pace** ([`Slo`], `serve --slo-tpot-ms`): pause mode whose
+//!   decode steps, while a prompt is *late* (it has waited half the first-token target at
+//!   the prefill worker, or any prompt without one), start at most once per three quarters
+//!   of the per-token target instead of once per `interval`: decode takes only the
+//!   per-token latency the SLO allows and prefill the rest (Sarathi-Serve's stall-free
+//!   batching, with the pace set by the SLO). While no prompt is late the plain interval
+//!   keeps inter-token latency low.
 //!
 //! Either way the decode worker sends `HOLD` before each step and `RELEASE` after, and a
-//! prefill worker reports `BUSY` or `IDLE`: that is all each side knows of the other.
+//! prefill worker reports `BUSY`, `LATE` or `IDLE`: that is all each side knows of the
+//! other.
 //!
 //! The budget is a directory of Unix datagram sockets, `prefill-<pid>` and `decode-<pid>`,
 //! that only the user can enter (`serve` makes it with mode 0700). Messages are one byte;
@@ -43,6 +51,7 @@ const HOLD: u8 = b'H';
 const RELEASE: u8 = b'R';
 const BUSY: u8 = b'B';
 const IDLE: u8 = b'I';
+const LATE: u8 = b'L';
 
 /// A hold older than this no longer pauses prefill (a decode worker that died holding).
 pub const MAX_HOLD: Duration = Duration::from_millis(500);
@@ -81,6 +90,55 @@ pub struct CoreBudget {
     pub mode: ShareMode,
     /// Pause mode: decode steps start at most this often while a prefill worker has work.
     pub decode_interval: Duration,
+    /// Pause mode: targets that set the decode pace while prompts are late.
+    pub slo: Option<Slo>,
+}
+
+/// Service-level targets that pace decode (`serve --slo-tpot-ms`, `--slo-ttft-ms`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Slo {
+    /// Time per output token: while a prompt is late, decode steps start at most once per
+    /// [`Slo::pace`].
+    pub tpot: Duration,
+    /// Time to first token: a prompt is late once it has waited half of this at the prefill
+    /// worker (the other half is left for its compute and the way to the client). None:
+    /// every waiting prompt is late.
+    pub ttft: Option<Duration>,
+}
+
+impl Slo {
+    /// The decode pace while prompts are late: three quarters of the per-token target, the
+    /// rest a margin for a step that runs long and for the token's way to the client.
+    pub fn pace(&self) -> Duration {
+        self.tpot * 3 / 4
+    }
+
+    /// Whether a prompt that has waited `waited` is late.
+    pub fn late(&self, waited: Duration) -> bool {
+        self.ttft.is_none_or(|t| waited >= t / 2)
+    }
+}
+
+/// What a prefill worker tells the decode workers of its work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+enum Work {
+    /// No prompt waits.
+    #[default]
+    Idle,
+    /// Prompts wait.
+    Busy,
+    /// A prompt waits past its share of the first-token target ([`Slo::late`]).
+    Late,
+}
+
+impl Work {
+    fn byte(self) -> u8 {
+        match self {
+            Work::Idle => IDLE,
+            Work::Busy => BUSY,
+            Work::Late => LATE,
+        }
+    }
 }
 
 /// Why a worker could not join a core budget (it then runs without one).
@@ -105,7 +163,16 @@ pub fn joined<T>(b: &CoreBudget, role: &str, r: Result<T, BudgetError>) -> Optio
                 }
                 ShareMode::Pause => {
                     let interval_ms = b.decode_interval.as_millis() as u64;
-                    tracing::info!(role, %dir, interval_ms, "core budget pause: prefill pauses during decode steps, which keep the interval while prefill has work");
+                    match b.slo {
+                        None => {
+                            tracing::info!(role, %dir, interval_ms, "core budget pause: prefill pauses during decode steps, which keep the interval while prefill has work")
+                        }
+                        Some(slo) => {
+                            let pace_ms = slo.pace().as_millis() as u64;
+                            let late_after_ms = slo.ttft.map(|t| (t / 2).as_millis() as u64);
+                            tracing::info!(role, %dir, interval_ms, pace_ms, ?late_after_ms, "core budget paced by the SLO: prefill pauses during decode steps, which keep the SLO's pace while a prompt is late and the interval otherwise")
+                        }
+                    }
                 }
             }
             Some(t)
@@ -147,7 +214,7 @@ struct PrefillState {
     /// Decode workers that have spoken: they get this worker's reports.
     peers: BTreeSet<PathBuf>,
     /// The last state reported.
-    busy: bool,
+    work: Work,
     /// When a decode worker last held or released the cores.
     decode_seen: Option<Instant>,
 }
@@ -172,8 +239,9 @@ fn lock(m: &Mutex<PrefillState>) -> MutexGuard<'_, PrefillState> {
 pub struct PrefillBudget {
     ep: Arc<Endpoint>,
     shared: Arc<Shared>,
+    slo: Option<Slo>,
     /// The last report sent, and when.
-    reported: Option<(bool, Instant)>,
+    reported: Option<(Work, Instant)>,
 }
 
 impl PrefillBudget {
@@ -190,7 +258,7 @@ impl PrefillBudget {
         });
         let (e, s) = (Arc::clone(&ep), Arc::clone(&shared));
         std::thread::Builder::new().name("core-budget".into()).spawn(move || listen(&e, &s)).map_err(BudgetError::Thread)?;
-        Ok(PrefillBudget { ep, shared, reported: None })
+        Ok(PrefillBudget { ep, shared, slo: b.slo, reported: None })
     }
 
     /// The core share to give the model ([`bulkhead_model::Llama::set_core_share`]).
@@ -198,24 +266,31 @@ impl PrefillBudget {
         Arc::new(Gate(Arc::clone(&self.shared)))
     }
 
-    /// Tell the decode workers whether this worker has prompts to compute: at once when it
-    /// changes, and again every [`REPORT_EVERY`] (a decode worker that started later).
-    pub fn report(&mut self, busy: bool) {
+    /// Tell the decode workers whether this worker has prompts to compute, given how long
+    /// the oldest has waited here (none: no prompt waits), and whether one is late for the
+    /// SLO: at once when that changes, and again every [`REPORT_EVERY`] (a decode worker
+    /// that started later).
+    pub fn report(&mut self, oldest_waited: Option<Duration>) {
+        let work = match (oldest_waited, self.slo) {
+            (None, _) => Work::Idle,
+            (Some(w), Some(slo)) if slo.late(w) => Work::Late,
+            (Some(_), _) => Work::Busy,
+        };
         let now = Instant::now();
         if let Some((was, at)) = self.reported
-            && was == busy
+            && was == work
             && now.duration_since(at) < REPORT_EVERY
         {
             return;
         }
-        self.reported = Some((busy, now));
+        self.reported = Some((work, now));
         let peers = {
             let mut s = lock(&self.shared.state);
-            s.busy = busy;
+            s.work = work;
             s.peers.clone()
         };
         for p in peers {
-            send_state(&self.ep, &self.shared, &p, busy);
+            send_state(&self.ep, &self.shared, &p, work);
         }
     }
 
@@ -238,10 +313,9 @@ impl Drop for PrefillBudget {
     }
 }
 
-/// Report `busy` to the decode worker at `peer`; one that is gone is forgotten.
-fn send_state(ep: &Endpoint, shared: &Shared, peer: &Path, busy: bool) {
-    let msg = [if busy { BUSY } else { IDLE }];
-    if let Err(e) = ep.sock.send_to(&msg, peer)
+/// Report `work` to the decode worker at `peer`; one that is gone is forgotten.
+fn send_state(ep: &Endpoint, shared: &Shared, peer: &Path, work: Work) {
+    if let Err(e) = ep.sock.send_to(&[work.byte()], peer)
         && matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused)
     {
         lock(&shared.state).peers.remove(peer);
@@ -281,9 +355,9 @@ fn listen(ep: &Endpoint, shared: &Shared) {
         s.decode_seen = Some(now);
         if s.peers.insert(peer.clone()) {
             // A decode worker new to us learns our state at once.
-            let busy = s.busy;
+            let work = s.work;
             drop(s);
-            send_state(ep, shared, &peer, busy);
+            send_state(ep, shared, &peer, work);
         }
     }
 }
@@ -336,6 +410,7 @@ impl CoreShare for Gate {
 pub struct DecodeShare {
     narrow: AtomicBool,
     narrowed: AtomicU64,
+    slo_paced: AtomicU64,
 }
 
 impl DecodeShare {
@@ -343,7 +418,15 @@ impl DecodeShare {
     pub fn narrowed_layers(&self) -> u64 {
         self.narrowed.load(Ordering::Relaxed)
     }
+
+    /// Decode steps started at the SLO's pace because a prompt was late, in all.
+    pub fn slo_paced_steps(&self) -> u64 {
+        self.slo_paced.load(Ordering::Relaxed)
+    }
 }
+
+/// Help text of `bulkhead:slo_paced_steps_total`.
+pub const SLO_PACED_HELP: &str = "Decode steps started at the per-token SLO's pace because a prompt waited past its share of the first-token SLO (core budget paced by the SLO).";
 
 impl CoreShare for DecodeShare {
     fn pause(&self) {}
@@ -363,12 +446,15 @@ pub struct DecodeBudget {
     dir: PathBuf,
     mode: ShareMode,
     interval: Duration,
+    slo: Option<Slo>,
     share: Arc<DecodeShare>,
     /// The prefill workers' sockets, as last listed.
     prefills: Vec<PathBuf>,
     listed: Option<Instant>,
-    /// Prefill workers that last reported work, and when.
-    busy: BTreeMap<PathBuf, Instant>,
+    /// Prefill workers that last reported work, when, and whether a prompt of theirs is late.
+    busy: BTreeMap<PathBuf, (Instant, bool)>,
+    /// Whether the step about to start keeps the SLO's pace.
+    slo_paced: bool,
     /// When the last step started and ended.
     last: Option<(Instant, Instant)>,
 }
@@ -383,10 +469,12 @@ impl DecodeBudget {
             dir: b.dir.clone(),
             mode: b.mode,
             interval: b.decode_interval,
+            slo: b.slo,
             share: Arc::default(),
             prefills: Vec::new(),
             listed: None,
             busy: BTreeMap::new(),
+            slo_paced: false,
             last: None,
         })
     }
@@ -405,7 +493,10 @@ impl DecodeBudget {
             let Some(peer) = from.as_pathname().map(Path::to_path_buf) else { continue };
             match (n, buf[0]) {
                 (1, BUSY) => {
-                    self.busy.insert(peer, now);
+                    self.busy.insert(peer, (now, false));
+                }
+                (1, LATE) => {
+                    self.busy.insert(peer, (now, true));
                 }
                 (1, IDLE) => {
                     self.busy.remove(&peer);
@@ -413,12 +504,18 @@ impl DecodeBudget {
                 _ => {}
             }
         }
-        self.busy.retain(|_, at| now.duration_since(*at) < BUSY_LAPSE);
+        self.busy.retain(|_, (at, _)| now.duration_since(*at) < BUSY_LAPSE);
         let prefill_busy = !self.busy.is_empty();
         self.share.narrow.store(self.mode == ShareMode::Split && prefill_busy, Ordering::Relaxed);
+        let late = self.busy.values().any(|(_, late)| *late);
+        let interval = match self.slo {
+            Some(slo) if late => slo.pace(),
+            _ => self.interval,
+        };
+        self.slo_paced = late && self.slo.is_some() && self.mode == ShareMode::Pause;
         match self.last {
             Some((start, end)) if prefill_busy && self.mode == ShareMode::Pause => {
-                (start + self.interval).max(end + self.interval / 4).saturating_duration_since(now)
+                (start + interval).max(end + interval / 4).saturating_duration_since(now)
             }
             _ => Duration::ZERO,
         }
@@ -432,6 +529,9 @@ impl DecodeBudget {
             self.listed = Some(now);
         }
         self.send(HOLD);
+        if self.slo_paced {
+            self.share.slo_paced.fetch_add(1, Ordering::Relaxed);
+        }
         Held { budget: self, started: now }
     }
 
@@ -473,7 +573,7 @@ mod tests {
     use std::sync::mpsc;
 
     fn budget(dir: &Path, mode: ShareMode, interval_ms: u64) -> CoreBudget {
-        CoreBudget { dir: dir.to_path_buf(), mode, decode_interval: Duration::from_millis(interval_ms) }
+        CoreBudget { dir: dir.to_path_buf(), mode, decode_interval: Duration::from_millis(interval_ms), slo: None }
     }
 
     fn temp_dir(name: &str) -> PathBuf {
@@ -539,10 +639,10 @@ mod tests {
 
         // Decode paces itself only while the prefill worker reports work.
         assert_eq!(decode.wait(Instant::now()), Duration::ZERO, "paced with an idle prefill");
-        prefill.report(true);
+        prefill.report(Some(Duration::ZERO));
         let w = until_paced(&mut decode);
         assert!(w > Duration::ZERO && w <= Duration::from_millis(40), "pacing with a busy prefill: {w:?}");
-        prefill.report(false);
+        prefill.report(None);
         eventually("still paced after the prefill worker went idle", || decode.wait(Instant::now()).is_zero());
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -562,16 +662,47 @@ mod tests {
         assert!(prefill.narrowed_layers() > 0 && prefill.paused_seconds() == 0.0);
         // Decode narrows its steps while prefill reports work, and never waits.
         assert!(!decode_share.narrow(), "decode narrow with an idle prefill");
-        prefill.report(true);
+        prefill.report(Some(Duration::ZERO));
         eventually("a busy prefill never narrowed decode", || decode.wait(Instant::now()).is_zero() && decode_share.narrow());
         drop(decode.hold());
         assert_eq!(decode.wait(Instant::now()), Duration::ZERO, "split mode paced decode");
-        prefill.report(false);
+        prefill.report(None);
         eventually("decode stayed narrow after prefill went idle", || {
             decode.wait(Instant::now());
             !decode_share.narrow()
         });
         assert!(decode_share.narrowed_layers() > 0);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn with_an_slo_decode_keeps_its_pace_only_while_a_prompt_is_late() {
+        let dir = temp_dir("slo");
+        let slo = Slo { tpot: Duration::from_millis(400), ttft: Some(Duration::from_millis(1000)) };
+        let b = CoreBudget { slo: Some(slo), ..budget(&dir, ShareMode::Pause, 20) };
+        let (mut prefill, mut decode) = (PrefillBudget::join(&b).unwrap(), DecodeBudget::join(&b).unwrap());
+        // How long the next step waits, right after a step.
+        let after_a_step = |d: &mut DecodeBudget| {
+            drop(d.hold());
+            d.wait(Instant::now())
+        };
+        // A prompt that has waited less than half the first-token target: the interval.
+        prefill.report(Some(Duration::from_millis(100)));
+        eventually("a busy prefill never paced decode", || !after_a_step(&mut decode).is_zero());
+        let w = after_a_step(&mut decode);
+        assert!(w <= Duration::from_millis(20), "paced past the interval with no prompt late: {w:?}");
+        assert_eq!(decode.share.slo_paced_steps(), 0);
+        // Half the target gone: the SLO's pace, three quarters of the per-token target.
+        prefill.report(Some(Duration::from_millis(500)));
+        eventually("a late prompt never slowed decode to the SLO's pace", || after_a_step(&mut decode) > Duration::from_millis(200));
+        let w = after_a_step(&mut decode);
+        assert!(w <= Duration::from_millis(300), "paced past the SLO's pace: {w:?}");
+        assert!(decode.share.slo_paced_steps() > 0, "steps at the SLO's pace not counted");
+        prefill.report(None);
+        eventually("still paced after the prefill worker went idle", || after_a_step(&mut decode).is_zero());
+        // Without a first-token target every waiting prompt is late.
+        let slo = Slo { ttft: None, ..slo };
+        assert!(slo.late(Duration::ZERO) && !Slo { ttft: Some(Duration::from_secs(2)), ..slo }.late(Duration::from_millis(999)));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -218,6 +218,7 @@ impl Link {
         }
         if let Some(s) = &self.share {
             f.counter("bulkhead:narrowed_layers_total", core_budget::NARROWED_HELP, &[], s.narrowed_layers());
+            f.counter("bulkhead:slo_paced_steps_total", core_budget::SLO_PACED_HELP, &[], s.slo_paced_steps());
         }
         self.pusher.pushed();
         self.send_gateway(&Message::Metrics { families: f.into_vec() });

@@ -11,7 +11,7 @@
 //! go to the gateway every [`PUSH_INTERVAL`](crate::metrics::PUSH_INTERVAL) and after each
 //! step that ended a job.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::TcpStream;
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, sync_channel};
@@ -166,6 +166,9 @@ struct Worker<'p> {
     /// When each running job was taken (about: the start of the step that took it), for
     /// its log line.
     job_started: BTreeMap<RequestId, Instant>,
+    /// When this worker first found each job it holds (queued or running), for how long
+    /// the oldest has waited (the core budget's SLO pace).
+    job_seen: BTreeMap<RequestId, Instant>,
     started: Instant,
 }
 
@@ -279,6 +282,7 @@ fn incarnation(
         transfer: Histogram::new(metrics::TRANSFER_BUCKETS),
         pusher: Pusher::new(),
         job_started: BTreeMap::new(),
+        job_seen: BTreeMap::new(),
         started: Instant::now(),
     };
     loop {
@@ -306,11 +310,19 @@ fn incarnation(
 }
 
 impl Worker<'_> {
-    /// Whether prompts wait to be computed, told to the core budget's decode workers.
+    /// Whether prompts wait to be computed, told to the core budget's decode workers with
+    /// how long the oldest has waited here.
     fn report_work(&mut self) -> bool {
         let busy = self.driver.has_work();
         if let Some(b) = self.budget.as_deref_mut() {
-            b.report(busy);
+            let now = Instant::now();
+            let held: BTreeSet<RequestId> = self.driver.running().chain(self.driver.role().queued_jobs()).map(|j| j.req).collect();
+            self.job_seen.retain(|r, _| held.contains(r));
+            for r in held {
+                self.job_seen.entry(r).or_insert(now);
+            }
+            let oldest = self.job_seen.values().min().map_or(Duration::ZERO, |at| now.duration_since(*at));
+            b.report(busy.then_some(oldest));
         }
         busy
     }
