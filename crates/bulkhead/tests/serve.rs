@@ -814,8 +814,10 @@ fn structured_outputs_logprobs_n_and_tools_hold_across_the_handoff() {
         })
         .collect();
     assert!(texts[0] != texts[1] || texts[1] != texts[2], "{texts:?}");
-    // The siblings share the prompt's full pages on the prefill worker: the later two hit
-    // what the first one published (its own scope: the same tenant and salt).
+    // The siblings share the prompt's full pages: the later two hit what the first one
+    // published (its own scope: the same tenant and salt). Here the decode worker already
+    // holds the chat template's first page, so the first sibling computes the rest there
+    // and the others wait for its pages (before, each computed the whole rest itself).
     let before = support::sum(&support::scrape(&s.http), "bulkhead:prefix_cache_hits_total", &[]);
     let long = format!("Summarise this. {}", "The quick brown fox jumps over the lazy dog. ".repeat(12));
     post("/v1/chat/completions", serde_json::json!({"model": MODEL_ID, "max_tokens": 2, "n": 3, "messages": user(&long)}));

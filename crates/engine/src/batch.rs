@@ -193,6 +193,14 @@ impl Engine {
         std::mem::take(&mut self.retired)
     }
 
+    /// Lend `req`'s pages, with the pool, to `f` once its prompt is computed (every position
+    /// it feeds written and committed); false while it is not, or not here.
+    pub fn lend_computed(&mut self, req: RequestId, f: &mut dyn FnMut(&mut KvPool, &mut SequenceKv)) -> bool {
+        let Some(s) = self.seqs.iter_mut().find(|s| s.id == req && s.kv.len() >= s.feed.len()) else { return false };
+        f(&mut self.pool, &mut s.kv);
+        true
+    }
+
     /// Sequences retracted so far to let others grow.
     pub fn retractions(&self) -> u64 {
         self.retractions

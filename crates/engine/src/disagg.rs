@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use bulkhead_kv::{KvPool, RequestId};
+use bulkhead_kv::{KvPool, RequestId, SequenceKv};
 use bulkhead_model::{Llama, SeqInput};
 use bulkhead_protocol::decode::{DecodeStart, LocalStart, Retired};
 use bulkhead_protocol::driver::decode::{DecodeEngine, GenEvent};
@@ -54,6 +54,10 @@ impl DecodeEngine for Engine {
 
     fn take_retired(&mut self) -> Vec<Retired> {
         Engine::take_retired(self)
+    }
+
+    fn lend_computed(&mut self, req: RequestId, f: &mut dyn FnMut(&mut KvPool, &mut SequenceKv)) -> bool {
+        Engine::lend_computed(self, req, f)
     }
 }
 

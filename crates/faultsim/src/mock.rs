@@ -382,6 +382,13 @@ impl DecodeEngine for MockDecode {
     fn take_retired(&mut self) -> Vec<Retired> {
         std::mem::take(&mut self.retired)
     }
+
+    // A local prompt is computed as it joins (`add_local`).
+    fn lend_computed(&mut self, req: RequestId, f: &mut dyn FnMut(&mut KvPool, &mut SequenceKv)) -> bool {
+        let Some(g) = self.seqs.iter_mut().find(|g| g.kv.owner() == req) else { return false };
+        f(&mut self.pool, &mut g.kv);
+        true
+    }
 }
 
 impl DecodeModel for MockDecode {

@@ -307,6 +307,13 @@ impl DecodeEngine for MockDecode {
     fn take_retired(&mut self) -> Vec<Retired> {
         std::mem::take(&mut self.retired)
     }
+
+    // A local prompt is computed as it joins (`add_local`).
+    fn lend_computed(&mut self, req: RequestId, f: &mut dyn FnMut(&mut KvPool, &mut SequenceKv)) -> bool {
+        let Some(r) = self.running.get_mut(&req) else { return false };
+        f(&mut self.pool, &mut r.seq);
+        true
+    }
 }
 
 /// Reads positions `0..positions` of `seq` through the pool and checks each holds the mock

@@ -242,6 +242,9 @@ struct Decoding {
     /// the resumed tokens are the loop's): its full pages are published under this scope
     /// when it ends.
     publish: Option<(CacheScope, Vec<u32>)>,
+    /// The loop computes its prompt itself and has not yet published the prompt's full
+    /// pages ([`DecodeRole::publish_local`]): a sibling's `Reserve` that needs them waits.
+    computing: bool,
 }
 
 /// The decode worker's prefix cache (design I10) and what its keys need.
@@ -289,6 +292,9 @@ pub struct DecodeRole {
     /// miss (the siblings of `n > 1`, sent together): then they share it instead of
     /// receiving a copy. In arrival order.
     deferred: Vec<Message>,
+    /// A prompt computed here was published, or its request left before: the deferred
+    /// `Reserve`s may go on ([`DecodeRole::release_deferred`]).
+    unblocked: bool,
     #[fingerprint(skip)]
     stats: DecodeStats,
 }
@@ -312,6 +318,7 @@ impl DecodeRole {
             owes_room: false,
             cache: None,
             deferred: Vec::new(),
+            unblocked: false,
             stats: DecodeStats::default(),
         }
     }
@@ -429,7 +436,46 @@ impl DecodeRole {
     /// The decode loop finished `req` (and released its pages); the prompt tokens its
     /// prefill took from the cache.
     pub fn finished(&mut self, req: RequestId) -> u32 {
-        self.decoding.remove(&req).map_or(0, |d| d.cached)
+        let d = self.decoding.remove(&req);
+        // One that left before its prompt was computed publishes nothing: those held back
+        // for it go on without.
+        self.unblocked |= d.as_ref().is_some_and(|d| d.computing);
+        d.map_or(0, |d| d.cached)
+    }
+
+    /// Requests whose prompt the loop computes here and whose full pages are not yet
+    /// published: the driver offers each to [`DecodeRole::publish_local`] once the loop has
+    /// computed it.
+    pub fn computing_here(&self) -> Vec<RequestId> {
+        self.decoding.iter().filter(|(_, d)| d.computing).map(|(r, _)| *r).collect()
+    }
+
+    /// The loop computed `req`'s prompt (its positions written and committed in `seq`): its
+    /// own full pages go to the cache now, as a verified transfer's do, so the siblings held
+    /// back for them share them ([`DecodeRole::release_deferred`]).
+    pub fn publish_local(&mut self, pool: &mut KvPool, req: RequestId, seq: &mut SequenceKv) {
+        let Some(d) = self.decoding.get_mut(&req).filter(|d| d.computing) else { return };
+        d.computing = false;
+        self.unblocked = true;
+        let (Some(c), Some((scope, prompt))) = (self.cache.as_mut(), d.publish.as_ref()) else { return };
+        let ps = pool.layout().page_size;
+        if seq.len() < prompt.len() {
+            return;
+        }
+        let keys = scope.page_keys(c.model_digest, prompt, ps);
+        c.cache.publish_prefix(pool, seq, &keys, prompt.len() / ps, scope.fence());
+    }
+
+    /// Reservations held back for a prompt computed here go on once it is published (or its
+    /// request left): their answers, for the driver to carry out before anything else.
+    pub fn release_deferred(&mut self, pool: &mut KvPool) -> Vec<DecodeAction> {
+        let mut out = Vec::new();
+        if std::mem::take(&mut self.unblocked) {
+            for m in std::mem::take(&mut self.deferred) {
+                self.on_gateway(pool, m, &mut out);
+            }
+        }
+        out
     }
 
     /// The decode loop freed pages (it ended sequences): the `Room` owed to the gateway,
@@ -623,7 +669,8 @@ impl DecodeRole {
                                 self.stats.local_prefills += 1;
                                 self.stats.local_prefill_tokens += rest as u64;
                                 let publish = cache.map(|scope| (scope, prompt.clone()));
-                                self.decoding.insert(req, Decoding { cached: held as u32, publish });
+                                let computing = publish.is_some();
+                                self.decoding.insert(req, Decoding { cached: held as u32, publish, computing });
                                 out.push(DecodeAction::ToGateway(Message::Reserved {
                                     req,
                                     held: held as u32,
@@ -727,7 +774,7 @@ impl DecodeRole {
                             self.publish_verified(pool, &mut seq, p.publish.as_ref(), &p.resume);
                             self.stats.coverage_verified += 1;
                             self.stats.transferred_tokens += sent as u64;
-                            self.decoding.insert(req, Decoding { cached: cached.min(tokens), publish: p.publish });
+                            self.decoding.insert(req, Decoding { cached: cached.min(tokens), publish: p.publish, computing: false });
                             out.push(DecodeAction::Start(DecodeStart {
                                 req,
                                 seq,
@@ -796,23 +843,25 @@ impl DecodeRole {
     }
 
     /// Whether a `Reserve` of `scope` for `tokens` should wait: the first full page it misses
-    /// here is one a transfer of its scope under way will land (a sibling of `n > 1`, or the
-    /// same prompt sent twice at once); once that transfer is verified its pages are
-    /// published ([`DecodeRole::publish_verified`]) and this one shares them.
+    /// here is one a transfer of its scope under way will land, or one the loop is computing
+    /// here (a sibling of `n > 1`, or the same prompt sent twice at once); once that transfer
+    /// is verified ([`DecodeRole::publish_verified`]) or that compute done
+    /// ([`DecodeRole::publish_local`]) its pages are published and this one shares them.
     fn awaits_sibling(&self, pool: &KvPool, scope: Option<CacheScope>, tokens: &[u32]) -> bool {
         let (Some(c), Some(scope)) = (self.cache.as_ref(), scope) else { return false };
         let ps = pool.layout().page_size;
         let keys = scope.page_keys(c.model_digest, tokens, ps);
         let lookup = tokens.len().saturating_sub(1) / ps;
         let Some(missing) = keys.iter().take(lookup).find(|k| !c.cache.contains(k)) else { return false };
-        self.pending.values().any(|p| match &p.publish {
+        let lands = |publish: &Option<(CacheScope, Vec<u32>)>, resume: &[u32]| match publish {
             Some((s, prompt)) if *s == scope => {
-                let theirs: Vec<u32> = prompt.iter().chain(&p.resume).copied().collect();
+                let theirs: Vec<u32> = prompt.iter().chain(resume).copied().collect();
                 let full = theirs.len() / ps;
                 scope.page_keys(c.model_digest, &theirs, ps).iter().take(full).any(|k| k == missing)
             }
             _ => false,
-        })
+        };
+        self.pending.values().any(|p| lands(&p.publish, &p.resume)) || self.decoding.values().any(|d| d.computing && lands(&d.publish, &[]))
     }
 
     /// A verified prompt's own full pages go to the cache now, not when the request ends,

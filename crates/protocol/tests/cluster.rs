@@ -110,6 +110,11 @@ impl DecodeEngine for MockEngine {
     fn take_retired(&mut self) -> Vec<bulkhead_protocol::decode::Retired> {
         Vec::new()
     }
+
+    // Nothing is computed here (no local prefill in this cluster).
+    fn lend_computed(&mut self, _: RequestId, _: &mut dyn FnMut(&mut KvPool, &mut bulkhead_kv::SequenceKv)) -> bool {
+        false
+    }
 }
 
 /// The prefill worker's transport: onto the wire.

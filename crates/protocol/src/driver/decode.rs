@@ -85,6 +85,10 @@ pub trait DecodeEngine {
     fn keep_finished(&mut self);
     /// The sequences kept since the last call (see [`DecodeEngine::keep_finished`]).
     fn take_retired(&mut self) -> Vec<Retired>;
+    /// Lend `req`'s sequence, with the pool, to `f` if the loop holds it and has computed
+    /// its prompt (every prompt position written and committed): the driver publishes a
+    /// locally computed prompt's full pages through it. False otherwise.
+    fn lend_computed(&mut self, req: RequestId, f: &mut dyn FnMut(&mut KvPool, &mut SequenceKv)) -> bool;
 }
 
 /// Where a decode worker's messages go.
@@ -200,6 +204,7 @@ impl<E: DecodeEngine, P: DecodePolicy> DecodeDriver<E, P> {
                 let req = start.req;
                 let added = self.engine.add_local(start);
                 self.started(req, added, link);
+                self.publish_computed(link);
             }
             DecodeAction::Stop { req } => {
                 self.engine.abort(req);
@@ -255,10 +260,24 @@ impl<E: DecodeEngine, P: DecodePolicy> DecodeDriver<E, P> {
         for (e, cached) in events.into_iter().zip(cached) {
             link.to_gateway(e.into_message(cached));
         }
+        self.publish_computed(link);
         if let Some(m) = ended.then(|| self.role.room()).flatten() {
             link.to_gateway(m);
         }
         self.report_cache(link);
+    }
+
+    /// Publish the prompts the loop has computed here, and let the reservations held back
+    /// for them (or for requests that left first) go on: their answers before any `Room`,
+    /// as in [`DecodeRole::handle`].
+    fn publish_computed(&mut self, link: &mut impl DecodeLink) {
+        for req in self.role.computing_here() {
+            let role = &mut self.role;
+            self.engine.lend_computed(req, &mut |pool, seq| role.publish_local(pool, req, seq));
+        }
+        for a in self.role.release_deferred(self.engine.pool_mut()) {
+            self.dispatch(a, link);
+        }
     }
 }
 
