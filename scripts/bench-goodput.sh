@@ -24,7 +24,9 @@
 #                   below F (env STOP_BELOW; default 0.3; 0 = sweep every rate)
 #   --servers LIST  which servers, in order (env SERVERS; default llamacpp,bulkhead):
 #                   llamacpp, bulkhead, bulkhead-slo (`serve --slo-tpot-ms 100
-#                   --slo-ttft-ms 2500`, the chat pair) or bulkhead-slo-tight (50 / 1200)
+#                   --slo-ttft-ms 2500`, the chat pair), bulkhead-slo-tpot (`--slo-tpot-ms
+#                   100` alone: every waiting prompt counts as late) or bulkhead-slo-tight
+#                   (50 / 1200)
 #   --out DIR       results (env OUT; default $CACHE_DIR/goodput/<UTC timestamp>)
 #
 # Each server runs alone (the other is stopped) and fresh: its own process, started for
@@ -127,10 +129,11 @@ for server in "${SERVER_LIST[@]}"; do
       PID=$!
       wait_ready "http://127.0.0.1:$port" /health
       label=llama-server ;;
-    bulkhead|bulkhead-slo|bulkhead-slo-tight)
+    bulkhead|bulkhead-slo|bulkhead-slo-tpot|bulkhead-slo-tight)
       slo_args=()
       case "$server" in
         bulkhead-slo) slo_args=(--slo-tpot-ms 100 --slo-ttft-ms 2500) ;;
+        bulkhead-slo-tpot) slo_args=(--slo-tpot-ms 100) ;;
         bulkhead-slo-tight) slo_args=(--slo-tpot-ms 50 --slo-ttft-ms 1200) ;;
       esac
       log "bulkhead serve on :$port (--threads $THREADS per worker, --context-length $CTX, --kv-pool-tokens $KV_TOKENS ${slo_args[*]})"
@@ -162,6 +165,7 @@ import json, os, sys
 out, servers = sys.argv[1], sys.argv[2].split(",")
 reports = {s: json.load(open(os.path.join(out, f"{s}.json"))) for s in servers}
 names = {"llamacpp": "llama-server", "bulkhead": "Bulkhead", "bulkhead-slo": "Bulkhead --slo 100/2500",
+         "bulkhead-slo-tpot": "Bulkhead --slo-tpot-ms 100",
          "bulkhead-slo-tight": "Bulkhead --slo 50/1200"}
 print(open(os.path.join(out, "setup.txt")).read())
 slos = next(iter(reports.values()))["slos"]
@@ -199,7 +203,7 @@ print()
 for i, slo in enumerate(slos):
     for s, r in reports.items():
         print(f"- {pair(slo)}, {names.get(s, s)}: {r['goodput'][i]['note']}")
-for slo_server in ("bulkhead-slo", "bulkhead-slo-tight"):
+for slo_server in ("bulkhead-slo", "bulkhead-slo-tpot", "bulkhead-slo-tight"):
     if slo_server in reports and "bulkhead" in reports:
         print()
         for i, slo in enumerate(slos):

@@ -186,6 +186,13 @@ pub struct ServeArgs {
     /// with an error event (0: never move).
     #[arg(long, env = "BULKHEAD_MIGRATION_LIMIT", default_value_t = 3)]
     migration_limit: u32,
+    /// Prompt tokens the gateway gives one prefill worker at once (being reserved for,
+    /// queued there or computed); later prompts wait in the gateway's queue, where tenants
+    /// take turns by weight, so one tenant's burst does not fill the prefill worker's own
+    /// first-come queue ahead of another's. A prompt always goes to an idle worker. 0: no
+    /// window.
+    #[arg(long, env = "BULKHEAD_PREFILL_WINDOW_TOKENS", default_value_t = 512)]
+    prefill_window_tokens: usize,
     /// Client connections served at once; more wait in the listen backlog until one closes.
     #[arg(long, env = "BULKHEAD_MAX_CONNECTIONS", default_value_t = 4096)]
     max_connections: usize,
@@ -220,8 +227,8 @@ pub struct ServeArgs {
     decode_interval_ms: Option<u64>,
     /// Per-token latency target (ms): the core budget pauses prefill during decode steps,
     /// and while a prompt is late decode steps start at most once per three quarters of
-    /// this, prefill taking the rest of the cores. Takes the place of --core-budget and
-    /// --decode-interval-ms (combining them is refused).
+    /// this (half that while prompts wait in time), prefill taking the rest of the cores.
+    /// Takes the place of --core-budget and --decode-interval-ms (combining them is refused).
     #[arg(long, env = "BULKHEAD_SLO_TPOT_MS", value_parser = clap::value_parser!(u64).range(4..=60_000))]
     slo_tpot_ms: Option<u64>,
     /// Time-to-first-token target (ms), with --slo-tpot-ms only: a prompt is late once it
@@ -527,6 +534,7 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
         max_queued: a.max_queued_requests,
         queue_timeout_ms: a.queue_timeout_ms,
         migration_limit: a.migration_limit,
+        prefill_window_tokens: a.prefill_window_tokens,
         http: HttpLimits { max_connections: a.max_connections, header_timeout: Duration::from_millis(a.http_header_timeout_ms.max(1)) },
         body_timeout: Duration::from_millis(a.http_body_timeout_ms.max(1)),
         trust,

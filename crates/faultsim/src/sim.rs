@@ -456,6 +456,7 @@ impl<'m, M: Models> Sim<'m, M> {
             max_queued: plan.requests.len(),
             queue_timeout_ms: plan.request_timeout_ms,
             migration_limit: 3,
+            prefill_window_tokens: 0,
             tenants: Default::default(),
         });
         let mut timeline = BTreeMap::new();

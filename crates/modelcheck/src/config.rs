@@ -139,6 +139,9 @@ pub struct Config {
     /// With the decode-side cache: a rest of at most this many prompt tokens is computed on
     /// the decode worker instead of sent (`DecodeConfig::local_prefill_tokens`); 0: never.
     pub decode_local_prefill: usize,
+    /// The gateway's prefill window in prompt tokens (`GatewayConfig::prefill_window_tokens`);
+    /// 0: none.
+    pub prefill_window_tokens: usize,
     /// Driver variant.
     pub variant: Variant,
 }
@@ -170,6 +173,7 @@ impl Config {
             prefix_cache: false,
             decode_cache: false,
             decode_local_prefill: 0,
+            prefill_window_tokens: 0,
             variant: Variant::Production,
         }
     }
@@ -204,6 +208,7 @@ impl Config {
             prefix_cache: false,
             decode_cache: false,
             decode_local_prefill: 0,
+            prefill_window_tokens: 0,
             variant: Variant::Production,
         }
     }

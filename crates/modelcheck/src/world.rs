@@ -389,6 +389,7 @@ impl<'c> World<'c> {
             max_queued: cfg.requests.len(),
             queue_timeout_ms: TICK_MS,
             migration_limit: 3,
+            prefill_window_tokens: cfg.prefill_window_tokens,
             tenants: Default::default(),
         });
         let dpool = pool(cfg.decode_pool_pages);

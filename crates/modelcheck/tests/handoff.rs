@@ -53,6 +53,18 @@ fn three_requests_two_prefill_workers_one_decode_worker_hold_every_property() {
     assert_eq!(report.unique_states, 105_067, "the model changed: {report}");
 }
 
+/// With a prefill window of one token every prompt waits at the gateway until the prefill
+/// worker it would go to has none in flight (a prompt always goes to an idle one): every
+/// property holds, and no request is left waiting for a window that never frees.
+#[test]
+fn a_prefill_window_holds_every_property_and_leaves_no_request_waiting() {
+    for cfg in [Config::three_requests(), Config::faulty_network()] {
+        let cfg = Config { prefill_window_tokens: 1, ..cfg };
+        let (report, model) = check_all(cfg);
+        assert_holds(&report, &model);
+    }
+}
+
 #[test]
 fn lost_messages_crashes_aborts_and_timeouts_break_no_safety_property() {
     let (report, model) = check_all(Config::faulty_network());

@@ -75,6 +75,11 @@ pub struct GatewayConfig {
     /// How many times one request may move to another decode worker because the one it
     /// was on was lost (I11); past that, it fails as before.
     pub migration_limit: u32,
+    /// Prompt tokens a prefill worker is given at once (being reserved for, queued there or
+    /// computed); a prompt that would pass it waits in the gateway's queue, where tenants
+    /// take turns by weight, unless the worker has none. 0: no window (every prompt goes on
+    /// at once and waits in the prefill worker's own first-come queue).
+    pub prefill_window_tokens: usize,
     /// Each tenant's share and limits; a tenant not named here has weight 1 and none.
     pub tenants: BTreeMap<TenantId, TenantPolicy>,
 }
@@ -721,6 +726,11 @@ impl GatewayRole {
         while let Some(tenant) = self.next_tenant() {
             let Some(&req) = self.queues.get(&tenant).and_then(VecDeque::front) else { return };
             let Some(route) = self.pick(req) else { return };
+            if !self.prefill_has_room(req, route.prefill) {
+                // It waits here, in its tenant's turn, not in the prefill worker's queue
+                // behind another tenant's burst; the next prompt to end frees the window.
+                return;
+            }
             if self.last_served == Some(tenant) && self.turn_left > 0 {
                 self.turn_left -= 1;
             } else {
@@ -809,6 +819,23 @@ impl GatewayRole {
             }
         }
         None
+    }
+
+    /// Whether prefill worker `p` may be given `req`'s prompt now: its prompts in flight
+    /// (reserving or prefilling) and this one stay within the window, or it has none.
+    fn prefill_has_room(&self, req: RequestId, p: WorkerId) -> bool {
+        let window = self.cfg.prefill_window_tokens;
+        if window == 0 {
+            return true;
+        }
+        let tokens = |f: &InFlight| f.tokens.len() + f.resume.len();
+        let busy: usize = self
+            .inflight
+            .values()
+            .filter(|f| f.route.is_some_and(|r| r.prefill == p) && matches!(f.phase, Phase::Reserving | Phase::Prefilling))
+            .map(tokens)
+            .sum();
+        busy == 0 || busy + self.inflight.get(&req).map_or(0, tokens) <= window
     }
 
     /// The page keys of the prompt of `req`'s next attempt (the client's prompt, then what

@@ -173,6 +173,7 @@ impl<PP: PrefillPolicy, DP: DecodePolicy> Cluster<PP, DP> {
             max_queued: 16,
             queue_timeout_ms: 10_000,
             migration_limit: 3,
+            prefill_window_tokens: 0,
             tenants: Default::default(),
         });
         let (ppool, dpool) = (pool(prefill_pool_tokens), pool(decode_pool_tokens));

@@ -36,6 +36,7 @@ fn config(max_queued: usize, tenants: &[(u32, TenantPolicy)]) -> GatewayConfig {
         max_queued,
         queue_timeout_ms: TIMEOUT_MS / 2,
         migration_limit: 3,
+        prefill_window_tokens: 0,
         tenants: tenants.iter().map(|(t, p)| (TenantId(*t), *p)).collect(),
     }
 }
@@ -739,4 +740,28 @@ fn requests_with_the_same_first_page_follow_one_being_received_to_its_decode_wor
     let first = routed(&submit_as(&mut g, 1, 0, Some(a))).0;
     assert_ne!(routed(&submit_as(&mut g, 2, 1, Some(b))).0, first, "another scope takes the next turn");
     assert_ne!(routed(&submit_as(&mut g, 3, 1, None)).0, routed(&submit_as(&mut g, 4, 1, None)).0);
+}
+
+/// The prefill window: a prefill worker is given prompts up to the window (always one when
+/// it has none); the rest wait at the gateway, where the tenants take turns, so a burst of
+/// one tenant does not fill the prefill worker's first-come queue ahead of another's
+/// request. Fails with the window check in `dispatch` removed.
+#[test]
+fn a_prefill_window_keeps_one_tenants_burst_at_the_gateway_where_tenants_take_turns() {
+    let mut g = GatewayRole::new(GatewayConfig { prefill_window_tokens: 6, ..config(16, &[]) });
+    join(&mut g, P1, Role::Prefill);
+    join(&mut g, D2, Role::Decode);
+    // Tenant 0's burst: the first prompt (4 tokens) goes on; 4 + 4 > 6, so the rest wait.
+    assert_eq!(reserved_reqs(&submit_as(&mut g, 1, 0, None)), [1]);
+    for req in 2..=4 {
+        assert!(reserved_reqs(&submit_as(&mut g, req, 0, None)).is_empty(), "request {req} went past the window");
+    }
+    // Tenant 1 arrives behind the whole burst and waits its turn at the gateway.
+    assert!(reserved_reqs(&submit_as(&mut g, 5, 1, None)).is_empty());
+    assert_eq!(g.queued(), 4);
+    // Prompt 1 is computed (its first token): tenant 1 goes next, not tenant 0's second.
+    from(&mut g, D2, reserved(1));
+    assert_eq!(reserved_reqs(&from(&mut g, D2, token(1))), [5]);
+    from(&mut g, D2, reserved(5));
+    assert_eq!(reserved_reqs(&from(&mut g, D2, token(5))), [2]);
 }

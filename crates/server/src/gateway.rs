@@ -57,6 +57,8 @@ pub struct GatewayOptions {
     pub queue_timeout_ms: u64,
     /// How many times one request may move off a lost decode worker.
     pub migration_limit: u32,
+    /// Prompt tokens a prefill worker is given at once (0: no window).
+    pub prefill_window_tokens: usize,
     /// Client connection limits.
     pub http: HttpLimits,
     /// How long a request body may take to arrive (then 408).
@@ -332,6 +334,7 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
         max_queued: opts.max_queued,
         queue_timeout_ms: opts.queue_timeout_ms,
         migration_limit: opts.migration_limit,
+        prefill_window_tokens: opts.prefill_window_tokens,
         tenants: opts.tenants.policies(),
     });
     let actor = Actor {
