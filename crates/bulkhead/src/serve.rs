@@ -231,8 +231,9 @@ pub struct ServeArgs {
     /// Takes the place of --core-budget and --decode-interval-ms (combining them is refused).
     #[arg(long, env = "BULKHEAD_SLO_TPOT_MS", value_parser = clap::value_parser!(u64).range(4..=60_000))]
     slo_tpot_ms: Option<u64>,
-    /// Time-to-first-token target (ms), with --slo-tpot-ms only: a prompt is late once it
-    /// has waited half of this at the prefill worker. Without it every waiting prompt is late.
+    /// Time-to-first-token target (ms), with --slo-tpot-ms only: prompts are late once the
+    /// prefill worker has been busy for half of this without a pause. Without it every
+    /// waiting prompt is late.
     #[arg(long, env = "BULKHEAD_SLO_TTFT_MS", value_parser = clap::value_parser!(u64).range(10..=600_000))]
     slo_ttft_ms: Option<u64>,
     /// Prefill and decode workers started by hand on one host: a directory only this user

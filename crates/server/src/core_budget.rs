@@ -18,8 +18,8 @@
 //!   than a quarter of `interval` after it ended. Inter-token latency is then about
 //!   `interval`, at the cost of the time a small decode step leaves a core idle.
 //! - **pause at the SLO's pace** ([`Slo`], `serve --slo-tpot-ms`): pause mode whose
-//!   decode steps, while a prompt is *late* (it has waited half the first-token target at
-//!   the prefill worker, or any prompt without one), start at most once per three quarters
+//!   decode steps, while prompts are *late* (the prefill worker has been busy for half the
+//!   first-token target, or at all without one), start at most once per three quarters
 //!   of the per-token target instead of once per `interval`: decode takes only the
 //!   per-token latency the SLO allows and prefill the rest (Sarathi-Serve's stall-free
 //!   batching, with the pace set by the SLO). While prompts wait but none is late, half that
@@ -100,9 +100,9 @@ pub struct Slo {
     /// Time per output token: while a prompt is late, decode steps start at most once per
     /// [`Slo::pace`].
     pub tpot: Duration,
-    /// Time to first token: a prompt is late once it has waited half of this at the prefill
-    /// worker (the other half is left for its compute and the way to the client). None:
-    /// every waiting prompt is late.
+    /// Time to first token: prompts are late once the prefill worker has been busy for half
+    /// of this without a pause (the other half is left for a prompt's compute and the way to
+    /// the client). None: every waiting prompt is late.
     pub ttft: Option<Duration>,
 }
 
@@ -127,7 +127,7 @@ enum Work {
     Idle,
     /// Prompts wait.
     Busy,
-    /// A prompt waits past its share of the first-token target ([`Slo::late`]).
+    /// Prompts have queued past their share of the first-token target ([`Slo::late`]).
     Late,
 }
 
@@ -267,11 +267,11 @@ impl PrefillBudget {
     }
 
     /// Tell the decode workers whether this worker has prompts to compute, given how long
-    /// the oldest has waited here (none: no prompt waits), and whether one is late for the
-    /// SLO: at once when that changes, and again every [`REPORT_EVERY`] (a decode worker
-    /// that started later).
-    pub fn report(&mut self, oldest_waited: Option<Duration>) {
-        let work = match (oldest_waited, self.slo) {
+    /// it has been busy (none: no prompt waits), and whether prompts are late for the SLO:
+    /// at once when that changes, and again every [`REPORT_EVERY`] (a decode worker that
+    /// started later).
+    pub fn report(&mut self, busy_for: Option<Duration>) {
+        let work = match (busy_for, self.slo) {
             (None, _) => Work::Idle,
             (Some(w), Some(slo)) if slo.late(w) => Work::Late,
             (Some(_), _) => Work::Busy,

@@ -11,7 +11,7 @@
 //! go to the gateway every [`PUSH_INTERVAL`](crate::metrics::PUSH_INTERVAL) and after each
 //! step that ended a job.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::net::TcpStream;
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, sync_channel};
@@ -152,6 +152,10 @@ impl Link {
     }
 }
 
+/// A pause shorter than this between prompts does not end a busy stretch (see
+/// `Worker::report_work`).
+const BUSY_GAP: Duration = Duration::from_millis(100);
+
 /// The main thread's state for one incarnation.
 struct Worker<'p> {
     driver: PrefillDriver,
@@ -166,9 +170,10 @@ struct Worker<'p> {
     /// When each running job was taken (about: the start of the step that took it), for
     /// its log line.
     job_started: BTreeMap<RequestId, Instant>,
-    /// When this worker first found each job it holds (queued or running), for how long
-    /// the oldest has waited (the core budget's SLO pace).
-    job_seen: BTreeMap<RequestId, Instant>,
+    /// Since when this worker has had prompts without a pause of [`BUSY_GAP`], and when it
+    /// last had none: how long prompts have queued, here or at the gateway's prefill window
+    /// (the core budget's SLO pace).
+    busy: Option<(Instant, Option<Instant>)>,
     started: Instant,
 }
 
@@ -282,7 +287,7 @@ fn incarnation(
         transfer: Histogram::new(metrics::TRANSFER_BUCKETS),
         pusher: Pusher::new(),
         job_started: BTreeMap::new(),
-        job_seen: BTreeMap::new(),
+        busy: None,
         started: Instant::now(),
     };
     loop {
@@ -311,18 +316,24 @@ fn incarnation(
 
 impl Worker<'_> {
     /// Whether prompts wait to be computed, told to the core budget's decode workers with
-    /// how long the oldest has waited here.
+    /// how long this worker has been busy. The gateway hands out prompts through its prefill
+    /// window, so a prompt may have waited there while this worker computed others: a busy
+    /// stretch, not the oldest job here, says how long first tokens have been queueing.
     fn report_work(&mut self) -> bool {
         let busy = self.driver.has_work();
-        if let Some(b) = self.budget.as_deref_mut() {
-            let now = Instant::now();
-            let held: BTreeSet<RequestId> = self.driver.running().chain(self.driver.role().queued_jobs()).map(|j| j.req).collect();
-            self.job_seen.retain(|r, _| held.contains(r));
-            for r in held {
-                self.job_seen.entry(r).or_insert(now);
+        let now = Instant::now();
+        self.busy = match (self.busy, busy) {
+            (None, false) => None,
+            (None, true) => Some((now, None)),
+            (Some((since, _)), true) => Some((since, None)),
+            // The next prompt of the window is a round trip away: a short gap is not a pause.
+            (Some((since, idle)), false) => {
+                let idle = idle.unwrap_or(now);
+                (now.duration_since(idle) < BUSY_GAP).then_some((since, Some(idle)))
             }
-            let oldest = self.job_seen.values().min().map_or(Duration::ZERO, |at| now.duration_since(*at));
-            b.report(busy.then_some(oldest));
+        };
+        if let Some(b) = self.budget.as_deref_mut() {
+            b.report(busy.then(|| self.busy.map_or(Duration::ZERO, |(since, _)| now.duration_since(since))));
         }
         busy
     }
