@@ -25,8 +25,8 @@
 #   --servers LIST  which servers, in order (env SERVERS; default llamacpp,bulkhead):
 #                   llamacpp, bulkhead, bulkhead-slo (`serve --slo-tpot-ms 100
 #                   --slo-ttft-ms 2500`, the chat pair), bulkhead-slo-tpot (`--slo-tpot-ms
-#                   100` alone: every waiting prompt counts as late) or bulkhead-slo-tight
-#                   (50 / 1200)
+#                   100` alone: every waiting prompt counts as late), bulkhead-slo-tight
+#                   (50 / 1200) or bulkhead-nowindow (`--prefill-window-tokens 0`)
 #   --out DIR       results (env OUT; default $CACHE_DIR/goodput/<UTC timestamp>)
 #
 # Each server runs alone (the other is stopped) and fresh: its own process, started for
@@ -129,11 +129,12 @@ for server in "${SERVER_LIST[@]}"; do
       PID=$!
       wait_ready "http://127.0.0.1:$port" /health
       label=llama-server ;;
-    bulkhead|bulkhead-slo|bulkhead-slo-tpot|bulkhead-slo-tight)
+    bulkhead|bulkhead-slo|bulkhead-slo-tpot|bulkhead-slo-tight|bulkhead-nowindow)
       slo_args=()
       case "$server" in
         bulkhead-slo) slo_args=(--slo-tpot-ms 100 --slo-ttft-ms 2500) ;;
         bulkhead-slo-tpot) slo_args=(--slo-tpot-ms 100) ;;
+        bulkhead-nowindow) slo_args=(--prefill-window-tokens 0) ;;
         bulkhead-slo-tight) slo_args=(--slo-tpot-ms 50 --slo-ttft-ms 1200) ;;
       esac
       log "bulkhead serve on :$port (--threads $THREADS per worker, --context-length $CTX, --kv-pool-tokens $KV_TOKENS ${slo_args[*]})"
@@ -165,7 +166,7 @@ import json, os, sys
 out, servers = sys.argv[1], sys.argv[2].split(",")
 reports = {s: json.load(open(os.path.join(out, f"{s}.json"))) for s in servers}
 names = {"llamacpp": "llama-server", "bulkhead": "Bulkhead", "bulkhead-slo": "Bulkhead --slo 100/2500",
-         "bulkhead-slo-tpot": "Bulkhead --slo-tpot-ms 100",
+         "bulkhead-slo-tpot": "Bulkhead --slo-tpot-ms 100", "bulkhead-nowindow": "Bulkhead, no prefill window",
          "bulkhead-slo-tight": "Bulkhead --slo 50/1200"}
 print(open(os.path.join(out, "setup.txt")).read())
 slos = next(iter(reports.values()))["slos"]
