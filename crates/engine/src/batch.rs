@@ -338,32 +338,8 @@ impl Engine {
                     Ok(c)
                 })
         };
-        let chooser = match checked {
-            Ok(c) => c,
-            Err(e) => {
-                self.give_back(kv);
-                return Err(e);
-            }
-        };
-        let id = kv.owner();
-        let order = self.order();
-        let mut s = Seq {
-            id,
-            order,
-            kv,
-            feed: Vec::new(),
-            prompt: None,
-            prompt_len: verified - resume.len(),
-            history: Vec::new(),
-            next: None,
-            max_tokens: max_tokens + resume.len(),
-            chooser,
-            utf8: Utf8Stream::new(),
-            stop: StopMatcher::new(stop),
-        };
-        self.replay_resumed(&mut s, &resume);
-        self.seqs.push(s);
-        let i = self.seqs.len() - 1;
+        let i = self.join(kv, verified - resume.len(), max_tokens + resume.len(), stop, &resume, checked)?;
+        let id = self.seqs[i].id;
         let mut events = Vec::new();
         if let Some((reason, text)) = self.on_token(i, first_token, first_logprobs, &mut events) {
             self.finish(i, reason, text, &mut events);
@@ -403,32 +379,49 @@ impl Engine {
                 Ok(c)
             })
         };
-        let chooser = match checked {
+        let i = self.join(kv, prompt_tokens - resume.len(), max_tokens as usize + resume.len(), stop, &resume, checked)?;
+        // The rest past its shared prefix is computed in the next steps.
+        self.seqs[i].feed = tokens;
+        Ok(self.seqs[i].id)
+    }
+
+    /// Join a request of the gateway's to the loop (nothing to feed yet): its pages `kv`, the client's prompt length, the tokens it may generate in all (resumed ones
+    /// included) and its chooser, or the error that refused it (its pages go back). The
+    /// resumed tokens are replayed silently. Returns its index in the loop.
+    fn join(
+        &mut self,
+        kv: SequenceKv,
+        prompt_len: usize,
+        max_tokens: usize,
+        stop: Vec<String>,
+        resume: &[u32],
+        chooser: Result<Chooser, EngineError>,
+    ) -> Result<usize, EngineError> {
+        let chooser = match chooser {
             Ok(c) => c,
             Err(e) => {
                 self.give_back(kv);
                 return Err(e);
             }
         };
-        let id = kv.owner();
         let order = self.order();
         let mut s = Seq {
-            id,
+            id: kv.owner(),
             order,
             kv,
-            feed: tokens,
+            feed: Vec::new(),
             prompt: None,
-            prompt_len: prompt_tokens - resume.len(),
+            prompt_len,
             history: Vec::new(),
             next: None,
-            max_tokens: max_tokens as usize + resume.len(),
+            max_tokens,
             chooser,
             utf8: Utf8Stream::new(),
             stop: StopMatcher::new(stop),
         };
-        self.replay_resumed(&mut s, &resume);
+        self.replay_resumed(&mut s, resume);
         self.seqs.push(s);
-        Ok(id)
+        Ok(self.seqs.len() - 1)
     }
 
     fn finish(&mut self, i: usize, reason: FinishReason, text: String, events: &mut Vec<Event>) {
