@@ -6,7 +6,7 @@
 use std::collections::VecDeque;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -135,9 +135,26 @@ pub struct ServeArgs {
     /// Where workers register (gateway); port 0 picks one.
     #[arg(long, env = "BULKHEAD_WORKER_LISTEN", default_value = "127.0.0.1:0")]
     worker_listen: String,
-    /// The gateway's worker address (prefill, decode).
-    #[arg(long, env = "BULKHEAD_GATEWAY")]
-    gateway: Option<String>,
+    /// The gateways' worker addresses (prefill, decode): one, or several separated by
+    /// commas, each a gateway of the same cluster (several need a cluster key). The worker
+    /// registers with each, and dials a lost one again while the others keep it busy.
+    #[arg(long, env = "BULKHEAD_GATEWAY", value_delimiter = ',')]
+    gateway: Vec<String>,
+    /// This gateway's number in a cluster of several (gateway): part of every request id
+    /// it makes, so workers shared by several gateways tell their requests apart. Give
+    /// each gateway of a cluster its own.
+    #[arg(long, env = "BULKHEAD_GATEWAY_ID", default_value_t = 0)]
+    gateway_id: u8,
+    /// Gateways `serve --role all` runs on this host (1 to 8): this process and the rest as
+    /// child processes on the next HTTP ports (any free ones with --port 0), each admitting,
+    /// queueing and routing on its own over the same workers; a gateway that dies is
+    /// restarted like a worker, and the others serve on meanwhile.
+    #[arg(long, env = "BULKHEAD_GATEWAYS", default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=8))]
+    gateways: u8,
+    /// Exit when standard input closes: `serve`'s own gateway children, so that they never
+    /// outlive it.
+    #[arg(long, hide = true)]
+    exit_with_stdin: bool,
     /// Where prefill workers reach this decode worker.
     #[arg(long, env = "BULKHEAD_KV_LISTEN", default_value = "127.0.0.1:0")]
     kv_listen: String,
@@ -382,7 +399,7 @@ impl ServeArgs {
         Ok(t)
     }
 
-    fn worker(&self, model: PathBuf, gateway: String, trust: Trust) -> anyhow::Result<WorkerConfig> {
+    fn worker(&self, model: PathBuf, gateways: Vec<String>, trust: Trust) -> anyhow::Result<WorkerConfig> {
         // The model's shape decides bytes per token; read it without loading weights.
         let f = bulkhead_gguf::GgufFile::open_metadata(&model)?;
         let c = bulkhead_model::LlamaConfig::from_gguf(&f)?;
@@ -390,7 +407,7 @@ impl ServeArgs {
         Ok(WorkerConfig {
             model,
             threads: self.model.threads,
-            gateway,
+            gateways,
             pool_tokens: self.pool_tokens(c.kv_bytes_per_token(2), context)?,
             page_size: self.model.page_size as usize,
             context_length: self.context_length,
@@ -465,12 +482,37 @@ impl ServeArgs {
         }
         Ok(())
     }
+
+    /// Refuse gateway flags the role would otherwise ignore.
+    fn check_gateways(&self) -> anyhow::Result<()> {
+        if self.gateways > 1 && self.role != ServeRole::All {
+            anyhow::bail!(
+                "--gateways starts gateways beside `serve --role all`; run one --role gateway per gateway (each with its own --gateway-id) instead"
+            );
+        }
+        if self.gateway_id != 0 && self.role != ServeRole::Gateway {
+            anyhow::bail!("--gateway-id numbers a gateway started with --role gateway (role all numbers its own)");
+        }
+        if !self.gateway.is_empty() && !matches!(self.role, ServeRole::Prefill | ServeRole::Decode) {
+            anyhow::bail!("--gateway tells a prefill or decode worker where to register; role all registers its workers itself");
+        }
+        Ok(())
+    }
 }
 
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     a.check_core_budget()?;
+    a.check_gateways()?;
     let model = a.model.path()?;
     let trust = a.trust()?;
+    if a.exit_with_stdin {
+        // After the key (if any) was read from it: `serve` holds the other end.
+        std::thread::spawn(|| {
+            let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+            tracing::warn!("standard input closed: the serve that started this gateway is gone; exiting");
+            std::process::exit(0);
+        });
+    }
     if a.role != ServeRole::Gateway {
         KvTransport::from(a.kv_transport).check(&trust).map_err(anyhow::Error::msg)?;
     }
@@ -481,7 +523,8 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     }
     match a.role {
         ServeRole::Prefill | ServeRole::Decode => {
-            let gw = a.gateway.clone().context("--gateway HOST:PORT is required for a worker role")?;
+            anyhow::ensure!(!a.gateway.is_empty(), "--gateway HOST:PORT is required for a worker role");
+            let gw = a.gateway.clone();
             // Bound before the model loads, so probes see a worker that is starting.
             let health = match &a.health_listen {
                 Some(addr) => {
@@ -547,14 +590,22 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
         },
         tenants: Arc::new(tenants),
         prefix_cache: !a.no_prefix_cache,
+        gateway_id: bulkhead_protocol::GatewayId(a.gateway_id),
     };
     let mut gw = gateway::start(opts).await.with_context(|| format!("cannot start the gateway on {}:{}", a.host, a.port))?;
     // Declared before the workers, so it is removed after they are stopped.
     let budget = if a.role == ServeRole::All && a.budget_mode().is_some() { Some(BudgetDir::new()?) } else { None };
     let mut workers = Supervisor { slots: Vec::new(), secret };
+    let mut banner = format!("bulkhead: serving on http://{} (workers register at {})", gw.http_addr, gw.worker_addr);
     if a.role == ServeRole::All {
         let exe = std::env::current_exe()?;
-        let gw_addr = gw.worker_addr.to_string();
+        let mut gw_addrs = vec![gw.worker_addr.to_string()];
+        for i in 1..a.gateways {
+            let (http, at) = workers.start_gateway(&a, &exe, &model, i).with_context(|| format!("cannot start gateway {i}"))?;
+            banner.push_str(&format!(", gateway {i} on http://{http} (workers register at {at})"));
+            gw_addrs.push(at);
+        }
+        let gw_addr = gw_addrs.join(",");
         for (role, n) in [("prefill", a.prefill_workers), ("decode", a.decode_workers)] {
             for _ in 0..n {
                 let mut cmd = Command::new(&exe);
@@ -616,7 +667,7 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
         }
     }
     tracing::info!(%access, prefix_cache = %cache, "serving");
-    println!("bulkhead: serving on http://{} (workers register at {})", gw.http_addr, gw.worker_addr);
+    println!("{banner}");
     let outcome = tokio::select! {
         () = shutdown_signal() => Ok(()),
         e = workers.supervise() => Err(e),
@@ -675,9 +726,12 @@ const SUPERVISE_EVERY: Duration = Duration::from_millis(100);
 
 /// One worker process of `serve --role all` and its restarts.
 struct Slot {
-    role: &'static str,
+    /// What it is, in logs: `prefill`, `decode`, `gateway-1`, ….
+    role: String,
     cmd: Command,
     child: Option<Child>,
+    /// Its standard input, held open while it runs: a gateway child exits when it closes.
+    stdin: Option<ChildStdin>,
     /// Recent exits, oldest first, within the crash-loop window.
     exits: VecDeque<Instant>,
     restart_at: Option<Instant>,
@@ -694,9 +748,52 @@ struct Supervisor {
 
 impl Supervisor {
     fn add(&mut self, role: &'static str, mut cmd: Command) -> std::io::Result<()> {
-        let child = spawn(&mut cmd, self.secret.as_deref())?;
-        self.slots.push(Slot { role, cmd, child: Some(child), exits: VecDeque::new(), restart_at: None });
+        let (child, stdin) = spawn(&mut cmd, self.secret.as_deref())?;
+        self.slots.push(Slot { role: role.to_string(), cmd, child: Some(child), stdin, exits: VecDeque::new(), restart_at: None });
         Ok(())
+    }
+
+    /// Start gateway `i` beside this process's own: the same gateway settings under its
+    /// own id, on the next HTTP port (or any free one with `--port 0`) and any free worker
+    /// port, both kept when it is restarted. Returns its HTTP and worker addresses, read
+    /// from the line it prints.
+    fn start_gateway(&mut self, a: &ServeArgs, exe: &Path, model: &Path, i: u8) -> anyhow::Result<(String, String)> {
+        let port = if a.port == 0 { 0 } else { a.port.checked_add(u16::from(i)).context("no HTTP port left above --port")? };
+        let host = a.worker_listen.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h);
+        let mut cmd = gateway_command(a, exe, model, i, port, &format!("{host}:0"));
+        cmd.stdout(Stdio::piped());
+        let (mut child, stdin) = spawn(&mut cmd, self.secret.as_deref())?;
+        let out = child.stdout.take().context("no stdout")?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            // Its first line names its addresses; the rest is drained so it never blocks.
+            for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let line = match rx.recv_timeout(GATEWAY_START_TIMEOUT) {
+            Ok(line) => line,
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                anyhow::bail!("it printed no address within {} s (its log says why)", GATEWAY_START_TIMEOUT.as_secs());
+            }
+        };
+        let http = line.split("http://").nth(1).and_then(|r| r.split_whitespace().next()).map(str::to_string);
+        let at = line.split("register at ").nth(1).and_then(|r| r.split(')').next()).map(str::to_string);
+        let (Some(http), Some(at)) = (http, at) else {
+            let _ = child.kill();
+            let _ = child.wait();
+            anyhow::bail!("unexpected first line {line:?}");
+        };
+        let http_port = http.rsplit_once(':').and_then(|(_, p)| p.parse().ok()).unwrap_or(port);
+        let mut restart = gateway_command(a, exe, model, i, http_port, &at);
+        restart.stdout(Stdio::null());
+        tracing::info!(gateway = i, %http, workers = %at, pid = child.id(), "gateway started");
+        let role = format!("gateway-{i}");
+        self.slots.push(Slot { role, cmd: restart, child: Some(child), stdin, exits: VecDeque::new(), restart_at: None });
+        Ok((http, at))
     }
 
     /// Restart workers as they exit; returns only when one crash-loops.
@@ -724,9 +821,10 @@ impl Supervisor {
             if slot.child.is_none() && slot.restart_at.is_some_and(|t| t <= now) {
                 slot.restart_at = None;
                 match spawn(&mut slot.cmd, self.secret.as_deref()) {
-                    Ok(c) => {
-                        tracing::info!(role = slot.role, pid = c.id(), "worker restarted");
+                    Ok((c, stdin)) => {
+                        tracing::info!(role = %slot.role, pid = c.id(), "{} restarted", slot.role);
                         slot.child = Some(c);
+                        slot.stdin = stdin;
                     }
                     // A worker that cannot even be started crash-loops too.
                     Err(e) => slot.exited(now, &format!("cannot start it: {e}"))?,
@@ -813,16 +911,82 @@ impl Drop for BudgetDir {
 }
 
 /// Start a worker, handing it the cluster key (if any) on its stdin.
-fn spawn(cmd: &mut Command, secret: Option<&str>) -> std::io::Result<Child> {
-    let Some(secret) = secret else { return cmd.spawn() };
+fn spawn(cmd: &mut Command, secret: Option<&str>) -> std::io::Result<(Child, Option<ChildStdin>)> {
+    let Some(secret) = secret else { return Ok((cmd.spawn()?, None)) };
     let mut child = cmd.stdin(Stdio::piped()).spawn()?;
-    let sent = child.stdin.take().ok_or_else(|| std::io::Error::other("no stdin")).and_then(|mut i| writeln!(i, "{secret}"));
-    if let Err(e) = sent {
-        let _ = child.kill();
-        let _ = child.wait();
-        return Err(e);
+    let sent = child.stdin.take().ok_or_else(|| std::io::Error::other("no stdin")).and_then(|mut i| writeln!(i, "{secret}").map(|()| i));
+    match sent {
+        Ok(stdin) => Ok((child, Some(stdin))),
+        Err(e) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            Err(e)
+        }
     }
-    Ok(child)
+}
+
+/// How long a gateway child may take to print its addresses.
+const GATEWAY_START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The command line of gateway `i` beside `serve`'s own: the gateway settings of `a`, its
+/// id and ports; it reads the cluster key from its standard input and exits when that
+/// closes (it never outlives `serve`).
+fn gateway_command(a: &ServeArgs, exe: &Path, model: &Path, i: u8, port: u16, worker_listen: &str) -> Command {
+    let mut cmd = Command::new(exe);
+    cmd.args(["serve", "--role", "gateway", "--cluster-key-stdin", "--exit-with-stdin", "--gateway-id", &i.to_string()]);
+    cmd.args(["--host", &a.host, "--port", &port.to_string(), "--worker-listen", worker_listen, "--model"]).arg(model);
+    let numbers = [
+        ("--request-timeout-ms", a.request_timeout_ms),
+        ("--max-queued-requests", a.max_queued_requests as u64),
+        ("--queue-timeout-ms", a.queue_timeout_ms),
+        ("--migration-limit", a.migration_limit.into()),
+        ("--prefill-window-tokens", a.prefill_window_tokens as u64),
+        ("--max-connections", a.max_connections as u64),
+        ("--http-header-timeout-ms", a.http_header_timeout_ms),
+        ("--http-body-timeout-ms", a.http_body_timeout_ms),
+        ("--drain-timeout-s", a.drain_timeout_s),
+    ];
+    for (flag, v) in numbers {
+        cmd.args([flag, &v.to_string()]);
+    }
+    if let Some(t) = &a.model.chat_template {
+        cmd.arg("--chat-template").arg(t);
+    }
+    if !a.model_id.is_empty() {
+        cmd.args(["--model-id", &a.model_id.join(",")]);
+    }
+    if let Some(t) = &a.tenants {
+        cmd.arg("--tenants").arg(t);
+    }
+    for (on, flag) in [
+        (a.no_prefix_cache, "--no-prefix-cache"),
+        (a.no_gateway_admission, "--no-gateway-admission"),
+        (a.insecure_cluster, "--insecure-cluster"),
+    ] {
+        if on {
+            cmd.arg(flag);
+        }
+    }
+    for (flag, v) in
+        [("--web-ui", a.web_ui.and_then(|w| w.to_possible_value())), ("--cluster-encryption", a.cluster_encryption.to_possible_value())]
+    {
+        if let Some(v) = v {
+            cmd.args([flag, v.get_name()]);
+        }
+    }
+    // Everything else of this process's environment (a config file, worker settings) is
+    // not the child's; keys travel in its environment, not on its command line.
+    for (k, _) in std::env::vars_os() {
+        if k.to_str().is_some_and(|k| k.starts_with("BULKHEAD_") && k != "BULKHEAD_LOG") {
+            cmd.env_remove(k);
+        }
+    }
+    for (var, key) in [("BULKHEAD_API_KEY", &a.api_key), ("BULKHEAD_ADMIN_KEY", &a.admin_key)] {
+        if let Some(k) = key {
+            cmd.env(var, k);
+        }
+    }
+    cmd
 }
 
 impl Drop for Supervisor {

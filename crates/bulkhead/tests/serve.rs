@@ -341,11 +341,16 @@ fn worker_pid(s: &Server, role: &str) -> u32 {
 /// Starts a greedy stream of exactly `max_tokens` tokens and returns its connection once
 /// the first content has arrived (what was read so far comes back too).
 fn start_stream(s: &Server, max_tokens: usize) -> (TcpStream, String) {
+    start_stream_at(&s.http, max_tokens)
+}
+
+/// [`start_stream`] at the gateway at `http`.
+fn start_stream_at(http: &str, max_tokens: usize) -> (TcpStream, String) {
     let body = serde_json::json!({"model": MODEL_ID, "stream": true, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true,
         "stream_options": {"include_usage": true},
         "messages": [{"role": "user", "content": "Tell me a very long story."}]})
     .to_string();
-    let mut c = TcpStream::connect(&s.http).unwrap();
+    let mut c = TcpStream::connect(http).unwrap();
     c.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
     write!(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
     let mut seen = String::new();
@@ -605,10 +610,21 @@ fn counter(s: &Server, name: &str, want: &[(&str, &str)], enough: f64) -> f64 {
 
 #[test]
 fn the_gateway_refuses_a_worker_with_another_model_or_kv_layout() {
-    use bulkhead_protocol::{Hello, Message, Purpose, Role};
+    use bulkhead_protocol::{Hello, Message, Purpose, Role, WorkerId};
     let key = key_file();
     let s = serve(&["--cluster-key-file", &key], &[]);
+    s.wait_ready();
     let digest = bulkhead_gguf::GgufFile::open(model()).unwrap().digest().unwrap();
+    // The live decode worker's id, which a newcomer may not take.
+    let taken = s
+        .logs()
+        .lines()
+        .find(|l| l.contains("decode worker registered"))
+        .and_then(|l| l.split("worker=worker-").nth(1))
+        .and_then(|w| w.split_whitespace().next())
+        .and_then(|w| w.parse().ok())
+        .map(WorkerId)
+        .expect("the decode worker logs its id");
     let right = Hello {
         role: Role::Decode,
         model_digest: digest,
@@ -617,10 +633,12 @@ fn the_gateway_refuses_a_worker_with_another_model_or_kv_layout() {
         capacity_tokens: 16384,
         max_context: 8192,
         kv_addr: "127.0.0.1:9".into(),
+        worker: WorkerId(77),
     };
     let other_model = Hello { model_digest: digest ^ 1, ..right.clone() };
-    let other_layout = Hello { page_size: 32, ..right };
-    for hello in [other_model, other_layout] {
+    let other_layout = Hello { page_size: 32, ..right.clone() };
+    let id_in_use = Hello { worker: taken, ..right };
+    for hello in [other_model, other_layout, id_in_use] {
         let (mut r, mut w) = internal(&s.workers, Some(&key), Purpose::Control, 0).unwrap();
         w.send(&Message::Hello(hello)).unwrap();
         let reply = r.recv().unwrap();
@@ -1037,4 +1055,56 @@ fn trickling_and_oversize_connections_before_the_handshake_hold_nothing() {
     let gw = |reason| counter(&s, "bulkhead:handshake_refusals_total", &[("role", "gateway"), ("reason", reason)], 1.0);
     assert!(gw("malformed") >= 1.0 && gw("malformed") + gw("evicted") >= 48.0, "{} {}", gw("malformed"), gw("evicted"));
     assert_eq!(chat(&s.http, SYSTEM, "Hi", 4).0, 200);
+}
+
+/// The pid `serve` logged for its gateway `i` (`--gateways`), the latest one if restarted.
+fn gateway_pid(s: &Server, i: u8) -> u32 {
+    s.logs()
+        .lines()
+        .filter(|l| {
+            (l.contains("gateway started") && l.contains(&format!("gateway={i} "))) || l.contains(&format!("gateway-{i} restarted"))
+        })
+        .filter_map(|l| l.split("pid=").nth(1))
+        .filter_map(|p| p.split_whitespace().next().and_then(|p| p.parse().ok()))
+        .next_back()
+        .expect("serve logs each gateway's pid")
+}
+
+/// Several gateways over the same workers (I11's "no single gateway"): both answer, and
+/// their request ids never meet on the shared workers; a gateway killed with SIGKILL ends
+/// only its own streams (closed, not hung), while a stream on the other gateway goes on to
+/// the same text as an uninterrupted run; `serve` restarts the dead gateway on its ports,
+/// the workers register with it again, and it serves.
+#[test]
+fn two_gateways_share_the_workers_and_a_killed_one_leaves_the_other_serving() {
+    let s = serve(&["--gateways", "2"], &[]);
+    s.wait_ready();
+    let other = s.gateways.first().cloned().expect("serve names its second gateway");
+    let ready = |http: &str| get(http, "/ready").0 == 200;
+    support::wait_for("the second gateway is ready", Duration::from_secs(30), &[&s.log], || ready(&other));
+    let (mut c, mut seen) = start_stream(&s, 256);
+    c.read_to_string(&mut seen).expect("the uninterrupted stream ends");
+    let (want, _) = streamed_text(&seen);
+    let (status, v) = chat(&other, SYSTEM, "What is the capital of France?", 8);
+    assert_eq!(status, 200, "the second gateway answers through the same workers: {v}");
+
+    let (mut mine, mut mine_seen) = start_stream(&s, 256);
+    let (mut theirs, mut theirs_seen) = start_stream_at(&other, 2000);
+    let pid = gateway_pid(&s, 1);
+    assert!(Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap().success());
+    let mut rest = String::new();
+    theirs.read_to_string(&mut rest).expect("the dead gateway's stream is closed, not hung");
+    theirs_seen.push_str(&rest);
+    assert!(!theirs_seen.contains("data: [DONE]"), "a stream of the killed gateway cannot have finished");
+    mine.read_to_string(&mut mine_seen).expect("the other gateway's stream ends");
+    let tail = &mine_seen[mine_seen.len().saturating_sub(600)..];
+    assert!(!mine_seen.contains("\"error\""), "no error on the gateway that lives: {tail}");
+    assert_eq!(streamed_text(&mine_seen).0, want, "the same text as the uninterrupted run");
+
+    support::wait_for("the killed gateway is restarted", Duration::from_secs(60), &[&s.log], || gateway_pid(&s, 1) != pid && ready(&other));
+    let (status, v) = chat(&other, SYSTEM, "What is the capital of France?", 8);
+    assert_eq!(status, 200, "the restarted gateway serves: {v}");
+    let (status, v) = chat(&s.http, SYSTEM, "What is the capital of France?", 8);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(get(&s.http, "/health").0, 200);
 }

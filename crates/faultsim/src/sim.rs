@@ -377,7 +377,7 @@ pub struct Sim<'m, M: Models> {
 fn brief(m: &Message) -> String {
     match m {
         Message::Hello(h) => format!("Hello {:?} context {}", h.role, h.max_context),
-        Message::Welcome { worker } => format!("Welcome w{}", worker.0),
+        Message::Welcome { gateway } => format!("Welcome g{}", gateway.0),
         Message::Refuse { .. } => "Refuse".into(),
         Message::DecodePeer { worker, .. } => format!("DecodePeer w{}", worker.0),
         Message::KvHello { prefill } => format!("KvHello w{}", prefill.0),
@@ -687,7 +687,7 @@ impl<'m, M: Models> Sim<'m, M> {
         self.log(format!("start w{} {:?} pool {} pages context {}", id.0, wp.role, wp.pool_pages, wp.context));
         let l = self.plan.layout;
         let kv_addr = if wp.role == Role::Decode { format!("w{}", id.0) } else { String::new() };
-        let hello = Hello::for_pool(wp.role, DIGEST, &pool, wp.context, kv_addr);
+        let hello = Hello::for_pool(wp.role, id, DIGEST, &pool, wp.context, kv_addr);
         self.send(gw, End::Worker(id), Message::Hello(hello));
         let next_tick = self.now + WORKER_TICK_MS;
         match wp.role {
@@ -850,7 +850,10 @@ impl<'m, M: Models> Sim<'m, M> {
     /// What the production gateway's actor does on `Hello`: the role decides (welcome and
     /// introductions, or a refusal), the connection is remembered.
     fn register(&mut self, w: WorkerId, conn: ConnId, h: Hello) {
-        match self.gw.role.join(w, &h) {
+        if h.worker != w {
+            return self.violate(format!("w{} introduced itself as w{}", w.0, h.worker.0));
+        }
+        match self.gw.role.join(&h) {
             Ok(acts) => {
                 self.gw.workers.insert(w, conn);
                 self.gateway_actions(acts);

@@ -101,6 +101,13 @@ impl PrefixCache {
         self.entries.contains_key(key)
     }
 
+    /// Every cached key, in key order: a snapshot for a router that starts listening.
+    pub fn keys(&self) -> Vec<PageKey> {
+        let mut keys: Vec<PageKey> = self.entries.keys().copied().collect();
+        keys.sort_unstable();
+        keys
+    }
+
     /// Keys stored and evicted since the last call (each list in order).
     pub fn take_changes(&mut self) -> (Vec<PageKey>, Vec<PageKey>) {
         (std::mem::take(&mut self.stored), std::mem::take(&mut self.evicted))

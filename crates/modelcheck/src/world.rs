@@ -394,7 +394,7 @@ impl<'c> World<'c> {
         });
         let dpool = pool(cfg.decode_pool_pages);
         // Registration is atomic here: its welcomes and introductions are not modelled.
-        let registered = gw.join(DECODE, &Hello::for_pool(Role::Decode, DIGEST, &dpool, cfg.decode_max_context, String::new()));
+        let registered = gw.join(&Hello::for_pool(Role::Decode, DECODE, DIGEST, &dpool, cfg.decode_max_context, String::new()));
         assert!(registered.is_ok(), "the decode worker registers: {registered:?}");
         let role = DecodeRole::new(DecodeConfig {
             max_context: cfg.decode_max_context,
@@ -439,7 +439,7 @@ impl<'c> World<'c> {
     /// the decode worker (atomically: nothing can happen in between in the model).
     fn start_prefill(cfg: &Config, gw: &mut GatewayRole, dec: &mut Decode, id: WorkerId) -> PrefillWorker {
         let ppool = pool(cfg.prefill_pool_pages);
-        let registered = gw.join(id, &Hello::for_pool(Role::Prefill, DIGEST, &ppool, cfg.prefill_max_prompt, String::new()));
+        let registered = gw.join(&Hello::for_pool(Role::Prefill, id, DIGEST, &ppool, cfg.prefill_max_prompt, String::new()));
         assert!(registered.is_ok(), "a prefill worker registers: {registered:?}");
         let mut role =
             PrefillRole::new(PrefillConfig { max_prompt: cfg.prefill_max_prompt, page_size: LAYOUT.page_size, keepalive_ms: TICK_MS });

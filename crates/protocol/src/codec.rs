@@ -34,7 +34,7 @@ use std::sync::Arc;
 /// 11: the KV transport is negotiated after `KvHello` (`KvUcxAddress`, `KvUcxUse`);
 /// 12: the decode side's cache: `Reserve.cache`, `Reserved.held`, `Prefill.held`;
 /// 13: `Reserved.local`, a short rest computed on the decode worker).
-pub const VERSION: u8 = 13;
+pub const VERSION: u8 = 14;
 /// Default largest payload accepted (a KV chunk of one page is ~370 KB for the default model).
 pub const DEFAULT_MAX_FRAME: usize = 16 << 20;
 const MAGIC: [u8; 2] = *b"BH";
@@ -467,6 +467,15 @@ impl Wire for WorkerId {
     }
 }
 
+impl Wire for GatewayId {
+    fn put(&self, w: &mut W<'_>) {
+        w.u8(self.0);
+    }
+    fn get(r: &mut R<'_>, _: &'static str) -> Result<Self, CodecError> {
+        Ok(GatewayId(r.u8()?))
+    }
+}
+
 impl<const N: usize> Wire for [u8; N] {
     fn put(&self, w: &mut W<'_>) {
         w.0.extend_from_slice(self);
@@ -525,7 +534,7 @@ macro_rules! wire_struct {
         }
     };
 }
-wire_struct!(Hello { role, model_digest, page_size, kv_bytes_per_token, capacity_tokens, max_context, kv_addr });
+wire_struct!(Hello { role, model_digest, page_size, kv_bytes_per_token, capacity_tokens, max_context, kv_addr, worker });
 
 /// The message table (see above). `KvChunk` is written and read apart, straight between its
 /// data and the frame (`FrameEncoder::encode_kv_chunk`, `decode_kv_chunk`), so it has only
@@ -596,7 +605,7 @@ messages! {
     newtype { Hello = 1 (Hello) }
     unit { KvKeepalive = 21, Room = 24 }
     fields {
-        Welcome = 2 { worker },
+        Welcome = 2 { gateway },
         Refuse = 3 { reason },
         KvHello = 4 { prefill },
         Reserve = 5 { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, prompt, trace, cache },
@@ -922,8 +931,9 @@ mod tests {
                 capacity_tokens: 1 << 20,
                 max_context: 8192,
                 kv_addr: "127.0.0.1:9".into(),
+                worker: WorkerId(0x8000_0003),
             }),
-            Message::Welcome { worker: WorkerId(2) },
+            Message::Welcome { gateway: GatewayId(2) },
             Message::Refuse { reason: "model differs".into() },
             Message::KvHello { prefill: WorkerId(1) },
             Message::PrefillUnreachable { worker: WorkerId(4) },

@@ -603,6 +603,14 @@ impl DecodeRole {
         DecodeAction::ToGateway(Message::Rejected { req, reason, detail })
     }
 
+    /// The requests with a reservation, a held-back `Reserve` or a place in the decode loop
+    /// here (not those whose pages only wait for their writer's fence): what ends when
+    /// their gateway is lost.
+    pub fn requests(&self) -> Vec<RequestId> {
+        let deferred = self.deferred.iter().filter_map(Message::req);
+        self.pending.keys().chain(self.decoding.keys()).copied().chain(deferred).collect()
+    }
+
     /// Whether `req` holds anything here: a reservation, quarantined pages or a place in
     /// the decode loop.
     pub fn known(&self, req: RequestId) -> bool {

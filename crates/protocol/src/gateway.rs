@@ -44,6 +44,21 @@ pub const BALANCE_ABS_THRESHOLD: usize = 2;
 /// Client request ids must stay below this; the bits above hold the attempt number.
 pub const CLIENT_ID_LIMIT: u64 = 1 << 48;
 
+/// Where a client request id holds its gateway ([`GatewayId`]): the 8 bits below
+/// [`CLIENT_ID_LIMIT`]'s.
+const GATEWAY_SHIFT: u32 = 40;
+
+/// The id of the `n`th client request (from 1) of gateway `gateway`: its number in the
+/// low 40 bits, the gateway above them. Gateway 0's ids are its numbers.
+pub fn request_id(gateway: GatewayId, n: u64) -> RequestId {
+    RequestId((u64::from(gateway.0) << GATEWAY_SHIFT) | (n % (1 << GATEWAY_SHIFT)))
+}
+
+/// The gateway a request (or an attempt of it) came from: its messages go there.
+pub fn gateway_of(req: RequestId) -> GatewayId {
+    GatewayId(((req.0 % CLIENT_ID_LIMIT) >> GATEWAY_SHIFT) as u8)
+}
+
 /// The id workers know attempt `n` (0 = the first) of client request `client` by.
 pub fn attempt_id(client: RequestId, n: u32) -> RequestId {
     RequestId((client.0 % CLIENT_ID_LIMIT) | (u64::from(n) << 48))
@@ -368,6 +383,8 @@ fn record_queue_wait(stats: &mut GatewayStats, since_ms: u64, now_ms: u64) {
 #[derive(Debug, Fingerprint)]
 pub struct GatewayRole {
     cfg: GatewayConfig,
+    /// This gateway's number, told to each worker in its `Welcome`.
+    id: GatewayId,
     #[fingerprint(clock)]
     now_ms: u64,
     /// The served context (see [`GatewayConfig::model_context`]).
@@ -420,6 +437,7 @@ impl GatewayRole {
         GatewayRole {
             max_context: cfg.model_context,
             cfg,
+            id: GatewayId::default(),
             now_ms: 0,
             shape: None,
             members: BTreeMap::new(),
@@ -437,6 +455,12 @@ impl GatewayRole {
             unreachable: BTreeSet::new(),
             stats: GatewayStats::default(),
         }
+    }
+
+    /// The same role as gateway `id` of a cluster with several (gateway 0 by default).
+    pub fn with_id(mut self, id: GatewayId) -> Self {
+        self.id = id;
+        self
     }
 
     /// Counters.
@@ -580,11 +604,12 @@ impl GatewayRole {
             .next()
     }
 
-    /// Register worker `id` (the driver names it) from its `Hello`: refused if it serves
-    /// another model or KV layout. On success: its `Welcome`, the introductions that let
-    /// prefill workers open KV connections to decode workers (`DecodePeer`), and any
-    /// queued requests it lets go.
-    pub fn join(&mut self, id: WorkerId, hello: &Hello) -> Result<Vec<GatewayAction>, RegisterError> {
+    /// Register a worker from its `Hello`, under the id it names: refused if it serves
+    /// another model or KV layout, or a live worker has that id. On success: its
+    /// `Welcome`, the introductions that let prefill workers open KV connections to decode
+    /// workers (`DecodePeer`), and any queued requests it lets go.
+    pub fn join(&mut self, hello: &Hello) -> Result<Vec<GatewayAction>, RegisterError> {
+        let id = hello.worker;
         if hello.model_digest != self.cfg.model_digest {
             return Err(RegisterError::Model { worker: hello.model_digest, gateway: self.cfg.model_digest });
         }
@@ -597,7 +622,7 @@ impl GatewayRole {
             return Err(RegisterError::Duplicate(id));
         }
         self.shape = Some(worker);
-        let mut out = vec![GatewayAction::ToWorker { to: id, msg: Message::Welcome { worker: id } }];
+        let mut out = vec![GatewayAction::ToWorker { to: id, msg: Message::Welcome { gateway: self.id } }];
         match hello.role {
             Role::Prefill => {
                 for (&d, m) in self.members.iter().filter(|(_, m)| m.role == Role::Decode) {

@@ -7,9 +7,23 @@ use bulkhead_kv::{ChunkHeader, KvPool, PageKey, PageRef, RequestId};
 use crate::cache::CacheScope;
 use crate::payload::Payload;
 
-/// A worker's identity within one gateway (assigned at registration).
+/// A worker's identity in the cluster: drawn at random by the worker when it starts (and
+/// anew each time it rejoins), the same at every gateway it registers with; a gateway
+/// refuses a second live worker with the same id.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Fingerprint)]
 pub struct WorkerId(pub u32);
+
+/// A gateway's number in its cluster (`--gateway-id`), part of every request id it makes
+/// ([`crate::gateway::request_id`]), so that the requests of several gateways never share an
+/// id on a worker, and a worker knows which gateway each of its requests belongs to.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Fingerprint)]
+pub struct GatewayId(pub u8);
+
+impl std::fmt::Display for GatewayId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "gateway-{}", self.0)
+    }
+}
 
 impl std::fmt::Display for WorkerId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -43,12 +57,14 @@ pub struct Hello {
     pub max_context: u32,
     /// Where prefill workers reach this (decode) worker, `host:port`; empty for prefill.
     pub kv_addr: String,
+    /// The worker's id ([`WorkerId`]: its own, the same at every gateway).
+    pub worker: WorkerId,
 }
 
 impl Hello {
-    /// What a worker of `role` serving the model with digest `model_digest` from `pool`
-    /// announces: the pool's layout and capacity, and the context it accepts.
-    pub fn for_pool(role: Role, model_digest: u64, pool: &KvPool, max_context: usize, kv_addr: String) -> Self {
+    /// What worker `worker` of `role` serving the model with digest `model_digest` from
+    /// `pool` announces: the pool's layout and capacity, and the context it accepts.
+    pub fn for_pool(role: Role, worker: WorkerId, model_digest: u64, pool: &KvPool, max_context: usize, kv_addr: String) -> Self {
         let layout = pool.layout();
         Hello {
             role,
@@ -58,6 +74,7 @@ impl Hello {
             capacity_tokens: pool.capacity_tokens() as u64,
             max_context: max_context as u32,
             kv_addr,
+            worker,
         }
     }
 }
@@ -311,8 +328,8 @@ pub enum Message {
     AuthRefused { reason: String },
     /// Worker → gateway, first message: who it is.
     Hello(Hello),
-    /// Gateway → worker: registered under this id.
-    Welcome { worker: WorkerId },
+    /// Gateway → worker: registered (under the id of its `Hello`) with this gateway.
+    Welcome { gateway: GatewayId },
     /// Gateway → worker: refused (model or layout mismatch); the connection closes.
     Refuse { reason: String },
     /// Gateway → prefill: a decode worker to open a KV connection to.

@@ -179,8 +179,8 @@ impl<PP: PrefillPolicy, DP: DecodePolicy> Cluster<PP, DP> {
         let (ppool, dpool) = (pool(prefill_pool_tokens), pool(decode_pool_tokens));
         // Registration's introductions are the transports' business here: the KV
         // connection is simply open.
-        gw.join(PREFILL, &Hello::for_pool(Role::Prefill, DIGEST, &ppool, prefill_pool_tokens, String::new())).unwrap();
-        gw.join(DECODE, &Hello::for_pool(Role::Decode, DIGEST, &dpool, decode_pool_tokens, String::new())).unwrap();
+        gw.join(&Hello::for_pool(Role::Prefill, PREFILL, DIGEST, &ppool, prefill_pool_tokens, String::new())).unwrap();
+        gw.join(&Hello::for_pool(Role::Decode, DECODE, DIGEST, &dpool, decode_pool_tokens, String::new())).unwrap();
         let mut role = PrefillRole::new(PrefillConfig { max_prompt: prefill_pool_tokens, page_size: LAYOUT.page_size, keepalive_ms: 250 });
         role.handle(PrefillEvent::DecodeConnected { decode: DECODE });
         let engine = MockEngine { pool: dpool, decoding: BTreeMap::new() };

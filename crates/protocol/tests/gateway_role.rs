@@ -18,13 +18,13 @@ const TIMEOUT_MS: u64 = 100;
 
 const DIGEST: u64 = 0xb0;
 
-fn hello(role: Role, max_context: u32) -> Hello {
+fn hello(worker: WorkerId, role: Role, max_context: u32) -> Hello {
     let kv_addr = if role == Role::Decode { "decode:9".to_string() } else { String::new() };
-    Hello { role, model_digest: DIGEST, page_size: 4, kv_bytes_per_token: 16, capacity_tokens: 64, max_context, kv_addr }
+    Hello { role, model_digest: DIGEST, page_size: 4, kv_bytes_per_token: 16, capacity_tokens: 64, max_context, kv_addr, worker }
 }
 
 fn join(g: &mut GatewayRole, id: WorkerId, role: Role) -> Vec<GatewayAction> {
-    g.join(id, &hello(role, 8)).expect("a matching worker registers")
+    g.join(&hello(id, role, 8)).expect("a matching worker registers")
 }
 
 fn config(max_queued: usize, tenants: &[(u32, TenantPolicy)]) -> GatewayConfig {
@@ -266,7 +266,7 @@ fn a_queued_request_is_admitted_again_against_the_context_of_the_workers_that_jo
     let mut g = gateway(&[(P1, Role::Prefill), (D2, Role::Decode)]);
     g.handle(GatewayEvent::WorkerLeft { id: P1 });
     assert!(to_client(&submit(&mut g, 1, 3, 4)).is_empty(), "7 tokens fit the model's 8: queued");
-    let acts = g.join(P3, &hello(Role::Prefill, 4)).expect("joins");
+    let acts = g.join(&hello(P3, Role::Prefill, 4)).expect("joins");
     assert!(reserves(&acts).is_empty(), "{acts:?}");
     assert!(matches!(to_client(&acts).as_slice(), [ClientOutput::Rejected { reason: RejectReason::ContextLength, .. }]), "{acts:?}");
     assert_eq!((g.in_flight(), g.stats().rejected_at_gateway), (0, 1));
@@ -290,16 +290,24 @@ fn to_workers(acts: &[GatewayAction]) -> Vec<(WorkerId, &Message)> {
 fn registration_welcomes_a_matching_worker_introduces_prefills_to_decodes_and_refuses_the_rest() {
     let mut g = gateway(&[]);
     let acts = join(&mut g, P1, Role::Prefill);
-    assert_eq!(to_workers(&acts), [(P1, &Message::Welcome { worker: P1 })]);
+    assert_eq!(to_workers(&acts), [(P1, &Message::Welcome { gateway: GatewayId(0) })]);
     let peer = Message::DecodePeer { worker: D2, addr: "decode:9".into() };
     let acts = join(&mut g, D2, Role::Decode);
-    assert_eq!(to_workers(&acts), [(D2, &Message::Welcome { worker: D2 }), (P1, &peer)], "the prefill hears of the new decode worker");
+    assert_eq!(
+        to_workers(&acts),
+        [(D2, &Message::Welcome { gateway: GatewayId(0) }), (P1, &peer)],
+        "the prefill hears of the new decode worker"
+    );
     let acts = join(&mut g, P3, Role::Prefill);
-    assert_eq!(to_workers(&acts), [(P3, &Message::Welcome { worker: P3 }), (P3, &peer)], "a new prefill hears of every decode worker");
-    let other_model = Hello { model_digest: DIGEST + 1, ..hello(Role::Decode, 8) };
-    assert_eq!(g.join(D4, &other_model).unwrap_err(), RegisterError::Model { worker: DIGEST + 1, gateway: DIGEST });
-    let other_layout = Hello { page_size: 8, ..hello(Role::Decode, 8) };
-    let err = g.join(D4, &other_layout).unwrap_err();
+    assert_eq!(
+        to_workers(&acts),
+        [(P3, &Message::Welcome { gateway: GatewayId(0) }), (P3, &peer)],
+        "a new prefill hears of every decode worker"
+    );
+    let other_model = Hello { model_digest: DIGEST + 1, ..hello(D4, Role::Decode, 8) };
+    assert_eq!(g.join(&other_model).unwrap_err(), RegisterError::Model { worker: DIGEST + 1, gateway: DIGEST });
+    let other_layout = Hello { page_size: 8, ..hello(D4, Role::Decode, 8) };
+    let err = g.join(&other_layout).unwrap_err();
     assert_eq!(
         err,
         RegisterError::Layout {
@@ -307,16 +315,16 @@ fn registration_welcomes_a_matching_worker_introduces_prefills_to_decodes_and_re
             registered: KvShape { page_size: 4, kv_bytes_per_token: 16 }
         }
     );
-    assert_eq!(g.join(D2, &hello(Role::Decode, 8)).unwrap_err(), RegisterError::Duplicate(D2));
+    assert_eq!(g.join(&hello(D2, Role::Decode, 8)).unwrap_err(), RegisterError::Duplicate(D2));
     assert_eq!(g.workers(Role::Decode), [D2], "refused workers are not routed to");
 }
 
 #[test]
 fn the_served_context_is_the_smallest_a_registered_worker_accepts_and_grows_back_when_it_leaves() {
     let mut g = gateway(&[(P1, Role::Prefill)]);
-    g.join(D2, &hello(Role::Decode, 6)).unwrap();
+    g.join(&hello(D2, Role::Decode, 6)).unwrap();
     assert_eq!(g.max_context(), 6);
-    g.join(D4, &hello(Role::Decode, 100)).unwrap();
+    g.join(&hello(D4, Role::Decode, 100)).unwrap();
     assert_eq!(g.max_context(), 6, "never more than the model's context nor the smallest worker's");
     g.handle(GatewayEvent::WorkerLeft { id: D2 });
     assert_eq!(g.max_context(), 8, "the model's context caps a bigger worker");
@@ -764,4 +772,23 @@ fn a_prefill_window_keeps_one_tenants_burst_at_the_gateway_where_tenants_take_tu
     assert_eq!(reserved_reqs(&from(&mut g, D2, token(1))), [5]);
     from(&mut g, D2, reserved(5));
     assert_eq!(reserved_reqs(&from(&mut g, D2, token(5))), [2]);
+}
+
+/// Several gateways share workers: each numbers its requests inside its own id space, and
+/// every attempt of a request names the gateway its answers go back to.
+#[test]
+fn request_ids_of_different_gateways_never_meet_and_every_attempt_names_its_gateway() {
+    use bulkhead_protocol::gateway::{gateway_of, request_id};
+    let (a, b) = (GatewayId(0), GatewayId(7));
+    assert_eq!(request_id(a, 5), RequestId(5), "gateway 0 numbers as a single gateway does");
+    assert_ne!(request_id(a, 5), request_id(b, 5));
+    for n in [1, 2, (1 << 40) - 1] {
+        for attempt in [0, 1, 3] {
+            assert_eq!(gateway_of(attempt_id(request_id(b, n), attempt)), b);
+            assert_eq!(client_of(attempt_id(request_id(b, n), attempt)), request_id(b, n));
+        }
+    }
+    let mut g = GatewayRole::new(config(4, &[])).with_id(b);
+    let acts = join(&mut g, P1, Role::Prefill);
+    assert_eq!(to_workers(&acts), [(P1, &Message::Welcome { gateway: b })], "the Welcome names the gateway");
 }

@@ -1,10 +1,11 @@
 //! The decode worker process: the protocol's decode driver
 //! ([`bulkhead_protocol::driver::decode`]) over blocking TCP and the real engine.
 //!
-//! Threads: one reader per connection (gateway, each prefill) feeding one bounded channel;
-//! the main thread owns the driver (the role, the engine and its pool), so protocol
-//! decisions and decode steps never race. The worker exits when the gateway connection
-//! closes.
+//! Threads: one reader per connection (each gateway, each prefill) feeding one bounded
+//! channel; the main thread owns the driver (the role, the engine and its pool), so protocol
+//! decisions and decode steps never race. A lost gateway's requests end here and the
+//! gateway is dialled again ([`crate::gateways`]); the worker exits when it has no gateway
+//! left.
 //!
 //! KV connections: at most [`MAX_KV_CONNECTIONS`] at once, one reader thread each (one
 //! per prefill worker in a healthy cluster); each comes in through the KV port's [`Door`]
@@ -29,13 +30,15 @@ use bulkhead_engine::{Engine, EngineConfig};
 use bulkhead_kv::{KvPool, PrefixCache, RequestId};
 use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeLink};
-use bulkhead_protocol::{Hello, Message, Purpose, Role, WorkerId};
+use bulkhead_protocol::gateway::gateway_of;
+use bulkhead_protocol::{AbortReason, Hello, Message, Purpose, Role, WorkerId};
 use tracing::Span;
 
 use crate::door::{self, Door, Refusal, Waiter};
+use crate::gateways::{GatewayIn, Gateways, fresh_worker_id};
 use crate::metrics::{self, Families, Pusher};
 use crate::wire::{FrameReader, FrameWriter, WireError, accept_handshake, count_auth_refusal, count_bad_connection};
-use crate::worker::{INBOX, WorkerConfig, WorkerError, load, register, request_span};
+use crate::worker::{INBOX, WorkerConfig, WorkerError, load, request_span};
 
 /// KV connections served at once; more are closed at once (and counted).
 pub const MAX_KV_CONNECTIONS: usize = 256;
@@ -44,14 +47,13 @@ pub const MAX_KV_CONNECTIONS: usize = 256;
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
 enum In {
-    Gateway(Message),
-    GatewayClosed,
+    Gateway(GatewayIn),
     Prefill(WorkerId, Message),
     PrefillConnected(WorkerId, FrameWriter),
     PrefillClosed(WorkerId),
 }
 
-/// Run a decode worker until its gateway goes away.
+/// Run a decode worker until its last gateway goes away.
 pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     let loaded = load(&cfg)?;
     let listener = TcpListener::bind(&cfg.kv_listen).map_err(|source| WorkerError::KvListen { addr: cfg.kv_listen.clone(), source })?;
@@ -60,11 +62,10 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
         Some(a) => a.clone(),
         None => listener.local_addr()?.to_string(),
     };
-    let hello = Hello::for_pool(Role::Decode, loaded.digest, &loaded.pool, loaded.context, kv_addr.clone());
-    let (gw, gw_reader, me) = register(&cfg, hello)?;
-    tracing::info!(worker = %me, kv_addr, pid = std::process::id(), "decode worker registered");
+    let hello = Hello::for_pool(Role::Decode, fresh_worker_id()?, loaded.digest, &loaded.pool, loaded.context, kv_addr.clone());
     let (tx, rx) = sync_channel::<In>(INBOX);
-    crate::wire::spawn_reader(gw_reader, tx.clone(), In::Gateway, In::GatewayClosed);
+    let gateways = Gateways::register_all(&cfg.gateways, &cfg.trust, hello, tx.clone(), In::Gateway)?;
+    tracing::info!(worker = %gateways.me(), kv_addr, pid = std::process::id(), "decode worker registered");
     {
         let (tx, trust, transport) = (tx.clone(), cfg.trust.clone(), cfg.kv_transport);
         std::thread::spawn(move || accept_prefills(listener, tx, trust, transport));
@@ -96,8 +97,7 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     };
     let mut driver = DecodeDriver::new(role, engine);
     let share = budget.as_ref().map(DecodeBudget::core_share);
-    let mut link =
-        Link { gw, gw_error: None, prefills: BTreeMap::new(), spans: BTreeMap::new(), received_bytes: 0, pusher: Pusher::new(), share };
+    let mut link = Link { gateways, prefills: BTreeMap::new(), spans: BTreeMap::new(), received_bytes: 0, pusher: Pusher::new(), share };
     let start = Instant::now();
     let mut last_tick = 0;
     loop {
@@ -130,15 +130,32 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
         }
         for input in inputs {
             let ev = match input {
-                In::Gateway(m) => {
+                In::Gateway(GatewayIn::Msg(_, m)) => {
                     if let Message::Reserve { req, trace, .. } = &m {
                         link.spans.insert(*req, request_span(*req, trace));
                     }
                     DecodeEvent::Gateway(m)
                 }
-                In::GatewayClosed => {
-                    tracing::info!("gateway connection closed; decode worker exiting");
-                    return Ok(());
+                In::Gateway(GatewayIn::Closed(i)) => {
+                    if let Some(gateway) = link.gateways.closed(i) {
+                        // Its clients are gone with it: end its requests as its aborts would.
+                        for req in driver.role().requests().into_iter().filter(|r| gateway_of(*r) == gateway) {
+                            driver.handle(DecodeEvent::Gateway(Message::Abort { req, reason: AbortReason::ClientGone }), &mut link);
+                        }
+                    }
+                    if link.gateways.connected() == 0 {
+                        tracing::info!("no gateway left; decode worker exiting");
+                        return Ok(());
+                    }
+                    continue;
+                }
+                In::Gateway(GatewayIn::Joined(i, r)) => {
+                    link.gateways.joined(i, r)?;
+                    // What this worker's cache holds, for the new gateway's routing.
+                    if let Some(c) = driver.role().cache() {
+                        link.gateways.send_to(i, &Message::CacheReport { stored: c.keys(), evicted: Vec::new() });
+                    }
+                    continue;
                 }
                 In::Prefill(from, msg) => {
                     if let Message::KvChunk { data, .. } = &msg {
@@ -171,18 +188,13 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
         if link.pusher.due() {
             link.push_metrics(driver.role(), driver.engine().pool());
         }
-        if let Some(e) = link.gw_error.take() {
-            return Err(e.into());
-        }
     }
 }
 
-/// The decode worker's transport: the gateway connection and the prefill workers' KV
+/// The decode worker's transport: the gateway connections and the prefill workers' KV
 /// connections, plus the log span of each request.
 struct Link {
-    gw: FrameWriter,
-    /// The first failed write to the gateway: the worker exits with it.
-    gw_error: Option<WireError>,
+    gateways: Gateways<In>,
     prefills: BTreeMap<WorkerId, FrameWriter>,
     /// The log span of each request from its `Reserve` until the role no longer holds it
     /// (swept every tick).
@@ -199,15 +211,7 @@ impl Link {
         req.and_then(|r| self.spans.get(&r)).cloned().unwrap_or_else(Span::none)
     }
 
-    fn send_gateway(&mut self, msg: &Message) {
-        if self.gw_error.is_none()
-            && let Err(e) = self.gw.send(msg)
-        {
-            self.gw_error = Some(e);
-        }
-    }
-
-    /// Send this worker's metrics to the gateway.
+    /// Send this worker's metrics to every gateway.
     fn push_metrics(&mut self, role: &DecodeRole, pool: &KvPool) {
         let mut f = Families::new();
         let requests = [("pending_transfer", role.pending()), ("fencing", role.fencing()), ("decoding", role.decoding())];
@@ -221,7 +225,7 @@ impl Link {
             f.counter("bulkhead:slo_paced_steps_total", core_budget::SLO_PACED_HELP, &[], s.slo_paced_steps());
         }
         self.pusher.pushed();
-        self.send_gateway(&Message::Metrics { families: f.into_vec() });
+        self.gateways.send(&Message::Metrics { families: f.into_vec() });
     }
 }
 
@@ -243,7 +247,7 @@ impl DecodeLink for Link {
             }
             _ => {}
         }
-        self.send_gateway(&msg);
+        self.gateways.send(&msg);
     }
 
     fn to_prefill(&mut self, to: WorkerId, msg: Message) {

@@ -18,11 +18,11 @@ use bulkhead_protocol::admission::{Generate, admit, default_max_tokens};
 use bulkhead_protocol::auth::Server;
 use bulkhead_protocol::cache::{CacheScope, CacheSecret};
 use bulkhead_protocol::gateway::{
-    ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, QUEUE_WAIT_BUCKETS, RegisterError, TenantId,
+    ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, QUEUE_WAIT_BUCKETS, RegisterError, TenantId, request_id,
 };
 use bulkhead_protocol::{
-    DEFAULT_MAX_FRAME, FailReason, FrameDecoder, FrameEncoder, Hello, Message, MetricFamily, Purpose, RejectReason, Role, Sampling,
-    TraceContext, WorkerId,
+    DEFAULT_MAX_FRAME, FailReason, FrameDecoder, FrameEncoder, GatewayId, Hello, Message, MetricFamily, Purpose, RejectReason, Role,
+    Sampling, TraceContext, WorkerId,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -73,6 +73,10 @@ pub struct GatewayOptions {
     pub web_ui: bool,
     /// SHA-256 of the operator's key for `/metrics/tenants`; none: that page is not served.
     pub admin_key_sha256: Option<[u8; 32]>,
+    /// This gateway's number in a cluster of several (`--gateway-id`): part of every
+    /// request id it makes, so that workers shared by several gateways tell their requests
+    /// apart.
+    pub gateway_id: GatewayId,
 }
 
 /// Why the gateway could not start.
@@ -336,15 +340,16 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
         migration_limit: opts.migration_limit,
         prefill_window_tokens: opts.prefill_window_tokens,
         tenants: opts.tenants.policies(),
-    });
+    })
+    .with_id(opts.gateway_id);
     let actor = Actor {
         role,
         shared: shared.clone(),
         writers: BTreeMap::new(),
         workers: BTreeMap::new(),
         clients: BTreeMap::new(),
+        gateway_id: opts.gateway_id,
         next_req: 1,
-        next_worker: 1,
         registered: [0, 0],
         requests: RequestMetrics::default(),
         tenants: BTreeMap::new(),
@@ -457,8 +462,9 @@ struct Actor {
     writers: BTreeMap<WorkerId, mpsc::Sender<Message>>,
     workers: BTreeMap<WorkerId, WorkerInfo>,
     clients: BTreeMap<RequestId, Client>,
+    /// This gateway's id and its next request's number: the two halves of a request id.
+    gateway_id: GatewayId,
     next_req: u64,
-    next_worker: u32,
     /// Workers ever registered per role (prefill, decode): the next metrics label number.
     registered: [u32; 2],
     requests: RequestMetrics,
@@ -471,7 +477,7 @@ impl Actor {
         while let Some(cmd) = inbox.recv().await {
             match cmd {
                 Cmd::Submit { tokens, max_tokens, sampling, stop, trace, tenant, cache, priority, arrived, events, prompt_param } => {
-                    let req = RequestId(self.next_req);
+                    let req = request_id(self.gateway_id, self.next_req);
                     self.next_req += 1;
                     let prompt_tokens = tokens.len();
                     let tenant_name: Arc<str> = Arc::from(trace.tenant.as_str());
@@ -525,9 +531,8 @@ impl Actor {
     }
 
     fn register(&mut self, h: Hello, writer: mpsc::Sender<Message>) -> Result<WorkerId, RegisterError> {
-        let id = WorkerId(self.next_worker);
-        let actions = self.role.join(id, &h)?;
-        self.next_worker += 1;
+        let id = h.worker;
+        let actions = self.role.join(&h)?;
         let name = role_name(h.role);
         let n = &mut self.registered[usize::from(h.role == Role::Decode)];
         let label = format!("{name}-{n}");

@@ -20,6 +20,7 @@ pub mod core_budget;
 pub mod decode_worker;
 pub mod door;
 pub mod gateway;
+pub mod gateways;
 pub mod health;
 pub mod http;
 pub mod kv_transport;

@@ -11,7 +11,7 @@
 //! go to the gateway every [`PUSH_INTERVAL`](crate::metrics::PUSH_INTERVAL) and after each
 //! step that ended a job.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::TcpStream;
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, sync_channel};
@@ -24,27 +24,26 @@ use bulkhead_engine::Prefiller;
 use bulkhead_kv::transfer::ChunkExport;
 use bulkhead_kv::{KvPool, PrefixCache, RequestId};
 use bulkhead_protocol::driver::prefill::{Batching, ChunkSendError, LinkDown, PrefillDriver, PrefillLink, Step};
+use bulkhead_protocol::gateway::gateway_of;
 use bulkhead_protocol::prefill::{JobOutcome, PrefillConfig, PrefillEvent, PrefillRole};
-use bulkhead_protocol::{Hello, Message, Purpose, Role, WorkerId};
+use bulkhead_protocol::{AbortReason, Hello, Message, Purpose, Role, WorkerId};
 
+use crate::gateways::{GatewayIn, Gateways, fresh_worker_id};
 use crate::metrics::{self, Families, Histogram, Pusher};
 use crate::wire::{ChunkWriteError, FrameReader, FrameWriter, WireError, connect_handshake, spawn_reader};
-use crate::worker::{INBOX, WorkerConfig, WorkerError, load, register, request_span};
+use crate::worker::{INBOX, WorkerConfig, WorkerError, load, request_span};
 
 enum In {
-    Gateway(Message),
-    GatewayClosed,
+    Gateway(GatewayIn),
     Decode(WorkerId, Message),
     DecodeClosed(WorkerId),
 }
 
-/// The prefill worker's transport: the gateway connection and one KV connection per
+/// The prefill worker's transport: the gateway connections and one KV connection per
 /// decode worker.
 struct Link {
     me: WorkerId,
-    gw: FrameWriter,
-    /// The first failed write to the gateway: the worker exits with it.
-    gw_error: Option<WireError>,
+    gateways: Gateways<In>,
     decodes: BTreeMap<WorkerId, FrameWriter>,
     /// The cluster's trust settings: each KV connection authenticates with its key as `me`.
     trust: Trust,
@@ -66,11 +65,7 @@ impl PrefillLink for Link {
         if let Message::Failed { req, detail, .. } | Message::Rejected { req, detail, .. } = &msg {
             tracing::warn!(request = %req, %detail, "request ended by the prefill worker");
         }
-        if self.gw_error.is_none()
-            && let Err(e) = self.gw.send(&msg)
-        {
-            self.gw_error = Some(e);
-        }
+        self.gateways.send(&msg);
     }
 
     fn to_decode(&mut self, to: WorkerId, msg: Message) -> Result<(), LinkDown> {
@@ -145,7 +140,7 @@ impl Link {
 
     /// Close every connection of this incarnation.
     fn close_all(&mut self) {
-        self.gw.shutdown();
+        self.gateways.close_all();
         for (_, c) in std::mem::take(&mut self.decodes) {
             c.shutdown();
         }
@@ -174,13 +169,17 @@ struct Worker<'p> {
     /// last had none: how long prompts have queued, here or at the gateway's prefill window
     /// (the core budget's SLO pace).
     busy: Option<(Instant, Option<Instant>)>,
+    /// The gateways (places in `--gateway`) that introduced each decode worker the role
+    /// knows: it knows one while any gateway names it, so one gateway's `PeerLeft` (the
+    /// decode worker left that gateway) does not close a KV connection the others use.
+    peers: BTreeMap<WorkerId, BTreeSet<usize>>,
     started: Instant,
 }
 
 /// How an incarnation of the worker (one registration) ended.
 enum Ended {
-    /// The gateway went away: the worker exits.
-    GatewayClosed,
+    /// No gateway is left: the worker exits.
+    NoGateway,
     /// A KV connection was lost: register anew under a new id.
     Rejoin,
 }
@@ -190,8 +189,8 @@ enum Ended {
 const REJOIN_BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(5));
 const STABLE_INCARNATION: Duration = Duration::from_secs(10);
 
-/// Run a prefill worker until its gateway goes away. A lost KV connection makes it leave
-/// and register again under a new id (see `protocol::prefill`), with backoff.
+/// Run a prefill worker until its last gateway goes away. A lost KV connection makes it
+/// leave and register again under a new id (see `protocol::prefill`), with backoff.
 pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     let crate::worker::Loaded { model, mut pool, context, digest } = load(&cfg)?;
     let mut llama = model.model;
@@ -217,12 +216,15 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     let mut backoff = Duration::ZERO;
     loop {
         let started = Instant::now();
-        let hello = Hello::for_pool(Role::Prefill, digest, &pool, context, String::new());
-        let (gw, gw_reader, me) = register(&cfg, hello)?;
+        let me = fresh_worker_id()?;
+        let hello = Hello::for_pool(Role::Prefill, me, digest, &pool, context, String::new());
+        let (inbox, rx) = sync_channel::<In>(INBOX);
+        let gateways = Gateways::register_all(&cfg.gateways, &cfg.trust, hello, inbox.clone(), In::Gateway)?;
         tracing::info!(worker = %me, pid = std::process::id(), "prefill worker registered");
         let cache = (cache_pages > 0).then(|| (PrefixCache::new(cache_pages), digest));
-        match incarnation(&cfg, me, gw, gw_reader, &compute, &mut pool, budget.as_mut(), context, cache)? {
-            Ended::GatewayClosed => return Ok(()),
+        let conns = Conns { gateways, inbox, rx };
+        match incarnation(&cfg, conns, &compute, &mut pool, budget.as_mut(), context, cache)? {
+            Ended::NoGateway => return Ok(()),
             Ended::Rejoin => {
                 if let Some(h) = &cfg.health {
                     h.unregistered();
@@ -236,22 +238,23 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     }
 }
 
-/// One registration: serve until the gateway goes away or the role asks to rejoin.
-// Each argument is one of the worker's long-lived parts, set up once by its caller.
-#[allow(clippy::too_many_arguments)]
+/// One incarnation's registrations and the inbox their readers feed.
+struct Conns {
+    gateways: Gateways<In>,
+    inbox: SyncSender<In>,
+    rx: Receiver<In>,
+}
+
+/// One registration: serve until the last gateway goes away or the role asks to rejoin.
 fn incarnation(
     cfg: &WorkerConfig,
-    me: WorkerId,
-    gw: FrameWriter,
-    gw_reader: FrameReader,
+    Conns { gateways, inbox, rx }: Conns,
     compute: &Prefiller,
     pool: &mut KvPool,
     budget: Option<&mut PrefillBudget>,
     context: usize,
     cache: Option<(PrefixCache, u64)>,
 ) -> Result<Ended, WorkerError> {
-    let (inbox, rx) = sync_channel::<In>(INBOX);
-    spawn_reader(gw_reader, inbox.clone(), In::Gateway, In::GatewayClosed);
     let page_size = pool.layout().page_size;
     let role = PrefillRole::new(PrefillConfig {
         max_prompt: context,
@@ -262,9 +265,8 @@ fn incarnation(
     let batching = Batching { chunk_tokens, step_tokens: cfg.max_prefill_tokens };
     let trust = cfg.trust.clone();
     let link = Link {
-        me,
-        gw,
-        gw_error: None,
+        me: gateways.me(),
+        gateways,
         decodes: BTreeMap::new(),
         trust,
         transport: cfg.kv_transport,
@@ -288,6 +290,7 @@ fn incarnation(
         pusher: Pusher::new(),
         job_started: BTreeMap::new(),
         busy: None,
+        peers: BTreeMap::new(),
         started: Instant::now(),
     };
     loop {
@@ -295,13 +298,13 @@ fn incarnation(
             h.beat();
         }
         if !w.pump(&rx)? {
-            return Ok(Ended::GatewayClosed);
+            return Ok(Ended::NoGateway);
         }
         if w.pusher.due() {
-            w.push_metrics()?;
+            w.push_metrics();
         }
         if w.report_work() {
-            w.step()?;
+            w.step();
             // At once, not after the next wait for input: a decode worker stays narrow
             // while it believes prefill busy.
             w.report_work();
@@ -339,7 +342,7 @@ impl Worker<'_> {
     }
 
     /// Handle pending inputs (blocking briefly for one when idle) and the clock. Returns
-    /// false when the gateway is gone.
+    /// false when no gateway is left.
     fn pump(&mut self, rx: &Receiver<In>) -> Result<bool, WorkerError> {
         let mut inputs = Vec::new();
         if !self.driver.has_work() {
@@ -352,7 +355,10 @@ impl Worker<'_> {
         inputs.extend(rx.try_iter());
         for input in inputs {
             let ev = match input {
-                In::Gateway(m) => {
+                In::Gateway(GatewayIn::Msg(i, m)) => {
+                    if !self.peer_news(i, &m) {
+                        continue;
+                    }
                     let span = match &m {
                         Message::Prefill { req, trace, .. } => request_span(*req, trace),
                         _ => tracing::Span::none(),
@@ -361,9 +367,30 @@ impl Worker<'_> {
                     self.handle(PrefillEvent::Gateway(m));
                     continue;
                 }
-                In::GatewayClosed => {
-                    tracing::info!("gateway connection closed; prefill worker exiting");
-                    return Ok(false);
+                In::Gateway(GatewayIn::Closed(i)) => {
+                    self.peers.values_mut().for_each(|g| {
+                        g.remove(&i);
+                    });
+                    if let Some(gateway) = self.link.gateways.closed(i) {
+                        // Its clients are gone with it: end its jobs as its aborts would.
+                        let reqs: Vec<RequestId> = self.driver.running().chain(self.driver.role().queued_jobs()).map(|j| j.req).collect();
+                        for req in reqs.into_iter().filter(|r| gateway_of(*r) == gateway) {
+                            self.handle(PrefillEvent::Gateway(Message::Abort { req, reason: AbortReason::ClientGone }));
+                        }
+                    }
+                    if self.link.gateways.connected() == 0 {
+                        tracing::info!("no gateway left; prefill worker exiting");
+                        return Ok(false);
+                    }
+                    continue;
+                }
+                In::Gateway(GatewayIn::Joined(i, r)) => {
+                    self.link.gateways.joined(i, r)?;
+                    // What this worker's cache holds, for the new gateway's routing.
+                    if let Some(c) = self.driver.cache() {
+                        self.link.gateways.send_to(i, &Message::CacheReport { stored: c.keys(), evicted: Vec::new() });
+                    }
+                    continue;
                 }
                 In::Decode(from, msg) => PrefillEvent::Decode { from, msg },
                 In::DecodeClosed(decode) => {
@@ -377,9 +404,27 @@ impl Worker<'_> {
         // Also reached between the chunks of a long prompt, so a busy prefill keeps talking.
         let now_ms = self.started.elapsed().as_millis() as u64;
         self.handle(PrefillEvent::Tick { now_ms });
-        match self.link.gw_error.take() {
-            Some(e) => Err(e.into()),
-            None => Ok(true),
+        Ok(true)
+    }
+
+    /// Whether gateway `gateway`'s message is news to the role (see [`Worker::peers`]).
+    fn peer_news(&mut self, gateway: usize, m: &Message) -> bool {
+        match m {
+            Message::DecodePeer { worker, .. } => {
+                let new = !self.peers.contains_key(worker);
+                self.peers.entry(*worker).or_default().insert(gateway);
+                new
+            }
+            Message::PeerLeft { worker } => {
+                let Some(by) = self.peers.get_mut(worker) else { return true };
+                by.remove(&gateway);
+                let last = by.is_empty();
+                if last {
+                    self.peers.remove(worker);
+                }
+                last
+            }
+            _ => true,
         }
     }
 
@@ -393,7 +438,7 @@ impl Worker<'_> {
     }
 
     /// One step of prefill work; each job's ending is logged in its own span.
-    fn step(&mut self) -> Result<(), WorkerError> {
+    fn step(&mut self) {
         let started = Instant::now();
         let steps = self.driver.step(&mut self.compute, self.pool, &mut self.link);
         if let Some(sending) = self.link.sending.take() {
@@ -418,16 +463,12 @@ impl Worker<'_> {
             }
         }
         if ended {
-            self.push_metrics()?;
-        }
-        match self.link.gw_error.take() {
-            Some(e) => Err(e.into()),
-            None => Ok(()),
+            self.push_metrics();
         }
     }
 
-    /// Send this worker's metrics to the gateway.
-    fn push_metrics(&mut self) -> Result<(), WorkerError> {
+    /// Send this worker's metrics to every gateway.
+    fn push_metrics(&mut self) {
         let mut f = Families::new();
         let role = self.driver.role();
         let requests = [("queued", role.queued()), ("running", role.running().count())];
@@ -443,7 +484,6 @@ impl Worker<'_> {
             metrics::prefix_cache_families(&c.stats(), c.len(), c.max_pages(), &mut f);
         }
         self.pusher.pushed();
-        self.link.gw.send(&Message::Metrics { families: f.into_vec() })?;
-        Ok(())
+        self.link.gateways.send(&Message::Metrics { families: f.into_vec() });
     }
 }

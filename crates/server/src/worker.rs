@@ -8,8 +8,9 @@ use std::time::Duration;
 use bulkhead_api::trace::TraceId;
 use bulkhead_engine::LoadedModel;
 use bulkhead_kv::{KvChecks, KvPool, PoolConfig};
-use bulkhead_protocol::{Hello, Message, Purpose, TraceContext, WorkerId};
+use bulkhead_protocol::{Hello, Message, Purpose, TraceContext};
 
+use crate::gateways::Registration;
 use crate::trust::Trust;
 use crate::wire::{FrameReader, FrameWriter, WireError, connect_handshake};
 
@@ -26,8 +27,8 @@ pub struct WorkerConfig {
     pub model: PathBuf,
     /// Compute threads (0 = one per core).
     pub threads: usize,
-    /// Gateway's worker address, `host:port`.
-    pub gateway: String,
+    /// The gateways' worker addresses, `host:port` (one or several: see [`crate::gateways`]).
+    pub gateways: Vec<String>,
     /// KV pool size in tokens.
     pub pool_tokens: usize,
     /// Tokens per page.
@@ -151,21 +152,21 @@ pub fn load(cfg: &WorkerConfig) -> Result<Loaded, WorkerError> {
     Ok(Loaded { model, pool, context, digest })
 }
 
-/// Connect to the gateway, authenticate with the cluster key if there is one, and
-/// register as `hello` says; returns the connection and our id.
-pub fn register(cfg: &WorkerConfig, hello: Hello) -> Result<(FrameWriter, FrameReader, WorkerId), WorkerError> {
-    let stream = connect_retry(&cfg.gateway)?;
+/// Connect to the gateway at `addr`, authenticate with the cluster key if there is one,
+/// and register as `hello` says.
+pub fn register(addr: &str, trust: &Trust, hello: &Hello) -> Result<Registration, WorkerError> {
+    let stream = connect_retry(addr)?;
     stream.set_nodelay(true)?;
     let mut reader = FrameReader::new(stream.try_clone()?);
     let mut writer = FrameWriter::new(stream);
-    let auth = connect_handshake(&mut reader, &mut writer, &cfg.trust, Purpose::Control, 0).map_err(|e| match e {
+    let auth = connect_handshake(&mut reader, &mut writer, trust, Purpose::Control, 0).map_err(|e| match e {
         WireError::Auth(a) => WorkerError::Refused(a.to_string()),
         other => WorkerError::Wire(other),
     })?;
-    tracing::info!(gateway = %cfg.gateway, authenticated = auth.is_some(), encrypted = auth.is_some_and(|a| a.encrypted), "connected to the gateway");
-    writer.send(&Message::Hello(hello))?;
+    tracing::info!(gateway = %addr, authenticated = auth.is_some(), encrypted = auth.is_some_and(|a| a.encrypted), "connected to the gateway");
+    writer.send(&Message::Hello(hello.clone()))?;
     match reader.recv()? {
-        Message::Welcome { worker } => Ok((writer, reader, worker)),
+        Message::Welcome { gateway } => Ok(Registration { gateway, writer, reader }),
         Message::Refuse { reason } | Message::AuthRefused { reason } => Err(WorkerError::Refused(reason)),
         other => Err(WorkerError::Refused(format!("unexpected first message {}", other.kind_name()))),
     }

@@ -200,6 +200,8 @@ pub struct Server {
     pub http: String,
     /// The gateway's worker port.
     pub workers: String,
+    /// The HTTP addresses of the other gateways (`--gateways`), in order.
+    pub gateways: Vec<String>,
     /// Its standard error, logged at `info`.
     pub log: std::path::PathBuf,
 }
@@ -229,14 +231,15 @@ impl Server {
             .expect("spawn bulkhead serve");
         let mut line = String::new();
         std::io::BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("serve prints its address");
-        // "bulkhead: serving on http://ADDR (workers register at ADDR)"
+        // "bulkhead: serving on http://ADDR (workers register at ADDR)[, gateway N on http://ADDR (...)]..."
         let http = line.split("http://").nth(1).and_then(|r| r.split_whitespace().next()).map(str::to_string);
-        let workers = line.split("register at ").nth(1).map(|r| r.trim().trim_end_matches(')').to_string());
+        let workers = line.split("register at ").nth(1).and_then(|r| r.split(')').next()).map(str::to_string);
+        let gateways = line.split("http://").skip(2).filter_map(|r| r.split_whitespace().next()).map(str::to_string).collect();
         let (Some(http), Some(workers)) = (http, workers) else {
             let _ = child.wait();
             panic!("serve did not start: {line:?}\n{}", std::fs::read_to_string(&log).unwrap_or_default());
         };
-        Server { child, http, workers, log }
+        Server { child, http, workers, gateways, log }
     }
 
     /// What it logged so far.
