@@ -153,7 +153,7 @@ pub struct ServeArgs {
     gateways: u8,
     /// Exit when standard input closes: `serve`'s own gateway children, so that they never
     /// outlive it.
-    #[arg(long, hide = true)]
+    #[arg(long, hide = true, env = "BULKHEAD_EXIT_WITH_STDIN", value_parser = clap::builder::BoolishValueParser::new())]
     exit_with_stdin: bool,
     /// Where prefill workers reach this decode worker.
     #[arg(long, env = "BULKHEAD_KV_LISTEN", default_value = "127.0.0.1:0")]

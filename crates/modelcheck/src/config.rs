@@ -53,6 +53,10 @@ pub struct Faults {
     /// sent before them: over UCX the frames and the TCP connection whose end reports the
     /// peer gone are two roads (TCP alone never does this).
     pub close_overtakes: u8,
+    /// Gateways that die while requests are in flight on them (never the last one alive):
+    /// what they sent still arrives, then their connections close; their clients are gone
+    /// with them, and the workers end their requests on their own.
+    pub gateway_losses: u8,
 }
 
 /// Which driver wraps the production state machines. Everything but [`Variant::Production`]
@@ -97,6 +101,9 @@ pub enum Variant {
     /// ([`Faults::close_overtakes`]) still lands after the decode worker saw the close and
     /// fenced the writer. The driver is the production one; the transport is what breaks.
     OneSidedWrites,
+    /// The decode driver drops the news that a gateway's connection closed: that gateway's
+    /// requests keep their pages for clients that are gone.
+    IgnoreGatewayLoss,
 }
 
 /// A model configuration.
@@ -106,6 +113,9 @@ pub struct Config {
     pub name: &'static str,
     /// Requests, submitted in this order (each at any point after the previous one).
     pub requests: Vec<Request>,
+    /// Gateways, each with its own role and clients (request `i` goes to gateway
+    /// `i % gateways`); every worker registers with each.
+    pub gateways: usize,
     /// Prefill workers.
     pub prefill_workers: usize,
     /// Pages of each prefill worker's pool.
@@ -160,6 +170,7 @@ impl Config {
                 Request { prompt: 3, max_tokens: 1, tenant: None },
                 Request { prompt: 4, max_tokens: 1, tenant: None },
             ],
+            gateways: 1,
             prefill_workers: 2,
             prefill_pool_pages: 2,
             prefill_max_prompt: 3,
@@ -185,6 +196,7 @@ impl Config {
         Config {
             name: "faulty-network",
             requests: vec![Request { prompt: 3, max_tokens: 1, tenant: None }, Request { prompt: 2, max_tokens: 1, tenant: None }],
+            gateways: 1,
             prefill_workers: 2,
             prefill_pool_pages: 2,
             prefill_max_prompt: 3,
@@ -202,6 +214,7 @@ impl Config {
                 gateway_ticks: 1,
                 prefill_ticks: 0,
                 close_overtakes: 0,
+                gateway_losses: 0,
             },
             decode_tick_ms: TICK_MS,
             check_original_error: false,
@@ -355,6 +368,24 @@ impl Config {
             prefill_pool_pages: 4,
             decode_pool_pages: 4,
             faults: Faults { client_aborts: 1, decode_ticks: 1, ..Faults::default() },
+            ..Self::faulty_network()
+        }
+    }
+
+    /// Two gateways over one prefill and one decode worker (issue 34): one request on each,
+    /// both of two pages, and a decode pool of three pages, so each gateway, counting only
+    /// its own reservations, may ask for pages the other holds (the decode worker refuses
+    /// with `Capacity` and offers `Room` when pages free). Either gateway may die while its
+    /// request is in flight; one transfer timeout at any point.
+    pub fn two_gateways() -> Self {
+        Config {
+            name: "two-gateways",
+            requests: vec![Request { prompt: 3, max_tokens: 1, tenant: None }, Request { prompt: 3, max_tokens: 1, tenant: None }],
+            gateways: 2,
+            prefill_workers: 1,
+            prefill_pool_pages: 4,
+            decode_pool_pages: 3,
+            faults: Faults { decode_ticks: 1, gateway_losses: 1, ..Faults::default() },
             ..Self::faulty_network()
         }
     }

@@ -355,12 +355,14 @@ pub fn prefill_policy(variant: Variant) -> PrefillSabotage {
 }
 
 /// The decode side of a [`Variant`]: honest, except under [`Variant::DropFence`],
-/// [`Variant::ReleaseQuarantineOnTick`] and [`Variant::OneDecodeScope`].
+/// [`Variant::ReleaseQuarantineOnTick`], [`Variant::OneDecodeScope`] and
+/// [`Variant::IgnoreGatewayLoss`].
 pub fn decode_policy(variant: Variant) -> DecodeSabotage {
     match variant {
         Variant::DropFence => DecodeSabotage::DropFences,
         Variant::ReleaseQuarantineOnTick => DecodeSabotage::FenceOnTimeout,
         Variant::OneDecodeScope => DecodeSabotage::OneScope(None),
+        Variant::IgnoreGatewayLoss => DecodeSabotage::IgnoreGatewayLoss,
         _ => DecodeSabotage::None,
     }
 }

@@ -6,10 +6,11 @@
 //!
 //! CONFIG: `three-requests` (default), `faulty-network`, `duplicating-network`,
 //! `reordering-network`, `prefill-restart`, `keepalive`, `growth`, `prefix-cache`,
-//! `batched-prefill`. VARIANT:
+//! `decode-cache`, `decode-local`, `batched-prefill`, `two-gateways`. VARIANT:
 //! `production` (default), `trust-done`, `read-past-watermark`, `keep-rejected-job`,
 //! `release-quarantine-on-tick`, `retry-after-reject`, `drop-fence`,
-//! `keep-retracted-running`, `unscoped-cache-keys`.
+//! `keep-retracted-running`, `unscoped-cache-keys`, `one-decode-scope`,
+//! `one-sided-writes`, `ignore-gateway-loss`.
 
 use std::process::ExitCode;
 
@@ -32,9 +33,10 @@ fn main() -> ExitCode {
         "decode-cache" => Config::decode_cache(),
         "decode-local" => Config::decode_local(),
         "batched-prefill" => Config::batched_prefill(),
+        "two-gateways" => Config::two_gateways(),
         other => {
             eprintln!(
-                "unknown configuration {other:?}: three-requests | faulty-network | duplicating-network | reordering-network | prefill-restart | ucx-restart | keepalive | growth | prefix-cache | decode-cache | decode-local | batched-prefill"
+                "unknown configuration {other:?}: three-requests | faulty-network | duplicating-network | reordering-network | prefill-restart | ucx-restart | keepalive | growth | prefix-cache | decode-cache | decode-local | batched-prefill | two-gateways"
             );
             return ExitCode::FAILURE;
         }
@@ -47,6 +49,7 @@ fn main() -> ExitCode {
         "release-quarantine-on-tick" => Variant::ReleaseQuarantineOnTick,
         "retry-after-reject" => Variant::RetryAfterReject,
         "drop-fence" => Variant::DropFence,
+        "ignore-gateway-loss" => Variant::IgnoreGatewayLoss,
         "keep-retracted-running" => Variant::KeepRetractedRunning,
         "unscoped-cache-keys" => Variant::UnscopedCacheKeys,
         "one-decode-scope" => Variant::OneDecodeScope,

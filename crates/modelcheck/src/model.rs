@@ -57,6 +57,8 @@ impl HandoffModel {
             shared: w.all_served() && w.is_clean() && w.cache_hit_and_eviction(),
             batched: w.all_served() && w.is_clean() && w.batched(),
             local: w.all_served() && w.is_clean() && w.local_prefills() > 0,
+            contended: w.all_served() && w.is_clean() && w.capacity_refusals() > 0,
+            survived: w.survived_gateway_loss(),
             history,
         }
     }
@@ -89,6 +91,10 @@ pub struct State {
     pub batched: bool,
     /// `served`, after the decode worker computed a request's rest itself.
     pub local: bool,
+    /// `served`, after the decode worker refused a reservation for want of room.
+    pub contended: bool,
+    /// Clean end after a gateway died, every request of the others finished.
+    pub survived: bool,
 }
 
 impl State {
@@ -157,6 +163,11 @@ pub mod names {
     /// Reachability of a rest computed on the decode worker, on the happy path.
     pub const LOCAL: &str =
         "sometimes: the decode worker computes a request's short rest itself, and every request finishes, all pools idle";
+    /// Reachability of two gateways contending for one decode pool (several gateways).
+    pub const CONTENDED: &str = "sometimes: the decode worker refuses a gateway's reservation for want of room that another gateway's request holds, and every request still finishes, all pools full";
+    /// Reachability of a gateway's death that costs the other gateways nothing.
+    pub const SURVIVED: &str =
+        "sometimes: a gateway dies with a request in flight, every request of the others still finishes, and all pools end full";
     /// Reachability of KV on demand's retraction, on the happy path.
     pub const RESUMED: &str = "sometimes: a sequence is retracted for another to grow, and every request still finishes, all pools full";
 }
@@ -215,6 +226,12 @@ impl Model for HandoffModel {
         }
         if self.cfg.decode_local_prefill > 0 {
             p.push(Property::sometimes(names::LOCAL, |_, s: &State| s.local));
+        }
+        if self.cfg.gateways > 1 {
+            p.push(Property::sometimes(names::CONTENDED, |_, s: &State| s.contended));
+        }
+        if self.cfg.faults.gateway_losses > 0 {
+            p.push(Property::sometimes(names::SURVIVED, |_, s: &State| s.survived));
         }
         p
     }

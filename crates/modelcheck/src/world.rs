@@ -19,10 +19,11 @@ use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeLink};
 use bulkhead_protocol::driver::prefill::{Batching, LinkDown, PrefillDriver, PrefillLink, Step};
 use bulkhead_protocol::gateway::{
-    BusyReason, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, Phase, TenantId, client_of,
+    BusyReason, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, Phase, TenantId, client_of, gateway_of,
+    request_number,
 };
 use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillRole};
-use bulkhead_protocol::{FailReason, Hello, Message, RejectReason, Role, Sampling, TraceContext, WorkerId};
+use bulkhead_protocol::{FailReason, GatewayId, Hello, Message, RejectReason, Role, Sampling, TraceContext, WorkerId};
 
 use crate::config::{Config, LAYOUT, TICK_MS, Variant};
 use crate::drivers::{MockDecode, MockPrefill, Started, decode_policy, prefill_policy};
@@ -39,8 +40,8 @@ const DIGEST: u64 = 1;
 /// An end of a connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Fingerprint)]
 pub enum Node {
-    /// The gateway.
-    Gateway,
+    /// A gateway (its index in the configuration).
+    Gateway(u8),
     /// A prefill worker.
     Prefill(WorkerId),
     /// The decode worker.
@@ -70,8 +71,10 @@ pub enum Action {
     DecodeStep(RequestId),
     /// The decode worker's clock passes the transfer timeout.
     DecodeTick,
-    /// The gateway's clock passes the request timeout.
+    /// The gateways' clocks pass the request timeout.
     GatewayTick,
+    /// A gateway dies (see [`crate::config::Faults::gateway_losses`]).
+    LoseGateway(u8),
     /// A prefill worker crashes and a fresh one registers under a new id.
     CrashPrefill(WorkerId),
     /// The close of prefill `from`'s KV connection reaches the decode worker ahead of frames
@@ -205,6 +208,7 @@ struct Budget {
     gateway_ticks: u8,
     prefill_ticks: u8,
     close_overtakes: u8,
+    gateway_losses: u8,
 }
 
 type Net = BTreeMap<(Node, Node), VecDeque<Envelope>>;
@@ -213,7 +217,9 @@ type Net = BTreeMap<(Node, Node), VecDeque<Envelope>>;
 /// the driver saw.
 pub struct World<'c> {
     cfg: &'c Config,
-    gw: GatewayRole,
+    /// The gateways, by index; a dead one keeps its last state and is never run again.
+    gws: Vec<GatewayRole>,
+    dead: BTreeSet<u8>,
     gw_now: u64,
     prefills: Vec<PrefillWorker>,
     next_worker: u32,
@@ -248,7 +254,7 @@ impl Values {
     /// share one prompt, as a cached page shares them), so a read of another tenant's
     /// cached page is caught.
     pub fn of(&self, req: RequestId, pos: usize) -> f32 {
-        let client = bulkhead_protocol::gateway::client_of(req).0;
+        let client = request_number(req);
         let scoped = usize::try_from(client).ok().and_then(|c| self.0.get(c.checked_sub(1)?));
         if let Some(&(prompt, Some(tenant))) = scoped
             && pos < prompt as usize
@@ -260,20 +266,38 @@ impl Values {
     }
 }
 
-/// Request ids of a configuration: 1, 2, ...
-pub fn request_id(index: usize) -> RequestId {
-    RequestId(index as u64 + 1)
+/// Request ids of a configuration: request `index` is number `index + 1` of gateway
+/// `index % gateways` (1, 2, ... with one gateway).
+pub fn request_id(cfg: &Config, index: usize) -> RequestId {
+    bulkhead_protocol::gateway::request_id(GatewayId((index % cfg.gateways.max(1)) as u8), index as u64 + 1)
 }
 
 /// Puts `m` on the connection `from → to`, unless `to` is a prefill worker that is gone (a
 /// write to a closed socket).
-fn put(net: &mut Net, alive: &BTreeSet<WorkerId>, from: Node, to: Node, m: Message) {
-    if let Node::Prefill(id) = to
-        && !alive.contains(&id)
-    {
-        return;
+fn put(net: &mut Net, alive: &Reach, from: Node, to: Node, m: Message) {
+    match to {
+        Node::Prefill(id) if !alive.prefills.contains(&id) => return,
+        Node::Gateway(g) if !alive.gateways.contains(&g) => return,
+        _ => {}
     }
     net.entry((from, to)).or_default().push_back(Envelope::Msg(m));
+}
+
+/// The processes a message can still be written to: live prefill workers and gateways.
+struct Reach {
+    prefills: BTreeSet<WorkerId>,
+    gateways: BTreeSet<u8>,
+}
+
+impl Reach {
+    /// Where a worker's message to "the gateway" goes (the production `Gateways`): a
+    /// request's message to its own gateway, anything else to every gateway.
+    fn gateways_for(&self, msg: &Message) -> Vec<Node> {
+        match msg.req() {
+            Some(req) => vec![Node::Gateway(gateway_of(req).0)],
+            None => self.gateways.iter().map(|&g| Node::Gateway(g)).collect(),
+        }
+    }
 }
 
 /// A prefill worker's transport: onto the network, watching for chunks of requests that
@@ -281,14 +305,16 @@ fn put(net: &mut Net, alive: &BTreeSet<WorkerId>, from: Node, to: Node, m: Messa
 struct PrefillWire<'a> {
     me: WorkerId,
     net: &'a mut Net,
-    alive: &'a BTreeSet<WorkerId>,
+    alive: &'a Reach,
     ghosts: &'a BTreeMap<RequestId, Ghost>,
     seen: Vec<(Prop, String)>,
 }
 
 impl PrefillLink for PrefillWire<'_> {
     fn to_gateway(&mut self, msg: Message) {
-        put(self.net, self.alive, Node::Prefill(self.me), Node::Gateway, msg);
+        for to in self.alive.gateways_for(&msg) {
+            put(self.net, self.alive, Node::Prefill(self.me), to, msg.clone());
+        }
     }
 
     fn to_decode(&mut self, to: WorkerId, msg: Message) -> Result<(), LinkDown> {
@@ -317,7 +343,7 @@ impl PrefillLink for PrefillWire<'_> {
 struct DecodeWire<'a> {
     cfg: &'a Config,
     net: &'a mut Net,
-    alive: &'a BTreeSet<WorkerId>,
+    alive: &'a Reach,
     ghosts: &'a mut BTreeMap<RequestId, Ghost>,
     seen: Vec<(Prop, String)>,
 }
@@ -343,7 +369,9 @@ impl DecodeLink for DecodeWire<'_> {
             }
             _ => {}
         }
-        put(self.net, self.alive, Node::Decode, Node::Gateway, msg);
+        for to in self.alive.gateways_for(&msg) {
+            put(self.net, self.alive, Node::Decode, to, msg.clone());
+        }
     }
 
     fn to_prefill(&mut self, to: WorkerId, msg: Message) {
@@ -374,14 +402,14 @@ impl DecodeLink for Nowhere {
 }
 
 fn request(cfg: &Config, req: RequestId) -> Option<crate::config::Request> {
-    cfg.requests.get((req.0 as usize).checked_sub(1)?).copied()
+    cfg.requests.get((request_number(req) as usize).checked_sub(1)?).copied()
 }
 
 impl<'c> World<'c> {
     /// The initial world: every worker registered, every KV connection open, nothing
     /// submitted.
     pub fn new(cfg: &'c Config) -> Self {
-        let mut gw = GatewayRole::new(GatewayConfig {
+        let gateway = GatewayConfig {
             model_context: cfg.gateway_max_context,
             model_digest: DIGEST,
             admission_check: cfg.gateway_admission,
@@ -391,11 +419,15 @@ impl<'c> World<'c> {
             migration_limit: 3,
             prefill_window_tokens: cfg.prefill_window_tokens,
             tenants: Default::default(),
-        });
+        };
+        let mut gws: Vec<GatewayRole> =
+            (0..cfg.gateways.max(1)).map(|g| GatewayRole::new(gateway.clone()).with_id(GatewayId(g as u8))).collect();
         let dpool = pool(cfg.decode_pool_pages);
         // Registration is atomic here: its welcomes and introductions are not modelled.
-        let registered = gw.join(&Hello::for_pool(Role::Decode, DECODE, DIGEST, &dpool, cfg.decode_max_context, String::new()));
-        assert!(registered.is_ok(), "the decode worker registers: {registered:?}");
+        for gw in &mut gws {
+            let registered = gw.join(&Hello::for_pool(Role::Decode, DECODE, DIGEST, &dpool, cfg.decode_max_context, String::new()));
+            assert!(registered.is_ok(), "the decode worker registers: {registered:?}");
+        }
         let role = DecodeRole::new(DecodeConfig {
             max_context: cfg.decode_max_context,
             transfer_timeout_ms: TICK_MS,
@@ -406,19 +438,20 @@ impl<'c> World<'c> {
         let mut prefills = Vec::new();
         for i in 0..cfg.prefill_workers {
             let id = WorkerId(FIRST_PREFILL + i as u32);
-            prefills.push(Self::start_prefill(cfg, &mut gw, &mut dec, id));
+            prefills.push(Self::start_prefill(cfg, &mut gws, &mut dec, id));
         }
         let f = cfg.faults;
         World {
             cfg,
-            gw,
+            gws,
+            dead: BTreeSet::new(),
             gw_now: 0,
             next_worker: FIRST_PREFILL + cfg.prefill_workers as u32,
             prefills,
             dec,
             dec_now: 0,
             net: BTreeMap::new(),
-            ghosts: (0..cfg.requests.len()).map(|i| (request_id(i), Ghost::default())).collect(),
+            ghosts: (0..cfg.requests.len()).map(|i| (request_id(cfg, i), Ghost::default())).collect(),
             budget: Budget {
                 client_aborts: f.client_aborts,
                 lose: f.lose,
@@ -429,18 +462,27 @@ impl<'c> World<'c> {
                 gateway_ticks: f.gateway_ticks,
                 prefill_ticks: f.prefill_ticks,
                 close_overtakes: f.close_overtakes,
+                gateway_losses: f.gateway_losses,
             },
             violations: BTreeMap::new(),
             values: Values::new(cfg),
         }
     }
 
-    /// A prefill worker that registered with the gateway and opened its KV connection to
-    /// the decode worker (atomically: nothing can happen in between in the model).
-    fn start_prefill(cfg: &Config, gw: &mut GatewayRole, dec: &mut Decode, id: WorkerId) -> PrefillWorker {
+    /// A prefill worker that registered with every gateway in `gws` and opened its KV
+    /// connection to the decode worker (atomically: nothing can happen in between in the
+    /// model).
+    fn start_prefill<'g>(
+        cfg: &Config,
+        gws: impl IntoIterator<Item = &'g mut GatewayRole>,
+        dec: &mut Decode,
+        id: WorkerId,
+    ) -> PrefillWorker {
         let ppool = pool(cfg.prefill_pool_pages);
-        let registered = gw.join(&Hello::for_pool(Role::Prefill, id, DIGEST, &ppool, cfg.prefill_max_prompt, String::new()));
-        assert!(registered.is_ok(), "a prefill worker registers: {registered:?}");
+        for gw in gws {
+            let registered = gw.join(&Hello::for_pool(Role::Prefill, id, DIGEST, &ppool, cfg.prefill_max_prompt, String::new()));
+            assert!(registered.is_ok(), "a prefill worker registers: {registered:?}");
+        }
         let mut role =
             PrefillRole::new(PrefillConfig { max_prompt: cfg.prefill_max_prompt, page_size: LAYOUT.page_size, keepalive_ms: TICK_MS });
         role.handle(PrefillEvent::DecodeConnected { decode: DECODE });
@@ -485,8 +527,14 @@ impl<'c> World<'c> {
         self.ghosts.entry(req).or_default()
     }
 
-    fn alive(&self) -> BTreeSet<WorkerId> {
-        self.prefills.iter().map(|p| p.id).collect()
+    fn alive(&self) -> Reach {
+        let gateways = (0..self.gws.len() as u8).filter(|g| !self.dead.contains(g)).collect();
+        Reach { prefills: self.prefills.iter().map(|p| p.id).collect(), gateways }
+    }
+
+    /// The index of the gateway `req` belongs to.
+    fn gateway_index(req: RequestId) -> usize {
+        usize::from(gateway_of(req).0)
     }
 
     fn send(&mut self, from: Node, to: Node, m: Message) {
@@ -539,8 +587,17 @@ impl<'c> World<'c> {
         if self.budget.decode_ticks > 0 && self.dec.role().pending() > 0 {
             out.push(Action::DecodeTick);
         }
-        if self.budget.gateway_ticks > 0 && self.gw.in_flight() > 0 {
+        if self.budget.gateway_ticks > 0 && self.live_gateways().any(|g| g.in_flight() > 0) {
             out.push(Action::GatewayTick);
+        }
+        // A gateway dies while it has something in flight (dying idle only ends the
+        // checker's world early), and never the last one.
+        if self.budget.gateway_losses > 0 && self.dead.len() + 1 < self.gws.len() {
+            for (g, gw) in self.gws.iter().enumerate() {
+                if !self.dead.contains(&(g as u8)) && gw.in_flight() > 0 {
+                    out.push(Action::LoseGateway(g as u8));
+                }
+            }
         }
         // A keepalive re-arms only reservations waiting for that prefill; one sent while
         // none waits changes nothing the properties see but the network.
@@ -616,17 +673,19 @@ impl<'c> World<'c> {
             let at_decode = self.dec.role().state_of(req);
             let pending_or_fencing = matches!(at_decode, Some(RequestState::Pending | RequestState::Fencing));
             let ignored = match (from, to, m) {
-                (_, Node::Gateway, _) => self.gw.phase_of(req).is_none(),
+                (_, Node::Gateway(g), _) => self.dead.contains(&g) || self.gws[usize::from(g)].phase_of(req).is_none(),
                 (Node::Prefill(_), Node::Decode, Message::Done { .. } | Message::Fenced { .. }) => exactly_once && !pending_or_fencing,
-                (Node::Gateway, Node::Decode, Message::Abort { .. } | Message::Cancel { .. }) => at_decode.is_none(),
-                (_, Node::Prefill(w), Message::Abort { .. }) => {
+                (Node::Gateway(_), Node::Decode, Message::Abort { .. } | Message::Cancel { .. }) => at_decode.is_none(),
+                // (A decode worker's abort of a job the prefill does not have is answered
+                // with a fence, so it is not ignorable.)
+                (Node::Gateway(g), Node::Prefill(w), Message::Abort { .. }) => {
                     let Some(p) = self.prefills.iter().find(|p| p.id == w) else { continue };
                     let has_job = p.driver.role().has_job(req) || p.driver.targets().any(|j| j.req == req);
                     let prefill_on_wire = self
                         .net
-                        .get(&(Node::Gateway, Node::Prefill(w)))
+                        .get(&(Node::Gateway(g), Node::Prefill(w)))
                         .is_some_and(|q| q.iter().any(|e| matches!(e, Envelope::Msg(Message::Prefill { req: r, .. }) if *r == req)));
-                    let prefill_to_come = self.gw.phase_of(req) == Some(Phase::Reserving);
+                    let prefill_to_come = self.gws[usize::from(g)].phase_of(req) == Some(Phase::Reserving);
                     !has_job && !prefill_on_wire && !prefill_to_come
                 }
                 _ => false,
@@ -647,8 +706,9 @@ impl<'c> World<'c> {
             Action::ClientGone(req) => {
                 self.budget.client_aborts -= 1;
                 self.ghost(req).client_gone = true;
-                let acts = self.gw.handle(GatewayEvent::ClientGone { req });
-                self.gateway_actions(acts);
+                let g = Self::gateway_index(req);
+                let acts = self.gws[g].handle(GatewayEvent::ClientGone { req });
+                self.gateway_actions(g, acts);
             }
             Action::Deliver(from, to) => {
                 if let Some(env) = self.pop(from, to, 0) {
@@ -692,9 +752,14 @@ impl<'c> World<'c> {
             Action::GatewayTick => {
                 self.budget.gateway_ticks -= 1;
                 self.gw_now += TICK_MS;
-                let acts = self.gw.handle(GatewayEvent::Tick { now_ms: self.gw_now });
-                self.gateway_actions(acts);
+                for g in 0..self.gws.len() {
+                    if !self.dead.contains(&(g as u8)) {
+                        let acts = self.gws[g].handle(GatewayEvent::Tick { now_ms: self.gw_now });
+                        self.gateway_actions(g, acts);
+                    }
+                }
             }
+            Action::LoseGateway(g) => self.lose_gateway(g),
             Action::CrashPrefill(id) => self.crash_prefill(id),
             Action::CloseOvertakes(from) => {
                 self.budget.close_overtakes -= 1;
@@ -738,7 +803,8 @@ impl<'c> World<'c> {
             None => (0..r.prompt).map(|t| req.0 as u32 * 10 + t).collect(),
         };
         let secret = CacheSecret::from_random([7; 32]);
-        let acts = self.gw.handle(GatewayEvent::Submit {
+        let g = Self::gateway_index(req);
+        let acts = self.gws[g].handle(GatewayEvent::Submit {
             req,
             tokens,
             max_tokens: r.max_tokens,
@@ -749,23 +815,24 @@ impl<'c> World<'c> {
             cache: r.tenant.map(|t| secret.scope(&format!("tenant-{t}"), None)),
             priority: 0,
         });
-        self.gateway_actions(acts);
+        self.gateway_actions(g, acts);
     }
 
     fn deliver(&mut self, from: Node, to: Node, env: Envelope) {
         match (to, env) {
-            (Node::Gateway, Envelope::Msg(msg)) => {
+            (Node::Gateway(g), _) if self.dead.contains(&g) => {}
+            (Node::Gateway(g), Envelope::Msg(msg)) => {
                 let from = match from {
                     Node::Prefill(w) => w,
-                    Node::Gateway | Node::Decode => DECODE,
+                    Node::Gateway(_) | Node::Decode => DECODE,
                 };
-                let acts = self.gw.handle(GatewayEvent::FromWorker { from, msg });
-                self.gateway_actions(acts);
+                let acts = self.gws[usize::from(g)].handle(GatewayEvent::FromWorker { from, msg });
+                self.gateway_actions(usize::from(g), acts);
             }
-            (Node::Gateway, Envelope::Closed) => {
+            (Node::Gateway(g), Envelope::Closed) => {
                 if let Node::Prefill(id) = from {
-                    let acts = self.gw.handle(GatewayEvent::WorkerLeft { id });
-                    self.gateway_actions(acts);
+                    let acts = self.gws[usize::from(g)].handle(GatewayEvent::WorkerLeft { id });
+                    self.gateway_actions(usize::from(g), acts);
                 }
             }
             (Node::Decode, env) => {
@@ -773,7 +840,8 @@ impl<'c> World<'c> {
                     (Node::Prefill(w), Envelope::Msg(msg)) => DecodeEvent::Prefill { from: w, msg },
                     (Node::Prefill(w), Envelope::Closed) => DecodeEvent::PrefillClosed { from: w },
                     (_, Envelope::Msg(msg)) => DecodeEvent::Gateway(msg),
-                    (_, Envelope::Closed) => return,
+                    (Node::Gateway(g), Envelope::Closed) => DecodeEvent::GatewayLost { gateway: GatewayId(g) },
+                    (Node::Decode, Envelope::Closed) => return,
                 };
                 self.decode_event(ev);
             }
@@ -781,13 +849,19 @@ impl<'c> World<'c> {
                 let ev = if from == Node::Decode { PrefillEvent::Decode { from: DECODE, msg } } else { PrefillEvent::Gateway(msg) };
                 self.prefill_event(w, ev);
             }
-            (Node::Prefill(w), Envelope::Closed) => self.prefill_event(w, PrefillEvent::DecodeLost { decode: DECODE }),
+            (Node::Prefill(w), Envelope::Closed) => {
+                let ev = match from {
+                    Node::Gateway(g) => PrefillEvent::GatewayLost { gateway: GatewayId(g) },
+                    Node::Decode | Node::Prefill(_) => PrefillEvent::DecodeLost { decode: DECODE },
+                };
+                self.prefill_event(w, ev);
+            }
         }
     }
 
     // ---------------------------------------------------------------- gateway driver
 
-    fn gateway_actions(&mut self, acts: Vec<GatewayAction>) {
+    fn gateway_actions(&mut self, g: usize, acts: Vec<GatewayAction>) {
         for a in acts {
             match a {
                 GatewayAction::ToWorker { to, msg } => {
@@ -797,7 +871,7 @@ impl<'c> World<'c> {
                         self.violate(Prop::RejectionTerminal, format!("Reserve sent for {req} after it was rejected"));
                     }
                     let dest = if to == DECODE { Node::Decode } else { Node::Prefill(to) };
-                    self.send(Node::Gateway, dest, msg);
+                    self.send(Node::Gateway(g as u8), dest, msg);
                 }
                 GatewayAction::ToClient { req, out } => self.client_output(req, out),
             }
@@ -909,11 +983,35 @@ impl<'c> World<'c> {
         // worker registers under a new id.
         let fresh = WorkerId(self.next_worker);
         self.next_worker += 1;
-        self.prefills[i] = Self::start_prefill(self.cfg, &mut self.gw, &mut self.dec, fresh);
+        let dead = &self.dead;
+        let live = self.gws.iter_mut().enumerate().filter(|(g, _)| !dead.contains(&(*g as u8))).map(|(_, gw)| gw);
+        self.prefills[i] = Self::start_prefill(self.cfg, live, &mut self.dec, fresh);
         self.net.retain(|(_, to), _| *to != Node::Prefill(id));
-        for to in [Node::Gateway, Node::Decode] {
+        for to in self.alive().gateways.into_iter().map(Node::Gateway).chain([Node::Decode]) {
             self.net.entry((Node::Prefill(id), to)).or_default().push_back(Envelope::Closed);
         }
+    }
+
+    /// Gateway `g` dies: what was on its way to it is lost; what it sent still arrives,
+    /// then each of its connections closes; its clients are gone with it.
+    fn lose_gateway(&mut self, g: u8) {
+        self.budget.gateway_losses -= 1;
+        self.dead.insert(g);
+        self.net.retain(|(_, to), _| *to != Node::Gateway(g));
+        for to in self.prefills.iter().map(|p| Node::Prefill(p.id)).chain([Node::Decode]) {
+            self.net.entry((Node::Gateway(g), to)).or_default().push_back(Envelope::Closed);
+        }
+        for (req, ghost) in &mut self.ghosts {
+            if Self::gateway_index(*req) == usize::from(g) && ghost.outcomes.is_empty() {
+                ghost.submitted = true;
+                ghost.client_gone = true;
+            }
+        }
+    }
+
+    /// The gateways alive.
+    fn live_gateways(&self) -> impl Iterator<Item = &GatewayRole> {
+        self.gws.iter().enumerate().filter(|(g, _)| !self.dead.contains(&(*g as u8))).map(|(_, gw)| gw)
     }
 
     // ---------------------------------------------------------------- decode driver
@@ -1078,13 +1176,18 @@ impl<'c> World<'c> {
     }
 
     /// Every way a chunk for a decode page may still arrive: a `Prefill` on its way to a
-    /// live prefill worker, a job in a prefill queue or running, a chunk on the wire.
+    /// live prefill worker that has not fenced it yet, a job in a prefill queue or
+    /// running, a chunk on the wire.
     fn write_refs(&self) -> Vec<WriteRef> {
         let mut out = Vec::new();
         for (&(from, to), q) in &self.net {
             for env in q {
                 let Envelope::Msg(m) = env else { continue };
                 match (m, from, to) {
+                    // A job its prefill worker already fenced (a decode worker gave it up
+                    // first) is refused when it arrives.
+                    (Message::Prefill { req, .. }, _, Node::Prefill(w))
+                        if self.prefills.iter().any(|p| p.id == w && p.driver.role().tombstoned(*req)) => {}
                     (Message::Prefill { req, pages, .. }, _, Node::Prefill(_)) => {
                         for p in pages {
                             out.push(WriteRef { page: p.page.0, generation: p.generation.0, req: *req, via: "Prefill on the wire" });
@@ -1113,7 +1216,7 @@ impl<'c> World<'c> {
     pub fn is_clean(&self) -> bool {
         self.requests_ended()
             && self.net.is_empty()
-            && self.gw.in_flight() == 0
+            && self.live_gateways().all(|g| g.in_flight() == 0)
             && self.dec.is_idle()
             && self.prefills.iter().all(|p| p.driver.is_idle())
             && full(&self.dec.engine().pool)
@@ -1147,6 +1250,23 @@ impl<'c> World<'c> {
         self.dec.engine().retractions
     }
 
+    /// Capacity refusals by the decode worker so far.
+    pub fn capacity_refusals(&self) -> u64 {
+        self.dec.role().stats().rejected_capacity
+    }
+
+    /// Whether a gateway died and the world still ended clean with every request of the
+    /// gateways alive finished.
+    pub fn survived_gateway_loss(&self) -> bool {
+        !self.dead.is_empty()
+            && self.is_clean()
+            && self
+                .ghosts
+                .iter()
+                .filter(|(req, _)| !self.dead.contains(&gateway_of(**req).0))
+                .all(|(_, g)| g.outcomes == [Outcome::Finished])
+    }
+
     /// Every request that fits finished, every one that does not was rejected.
     pub fn all_served(&self) -> bool {
         self.ghosts.iter().all(|(req, g)| {
@@ -1165,7 +1285,11 @@ impl<'c> World<'c> {
         // they are dead state and two worlds that differ only there behave alike. The
         // round-robin position matters only to requests not yet submitted.
         let all_submitted = self.ghosts.values().all(|g| g.submitted) && self.cfg.variant != Variant::RetryAfterReject;
-        h.clocks_dead(self.budget.gateway_ticks == 0).turns_dead(all_submitted).write(&self.gw).turns_dead(false);
+        h.clocks_dead(self.budget.gateway_ticks == 0).turns_dead(all_submitted);
+        for gw in self.live_gateways() {
+            h.write(gw);
+        }
+        h.turns_dead(false).write(&self.dead);
         for p in &self.prefills {
             h.clocks_dead(self.budget.prefill_ticks == 0).write(&p.id).write(&p.driver).write(&p.pool.stats().free_pages);
         }
@@ -1178,7 +1302,10 @@ impl<'c> World<'c> {
     /// A readable dump of the world, for counterexamples and the explorer.
     pub fn dump(&self) -> String {
         let mut s = String::new();
-        let _ = writeln!(s, "gateway: {:?}", self.gw);
+        for (g, gw) in self.gws.iter().enumerate() {
+            let dead = if self.dead.contains(&(g as u8)) { " (dead)" } else { "" };
+            let _ = writeln!(s, "gateway {g}{dead}: {gw:?}");
+        }
         for p in &self.prefills {
             let _ = writeln!(s, "prefill {}: {:?}", p.id, p.driver);
             let _ = writeln!(s, "  pool {:?}", p.pool.stats());

@@ -24,6 +24,7 @@ use bulkhead_kv::{
 
 use crate::admission::{Generate, admit};
 use crate::cache::CacheScope;
+use crate::gateway::gateway_of;
 use crate::msg::*;
 
 /// Limits of a decode worker.
@@ -52,6 +53,10 @@ pub enum DecodeEvent {
     PrefillConnected { from: WorkerId },
     /// A prefill worker's KV connection closed: nothing more can arrive from it.
     PrefillClosed { from: WorkerId },
+    /// The connection to gateway `gateway` closed: its clients are gone with it, so its
+    /// requests here end. A reservation's prefill worker is asked to stop (it may never
+    /// have got the job, and only it can say so) and the pages wait for its fence (I4).
+    GatewayLost { gateway: GatewayId },
     /// The clock moved.
     Tick { now_ms: u64 },
 }
@@ -546,6 +551,20 @@ impl DecodeRole {
                 self.stats.late_chunks += 1;
             }
             DecodeEvent::PrefillClosed { from } => self.prefill_fenced(pool, from, out),
+            DecodeEvent::GatewayLost { gateway } => {
+                self.deferred.retain(|m| m.req().is_none_or(|r| gateway_of(r) != gateway));
+                for req in self.requests().into_iter().filter(|r| gateway_of(*r) == gateway) {
+                    if let Some(p) = self.pending.remove(&req) {
+                        let prefill = p.prefill;
+                        self.quarantine(pool, req, p);
+                        if self.fencing.contains_key(&req) {
+                            out.push(DecodeAction::ToPrefill { to: prefill, msg: Message::Abort { req, reason: AbortReason::ClientGone } });
+                        }
+                    } else if self.decoding.remove(&req).is_some() {
+                        out.push(DecodeAction::Stop { req });
+                    }
+                }
+            }
             DecodeEvent::Gateway(m) => self.on_gateway(pool, m, out),
             DecodeEvent::Prefill { from, msg } => {
                 self.heard_from(from);

@@ -54,6 +54,11 @@ pub fn request_id(gateway: GatewayId, n: u64) -> RequestId {
     RequestId((u64::from(gateway.0) << GATEWAY_SHIFT) | (n % (1 << GATEWAY_SHIFT)))
 }
 
+/// A request's number at its gateway (its attempts share it).
+pub fn request_number(req: RequestId) -> u64 {
+    req.0 % (1 << GATEWAY_SHIFT)
+}
+
 /// The gateway a request (or an attempt of it) came from: its messages go there.
 pub fn gateway_of(req: RequestId) -> GatewayId {
     GatewayId(((req.0 % CLIENT_ID_LIMIT) >> GATEWAY_SHIFT) as u8)

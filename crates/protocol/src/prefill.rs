@@ -20,12 +20,13 @@
 //! reservations made for it.
 
 use bulkhead_fingerprint::Fingerprint;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use bulkhead_kv::{KvError, PageRef, RequestId};
 
 use crate::admission::{Generate, admit};
 use crate::cache::CacheScope;
+use crate::gateway::gateway_of;
 use crate::msg::*;
 
 /// Limits of a prefill worker.
@@ -115,6 +116,9 @@ pub enum PrefillEvent {
     DecodeConnected { decode: WorkerId },
     /// The KV connection to `decode` closed, or could not be opened: nothing more reaches it.
     DecodeLost { decode: WorkerId },
+    /// The connection to gateway `gateway` closed: its clients are gone with it, so its
+    /// jobs here end as its aborts would have ended them.
+    GatewayLost { gateway: GatewayId },
     /// The clock moved.
     Tick { now_ms: u64 },
 }
@@ -151,7 +155,15 @@ pub struct PrefillStats {
     pub keepalives: u64,
     /// KV connections lost, or that could not be opened.
     pub connections_lost: u64,
+    /// Requests a decode worker gave up before their job arrived here, fenced at once and
+    /// refused if the job comes later.
+    pub fenced_unknown: u64,
 }
+
+/// Most requests [`PrefillRole`] remembers as fenced before their job arrived; past that,
+/// a decode worker's abort of an unknown job gets no fence (its pages stay quarantined
+/// until this worker's KV connection closes, as without the tombstones).
+pub const MAX_TOMBSTONES: usize = 1 << 16;
 
 /// How long after losing a KV connection to a decode worker the role asks to rejoin,
 /// unless the gateway says meanwhile that the decode worker left (then its loss was
@@ -193,6 +205,10 @@ pub struct PrefillRole {
     peers: BTreeMap<WorkerId, Link>,
     /// A rejoin was asked for: the role takes nothing more.
     rejoining: bool,
+    /// Requests a decode worker aborted before their job arrived here: each was answered
+    /// with its fence, so its job is refused if it still comes (its pages may be another
+    /// request's by then). Request ids are never reused.
+    tombstones: BTreeSet<RequestId>,
     #[fingerprint(skip)]
     stats: PrefillStats,
 }
@@ -208,6 +224,7 @@ impl PrefillRole {
             running: Vec::new(),
             peers: BTreeMap::new(),
             rejoining: false,
+            tombstones: BTreeSet::new(),
             stats: PrefillStats::default(),
         }
     }
@@ -242,6 +259,12 @@ impl PrefillRole {
         self.running().any(|r| r == req) || self.queue.iter().any(|j| j.req == req)
     }
 
+    /// Whether `req` was fenced here before its job arrived: the job is refused when it
+    /// does (see [`PrefillRole`]'s abort of an unknown job).
+    pub fn tombstoned(&self, req: RequestId) -> bool {
+        self.tombstones.contains(&req)
+    }
+
     /// Whether the KV connection to `decode` is open.
     pub fn connected(&self, decode: WorkerId) -> bool {
         self.peers.get(&decode) == Some(&Link::Open)
@@ -267,10 +290,16 @@ impl PrefillRole {
             PrefillEvent::Gateway(Message::Prefill { req, tokens, decode, held, pages, sampling, skip_draws, trace, cache }) => {
                 self.admit(PrefillJob { req, tokens, decode, held, pages, sampling, skip_draws, trace, cache }, &mut out);
             }
-            // The gateway ends a request, or a decode worker asks to stop a transfer (it
-            // refused a chunk or timed out).
-            PrefillEvent::Gateway(Message::Abort { req, .. }) | PrefillEvent::Decode { msg: Message::Abort { req, .. }, .. } => {
-                self.abort(req, &mut out);
+            // The gateway ends a request: it knows whether it sent the job.
+            PrefillEvent::Gateway(Message::Abort { req, .. }) => self.abort(req, None, &mut out),
+            // A decode worker asks to stop a transfer (it refused a chunk, timed out, or lost
+            // the request's gateway); it waits for this worker's fence.
+            PrefillEvent::Decode { from, msg: Message::Abort { req, .. } } => self.abort(req, Some(from), &mut out),
+            PrefillEvent::GatewayLost { gateway } => {
+                let reqs: Vec<RequestId> = self.queue.iter().map(|j| j.req).chain(self.running()).collect();
+                for req in reqs.into_iter().filter(|r| gateway_of(*r) == gateway) {
+                    self.abort(req, None, &mut out);
+                }
             }
             PrefillEvent::Gateway(_) | PrefillEvent::Decode { .. } => {}
             PrefillEvent::DecodeConnected { decode } => {
@@ -298,6 +327,11 @@ impl PrefillRole {
     /// Worker-side admission (I3, I5): terminal, before any compute or transfer.
     fn admit(&mut self, job: PrefillJob, out: &mut Vec<PrefillAction>) {
         let (req, decode) = (job.req, job.decode);
+        if self.tombstones.remove(&req) {
+            // Its decode worker gave it up and has its fence: nothing may be written.
+            self.stats.aborted += 1;
+            return;
+        }
         if self.has_job(req) {
             // About the message, not the request: the original job goes on, so no fence.
             let why = format!("request {req} is already queued or running here");
@@ -341,7 +375,11 @@ impl PrefillRole {
         }
     }
 
-    fn abort(&mut self, req: RequestId, out: &mut Vec<PrefillAction>) {
+    /// End `req` here: a queued job is fenced at once, a running one stops at its next
+    /// chunk. A job not here, aborted by decode worker `by`, is fenced too and refused if
+    /// it arrives later: the decode worker cannot tell a job still on its way from one
+    /// that never will be (its gateway was lost), and must not wait for ever.
+    fn abort(&mut self, req: RequestId, by: Option<WorkerId>, out: &mut Vec<PrefillAction>) {
         if let Some(i) = self.queue.iter().position(|j| j.req == req) {
             if let Some(j) = self.queue.remove(i) {
                 self.stats.aborted += 1;
@@ -349,6 +387,12 @@ impl PrefillRole {
             }
         } else if let Some(r) = self.running.iter_mut().find(|r| r.req == req) {
             r.aborted = true;
+        } else if let Some(decode) = by
+            && self.tombstones.len() < MAX_TOMBSTONES
+        {
+            self.tombstones.insert(req);
+            self.stats.fenced_unknown += 1;
+            out.push(PrefillAction::ToDecode { to: decode, msg: Message::Fenced { req } });
         }
     }
 

@@ -324,3 +324,34 @@ fn every_chunk_re_arms_the_transfer_timer() {
     assert_eq!(r.state().0, (0, 0, 1));
     assert_eq!(r.dec.stats().timeouts, 0);
 }
+
+/// A lost gateway's requests end on the decode worker (issue 34) and no other gateway's
+/// do: its decoding sequence stops, its reservation is quarantined and its prefill worker is
+/// asked for the fence (the worker may never have got the job, and only it can say so), and
+/// the pages come back only with that fence (I4).
+#[test]
+fn a_lost_gateways_requests_end_here_and_the_other_gateways_go_on() {
+    use bulkhead_protocol::gateway::request_id;
+    let (lost, kept) = (GatewayId(1), GatewayId(0));
+    let mut r = Rig::new(16);
+    let decoding = request_id(lost, 1);
+    let pages = r.reserved(decoding.0, 4, A);
+    let (chunks, done) = r.transfer(decoding.0, 4, &pages);
+    for c in chunks {
+        r.prefill(A, c);
+    }
+    assert!(started(&r.prefill(A, done)));
+    let pending = request_id(lost, 2);
+    r.reserved(pending.0, 6, B);
+    let other = request_id(kept, 1);
+    r.reserved(other.0, 4, A);
+    let acts = r.dec.handle(&mut r.pool, DecodeEvent::GatewayLost { gateway: lost });
+    assert!(acts.iter().any(|a| matches!(a, DecodeAction::Stop { req } if *req == decoding)), "{acts:?}");
+    let abort = |a: &DecodeAction| matches!(a, DecodeAction::ToPrefill { to: B, msg: Message::Abort { req, .. } } if *req == pending);
+    assert!(acts.iter().any(abort), "the prefill worker is asked for its fence: {acts:?}");
+    assert_eq!(acts.len(), 2, "nothing about the other gateway's request: {acts:?}");
+    assert!(r.dec.known(other) && !r.dec.known(decoding));
+    assert_eq!(r.state().0, (1, 1, 0), "one reservation left, one quarantined");
+    assert!(r.prefill(B, Message::Fenced { req: pending }).is_empty());
+    assert_eq!(r.state().0, (1, 0, 0), "the fence brings the pages back");
+}

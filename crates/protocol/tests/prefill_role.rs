@@ -243,3 +243,34 @@ fn held_tokens_must_be_whole_pages_before_the_last_position_with_pages_for_the_r
     }
     assert_eq!(p.queued(), 1);
 }
+
+/// A decode worker that gives up a request whose job never reached this prefill worker (its
+/// gateway died before sending it, or the transfer timed out first) gets the fence at
+/// once instead of waiting for ever, and the job is refused if it still comes: its pages
+/// may be another request's by then (I4). A gateway's abort of a job not here changes
+/// nothing (the gateway knows whether it sent one).
+#[test]
+fn an_abort_from_the_decode_worker_of_a_job_not_here_is_fenced_and_the_late_job_refused() {
+    let mut p = role();
+    assert!(p.handle(abort(7)).is_empty(), "the gateway's abort of an unknown job is a no-op");
+    let from_decode = PrefillEvent::Decode { from: DECODE, msg: Message::Abort { req: RequestId(7), reason: AbortReason::Timeout } };
+    assert_eq!(sent(p.handle(from_decode)), [(false, Message::Fenced { req: RequestId(7) })]);
+    assert!(p.tombstoned(RequestId(7)));
+    assert!(sent(p.handle(prefill(7, 4, 1))).is_empty(), "the late job is dropped");
+    assert_eq!((p.queued(), p.tombstoned(RequestId(7))), (0, false), "nothing queued; the tombstone is used up");
+    assert_eq!(p.stats().fenced_unknown, 1);
+}
+
+/// A lost gateway's jobs end here as its aborts would (queued: fenced at once), and no
+/// other gateway's job does.
+#[test]
+fn a_lost_gateways_jobs_end_and_the_other_gateways_stay() {
+    use bulkhead_protocol::gateway::request_id;
+    let mut p = role();
+    let (lost, kept) = (request_id(GatewayId(3), 1), request_id(GatewayId(0), 1));
+    p.handle(prefill(lost.0, 4, 1));
+    p.handle(prefill(kept.0, 4, 1));
+    let acts = sent(p.handle(PrefillEvent::GatewayLost { gateway: GatewayId(3) }));
+    assert_eq!(acts, [(false, Message::Fenced { req: lost })]);
+    assert!(p.has_job(kept) && !p.has_job(lost));
+}

@@ -30,8 +30,7 @@ use bulkhead_engine::{Engine, EngineConfig};
 use bulkhead_kv::{KvPool, PrefixCache, RequestId};
 use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeLink};
-use bulkhead_protocol::gateway::gateway_of;
-use bulkhead_protocol::{AbortReason, Hello, Message, Purpose, Role, WorkerId};
+use bulkhead_protocol::{Hello, Message, Purpose, Role, WorkerId};
 use tracing::Span;
 
 use crate::door::{self, Door, Refusal, Waiter};
@@ -138,10 +137,7 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
                 }
                 In::Gateway(GatewayIn::Closed(i)) => {
                     if let Some(gateway) = link.gateways.closed(i) {
-                        // Its clients are gone with it: end its requests as its aborts would.
-                        for req in driver.role().requests().into_iter().filter(|r| gateway_of(*r) == gateway) {
-                            driver.handle(DecodeEvent::Gateway(Message::Abort { req, reason: AbortReason::ClientGone }), &mut link);
-                        }
+                        driver.handle(DecodeEvent::GatewayLost { gateway }, &mut link);
                     }
                     if link.gateways.connected() == 0 {
                         tracing::info!("no gateway left; decode worker exiting");

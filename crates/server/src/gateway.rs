@@ -349,7 +349,7 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
         workers: BTreeMap::new(),
         clients: BTreeMap::new(),
         gateway_id: opts.gateway_id,
-        next_req: 1,
+        next_req: first_request_number(),
         registered: [0, 0],
         requests: RequestMetrics::default(),
         tenants: BTreeMap::new(),
@@ -399,6 +399,15 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
     let server = tokio::spawn(crate::http::serve(hl, app, opts.http, rx));
     tracing::info!(%http_addr, %worker_addr, model = %model_id, "gateway listening");
     Ok(RunningGateway { http_addr, worker_addr, server, shutdown: Some(tx), shared: backend_shared })
+}
+
+/// The number of this gateway's first request: the wall clock in microseconds, so that a
+/// restarted gateway never reuses an id its previous run gave a request that workers may
+/// still hold (they outlive it when other gateways keep them), unless it made more than a
+/// request per microsecond. Ids wrap after 2^40 µs (12.7 days), long after any request
+/// ended.
+fn first_request_number() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_micros() as u64).max(1)
 }
 
 fn unix_now() -> u64 {

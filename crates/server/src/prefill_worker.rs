@@ -24,9 +24,8 @@ use bulkhead_engine::Prefiller;
 use bulkhead_kv::transfer::ChunkExport;
 use bulkhead_kv::{KvPool, PrefixCache, RequestId};
 use bulkhead_protocol::driver::prefill::{Batching, ChunkSendError, LinkDown, PrefillDriver, PrefillLink, Step};
-use bulkhead_protocol::gateway::gateway_of;
 use bulkhead_protocol::prefill::{JobOutcome, PrefillConfig, PrefillEvent, PrefillRole};
-use bulkhead_protocol::{AbortReason, Hello, Message, Purpose, Role, WorkerId};
+use bulkhead_protocol::{Hello, Message, Purpose, Role, WorkerId};
 
 use crate::gateways::{GatewayIn, Gateways, fresh_worker_id};
 use crate::metrics::{self, Families, Histogram, Pusher};
@@ -372,11 +371,7 @@ impl Worker<'_> {
                         g.remove(&i);
                     });
                     if let Some(gateway) = self.link.gateways.closed(i) {
-                        // Its clients are gone with it: end its jobs as its aborts would.
-                        let reqs: Vec<RequestId> = self.driver.running().chain(self.driver.role().queued_jobs()).map(|j| j.req).collect();
-                        for req in reqs.into_iter().filter(|r| gateway_of(*r) == gateway) {
-                            self.handle(PrefillEvent::Gateway(Message::Abort { req, reason: AbortReason::ClientGone }));
-                        }
+                        self.handle(PrefillEvent::GatewayLost { gateway });
                     }
                     if self.link.gateways.connected() == 0 {
                         tracing::info!("no gateway left; prefill worker exiting");

@@ -30,12 +30,16 @@ pub enum DecodeSabotage {
     /// whatever its own (a driver that mixes up scopes): requests of every tenant share one
     /// decode-side cache, and the fence, derived from the same scope, cannot tell them apart.
     OneScope(Option<CacheScope>),
+    /// A lost gateway is not the decode worker's business: its requests stay reserved and
+    /// decoding for clients that are gone.
+    IgnoreGatewayLoss,
 }
 
 impl DecodePolicy for DecodeSabotage {
     fn inbound(&mut self, ev: DecodeEvent) -> Option<DecodeEvent> {
         match (ev, self) {
             (DecodeEvent::Prefill { msg: Message::Fenced { .. }, .. }, DecodeSabotage::DropFences) => None,
+            (DecodeEvent::GatewayLost { .. }, DecodeSabotage::IgnoreGatewayLoss) => None,
             (
                 DecodeEvent::Gateway(Message::Reserve {
                     req,
