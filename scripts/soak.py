@@ -1,12 +1,16 @@
 """Chaos soak against a running `bulkhead serve` (scripts/soak.sh starts one and runs this).
 
 Clients send chat requests with and without `max_tokens`, prompts of roughly 20 to 4,000
-tokens, some streamed, some of them hanging up early; on a schedule a random worker
-process is killed with SIGKILL. At the end it prints requests by outcome, every request
-whose outcome is not a success, a clean 429, a clean error while a prefill worker it may
-have used died (a decode worker's death must cost nothing: its requests move), a `timeout` once the server's request limit has passed, or a deliberate
-hang-up; pages free on every worker; RSS of every process at
-start and end; and isolation-check failures. Exit status 1 if any of those is wrong.
+tokens, some streamed, some of them hanging up early, spread over the gateways given; on a
+schedule a random worker or gateway process is killed with SIGKILL, and a keyless
+attacker trickles handshake bytes into a decode worker's KV port from as many
+connections as it can hold. At the end it prints requests by outcome, every request whose
+outcome is not a success, a clean 429, a clean error while a prefill worker it may have
+used died (a decode worker's death must cost nothing: its requests move), a cut
+connection of a gateway that was killed (the other gateway's clients must see nothing), a
+`timeout` once the server's request limit has passed, or a deliberate hang-up; pages free
+on every worker; RSS of every process at start and end; and isolation-check failures.
+Exit status 1 if any of those is wrong.
 
 Standard library only.
 """
@@ -18,6 +22,7 @@ import os
 import random
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -50,7 +55,10 @@ def children(pid):
             with open(f"/proc/{p}/cmdline", "rb") as f:
                 args = f.read().split(b"\0")
             if b"--role" in args:
-                out[int(p)] = args[args.index(b"--role") + 1].decode()
+                role = args[args.index(b"--role") + 1].decode()
+                if role == "gateway" and b"--gateway-id" in args:
+                    role = "gateway-" + args[args.index(b"--gateway-id") + 1].decode()
+                out[int(p)] = role
         except (OSError, ValueError, IndexError):
             continue
     return out
@@ -104,11 +112,56 @@ def lost_role(err):
     return "a worker"
 
 
+def kv_addresses(log):
+    """The KV ports the decode workers announced so far (restarts announce new ones)."""
+    try:
+        with open(log) as f:
+            return re.findall(r'decode worker registered.*kv_addr="([^"]+)"', f.read())
+    except OSError:
+        return []
+
+
+class Trickle:
+    """A keyless peer that holds as many connections to a decode worker's KV port as it can,
+    each sending a byte of an unfinished handshake every two seconds (the doors must cut
+    them and keep room for the real prefill workers)."""
+
+    def __init__(self, log, conns):
+        self.log, self.conns = log, conns
+        self.opened = self.cut = 0
+        self.stop = threading.Event()
+
+    def run(self):
+        socks = []
+        while not self.stop.is_set():
+            addrs = kv_addresses(self.log)
+            if addrs:
+                host, port = addrs[-1].rsplit(":", 1)
+                while len(socks) < self.conns:
+                    try:
+                        socks.append(socket.create_connection((host, int(port)), timeout=1))
+                        self.opened += 1
+                    except OSError:
+                        break
+            alive = []
+            for s in socks:
+                try:
+                    s.send(b"B")
+                    alive.append(s)
+                except OSError:
+                    self.cut += 1
+                    s.close()
+            socks = alive
+            self.stop.wait(2.0)
+        for s in socks:
+            s.close()
+
+
 class Soak:
     def __init__(self, a):
         self.a = a
-        self.host, port = a.addr.rsplit(":", 1)
-        self.port = int(port)
+        self.gateways = [(h, int(p)) for h, p in (x.rsplit(":", 1) for x in a.addr.split(","))]
+        self.host, self.port = self.gateways[0]
         self.lock = threading.Lock()
         self.outcomes = Counter()
         self.bad = []
@@ -120,9 +173,16 @@ class Soak:
         self.model = json.loads(c.getresponse().read())["data"][0]["id"]  # the served model's name
         c.close()
 
-    def killed_during(self, start, end):
+    def killed_during(self, start, end, roles=("prefill", "decode")):
+        """Whether a process of one of `roles` was killed while a request ran."""
         with self.lock:
-            return any(start <= t <= end + 1.0 for t, _, _ in self.kills)
+            return any(start <= t <= end + 1.0 and r in roles for t, _, r in self.kills)
+
+    def gateway_down(self, g, start, end):
+        """Whether gateway `g` was killed while a request ran, or is still coming back."""
+        role = f"gateway-{g}"
+        with self.lock:
+            return any(r == role and t <= end + 1.0 and (t >= start or end - t < 30.0) for t, _, r in self.kills)
 
     def at_server_limit(self, start, err):
         """A `timeout` error once the request has run for the server's --request-timeout-ms:
@@ -135,7 +195,8 @@ class Soak:
             if detail is not None:
                 self.bad.append((outcome, detail))
 
-    def one(self, rng):
+    def one(self, rng, g):
+        host, port = self.gateways[g]
         tokens = rng.randint(20, self.a.max_prompt)
         body = {"model": self.model, "messages": [{"role": "user", "content": prompt_of(rng, tokens)}]}
         if rng.random() < 0.5:
@@ -148,7 +209,7 @@ class Soak:
         # Requests still running when the soak ends are cut then (clients without
         # max_tokens may generate thousands of tokens).
         limit = max(1.0, min(self.a.request_timeout, self.stop_at + GRACE_S - start))
-        c = http.client.HTTPConnection(self.host, self.port, timeout=limit)
+        c = http.client.HTTPConnection(host, port, timeout=limit)
         try:
             c.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
             if hang_up and not stream:
@@ -171,6 +232,11 @@ class Soak:
                     return self.record(f"{r.status} {err.get('code')} after {lost_role(err)} died")
                 if self.at_server_limit(start, err):
                     return self.record(f"{r.status} timeout at the server's request limit")
+                if r.status == 503 and self.gateway_down(g, start, time.monotonic()):
+                    # Restarted, it answers before the workers have registered again (its
+                    # /ready says so).
+                    time.sleep(0.5)
+                    return self.record("503 while its gateway restarts (deliberate)")
                 return self.record(f"{r.status} {err.get('code')}", f"{r.status}: {err.get('message')}")
             if not stream:
                 v = json.loads(r.read())
@@ -200,6 +266,8 @@ class Soak:
                     return self.record("hung up mid-stream (deliberate)")
             if finished and done and not error:
                 return self.record("200 streamed")
+            if not done and self.gateway_down(g, start, time.monotonic()):
+                return self.record("stream cut: its gateway was killed (deliberate)")
             if error and done and self.killed_during(start, time.monotonic()) and error.get("code") == "worker_lost" and excused_loss(error):
                 return self.record(f"stream error after {lost_role(error)} died")
             if error and done and self.at_server_limit(start, error):
@@ -210,23 +278,27 @@ class Soak:
                 return self.record("cut at the end of the soak (deliberate)")
             return self.record("client timeout", f"{type(e).__name__}: {e}")
         except (OSError, http.client.HTTPException, ValueError, KeyError, IndexError) as e:
+            if isinstance(e, (ConnectionError, http.client.HTTPException)) and self.gateway_down(g, start, time.monotonic()):
+                # Its clients reconnect once serve has restarted it.
+                time.sleep(0.5)
+                return self.record("connection cut or refused: its gateway was killed (deliberate)")
             if self.killed_during(start, time.monotonic()) and isinstance(e, (ConnectionError, http.client.HTTPException)):
                 return self.record("connection cut after a worker died", f"{type(e).__name__}: {e}")
             return self.record("client error", f"{type(e).__name__}: {e}")
         finally:
             c.close()
 
-    def client(self, seed):
+    def client(self, seed, g):
         rng = random.Random(seed)
         while time.monotonic() < self.stop_at:
-            self.one(rng)
+            self.one(rng, g)
 
     def killer(self, serve_pid, rng):
         for at, role in self.a.kills:
             while time.monotonic() < self.t0 + at:
                 if self.done.wait(0.2):
                     return
-            workers = [p for p, r in children(serve_pid).items() if role in (r, "any")]
+            workers = [p for p, r in children(serve_pid).items() if role in (r, "any") or (role == "gateway" and r.startswith("gateway-"))]
             if not workers:
                 print(f"soak: no {role} worker to kill at {at} s", flush=True)
                 continue
@@ -235,7 +307,7 @@ class Soak:
             os.kill(pid, signal.SIGKILL)
             with self.lock:
                 self.kills.append((time.monotonic(), pid, role_of))
-            print(f"soak: {at:>4} s: kill -9 {role_of} worker {pid}", flush=True)
+            print(f"soak: {at:>4} s: kill -9 {role_of} {pid}", flush=True)
 
 
 def wait_for_workers(host, port, n):
@@ -258,7 +330,9 @@ def parse_kills(spec, duration, every):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--addr", required=True, help="HOST:PORT of the gateway")
+    ap.add_argument("--addr", required=True, help="HOST:PORT of each gateway, comma-separated")
+    ap.add_argument("--log", help="serve's log, to find a decode worker's KV port for the trickle attacker")
+    ap.add_argument("--trickle", type=int, default=256, help="attacker connections to hold (0: none)")
     ap.add_argument("--serve-pid", type=int, required=True)
     ap.add_argument("--duration", type=float, default=600)
     ap.add_argument("--clients", type=int, default=16)
@@ -277,7 +351,10 @@ def main():
     rng = random.Random(a.seed)
     killer = threading.Thread(target=s.killer, args=(a.serve_pid, random.Random(a.seed + 1)), daemon=True)
     killer.start()
-    threads = [threading.Thread(target=s.client, args=(rng.random(),)) for _ in range(a.clients)]
+    trickle = Trickle(a.log, a.trickle) if a.log and a.trickle else None
+    if trickle:
+        threading.Thread(target=trickle.run, daemon=True).start()
+    threads = [threading.Thread(target=s.client, args=(rng.random(), i % len(s.gateways))) for i in range(a.clients)]
     for t in threads:
         t.start()
     # RSS after a warm-up (pools and buffers touched), before the first kill.
@@ -288,10 +365,14 @@ def main():
         t.join()
     s.done.set()
     killer.join()
+    if trickle:
+        trickle.stop.set()
     failed = False
 
     print(f"\nsoak: {sum(s.outcomes.values())} requests in {time.monotonic() - s.t0:.0f} s, "
-          f"{a.clients} clients, {len(s.kills)} workers killed")
+          f"{a.clients} clients on {len(s.gateways)} gateway(s), {len(s.kills)} processes killed")
+    if trickle:
+        print(f"trickle attacker: {trickle.opened} keyless connections opened, {trickle.cut} cut by the KV port's door")
     for k, n in sorted(s.outcomes.items(), key=lambda kv: -kv[1]):
         print(f"  {n:>6}  {k}")
     print(f"requests with an unclean outcome: {len(s.bad)}")
