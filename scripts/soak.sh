@@ -29,7 +29,7 @@ trap 'kill $serve 2>/dev/null; wait $serve 2>/dev/null; rm -f "$out"; if [[ $sta
 addrs=""
 for _ in $(seq 1 600); do
     # Every gateway's HTTP address, comma-separated.
-    addrs=$(grep -o 'http://[^ ]*' "$out" | sed 's|http://||' | paste -sd, -)
+    addrs=$(grep -o 'http://[^ ]*' "$out" | sed 's|http://||' | paste -sd, - || true)
     [[ -n "$addrs" ]] && break
     sleep 0.2
 done
