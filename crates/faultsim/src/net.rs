@@ -43,8 +43,8 @@ impl fmt::Display for ConnId {
 /// One end of a connection: the gateway or a worker process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum End {
-    /// The gateway.
-    Gateway,
+    /// A gateway (its index in the plan).
+    Gateway(u8),
     /// A prefill or decode worker.
     Worker(WorkerId),
 }
@@ -52,7 +52,8 @@ pub enum End {
 impl fmt::Display for End {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            End::Gateway => write!(f, "gw"),
+            End::Gateway(0) => write!(f, "gw"),
+            End::Gateway(g) => write!(f, "gw{g}"),
             End::Worker(w) => write!(f, "w{}", w.0),
         }
     }
@@ -349,9 +350,9 @@ mod tests {
         for seed in 0..50 {
             let mut dice = Dice::new(seed);
             let mut net = Net::new(500, 0);
-            let c = net.connect(End::Gateway, End::Worker(WorkerId(1)), &mut dice);
+            let c = net.connect(End::Gateway(0), End::Worker(WorkerId(1)), &mut dice);
             for r in 0..20 {
-                assert!(net.send(c, End::Gateway, &fenced(r), r * 3, &mut dice));
+                assert!(net.send(c, End::Gateway(0), &fenced(r), r * 3, &mut dice));
             }
             let got = drain(&mut net, &mut dice);
             let want: Vec<(End, String)> = (0..20).map(|r| (End::Worker(WorkerId(1)), format!("{:?}", fenced(r)))).collect();
@@ -391,7 +392,7 @@ mod tests {
         for seed in 0..20 {
             let mut dice = Dice::new(seed);
             let mut net = Net::default();
-            let (a, b) = (End::Gateway, End::Worker(WorkerId(3)));
+            let (a, b) = (End::Gateway(0), End::Worker(WorkerId(3)));
             let c = net.connect(a, b, &mut dice);
             net.send(c, a, &fenced(1), 0, &mut dice);
             assert!(net.garble(c, a, 0, &mut dice));

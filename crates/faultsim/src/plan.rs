@@ -7,8 +7,11 @@
 //! is submitted and whether its client leaves, and the faults with their times. Which
 //! connection a fault hits is drawn when it fires, among those alive then.
 
+use std::collections::BTreeMap;
+
 use bulkhead_kv::{KvLayout, RequestId};
-use bulkhead_protocol::{GrammarSpec, Role, Sampling};
+use bulkhead_protocol::gateway::request_id;
+use bulkhead_protocol::{GatewayId, GrammarSpec, Role, Sampling};
 
 use crate::dice::Dice;
 use crate::model::Shape;
@@ -76,6 +79,10 @@ pub enum Fault {
     /// A worker process dies: its role state and pool are lost. A fresh one (new id, new
     /// pool) registers `restart_after_ms` later.
     Crash { role: Role, restart_after_ms: Option<u64> },
+    /// A gateway process dies (never the last one alive): its connections close, its
+    /// clients are gone with it, and the workers end its requests on their own. It is not
+    /// restarted.
+    LoseGateway,
 }
 
 /// A fault that strikes mid-transfer: right after the schedule's `after_chunks`-th KV
@@ -155,6 +162,9 @@ pub struct Plan {
     pub decode: WorkerPlan,
     /// The model's context (the gateway serves at most this).
     pub model_context: usize,
+    /// Gateways (1 or 2); request `i` goes to gateway `i % gateways` (its id says which),
+    /// and every worker registers with each.
+    pub gateways: u8,
     /// Whether the gateway checks the context itself (off: the workers' checks alone).
     pub gateway_check: bool,
     /// The gateway's request timeout.
@@ -214,6 +224,7 @@ impl Plan {
             prefill,
             decode,
             model_context: shape.model_context,
+            gateways: 1,
             gateway_check: dice.chance(700),
             request_timeout_ms: if dice.chance(200) { dice.range(30, 400) } else { dice.range(1_500, 4_000) },
             transfer_timeout_ms: if dice.chance(200) { dice.range(10, 200) } else { dice.range(800, 3_000) },
@@ -299,6 +310,25 @@ impl Plan {
         }
         if plan.prefix_cache && seed.is_multiple_of(2) {
             plan.local_prefill = 2 * ps;
+        }
+        // Drawn last, so the rest of every schedule is what it was before several gateways:
+        // some schedules run two, the requests alternating between them, and may lose one.
+        if dice.chance(300) {
+            plan.gateways = 2;
+            let ids: BTreeMap<RequestId, RequestId> =
+                plan.requests.iter().enumerate().map(|(i, r)| (r.req, request_id(GatewayId((i % 2) as u8), r.req.0))).collect();
+            for r in &mut plan.requests {
+                r.req = ids[&r.req];
+            }
+            for (_, e) in &mut events {
+                if let Planned::Submit(req) | Planned::ClientGone(req) = e {
+                    *req = ids[req];
+                }
+            }
+            if !options.no_faults && dice.chance(400) {
+                events.push((dice.range(0, spread + 300), Planned::Fault(Fault::LoseGateway)));
+                events.sort_by_key(|(at, _)| *at);
+            }
         }
         plan.events = events;
         plan

@@ -20,9 +20,9 @@ use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole, DecodeSta
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeEngine, DecodeLink};
 use bulkhead_protocol::driver::prefill::{Batching, LinkDown, PrefillDriver, PrefillLink, Step};
 use bulkhead_protocol::driver::sabotage::DecodeSabotage;
-use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, TenantId, client_of};
+use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, TenantId, client_of, gateway_of};
 use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillRole};
-use bulkhead_protocol::{Hello, Message, RejectReason, Role, TraceContext, WorkerId};
+use bulkhead_protocol::{GatewayId, Hello, Message, RejectReason, Role, TraceContext, WorkerId};
 
 use crate::dice::Dice;
 use crate::model::{DecodeModel, Models, PrefillModel};
@@ -87,6 +87,8 @@ pub struct Tally {
     pub decode_held_tokens: u64,
     /// Requests moved off a lost decode worker (each then checked like any other).
     pub migrated: u64,
+    /// Gateways killed (schedules with two gateways).
+    pub gateways_lost: u64,
     /// Pages decode workers' caches evicted.
     pub decode_cache_evictions: u64,
     /// Requests whose rest of the prompt a decode worker computed itself.
@@ -119,6 +121,7 @@ impl std::ops::AddAssign for Tally {
         self.migrated += o.migrated;
         self.decode_cache_evictions += o.decode_cache_evictions;
         self.local_prefills += o.local_prefills;
+        self.gateways_lost += o.gateways_lost;
     }
 }
 
@@ -127,13 +130,16 @@ struct Gateway {
     /// Registered workers' connections (the role keeps who they are).
     workers: BTreeMap<WorkerId, ConnId>,
     next_tick: u64,
+    /// Killed ([`Fault::LoseGateway`]): it does nothing more.
+    dead: bool,
 }
 
 struct PrefillWorker<P> {
     driver: PrefillDriver,
     model: P,
     pool: KvPool,
-    gw: ConnId,
+    /// Its connection to each gateway it is registered with, by gateway.
+    gws: BTreeMap<u8, ConnId>,
     /// Its KV connection to each decode worker.
     kv: BTreeMap<WorkerId, ConnId>,
     busy_until: u64,
@@ -142,7 +148,8 @@ struct PrefillWorker<P> {
 
 struct DecodeWorker<D> {
     driver: DecodeDriver<D, DecodeSabotage>,
-    gw: ConnId,
+    /// Its connection to each gateway it is registered with, by gateway.
+    gws: BTreeMap<u8, ConnId>,
     /// Accepted KV connections and the prefill worker each announced (None before KvHello).
     kv: BTreeMap<ConnId, Option<WorkerId>>,
     /// Every prefill worker that ever announced itself here.
@@ -184,7 +191,7 @@ enum Due {
     Planned(u64, u32),
     PrefillWork(WorkerId),
     DecodeWork(WorkerId),
-    GatewayTick,
+    GatewayTick(u8),
     DecodeTick(WorkerId),
     PrefillTick(WorkerId),
 }
@@ -216,13 +223,23 @@ struct Port<'a> {
     now: u64,
     net: &'a mut Net,
     dice: &'a mut Dice,
-    /// Its gateway connection.
-    gw: ConnId,
+    /// Its gateway connections, by gateway.
+    gws: &'a BTreeMap<u8, ConnId>,
 }
 
 impl Port<'_> {
     fn send(&mut self, conn: ConnId, msg: &Message) {
         self.net.send(conn, End::Worker(self.me), msg, self.now, self.dice);
+    }
+
+    /// What the production worker's `Gateways::send` does: a request's message to its
+    /// gateway, anything else to every gateway.
+    fn send_gateway(&mut self, msg: &Message) {
+        let to = msg.req().map(|r| gateway_of(r).0);
+        let conns: Vec<ConnId> = self.gws.iter().filter(|(g, _)| to.is_none_or(|t| t == **g)).map(|(_, c)| *c).collect();
+        for c in conns {
+            self.send(c, msg);
+        }
     }
 }
 
@@ -252,8 +269,7 @@ impl PrefillWire<'_, '_> {
 impl PrefillLink for PrefillWire<'_, '_> {
     fn to_gateway(&mut self, msg: Message) {
         if !self.dead {
-            let gw = self.port.gw;
-            self.port.send(gw, &msg);
+            self.port.send_gateway(&msg);
         }
     }
 
@@ -316,8 +332,7 @@ impl DecodeLink for DecodeWire<'_> {
         if let Message::Reserved { pages, .. } = &msg {
             self.handed_out.extend(pages.iter().map(|p| (p.page, p.generation)));
         }
-        let gw = self.port.gw;
-        self.port.send(gw, &msg);
+        self.port.send_gateway(&msg);
     }
 
     fn to_prefill(&mut self, to: WorkerId, msg: Message) {
@@ -355,7 +370,8 @@ pub struct Sim<'m, M: Models> {
     deadline: u64,
     steps: u64,
     net: Net,
-    gw: Gateway,
+    /// The gateways, by index; a dead one stays (its counters) and does nothing.
+    gws: Vec<Gateway>,
     prefills: BTreeMap<WorkerId, PrefillWorker<M::Prefill>>,
     decodes: BTreeMap<WorkerId, DecodeWorker<M::Decode>>,
     dead: Vec<Remains>,
@@ -448,7 +464,7 @@ pub fn run<M: Models>(models: &M, seed: u64, options: crate::plan::Options) -> O
 
 impl<'m, M: Models> Sim<'m, M> {
     fn new(models: &'m M, plan: Plan, dice: Dice) -> Self {
-        let gw = GatewayRole::new(GatewayConfig {
+        let config = GatewayConfig {
             model_context: plan.model_context,
             model_digest: DIGEST,
             admission_check: plan.gateway_check,
@@ -458,7 +474,15 @@ impl<'m, M: Models> Sim<'m, M> {
             migration_limit: 3,
             prefill_window_tokens: 0,
             tenants: Default::default(),
-        });
+        };
+        let gws = (0..plan.gateways.max(1))
+            .map(|g| Gateway {
+                role: GatewayRole::new(config.clone()).with_id(GatewayId(g)),
+                workers: BTreeMap::new(),
+                next_tick: GATEWAY_TICK_MS,
+                dead: false,
+            })
+            .collect();
         let mut timeline = BTreeMap::new();
         for (i, (at, p)) in plan.events.iter().enumerate() {
             timeline.insert((*at, i as u32), p.clone());
@@ -477,7 +501,7 @@ impl<'m, M: Models> Sim<'m, M> {
             deadline,
             steps: 0,
             net,
-            gw: Gateway { role: gw, workers: BTreeMap::new(), next_tick: GATEWAY_TICK_MS },
+            gws,
             prefills: BTreeMap::new(),
             decodes: BTreeMap::new(),
             dead: Vec::new(),
@@ -568,8 +592,10 @@ impl<'m, M: Models> Sim<'m, M> {
                 out.push(Due::DecodeTick(*id));
             }
         }
-        if self.gw.next_tick <= now {
-            out.push(Due::GatewayTick);
+        for (g, gw) in self.live_gateways() {
+            if gw.next_tick <= now {
+                out.push(Due::GatewayTick(g));
+            }
         }
         out
     }
@@ -579,7 +605,8 @@ impl<'m, M: Models> Sim<'m, M> {
         let steps = self.decodes.values().filter(|d| d.driver.engine().active() > 0).map(|d| d.busy_until);
         let prefill_ticks =
             self.prefills.iter().filter(|(id, p)| self.awaited(**id) || p.driver.role().rejoin_pending()).map(|(_, p)| p.next_tick);
-        let ticks = self.decodes.values().map(|d| d.next_tick).chain(prefill_ticks).chain([self.gw.next_tick]);
+        let gateway_ticks = self.live_gateways().map(|(_, g)| g.next_tick);
+        let ticks = self.decodes.values().map(|d| d.next_tick).chain(prefill_ticks).chain(gateway_ticks);
         let planned = self.timeline.keys().next().map(|k| k.0);
         work.chain(steps).chain(ticks).chain(planned).chain(self.net.next_due()).filter(|t| *t > self.now).min()
     }
@@ -595,9 +622,14 @@ impl<'m, M: Models> Sim<'m, M> {
     fn quiet(&self) -> bool {
         self.timeline.is_empty()
             && self.net.idle()
-            && self.gw.role.in_flight() == 0
+            && self.live_gateways().all(|(_, g)| g.role.in_flight() == 0)
             && self.prefills.values().all(|p| p.driver.is_idle())
             && self.decodes.values().all(|d| d.driver.is_idle())
+    }
+
+    /// The gateways alive, with their indices.
+    fn live_gateways(&self) -> impl Iterator<Item = (u8, &Gateway)> {
+        self.gws.iter().enumerate().filter(|(_, g)| !g.dead).map(|(i, g)| (i as u8, g))
     }
 
     fn perform(&mut self, due: Due) {
@@ -614,13 +646,14 @@ impl<'m, M: Models> Sim<'m, M> {
             }
             Due::PrefillWork(w) => self.prefill_work(w),
             Due::DecodeWork(w) => self.decode_work(w),
-            Due::GatewayTick => {
-                self.gw.next_tick += GATEWAY_TICK_MS;
-                let acts = self.gw.role.handle(GatewayEvent::Tick { now_ms: self.now });
+            Due::GatewayTick(g) => {
+                let gw = &mut self.gws[usize::from(g)];
+                gw.next_tick += GATEWAY_TICK_MS;
+                let acts = gw.role.handle(GatewayEvent::Tick { now_ms: self.now });
                 if !acts.is_empty() {
-                    self.log("gw tick");
+                    self.log(format!("{} tick", End::Gateway(g)));
                 }
-                self.gateway_actions(acts);
+                self.gateway_actions(g, acts);
             }
             Due::DecodeTick(w) => self.decode_tick(w),
             Due::PrefillTick(w) => {
@@ -649,6 +682,14 @@ impl<'m, M: Models> Sim<'m, M> {
             Planned::Start(wp) => self.start_worker(wp),
             Planned::Submit(req) => {
                 let Some(r) = self.plan.request(req).cloned() else { return };
+                let g = gateway_of(req).0;
+                if self.gws[usize::from(g)].dead {
+                    self.log(format!("client r{req} cannot reach its gateway, which is gone"));
+                    if let Some(c) = self.clients.get_mut(&req) {
+                        c.gone_at = Some(0);
+                    }
+                    return;
+                }
                 self.log(format!("client r{req} submits"));
                 let ev = GatewayEvent::Submit {
                     req,
@@ -661,16 +702,19 @@ impl<'m, M: Models> Sim<'m, M> {
                     cache: self.plan.prefix_cache.then(|| CacheSecret::from_random([5; 32]).scope(&format!("tenant-{}", r.tenant), None)),
                     priority: 0,
                 };
-                let acts = self.gw.role.handle(ev);
-                self.gateway_actions(acts);
+                let acts = self.gws[usize::from(g)].role.handle(ev);
+                self.gateway_actions(g, acts);
             }
             Planned::ClientGone(req) => {
                 self.log(format!("client r{req} goes away"));
                 if let Some(c) = self.clients.get_mut(&req) {
-                    c.gone_at = Some(c.outputs.len());
+                    c.gone_at.get_or_insert(c.outputs.len());
                 }
-                let acts = self.gw.role.handle(GatewayEvent::ClientGone { req });
-                self.gateway_actions(acts);
+                let g = gateway_of(req).0;
+                if !self.gws[usize::from(g)].dead {
+                    let acts = self.gws[usize::from(g)].role.handle(GatewayEvent::ClientGone { req });
+                    self.gateway_actions(g, acts);
+                }
             }
             Planned::Fault(f) => self.fault(f),
         }
@@ -683,12 +727,17 @@ impl<'m, M: Models> Sim<'m, M> {
             Ok(p) => p,
             Err(e) => return self.violate(format!("cannot make a pool for {wp:?}: {e}")),
         };
-        let gw = self.net.connect(End::Worker(id), End::Gateway, &mut self.dice);
         self.log(format!("start w{} {:?} pool {} pages context {}", id.0, wp.role, wp.pool_pages, wp.context));
         let l = self.plan.layout;
         let kv_addr = if wp.role == Role::Decode { format!("w{}", id.0) } else { String::new() };
         let hello = Hello::for_pool(wp.role, id, DIGEST, &pool, wp.context, kv_addr);
-        self.send(gw, End::Worker(id), Message::Hello(hello));
+        let live: Vec<u8> = self.live_gateways().map(|(g, _)| g).collect();
+        let mut gws = BTreeMap::new();
+        for g in live {
+            let conn = self.net.connect(End::Worker(id), End::Gateway(g), &mut self.dice);
+            self.send(conn, End::Worker(id), Message::Hello(hello.clone()));
+            gws.insert(g, conn);
+        }
         let next_tick = self.now + WORKER_TICK_MS;
         match wp.role {
             Role::Prefill => {
@@ -698,7 +747,7 @@ impl<'m, M: Models> Sim<'m, M> {
                 let driver = PrefillDriver::new(role, Batching { chunk_tokens, step_tokens: self.plan.step_chunks * chunk_tokens });
                 let driver = if self.plan.prefix_cache { driver.with_cache(PrefixCache::new(wp.pool_pages), DIGEST) } else { driver };
                 let model = self.models.prefill();
-                self.prefills.insert(id, PrefillWorker { driver, model, pool, gw, kv: BTreeMap::new(), busy_until: 0, next_tick });
+                self.prefills.insert(id, PrefillWorker { driver, model, pool, gws, kv: BTreeMap::new(), busy_until: 0, next_tick });
             }
             Role::Decode => {
                 let role = DecodeRole::new(DecodeConfig {
@@ -712,7 +761,7 @@ impl<'m, M: Models> Sim<'m, M> {
                 let model = self.models.decode(pool, wp.context);
                 let driver = DecodeDriver::with_policy(role, model, decode_policy(self.plan.options.sabotage));
                 let (kv, identified, reserved_via, handed_out) = (BTreeMap::new(), BTreeSet::new(), BTreeMap::new(), BTreeMap::new());
-                let d = DecodeWorker { driver, gw, kv, identified, reserved_via, handed_out, busy_until: 0, next_tick };
+                let d = DecodeWorker { driver, gws, kv, identified, reserved_via, handed_out, busy_until: 0, next_tick };
                 self.decodes.insert(id, d);
             }
         }
@@ -733,26 +782,27 @@ impl<'m, M: Models> Sim<'m, M> {
                 self.net.cut(c, self.now, &mut self.dice);
             }
             Fault::CutGateway { restart_after_ms } => {
-                let workers = self.live_workers(None);
-                let Some(&(w, role, c)) = self.dice.pick(&workers) else { return self.log("fault: no gateway connection to cut") };
+                let conns = self.gateway_conns();
+                let Some(&(w, role, _, c)) = self.dice.pick(&conns) else { return self.log("fault: no gateway connection to cut") };
                 self.tally.faults += 1;
                 self.log(format!("fault: cut gateway connection {c} of w{}", w.0));
                 self.net.cut(c, self.now, &mut self.dice);
-                self.restart(role, restart_after_ms);
+                // A worker exits when its last gateway connection closes; serve restarts it.
+                if conns.iter().filter(|(x, ..)| *x == w).count() == 1 {
+                    self.restart(role, restart_after_ms);
+                }
             }
             Fault::Garble => {
                 let mut conns: Vec<(ConnId, End)> = Vec::new();
+                for (w, _, g, c) in self.gateway_conns() {
+                    conns.push((c, End::Gateway(g)));
+                    conns.push((c, End::Worker(w)));
+                }
                 for (w, p) in &self.prefills {
-                    conns.push((p.gw, End::Gateway));
-                    conns.push((p.gw, End::Worker(*w)));
                     for (d, c) in &p.kv {
                         conns.push((*c, End::Worker(*w)));
                         conns.push((*c, End::Worker(*d)));
                     }
-                }
-                for (w, d) in &self.decodes {
-                    conns.push((d.gw, End::Gateway));
-                    conns.push((d.gw, End::Worker(*w)));
                 }
                 conns.retain(|(c, _)| self.net.is_open(*c));
                 let Some(&(c, from)) = self.dice.pick(&conns) else { return self.log("fault: no connection to garble") };
@@ -761,19 +811,39 @@ impl<'m, M: Models> Sim<'m, M> {
                 self.net.garble(c, from, self.now, &mut self.dice);
             }
             Fault::Crash { role, restart_after_ms } => {
-                let workers = self.live_workers(Some(role));
-                let Some(&(w, _, _)) = self.dice.pick(&workers) else { return self.log(format!("fault: no {role:?} worker to crash")) };
+                let workers: Vec<WorkerId> = match role {
+                    Role::Prefill => self.prefills.keys().copied().collect(),
+                    Role::Decode => self.decodes.keys().copied().collect(),
+                };
+                let Some(&w) = self.dice.pick(&workers) else { return self.log(format!("fault: no {role:?} worker to crash")) };
                 self.tally.faults += 1;
                 self.crash(w, "crashes");
                 self.restart(role, restart_after_ms);
             }
+            Fault::LoseGateway => {
+                let live: Vec<u8> = self.live_gateways().map(|(g, _)| g).collect();
+                // Never the last: with none left every worker exits and nothing is served.
+                let Some(&g) = self.dice.pick(&live).filter(|_| live.len() > 1) else { return self.log("fault: no gateway to lose") };
+                self.tally.faults += 1;
+                self.tally.gateways_lost += 1;
+                self.log(format!("fault: {} dies", End::Gateway(g)));
+                self.gws[usize::from(g)].dead = true;
+                self.net.crash(End::Gateway(g), self.now, &mut self.dice);
+                // Its clients' connections close with it.
+                for (req, c) in &mut self.clients {
+                    if gateway_of(*req).0 == g {
+                        c.gone_at.get_or_insert(c.outputs.len());
+                    }
+                }
+            }
         }
     }
 
-    fn live_workers(&self, role: Option<Role>) -> Vec<(WorkerId, Role, ConnId)> {
-        let p = self.prefills.iter().map(|(w, p)| (*w, Role::Prefill, p.gw));
-        let d = self.decodes.iter().map(|(w, d)| (*w, Role::Decode, d.gw));
-        p.chain(d).filter(|(_, r, _)| role.is_none_or(|want| *r == want)).collect()
+    /// Every live worker's gateway connection: (worker, role, gateway, connection).
+    fn gateway_conns(&self) -> Vec<(WorkerId, Role, u8, ConnId)> {
+        let p = self.prefills.iter().flat_map(|(w, p)| p.gws.iter().map(move |(g, c)| (*w, Role::Prefill, *g, *c)));
+        let d = self.decodes.iter().flat_map(|(w, d)| d.gws.iter().map(move |(g, c)| (*w, Role::Decode, *g, *c)));
+        p.chain(d).collect()
     }
 
     fn restart(&mut self, role: Role, after_ms: Option<u64>) {
@@ -818,30 +888,33 @@ impl<'m, M: Models> Sim<'m, M> {
         };
         self.log(format!("{}->{} {}: {what}", del.from, del.to, del.conn));
         match del.to {
-            End::Gateway => self.gateway_delivery(del),
+            End::Gateway(g) => self.gateway_delivery(g, del),
             End::Worker(w) if self.prefills.contains_key(&w) => self.prefill_delivery(w, del),
             End::Worker(w) if self.decodes.contains_key(&w) => self.decode_delivery(w, del),
             End::Worker(w) => self.violate(format!("delivery to w{}, which is gone", w.0)),
         }
     }
 
-    fn gateway_delivery(&mut self, del: Delivery) {
+    fn gateway_delivery(&mut self, g: u8, del: Delivery) {
         let End::Worker(w) = del.from else { return };
+        if self.gws[usize::from(g)].dead {
+            return;
+        }
         match del.arrival {
-            Arrival::Message(Message::Hello(h)) => self.register(w, del.conn, h),
+            Arrival::Message(Message::Hello(h)) => self.register(g, w, del.conn, h),
             Arrival::Message(msg) => {
                 if let Message::Reserved { req, local: true, .. } = &msg
                     && let Some(c) = self.clients.get_mut(&client_of(*req))
                 {
                     c.prefills += 1;
                 }
-                let acts = self.gw.role.handle(GatewayEvent::FromWorker { from: w, msg });
-                self.gateway_actions(acts);
+                let acts = self.gws[usize::from(g)].role.handle(GatewayEvent::FromWorker { from: w, msg });
+                self.gateway_actions(g, acts);
             }
-            Arrival::Closed => self.worker_left(w),
+            Arrival::Closed => self.worker_left(g, w),
             Arrival::Garbled(_) => {
-                self.net.close_by(del.conn, End::Gateway, self.now, &mut self.dice);
-                self.worker_left(w);
+                self.net.close_by(del.conn, End::Gateway(g), self.now, &mut self.dice);
+                self.worker_left(g, w);
             }
             Arrival::Partial => {}
         }
@@ -849,30 +922,32 @@ impl<'m, M: Models> Sim<'m, M> {
 
     /// What the production gateway's actor does on `Hello`: the role decides (welcome and
     /// introductions, or a refusal), the connection is remembered.
-    fn register(&mut self, w: WorkerId, conn: ConnId, h: Hello) {
+    fn register(&mut self, g: u8, w: WorkerId, conn: ConnId, h: Hello) {
         if h.worker != w {
             return self.violate(format!("w{} introduced itself as w{}", w.0, h.worker.0));
         }
-        match self.gw.role.join(&h) {
+        let gw = &mut self.gws[usize::from(g)];
+        match gw.role.join(&h) {
             Ok(acts) => {
-                self.gw.workers.insert(w, conn);
-                self.gateway_actions(acts);
+                gw.workers.insert(w, conn);
+                self.gateway_actions(g, acts);
             }
             Err(e) => {
                 self.violate(format!("w{} refused at registration: {e}", w.0));
-                self.send(conn, End::Gateway, Message::Refuse { reason: e.to_string() });
+                self.send(conn, End::Gateway(g), Message::Refuse { reason: e.to_string() });
             }
         }
     }
 
-    fn worker_left(&mut self, w: WorkerId) {
-        if self.gw.workers.remove(&w).is_some() {
-            let acts = self.gw.role.handle(GatewayEvent::WorkerLeft { id: w });
-            self.gateway_actions(acts);
+    fn worker_left(&mut self, g: u8, w: WorkerId) {
+        let gw = &mut self.gws[usize::from(g)];
+        if gw.workers.remove(&w).is_some() {
+            let acts = gw.role.handle(GatewayEvent::WorkerLeft { id: w });
+            self.gateway_actions(g, acts);
         }
     }
 
-    fn gateway_actions(&mut self, acts: Vec<GatewayAction>) {
+    fn gateway_actions(&mut self, g: u8, acts: Vec<GatewayAction>) {
         for a in acts {
             match a {
                 GatewayAction::ToWorker { to, msg } => {
@@ -881,8 +956,8 @@ impl<'m, M: Models> Sim<'m, M> {
                     {
                         c.prefills += 1;
                     }
-                    if let Some(&conn) = self.gw.workers.get(&to) {
-                        self.send(conn, End::Gateway, msg);
+                    if let Some(&conn) = self.gws[usize::from(g)].workers.get(&to) {
+                        self.send(conn, End::Gateway(g), msg);
                     }
                 }
                 GatewayAction::ToClient { req, out } => {
@@ -909,11 +984,11 @@ impl<'m, M: Models> Sim<'m, M> {
 
     fn prefill_delivery(&mut self, w: WorkerId, del: Delivery) {
         let Some(p) = self.prefills.get(&w) else { return };
-        if del.conn == p.gw {
+        if let Some(g) = p.gws.iter().find(|(_, c)| **c == del.conn).map(|(g, _)| *g) {
             match del.arrival {
-                Arrival::Message(m) => self.prefill_event(w, PrefillEvent::Gateway(m)),
-                Arrival::Closed => self.gateway_lost(w, del.conn, false),
-                Arrival::Garbled(_) => self.gateway_lost(w, del.conn, true),
+                Arrival::Message(msg) => self.prefill_event(w, PrefillEvent::Gateway { from: GatewayId(g), msg }),
+                Arrival::Closed => self.gateway_lost(w, g, del.conn, false),
+                Arrival::Garbled(_) => self.gateway_lost(w, g, del.conn, true),
                 Arrival::Partial => {}
             }
             return;
@@ -934,14 +1009,35 @@ impl<'m, M: Models> Sim<'m, M> {
         }
     }
 
-    /// A worker's gateway connection ended (or carried bad bytes, which closes it): the
-    /// production worker exits.
-    fn gateway_lost(&mut self, w: WorkerId, conn: ConnId, garbled: bool) {
+    /// A worker's connection to gateway `g` ended (or carried bad bytes, which closes it):
+    /// what the production worker does. It exits when that was its last gateway; else its
+    /// role hears that the gateway is lost and ends that gateway's requests. (The
+    /// production worker also dials it again; a gateway here is never restarted.)
+    fn gateway_lost(&mut self, w: WorkerId, g: u8, conn: ConnId, garbled: bool) {
         if garbled {
             self.net.close_by(conn, End::Worker(w), self.now, &mut self.dice);
-            self.crash(w, "exits: bad bytes on its gateway connection");
+        }
+        let left = match (self.prefills.get_mut(&w), self.decodes.get_mut(&w)) {
+            (Some(p), _) => {
+                p.gws.remove(&g);
+                p.gws.len()
+            }
+            (None, Some(d)) => {
+                d.gws.remove(&g);
+                d.gws.len()
+            }
+            (None, None) => return,
+        };
+        if left == 0 {
+            let why = if garbled { "exits: bad bytes on its last gateway connection" } else { "exits: its last gateway connection closed" };
+            return self.crash(w, why);
+        }
+        self.log(format!("w{} lost {}: ends its requests", w.0, End::Gateway(g)));
+        let gateway = GatewayId(g);
+        if self.prefills.contains_key(&w) {
+            self.prefill_event(w, PrefillEvent::GatewayLost { gateway });
         } else {
-            self.crash(w, "exits: its gateway connection closed");
+            self.decode_event(w, DecodeEvent::GatewayLost { gateway });
         }
     }
 
@@ -953,9 +1049,9 @@ impl<'m, M: Models> Sim<'m, M> {
         f: impl FnOnce(&mut PrefillDriver, &mut M::Prefill, &mut KvPool, &mut PrefillWire<'_, '_>) -> R,
     ) -> Option<(R, Option<Aftermath>)> {
         let decodes: BTreeSet<WorkerId> = self.decodes.keys().copied().collect();
-        let PrefillWorker { driver, model, pool, gw, kv, .. } = self.prefills.get_mut(&w)?;
+        let PrefillWorker { driver, model, pool, gws, kv, .. } = self.prefills.get_mut(&w)?;
         let mut wire = PrefillWire {
-            port: Port { me: w, now: self.now, net: &mut self.net, dice: &mut self.dice, gw: *gw },
+            port: Port { me: w, now: self.now, net: &mut self.net, dice: &mut self.dice, gws },
             kv,
             decodes: &decodes,
             log: &mut self.log,
@@ -991,7 +1087,7 @@ impl<'m, M: Models> Sim<'m, M> {
     fn rejoin(&mut self, w: WorkerId) {
         let Some(p) = self.prefills.remove(&w) else { return };
         self.log(format!("w{} lost a KV connection: rejoins under a new id", w.0));
-        for conn in std::iter::once(p.gw).chain(p.kv.values().copied()) {
+        for conn in p.gws.values().chain(p.kv.values()).copied() {
             self.net.close_by(conn, End::Worker(w), self.now, &mut self.dice);
         }
         let keepalives = p.driver.role().stats().keepalives;
@@ -1052,17 +1148,17 @@ impl<'m, M: Models> Sim<'m, M> {
 
     fn decode_delivery(&mut self, w: WorkerId, del: Delivery) {
         let Some(d) = self.decodes.get_mut(&w) else { return };
-        if del.conn == d.gw {
+        if let Some(g) = d.gws.iter().find(|(_, c)| **c == del.conn).map(|(g, _)| *g) {
             match del.arrival {
                 Arrival::Message(Message::Welcome { .. }) => {}
                 Arrival::Message(m) => {
                     if let Message::Reserve { req, prefill, .. } = &m {
                         d.reserved_via.insert(*req, *prefill);
                     }
-                    self.decode_event(w, DecodeEvent::Gateway(m));
+                    self.decode_event(w, DecodeEvent::Gateway { from: GatewayId(g), msg: m });
                 }
-                Arrival::Closed => self.gateway_lost(w, del.conn, false),
-                Arrival::Garbled(_) => self.gateway_lost(w, del.conn, true),
+                Arrival::Closed => self.gateway_lost(w, g, del.conn, false),
+                Arrival::Garbled(_) => self.gateway_lost(w, g, del.conn, true),
                 Arrival::Partial => {}
             }
             return;
@@ -1112,9 +1208,8 @@ impl<'m, M: Models> Sim<'m, M> {
     /// Feed one event to decode worker `w`'s driver.
     fn decode_event(&mut self, w: WorkerId, ev: DecodeEvent) {
         let Some(d) = self.decodes.get_mut(&w) else { return };
-        let DecodeWorker { driver, gw, kv, handed_out, .. } = d;
-        let mut wire =
-            DecodeWire { port: Port { me: w, now: self.now, net: &mut self.net, dice: &mut self.dice, gw: *gw }, kv, handed_out };
+        let DecodeWorker { driver, gws, kv, handed_out, .. } = d;
+        let mut wire = DecodeWire { port: Port { me: w, now: self.now, net: &mut self.net, dice: &mut self.dice, gws }, kv, handed_out };
         driver.handle(ev, &mut wire);
     }
 
@@ -1134,8 +1229,8 @@ impl<'m, M: Models> Sim<'m, M> {
         let now = self.now;
         let Some(d) = self.decodes.get_mut(&w) else { return };
         d.busy_until = now + cost;
-        let DecodeWorker { driver, gw, kv, handed_out, .. } = d;
-        let mut wire = DecodeWire { port: Port { me: w, now, net: &mut self.net, dice: &mut self.dice, gw: *gw }, kv, handed_out };
+        let DecodeWorker { driver, gws, kv, handed_out, .. } = d;
+        let mut wire = DecodeWire { port: Port { me: w, now, net: &mut self.net, dice: &mut self.dice, gws }, kv, handed_out };
         match driver.step(&mut wire) {
             Ok(()) => self.log(format!("w{} decode step", w.0)),
             Err(e) => {
@@ -1241,8 +1336,10 @@ impl<'m, M: Models> Sim<'m, M> {
                 ClientOutput::Token { .. } => {}
             }
         }
-        if self.gw.role.in_flight() != 0 {
-            bad.push(format!("gateway: {} requests still in flight", self.gw.role.in_flight()));
+        for (g, gw) in self.live_gateways() {
+            if gw.role.in_flight() != 0 {
+                bad.push(format!("{}: {} requests still in flight", End::Gateway(g), gw.role.in_flight()));
+            }
         }
         for (w, p) in &self.prefills {
             if !p.driver.is_idle() {
@@ -1272,7 +1369,7 @@ impl<'m, M: Models> Sim<'m, M> {
         if let Some(state) = self.wedged.take() {
             let others_quiet = self.timeline.is_empty()
                 && self.net.idle()
-                && self.gw.role.in_flight() == 0
+                && self.live_gateways().all(|(_, g)| g.role.in_flight() == 0)
                 && self.prefills.values().all(|p| p.driver.is_idle());
             if !others_quiet || unexplained_decode {
                 bad.push(format!("not quiet by t={} (something waits for ever): {state}", self.deadline));
@@ -1285,8 +1382,8 @@ impl<'m, M: Models> Sim<'m, M> {
             + self.dead.iter().map(|r| r.keepalives).sum::<u64>();
         self.tally.retractions += self.decodes.values().map(|d| d.driver.engine().retractions()).sum::<u64>()
             + self.dead.iter().map(|r| r.retractions).sum::<u64>();
-        self.tally.retried += self.gw.role.stats().retried;
-        self.tally.migrated += self.gw.role.stats().migrated;
+        self.tally.retried += self.gws.iter().map(|g| g.role.stats().retried).sum::<u64>();
+        self.tally.migrated += self.gws.iter().map(|g| g.role.stats().migrated).sum::<u64>();
         let caches =
             self.prefills.values().filter_map(|p| p.driver.cache()).map(PrefixCache::stats).chain(self.dead.iter().map(|r| r.cache));
         for c in caches {
@@ -1306,7 +1403,9 @@ impl<'m, M: Models> Sim<'m, M> {
     /// The state of every role and pool, for a failure report.
     fn dump(&self) -> String {
         let mut s = String::new();
-        let _ = write!(s, "gateway in flight {}; ", self.gw.role.in_flight());
+        for (g, gw) in self.live_gateways() {
+            let _ = write!(s, "{} in flight {}; ", End::Gateway(g), gw.role.in_flight());
+        }
         for (w, p) in &self.prefills {
             let _ = write!(
                 s,

@@ -47,6 +47,7 @@ fn seeded_fault_schedules_keep_every_invariant() {
         "the prefix cache never hit or evicted: {t:?}"
     );
     assert!(n < 1_000 || t.migrated > 0, "no request moved off a lost decode worker: {t:?}");
+    assert!(n < 1_000 || t.gateways_lost > 0, "no schedule lost one of two gateways: {t:?}");
     assert!(
         n < 1_000 || (t.decode_held_tokens > 0 && t.decode_cache_evictions > 0 && t.local_prefills > 0),
         "the decode side's cache never held, evicted or computed a rest itself: {t:?}"

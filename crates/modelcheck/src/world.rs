@@ -839,14 +839,18 @@ impl<'c> World<'c> {
                 let ev = match (from, env) {
                     (Node::Prefill(w), Envelope::Msg(msg)) => DecodeEvent::Prefill { from: w, msg },
                     (Node::Prefill(w), Envelope::Closed) => DecodeEvent::PrefillClosed { from: w },
-                    (_, Envelope::Msg(msg)) => DecodeEvent::Gateway(msg),
+                    (Node::Gateway(g), Envelope::Msg(msg)) => DecodeEvent::Gateway { from: GatewayId(g), msg },
                     (Node::Gateway(g), Envelope::Closed) => DecodeEvent::GatewayLost { gateway: GatewayId(g) },
+                    (Node::Decode, Envelope::Msg(_)) => return,
                     (Node::Decode, Envelope::Closed) => return,
                 };
                 self.decode_event(ev);
             }
             (Node::Prefill(w), Envelope::Msg(msg)) => {
-                let ev = if from == Node::Decode { PrefillEvent::Decode { from: DECODE, msg } } else { PrefillEvent::Gateway(msg) };
+                let ev = match from {
+                    Node::Gateway(g) => PrefillEvent::Gateway { from: GatewayId(g), msg },
+                    Node::Decode | Node::Prefill(_) => PrefillEvent::Decode { from: DECODE, msg },
+                };
                 self.prefill_event(w, ev);
             }
             (Node::Prefill(w), Envelope::Closed) => {

@@ -51,7 +51,12 @@ fn assert_holds(report: &Report, model: &HandoffModel) {
 /// job is not quarantined for ever: that abort is no longer a no-op the checker may deliver
 /// at once, and every configuration with a transfer timeout grew (three requests from
 /// 105,067 to 259,038, the faulty network from 527,718 to 968,038, keepalives from 374 to
-/// 456, batched prefill from 16,696 to 31,897); the others are unchanged.
+/// 456, batched prefill from 16,696 to 31,897). And a decode worker told that a prefill
+/// worker left a gateway while its KV connection is still open fails that gateway's
+/// reservations for it at once and asks it for their fences (it may live on for other
+/// gateways, so its connection's close may never come): where a prefill worker crashes,
+/// the gateway's word and the connection's close now race to that end (the faulty
+/// network to 1,664,866, `ucx-restart` from 3,113 to 8,046).
 #[test]
 fn three_requests_two_prefill_workers_one_decode_worker_hold_every_property() {
     let (report, model) = check_all(Config::three_requests());
@@ -75,7 +80,7 @@ fn a_prefill_window_holds_every_property_and_leaves_no_request_waiting() {
 fn lost_messages_crashes_aborts_and_timeouts_break_no_safety_property() {
     let (report, model) = check_all(Config::faulty_network());
     assert_holds(&report, &model);
-    assert_eq!(report.unique_states, 968_038, "the model changed: {report}");
+    assert_eq!(report.unique_states, 1_664_866, "the model changed: {report}");
 }
 
 /// Runs one request of the three-request configuration to its end, taking every action but
@@ -415,7 +420,7 @@ fn a_reservation_naming_a_closed_prefill_connection_is_released_not_quarantined_
 fn a_close_that_overtakes_frames_over_ucx_holds_every_property() {
     let (report, model) = check_all(Config::ucx_restart());
     assert_holds(&report, &model);
-    assert_eq!(report.unique_states, 3_113, "the model changed: {report}");
+    assert_eq!(report.unique_states, 8_046, "the model changed: {report}");
 }
 
 /// The design UCX must not have: frames written one-sided into the decode worker's memory

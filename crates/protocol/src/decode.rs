@@ -45,8 +45,8 @@ pub struct DecodeConfig {
 /// Something that happened to the decode worker.
 #[derive(Debug)]
 pub enum DecodeEvent {
-    /// A message from the gateway.
-    Gateway(Message),
+    /// A message from gateway `from`.
+    Gateway { from: GatewayId, msg: Message },
     /// A message from a prefill worker's KV connection.
     Prefill { from: WorkerId, msg: Message },
     /// A prefill worker opened its KV connection (its `KvHello` arrived).
@@ -527,11 +527,17 @@ impl DecodeRole {
             DecodeEvent::PrefillConnected { from } => {
                 self.heard_from(from);
                 self.connected_prefills.insert(from);
+                // Reservations given up while it had no connection here: the abort that asks
+                // for its fence found no road then (a reservation of a lost gateway whose
+                // prefill worker had not connected yet would wait for ever).
+                for (&req, _) in self.fencing.iter().filter(|(_, f)| f.prefill == from) {
+                    out.push(DecodeAction::ToPrefill { to: from, msg: Message::Abort { req, reason: AbortReason::Failed } });
+                }
             }
             // A prefill that can no longer reach us and never connected here can never
             // write here: fenced. One that did connect is fenced when that connection
             // closes, not before (chunks may still be in flight on it).
-            DecodeEvent::Gateway(Message::PrefillUnreachable { worker }) if !self.connected_prefills.contains(&worker) => {
+            DecodeEvent::Gateway { msg: Message::PrefillUnreachable { worker }, .. } if !self.connected_prefills.contains(&worker) => {
                 self.prefill_fenced(pool, worker, out);
             }
             // It left the cluster. One whose connection here is open is fenced when that
@@ -539,11 +545,28 @@ impl DecodeRole {
             // whose connection closed already is fenced now (a reservation naming it may
             // have arrived after the close: the gateway names it until it hears it left,
             // and says so after every such reservation), and a connection from it still
-            // on its way will be refused.
-            DecodeEvent::Gateway(Message::PeerLeft { worker }) => {
+            // on its way will be refused. With several gateways it may have left only
+            // `from` and live on for the others: the reservations of `from`'s requests it
+            // was to write fail now (their jobs may have been lost with its connection to
+            // `from`) and wait for its fence, which it is asked for.
+            DecodeEvent::Gateway { from, msg: Message::PeerLeft { worker } } => {
                 self.departed.insert(worker);
                 if !self.connected_prefills.contains(&worker) || self.closed_prefills.contains(&worker) {
                     self.prefill_fenced(pool, worker, out);
+                } else {
+                    let orphans: Vec<RequestId> =
+                        self.pending.iter().filter(|(r, p)| p.prefill == worker && gateway_of(**r) == from).map(|(r, _)| *r).collect();
+                    for req in orphans {
+                        if let Some(p) = self.pending.remove(&req) {
+                            self.quarantine(pool, req, p);
+                            out.push(failed(req, FailReason::WorkerLost, "prefill worker left the gateway"));
+                        }
+                    }
+                    // Every quarantine of `from`'s requests it is to fence (those the
+                    // gateway aborted too: it could no longer tell the worker) asks for it.
+                    for (&req, _) in self.fencing.iter().filter(|(r, f)| f.prefill == worker && gateway_of(**r) == from) {
+                        out.push(DecodeAction::ToPrefill { to: worker, msg: Message::Abort { req, reason: AbortReason::Failed } });
+                    }
                 }
             }
             // Frames of a refused connection that were read before it closed.
@@ -565,7 +588,7 @@ impl DecodeRole {
                     }
                 }
             }
-            DecodeEvent::Gateway(m) => self.on_gateway(pool, m, out),
+            DecodeEvent::Gateway { msg, .. } => self.on_gateway(pool, msg, out),
             DecodeEvent::Prefill { from, msg } => {
                 self.heard_from(from);
                 self.on_prefill(pool, from, msg, out);

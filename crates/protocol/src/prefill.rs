@@ -108,8 +108,8 @@ pub enum JobOutcome {
 /// Something that happened to the prefill worker.
 #[derive(Debug)]
 pub enum PrefillEvent {
-    /// A message from the gateway.
-    Gateway(Message),
+    /// A message from gateway `from`.
+    Gateway { from: GatewayId, msg: Message },
     /// A message on the KV connection from decode worker `from` (it asks to stop a transfer).
     Decode { from: WorkerId, msg: Message },
     /// The KV connection to `decode` is open (its `KvHello` went out).
@@ -179,6 +179,11 @@ enum Link {
     Open,
     /// Lost while the decode worker is still in the cluster: rejoin at `at_ms`.
     Lost { at_ms: u64 },
+    /// Every gateway that introduced it said it left, while its connection was still
+    /// open (or opening): no job goes to it, and its loss is expected. A gateway may
+    /// introduce it again (it left only the others; several gateways): the connection
+    /// serves again, and no second one is opened.
+    Departed { open: bool },
 }
 
 /// A job being computed.
@@ -203,6 +208,9 @@ pub struct PrefillRole {
     running: Vec<Running>,
     /// Decode workers known, and the state of the KV connection to each.
     peers: BTreeMap<WorkerId, Link>,
+    /// The gateways that introduced each decode worker (`DecodePeer`) and have not said
+    /// it left them (`PeerLeft`).
+    named_by: BTreeMap<WorkerId, BTreeSet<GatewayId>>,
     /// A rejoin was asked for: the role takes nothing more.
     rejoining: bool,
     /// Requests a decode worker aborted before their job arrived here: each was answered
@@ -223,6 +231,7 @@ impl PrefillRole {
             queue: VecDeque::new(),
             running: Vec::new(),
             peers: BTreeMap::new(),
+            named_by: BTreeMap::new(),
             rejoining: false,
             tombstones: BTreeSet::new(),
             stats: PrefillStats::default(),
@@ -279,31 +288,68 @@ impl PrefillRole {
     pub fn handle(&mut self, ev: PrefillEvent) -> Vec<PrefillAction> {
         let mut out = Vec::new();
         match ev {
-            PrefillEvent::Gateway(Message::DecodePeer { worker, addr }) => {
-                self.peers.insert(worker, Link::Opening);
-                out.push(PrefillAction::Connect { decode: worker, addr });
+            // One KV connection per decode worker, however many gateways introduce it.
+            PrefillEvent::Gateway { from, msg: Message::DecodePeer { worker, addr } } => {
+                let named_by = self.named_by.entry(worker).or_default();
+                named_by.insert(from);
+                match self.peers.get(&worker) {
+                    // Lost: the decode worker fenced everything of this id, which must not
+                    // write there again (another gateway's introduction, arriving late);
+                    // the rejoin under a new id is on its way.
+                    Some(Link::Opening | Link::Open | Link::Lost { .. }) => {}
+                    Some(Link::Departed { open }) => {
+                        let link = if *open { Link::Open } else { Link::Opening };
+                        self.peers.insert(worker, link);
+                    }
+                    None => {
+                        self.peers.insert(worker, Link::Opening);
+                        out.push(PrefillAction::Connect { decode: worker, addr });
+                    }
+                }
             }
-            PrefillEvent::Gateway(Message::PeerLeft { worker }) => {
-                self.peers.remove(&worker);
-                self.fail_jobs_for(worker, "decode worker left", &mut out);
+            // It left gateway `from`; while another gateway still names it, the KV
+            // connection serves that gateway's requests (it left only `from`).
+            PrefillEvent::Gateway { from, msg: Message::PeerLeft { worker } } => {
+                let named_by = self.named_by.entry(worker).or_default();
+                named_by.remove(&from);
+                if named_by.is_empty() {
+                    self.named_by.remove(&worker);
+                    match self.peers.get(&worker) {
+                        Some(Link::Open) => self.peers.insert(worker, Link::Departed { open: true }),
+                        Some(Link::Opening) => self.peers.insert(worker, Link::Departed { open: false }),
+                        _ => self.peers.remove(&worker),
+                    };
+                    self.fail_jobs_for(worker, "decode worker left", &mut out);
+                }
             }
-            PrefillEvent::Gateway(Message::Prefill { req, tokens, decode, held, pages, sampling, skip_draws, trace, cache }) => {
+            PrefillEvent::Gateway {
+                msg: Message::Prefill { req, tokens, decode, held, pages, sampling, skip_draws, trace, cache },
+                ..
+            } => {
                 self.admit(PrefillJob { req, tokens, decode, held, pages, sampling, skip_draws, trace, cache }, &mut out);
             }
             // The gateway ends a request: it knows whether it sent the job.
-            PrefillEvent::Gateway(Message::Abort { req, .. }) => self.abort(req, None, &mut out),
+            PrefillEvent::Gateway { msg: Message::Abort { req, .. }, .. } => self.abort(req, None, &mut out),
             // A decode worker asks to stop a transfer (it refused a chunk, timed out, or lost
             // the request's gateway); it waits for this worker's fence.
             PrefillEvent::Decode { from, msg: Message::Abort { req, .. } } => self.abort(req, Some(from), &mut out),
             PrefillEvent::GatewayLost { gateway } => {
+                // The decode workers it introduced stay: they serve the other gateways.
+                self.named_by.values_mut().for_each(|by| {
+                    by.remove(&gateway);
+                });
                 let reqs: Vec<RequestId> = self.queue.iter().map(|j| j.req).chain(self.running()).collect();
                 for req in reqs.into_iter().filter(|r| gateway_of(*r) == gateway) {
                     self.abort(req, None, &mut out);
                 }
             }
-            PrefillEvent::Gateway(_) | PrefillEvent::Decode { .. } => {}
+            PrefillEvent::Gateway { .. } | PrefillEvent::Decode { .. } => {}
             PrefillEvent::DecodeConnected { decode } => {
-                self.peers.insert(decode, Link::Open);
+                let link = match self.peers.get(&decode) {
+                    Some(Link::Departed { .. }) => Link::Departed { open: true },
+                    _ => Link::Open,
+                };
+                self.peers.insert(decode, link);
             }
             PrefillEvent::DecodeLost { decode } => self.decode_lost(decode, &mut out),
             PrefillEvent::Tick { now_ms } => {
@@ -406,8 +452,15 @@ impl PrefillRole {
         out.push(PrefillAction::ToGateway(Message::KvLost { decode }));
         self.fail_jobs_for(decode, "decode worker connection closed", out);
         let at_ms = self.now_ms.saturating_add(REJOIN_AFTER_MS);
-        if let Some(link) = self.peers.get_mut(&decode) {
-            *link = Link::Lost { at_ms };
+        match self.peers.get(&decode) {
+            // It left: its loss was expected.
+            Some(Link::Departed { .. }) => {
+                self.peers.remove(&decode);
+            }
+            Some(_) => {
+                self.peers.insert(decode, Link::Lost { at_ms });
+            }
+            None => {}
         }
     }
 

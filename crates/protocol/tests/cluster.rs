@@ -242,8 +242,8 @@ impl<PP: PrefillPolicy, DP: DecodePolicy> Cluster<PP, DP> {
         match to {
             To::Gateway(from) => self.gateway(GatewayEvent::FromWorker { from, msg: m }),
             To::Decode { from_prefill: true } => self.decode_event(DecodeEvent::Prefill { from: PREFILL, msg: m }),
-            To::Decode { from_prefill: false } => self.decode_event(DecodeEvent::Gateway(m)),
-            To::Prefill => self.pre.handle(PrefillEvent::Gateway(m), &mut PrefillWire(&mut self.net)),
+            To::Decode { from_prefill: false } => self.decode_event(DecodeEvent::Gateway { from: GatewayId(0), msg: m }),
+            To::Prefill => self.pre.handle(PrefillEvent::Gateway { from: GatewayId(0), msg: m }, &mut PrefillWire(&mut self.net)),
         }
         true
     }

@@ -34,7 +34,7 @@ impl Rig {
     }
 
     fn gateway(&mut self, m: Message) -> Vec<DecodeAction> {
-        self.dec.handle(&mut self.pool, DecodeEvent::Gateway(m))
+        self.dec.handle(&mut self.pool, DecodeEvent::Gateway { from: GatewayId(0), msg: m })
     }
 
     fn prefill(&mut self, from: WorkerId, msg: Message) -> Vec<DecodeAction> {

@@ -92,7 +92,7 @@ impl Worker {
             trace: TraceContext::default(),
             cache: None,
         };
-        self.driver.handle(PrefillEvent::Gateway(m), &mut self.link);
+        self.driver.handle(PrefillEvent::Gateway { from: GatewayId(0), msg: m }, &mut self.link);
     }
 
     fn step(&mut self) -> Vec<Step> {
@@ -233,7 +233,10 @@ fn an_abort_stops_one_job_of_a_batch_at_the_next_step_and_the_others_go_on() {
     w.submit(1, 16);
     w.submit(2, 16);
     assert_eq!(w.step().len(), 2);
-    w.driver.handle(PrefillEvent::Gateway(Message::Abort { req: RequestId(1), reason: AbortReason::ClientGone }), &mut w.link);
+    w.driver.handle(
+        PrefillEvent::Gateway { from: GatewayId(0), msg: Message::Abort { req: RequestId(1), reason: AbortReason::ClientGone } },
+        &mut w.link,
+    );
     let ended = w.run();
     assert_eq!(ended[&RequestId(1)], (JobOutcome::Stopped, 1));
     assert!(done(2)(&ended[&RequestId(2)].0), "{ended:?}");

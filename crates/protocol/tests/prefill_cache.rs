@@ -82,7 +82,7 @@ impl Worker {
             trace: TraceContext::default(),
             cache,
         };
-        self.driver.handle(PrefillEvent::Gateway(m), &mut self.link);
+        self.driver.handle(PrefillEvent::Gateway { from: GatewayId(0), msg: m }, &mut self.link);
     }
 
     /// One step; these tests run one job at a time.
@@ -192,7 +192,10 @@ fn an_abort_during_a_hit_gives_every_shared_lease_back_and_leaves_the_cache_whol
     w.submit(2, &longer, Some(scope("a")));
     assert!(matches!(w.step(), Step::Computed { from: 8, to: 12, .. }));
     assert!(w.pool.stats().shared_leases > 0, "the hit holds its cached pages");
-    w.driver.handle(PrefillEvent::Gateway(Message::Abort { req: RequestId(2), reason: AbortReason::ClientGone }), &mut w.link);
+    w.driver.handle(
+        PrefillEvent::Gateway { from: GatewayId(0), msg: Message::Abort { req: RequestId(2), reason: AbortReason::ClientGone } },
+        &mut w.link,
+    );
     assert!(matches!(w.step(), Step::Ended { outcome: JobOutcome::Stopped, .. }));
     let s = w.pool.stats();
     assert_eq!((s.shared_leases, s.cached_pages, s.leased_pages), (0, 3, 0));

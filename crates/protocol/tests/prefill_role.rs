@@ -38,11 +38,11 @@ fn prefill_for(req: u64, tokens: usize, pages: usize, decode: WorkerId) -> Prefi
         trace: TraceContext::default(),
         cache: None,
     };
-    PrefillEvent::Gateway(m)
+    PrefillEvent::Gateway { from: GatewayId(0), msg: m }
 }
 
 fn abort(req: u64) -> PrefillEvent {
-    PrefillEvent::Gateway(Message::Abort { req: RequestId(req), reason: AbortReason::ClientGone })
+    PrefillEvent::Gateway { from: GatewayId(0), msg: Message::Abort { req: RequestId(req), reason: AbortReason::ClientGone } }
 }
 
 /// The actions as (to gateway?, message) pairs, checking every decode-bound one goes to DECODE.
@@ -155,7 +155,7 @@ fn a_job_waits_for_its_kv_connection_and_one_for_an_unknown_decode_worker_fails_
     let mut p = PrefillRole::new(PrefillConfig { max_prompt: MAX_PROMPT, page_size: PAGE, keepalive_ms: KEEPALIVE_MS });
     let acts = p.handle(prefill(1, 4, 1));
     assert!(matches!(acts.as_slice(), [PrefillAction::ToGateway(Message::Failed { reason: FailReason::WorkerLost, .. })]), "{acts:?}");
-    p.handle(PrefillEvent::Gateway(Message::DecodePeer { worker: DECODE, addr: "d:1".into() }));
+    p.handle(PrefillEvent::Gateway { from: GatewayId(0), msg: Message::DecodePeer { worker: DECODE, addr: "d:1".into() } });
     assert!(p.handle(prefill(2, 4, 1)).is_empty(), "introduced: the job waits for the connection");
     assert!(p.next_job().is_none() && !p.has_ready_job());
     p.handle(PrefillEvent::DecodeConnected { decode: DECODE });
@@ -169,7 +169,7 @@ fn a_lost_kv_connection_makes_the_worker_rejoin_under_a_new_id_unless_the_decode
     let rejoins = |acts: &[PrefillAction]| acts.iter().filter(|a| **a == PrefillAction::Rejoin).count();
     // The decode worker left: its connection's loss is expected, no rejoin.
     let mut p = role();
-    p.handle(PrefillEvent::Gateway(Message::PeerLeft { worker: DECODE }));
+    p.handle(PrefillEvent::Gateway { from: GatewayId(0), msg: Message::PeerLeft { worker: DECODE } });
     p.handle(PrefillEvent::DecodeLost { decode: DECODE });
     assert!(!p.rejoin_pending());
     assert_eq!(rejoins(&p.handle(PrefillEvent::Tick { now_ms: 60_000 })), 0);
@@ -215,7 +215,7 @@ fn ticks_send_a_keepalive_on_every_open_kv_connection_once_per_interval() {
 #[test]
 fn a_decode_peer_from_the_gateway_asks_the_driver_to_connect() {
     let mut p = role();
-    let acts = p.handle(PrefillEvent::Gateway(Message::DecodePeer { worker: WorkerId(5), addr: "h:1".into() }));
+    let acts = p.handle(PrefillEvent::Gateway { from: GatewayId(0), msg: Message::DecodePeer { worker: WorkerId(5), addr: "h:1".into() } });
     assert_eq!(acts, [PrefillAction::Connect { decode: WorkerId(5), addr: "h:1".into() }]);
     assert!(!p.connected(WorkerId(5)), "connected only once the driver says so");
 }
@@ -227,12 +227,17 @@ fn a_decode_peer_from_the_gateway_asks_the_driver_to_connect() {
 fn held_tokens_must_be_whole_pages_before_the_last_position_with_pages_for_the_rest() {
     let mut p = role();
     let with_held = |req: u64, tokens: usize, held: u32, pages: usize| {
-        let PrefillEvent::Gateway(Message::Prefill { req: r, tokens: t, decode, pages: pg, sampling, skip_draws, trace, cache, .. }) =
-            prefill(req, tokens, pages)
+        let PrefillEvent::Gateway {
+            from: GatewayId(0),
+            msg: Message::Prefill { req: r, tokens: t, decode, pages: pg, sampling, skip_draws, trace, cache, .. },
+        } = prefill(req, tokens, pages)
         else {
             unreachable!("prefill() makes a Prefill")
         };
-        PrefillEvent::Gateway(Message::Prefill { req: r, tokens: t, decode, held, pages: pg, sampling, skip_draws, trace, cache })
+        PrefillEvent::Gateway {
+            from: GatewayId(0),
+            msg: Message::Prefill { req: r, tokens: t, decode, held, pages: pg, sampling, skip_draws, trace, cache },
+        }
     };
     assert!(p.handle(with_held(1, 7, 4, 1)).is_empty(), "one page held, one page of targets for the rest");
     // Not a whole page; the whole prompt (its last position must be sent); past it; pages
@@ -273,4 +278,40 @@ fn a_lost_gateways_jobs_end_and_the_other_gateways_stay() {
     let acts = sent(p.handle(PrefillEvent::GatewayLost { gateway: GatewayId(3) }));
     assert_eq!(acts, [(false, Message::Fenced { req: lost })]);
     assert!(p.has_job(kept) && !p.has_job(lost));
+}
+
+/// Two gateways introduce the same decode worker: one KV connection, and a `PeerLeft` from
+/// one of them (the decode worker left that gateway only) fails nothing; only when the last
+/// gateway that named it says so are its jobs failed. A lost gateway stops naming it but
+/// does not end the connection the other gateway uses.
+#[test]
+fn a_decode_worker_introduced_by_two_gateways_gets_one_connection_and_leaves_with_the_last() {
+    let (g0, g1) = (GatewayId(0), GatewayId(1));
+    let peer = |from| PrefillEvent::Gateway { from, msg: Message::DecodePeer { worker: DECODE, addr: "d:1".into() } };
+    let left = |from| PrefillEvent::Gateway { from, msg: Message::PeerLeft { worker: DECODE } };
+    let mut p = PrefillRole::new(PrefillConfig { max_prompt: MAX_PROMPT, page_size: PAGE, keepalive_ms: KEEPALIVE_MS });
+    assert!(matches!(p.handle(peer(g0)).as_slice(), [PrefillAction::Connect { .. }]));
+    assert!(p.handle(peer(g1)).is_empty(), "no second KV connection to one decode worker");
+    p.handle(PrefillEvent::DecodeConnected { decode: DECODE });
+    p.handle(prefill(1, 4, 1));
+    assert!(p.handle(left(g0)).is_empty() && p.connected(DECODE), "gateway 1 still routes through it");
+    assert!(p.handle(PrefillEvent::GatewayLost { gateway: g1 }).is_empty());
+    assert!(p.connected(DECODE) && p.has_job(RequestId(1)), "a lost gateway ends only its own jobs");
+    p.handle(peer(g1));
+    let acts = sent(p.handle(left(g1)));
+    assert!(acts.iter().any(|(to_gw, m)| *to_gw && matches!(m, Message::Failed { .. })), "{acts:?}");
+    assert!(!p.connected(DECODE));
+}
+
+/// A KV connection lost is fenced at the decode worker for this worker's id: another
+/// gateway's late introduction of the same decode worker must not open a new connection
+/// under that id (its chunks would land in pages the decode worker has released, I4;
+/// found by the fault schedules, seed 57230). The rejoin under a new id follows.
+#[test]
+fn a_late_introduction_of_a_decode_worker_whose_connection_was_lost_opens_nothing() {
+    let mut p = role();
+    p.handle(PrefillEvent::DecodeLost { decode: DECODE });
+    let acts = p.handle(PrefillEvent::Gateway { from: GatewayId(1), msg: Message::DecodePeer { worker: DECODE, addr: "d:1".into() } });
+    assert!(acts.is_empty(), "no connection under the fenced id: {acts:?}");
+    assert!(p.rejoin_pending());
 }

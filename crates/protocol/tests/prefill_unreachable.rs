@@ -32,8 +32,11 @@ fn aborted_reservation(connected: bool) -> (DecodeRole, KvPool) {
         trace: TraceContext::default(),
         cache: None,
     };
-    dec.handle(&mut pool, DecodeEvent::Gateway(reserve));
-    dec.handle(&mut pool, DecodeEvent::Gateway(Message::Abort { req: RequestId(1), reason: AbortReason::ClientGone }));
+    dec.handle(&mut pool, DecodeEvent::Gateway { from: GatewayId(0), msg: reserve });
+    dec.handle(
+        &mut pool,
+        DecodeEvent::Gateway { from: GatewayId(0), msg: Message::Abort { req: RequestId(1), reason: AbortReason::ClientGone } },
+    );
     assert_eq!(pool.stats().quarantined_pages, 2, "the aborted reservation waits for its writer's fence");
     (dec, pool)
 }
@@ -41,7 +44,7 @@ fn aborted_reservation(connected: bool) -> (DecodeRole, KvPool) {
 #[test]
 fn a_prefill_that_left_without_connecting_fences_its_reservations() {
     let (mut dec, mut pool) = aborted_reservation(false);
-    dec.handle(&mut pool, DecodeEvent::Gateway(Message::PrefillUnreachable { worker: PREFILL }));
+    dec.handle(&mut pool, DecodeEvent::Gateway { from: GatewayId(0), msg: Message::PrefillUnreachable { worker: PREFILL } });
     let s = pool.stats();
     assert_eq!((s.quarantined_pages, s.free_pages), (0, s.total_pages), "{s:?}");
     assert!(!dec.known(RequestId(1)));
@@ -50,7 +53,7 @@ fn a_prefill_that_left_without_connecting_fences_its_reservations() {
 #[test]
 fn a_prefill_that_connected_is_fenced_by_its_connection_not_by_leaving() {
     let (mut dec, mut pool) = aborted_reservation(true);
-    dec.handle(&mut pool, DecodeEvent::Gateway(Message::PrefillUnreachable { worker: PREFILL }));
+    dec.handle(&mut pool, DecodeEvent::Gateway { from: GatewayId(0), msg: Message::PrefillUnreachable { worker: PREFILL } });
     assert_eq!(pool.stats().quarantined_pages, 2, "chunks may still be in flight on its connection");
     dec.handle(&mut pool, DecodeEvent::PrefillClosed { from: PREFILL });
     let s = pool.stats();

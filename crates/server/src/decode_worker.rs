@@ -129,11 +129,13 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
         }
         for input in inputs {
             let ev = match input {
-                In::Gateway(GatewayIn::Msg(_, m)) => {
-                    if let Message::Reserve { req, trace, .. } = &m {
+                In::Gateway(GatewayIn::Msg(i, msg)) => {
+                    // A message read before its connection was counted closed.
+                    let Some(from) = link.gateways.id(i) else { continue };
+                    if let Message::Reserve { req, trace, .. } = &msg {
                         link.spans.insert(*req, request_span(*req, trace));
                     }
-                    DecodeEvent::Gateway(m)
+                    DecodeEvent::Gateway { from, msg }
                 }
                 In::Gateway(GatewayIn::Closed(i)) => {
                     if let Some(gateway) = link.gateways.closed(i) {

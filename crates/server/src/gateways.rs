@@ -111,6 +111,11 @@ impl<T: Send + 'static> Gateways<T> {
         self.hello.worker
     }
 
+    /// The id of the gateway at `index`, while it is connected.
+    pub fn id(&self, index: usize) -> Option<GatewayId> {
+        self.conns.get(index)?.as_ref().map(|(id, _)| *id)
+    }
+
     /// Gateways connected now.
     pub fn connected(&self) -> usize {
         self.conns.iter().flatten().count()

@@ -11,7 +11,7 @@
 //! go to the gateway every [`PUSH_INTERVAL`](crate::metrics::PUSH_INTERVAL) and after each
 //! step that ended a job.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::net::TcpStream;
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, sync_channel};
@@ -168,10 +168,6 @@ struct Worker<'p> {
     /// last had none: how long prompts have queued, here or at the gateway's prefill window
     /// (the core budget's SLO pace).
     busy: Option<(Instant, Option<Instant>)>,
-    /// The gateways (places in `--gateway`) that introduced each decode worker the role
-    /// knows: it knows one while any gateway names it, so one gateway's `PeerLeft` (the
-    /// decode worker left that gateway) does not close a KV connection the others use.
-    peers: BTreeMap<WorkerId, BTreeSet<usize>>,
     started: Instant,
 }
 
@@ -289,7 +285,6 @@ fn incarnation(
         pusher: Pusher::new(),
         job_started: BTreeMap::new(),
         busy: None,
-        peers: BTreeMap::new(),
         started: Instant::now(),
     };
     loop {
@@ -354,22 +349,18 @@ impl Worker<'_> {
         inputs.extend(rx.try_iter());
         for input in inputs {
             let ev = match input {
-                In::Gateway(GatewayIn::Msg(i, m)) => {
-                    if !self.peer_news(i, &m) {
-                        continue;
-                    }
-                    let span = match &m {
+                In::Gateway(GatewayIn::Msg(i, msg)) => {
+                    // A message read before its connection was counted closed.
+                    let Some(from) = self.link.gateways.id(i) else { continue };
+                    let span = match &msg {
                         Message::Prefill { req, trace, .. } => request_span(*req, trace),
                         _ => tracing::Span::none(),
                     };
                     let _in_span = span.enter();
-                    self.handle(PrefillEvent::Gateway(m));
+                    self.handle(PrefillEvent::Gateway { from, msg });
                     continue;
                 }
                 In::Gateway(GatewayIn::Closed(i)) => {
-                    self.peers.values_mut().for_each(|g| {
-                        g.remove(&i);
-                    });
                     if let Some(gateway) = self.link.gateways.closed(i) {
                         self.handle(PrefillEvent::GatewayLost { gateway });
                     }
@@ -400,27 +391,6 @@ impl Worker<'_> {
         let now_ms = self.started.elapsed().as_millis() as u64;
         self.handle(PrefillEvent::Tick { now_ms });
         Ok(true)
-    }
-
-    /// Whether gateway `gateway`'s message is news to the role (see [`Worker::peers`]).
-    fn peer_news(&mut self, gateway: usize, m: &Message) -> bool {
-        match m {
-            Message::DecodePeer { worker, .. } => {
-                let new = !self.peers.contains_key(worker);
-                self.peers.entry(*worker).or_default().insert(gateway);
-                new
-            }
-            Message::PeerLeft { worker } => {
-                let Some(by) = self.peers.get_mut(worker) else { return true };
-                by.remove(&gateway);
-                let last = by.is_empty();
-                if last {
-                    self.peers.remove(worker);
-                }
-                last
-            }
-            _ => true,
-        }
     }
 
     /// Feed one event to the driver, then the events its actions caused here.

@@ -275,19 +275,20 @@ impl<P: PrefillPolicy> PrefillDriver<P> {
     /// Process one event and carry out the role's actions.
     pub fn handle(&mut self, ev: PrefillEvent, link: &mut impl PrefillLink) {
         let refused_job = match &ev {
-            PrefillEvent::Gateway(Message::Prefill { req, tokens, decode, held, pages, sampling, skip_draws, trace, cache }) => {
-                Some(PrefillJob {
-                    req: *req,
-                    tokens: tokens.clone(),
-                    decode: *decode,
-                    held: *held,
-                    pages: pages.clone(),
-                    sampling: sampling.clone(),
-                    skip_draws: *skip_draws,
-                    trace: trace.clone(),
-                    cache: *cache,
-                })
-            }
+            PrefillEvent::Gateway {
+                msg: Message::Prefill { req, tokens, decode, held, pages, sampling, skip_draws, trace, cache },
+                ..
+            } => Some(PrefillJob {
+                req: *req,
+                tokens: tokens.clone(),
+                decode: *decode,
+                held: *held,
+                pages: pages.clone(),
+                sampling: sampling.clone(),
+                skip_draws: *skip_draws,
+                trace: trace.clone(),
+                cache: *cache,
+            }),
             _ => None,
         };
         let mut acts = self.role.handle(ev);

@@ -41,23 +41,16 @@ impl DecodePolicy for DecodeSabotage {
             (DecodeEvent::Prefill { msg: Message::Fenced { .. }, .. }, DecodeSabotage::DropFences) => None,
             (DecodeEvent::GatewayLost { .. }, DecodeSabotage::IgnoreGatewayLoss) => None,
             (
-                DecodeEvent::Gateway(Message::Reserve {
-                    req,
-                    prompt_tokens,
-                    max_tokens,
-                    prefill,
-                    sampling,
-                    stop,
-                    resume,
-                    prompt,
-                    trace,
-                    cache: Some(scope),
-                }),
+                DecodeEvent::Gateway {
+                    from,
+                    msg:
+                        Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, prompt, trace, cache: Some(scope) },
+                },
                 DecodeSabotage::OneScope(first),
             ) => {
                 let cache = Some(*first.get_or_insert(scope));
                 let reserve = Message::Reserve { req, prompt_tokens, max_tokens, prefill, sampling, stop, resume, prompt, trace, cache };
-                Some(DecodeEvent::Gateway(reserve))
+                Some(DecodeEvent::Gateway { from, msg: reserve })
             }
             (ev, _) => Some(ev),
         }
