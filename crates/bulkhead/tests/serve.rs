@@ -1108,3 +1108,18 @@ fn two_gateways_share_the_workers_and_a_killed_one_leaves_the_other_serving() {
     assert_eq!(status, 200, "{v}");
     assert_eq!(get(&s.http, "/health").0, 200);
 }
+
+/// Several gateways need the cluster key (each derives the prefix cache's secret from
+/// it): a worker given several without one refuses to start and says why.
+#[test]
+fn a_worker_given_several_gateways_without_a_cluster_key_refuses_to_start() {
+    let out = Command::new(BIN)
+        .args(["serve", "--role", "decode", "--gateway", "127.0.0.1:9,127.0.0.1:10", "--threads", "1", "--model"])
+        .arg(model())
+        .env_remove("BULKHEAD_CLUSTER_KEY_FILE")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("several gateways need a cluster key"), "{stderr}");
+}
