@@ -134,6 +134,32 @@ struct Bucket {
 
 const MS_PER_MINUTE: u64 = 60_000;
 
+/// How fast a tenant's recent use of prefill ([`Usage`]) is forgotten: it halves every this
+/// many milliseconds. Long against a prompt's prefill (a second or two), so a light tenant
+/// keeps its credit through a burst of its own; short against a busy tenant's minutes.
+pub const USAGE_HALF_LIFE_MS: u64 = 30_000;
+
+/// A tenant's recent use of prefill: the prompt tokens the queue gave it, halving every
+/// [`USAGE_HALF_LIFE_MS`]. The queue serves the tenant with the least use per weight.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Fingerprint)]
+struct Usage {
+    tokens: u64,
+    #[fingerprint(clock)]
+    at_ms: u64,
+}
+
+impl Usage {
+    /// The tokens left at `now_ms`: halved per half-life passed, and linearly within one
+    /// (1 − x/2 for a fraction x of a half-life, close to 2^−x and exact at 0 and 1).
+    fn at(self, now_ms: u64) -> u64 {
+        let passed = now_ms.saturating_sub(self.at_ms);
+        let halvings = passed / USAGE_HALF_LIFE_MS;
+        let t = if halvings >= 64 { 0 } else { self.tokens >> halvings };
+        let rest = passed % USAGE_HALF_LIFE_MS;
+        t - (u128::from(t) * u128::from(rest) / u128::from(2 * USAGE_HALF_LIFE_MS)) as u64
+    }
+}
+
 /// What happened at the gateway.
 #[derive(Debug)]
 pub enum GatewayEvent {
@@ -408,9 +434,11 @@ pub struct GatewayRole {
     /// Client request ids waiting for capacity, one queue per tenant, each first come
     /// first served; the queues take turns.
     queues: BTreeMap<TenantId, VecDeque<RequestId>>,
-    /// The tenant whose queue was served last, and how many more it may send this turn.
+    /// The tenant whose queue was served last (among tenants of equal use per weight, the
+    /// next one after it goes first).
     last_served: Option<TenantId>,
-    turn_left: u32,
+    /// Each tenant's recent use of prefill, for the queue's order.
+    usage: BTreeMap<TenantId, Usage>,
     /// Token buckets of the tenants with `tokens_per_minute`.
     buckets: BTreeMap<TenantId, Bucket>,
     /// Page keys each prefill worker reported cached.
@@ -453,7 +481,7 @@ impl GatewayRole {
             inflight: BTreeMap::new(),
             queues: BTreeMap::new(),
             last_served: None,
-            turn_left: 0,
+            usage: BTreeMap::new(),
             buckets: BTreeMap::new(),
             cached: BTreeMap::new(),
             full: BTreeSet::new(),
@@ -501,15 +529,20 @@ impl GatewayRole {
         self.queues.retain(|_, q| !q.is_empty());
     }
 
-    /// The next tenant to serve: the first after the last served with anything queued.
+    /// The next tenant to serve: of those with anything queued, the one that used least
+    /// prefill lately per unit of weight (a light tenant's burst goes ahead of a tenant
+    /// that keeps the server busy; two busy tenants share by weight), the first after the
+    /// last served among equals.
     fn next_tenant(&self) -> Option<TenantId> {
-        // Weighted round robin by requests: the tenant served last goes on while its turn
-        // (its weight) lasts and it has requests waiting.
-        if let Some(last) = self.last_served.filter(|t| self.turn_left > 0 && self.queues.get(t).is_some_and(|q| !q.is_empty())) {
-            return Some(last);
-        }
-        let after = self.last_served.and_then(|last| self.queues.range(..).find(|(t, q)| **t > last && !q.is_empty()));
-        after.or_else(|| self.queues.iter().find(|(_, q)| !q.is_empty())).map(|(t, _)| *t)
+        let key = |t: TenantId| {
+            let used = self.usage.get(&t).map_or(0, |u| u.at(self.now_ms));
+            (u128::from(used) << 32) / u128::from(self.policy(t).weight.max(1))
+        };
+        let waiting = self.queues.iter().filter(|(_, q)| !q.is_empty()).map(|(t, _)| *t);
+        let (after, upto): (Vec<TenantId>, Vec<TenantId>) = waiting.partition(|t| self.last_served.is_some_and(|l| *t > l));
+        // Round-robin order from the one after the last served; `min_by_key` keeps the first
+        // of equal keys.
+        after.into_iter().chain(upto).min_by_key(|t| key(*t))
     }
 
     fn policy(&self, tenant: TenantId) -> TenantPolicy {
@@ -697,6 +730,9 @@ impl GatewayRole {
             GatewayEvent::WorkerLeft { id } => self.worker_left(id, &mut out),
             GatewayEvent::Tick { now_ms } => {
                 self.now_ms = now_ms;
+                // A tenant whose use has faded away and who waits for nothing is forgotten.
+                let queues = &self.queues;
+                self.usage.retain(|t, u| u.at(now_ms) > 0 || queues.contains_key(t));
                 self.expire(&mut out);
                 // Capacity may have freed without a word from the decode worker (a request
                 // it held failed on another path): try again.
@@ -761,12 +797,11 @@ impl GatewayRole {
                 // behind another tenant's burst; the next prompt to end frees the window.
                 return;
             }
-            if self.last_served == Some(tenant) && self.turn_left > 0 {
-                self.turn_left -= 1;
-            } else {
-                self.last_served = Some(tenant);
-                self.turn_left = self.policy(tenant).weight.max(1) - 1;
-            }
+            self.last_served = Some(tenant);
+            let tokens = self.inflight.get(&req).map_or(0, |f| f.tokens.len() + f.resume.len()) as u64;
+            let now_ms = self.now_ms;
+            let usage = self.usage.entry(tenant).or_default();
+            *usage = Usage { tokens: usage.at(now_ms).saturating_add(tokens), at_ms: now_ms };
             self.unqueue(req);
             // Admitted against the context served when it arrived, perhaps while a role had no
             // worker; a worker that joined since may serve less (the served context is the

@@ -792,3 +792,39 @@ fn request_ids_of_different_gateways_never_meet_and_every_attempt_names_its_gate
     let acts = join(&mut g, P1, Role::Prefill);
     assert_eq!(to_workers(&acts), [(P1, &Message::Welcome { gateway: b })], "the Welcome names the gateway");
 }
+
+/// The queue serves the tenant that used least prefill lately per weight: a light tenant's
+/// burst goes ahead of a tenant that keeps the server busy (round robin would put one of
+/// the busy tenant's prompts between the two), and that use fades with time.
+#[test]
+fn a_light_tenants_burst_goes_ahead_of_a_busy_tenant_and_old_use_fades() {
+    use bulkhead_protocol::gateway::USAGE_HALF_LIFE_MS;
+    let patient = GatewayConfig { request_timeout_ms: u64::MAX / 4, queue_timeout_ms: u64::MAX / 4, ..config(16, &[]) };
+    let mut g = GatewayRole::new(GatewayConfig { prefill_window_tokens: 6, ..patient });
+    join(&mut g, P1, Role::Prefill);
+    join(&mut g, D2, Role::Decode);
+    // One prompt at a time (4 tokens, window 6): computing one lets the next go.
+    let computed = |g: &mut GatewayRole, req: u64| {
+        from(g, D2, reserved(req));
+        reserved_reqs(&from(g, D2, token(req)))
+    };
+    assert_eq!(reserved_reqs(&submit_as(&mut g, 1, 0, None)), [1]);
+    for req in 2..=5 {
+        submit_as(&mut g, req, 0, None);
+    }
+    assert_eq!(computed(&mut g, 1), [2]);
+    assert_eq!(computed(&mut g, 2), [3]);
+    // Tenant 1's burst of two arrives while tenant 0 used 12 tokens: both go first.
+    for req in [6, 7] {
+        assert!(reserved_reqs(&submit_as(&mut g, req, 1, None)).is_empty());
+    }
+    assert_eq!(computed(&mut g, 3), [6]);
+    assert_eq!(computed(&mut g, 6), [7]);
+    assert_eq!(computed(&mut g, 7), [4]);
+    // Much later tenant 0's use has faded to tenant 1's: equals take turns again, the one
+    // after the last served first.
+    g.handle(GatewayEvent::Tick { now_ms: 100 * USAGE_HALF_LIFE_MS });
+    assert!(reserved_reqs(&submit_as(&mut g, 8, 1, None)).is_empty());
+    assert_eq!(computed(&mut g, 4), [8], "tenant 1 is after tenant 0, served last");
+    assert_eq!(computed(&mut g, 8), [5]);
+}
