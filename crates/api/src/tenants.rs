@@ -10,7 +10,7 @@
 //! [[tenant]]
 //! name = "globex"
 //! api_keys = ["sk-globex-1"]          # plain keys work too; digests are recommended
-//! weight = 2                          # its share of the queue: 2 requests per turn (default 1)
+//! weight = 2                          # its share of the queue: twice a weight-1 tenant's (default 1)
 //! max_concurrent_requests = 8         # in flight at once, queued or running (default: no limit)
 //! tokens_per_minute = 200000          # prompt + max_tokens charged at admission, unused refunded
 //! ```

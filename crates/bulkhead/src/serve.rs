@@ -205,7 +205,7 @@ pub struct ServeArgs {
     migration_limit: u32,
     /// Prompt tokens the gateway gives one prefill worker at once (being reserved for,
     /// queued there or computed); later prompts wait in the gateway's queue, where tenants
-    /// take turns by weight, so one tenant's burst does not fill the prefill worker's own
+    /// are served by recent use per weight, so one tenant's burst does not fill the prefill worker's own
     /// first-come queue ahead of another's. A prompt always goes to an idle worker. 0: no
     /// window.
     #[arg(long, env = "BULKHEAD_PREFILL_WINDOW_TOKENS", default_value_t = 512)]

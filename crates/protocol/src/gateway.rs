@@ -97,7 +97,7 @@ pub struct GatewayConfig {
     pub migration_limit: u32,
     /// Prompt tokens a prefill worker is given at once (being reserved for, queued there or
     /// computed); a prompt that would pass it waits in the gateway's queue, where tenants
-    /// take turns by weight, unless the worker has none. 0: no window (every prompt goes on
+    /// are served by recent use per weight, unless the worker has none. 0: no window (every prompt goes on
     /// at once and waits in the prefill worker's own first-come queue).
     pub prefill_window_tokens: usize,
     /// Each tenant's share and limits; a tenant not named here has weight 1 and none.
@@ -108,7 +108,8 @@ pub struct GatewayConfig {
 /// `max_concurrent_requests`, `tokens_per_minute`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Fingerprint)]
 pub struct TenantPolicy {
-    /// Requests it may send on per turn of the queues (weighted round robin), at least 1.
+    /// Its share of the queue, at least 1: the queue serves next the tenant whose recent
+    /// prefill use divided by its weight is least.
     pub weight: u32,
     /// Requests it may have in flight (queued or running) at once.
     pub max_concurrent_requests: Option<u32>,
@@ -432,7 +433,7 @@ pub struct GatewayRole {
     /// By client request id.
     inflight: BTreeMap<RequestId, InFlight>,
     /// Client request ids waiting for capacity, one queue per tenant, each first come
-    /// first served; the queues take turns.
+    /// first served; the tenant of least recent use per weight goes next.
     queues: BTreeMap<TenantId, VecDeque<RequestId>>,
     /// The tenant whose queue was served last (among tenants of equal use per weight, the
     /// next one after it goes first).
@@ -785,8 +786,8 @@ impl GatewayRole {
         self.dispatch(out);
     }
 
-    /// Send queued requests on while a decode worker may have room: the tenants' queues
-    /// take turns, and each is first come, first served (a head that does not fit holds
+    /// Send queued requests on while a decode worker may have room: the tenant of least
+    /// recent use per weight goes next, and each queue is first come, first served (a head that does not fit holds
     /// the others back, so a long prompt is not overtaken for ever by short ones).
     fn dispatch(&mut self, out: &mut Vec<GatewayAction>) {
         while let Some(tenant) = self.next_tenant() {

@@ -666,9 +666,10 @@ fn submit_with(g: &mut GatewayRole, req: u64, tenant: u32, priority: i64) -> Vec
     submit_scoped(g, req, tenant, None, priority)
 }
 
-/// Weights: a tenant of weight 2 sends two requests per turn of the queues; `priority`
-/// orders a tenant's own queue (lower first, first come first served among equals) and
-/// never lets it pass another tenant.
+/// Weights: a tenant of weight 2 is served while its recent use is below twice the
+/// other's (with equal prompts, two of its requests for one); `priority` orders a
+/// tenant's own queue (lower first, first come first served among equals) and never lets
+/// it pass another tenant.
 #[test]
 fn weights_share_the_queue_and_priority_orders_only_the_tenants_own_requests() {
     let two = TenantPolicy { weight: 2, ..TenantPolicy::default() };
@@ -678,8 +679,8 @@ fn weights_share_the_queue_and_priority_orders_only_the_tenants_own_requests() {
     for (req, tenant, priority) in [(2, 0, 0), (3, 0, 5), (4, 0, -1), (5, 1, -100), (6, 0, 0), (7, 1, 0)] {
         assert!(reserved_reqs(&submit_with(&mut g, req, tenant, priority)).is_empty());
     }
-    // Tenant 1 was served last: tenant 0 goes next, two at a time, its own queue by
-    // priority (4 at -1, then 2 and 6 at 0 in arrival order, then 3 at 5); tenant 1's
+    // Tenant 1 was served last and used 4 tokens: tenant 0 goes next, two for each of
+    // tenant 1's, its own queue by priority (4 at -1, then 2 and 6 at 0 in arrival order, then 3 at 5); tenant 1's
     // requeued request stays ahead of its -100, which waits its turn.
     assert_eq!(reserved_reqs(&from(&mut g, D2, Message::Room)), [4, 2, 1, 6, 3, 5, 7]);
 }
