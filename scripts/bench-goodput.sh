@@ -193,8 +193,10 @@ for i, slo in enumerate(slos):
             return f">= {g['rate']:.2f}"
         return f"{g['rate']:.3f}"
     row = f"| {pair(slo)} | " + " | ".join(fmt(g) for g in gs)
-    if len(gs) == 2 and "llamacpp" in reports and "bulkhead" in reports:
-        l, b = reports["llamacpp"]["goodput"][i], reports["bulkhead"]["goodput"][i]
+    # The Bulkhead server beside llama-server, whichever variant it is (bulkhead-slo, ...).
+    ours = [s for s in reports if s != "llamacpp"]
+    if len(gs) == 2 and "llamacpp" in reports and len(ours) == 1:
+        l, b = reports["llamacpp"]["goodput"][i], reports[ours[0]]["goodput"][i]
         ratio = f"{b['rate'] / l['rate']:.2f}" if l["rate"] > 0 else ("n/a (llama-server 0)" if b["rate"] == 0 else "inf (llama-server 0)")
         if "at_least_highest_rate" in (l["kind"], b["kind"]):
             ratio += " (a bound: a sweep never fell below 90%)"
