@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use bulkhead_kv::{KvChecks, KvPool, PoolConfig, RequestId, SequenceKv};
-use bulkhead_model::{Isa, IsaLevel, Llama, SeqInput};
+use bulkhead_model::{Isa, IsaLevel, Llama, SeqInput, Sums};
 use clap::Args;
 
 use crate::ModelArgs;
@@ -42,6 +42,11 @@ pub struct BenchArgs {
     /// repetitions; prints the throughput ratios. Needs a CPU with AVX-512 VNNI.
     #[arg(long, env = "BULKHEAD_BENCH_COMPARE_KERNELS", value_parser = clap::builder::BoolishValueParser::new())]
     compare_kernels: bool,
+    /// Instead of the usual figures, measure the kernels with block sums against the same
+    /// kernels with lane sums (`--kernel-sums`; the model loaded twice), prefill and decode in
+    /// alternating repetitions; prints the throughput ratios.
+    #[arg(long, env = "BULKHEAD_BENCH_COMPARE_SUMS", value_parser = clap::builder::BoolishValueParser::new(), conflicts_with = "compare_kernels")]
+    compare_sums: bool,
     /// Instead of the usual figures, measure constrained decoding: the engine's decode loop
     /// with every sequence under a ten-field JSON schema against none (at the largest batch
     /// size), and time to first token with and without it, in alternating repetitions.
@@ -152,31 +157,51 @@ fn compare_kernels(vnni: &Llama, a: &BenchArgs, pages: usize) -> anyhow::Result<
         println!("bulkhead bench-engine --compare-kernels: this CPU runs {}, not AVX-512 VNNI: nothing to compare", vnni.isa().name());
         return Ok(());
     };
-    let avx2 = a.model.load()?.model.with_isa(avx2);
-    let layout = vnni.kv_layout(a.model.page_size as usize);
+    let avx2 = a.model.load()?.model.with_isa(avx2.with_sums(vnni.isa().sums()));
+    compare(("compare-kernels", "vnni", "avx2"), vnni, &avx2, a, pages)
+}
+
+/// `--compare-sums`: the kernels with block sums against the same kernels with lane sums.
+fn compare_sums(m: Llama, a: &BenchArgs, pages: usize) -> anyhow::Result<()> {
+    let mut lanes = a.model.load()?.model;
+    lanes.set_sums(Sums::Lanes);
+    let mut blocks = m;
+    blocks.set_sums(Sums::Blocks);
+    compare(("compare-sums", "blocks", "lanes"), &blocks, &lanes, a, pages)
+}
+
+/// Model `x` against model `y` (same weights, other kernels), prefill and each decode batch
+/// size in alternating repetitions; `names`: the flag, then `x`'s and `y`'s names.
+fn compare(names: (&str, &str, &str), x: &Llama, y: &Llama, a: &BenchArgs, pages: usize) -> anyhow::Result<()> {
+    let (flag, xn, yn) = names;
+    let layout = x.kv_layout(a.model.page_size as usize);
     let mut pool = KvPool::new(PoolConfig { layout, pages, checks: KvChecks::default() })?;
-    prefill_tps(vnni, &mut pool, a.prompt_tokens.min(64))?;
-    prefill_tps(&avx2, &mut pool, a.prompt_tokens.min(64))?;
+    prefill_tps(x, &mut pool, a.prompt_tokens.min(64))?;
+    prefill_tps(y, &mut pool, a.prompt_tokens.min(64))?;
     let mut pool2 = KvPool::new(PoolConfig { layout, pages, checks: KvChecks::default() })?;
     let mut rows = vec![(format!("prefill {:>5} tokens", a.prompt_tokens), {
-        alternate(a.reps, || prefill_tps(vnni, &mut pool, a.prompt_tokens), || prefill_tps(&avx2, &mut pool2, a.prompt_tokens))?
+        alternate(a.reps, || prefill_tps(x, &mut pool, a.prompt_tokens), || prefill_tps(y, &mut pool2, a.prompt_tokens))?
     })];
     for &b in &a.batches {
         let r = alternate(
             a.reps,
-            || decode_tps(vnni, &mut pool, b, a.decode_context, a.decode_steps),
-            || decode_tps(&avx2, &mut pool2, b, a.decode_context, a.decode_steps),
+            || decode_tps(x, &mut pool, b, a.decode_context, a.decode_steps),
+            || decode_tps(y, &mut pool2, b, a.decode_context, a.decode_steps),
         )?;
         rows.push((format!("decode  batch {b:>3} (ctx {:>4})", a.decode_context), r));
     }
     if a.json {
-        let j: Vec<_> =
-            rows.iter().map(|(n, (x, y, r))| serde_json::json!({ "figure": n, "vnni_tok_s": x, "avx2_tok_s": y, "ratio": r })).collect();
-        println!("{}", serde_json::json!({ "threads": vnni.threads(), "kernels": j }));
+        let j: Vec<_> = rows
+            .iter()
+            .map(|(n, (p, q, r))| serde_json::json!({ "figure": n, format!("{xn}_tok_s"): p, format!("{yn}_tok_s"): q, "ratio": r }))
+            .collect();
+        println!("{}", serde_json::json!({ "threads": x.threads(), "kernels": j }));
     } else {
-        println!("bulkhead bench-engine --compare-kernels: {} threads, median of {} alternating reps", vnni.threads(), a.reps.max(1));
-        for (name, (x, y, r)) in rows {
-            println!("{name:<30} vnni {x:8.1} tok/s, avx2 {y:8.1} tok/s, ratio vnni/avx2 {r:.2}");
+        println!("bulkhead bench-engine --{flag}: {} threads, median of {} alternating reps", x.threads(), a.reps.max(1));
+        println!("{xn}: {}", x.kernels_line());
+        println!("{yn}: {}", y.kernels_line());
+        for (name, (p, q, r)) in rows {
+            println!("{name:<30} {xn} {p:8.1} tok/s, {yn} {q:8.1} tok/s, ratio {xn}/{yn} {r:.2}");
         }
     }
     Ok(())
@@ -194,6 +219,9 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     let pages = (per_seq * max_batch).max(layout.pages_for_tokens(a.prompt_tokens));
     if a.compare_kernels {
         return compare_kernels(&m, &a, pages);
+    }
+    if a.compare_sums {
+        return compare_sums(m, &a, pages);
     }
     if a.compare_checks {
         // Warm-up, then production checks and the auditor, each against everything off.

@@ -26,6 +26,7 @@ mod serve;
 use std::path::PathBuf;
 
 use anyhow::Context;
+use bulkhead_model::Sums;
 use clap::{Args, CommandFactory, Parser, Subcommand};
 
 #[derive(Parser)]
@@ -87,6 +88,22 @@ pub struct ModelArgs {
     /// Tokens per KV page.
     #[arg(long, env = "BULKHEAD_PAGE_SIZE", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub page_size: u32,
+    /// How the quantised matrix kernels add up a block's products: `blocks` (one exact integer
+    /// sum per 32-element block, then its scale: ggml's reference arithmetic, and the fastest
+    /// on AVX-512 VNNI) or `lanes` (ggml's AVX2 arithmetic, eight float lanes a block). Every
+    /// CPU gives the same bits for either; the two differ in the last bits of the logits
+    /// (docs/OPERATIONS.md).
+    #[arg(long, env = "BULKHEAD_KERNEL_SUMS", default_value = "blocks", value_parser = parse_sums)]
+    pub kernel_sums: Sums,
+}
+
+/// `--kernel-sums`.
+fn parse_sums(s: &str) -> Result<Sums, String> {
+    match s {
+        "blocks" => Ok(Sums::Blocks),
+        "lanes" => Ok(Sums::Lanes),
+        other => Err(format!("`{other}` is not `blocks` or `lanes`")),
+    }
 }
 
 impl ModelArgs {
@@ -105,7 +122,8 @@ impl ModelArgs {
     /// Load the model named by the flags (fetching a known one if needed).
     pub fn load(&self) -> anyhow::Result<bulkhead_engine::LoadedModel> {
         let path = self.path()?;
-        let m = bulkhead_engine::load_model_with(&path, self.threads, self.chat_template.as_deref())?;
+        let mut m = bulkhead_engine::load_model_with(&path, self.threads, self.chat_template.as_deref())?;
+        m.model.set_sums(self.kernel_sums);
         tracing::info!(
             model = %path.display(),
             isa = m.model.isa().name(),

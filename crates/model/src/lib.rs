@@ -37,7 +37,7 @@ use bulkhead_kv::{KvError, KvLayout};
 
 pub use config::{Activation, Arch, LlamaConfig, RopeStyle};
 pub use forward::SeqInput;
-pub use kernels::{Isa, IsaLevel};
+pub use kernels::{Isa, IsaLevel, Sums};
 pub use weights::Weights;
 
 /// Why a model could not be loaded or run.
@@ -143,6 +143,11 @@ impl Llama {
         self
     }
 
+    /// Use another arithmetic for the quantised dot products (the layout stays).
+    pub fn set_sums(&mut self, sums: Sums) {
+        self.isa = self.isa.with_sums(sums);
+    }
+
     /// Share the cores with another worker's forward passes through `share` (workers on one
     /// host: `bulkhead_server::core_budget`). With more than one compute thread this makes
     /// the one-thread pool that narrowed layers run on.
@@ -175,11 +180,16 @@ impl Llama {
         }
     }
 
-    /// Each weight type's kernel family and parameter count, as one line for logs and
-    /// benchmarks: `Q5_0 vnni512 63.4M, Q4_K vnni512 23.6M, ...`.
+    /// Each weight type's kernel family, its sums ([`Sums`]) and parameter count, as one line
+    /// for logs and benchmarks: `Q5_0 vnni512/blocks 63.4M, Q4_K vnni512/blocks 23.6M, ...`.
     pub fn kernels_line(&self) -> String {
-        let parts: Vec<String> =
-            self.weights.kernels(self.isa()).into_iter().map(|(ty, k, n)| format!("{ty} {k} {:.1}M", n as f64 / 1e6)).collect();
+        let sums = |k: &str| if k == "scalar" { Sums::Blocks } else { self.isa.sums() };
+        let parts: Vec<String> = self
+            .weights
+            .kernels(self.isa())
+            .into_iter()
+            .map(|(ty, k, n)| format!("{ty} {k}/{} {:.1}M", sums(k).name(), n as f64 / 1e6))
+            .collect();
         parts.join(", ")
     }
 

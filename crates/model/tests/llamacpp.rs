@@ -5,7 +5,7 @@
 
 use bulkhead_gguf::GgufFile;
 use bulkhead_kv::{KvChecks, KvPool, PoolConfig, RequestId, SequenceKv};
-use bulkhead_model::{Llama, SeqInput};
+use bulkhead_model::{Llama, SeqInput, Sums};
 
 mod support;
 
@@ -33,32 +33,51 @@ fn logits_per_position(m: &Llama, tokens: &[u32]) -> Vec<Vec<f32>> {
 }
 
 /// At every step of llama.cpp's greedy continuations, its choice is our argmax or within
-/// 0.25 logits of it, and at least 95% of the steps agree (the target was 0.2; one step
-/// of 160 is at 0.21, the others within 0.14).
+/// 0.25 logits of it, and at least 95% of the steps agree, in either arithmetic of the
+/// quantised kernels (lanes: 156 of 160, largest gap 0.21; blocks: 154 of 160, 0.24). The two
+/// arithmetics' logits after each prompt differ by at most 5% of the largest logit (the tiny
+/// models' bound against llama.cpp below; measured 3.5%: a different float order, amplified
+/// through 18 layers).
 #[test]
 fn gemma_agrees_with_llama_cpp_along_its_greedy_paths() {
     let path = bulkhead_fetch::ensure(&bulkhead_fetch::GEMMA3_270M, false).expect("Gemma 3 270M");
-    let m = Llama::load(&path, 2).expect("Gemma loads");
+    let mut m = Llama::load(&path, 2).expect("Gemma loads");
     let v: serde_json::Value = serde_json::from_str(include_str!("fixtures/gemma3_greedy.json")).expect("fixture");
-    let (mut agree, mut steps, mut worst) = (0, 0, 0.0f32);
-    for c in v["cases"].as_array().expect("cases") {
-        let (prompt, completion) = (ids(&c["prompt_ids"]), ids(&c["completion_ids"]));
-        let mut pool = KvPool::new(PoolConfig { layout: m.kv_layout(16), pages: 16, checks: KvChecks::all() }).expect("pool");
-        let mut kv = SequenceKv::new(RequestId(1));
-        kv.reserve(&mut pool, prompt.len() + completion.len()).expect("reserve");
-        let mut logits = m.forward(&mut pool, &mut [SeqInput { kv: &mut kv, tokens: &prompt, want_logits: true }]).expect("prefill");
-        for &theirs in &completion {
-            let ours = argmax(&logits);
-            let gap = logits[ours] - logits[theirs as usize];
-            assert!(gap <= 0.25, "{:?}: llama.cpp picked {theirs}, {gap} below our {ours}", c["prompt"]);
-            worst = worst.max(gap);
-            agree += usize::from(ours == theirs as usize);
-            steps += 1;
-            logits = m.forward(&mut pool, &mut [SeqInput { kv: &mut kv, tokens: &[theirs], want_logits: true }]).expect("step");
+    let mut first_logits: Vec<Vec<f32>> = Vec::new();
+    for sums in [Sums::Lanes, Sums::Blocks] {
+        m.set_sums(sums);
+        let (mut agree, mut steps, mut worst, mut apart) = (0, 0, 0.0f32, 0.0f32);
+        for (i, c) in v["cases"].as_array().expect("cases").iter().enumerate() {
+            let (prompt, completion) = (ids(&c["prompt_ids"]), ids(&c["completion_ids"]));
+            let mut pool = KvPool::new(PoolConfig { layout: m.kv_layout(16), pages: 16, checks: KvChecks::all() }).expect("pool");
+            let mut kv = SequenceKv::new(RequestId(1));
+            kv.reserve(&mut pool, prompt.len() + completion.len()).expect("reserve");
+            let mut logits = m.forward(&mut pool, &mut [SeqInput { kv: &mut kv, tokens: &prompt, want_logits: true }]).expect("prefill");
+            match first_logits.get(i) {
+                Some(l) => {
+                    let scale = l.iter().fold(1.0f32, |m, x| m.max(x.abs()));
+                    let max = l.iter().zip(&logits).fold(0.0f32, |d, (a, b)| d.max((a - b).abs()));
+                    apart = apart.max(max / scale);
+                }
+                None => first_logits.push(logits.clone()),
+            }
+            for &theirs in &completion {
+                let ours = argmax(&logits);
+                let gap = logits[ours] - logits[theirs as usize];
+                assert!(gap <= 0.25, "{sums:?} {:?}: llama.cpp picked {theirs}, {gap} below our {ours}", c["prompt"]);
+                worst = worst.max(gap);
+                agree += usize::from(ours == theirs as usize);
+                steps += 1;
+                logits = m.forward(&mut pool, &mut [SeqInput { kv: &mut kv, tokens: &[theirs], want_logits: true }]).expect("step");
+            }
         }
+        eprintln!(
+            "gemma3 vs llama.cpp, {} sums: top-1 agrees at {agree} of {steps} steps; largest gap {worst}; prompt logits {apart} of the largest from lanes'",
+            sums.name()
+        );
+        assert!(agree * 100 >= steps * 95, "{sums:?}: top-1 agrees at only {agree} of {steps} steps");
+        assert!(apart <= 0.05, "{sums:?}: prompt logits {apart} of the largest from the lanes arithmetic's");
     }
-    eprintln!("gemma3 vs llama.cpp: top-1 agrees at {agree} of {steps} steps; largest gap {worst}");
-    assert!(agree * 100 >= steps * 95, "top-1 agrees at only {agree} of {steps} steps");
 }
 
 /// Tiny random models of qwen2, qwen3, llama with Llama 3's RoPE factors and gemma3 with a

@@ -12,7 +12,7 @@ use std::arch::x86_64::*;
 use bulkhead_gguf::GgmlType;
 use half::f16;
 
-use super::TILE;
+use super::{Sums, TILE};
 use crate::kquant::{self, KBlock};
 use crate::quant::{Q8Acts, QK, f16_at};
 
@@ -34,19 +34,33 @@ struct ActPtrs {
     nb: usize,
 }
 
-/// One weight row against `N` activation rows.
+/// One weight row against `N` activation rows. Lanes (`!BLOCKS`): per block one FMA of the
+/// eight four-product lanes by `d_w · d_a`, and Q4_1's and Q5_1's `m_w · s_a` summed apart.
+/// Blocks: the block's exact integer sum, then the scalar kernel's `(d_w · d_a) · isum (+
+/// m_w · s_a)` added to the row's sum.
 ///
 /// # Safety
 /// AVX2, FMA and F16C are available; `w` points to `a.nb` readable blocks of `ty`; `a` points
 /// to `N` rows of `a.nb` blocks each (`qs`: 32 bytes a block, `d` and `s`: one f32 a block).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::needless_range_loop)] // `n` indexes acc, summ and the activation rows alike
-unsafe fn tile<const N: usize>(ty: GgmlType, w: *const u8, a: ActPtrs, out: &mut [f32]) {
+unsafe fn tile<const N: usize, const BLOCKS: bool>(ty: GgmlType, w: *const u8, a: ActPtrs, out: &mut [f32]) {
     let nb = a.nb;
     let mut acc = [_mm256_setzero_ps(); N];
     let mut summ = [0.0f32; N];
+    let mut total = [0.0f32; N];
     let mask = _mm256_set1_epi8(0x0F);
     let ones = _mm256_set1_epi16(1);
+    // One block's integer lanes `p` for activation row `n`, with its scale `d_w · d_a` and
+    // min term (0 without a min).
+    let mut add = |n: usize, p: __m256i, scale: f32, min: f32| {
+        if BLOCKS {
+            total[n] += scale * hsum_i32(p) as f32 + min;
+        } else {
+            acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(p), acc[n]);
+            summ[n] += min;
+        }
+    };
     // SAFETY: (whole body) every offset below is < nb blocks of the weight row or < N rows of
     // nb blocks of activations, as the caller guarantees; unaligned loads are used throughout.
     unsafe {
@@ -62,8 +76,7 @@ unsafe fn tile<const N: usize>(ty: GgmlType, w: *const u8, a: ActPtrs, out: &mut
                         let ab = n * nb + b;
                         let qy = _mm256_loadu_si256(a.qs.add(ab * QK).cast());
                         let p = _mm256_madd_epi16(_mm256_maddubs_epi16(qx, qy), ones);
-                        acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * *a.d.add(ab)), _mm256_cvtepi32_ps(p), acc[n]);
-                        summ[n] += m * *a.s.add(ab);
+                        add(n, p, d * *a.d.add(ab), m * *a.s.add(ab));
                     }
                 }
             }
@@ -80,7 +93,10 @@ unsafe fn tile<const N: usize>(ty: GgmlType, w: *const u8, a: ActPtrs, out: &mut
                     } else {
                         _mm256_loadu_si256(blk.add(2).cast())
                     };
-                    signed_block_dots(&mut acc, qx, d, a, b);
+                    for n in 0..N {
+                        let (p, da) = signed_block_dot(qx, a, n * nb + b);
+                        add(n, p, d * da, 0.0);
+                    }
                 }
             }
             GgmlType::Q5_0 | GgmlType::Q5_1 => {
@@ -102,11 +118,10 @@ unsafe fn tile<const N: usize>(ty: GgmlType, w: *const u8, a: ActPtrs, out: &mut
                     if !has_min {
                         qx = _mm256_sub_epi8(qx, _mm256_set1_epi8(16));
                     }
-                    signed_block_dots(&mut acc, qx, d, a, b);
-                    if has_min {
-                        for n in 0..N {
-                            summ[n] += m * *a.s.add(n * nb + b);
-                        }
+                    for n in 0..N {
+                        let ab = n * nb + b;
+                        let (p, da) = signed_block_dot(qx, a, ab);
+                        add(n, p, d * da, if has_min { m * *a.s.add(ab) } else { 0.0 });
                     }
                 }
             }
@@ -114,28 +129,41 @@ unsafe fn tile<const N: usize>(ty: GgmlType, w: *const u8, a: ActPtrs, out: &mut
         }
     }
     for n in 0..N {
-        out[n] = hsum(acc[n]) + summ[n];
+        out[n] = if BLOCKS { total[n] } else { hsum(acc[n]) + summ[n] };
     }
 }
 
-/// Adds one block's dot products of signed weight bytes `qx` (scale `d`) with block `b` of
-/// each of the `N` activation rows into `acc`.
+/// Block `ab`'s dot product of signed weight bytes `qx` with the activations, as eight
+/// four-product lanes, and the activations' scale.
 ///
 /// # Safety
-/// As [`tile`]: `a` holds `N` rows of `a.nb` blocks and `b < a.nb`.
+/// As [`tile`]: `ab` is a block of the activation rows `a` holds.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-#[allow(clippy::needless_range_loop)]
-unsafe fn signed_block_dots<const N: usize>(acc: &mut [__m256; N], qx: __m256i, d: f32, a: ActPtrs, b: usize) {
-    let ax = _mm256_sign_epi8(qx, qx);
-    let ones = _mm256_set1_epi16(1);
-    for n in 0..N {
-        let ab = n * a.nb + b;
-        // SAFETY: `ab` is block `b` of row `n < N`, inside `a` as the caller guarantees.
-        let (qy, da) = unsafe { (_mm256_loadu_si256(a.qs.add(ab * QK).cast()), *a.d.add(ab)) };
-        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(qy, qx)), ones);
-        acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * da), _mm256_cvtepi32_ps(p), acc[n]);
-    }
+unsafe fn signed_block_dot(qx: __m256i, a: ActPtrs, ab: usize) -> (__m256i, f32) {
+    // SAFETY: `ab` is inside `a`, as the caller guarantees.
+    let (qy, da) = unsafe { (_mm256_loadu_si256(a.qs.add(ab * QK).cast()), *a.d.add(ab)) };
+    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx)), _mm256_set1_epi16(1));
+    (p, da)
+}
+
+/// The sum of the eight lanes (exact: the callers' sums fit in i32).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn hsum_i32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+    _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01)))
+}
+
+/// `[Σ p[0], ..., Σ p[7]]`: each vector's eight lanes summed (exact in i32).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn hsum8_i32(p: &[__m256i; 8]) -> __m256i {
+    let q = |i: usize| _mm256_hadd_epi32(_mm256_hadd_epi32(p[i], p[i + 1]), _mm256_hadd_epi32(p[i + 2], p[i + 3]));
+    // Lanes of q(i): the low halves of p[i..i+4], then their high halves.
+    let (lo, hi) = (q(0), q(4));
+    _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31))
 }
 
 /// 32 bytes, byte `j` 0xFF where bit `j` of `bits` is set and 0 elsewhere.
@@ -158,10 +186,11 @@ macro_rules! ktile_kernel {
         $(#[$doc])*
         #[target_feature(enable = $features)]
         #[allow(clippy::needless_range_loop)] // `n` indexes acc, summ and the activation rows alike
-        unsafe fn $name<const N: usize>(ty: GgmlType, w: &[u8], a: ActPtrs, sums: *const i32, out: &mut [f32]) {
+        unsafe fn $name<const N: usize, const BLOCKS: bool>(ty: GgmlType, w: &[u8], a: ActPtrs, sums: *const i32, out: &mut [f32]) {
             let nb = a.nb;
             let bb = ty.block().map_or(0, |b| b.1);
             let mut acc = [_mm256_setzero_ps(); N];
+            let mut total = [0.0f32; N];
             let mut summ = [_mm256_setzero_ps(); N];
             let (m4, m2) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3));
             let mut qx = [_mm256_setzero_si256(); 8];
@@ -228,27 +257,43 @@ macro_rules! ktile_kernel {
                 let (mn_lo, mn_hi) = unsafe { (_mm256_loadu_si256(mn.as_ptr().cast()), _mm256_loadu_si256(mn.as_ptr().add(8).cast())) };
                 for n in 0..N {
                     let first = n * nb + sb * 8;
+                    let mut p = [_mm256_setzero_si256(); 8];
                     for j in 0..8 {
                         let ab = first + j;
                         // SAFETY: ab < N * nb: inside the activation rows the caller guarantees.
                         let (qy, da) = unsafe { (_mm256_loadu_si256(a.qs.add(ab * QK).cast()), *a.d.add(ab)) };
-                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax[j], _mm256_sign_epi8(qy, qx[j])), sv[j]);
-                        acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * da), _mm256_cvtepi32_ps(p), acc[n]);
+                        p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(ax[j], _mm256_sign_epi8(qy, qx[j])), sv[j]);
+                        if !BLOCKS {
+                            acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * da), _mm256_cvtepi32_ps(p[j]), acc[n]);
+                        }
                     }
-                    if has_mins {
-                        // The eight blocks' min terms at once: mn[g] * sum[g] per group, pairs added
-                        // (hadd leaves blocks 0 1 4 5 2 3 6 7, put back in order), times dmin and d_a.
-                        // SAFETY: 2 * (first + 8) <= 2 * N * nb and first + 8 <= N * nb: inside the
-                        // group sums and scales.
-                        let (s_lo, s_hi, da) = unsafe { (_mm256_loadu_si256(sums.add(2 * first).cast()), _mm256_loadu_si256(sums.add(2 * first + 8).cast()), _mm256_loadu_ps(a.d.add(first))) };
+                    // The eight blocks' min terms at once: mn[g] * sum[g] per group, pairs added
+                    // (hadd leaves blocks 0 1 4 5 2 3 6 7, put back in order).
+                    // SAFETY: 2 * (first + 8) <= 2 * N * nb and first + 8 <= N * nb: inside the
+                    // group sums and scales.
+                    let (s_lo, s_hi, da) = unsafe { (_mm256_loadu_si256(sums.add(2 * first).cast()), _mm256_loadu_si256(sums.add(2 * first + 8).cast()), _mm256_loadu_ps(a.d.add(first))) };
+                    let per_block = if has_mins {
                         let pairs = _mm256_hadd_epi32(_mm256_mullo_epi32(s_lo, mn_lo), _mm256_mullo_epi32(s_hi, mn_hi));
-                        let per_block = _mm256_permutevar8x32_epi32(pairs, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+                        _mm256_permutevar8x32_epi32(pairs, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7))
+                    } else {
+                        _mm256_setzero_si256()
+                    };
+                    if BLOCKS {
+                        // The scalar kernel's `d_a · (d · isum - dmin · msum)` per block (one
+                        // block a lane), added in block order, then the superblock's sum.
+                        let (isum, msum) = (_mm256_cvtepi32_ps(hsum8_i32(&p)), _mm256_cvtepi32_ps(per_block));
+                        let t = _mm256_mul_ps(da, _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(d), isum), _mm256_mul_ps(_mm256_set1_ps(dmin), msum)));
+                        let mut lanes = [0.0f32; 8];
+                        // SAFETY: `lanes` has eight f32.
+                        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), t) };
+                        total[n] += lanes.iter().fold(0.0f32, |s, &x| s + x);
+                    } else if has_mins {
                         summ[n] = _mm256_fmadd_ps(da, _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(per_block)), summ[n]);
                     }
                 }
             }
             for n in 0..N {
-                out[n] = hsum(acc[n]) - hsum(summ[n]);
+                out[n] = if BLOCKS { total[n] } else { hsum(acc[n]) - hsum(summ[n]) };
             }
         }
     };
@@ -282,7 +327,17 @@ ktile_kernel!(
 /// `row_bytes` each and `n` activation rows; `evex`: the CPU has AVX-512F and AVX-512VL
 /// (k-quants then run [`ktile_evex`]).
 #[allow(clippy::too_many_arguments)] // mirrors kernels::dot_q_rows, plus the ISA's choice
-pub(super) fn dot_q_rows(ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8Acts, first: usize, n: usize, out: &mut [f32], evex: bool) {
+pub(super) fn dot_q_rows(
+    ty: GgmlType,
+    sums: Sums,
+    w: &[u8],
+    row_bytes: usize,
+    acts: &Q8Acts,
+    first: usize,
+    n: usize,
+    out: &mut [f32],
+    evex: bool,
+) {
     let nb = acts.blocks_per_row();
     let kq = kquant::is_kquant(ty);
     // These bounds are what `tile` and `ktile` rely on.
@@ -293,6 +348,17 @@ pub(super) fn dot_q_rows(ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8Acts
     );
     assert!(out.len() == w.len() / row_bytes * n, "output shape");
     assert!(acts.qs.len() >= end * QK && acts.d.len() >= end && acts.s.len() >= end && acts.sums.len() >= 2 * end, "activations too short");
+    macro_rules! tiles {
+        ($rows:expr, $kernel:ident, $blocks:literal, $args:tt) => {
+            match $rows {
+                4 => $kernel::<4, $blocks> $args,
+                3 => $kernel::<3, $blocks> $args,
+                2 => $kernel::<2, $blocks> $args,
+                _ => $kernel::<1, $blocks> $args,
+            }
+        };
+    }
+    let blocks = sums == Sums::Blocks;
     for (row, o_row) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(n)) {
         let mut i = 0;
         while i < n {
@@ -309,19 +375,13 @@ pub(super) fn dot_q_rows(ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8Acts
             // blocks with their group sums, checked above.
             // With `evex`, ktile_evex's AVX-512F/VL too (the caller's Isa is at Avx512Vnni).
             unsafe {
-                match (kq, rows) {
-                    (true, 4) if evex => ktile_evex::<4>(ty, row, a, sums, o),
-                    (true, 3) if evex => ktile_evex::<3>(ty, row, a, sums, o),
-                    (true, 2) if evex => ktile_evex::<2>(ty, row, a, sums, o),
-                    (true, _) if evex => ktile_evex::<1>(ty, row, a, sums, o),
-                    (true, 4) => ktile::<4>(ty, row, a, sums, o),
-                    (true, 3) => ktile::<3>(ty, row, a, sums, o),
-                    (true, 2) => ktile::<2>(ty, row, a, sums, o),
-                    (true, _) => ktile::<1>(ty, row, a, sums, o),
-                    (false, 4) => tile::<4>(ty, row.as_ptr(), a, o),
-                    (false, 3) => tile::<3>(ty, row.as_ptr(), a, o),
-                    (false, 2) => tile::<2>(ty, row.as_ptr(), a, o),
-                    (false, _) => tile::<1>(ty, row.as_ptr(), a, o),
+                match (kq, evex, blocks) {
+                    (true, true, false) => tiles!(rows, ktile_evex, false, (ty, row, a, sums, o)),
+                    (true, true, true) => tiles!(rows, ktile_evex, true, (ty, row, a, sums, o)),
+                    (true, false, false) => tiles!(rows, ktile, false, (ty, row, a, sums, o)),
+                    (true, false, true) => tiles!(rows, ktile, true, (ty, row, a, sums, o)),
+                    (false, _, false) => tiles!(rows, tile, false, (ty, row.as_ptr(), a, o)),
+                    (false, _, true) => tiles!(rows, tile, true, (ty, row.as_ptr(), a, o)),
                 }
             }
             i += rows;

@@ -47,17 +47,62 @@ impl IsaLevel {
     }
 }
 
-/// An instruction set the kernels run on, proven available: only detection makes one
-/// ([`Isa::detect`], [`Isa::available`], [`Isa::get`]) besides the portable
-/// [`Isa::scalar`], so safe code cannot select SIMD kernels this CPU lacks. The SIMD
+/// How a quantised dot product adds up a 32-element block's products. Every ISA computes
+/// each arithmetic bit for bit alike; the two give slightly different floats (both within
+/// the llama.cpp fixtures' bounds).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Sums {
+    /// One exact integer sum per block (the k-quants' scales applied in integers), then the
+    /// block's float steps, blocks in order: ggml's portable reference arithmetic, and what
+    /// an AMX tile computes. The 512-bit VNNI kernels do an eighth of the float work of
+    /// lanes.
+    #[default]
+    Blocks,
+    /// ggml's x86 (AVX2) arithmetic: eight lanes of four products each keep their own float
+    /// accumulator, summed at the end. SIMD ISAs only: the portable kernels always sum
+    /// blocks (and agree with lanes to 1e-4).
+    Lanes,
+}
+
+impl Sums {
+    /// Name for logs and benchmarks.
+    pub fn name(self) -> &'static str {
+        match self {
+            Sums::Blocks => "blocks",
+            Sums::Lanes => "lanes",
+        }
+    }
+}
+
+/// An instruction set the kernels run on, proven available, and the arithmetic they use:
+/// only detection makes one ([`Isa::detect`], [`Isa::available`], [`Isa::get`]) besides the
+/// portable [`Isa::scalar`], so safe code cannot select SIMD kernels this CPU lacks. The SIMD
 /// kernels' `SAFETY` arguments rest on that.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Isa(IsaLevel);
+pub struct Isa {
+    level: IsaLevel,
+    sums: Sums,
+}
 
 impl Isa {
     /// The portable kernels, on any CPU.
     pub fn scalar() -> Isa {
-        Isa(IsaLevel::Scalar)
+        Isa::at(IsaLevel::Scalar)
+    }
+
+    /// `level` (its availability checked by the caller) with the default arithmetic.
+    fn at(level: IsaLevel) -> Isa {
+        Isa { level, sums: Sums::default() }
+    }
+
+    /// The same instruction set with another arithmetic.
+    pub fn with_sums(self, sums: Sums) -> Isa {
+        Isa { sums, ..self }
+    }
+
+    /// The arithmetic of the quantised dot products.
+    pub fn sums(self) -> Sums {
+        self.sums
     }
 
     /// The best level this CPU runs, ignoring the environment.
@@ -84,14 +129,14 @@ impl Isa {
             return Isa::scalar();
         }
         match Isa::best_supported() {
-            IsaLevel::Avx512Vnni if set("BULKHEAD_NO_VNNI") => Isa(IsaLevel::Avx2),
-            level => Isa(level),
+            IsaLevel::Avx512Vnni if set("BULKHEAD_NO_VNNI") => Isa::at(IsaLevel::Avx2),
+            level => Isa::at(level),
         }
     }
 
     /// `level`, if this CPU runs it.
     pub fn get(level: IsaLevel) -> Option<Isa> {
-        (level <= Isa::best_supported()).then_some(Isa(level))
+        (level <= Isa::best_supported()).then_some(Isa::at(level))
     }
 
     /// Every instruction set this CPU can run, portable first (for tests that compare them).
@@ -101,17 +146,17 @@ impl Isa {
 
     /// Its level.
     pub fn level(self) -> IsaLevel {
-        self.0
+        self.level
     }
 
     /// Whether quantised matrices are multiplied in the packed layout.
     pub fn packs_weights(self) -> bool {
-        self.0 == IsaLevel::Avx512Vnni
+        self.level == IsaLevel::Avx512Vnni
     }
 
     /// Name for logs and benchmarks.
     pub fn name(self) -> &'static str {
-        self.0.name()
+        self.level.name()
     }
 }
 
@@ -128,7 +173,7 @@ pub fn dot_q_packed(isa: Isa, ty: GgmlType, p: &[u8], rows: usize, acts: &Q8Acts
     assert!(first_act + n <= acts.rows, "activation rows {first_act}+{n} of {}", acts.rows);
     match isa.level() {
         #[cfg(target_arch = "x86_64")]
-        IsaLevel::Avx512Vnni => vnni::dot_packed(ty, p, rows, acts, first_act, n, out),
+        IsaLevel::Avx512Vnni => vnni::dot_packed(ty, isa.sums(), p, rows, acts, first_act, n, out),
         other => panic!("packed weights need AVX-512 VNNI, not {}", other.name()),
     }
 }
@@ -146,9 +191,9 @@ pub fn dot_q_rows(isa: Isa, ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8A
     assert!(first_act + n <= acts.rows, "activation rows {first_act}+{n} of {}", acts.rows);
     match isa.level() {
         #[cfg(target_arch = "x86_64")]
-        IsaLevel::Avx2 => avx2::dot_q_rows(ty, w, row_bytes, acts, first_act, n, out, false),
+        IsaLevel::Avx2 => avx2::dot_q_rows(ty, isa.sums(), w, row_bytes, acts, first_act, n, out, false),
         #[cfg(target_arch = "x86_64")]
-        IsaLevel::Avx512Vnni => avx2::dot_q_rows(ty, w, row_bytes, acts, first_act, n, out, true),
+        IsaLevel::Avx512Vnni => avx2::dot_q_rows(ty, isa.sums(), w, row_bytes, acts, first_act, n, out, true),
         _ => scalar::dot_q_rows(ty, w, row_bytes, acts, first_act, n, out),
     }
 }
@@ -410,28 +455,33 @@ mod tests {
                     let want: f32 = wd.iter().zip(&xd[r * cols..(r + 1) * cols]).map(|(a, b)| a * b).sum();
                     assert!((s[r] - want).abs() < 1e-2 * (1.0 + want.abs()), "{ty} scalar row {r}: {} vs {want}", s[r]);
                 }
-                // Every SIMD level gives the same bits (AVX-512 CPUs run the k-quants' AVX2
-                // kernel compiled for 32 registers), and each row alone those of the tile.
-                let mut simd_bits: Option<Vec<u32>> = None;
-                for isa in Isa::available().into_iter().filter(|i| i.level() != IsaLevel::Scalar) {
-                    let mut v = vec![0.0f32; n];
-                    dot_q_rows(isa, ty, &wq, wq.len(), &acts, 0, n, &mut v);
-                    for r in 0..n {
-                        assert!((s[r] - v[r]).abs() < 1e-4 * (1.0 + s[r].abs()), "{ty} {isa:?} n={n} row {r}: {} vs {}", v[r], s[r]);
-                        let mut one = [0.0];
-                        dot_q_rows(isa, ty, &wq, wq.len(), &acts, r, 1, &mut one);
-                        assert_eq!(one[0].to_bits(), v[r].to_bits(), "{ty} {isa:?} row {r} alone vs in a tile of {n}");
+                // Lanes: every SIMD level gives the same bits (AVX-512 CPUs run the k-quants'
+                // AVX2 kernel compiled for 32 registers). Blocks: every level, scalar included,
+                // gives the scalar kernel's bits. Either way each row alone gives those of
+                // the tile.
+                for sums in [Sums::Lanes, Sums::Blocks] {
+                    let mut bits_of: Option<Vec<u32>> = (sums == Sums::Blocks).then(|| s.iter().map(|x| x.to_bits()).collect());
+                    for isa in Isa::available().into_iter().filter(|i| i.level() != IsaLevel::Scalar) {
+                        let isa = isa.with_sums(sums);
+                        let mut v = vec![0.0f32; n];
+                        dot_q_rows(isa, ty, &wq, wq.len(), &acts, 0, n, &mut v);
+                        for r in 0..n {
+                            assert!((s[r] - v[r]).abs() < 1e-4 * (1.0 + s[r].abs()), "{ty} {isa:?} n={n} row {r}: {} vs {}", v[r], s[r]);
+                            let mut one = [0.0];
+                            dot_q_rows(isa, ty, &wq, wq.len(), &acts, r, 1, &mut one);
+                            assert_eq!(one[0].to_bits(), v[r].to_bits(), "{ty} {isa:?} row {r} alone vs in a tile of {n}");
+                        }
+                        let bits: Vec<u32> = v.iter().map(|x| x.to_bits()).collect();
+                        assert_eq!(bits_of.get_or_insert_with(|| bits.clone()), &bits, "{ty} n={n}: {isa:?} differs from another level");
                     }
-                    let bits: Vec<u32> = v.iter().map(|x| x.to_bits()).collect();
-                    assert_eq!(simd_bits.get_or_insert_with(|| bits.clone()), &bits, "{ty} n={n}: {isa:?} differs from another SIMD level");
                 }
             }
         }
     }
 
-    /// The packed VNNI kernel gives the AVX2 row kernel's results bit for bit, for every
-    /// type, for row counts that end inside a group and for every tile size (so each
-    /// activation row is also the same alone or in a tile).
+    /// The packed VNNI kernel gives the AVX2 row kernel's results bit for bit in either
+    /// arithmetic, for every type, for row counts that end inside a group and for every tile
+    /// size (so each activation row is also the same alone or in a tile).
     #[test]
     fn packed_weights_give_the_row_kernels_bits() {
         let (Some(avx2_isa), Some(vnni_isa)) = (Isa::get(IsaLevel::Avx2), Isa::get(IsaLevel::Avx512Vnni)) else {
@@ -439,7 +489,16 @@ mod tests {
             return;
         };
         let mut seed = 7;
-        let types = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K];
+        let types = [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+            GgmlType::Q8_0,
+            GgmlType::Q4_K,
+            GgmlType::Q5_K,
+            GgmlType::Q6_K,
+        ];
         for ty in types {
             // k-quants come in 256-element superblocks: two of them.
             let cols = if crate::kquant::is_kquant(ty) { 512 } else { 128 };
@@ -451,7 +510,8 @@ mod tests {
                     w[2] = 0x80; // -128 is a valid Q8_0 weight the quantiser never writes
                 }
                 let p = packed::pack(ty, rows, row_bytes, &w);
-                for n in 1..=5 {
+                for (n, sums) in (1..=9).flat_map(|n| [(n, Sums::Lanes), (n, Sums::Blocks)]) {
+                    let (avx2_isa, vnni_isa) = (avx2_isa.with_sums(sums), vnni_isa.with_sums(sums));
                     let x: Vec<f32> = (0..n * cols).map(|_| rng(&mut seed) * 2.0).collect();
                     let mut acts = Q8Acts::default();
                     quantize_acts(avx2_isa, &x, n, cols, &mut acts);
@@ -461,7 +521,11 @@ mod tests {
                     dot_q_packed(vnni_isa, ty, &p, rows, &acts, 0, n, &mut got);
                     for r in 0..rows {
                         for a in 0..n {
-                            assert_eq!(got[a * rows + r].to_bits(), want[r * n + a].to_bits(), "{ty} rows {rows} n {n} row {r} act {a}");
+                            assert_eq!(
+                                got[a * rows + r].to_bits(),
+                                want[r * n + a].to_bits(),
+                                "{ty} {sums:?} rows {rows} n {n} row {r} act {a}"
+                            );
                         }
                     }
                 }
@@ -485,7 +549,11 @@ mod tests {
             (seed >> 56) as u8
         };
         let (rows, cols) = (19, 512);
-        for (ty, sb, scales) in [(GgmlType::Q4_K, 144, [0usize, 2].as_slice()), (GgmlType::Q6_K, 210, [208].as_slice())] {
+        for (ty, sb, scales) in [
+            (GgmlType::Q4_K, 144, [0usize, 2].as_slice()),
+            (GgmlType::Q5_K, 176, [0, 2].as_slice()),
+            (GgmlType::Q6_K, 210, [208].as_slice()),
+        ] {
             let mut w: Vec<u8> = (0..rows * cols / 256 * sb).map(|_| byte()).collect();
             for blk in w.chunks_exact_mut(sb) {
                 for &at in scales {
@@ -509,13 +577,21 @@ mod tests {
                 .collect();
             let mut acts = Q8Acts::default();
             quantize_acts(avx2_isa, &x, 3, cols, &mut acts);
-            let mut want = vec![0.0; rows * 3];
-            dot_q_rows(avx2_isa, ty, &w, row_bytes, &acts, 0, 3, &mut want);
-            let mut got = vec![0.0; rows * 3];
-            dot_q_packed(vnni_isa, ty, &p, rows, &acts, 0, 3, &mut got);
-            for r in 0..rows {
-                for a in 0..3 {
-                    assert_eq!(got[a * rows + r].to_bits(), want[r * 3 + a].to_bits(), "{ty} row {r} act {a}");
+            // Blocks: the scalar kernel's bits as well.
+            let mut scalar = vec![0.0; rows * 3];
+            dot_q_rows(Isa::scalar(), ty, &w, row_bytes, &acts, 0, 3, &mut scalar);
+            for sums in [Sums::Lanes, Sums::Blocks] {
+                let mut want = vec![0.0; rows * 3];
+                dot_q_rows(avx2_isa.with_sums(sums), ty, &w, row_bytes, &acts, 0, 3, &mut want);
+                let mut got = vec![0.0; rows * 3];
+                dot_q_packed(vnni_isa.with_sums(sums), ty, &p, rows, &acts, 0, 3, &mut got);
+                for r in 0..rows {
+                    for a in 0..3 {
+                        assert_eq!(got[a * rows + r].to_bits(), want[r * 3 + a].to_bits(), "{ty} {sums:?} row {r} act {a}");
+                        if sums == Sums::Blocks {
+                            assert_eq!(got[a * rows + r].to_bits(), scalar[r * 3 + a].to_bits(), "{ty} scalar row {r} act {a}");
+                        }
+                    }
                 }
             }
         }

@@ -21,13 +21,16 @@
 //! Packing is a permutation of the bytes (of the bits, within a Q5 row's `qh`), so
 //! [`unpack`] restores the original rows exactly.
 //!
-//! The k-quants Q4_K and Q6_K are packed per 256-element superblock instead (16 rows'
+//! The k-quants Q4_K, Q5_K and Q6_K are packed per 256-element superblock instead (16 rows'
 //! superblocks together, [`KSB_Q4K`] and [`KSB_Q6K`] bytes):
 //! - Q4_K: `d[16]`, `dmin[16]` (f16); the eight 6-bit scales and eight mins decoded to bytes,
 //!   `sc[8][16]` then `mn[8][16]` (so a kernel reads sixteen rows' scale as one vector; 64
 //!   bytes more than the 16 rows' 192 bytes of packed scales); then 32 vectors of 64 bytes,
 //!   vector `8c + k` holding bytes `32c + 4k..32c + 4k + 4` of each row's 128 nibble bytes:
 //!   low nibbles are lane `k` of block `2c`, high nibbles lane `k` of block `2c + 1`.
+//! - Q5_K: Q4_K's layout (the nibbles from ggml's `qs`), then 8 vectors of the fifth bits,
+//!   vector `k` holding bytes `4k..4k + 4` of each row's 32-byte `qh` (bit `j` of byte `l` is
+//!   element `l`'s fifth bit in block `j`, as in ggml).
 //! - Q6_K: `d[16]` (f16); the sixteen i8 scales as `sc[16][16]`; 32 vectors of the low nibbles
 //!   laid out as Q4_K's (source chunk `c` = `ql[32c..32c + 32]`: low nibbles block
 //!   `4(c / 2) + c % 2`, high nibbles block `4(c / 2) + 2 + c % 2`); then 16 vectors of the
@@ -46,20 +49,23 @@ pub fn supports(ty: GgmlType) -> bool {
 
 /// Whether `ty` is a k-quant with a packed superblock layout.
 pub fn is_packed_kquant(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K)
+    matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K)
 }
 
 /// Bytes of one packed group (sixteen rows) of rows of `row_bytes` bytes.
 pub fn group_bytes(ty: GgmlType, row_bytes: usize) -> usize {
     match ty {
-        GgmlType::Q4_K => row_bytes / Q4K_BYTES * KSB_Q4K,
-        GgmlType::Q6_K => row_bytes / Q6K_BYTES * KSB_Q6K,
+        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
+            let (src, dst) = ksb_sizes(ty);
+            row_bytes / src * dst
+        }
         _ => GROUP * row_bytes,
     }
 }
 
-/// Bytes of a Q4_K and a Q6_K superblock in ggml's row layout.
+/// Bytes of a Q4_K, a Q5_K and a Q6_K superblock in ggml's row layout.
 const Q4K_BYTES: usize = 144;
+const Q5K_BYTES: usize = 176;
 const Q6K_BYTES: usize = 210;
 
 /// Bytes of sixteen rows' packed Q4_K superblock: d, dmin, sc, mn, 32 nibble vectors.
@@ -69,6 +75,11 @@ pub const Q4K_DMIN: usize = 2 * GROUP;
 pub const Q4K_SC: usize = 4 * GROUP;
 pub const Q4K_MN: usize = Q4K_SC + 8 * GROUP;
 pub const Q4K_QS: usize = Q4K_MN + 8 * GROUP;
+
+/// Bytes of sixteen rows' packed Q5_K superblock: Q4_K's layout, then 8 vectors of fifth bits.
+pub const KSB_Q5K: usize = KSB_Q4K + 8 * 4 * GROUP;
+/// Offset of the fifth bits' vectors in a packed Q5_K superblock.
+pub const Q5K_QH: usize = KSB_Q4K;
 
 /// Bytes of sixteen rows' packed Q6_K superblock: d, sc, 32 nibble vectors, 16 high-bit vectors.
 pub const KSB_Q6K: usize = 2 * GROUP + 16 * GROUP + 48 * 4 * GROUP;
@@ -86,7 +97,7 @@ fn vec_dest(q: usize, r: usize) -> usize {
 /// Pack one row's superblock `sb` (ggml layout) into lane `r` of a packed group superblock.
 fn pack_ksb(ty: GgmlType, sb: &[u8], r: usize, out: &mut [u8]) {
     match ty {
-        GgmlType::Q4_K => {
+        GgmlType::Q4_K | GgmlType::Q5_K => {
             out[2 * r..2 * r + 2].copy_from_slice(&sb[0..2]);
             out[Q4K_DMIN + 2 * r..Q4K_DMIN + 2 * r + 2].copy_from_slice(&sb[2..4]);
             for j in 0..8 {
@@ -94,8 +105,14 @@ fn pack_ksb(ty: GgmlType, sb: &[u8], r: usize, out: &mut [u8]) {
                 out[Q4K_SC + j * GROUP + r] = s;
                 out[Q4K_MN + j * GROUP + r] = m;
             }
-            for (q, &b) in sb[16..144].iter().enumerate() {
+            let qs = if ty == GgmlType::Q5_K { 48 } else { 16 };
+            for (q, &b) in sb[qs..qs + 128].iter().enumerate() {
                 out[Q4K_QS + vec_dest(q, r)] = b;
+            }
+            if ty == GgmlType::Q5_K {
+                for (q, &b) in sb[16..48].iter().enumerate() {
+                    out[Q5K_QH + vec_dest(q, r)] = b;
+                }
             }
         }
         GgmlType::Q6_K => {
@@ -117,7 +134,7 @@ fn pack_ksb(ty: GgmlType, sb: &[u8], r: usize, out: &mut [u8]) {
 /// The inverse of [`pack_ksb`]: lane `r` of a packed group superblock as ggml's superblock.
 fn unpack_ksb(ty: GgmlType, p: &[u8], r: usize, sb: &mut [u8]) {
     match ty {
-        GgmlType::Q4_K => {
+        GgmlType::Q4_K | GgmlType::Q5_K => {
             sb[0..2].copy_from_slice(&p[2 * r..2 * r + 2]);
             sb[2..4].copy_from_slice(&p[Q4K_DMIN + 2 * r..Q4K_DMIN + 2 * r + 2]);
             let sc = |j: usize| p[Q4K_SC + j * GROUP + r];
@@ -128,8 +145,14 @@ fn unpack_ksb(ty: GgmlType, p: &[u8], r: usize, sb: &mut [u8]) {
                 sb[8 + j] = (mn(j) & 63) | ((mn(j + 4) >> 4) << 6);
                 sb[12 + j] = (sc(j + 4) & 0xF) | ((mn(j + 4) & 0xF) << 4);
             }
-            for (q, b) in sb[16..144].iter_mut().enumerate() {
+            let qs = if ty == GgmlType::Q5_K { 48 } else { 16 };
+            for (q, b) in sb[qs..qs + 128].iter_mut().enumerate() {
                 *b = p[Q4K_QS + vec_dest(q, r)];
+            }
+            if ty == GgmlType::Q5_K {
+                for (q, b) in sb[16..48].iter_mut().enumerate() {
+                    *b = p[Q5K_QH + vec_dest(q, r)];
+                }
             }
         }
         GgmlType::Q6_K => {
@@ -150,7 +173,11 @@ fn unpack_ksb(ty: GgmlType, p: &[u8], r: usize, sb: &mut [u8]) {
 
 /// The bytes of a source and a packed superblock of `ty`.
 fn ksb_sizes(ty: GgmlType) -> (usize, usize) {
-    if ty == GgmlType::Q4_K { (Q4K_BYTES, KSB_Q4K) } else { (Q6K_BYTES, KSB_Q6K) }
+    match ty {
+        GgmlType::Q4_K => (Q4K_BYTES, KSB_Q4K),
+        GgmlType::Q5_K => (Q5K_BYTES, KSB_Q5K),
+        _ => (Q6K_BYTES, KSB_Q6K),
+    }
 }
 
 fn pack_kquant(ty: GgmlType, rows: usize, row_bytes: usize, data: &[u8]) -> Vec<u8> {
@@ -291,7 +318,7 @@ mod tests {
 
     #[test]
     fn kquant_packing_is_lossless() {
-        for (ty, src) in [(GgmlType::Q4_K, Q4K_BYTES), (GgmlType::Q6_K, Q6K_BYTES)] {
+        for (ty, src) in [(GgmlType::Q4_K, Q4K_BYTES), (GgmlType::Q5_K, Q5K_BYTES), (GgmlType::Q6_K, Q6K_BYTES)] {
             for rows in [1, 7, 16, 17, 24] {
                 let row_bytes = 2 * src;
                 let data: Vec<u8> = (0..rows * row_bytes).map(|i| (i * 131 % 251) as u8).collect();

@@ -9,25 +9,37 @@
 //! the accumulators stay live across a block (the earlier form decoded all eight vectors
 //! first and spilled accumulators to the stack on every block).
 //!
-//! Same numbers as the AVX2 row kernel (and ggml), bit for bit: lane `k` of a block's
-//! integer dot product is the sum over its bytes `4k..4k+4` (exact in i32), each lane keeps
-//! its own f32 accumulator (`fma(d_w * d_a, lane, acc)`, blocks in order), the eight lanes
-//! are summed in `hsum`'s order at the end, and Q4_1's and Q5_1's `m_w * s_a` terms are summed apart
-//! and added last. So results do not depend on which kernel the CPU gets, nor on what else
-//! shares the call.
+//! Each kernel computes either arithmetic of [`Sums`], bit for bit as the other ISAs do.
+//! Lanes: the AVX2 row kernel's (and ggml's): lane `k` of a block's integer dot product is
+//! the sum over its bytes `4k..4k+4` (exact in i32), each lane keeps its own f32 accumulator
+//! (`fma(d_w * d_a, lane, acc)`, blocks in order), the eight lanes are summed in `hsum`'s
+//! order at the end, and Q4_1's and Q5_1's `m_w * s_a` terms are summed apart and added
+//! last. Blocks: the scalar kernel's: one exact integer sum per block (eight `vpdpbusd`
+//! into one accumulator), then that block's few float operations, blocks in order; an eighth
+//! of the conversions and float operations, and four activation rows a tile instead of two.
+//! Either way results do not depend on which kernel the CPU gets, nor on what else shares
+//! the call.
 
 use std::arch::x86_64::*;
 
 use bulkhead_gguf::GgmlType;
 use half::f16;
 
+use super::Sums;
 use super::packed::{self, GROUP, block_offset};
 use crate::quant::{Q8Acts, QK};
 
-/// Activation rows handled together against one packed group (eight lane accumulators
-/// each; two rows keep everything in the 32 vector registers, three spill). A partial tile
-/// is one row.
+/// Activation rows handled together against one packed group with lane sums (eight lane
+/// accumulators each; two rows keep everything in the 32 vector registers, three spill). A
+/// partial tile is one row.
 pub const PACKED_TILE: usize = 2;
+
+/// The same with block sums (one float and one or two integer accumulators a row; the
+/// remainder runs tiles of two and one).
+const BLOCKS_TILE: usize = 4;
+
+/// The larger of the two tiles.
+const MAX_TILE: usize = 4;
 
 // Packed weight formats as const parameters of `group`.
 const Q4_0: u8 = 0;
@@ -54,16 +66,20 @@ fn format_type(f: u8) -> GgmlType {
 }
 
 /// Sixteen weight rows (one packed group) against `N` activation rows starting at `first`;
-/// `res[n][r]` receives row `r`'s dot product with activation row `first + n`.
+/// `res[n][r]` receives row `r`'s dot product with activation row `first + n`. `BLOCKS`
+/// picks the arithmetic ([`super::Sums`]): eight lane accumulators per row, or one integer
+/// sum per block and the scalar kernel's float steps.
 ///
 /// # Safety
 /// The CPU has AVX2, FMA, F16C, AVX-512F/VL/BW/VNNI; `g` points to `nb` packed blocks of
-/// format `F`; `acts` holds rows `first..first + N` of `nb` blocks.
+/// format `F`; `acts` holds rows `first..first + N` of `nb` blocks (and their group sums).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
-unsafe fn group<const F: u8, const N: usize>(g: *const u8, nb: usize, acts: &Q8Acts, first: usize, res: &mut [[f32; GROUP]; PACKED_TILE]) {
+unsafe fn group<const F: u8, const N: usize, const BLOCKS: bool>(g: *const u8, nb: usize, acts: &Q8Acts, first: usize, res: &mut Res) {
     let zero = _mm512_setzero_si512();
     let mut acc = [[_mm512_setzero_ps(); 8]; N];
     let mut summ = [_mm512_setzero_ps(); N];
+    // Blocks: the rows' sums so far (`sum += t` per block, as the scalar kernel).
+    let mut total = [_mm512_setzero_ps(); N];
     let mask = _mm512_set1_epi8(0x0F);
     let gb = block_offset(format_type(F), nb, 0, 1);
     // Q4_0, Q5_0 and Q8_0 weights are signed: they enter vpdpbusd unsigned, as stored (Q8_0's
@@ -81,7 +97,7 @@ unsafe fn group<const F: u8, const N: usize>(g: *const u8, nb: usize, acts: &Q8A
     let five = F == Q5_0 || F == Q5_1;
     let fifth = _mm512_set1_epi8(0x10);
     // SAFETY: (whole body) offsets stay within nb blocks of the group and N rows of nb
-    // activation blocks, as the caller guarantees; loads are unaligned.
+    // activation blocks (2 nb group sums), as the caller guarantees; loads are unaligned.
     unsafe {
         let act = |n: usize, b: usize| (first + n) * nb + b;
         for b in 0..nb {
@@ -92,20 +108,30 @@ unsafe fn group<const F: u8, const N: usize>(g: *const u8, nb: usize, acts: &Q8A
                 scale[n] = _mm512_mul_ps(dw, _mm512_set1_ps(*acts.d.get_unchecked(act(n, b))));
             }
             let mut quants = blk.add(2 * GROUP);
+            let mut mw = _mm512_setzero_ps();
             if with_min {
-                let mw = _mm512_cvtph_ps(_mm256_loadu_si256(quants.cast()));
+                mw = _mm512_cvtph_ps(_mm256_loadu_si256(quants.cast()));
                 quants = quants.add(2 * GROUP);
                 for n in 0..N {
-                    summ[n] = _mm512_add_ps(summ[n], _mm512_mul_ps(mw, _mm512_set1_ps(*acts.s.get_unchecked(act(n, b)))));
+                    if !BLOCKS {
+                        summ[n] = _mm512_add_ps(summ[n], _mm512_mul_ps(mw, _mm512_set1_ps(*acts.s.get_unchecked(act(n, b)))));
+                    }
                 }
             }
-            // Per activation row and lane: -bias times the sum of the lane's four activations.
+            // Lanes: per activation row and lane, -bias times the sum of the lane's four
+            // activations. Blocks: the row's integer sum starts at -bias times the block's.
             let mut offs = [[0i32; 8]; N];
+            let mut isum = [zero; N];
             if bias != 0 {
                 for (n, o) in offs.iter_mut().enumerate() {
-                    let q = acts.qs.as_ptr().add(act(n, b) * QK);
-                    let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, _mm256_loadu_si256(q.cast()));
-                    _mm256_storeu_si256(o.as_mut_ptr().cast(), _mm256_mullo_epi32(sums, _mm256_set1_epi32(-bias)));
+                    if BLOCKS {
+                        let (s0, s1) = (*acts.sums.get_unchecked(2 * act(n, b)), *acts.sums.get_unchecked(2 * act(n, b) + 1));
+                        isum[n] = _mm512_set1_epi32(-bias * (s0 + s1));
+                    } else {
+                        let q = acts.qs.as_ptr().add(act(n, b) * QK);
+                        let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, _mm256_loadu_si256(q.cast()));
+                        _mm256_storeu_si256(o.as_mut_ptr().cast(), _mm256_mullo_epi32(sums, _mm256_set1_epi32(-bias)));
+                    }
                 }
             }
             let qh = if five {
@@ -116,7 +142,8 @@ unsafe fn group<const F: u8, const N: usize>(g: *const u8, nb: usize, acts: &Q8A
                 zero
             };
             // One weight vector (lane k: bytes 4k..4k+4 of each row) against every
-            // activation row: fma(d_w * d_a, lane, acc) per lane, blocks in order.
+            // activation row: lanes, fma(d_w * d_a, lane, acc) per lane, blocks in order;
+            // blocks, into the row's integer sum.
             let mut step = |k: usize, mut w: __m512i| {
                 if five {
                     // Lane k covers elements 4k..4k+4 of its row; byte e of the row's packed
@@ -135,9 +162,13 @@ unsafe fn group<const F: u8, const N: usize>(g: *const u8, nb: usize, acts: &Q8A
                 for n in 0..N {
                     let q = acts.qs.as_ptr().add(act(n, b) * QK);
                     let a = _mm512_set1_epi32(std::ptr::read_unaligned(q.add(4 * k).cast::<i32>()));
-                    let start = if bias != 0 { _mm512_set1_epi32(offs[n][k]) } else { zero };
-                    let lane = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w, a));
-                    acc[n][k] = _mm512_fmadd_ps(scale[n], lane, acc[n][k]);
+                    if BLOCKS {
+                        isum[n] = _mm512_dpbusd_epi32(isum[n], w, a);
+                    } else {
+                        let start = if bias != 0 { _mm512_set1_epi32(offs[n][k]) } else { zero };
+                        let lane = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w, a));
+                        acc[n][k] = _mm512_fmadd_ps(scale[n], lane, acc[n][k]);
+                    }
                 }
             };
             if F == Q8_0 {
@@ -152,31 +183,56 @@ unsafe fn group<const F: u8, const N: usize>(g: *const u8, nb: usize, acts: &Q8A
                     step(j + 4, _mm512_and_si512(_mm512_srli_epi16(p, 4), mask));
                 }
             }
+            if BLOCKS {
+                // The scalar kernel's `(d_w * d_a) * isum (+ m_w * s_a)`, then `sum += t`.
+                for n in 0..N {
+                    let mut t = _mm512_mul_ps(scale[n], _mm512_cvtepi32_ps(isum[n]));
+                    if with_min {
+                        t = _mm512_add_ps(t, _mm512_mul_ps(mw, _mm512_set1_ps(*acts.s.get_unchecked(act(n, b)))));
+                    }
+                    total[n] = _mm512_add_ps(total[n], t);
+                }
+            }
         }
-        for (r, (a, sm)) in res.iter_mut().zip(acc.iter().zip(&summ)) {
-            _mm512_storeu_ps(r.as_mut_ptr(), _mm512_add_ps(hsum_order(a), *sm));
+        for n in 0..N {
+            let r = if BLOCKS { total[n] } else { _mm512_add_ps(hsum_order(&acc[n]), summ[n]) };
+            _mm512_storeu_ps(res[n].as_mut_ptr(), r);
         }
     }
 }
 
-/// Sixteen rows' packed Q4_K superblocks (`nsb` of them at `g`) against `N` activation rows
-/// from `first`; `res[n]` receives row `first + n`'s sixteen results. Per row the AVX2 row
-/// kernel's operations, lane for lane: block `j`'s lane `k` is the exact integer dot product
-/// of elements `4k..4k + 4` (one `vpdpbusd`: nibbles are unsigned), times the block's integer
-/// scale (exact in f32: the product is below 2^24), accumulated with `fma(d · d_a, lane,
-/// acc[k])`; the min terms `m_j · (s_2j + s_2j+1)` (exact in f32 too) go into one accumulator
-/// per block of the superblock, `fma(d_a, dmin · term, summ[j])`, in a second pass (the two
-/// sums meet only at the end); then `hsum(acc) - hsum(summ)` in hsum's order. Same bits as
-/// `ktile`.
+/// Sixteen rows' packed Q4_K superblocks (Q5_K with `FIVE`; `nsb` of them at `g`) against
+/// `N` activation rows from `first`; `res[n]` receives row `first + n`'s sixteen results.
+///
+/// Lanes (`!BLOCKS`): per row the AVX2 row kernel's operations, lane for lane: block `j`'s
+/// lane `k` is the exact integer dot product of elements `4k..4k + 4` (one `vpdpbusd`:
+/// nibbles are unsigned), times the block's integer scale (exact in f32: the product is
+/// below 2^24), accumulated with `fma(d · d_a, lane, acc[k])`; the min terms `m_j · (s_2j +
+/// s_2j+1)` (exact in f32 too) go into one accumulator per block of the superblock,
+/// `fma(d_a, dmin · term, summ[j])`, in a second pass (the two sums meet only at the end);
+/// then `hsum(acc) - hsum(summ)` in hsum's order. Same bits as `ktile`.
+///
+/// Blocks: the scalar kernel's steps: per block the integers `sc_j · I_j` and `m_j · (s_2j +
+/// s_2j+1)`, then `d_a · (d · isum - dmin · msum)` summed over the superblock, and the
+/// superblocks' sums summed.
 ///
 /// # Safety
 /// The CPU has AVX2, FMA, F16C, AVX-512F/VL/BW/VNNI; `g` points to `nsb` packed Q4_K
 /// superblocks; `acts` holds rows `first..first + N` of `8 * nsb` blocks (and group sums).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
-unsafe fn group_q4k<const N: usize>(g: *const u8, nsb: usize, acts: &Q8Acts, first: usize, res: &mut [[f32; GROUP]; PACKED_TILE]) {
-    use packed::{KSB_Q4K, Q4K_DMIN, Q4K_MN, Q4K_QS, Q4K_SC};
+unsafe fn group_q4k<const FIVE: bool, const N: usize, const BLOCKS: bool>(
+    g: *const u8,
+    nsb: usize,
+    acts: &Q8Acts,
+    first: usize,
+    res: &mut Res,
+) {
+    use packed::{KSB_Q4K, KSB_Q5K, Q4K_DMIN, Q4K_MN, Q4K_QS, Q4K_SC, Q5K_QH};
     let zero = _mm512_setzero_si512();
+    let ksb = if FIVE { KSB_Q5K } else { KSB_Q4K };
+    let fifth = _mm512_set1_epi8(0x10);
     let mut acc = [[_mm512_setzero_ps(); 8]; N];
+    let mut total = [_mm512_setzero_ps(); N];
     let mask = _mm512_set1_epi8(0x0F);
     let nb = 8 * nsb;
     // SAFETY: (whole body) offsets stay within nsb packed superblocks and rows first..first+N
@@ -184,28 +240,63 @@ unsafe fn group_q4k<const N: usize>(g: *const u8, nsb: usize, acts: &Q8Acts, fir
     // unaligned.
     unsafe {
         for sb in 0..nsb {
-            let p = g.add(sb * KSB_Q4K);
+            let p = g.add(sb * ksb);
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()));
+            let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(Q4K_DMIN).cast()));
+            let mut part = [_mm512_setzero_ps(); N];
             for j in 0..8 {
                 let blk = |n: usize| (first + n) * nb + sb * 8 + j;
                 let dd: [__m512; N] = std::array::from_fn(|n| _mm512_mul_ps(d, _mm512_set1_ps(*acts.d.get_unchecked(blk(n)))));
-                let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(Q4K_SC + GROUP * j).cast())));
+                let sc_int = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(Q4K_SC + GROUP * j).cast()));
+                let sc = _mm512_cvtepi32_ps(sc_int);
+                let mut isum = [zero; N];
                 for k in 0..8 {
                     let v = _mm512_loadu_si512(p.add(Q4K_QS + (8 * (j / 2) + k) * 4 * GROUP).cast());
-                    let w = if j % 2 == 0 { _mm512_and_si512(v, mask) } else { _mm512_and_si512(_mm512_srli_epi16(v, 4), mask) };
+                    let mut w = if j % 2 == 0 { _mm512_and_si512(v, mask) } else { _mm512_and_si512(_mm512_srli_epi16(v, 4), mask) };
+                    if FIVE {
+                        // Bit j of each qh byte is its element's fifth bit in block j: to bit 4
+                        // (16-bit shifts, whose bits from the neighbouring byte never reach bit 4).
+                        let qh = _mm512_loadu_si512(p.add(Q5K_QH + k * 4 * GROUP).cast());
+                        let at4 = if j <= 4 {
+                            _mm512_sll_epi16(qh, _mm_cvtsi32_si128(4 - j as i32))
+                        } else {
+                            _mm512_srl_epi16(qh, _mm_cvtsi32_si128(j as i32 - 4))
+                        };
+                        w = _mm512_or_si512(w, _mm512_and_si512(at4, fifth));
+                    }
                     for n in 0..N {
                         let q = acts.qs.as_ptr().add(blk(n) * QK + 4 * k);
                         let a = _mm512_set1_epi32(std::ptr::read_unaligned(q.cast::<i32>()));
-                        let lane = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, w, a)), sc);
-                        acc[n][k] = _mm512_fmadd_ps(dd[n], lane, acc[n][k]);
+                        if BLOCKS {
+                            isum[n] = _mm512_dpbusd_epi32(isum[n], w, a);
+                        } else {
+                            let lane = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, w, a)), sc);
+                            acc[n][k] = _mm512_fmadd_ps(dd[n], lane, acc[n][k]);
+                        }
+                    }
+                }
+                if BLOCKS {
+                    let mn = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(Q4K_MN + GROUP * j).cast()));
+                    for n in 0..N {
+                        let a = *acts.sums.get_unchecked(2 * blk(n)) + *acts.sums.get_unchecked(2 * blk(n) + 1);
+                        let (is, ms) = (_mm512_mullo_epi32(isum[n], sc_int), _mm512_mullo_epi32(mn, _mm512_set1_epi32(a)));
+                        let t = _mm512_sub_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(is)), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(ms)));
+                        part[n] = _mm512_add_ps(part[n], _mm512_mul_ps(_mm512_set1_ps(*acts.d.get_unchecked(blk(n))), t));
                     }
                 }
             }
+            for n in 0..N {
+                total[n] = _mm512_add_ps(total[n], part[n]);
+            }
         }
         for n in 0..N {
+            if BLOCKS {
+                _mm512_storeu_ps(res[n].as_mut_ptr(), total[n]);
+                continue;
+            }
             let mut summ = [_mm512_setzero_ps(); 8];
             for sb in 0..nsb {
-                let p = g.add(sb * KSB_Q4K);
+                let p = g.add(sb * ksb);
                 let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(Q4K_DMIN).cast()));
                 for (j, s) in summ.iter_mut().enumerate() {
                     let blk = (first + n) * nb + sb * 8 + j;
@@ -222,40 +313,50 @@ unsafe fn group_q4k<const N: usize>(g: *const u8, nsb: usize, acts: &Q8Acts, fir
 
 /// Sixteen rows' packed Q6_K superblocks against `N` activation rows from `first`: as
 /// [`group_q4k`] without the mins, and with the weights' offset of 32 taken out of the
-/// integer sum (`Σ (q - 32) a = vpdpbusd(-32 Σ a, q, a)`, exact), so each lane is `ktile`'s
-/// integer.
+/// integer sums (`Σ (q - 32) a = vpdpbusd(-32 Σ a, q, a)`, exact): per lane (`ktile`'s
+/// integer), or per 16-element group (blocks: `sc_0 · I_0 + sc_1 · I_1` a block).
 ///
 /// # Safety
 /// As [`group_q4k`], for packed Q6_K superblocks.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
-unsafe fn group_q6k<const N: usize>(g: *const u8, nsb: usize, acts: &Q8Acts, first: usize, res: &mut [[f32; GROUP]; PACKED_TILE]) {
+unsafe fn group_q6k<const N: usize, const BLOCKS: bool>(g: *const u8, nsb: usize, acts: &Q8Acts, first: usize, res: &mut Res) {
     use packed::{KSB_Q6K, Q6K_QH, Q6K_QL, Q6K_SC};
     let mut acc = [[_mm512_setzero_ps(); 8]; N];
+    let mut total = [_mm512_setzero_ps(); N];
     let (mask, high) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x30));
     let ones = _mm256_set1_epi8(1);
     let nb = 8 * nsb;
     // SAFETY: (whole body) offsets stay within nsb packed superblocks and rows first..first+N
-    // of nb activation blocks, as the caller guarantees; loads are unaligned.
+    // of nb activation blocks (2 nb group sums), as the caller guarantees; loads are unaligned.
     unsafe {
         for sb in 0..nsb {
             let p = g.add(sb * KSB_Q6K);
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()));
+            let mut part = [_mm512_setzero_ps(); N];
             for b in 0..8 {
                 let (h, u) = (b / 4, b % 4);
                 let blk = |n: usize| (first + n) * nb + sb * 8 + b;
                 let dd: [__m512; N] = std::array::from_fn(|n| _mm512_mul_ps(d, _mm512_set1_ps(*acts.d.get_unchecked(blk(n)))));
-                // Per activation row: -32 times each lane's four activations.
+                // Lanes: per activation row, -32 times each lane's four activations. Blocks:
+                // each group's integer sum starts at -32 times its sixteen activations.
                 let mut offs = [[0i32; 8]; N];
+                let mut isum = [[_mm512_setzero_si512(); 2]; N];
                 for (n, o) in offs.iter_mut().enumerate() {
-                    let q = acts.qs.as_ptr().add(blk(n) * QK);
-                    let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, _mm256_loadu_si256(q.cast()));
-                    _mm256_storeu_si256(o.as_mut_ptr().cast(), _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, 5)));
+                    if BLOCKS {
+                        for (gi, s) in isum[n].iter_mut().enumerate() {
+                            *s = _mm512_set1_epi32(-32 * *acts.sums.get_unchecked(2 * blk(n) + gi));
+                        }
+                    } else {
+                        let q = acts.qs.as_ptr().add(blk(n) * QK);
+                        let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, _mm256_loadu_si256(q.cast()));
+                        _mm256_storeu_si256(o.as_mut_ptr().cast(), _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, 5)));
+                    }
                 }
                 let chunk = 2 * h + u % 2;
                 // The block's two 16-element groups' scales: lanes 0..4 and 4..8.
-                let scales: [__m512; 2] = std::array::from_fn(|g| {
-                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(Q6K_SC + GROUP * (2 * b + g)).cast())))
-                });
+                let sc_int: [__m512i; 2] =
+                    std::array::from_fn(|g| _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(Q6K_SC + GROUP * (2 * b + g)).cast())));
+                let scales = sc_int.map(|v| _mm512_cvtepi32_ps(v));
                 for k in 0..8 {
                     let v = _mm512_loadu_si512(p.add(Q6K_QL + (8 * chunk + k) * 4 * GROUP).cast());
                     let low = if u < 2 { _mm512_and_si512(v, mask) } else { _mm512_and_si512(_mm512_srli_epi16(v, 4), mask) };
@@ -268,18 +369,33 @@ unsafe fn group_q6k<const N: usize>(g: *const u8, nsb: usize, acts: &Q8Acts, fir
                         _ => _mm512_srli_epi16(qh, 2),
                     };
                     let w = _mm512_or_si512(low, _mm512_and_si512(hb, high));
-                    let sc = scales[k / 4];
                     for n in 0..N {
                         let q = acts.qs.as_ptr().add(blk(n) * QK + 4 * k);
                         let a = _mm512_set1_epi32(std::ptr::read_unaligned(q.cast::<i32>()));
-                        let dot = _mm512_dpbusd_epi32(_mm512_set1_epi32(offs[n][k]), w, a);
-                        acc[n][k] = _mm512_fmadd_ps(dd[n], _mm512_mul_ps(_mm512_cvtepi32_ps(dot), sc), acc[n][k]);
+                        if BLOCKS {
+                            isum[n][k / 4] = _mm512_dpbusd_epi32(isum[n][k / 4], w, a);
+                        } else {
+                            let dot = _mm512_dpbusd_epi32(_mm512_set1_epi32(offs[n][k]), w, a);
+                            acc[n][k] = _mm512_fmadd_ps(dd[n], _mm512_mul_ps(_mm512_cvtepi32_ps(dot), scales[k / 4]), acc[n][k]);
+                        }
+                    }
+                }
+                if BLOCKS {
+                    // No mins: the scalar kernel's `d · isum - 0 · 0` is `d · isum`, bit for bit.
+                    for n in 0..N {
+                        let is = _mm512_add_epi32(_mm512_mullo_epi32(isum[n][0], sc_int[0]), _mm512_mullo_epi32(isum[n][1], sc_int[1]));
+                        let t = _mm512_mul_ps(d, _mm512_cvtepi32_ps(is));
+                        part[n] = _mm512_add_ps(part[n], _mm512_mul_ps(_mm512_set1_ps(*acts.d.get_unchecked(blk(n))), t));
                     }
                 }
             }
+            for n in 0..N {
+                total[n] = _mm512_add_ps(total[n], part[n]);
+            }
         }
         for n in 0..N {
-            _mm512_storeu_ps(res[n].as_mut_ptr(), hsum_order(&acc[n]));
+            let r = if BLOCKS { total[n] } else { hsum_order(&acc[n]) };
+            _mm512_storeu_ps(res[n].as_mut_ptr(), r);
         }
     }
 }
@@ -292,35 +408,50 @@ fn hsum_order(a: &[__m512; 8]) -> __m512 {
     _mm512_add_ps(_mm512_add_ps(s0, s2), _mm512_add_ps(s1, s3))
 }
 
-/// One instance of [`group`]: a format and a tile of activation rows.
-type GroupFn = unsafe fn(*const u8, usize, &Q8Acts, usize, &mut [[f32; GROUP]; PACKED_TILE]);
+/// Results of one kernel call: sixteen rows for each of up to [`MAX_TILE`] activation rows.
+type Res = [[f32; GROUP]; MAX_TILE];
 
-/// The group kernel for `ty`, one activation row or a full tile of them (`nb` blocks a row).
-fn pick_kernel(ty: GgmlType, one: bool) -> GroupFn {
-    match ty {
-        GgmlType::Q4_K => return if one { group_q4k::<1> } else { group_q4k::<PACKED_TILE> },
-        GgmlType::Q6_K => return if one { group_q6k::<1> } else { group_q6k::<PACKED_TILE> },
-        _ => {}
-    }
-    let f = format_code(ty);
+/// One instance of a group kernel: a format, an arithmetic and a tile of activation rows.
+type GroupFn = unsafe fn(*const u8, usize, &Q8Acts, usize, &mut Res);
+
+/// The group kernel for `ty` and `sums` over the largest tile it has (1, 2 or, with block
+/// sums, 4 activation rows) of at most `rows` rows, with that tile's size.
+fn pick_kernel(ty: GgmlType, sums: Sums, rows: usize) -> (GroupFn, usize) {
+    let tile = match sums {
+        Sums::Lanes => rows.min(PACKED_TILE),
+        Sums::Blocks => rows.min(BLOCKS_TILE),
+    };
     macro_rules! tiles {
-        ($f:expr) => {
-            if one { group::<$f, 1> } else { group::<$f, PACKED_TILE> }
+        ($kernel:ident $(, $f:expr)?) => {
+            match (sums, tile) {
+                (Sums::Lanes, 1) => $kernel::<$($f,)? 1, false> as GroupFn,
+                (Sums::Lanes, _) => $kernel::<$($f,)? PACKED_TILE, false> as GroupFn,
+                (Sums::Blocks, 1) => $kernel::<$($f,)? 1, true> as GroupFn,
+                (Sums::Blocks, 2 | 3) => $kernel::<$($f,)? 2, true> as GroupFn,
+                (Sums::Blocks, _) => $kernel::<$($f,)? BLOCKS_TILE, true> as GroupFn,
+            }
         };
     }
-    match f {
-        Q4_0 => tiles!(Q4_0),
-        Q4_1 => tiles!(Q4_1),
-        Q5_0 => tiles!(Q5_0),
-        Q5_1 => tiles!(Q5_1),
-        _ => tiles!(Q8_0),
-    }
+    let kernel = match ty {
+        GgmlType::Q4_K => tiles!(group_q4k, false),
+        GgmlType::Q5_K => tiles!(group_q4k, true),
+        GgmlType::Q6_K => tiles!(group_q6k),
+        _ => match format_code(ty) {
+            Q4_0 => tiles!(group, Q4_0),
+            Q4_1 => tiles!(group, Q4_1),
+            Q5_0 => tiles!(group, Q5_0),
+            Q5_1 => tiles!(group, Q5_1),
+            _ => tiles!(group, Q8_0),
+        },
+    };
+    (kernel, if tile == 3 { 2 } else { tile })
 }
 
 /// `out[i * rows + r] = dot(row r, activation row first + i)` for the `rows` rows held by
 /// the packed groups in `p` (`rows` may end inside the last group): activation-major, so each
 /// group's sixteen results are contiguous.
-pub(super) fn dot_packed(ty: GgmlType, p: &[u8], rows: usize, acts: &Q8Acts, first: usize, n: usize, out: &mut [f32]) {
+#[allow(clippy::too_many_arguments)] // mirrors kernels::dot_q_packed, plus the arithmetic
+pub(super) fn dot_packed(ty: GgmlType, sums: Sums, p: &[u8], rows: usize, acts: &Q8Acts, first: usize, n: usize, out: &mut [f32]) {
     let nb = acts.blocks_per_row();
     let row_bytes = ty.bytes_for((nb * QK) as u64).map_or(0, |b| b as usize);
     let group_bytes = packed::group_bytes(ty, row_bytes);
@@ -332,13 +463,12 @@ pub(super) fn dot_packed(ty: GgmlType, p: &[u8], rows: usize, acts: &Q8Acts, fir
     assert!(!packed::is_packed_kquant(ty) || nb.is_multiple_of(8), "k-quant rows of whole superblocks");
     // The group kernels take their row length in blocks, the k-quant ones in superblocks.
     let len = if packed::is_packed_kquant(ty) { nb / 8 } else { nb };
-    let (full, one) = (pick_kernel(ty, false), pick_kernel(ty, true));
     for (gi, g) in p.chunks_exact(group_bytes).enumerate() {
         let lanes = (rows - gi * GROUP).min(GROUP);
-        for i in (0..n).step_by(PACKED_TILE) {
-            let k = (n - i).min(PACKED_TILE);
-            let kernel = if k == PACKED_TILE { full } else { one };
-            let mut res = [[0.0f32; GROUP]; PACKED_TILE];
+        let mut i = 0;
+        while i < n {
+            let (kernel, k) = pick_kernel(ty, sums, n - i);
+            let mut res = [[0.0f32; GROUP]; MAX_TILE];
             // SAFETY: only reached through an Isa at level Avx512Vnni (only detection makes
             // one); `g` holds `len` packed blocks (superblocks for k-quants) and rows
             // first+i..first+i+k <= first+n are within the asserted activation lengths.
@@ -347,6 +477,7 @@ pub(super) fn dot_packed(ty: GgmlType, p: &[u8], rows: usize, acts: &Q8Acts, fir
                 let at = (i + j) * rows + gi * GROUP;
                 out[at..at + lanes].copy_from_slice(&r[..lanes]);
             }
+            i += k;
         }
     }
 }
