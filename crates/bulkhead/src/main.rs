@@ -89,20 +89,32 @@ pub struct ModelArgs {
     #[arg(long, env = "BULKHEAD_PAGE_SIZE", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub page_size: u32,
     /// How the quantised matrix kernels add up a block's products: `blocks` (one exact integer
-    /// sum per 32-element block, then its scale: ggml's reference arithmetic, and the fastest
-    /// on AVX-512 VNNI) or `lanes` (ggml's AVX2 arithmetic, eight float lanes a block). Every
-    /// CPU gives the same bits for either; the two differ in the last bits of the logits
-    /// (docs/OPERATIONS.md).
-    #[arg(long, env = "BULKHEAD_KERNEL_SUMS", default_value = "blocks", value_parser = parse_sums)]
-    pub kernel_sums: Sums,
+    /// sum per 32-element block, then its scale: ggml's reference arithmetic), `lanes` (ggml's
+    /// AVX2 arithmetic, eight float lanes a block) or `auto`, the faster on this CPU (blocks
+    /// with AVX-512 VNNI, lanes with AVX2 only). Every CPU gives the same bits for either
+    /// arithmetic; the two differ in the last bits of the logits, so a cluster of mixed CPUs
+    /// that wants one set of bits names one (docs/OPERATIONS.md).
+    #[arg(long, env = "BULKHEAD_KERNEL_SUMS", default_value = "auto", value_parser = parse_sums)]
+    pub kernel_sums: SumsChoice,
 }
 
-/// `--kernel-sums`.
-fn parse_sums(s: &str) -> Result<Sums, String> {
+/// `--kernel-sums`: an arithmetic, or `None` for the faster on this CPU.
+#[derive(Debug, Clone, Copy)]
+pub struct SumsChoice(pub Option<Sums>);
+
+impl SumsChoice {
+    /// The flag's value, for a child process.
+    pub fn flag(self) -> &'static str {
+        self.0.map_or("auto", Sums::name)
+    }
+}
+
+fn parse_sums(s: &str) -> Result<SumsChoice, String> {
     match s {
-        "blocks" => Ok(Sums::Blocks),
-        "lanes" => Ok(Sums::Lanes),
-        other => Err(format!("`{other}` is not `blocks` or `lanes`")),
+        "auto" => Ok(SumsChoice(None)),
+        "blocks" => Ok(SumsChoice(Some(Sums::Blocks))),
+        "lanes" => Ok(SumsChoice(Some(Sums::Lanes))),
+        other => Err(format!("`{other}` is not `auto`, `blocks` or `lanes`")),
     }
 }
 
@@ -123,7 +135,9 @@ impl ModelArgs {
     pub fn load(&self) -> anyhow::Result<bulkhead_engine::LoadedModel> {
         let path = self.path()?;
         let mut m = bulkhead_engine::load_model_with(&path, self.threads, self.chat_template.as_deref())?;
-        m.model.set_sums(self.kernel_sums);
+        if let Some(s) = self.kernel_sums.0 {
+            m.model.set_sums(s);
+        }
         tracing::info!(
             model = %path.display(),
             isa = m.model.isa().name(),

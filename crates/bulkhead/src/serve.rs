@@ -407,7 +407,7 @@ impl ServeArgs {
         Ok(WorkerConfig {
             model,
             threads: self.model.threads,
-            kernel_sums: self.model.kernel_sums,
+            kernel_sums: self.model.kernel_sums.0,
             gateways,
             pool_tokens: self.pool_tokens(c.kv_bytes_per_token(2), context)?,
             page_size: self.model.page_size as usize,
@@ -612,7 +612,7 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
                 let mut cmd = Command::new(&exe);
                 cmd.args(["serve", "--role", role, "--gateway", &gw_addr, "--model"]).arg(&model);
                 cmd.args(["--threads", &a.model.threads.to_string(), "--page-size", &a.model.page_size.to_string()]);
-                cmd.args(["--kernel-sums", a.model.kernel_sums.name()]);
+                cmd.args(["--kernel-sums", a.model.kernel_sums.flag()]);
                 cmd.args(["--transfer-batch-pages", &a.transfer_batch_pages.to_string()]);
                 cmd.args(["--max-prefill-tokens", &a.max_prefill_tokens.to_string()]);
                 cmd.args(["--transfer-timeout-ms", &a.transfer_timeout_ms.to_string()]);

@@ -27,8 +27,8 @@ pub struct WorkerConfig {
     pub model: PathBuf,
     /// Compute threads (0 = one per core).
     pub threads: usize,
-    /// The quantised kernels' arithmetic.
-    pub kernel_sums: bulkhead_model::Sums,
+    /// The quantised kernels' arithmetic (`None`: the faster on this CPU).
+    pub kernel_sums: Option<bulkhead_model::Sums>,
     /// The gateways' worker addresses, `host:port` (one or several: see [`crate::gateways`]).
     pub gateways: Vec<String>,
     /// KV pool size in tokens.
@@ -138,7 +138,9 @@ pub struct Loaded {
 /// Load the model and size the pool, checking the capacity contract.
 pub fn load(cfg: &WorkerConfig) -> Result<Loaded, WorkerError> {
     let mut model = bulkhead_engine::load_model(&cfg.model, cfg.threads)?;
-    model.model.set_sums(cfg.kernel_sums);
+    if let Some(s) = cfg.kernel_sums {
+        model.model.set_sums(s);
+    }
     let layout = model.model.kv_layout(cfg.page_size);
     let pages = layout.pages_for_tokens(cfg.pool_tokens.max(1));
     let pool = KvPool::new(PoolConfig { layout, pages, checks: cfg.kv_checks })?;

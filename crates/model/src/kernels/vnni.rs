@@ -26,6 +26,7 @@ use bulkhead_gguf::GgmlType;
 use half::f16;
 
 use super::Sums;
+use super::format::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, code as format_code, ty as format_type};
 use super::packed::{self, GROUP, block_offset};
 use crate::quant::{Q8Acts, QK};
 
@@ -40,30 +41,6 @@ const BLOCKS_TILE: usize = 4;
 
 /// The larger of the two tiles.
 const MAX_TILE: usize = 4;
-
-// Packed weight formats as const parameters of `group`.
-const Q4_0: u8 = 0;
-const Q4_1: u8 = 1;
-const Q5_0: u8 = 2;
-const Q5_1: u8 = 3;
-const Q8_0: u8 = 4;
-
-/// `ty`'s code among the formats above.
-fn format_code(ty: GgmlType) -> u8 {
-    match ty {
-        GgmlType::Q4_0 => Q4_0,
-        GgmlType::Q4_1 => Q4_1,
-        GgmlType::Q5_0 => Q5_0,
-        GgmlType::Q5_1 => Q5_1,
-        GgmlType::Q8_0 => Q8_0,
-        other => unreachable!("{other} has no packed layout"),
-    }
-}
-
-/// The inverse of [`format_code`].
-fn format_type(f: u8) -> GgmlType {
-    [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0][f as usize]
-}
 
 /// Sixteen weight rows (one packed group) against `N` activation rows starting at `first`;
 /// `res[n][r]` receives row `r`'s dot product with activation row `first + n`. `BLOCKS`
