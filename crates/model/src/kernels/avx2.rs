@@ -13,6 +13,7 @@ use bulkhead_gguf::GgmlType;
 use half::f16;
 
 use super::format::{self, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+use super::packed::block_bytes;
 use super::{Sums, TILE};
 use crate::kquant::{self, KBlock};
 use crate::quant::{Q8Acts, QK, f16_at};
@@ -248,18 +249,6 @@ unsafe fn block_dot<const F: u8>(qx: __m256i, qy: *const i8) -> __m256i {
     } else {
         // Signed weights: |w| times a with w's sign (maddubs takes u8 times i8).
         _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx)), _mm256_set1_epi16(1))
-    }
-}
-
-/// Bytes of a block of a non-k-quant type.
-fn block_bytes(ty: GgmlType) -> usize {
-    match ty {
-        GgmlType::Q4_0 => 18,
-        GgmlType::Q4_1 => 20,
-        GgmlType::Q5_0 => 22,
-        GgmlType::Q5_1 => 24,
-        GgmlType::Q8_0 => 34,
-        other => unreachable!("{other} is not a quantised block type"),
     }
 }
 

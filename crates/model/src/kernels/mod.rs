@@ -448,6 +448,20 @@ mod tests {
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 
+    /// Every block-quantised weight type.
+    const QUANTISED: [GgmlType; 10] = [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q2_K,
+        GgmlType::Q3_K,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+    ];
+
     /// Quantised dot products agree with dequantise-then-multiply (exact up to the
     /// activation's 8-bit rounding) and SIMD agrees with scalar, for every type and tile size.
     #[test]
@@ -455,19 +469,7 @@ mod tests {
     fn quantised_dots_match_a_dequantised_reference_on_every_isa() {
         let mut seed = 0x9E3779B97F4A7C15;
         let cols = 512;
-        let types = [
-            GgmlType::Q4_0,
-            GgmlType::Q4_1,
-            GgmlType::Q5_0,
-            GgmlType::Q5_1,
-            GgmlType::Q8_0,
-            GgmlType::Q2_K,
-            GgmlType::Q3_K,
-            GgmlType::Q4_K,
-            GgmlType::Q5_K,
-            GgmlType::Q6_K,
-        ];
-        for ty in types {
+        for ty in QUANTISED {
             let w: Vec<f32> = (0..cols).map(|_| rng(&mut seed)).collect();
             let wq = quantize_row(ty, &w);
             let many: Vec<u8> = (0..7).flat_map(|_| quantize_row(ty, &(0..cols).map(|_| rng(&mut seed)).collect::<Vec<_>>())).collect();
@@ -539,16 +541,7 @@ mod tests {
             return;
         };
         let mut seed = 7;
-        let types = [
-            GgmlType::Q4_0,
-            GgmlType::Q4_1,
-            GgmlType::Q5_0,
-            GgmlType::Q5_1,
-            GgmlType::Q8_0,
-            GgmlType::Q4_K,
-            GgmlType::Q5_K,
-            GgmlType::Q6_K,
-        ];
+        let types = QUANTISED.into_iter().filter(|&t| packed::supports(t));
         for ty in types {
             // k-quants come in 256-element superblocks: two of them.
             let cols = if crate::kquant::is_kquant(ty) { 512 } else { 128 };

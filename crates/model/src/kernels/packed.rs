@@ -208,8 +208,8 @@ fn unpack_kquant(ty: GgmlType, rows: usize, row_bytes: usize, packed: &[u8]) -> 
     out
 }
 
-/// Bytes of one 32-element block of a type the packed layout supports.
-fn block_bytes(ty: GgmlType) -> usize {
+/// Bytes of one 32-element block of Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0.
+pub(super) fn block_bytes(ty: GgmlType) -> usize {
     match ty {
         GgmlType::Q4_0 => 18,
         GgmlType::Q4_1 => 20,
