@@ -61,7 +61,8 @@ pub enum IsaLevel {
     /// x86-64 with AVX2, FMA and F16C.
     Avx2,
     /// AVX2 plus AVX-512F/VL/BW/VNNI: quantised matrices are packed ([`packed`]) and multiplied
-    /// with `vpdpbusd`, bit-identical to the AVX2 kernels; everything else runs those.
+    /// with `vpdpbusd`, bit-identical to the AVX2 kernels in either [`Sums`]; everything else
+    /// runs those.
     Avx512Vnni,
 }
 
