@@ -40,7 +40,7 @@ pub const PACKED_TILE: usize = 2;
 const BLOCKS_TILE: usize = 4;
 
 /// The larger of the two tiles.
-const MAX_TILE: usize = 4;
+const MAX_TILE: usize = if BLOCKS_TILE > PACKED_TILE { BLOCKS_TILE } else { PACKED_TILE };
 
 /// Sixteen weight rows (one packed group) against `N` activation rows starting at `first`;
 /// `res[n][r]` receives row `r`'s dot product with activation row `first + n`. `BLOCKS`
@@ -72,7 +72,6 @@ unsafe fn group<const F: u8, const N: usize, const BLOCKS: bool>(g: *const u8, n
     };
     let ones = _mm256_set1_epi8(1);
     let five = F == Q5_0 || F == Q5_1;
-    let fifth = _mm512_set1_epi8(0x10);
     // SAFETY: (whole body) offsets stay within nb blocks of the group and N rows of nb
     // activation blocks (2 nb group sums), as the caller guarantees; loads are unaligned.
     unsafe {
@@ -124,14 +123,8 @@ unsafe fn group<const F: u8, const N: usize, const BLOCKS: bool>(g: *const u8, n
             let mut step = |k: usize, mut w: __m512i| {
                 if five {
                     // Lane k covers elements 4k..4k+4 of its row; byte e of the row's packed
-                    // qh holds element 4k+e's fifth bit at bit k: moved to bit 4 (16-bit
-                    // shifts, whose bits from the neighbouring byte never reach bit 4).
-                    let at4 = if k <= 4 {
-                        _mm512_sll_epi16(qh, _mm_cvtsi32_si128(4 - k as i32))
-                    } else {
-                        _mm512_srl_epi16(qh, _mm_cvtsi32_si128(k as i32 - 4))
-                    };
-                    w = _mm512_or_si512(w, _mm512_and_si512(at4, fifth));
+                    // qh holds element 4k+e's fifth bit at bit k.
+                    w = with_fifth_bit(w, qh, k);
                 }
                 if F == Q8_0 {
                     w = _mm512_xor_si512(w, _mm512_set1_epi8(-128));
@@ -207,7 +200,6 @@ unsafe fn group_q4k<const FIVE: bool, const N: usize, const BLOCKS: bool>(
     use packed::{KSB_Q4K, KSB_Q5K, Q4K_DMIN, Q4K_MN, Q4K_QS, Q4K_SC, Q5K_QH};
     let zero = _mm512_setzero_si512();
     let ksb = if FIVE { KSB_Q5K } else { KSB_Q4K };
-    let fifth = _mm512_set1_epi8(0x10);
     let mut acc = [[_mm512_setzero_ps(); 8]; N];
     let mut total = [_mm512_setzero_ps(); N];
     let mask = _mm512_set1_epi8(0x0F);
@@ -231,15 +223,8 @@ unsafe fn group_q4k<const FIVE: bool, const N: usize, const BLOCKS: bool>(
                     let v = _mm512_loadu_si512(p.add(Q4K_QS + (8 * (j / 2) + k) * 4 * GROUP).cast());
                     let mut w = if j % 2 == 0 { _mm512_and_si512(v, mask) } else { _mm512_and_si512(_mm512_srli_epi16(v, 4), mask) };
                     if FIVE {
-                        // Bit j of each qh byte is its element's fifth bit in block j: to bit 4
-                        // (16-bit shifts, whose bits from the neighbouring byte never reach bit 4).
-                        let qh = _mm512_loadu_si512(p.add(Q5K_QH + k * 4 * GROUP).cast());
-                        let at4 = if j <= 4 {
-                            _mm512_sll_epi16(qh, _mm_cvtsi32_si128(4 - j as i32))
-                        } else {
-                            _mm512_srl_epi16(qh, _mm_cvtsi32_si128(j as i32 - 4))
-                        };
-                        w = _mm512_or_si512(w, _mm512_and_si512(at4, fifth));
+                        // Bit j of each qh byte is its element's fifth bit in block j.
+                        w = with_fifth_bit(w, _mm512_loadu_si512(p.add(Q5K_QH + k * 4 * GROUP).cast()), j);
                     }
                     for n in 0..N {
                         let q = acts.qs.as_ptr().add(blk(n) * QK + 4 * k);
@@ -375,6 +360,19 @@ unsafe fn group_q6k<const N: usize, const BLOCKS: bool>(g: *const u8, nsb: usize
             _mm512_storeu_ps(res[n].as_mut_ptr(), r);
         }
     }
+}
+
+/// Nibbles `w` with their fifth bits set from bit `bit` (0..8) of each byte of `qh`: moved to
+/// bit 4 by 16-bit shifts, whose bits from the neighbouring byte never reach bit 4.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+fn with_fifth_bit(w: __m512i, qh: __m512i, bit: usize) -> __m512i {
+    let at4 = if bit <= 4 {
+        _mm512_sll_epi16(qh, _mm_cvtsi32_si128(4 - bit as i32))
+    } else {
+        _mm512_srl_epi16(qh, _mm_cvtsi32_si128(bit as i32 - 4))
+    };
+    _mm512_or_si512(w, _mm512_and_si512(at4, _mm512_set1_epi8(0x10)))
 }
 
 /// The eight lane accumulators summed in the AVX2 `hsum`'s order:
