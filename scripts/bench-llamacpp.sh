@@ -5,6 +5,7 @@
 # Usage:
 #   scripts/bench-llamacpp.sh [--model PATH] [--out DIR] [--threads N]
 #                             [--batched-reps N] [--no-server] [--build-only]
+#                             [--isa native|avx2]
 #
 #   --model PATH       GGUF model (env MODEL; default
 #                      $BULKHEAD_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf)
@@ -16,6 +17,10 @@
 #                      reports the median (env BATCHED_REPS; default 3)
 #   --no-server        do not build llama-server
 #   --build-only       fetch + build, then exit
+#   --isa avx2         build (in build-avx2/) and run llama.cpp with AVX2, FMA and
+#                      F16C only, to compare against Bulkhead's AVX2 kernels
+#                      (BULKHEAD_NO_VNNI=1) on a CPU that has AVX-512 (env ISA;
+#                      default native)
 #
 # What it does:
 #   1. fetches the llama-cpp-python 0.3.36 sdist with `pip download` (it vendors
@@ -53,6 +58,7 @@ THREADS="${THREADS:-2}"
 BATCHED_REPS="${BATCHED_REPS:-3}"
 BUILD_SERVER=1
 BUILD_ONLY=0
+ISA="${ISA:-native}"
 JOBS="${JOBS:-$(nproc 2>/dev/null || echo 2)}"
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
@@ -69,6 +75,8 @@ while [[ $# -gt 0 ]]; do
     --batched-reps=*) BATCHED_REPS="${1#*=}"; shift ;;
     --no-server) BUILD_SERVER=0; shift ;;
     --build-only) BUILD_ONLY=1; shift ;;
+    --isa) ISA="$2"; shift 2 ;;
+    --isa=*) ISA="${1#*=}"; shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown argument: $1" >&2; usage >&2; exit 2 ;;
   esac
@@ -79,7 +87,11 @@ die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 
 SRC_DIR="$CACHE_DIR/src"                 # unpacked sdist
 LLAMA_DIR="$SRC_DIR/vendor/llama.cpp"
-BUILD_DIR="$CACHE_DIR/build"
+case "$ISA" in
+  native) BUILD_DIR="$CACHE_DIR/build" ;;
+  avx2) BUILD_DIR="$CACHE_DIR/build-avx2" ;;
+  *) die "--isa must be native or avx2, not '$ISA'" ;;
+esac
 BIN_DIR="$BUILD_DIR/bin"
 
 # ---------------------------------------------------------------- 1. fetch --
@@ -133,7 +145,10 @@ build() {
   # ggml's AMX kernels crash (SIGSEGV in ggml_backend_amx_mul_mat) on an AMX Xeon under a
   # VM, and Bulkhead has no AMX kernels either: there, build the host's ISA without AMX.
   local ISA_FLAGS=(-DGGML_NATIVE=ON)
-  if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
+  if [[ $ISA == avx2 ]]; then
+    ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON)
+    log "AVX2 only (${ISA_FLAGS[*]})"
+  elif grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
     ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON)
     local f
     for f in avx512f:AVX512 avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16 avx_vnni:AVX_VNNI; do

@@ -90,10 +90,10 @@ pub struct ModelArgs {
     pub page_size: u32,
     /// How the quantised matrix kernels add up a block's products: `blocks` (one exact integer
     /// sum per 32-element block, then its scale: ggml's reference arithmetic), `lanes` (ggml's
-    /// AVX2 arithmetic, eight float lanes a block) or `auto`, the faster on this CPU (blocks
-    /// with AVX-512 VNNI, lanes with AVX2 only). Every CPU gives the same bits for either
-    /// arithmetic; the two differ in the last bits of the logits, so a cluster of mixed CPUs
-    /// that wants one set of bits names one (docs/OPERATIONS.md).
+    /// AVX2 arithmetic, eight float lanes a block) or `auto`, the faster on this CPU (blocks,
+    /// on AVX-512 VNNI and AVX2 CPUs alike). Every CPU gives the same bits for either
+    /// arithmetic; the two differ in the last bits of the logits. Lanes on an AVX2 CPU
+    /// multiplies weights in ggml's row layout, slower (docs/OPERATIONS.md).
     #[arg(long, env = "BULKHEAD_KERNEL_SUMS", default_value = "auto", value_parser = parse_sums)]
     pub kernel_sums: SumsChoice,
 }

@@ -143,9 +143,14 @@ impl Llama {
         self
     }
 
-    /// Use another arithmetic for the quantised dot products (the layout stays).
+    /// Use another arithmetic for the quantised dot products. On AVX2 the weights' layout
+    /// follows it (block sums multiply packed weights there, lane sums rows); lossless.
     pub fn set_sums(&mut self, sums: Sums) {
-        self.isa = self.isa.with_sums(sums);
+        let isa = self.isa.with_sums(sums);
+        if isa.packs_weights() != self.isa.packs_weights() {
+            self.weights.set_layout(isa);
+        }
+        self.isa = isa;
     }
 
     /// Share the cores with another worker's forward passes through `share` (workers on one

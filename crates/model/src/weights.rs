@@ -275,12 +275,14 @@ impl Weights {
 
     /// Which kernel family multiplies each weight type of the matrices the forward pass
     /// multiplies (the layers' and the output's), with its parameter count, by type:
-    /// `vnni512` (packed), `avx2` (the row kernels, on AVX2 or AVX-512 CPUs), `scalar`.
+    /// `vnni512` (packed), `avx2-packed` (packed, AVX2 with block sums), `avx2` (the row
+    /// kernels, on AVX2 or AVX-512 CPUs), `scalar`.
     pub fn kernels(&self, isa: Isa) -> Vec<(GgmlType, &'static str, usize)> {
         let mut by_type: std::collections::BTreeMap<String, (GgmlType, &'static str, usize)> = Default::default();
         let layers = self.layers.iter().flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]);
         for m in layers.chain(std::iter::once(self.output())) {
             let kernel = match (m.is_packed(), isa.level()) {
+                (true, crate::kernels::IsaLevel::Avx2) => "avx2-packed",
                 (true, _) => "vnni512",
                 (false, crate::kernels::IsaLevel::Scalar) => "scalar",
                 (false, _) => "avx2",

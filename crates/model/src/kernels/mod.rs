@@ -15,6 +15,8 @@ use crate::quant::{Q8Acts, QK};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx2_packed;
 pub mod packed;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
@@ -79,32 +81,22 @@ impl IsaLevel {
 
 /// How a quantised dot product adds up a 32-element block's products. Every ISA computes
 /// each arithmetic bit for bit alike; the two give slightly different floats (both within
-/// the llama.cpp fixtures' bounds). Each ISA defaults to its faster one
-/// ([`Sums::fastest_on`]).
+/// the llama.cpp fixtures' bounds). Every ISA defaults to blocks, its faster one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Sums {
     /// One exact integer sum per block (the k-quants' scales applied in integers), then the
     /// block's float steps, blocks in order: ggml's portable reference arithmetic, and what
-    /// an AMX tile computes. The 512-bit VNNI kernels do an eighth of the float work of
-    /// lanes.
+    /// an AMX tile computes. The packed kernels do an eighth of the float work of lanes
+    /// (and on AVX2 half the multiplies).
     Blocks,
     /// ggml's x86 (AVX2) arithmetic: eight lanes of four products each keep their own float
     /// accumulator, summed at the end. SIMD ISAs only: the portable kernels always sum
-    /// blocks (and agree with lanes to 1e-4).
+    /// blocks (and agree with lanes to 1e-4). On AVX2 it runs the row kernels (weights in
+    /// ggml's layout).
     Lanes,
 }
 
 impl Sums {
-    /// The faster arithmetic on `level`: blocks with AVX-512 VNNI (about 1.6x on Gemma's
-    /// prefill), lanes on AVX2 (the AVX2 block kernel's horizontal sums cost 20-45% there), blocks
-    /// on the portable kernels (they have no lanes form).
-    pub fn fastest_on(level: IsaLevel) -> Sums {
-        match level {
-            IsaLevel::Avx2 => Sums::Lanes,
-            IsaLevel::Scalar | IsaLevel::Avx512Vnni => Sums::Blocks,
-        }
-    }
-
     /// Name for logs and benchmarks.
     pub fn name(self) -> &'static str {
         match self {
@@ -130,9 +122,11 @@ impl Isa {
         Isa::at(IsaLevel::Scalar)
     }
 
-    /// `level` (its availability checked by the caller) with its faster arithmetic.
+    /// `level` (its availability checked by the caller) with block sums, the faster
+    /// arithmetic on every ISA that has both (1.5-1.9x lanes on Gemma's prefill with AVX-512
+    /// VNNI and with AVX2), so every CPU gives the same bits by default.
     fn at(level: IsaLevel) -> Isa {
-        Isa { level, sums: Sums::fastest_on(level) }
+        Isa { level, sums: Sums::Blocks }
     }
 
     /// The same instruction set with another arithmetic.
@@ -189,9 +183,14 @@ impl Isa {
         self.level
     }
 
-    /// Whether quantised matrices are multiplied in the packed layout.
+    /// Whether quantised matrices are multiplied in the packed layout: always with AVX-512
+    /// VNNI, with block sums on AVX2 (lane sums there run the row kernels).
     pub fn packs_weights(self) -> bool {
-        self.level == IsaLevel::Avx512Vnni
+        match self.level {
+            IsaLevel::Avx512Vnni => true,
+            IsaLevel::Avx2 => self.sums == Sums::Blocks,
+            IsaLevel::Scalar => false,
+        }
     }
 
     /// Name for logs and benchmarks.
@@ -214,7 +213,9 @@ pub fn dot_q_packed(isa: Isa, ty: GgmlType, p: &[u8], rows: usize, acts: &Q8Acts
     match isa.level() {
         #[cfg(target_arch = "x86_64")]
         IsaLevel::Avx512Vnni => vnni::dot_packed(ty, isa.sums(), p, rows, acts, first_act, n, out),
-        other => panic!("packed weights need AVX-512 VNNI, not {}", other.name()),
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx2 if isa.packs_weights() => avx2_packed::dot_packed(ty, p, rows, acts, first_act, n, out),
+        _ => panic!("packed weights need AVX-512 VNNI or AVX2 with block sums, not {} with {}", isa.name(), isa.sums().name()),
     }
 }
 
@@ -532,13 +533,25 @@ mod tests {
         }
     }
 
-    /// The packed VNNI kernel gives the AVX2 row kernel's results bit for bit in either
-    /// arithmetic, for every type, for row counts that end inside a group and for every tile
-    /// size (so each activation row is also the same alone or in a tile).
+    /// The instruction sets with the arithmetic in which each multiplies packed weights (VNNI:
+    /// both; AVX2: block sums), with the AVX2 row kernels they must agree with; none without
+    /// AVX2.
+    fn packing_isas(test: &str) -> Option<(Isa, Vec<Isa>)> {
+        let Some(avx2) = Isa::get(IsaLevel::Avx2) else {
+            eprintln!("{test}: this CPU has no AVX2; nothing to compare");
+            return None;
+        };
+        let all = Isa::available().into_iter().flat_map(|i| [i.with_sums(Sums::Lanes), i.with_sums(Sums::Blocks)]);
+        Some((avx2, all.filter(|i| i.packs_weights()).collect()))
+    }
+
+    /// The packed kernels (VNNI in either arithmetic, AVX2 with block sums) give the AVX2 row
+    /// kernel's results bit for bit, for every type, for row counts that end inside a group
+    /// (and inside its first half) and for every tile size (so each activation row is also
+    /// the same alone or in a tile).
     #[test]
     fn packed_weights_give_the_row_kernels_bits() {
-        let (Some(avx2_isa), Some(vnni_isa)) = (Isa::get(IsaLevel::Avx2), Isa::get(IsaLevel::Avx512Vnni)) else {
-            eprintln!("packed_weights_give_the_row_kernels_bits: this CPU has no AVX-512 VNNI; nothing to compare");
+        let Some((avx2_isa, packers)) = packing_isas("packed_weights_give_the_row_kernels_bits") else {
             return;
         };
         let mut seed = 7;
@@ -554,21 +567,21 @@ mod tests {
                     w[2] = 0x80; // -128 is a valid Q8_0 weight the quantiser never writes
                 }
                 let p = packed::pack(ty, rows, row_bytes, &w);
-                for (n, sums) in (1..=9).flat_map(|n| [(n, Sums::Lanes), (n, Sums::Blocks)]) {
-                    let (avx2_isa, vnni_isa) = (avx2_isa.with_sums(sums), vnni_isa.with_sums(sums));
+                for (n, &isa) in (1..=9).flat_map(|n| packers.iter().map(move |i| (n, i))) {
+                    let avx2_isa = avx2_isa.with_sums(isa.sums());
                     let x: Vec<f32> = (0..n * cols).map(|_| rng(&mut seed) * 2.0).collect();
                     let mut acts = Q8Acts::default();
                     quantize_acts(avx2_isa, &x, n, cols, &mut acts);
                     let mut want = vec![0.0; rows * n];
                     dot_q_rows(avx2_isa, ty, &w, row_bytes, &acts, 0, n, &mut want);
                     let mut got = vec![0.0; rows * n];
-                    dot_q_packed(vnni_isa, ty, &p, rows, &acts, 0, n, &mut got);
+                    dot_q_packed(isa, ty, &p, rows, &acts, 0, n, &mut got);
                     for r in 0..rows {
                         for a in 0..n {
                             assert_eq!(
                                 got[a * rows + r].to_bits(),
                                 want[r * n + a].to_bits(),
-                                "{ty} {sums:?} rows {rows} n {n} row {r} act {a}"
+                                "{ty} {isa:?} rows {rows} n {n} row {r} act {a}"
                             );
                         }
                     }
@@ -583,8 +596,7 @@ mod tests {
     /// on every product staying below 2^24.
     #[test]
     fn packed_kquants_give_the_row_kernels_bits_for_any_bytes() {
-        let (Some(avx2_isa), Some(vnni_isa)) = (Isa::get(IsaLevel::Avx2), Isa::get(IsaLevel::Avx512Vnni)) else {
-            eprintln!("packed_kquants_give_the_row_kernels_bits_for_any_bytes: this CPU has no AVX-512 VNNI; nothing to compare");
+        let Some((avx2_isa, packers)) = packing_isas("packed_kquants_give_the_row_kernels_bits_for_any_bytes") else {
             return;
         };
         let mut seed = 11u64;
@@ -624,15 +636,15 @@ mod tests {
             // Blocks: the scalar kernel's bits as well.
             let mut scalar = vec![0.0; rows * 3];
             dot_q_rows(Isa::scalar(), ty, &w, row_bytes, &acts, 0, 3, &mut scalar);
-            for sums in [Sums::Lanes, Sums::Blocks] {
+            for &isa in &packers {
                 let mut want = vec![0.0; rows * 3];
-                dot_q_rows(avx2_isa.with_sums(sums), ty, &w, row_bytes, &acts, 0, 3, &mut want);
+                dot_q_rows(avx2_isa.with_sums(isa.sums()), ty, &w, row_bytes, &acts, 0, 3, &mut want);
                 let mut got = vec![0.0; rows * 3];
-                dot_q_packed(vnni_isa.with_sums(sums), ty, &p, rows, &acts, 0, 3, &mut got);
+                dot_q_packed(isa, ty, &p, rows, &acts, 0, 3, &mut got);
                 for r in 0..rows {
                     for a in 0..3 {
-                        assert_eq!(got[a * rows + r].to_bits(), want[r * 3 + a].to_bits(), "{ty} {sums:?} row {r} act {a}");
-                        if sums == Sums::Blocks {
+                        assert_eq!(got[a * rows + r].to_bits(), want[r * 3 + a].to_bits(), "{ty} {isa:?} row {r} act {a}");
+                        if isa.sums() == Sums::Blocks {
                             assert_eq!(got[a * rows + r].to_bits(), scalar[r * 3 + a].to_bits(), "{ty} scalar row {r} act {a}");
                         }
                     }

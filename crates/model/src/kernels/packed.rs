@@ -41,6 +41,8 @@
 
 use bulkhead_gguf::GgmlType;
 
+use crate::quant::{Q8Acts, QK};
+
 /// Whether the VNNI kernel has a packed layout for `ty` (the others stay in rows and run
 /// the AVX2 row kernel).
 pub fn supports(ty: GgmlType) -> bool {
@@ -222,6 +224,66 @@ pub(super) fn block_bytes(ty: GgmlType) -> usize {
 
 /// Rows in a group.
 pub const GROUP: usize = 16;
+
+/// The most activation rows a packed kernel call handles.
+pub const MAX_TILE: usize = 4;
+
+/// Results of one packed kernel call: a group's rows for each of up to [`MAX_TILE`]
+/// activation rows.
+pub type Res = [[f32; GROUP]; MAX_TILE];
+
+/// A kernel over `width` rows of a group ([`for_each_tile`]'s `call` with its arguments:
+/// the group, its length in blocks (superblocks for k-quants), which `width` rows of it, the
+/// first activation row, the results).
+pub type HalfFn = unsafe fn(*const u8, usize, usize, &Q8Acts, usize, &mut Res);
+
+/// Drive a packed kernel over the groups in `p` (`rows` rows, which may end inside the last
+/// group), `width` rows a call (16 or 8), and tiles of the `n` activation rows from `first`:
+/// `call(group, blocks, part, first row, rows left, res)` fills `res` for the group's rows
+/// `part * width..` and returns how many activation rows it did. Writes `out[i * rows + r] =
+/// dot(row r, activation row first + i)`. Checks the shapes the kernels rely on.
+#[allow(clippy::too_many_arguments)] // mirrors kernels::dot_q_packed, plus the kernel
+pub(super) fn for_each_tile(
+    ty: GgmlType,
+    p: &[u8],
+    rows: usize,
+    acts: &Q8Acts,
+    first: usize,
+    n: usize,
+    out: &mut [f32],
+    width: usize,
+    mut call: impl FnMut(&[u8], usize, usize, usize, usize, &mut Res) -> usize,
+) {
+    let nb = acts.blocks_per_row();
+    let row_bytes = ty.bytes_for((nb * QK) as u64).map_or(0, |b| b as usize);
+    let gbytes = group_bytes(ty, row_bytes);
+    let end = (first + n) * nb;
+    assert!(row_bytes > 0 && p.len() == rows.div_ceil(GROUP) * gbytes, "packed groups for {rows} rows");
+    assert!(out.len() == rows * n, "output shape");
+    assert!(acts.qs.len() >= end * QK && acts.d.len() >= end && acts.s.len() >= end && acts.sums.len() >= 2 * end, "activations too short");
+    assert!(!is_packed_kquant(ty) || nb.is_multiple_of(8), "k-quant rows of whole superblocks");
+    assert!(GROUP.is_multiple_of(width), "a group splits into whole parts");
+    let len = if is_packed_kquant(ty) { nb / 8 } else { nb };
+    for (gi, g) in p.chunks_exact(gbytes).enumerate() {
+        for part in 0..GROUP / width {
+            let r0 = gi * GROUP + part * width;
+            if r0 >= rows {
+                break;
+            }
+            let lanes = (rows - r0).min(width);
+            let mut i = 0;
+            while i < n {
+                let mut res = [[0.0f32; GROUP]; MAX_TILE];
+                let k = call(g, len, part, first + i, n - i, &mut res);
+                for (j, r) in res.iter().enumerate().take(k) {
+                    let at = (i + j) * rows + r0;
+                    out[at..at + lanes].copy_from_slice(&r[..lanes]);
+                }
+                i += k;
+            }
+        }
+    }
+}
 
 /// Whether `ty`'s blocks carry a min `m` after `d` (the weights are then unsigned).
 fn has_min(ty: GgmlType) -> bool {

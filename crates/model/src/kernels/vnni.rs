@@ -27,7 +27,7 @@ use half::f16;
 
 use super::Sums;
 use super::format::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, code as format_code, ty as format_type};
-use super::packed::{self, GROUP, block_offset};
+use super::packed::{self, GROUP, Res, block_offset};
 use crate::quant::{Q8Acts, QK};
 
 /// Activation rows handled together against one packed group with lane sums (eight lane
@@ -39,8 +39,7 @@ pub const PACKED_TILE: usize = 2;
 /// remainder runs tiles of two and one).
 const BLOCKS_TILE: usize = 4;
 
-/// The larger of the two tiles.
-const MAX_TILE: usize = if BLOCKS_TILE > PACKED_TILE { BLOCKS_TILE } else { PACKED_TILE };
+const _: () = assert!(BLOCKS_TILE <= packed::MAX_TILE && PACKED_TILE <= packed::MAX_TILE);
 
 /// Sixteen weight rows (one packed group) against `N` activation rows starting at `first`;
 /// `res[n][r]` receives row `r`'s dot product with activation row `first + n`. `BLOCKS`
@@ -383,9 +382,6 @@ fn hsum_order(a: &[__m512; 8]) -> __m512 {
     _mm512_add_ps(_mm512_add_ps(s0, s2), _mm512_add_ps(s1, s3))
 }
 
-/// Results of one kernel call: sixteen rows for each of up to [`MAX_TILE`] activation rows.
-type Res = [[f32; GROUP]; MAX_TILE];
-
 /// One instance of a group kernel: a format, an arithmetic and a tile of activation rows.
 type GroupFn = unsafe fn(*const u8, usize, &Q8Acts, usize, &mut Res);
 
@@ -427,34 +423,14 @@ fn pick_kernel(ty: GgmlType, sums: Sums, rows: usize) -> (GroupFn, usize) {
 /// group's sixteen results are contiguous.
 #[allow(clippy::too_many_arguments)] // mirrors kernels::dot_q_packed, plus the arithmetic
 pub(super) fn dot_packed(ty: GgmlType, sums: Sums, p: &[u8], rows: usize, acts: &Q8Acts, first: usize, n: usize, out: &mut [f32]) {
-    let nb = acts.blocks_per_row();
-    let row_bytes = ty.bytes_for((nb * QK) as u64).map_or(0, |b| b as usize);
-    let group_bytes = packed::group_bytes(ty, row_bytes);
-    let end = (first + n) * nb;
-    // These bounds are what `group`, `group_q4k` and `group_q6k` rely on.
-    assert!(row_bytes > 0 && p.len() == rows.div_ceil(GROUP) * group_bytes, "packed groups for {rows} rows");
-    assert!(out.len() == rows * n, "output shape");
-    assert!(acts.qs.len() >= end * QK && acts.d.len() >= end && acts.s.len() >= end && acts.sums.len() >= 2 * end, "activations too short");
-    assert!(!packed::is_packed_kquant(ty) || nb.is_multiple_of(8), "k-quant rows of whole superblocks");
-    // The group kernels take their row length in blocks, the k-quant ones in superblocks.
-    let len = if packed::is_packed_kquant(ty) { nb / 8 } else { nb };
-    for (gi, g) in p.chunks_exact(group_bytes).enumerate() {
-        let lanes = (rows - gi * GROUP).min(GROUP);
-        let mut i = 0;
-        while i < n {
-            let (kernel, k) = pick_kernel(ty, sums, n - i);
-            let mut res = [[0.0f32; GROUP]; MAX_TILE];
-            // SAFETY: only reached through an Isa at level Avx512Vnni (only detection makes
-            // one); `g` holds `len` packed blocks (superblocks for k-quants) and rows
-            // first+i..first+i+k <= first+n are within the asserted activation lengths.
-            unsafe { kernel(g.as_ptr(), len, acts, first + i, &mut res) }
-            for (j, r) in res.iter().enumerate().take(k) {
-                let at = (i + j) * rows + gi * GROUP;
-                out[at..at + lanes].copy_from_slice(&r[..lanes]);
-            }
-            i += k;
-        }
-    }
+    packed::for_each_tile(ty, p, rows, acts, first, n, out, GROUP, |g, len, _, at, left, res| {
+        let (kernel, k) = pick_kernel(ty, sums, left);
+        // SAFETY: only reached through an Isa at level Avx512Vnni (only detection makes one);
+        // `for_each_tile` checked that `g` holds `len` packed blocks (superblocks for
+        // k-quants) and that rows at..at + left are within the activations.
+        unsafe { kernel(g.as_ptr(), len, acts, at, res) };
+        k
+    });
 }
 
 /// KV elements sixteen at a time, as f32.
