@@ -5,7 +5,7 @@
 # Usage:
 #   scripts/bench-vs-llamacpp.sh [--model PATH] [--threads N] [--bulkhead-threads N]
 #                                [--ctx N] [--slots N] [--reps N] [--scenarios LIST]
-#                                [--out DIR] [--probe]
+#                                [--out DIR] [--probe] [--isa native|avx2]
 #
 #   --model PATH          GGUF (env MODEL; default
 #                         $BULKHEAD_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf)
@@ -26,6 +26,9 @@
 #                         default all three)
 #   --out DIR             results (env OUT; default $CACHE_DIR/vs/<UTC timestamp>)
 #   --probe               afterwards, run `bulkhead probe` against both servers
+#   --isa avx2            both servers on AVX2 only: llama-server from
+#                         `bench-llamacpp.sh --isa avx2`'s build, Bulkhead with
+#                         BULKHEAD_NO_VNNI=1 (env ISA; default native)
 #
 # Scenarios (each a `bulkhead loadgen` run; ignore_eos keeps outputs at max_tokens):
 #   single: 1 stream,  prompt 512 words (~512 tokens), 128 output tokens, 8 requests
@@ -57,7 +60,6 @@ source scripts/bench-lib.sh
 LLAMA_CPP_PY_VERSION=0.3.36
 BULKHEAD_HOME="${BULKHEAD_HOME:-$HOME/.cache/bulkhead}"
 CACHE_DIR="$BULKHEAD_HOME/llama.cpp-$LLAMA_CPP_PY_VERSION"
-LLAMA_SERVER="$CACHE_DIR/build/bin/llama-server"
 MODEL="${MODEL:-$BULKHEAD_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
 THREADS="${THREADS:-$(nproc 2>/dev/null || echo 2)}"
 BH_THREADS="${BULKHEAD_THREADS_PER_WORKER:-}"
@@ -67,6 +69,7 @@ REPS="${REPS:-2}"
 SCENARIO_LIST="${SCENARIOS:-single,conc16,mixed64}"
 OUT="${OUT:-}"
 PROBE=0
+ISA="${ISA:-native}"
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
@@ -80,13 +83,19 @@ while [[ $# -gt 0 ]]; do
     --reps) REPS="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --probe) PROBE=1; shift ;;
+    --isa) ISA="$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown argument: $1" >&2; usage >&2; exit 2 ;;
   esac
 done
 BH_THREADS="${BH_THREADS:-$THREADS}"
+case "$ISA" in
+  native) LLAMA_SERVER="$CACHE_DIR/build/bin/llama-server" ;;
+  avx2) LLAMA_SERVER="$CACHE_DIR/build-avx2/bin/llama-server"; export BULKHEAD_NO_VNNI=1 ;;
+  *) die "--isa must be native or avx2, not '$ISA'" ;;
+esac
 
-[[ -x "$LLAMA_SERVER" ]] || bash scripts/bench-llamacpp.sh --build-only
+[[ -x "$LLAMA_SERVER" ]] || bash scripts/bench-llamacpp.sh --build-only --isa "$ISA"
 [[ -x "$LLAMA_SERVER" ]] || die "no llama-server at $LLAMA_SERVER"
 [[ -f "$MODEL" ]] || cargo run --quiet -p bulkhead-fetch --example fetch-model smollm2-135m
 [[ -f "$MODEL" ]] || die "model not found: $MODEL"

@@ -10,10 +10,8 @@
 use bulkhead_kv::{KvPool, PageRead, PageReader, SeqPage, SequenceKv};
 use rayon::prelude::*;
 
-use half::f16;
-
 use crate::config::{Activation, RopeStyle};
-use crate::kernels::{Isa, KvElem, dot_kv_rows, exp_shifted, prefetch, weighted_sum_kv, widen_f16};
+use crate::kernels::{Isa, KvElem, dot_kv_rows, exp_shifted, gelu_mul, prefetch, weighted_sum_kv, widen_f16};
 use crate::matmul::{MatmulScratch, matmul};
 use crate::{Llama, ModelError};
 
@@ -33,17 +31,32 @@ pub struct SeqInput<'a> {
 /// Each row is computed the same way whichever task it lands in.
 const ROWS_PER_TASK: usize = 32;
 
-/// Row-wise RMS norm (sum of squares in f64, as ggml does), then scale by `w`.
+/// Row-wise RMS norm (sum of squares in f64, as ggml does), then scale by `w`. Each row's
+/// sum runs in element order, but [`NORM_SIDE`] rows' sums run side by side: one chain of
+/// dependent adds per row left the adders idle (a few percent of a prefill).
 pub(crate) fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let n = w.len();
-    x.par_chunks_exact(n).zip(out.par_chunks_exact_mut(n)).with_min_len(ROWS_PER_TASK).for_each(|(xr, or)| {
-        let ss: f64 = xr.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
-        let scale = 1.0 / ((ss / n as f64) as f32 + eps).sqrt();
-        for ((o, &v), &g) in or.iter_mut().zip(xr).zip(w) {
-            *o = (v * scale) * g;
+    let chunk = n * NORM_SIDE;
+    x.par_chunks(chunk).zip(out.par_chunks_mut(chunk)).with_min_len(ROWS_PER_TASK / NORM_SIDE).for_each(|(xs, os)| {
+        // A short last chunk repeats its first row in the missing places (results unused).
+        let rows: [&[f32]; NORM_SIDE] = std::array::from_fn(|r| xs.get(r * n..(r + 1) * n).unwrap_or(&xs[..n]));
+        let mut ss = [0.0f64; NORM_SIDE];
+        for i in 0..n {
+            for (s, row) in ss.iter_mut().zip(&rows) {
+                *s += f64::from(row[i]) * f64::from(row[i]);
+            }
+        }
+        for ((xr, or), ss) in xs.chunks_exact(n).zip(os.chunks_exact_mut(n)).zip(ss) {
+            let scale = 1.0 / ((ss / n as f64) as f32 + eps).sqrt();
+            for ((o, &v), &g) in or.iter_mut().zip(xr).zip(w) {
+                *o = (v * scale) * g;
+            }
         }
     });
 }
+
+/// Rows whose RMS sums [`rms_norm`] runs side by side.
+const NORM_SIDE: usize = 8;
 
 /// `x += y`, row by row in parallel.
 fn add_rows(x: &mut [f32], y: &[f32], width: usize) {
@@ -57,21 +70,30 @@ fn add_rows(x: &mut [f32], y: &[f32], width: usize) {
 /// / freqs[i]` for pair `i`, built iteratively in f32). `Adjacent` pairs dimensions `(2i,
 /// 2i + 1)`, `Halves` pairs `(i, i + d/2)`.
 pub(crate) fn rope(x: &mut [f32], head_dim: usize, pos: usize, r: Rope<'_>) {
+    // The angles depend on the position only: computed once for every head of `x`, up to
+    // `ROPE_PAIRS` pairs at a time (on the stack).
+    const ROPE_PAIRS: usize = 128;
     let step = r.base.powf(-2.0 / head_dim as f32);
     let half = head_dim / 2;
-    for head in x.chunks_exact_mut(head_dim) {
-        let mut theta = pos as f32;
-        for i in 0..half {
+    let mut theta = pos as f32;
+    let mut sc = [(0.0f32, 0.0f32); ROPE_PAIRS];
+    for i0 in (0..half).step_by(ROPE_PAIRS) {
+        let pairs = (half - i0).min(ROPE_PAIRS);
+        for (i, sc) in (i0..).zip(&mut sc[..pairs]) {
             let ff = r.freqs.map_or(1.0, |f| f[i]);
-            let (s, c) = (r.scale * (theta / ff)).sin_cos();
-            let (ia, ib) = match r.style {
-                RopeStyle::Adjacent => (2 * i, 2 * i + 1),
-                RopeStyle::Halves => (i, i + half),
-            };
-            let (a, b) = (head[ia], head[ib]);
-            head[ia] = a * c - b * s;
-            head[ib] = a * s + b * c;
+            *sc = (r.scale * (theta / ff)).sin_cos();
             theta *= step;
+        }
+        for head in x.chunks_exact_mut(head_dim) {
+            for (i, &(s, c)) in (i0..).zip(&sc[..pairs]) {
+                let (ia, ib) = match r.style {
+                    RopeStyle::Adjacent => (2 * i, 2 * i + 1),
+                    RopeStyle::Halves => (i, i + half),
+                };
+                let (a, b) = (head[ia], head[ib]);
+                head[ia] = a * c - b * s;
+                head[ib] = a * s + b * c;
+            }
         }
     }
 }
@@ -83,37 +105,6 @@ pub(crate) struct Rope<'a> {
     pub scale: f32,
     pub style: RopeStyle,
     pub freqs: Option<&'a [f32]>,
-}
-
-/// ggml's CPU GELU (tanh approximation), which evaluates it on the input rounded to f16 and
-/// rounds the result to f16 (its lookup table), and is exact outside [-10, 10].
-pub(crate) fn gelu(x: f32) -> f32 {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    const COEF_A: f32 = 0.044_715;
-    if x <= -10.0 {
-        return 0.0;
-    }
-    if x >= 10.0 {
-        return x;
-    }
-    // A table of every f16 input, as ggml keeps: tanh per element cost more than the matrix
-    // products it sits between.
-    static TABLE: std::sync::OnceLock<Box<[f32]>> = std::sync::OnceLock::new();
-    let table = TABLE.get_or_init(|| {
-        (0..=u16::MAX)
-            .map(|bits| {
-                let h = f16::from_bits(bits).to_f32();
-                f16::from_f32(0.5 * h * (1.0 + (SQRT_2_OVER_PI * h * (1.0 + COEF_A * h * h)).tanh())).to_f32()
-            })
-            .collect()
-    });
-    table[usize::from(f16::from_f32(x).to_bits())]
-}
-
-pub(crate) fn gelu_mul(gate: &mut [f32], up: &[f32]) {
-    for (g, &u) in gate.iter_mut().zip(up) {
-        *g = gelu(*g) * u;
-    }
 }
 
 /// Softmax of attention scores, max-subtracted.
@@ -628,7 +619,7 @@ impl Llama {
 pub(crate) fn activate(isa: Isa, act: Activation, gate: &mut [f32], up: &[f32]) {
     match act {
         Activation::Silu => silu_mul(isa, gate, up),
-        Activation::GeluTanh => gelu_mul(gate, up),
+        Activation::GeluTanh => gelu_mul(isa, gate, up),
     }
 }
 

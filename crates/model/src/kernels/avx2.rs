@@ -602,6 +602,36 @@ pub(super) fn dot_q_rows(
     }
 }
 
+/// [`super::scalar::gelu_mul`], eight elements at a time: the input rounded to f16 by F16C
+/// (round to nearest even, as `half` rounds), the table entry gathered by its bits, the
+/// scalar function's two exact ranges blended in, times `up`. The same bits.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn gelu_mul_impl(gate: &mut [f32], up: &[f32], table: &[f32]) {
+    assert!(table.len() == 1 << 16 && up.len() >= gate.len(), "gelu table and shapes");
+    let (lo, hi) = (_mm256_set1_ps(-10.0), _mm256_set1_ps(10.0));
+    let len = gate.len();
+    let mut chunks = gate.chunks_exact_mut(8);
+    for (g, u) in (&mut chunks).zip(up.chunks_exact(8)) {
+        // SAFETY: `g` and `u` have 8 readable f32.
+        let (x, u) = unsafe { (_mm256_loadu_ps(g.as_ptr()), _mm256_loadu_ps(u.as_ptr())) };
+        let bits = _mm256_cvtepu16_epi32(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
+        // SAFETY: every index is a u16, inside the table of 2^16 entries.
+        let t = unsafe { _mm256_i32gather_ps::<4>(table.as_ptr(), bits) };
+        let t = _mm256_blendv_ps(t, _mm256_setzero_ps(), _mm256_cmp_ps::<_CMP_LE_OQ>(x, lo));
+        let t = _mm256_blendv_ps(t, x, _mm256_cmp_ps::<_CMP_GE_OQ>(x, hi));
+        // SAFETY: `g` has 8 writable f32.
+        unsafe { _mm256_storeu_ps(g.as_mut_ptr(), _mm256_mul_ps(t, u)) };
+    }
+    let done = len - chunks.into_remainder().len();
+    super::scalar::gelu_mul(&mut gate[done..], &up[done..]);
+}
+
+/// See [`gelu_mul_impl`].
+pub(super) fn gelu_mul(gate: &mut [f32], up: &[f32]) {
+    // SAFETY: only reached through an Isa at level Avx2 or Avx512Vnni, which only detection of AVX2, FMA and F16C makes.
+    unsafe { gelu_mul_impl(gate, up, super::scalar::gelu_table()) }
+}
+
 /// Quantise blocks of 32 floats to 8 bits exactly as the scalar path (ggml's reference
 /// `quantize_row_q8_1_ref`): `d = amax / 127`, `q = round(x * (1 / d))` with halves away from
 /// zero, `d` and `s = d * sum(q)` stored rounded through f16.

@@ -360,6 +360,16 @@ pub fn exp_shifted(isa: Isa, v: &mut [f32], max: f32) {
     }
 }
 
+/// `gate[i] = gelu(gate[i]) · up[i]` with ggml's CPU GELU (tanh approximation through an
+/// f16 table), the same bits on every ISA.
+pub fn gelu_mul(isa: Isa, gate: &mut [f32], up: &[f32]) {
+    match isa.level() {
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx2 | IsaLevel::Avx512Vnni => avx2::gelu_mul(gate, up),
+        _ => scalar::gelu_mul(gate, up),
+    }
+}
+
 /// `dst = src` widened to f32 (exact), replacing `dst`'s contents.
 pub fn widen_f16(isa: Isa, src: &[f16], dst: &mut Vec<f32>) {
     dst.clear();
@@ -648,6 +658,31 @@ mod tests {
                             assert_eq!(got[a * rows + r].to_bits(), scalar[r * 3 + a].to_bits(), "{ty} scalar row {r} act {a}");
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// `gelu_mul` gives the scalar function's bits on every ISA: inputs across the table's
+    /// range and past both exact ends (±10, where the f16 rounding meets them), f16 rounding
+    /// ties, infinities, subnormals, and lengths that leave a remainder.
+    #[test]
+    fn gelu_gives_the_scalar_bits_on_every_isa() {
+        let mut seed = 5u64;
+        let mut x: Vec<f32> = (0..4001).map(|i| (i as f32 - 2000.0) / 150.0).collect();
+        x.extend((0..2000).map(|_| rng(&mut seed) * 12.0));
+        // f16 rounding ties (half-way between two f16 values) and the ends of the table.
+        x.extend((0..200u16).map(|i| (f16::from_bits(0x3c00 + i).to_f32() + f16::from_bits(0x3c01 + i).to_f32()) / 2.0));
+        x.extend([-10.0, 10.0, -9.999, 9.999, -10.001, 10.001, f32::INFINITY, f32::NEG_INFINITY, 1e-40, -1e-40, 0.0, -0.0, 65504.0, 1e6]);
+        let up: Vec<f32> = (0..x.len()).map(|_| rng(&mut seed) * 3.0).collect();
+        for len in [x.len(), x.len() - 3, 7, 0] {
+            let mut want = x[..len].to_vec();
+            scalar::gelu_mul(&mut want, &up);
+            for isa in Isa::available() {
+                let mut got = x[..len].to_vec();
+                gelu_mul(isa, &mut got, &up);
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(g.to_bits(), w.to_bits(), "{isa:?} gelu({}) * {}: {g} vs {w}", x[i], up[i]);
                 }
             }
         }

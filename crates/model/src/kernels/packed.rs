@@ -1,6 +1,7 @@
-//! Weights regrouped for the VNNI kernel: sixteen matrix rows interleaved block by block,
+//! Weights regrouped for the packed kernels: sixteen matrix rows interleaved block by block,
 //! so one 512-bit `vpdpbusd` multiplies four bytes of each of sixteen rows with the same
-//! four activation bytes and leaves sixteen row sums, one per lane.
+//! four activation bytes and leaves sixteen row sums, one per lane (the AVX2 kernel,
+//! `avx2_packed.rs`, takes each vector's two 32-byte halves, eight rows each, apart).
 //!
 //! Per group of sixteen rows and per 32-element block (`16 * block_bytes(ty)` bytes, the
 //! same size as the sixteen rows' blocks it replaces):
@@ -43,8 +44,8 @@ use bulkhead_gguf::GgmlType;
 
 use crate::quant::{Q8Acts, QK};
 
-/// Whether the VNNI kernel has a packed layout for `ty` (the others stay in rows and run
-/// the AVX2 row kernel).
+/// Whether the packed kernels have a packed layout for `ty` (the others stay in rows and
+/// run the AVX2 row kernel).
 pub fn supports(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0) || is_packed_kquant(ty)
 }

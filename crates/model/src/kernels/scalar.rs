@@ -259,3 +259,38 @@ fn exp_core(x: f32) -> f32 {
 pub(super) fn exp_shifted(v: &mut [f32], max: f32) {
     v.iter_mut().for_each(|x| *x = expf(*x - max));
 }
+
+/// ggml's CPU GELU (tanh approximation), which evaluates it on the input rounded to f16 and
+/// rounds the result to f16 (its lookup table, [`gelu_table`]), and is exact outside [-10, 10].
+pub(super) fn gelu(x: f32) -> f32 {
+    if x <= -10.0 {
+        return 0.0;
+    }
+    if x >= 10.0 {
+        return x;
+    }
+    gelu_table()[usize::from(f16::from_f32(x).to_bits())]
+}
+
+/// GELU of every f16 input (by its bits), rounded to f16, as ggml keeps: tanh per element
+/// cost more than the matrix products it sits between.
+pub(super) fn gelu_table() -> &'static [f32] {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const COEF_A: f32 = 0.044_715;
+    static TABLE: std::sync::OnceLock<Box<[f32]>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|bits| {
+                let h = f16::from_bits(bits).to_f32();
+                f16::from_f32(0.5 * h * (1.0 + (SQRT_2_OVER_PI * h * (1.0 + COEF_A * h * h)).tanh())).to_f32()
+            })
+            .collect()
+    })
+}
+
+/// `gate[i] = gelu(gate[i]) * up[i]`.
+pub(super) fn gelu_mul(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = gelu(*g) * u;
+    }
+}
