@@ -5,7 +5,7 @@
 use bulkhead_gguf::{GgmlType, GgufFile, GgufWriter};
 use bulkhead_kv::{KvChecks, KvPool, PoolConfig, RequestId, SequenceKv};
 use bulkhead_model::reference::ReferenceState;
-use bulkhead_model::{CoreShare, Isa, Llama, ModelError, SeqInput};
+use bulkhead_model::{CoreShare, Isa, Llama, ModelError, SeqInput, Sums};
 
 mod support;
 use support::Shape;
@@ -55,6 +55,26 @@ fn every_supported_tensor_type_runs_and_the_paged_pass_equals_the_reference() {
             let (got, want) = paged_and_reference(&m, &prompt());
             assert!(want.iter().all(|v| v.is_finite()));
             assert_eq!(got, want, "{ty} on {isa:?}: paged logits differ from the reference");
+        }
+    }
+}
+
+/// `set_sums` re-lays the weights out where the arithmetic decides the layout (AVX2: packed
+/// for block sums, rows for lane sums): a model switched either way computes what a model
+/// loaded for that arithmetic computes, and switching back gives its first logits again.
+#[test]
+fn switching_the_arithmetic_relays_the_weights_out_losslessly() {
+    for ty in [GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K] {
+        let w = synthetic(ty, "llama");
+        for isa in Isa::available() {
+            let logits = |m: &Llama| paged_and_reference(m, &prompt()).0;
+            let mut m = load(&w).unwrap().with_isa(isa.with_sums(Sums::Blocks));
+            let blocks = logits(&m);
+            m.set_sums(Sums::Lanes);
+            let lanes = load(&w).unwrap().with_isa(isa.with_sums(Sums::Lanes));
+            assert_eq!(logits(&m), logits(&lanes), "{ty} on {isa:?}: switched to lanes");
+            m.set_sums(Sums::Blocks);
+            assert_eq!(logits(&m), blocks, "{ty} on {isa:?}: switched back to blocks");
         }
     }
 }
