@@ -12,8 +12,6 @@ use std::arch::x86_64::*;
 use bulkhead_gguf::GgmlType;
 use half::f16;
 
-use super::format::{self, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
-use super::packed::block_bytes;
 use super::{Sums, TILE};
 use crate::kquant::{self, KBlock};
 use crate::quant::{Q8Acts, QK, f16_at};
@@ -137,159 +135,6 @@ unsafe fn signed_block_dots<const N: usize>(acc: &mut [__m256; N], qx: __m256i, 
         let (qy, da) = unsafe { (_mm256_loadu_si256(a.qs.add(ab * QK).cast()), *a.d.add(ab)) };
         let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(qy, qx)), ones);
         acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * da), _mm256_cvtepi32_ps(p), acc[n]);
-    }
-}
-
-/// One weight row of format `F` against `N <= 4` activation rows with block sums
-/// ([`Sums::Blocks`]): the block's exact integer sums for the `N` rows at once (one
-/// horizontal-add tree), then the scalar kernel's `(d_w · d_a) · isum (+ m_w · s_a)` added to
-/// each row's sum, the rows side by side in one vector; with one activation row, four
-/// consecutive blocks side by side instead ([`row_blocks`]). (The lane-sum [`tile`] keeps its
-/// own per-format loops: written over [`decode_block`] it ran 20% slower.)
-///
-/// # Safety
-/// AVX2, FMA and F16C are available; `w` points to `a.nb` readable blocks of format `F`; `a`
-/// points to `N` rows of `a.nb` blocks each (`qs`: 32 bytes a block, `d` and `s`: one f32 a
-/// block).
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_blocks<const F: u8, const N: usize>(w: *const u8, a: ActPtrs, out: &mut [f32]) {
-    const { assert!(N <= 4) };
-    if N == 1 {
-        // SAFETY: the caller's guarantee.
-        out[0] = unsafe { row_blocks::<F>(w, a) };
-        return;
-    }
-    let (nb, bs) = (a.nb, block_bytes(format::ty(F)));
-    let has_min = F == Q4_1 || F == Q5_1;
-    let mut total = _mm_setzero_ps();
-    // SAFETY: (whole body) every offset below is < nb blocks of the weight row or < N rows of
-    // nb blocks of activations, as the caller guarantees; unaligned loads throughout.
-    unsafe {
-        for b in 0..nb {
-            let (qx, d, m) = decode_block::<F>(w.add(b * bs));
-            let mut p = [_mm256_setzero_si256(); 4];
-            let (mut da, mut sa) = ([0.0f32; 4], [0.0f32; 4]);
-            for n in 0..N {
-                let ab = n * nb + b;
-                p[n] = block_dot::<F>(qx, a.qs.add(ab * QK));
-                da[n] = *a.d.add(ab);
-                if has_min {
-                    sa[n] = *a.s.add(ab);
-                }
-            }
-            let mut t = _mm_mul_ps(_mm_mul_ps(_mm_set1_ps(d), vec4(da)), _mm_cvtepi32_ps(hsum4_i32(p)));
-            if has_min {
-                t = _mm_add_ps(t, _mm_mul_ps(_mm_set1_ps(m), vec4(sa)));
-            }
-            total = _mm_add_ps(total, t);
-        }
-    }
-    let mut totals = [0.0f32; 4];
-    // SAFETY: four f32.
-    unsafe { _mm_storeu_ps(totals.as_mut_ptr(), total) };
-    out[..N].copy_from_slice(&totals[..N]);
-}
-
-/// One weight row of format `F` against one activation row with block sums: four
-/// consecutive blocks' integer sums at once (one horizontal-add tree) and their float terms
-/// in one vector, then added to the row's sum in block order (the scalar kernel's order).
-/// The weights are read in order, one stream (interleaving four rows' short runs defeated
-/// the prefetcher: 0.6 of the lane kernel's decode speed).
-///
-/// # Safety
-/// As [`tile_blocks`] with `N = 1`.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn row_blocks<const F: u8>(w: *const u8, a: ActPtrs) -> f32 {
-    let (nb, bs) = (a.nb, block_bytes(format::ty(F)));
-    let has_min = F == Q4_1 || F == Q5_1;
-    let mut sum = 0.0f32;
-    // SAFETY: (whole body) blocks b0..b0 + k < nb of the weight row and the activation row.
-    unsafe {
-        for b0 in (0..nb).step_by(4) {
-            let k = (nb - b0).min(4);
-            let mut p = [_mm256_setzero_si256(); 4];
-            let (mut dw, mut mw) = ([0.0f32; 4], [0.0f32; 4]);
-            for i in 0..k {
-                let (qx, d, m) = decode_block::<F>(w.add((b0 + i) * bs));
-                p[i] = block_dot::<F>(qx, a.qs.add((b0 + i) * QK));
-                (dw[i], mw[i]) = (d, m);
-            }
-            let (mut da, mut sa) = ([0.0f32; 4], [0.0f32; 4]);
-            std::ptr::copy_nonoverlapping(a.d.add(b0), da.as_mut_ptr(), k);
-            if has_min {
-                std::ptr::copy_nonoverlapping(a.s.add(b0), sa.as_mut_ptr(), k);
-            }
-            let mut t = _mm_mul_ps(_mm_mul_ps(vec4(dw), vec4(da)), _mm_cvtepi32_ps(hsum4_i32(p)));
-            if has_min {
-                t = _mm_add_ps(t, _mm_mul_ps(vec4(mw), vec4(sa)));
-            }
-            let mut ts = [0.0f32; 4];
-            _mm_storeu_ps(ts.as_mut_ptr(), t);
-            for x in &ts[..k] {
-                sum += x;
-            }
-        }
-    }
-    sum
-}
-
-/// A block's dot product of the decoded weights `qx` (format `F`) with the 32 activation
-/// bytes at `qy`, as eight four-product lanes.
-///
-/// # Safety
-/// AVX2, FMA and F16C are available and `qy` points to 32 readable bytes.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn block_dot<const F: u8>(qx: __m256i, qy: *const i8) -> __m256i {
-    // SAFETY: the caller's guarantee.
-    let qy = unsafe { _mm256_loadu_si256(qy.cast()) };
-    if F == Q4_1 || F == Q5_1 {
-        // Unsigned weights below 32: maddubs takes them as they are.
-        _mm256_madd_epi16(_mm256_maddubs_epi16(qx, qy), _mm256_set1_epi16(1))
-    } else {
-        // Signed weights: |w| times a with w's sign (maddubs takes u8 times i8).
-        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx)), _mm256_set1_epi16(1))
-    }
-}
-
-/// One block of format `F` at `blk` as 32 weight bytes (signed, except Q4_1's and Q5_1's) with its
-/// `d` and `m` (0 without a min).
-///
-/// # Safety
-/// AVX2, FMA and F16C are available and `blk` points to a readable block of format `F`.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn decode_block<const F: u8>(blk: *const u8) -> (__m256i, f32, f32) {
-    let ty = format::ty(F);
-    let mask = _mm256_set1_epi8(0x0F);
-    let has_min = matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1);
-    // SAFETY: (whole body) the block's f16 scales are at 0 and (with a min) 2, then Q5's four
-    // qh bytes, then its 16 bytes of nibbles or Q8_0's 32 bytes.
-    unsafe {
-        let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(std::ptr::read_unaligned(blk.cast::<u16>())))));
-        let m = if has_min {
-            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(std::ptr::read_unaligned(blk.add(2).cast::<u16>())))))
-        } else {
-            0.0
-        };
-        if ty == GgmlType::Q8_0 {
-            return (_mm256_loadu_si256(blk.add(2).cast()), d, 0.0);
-        }
-        let five = matches!(ty, GgmlType::Q5_0 | GgmlType::Q5_1);
-        let at = if has_min { 4 } else { 2 } + if five { 4 } else { 0 };
-        let lo = _mm_loadu_si128(blk.add(at).cast());
-        let mut qx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(lo, 4), lo), mask);
-        if five {
-            let qh = std::ptr::read_unaligned(blk.add(at - 4).cast::<u32>());
-            qx = _mm256_or_si256(qx, _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10)));
-        }
-        // Signed formats lose their offset; Q4_1's and Q5_1's weights stay unsigned.
-        match ty {
-            GgmlType::Q4_0 => qx = _mm256_sub_epi8(qx, _mm256_set1_epi8(8)),
-            GgmlType::Q5_0 => qx = _mm256_sub_epi8(qx, _mm256_set1_epi8(16)),
-            _ => {}
-        }
-        (qx, d, m)
     }
 }
 
@@ -531,6 +376,7 @@ pub(super) fn dot_q_rows(
 ) {
     let nb = acts.blocks_per_row();
     let kq = kquant::is_kquant(ty);
+    assert!(kq || sums == Sums::Lanes, "block sums of {ty} run the packed or the scalar kernels");
     // These bounds are what `tile` and `ktile` rely on.
     let end = (first + n) * nb;
     assert!(
@@ -546,18 +392,6 @@ pub(super) fn dot_q_rows(
                 3 => $kernel::<3, $blocks> $args,
                 2 => $kernel::<2, $blocks> $args,
                 _ => $kernel::<1, $blocks> $args,
-            }
-        };
-    }
-    // `tile_blocks` for this format: `formats!(<N>, args)`.
-    macro_rules! formats {
-        (<$n:literal>, $args:tt) => {
-            match format::code(ty) {
-                Q4_0 => tile_blocks::<Q4_0, $n> $args,
-                Q4_1 => tile_blocks::<Q4_1, $n> $args,
-                Q5_0 => tile_blocks::<Q5_0, $n> $args,
-                Q5_1 => tile_blocks::<Q5_1, $n> $args,
-                _ => tile_blocks::<Q8_0, $n> $args,
             }
         };
     }
@@ -589,12 +423,7 @@ pub(super) fn dot_q_rows(
                         2 => tile::<2>(ty, row.as_ptr(), a, o),
                         _ => tile::<1>(ty, row.as_ptr(), a, o),
                     },
-                    (false, _, true) => match rows {
-                        4 => formats!(<4>, (row.as_ptr(), a, o)),
-                        3 => formats!(<3>, (row.as_ptr(), a, o)),
-                        2 => formats!(<2>, (row.as_ptr(), a, o)),
-                        _ => formats!(<1>, (row.as_ptr(), a, o)),
-                    },
+                    (false, _, true) => unreachable!("asserted above"),
                 }
             }
             i += rows;

@@ -230,11 +230,14 @@ pub fn dot_q_rows(isa: Isa, ty: GgmlType, w: &[u8], row_bytes: usize, acts: &Q8A
     assert!(acts.sums.len() == acts.qs.len() / 16, "activation sums");
     assert!(out.len() == w.len() / row_bytes * n, "output of {} for {} rows x {n}", out.len(), w.len() / row_bytes);
     assert!(first_act + n <= acts.rows, "activation rows {first_act}+{n} of {}", acts.rows);
+    // Block sums of the 32-element formats: the scalar kernel's, which they are by definition
+    // (the SIMD ISAs multiply these formats packed, so only tests and odd callers come here).
+    let rows_simd = isa.sums() == Sums::Lanes || crate::kquant::is_kquant(ty);
     match isa.level() {
         #[cfg(target_arch = "x86_64")]
-        IsaLevel::Avx2 => avx2::dot_q_rows(ty, isa.sums(), w, row_bytes, acts, first_act, n, out, false),
+        IsaLevel::Avx2 if rows_simd => avx2::dot_q_rows(ty, isa.sums(), w, row_bytes, acts, first_act, n, out, false),
         #[cfg(target_arch = "x86_64")]
-        IsaLevel::Avx512Vnni => avx2::dot_q_rows(ty, isa.sums(), w, row_bytes, acts, first_act, n, out, true),
+        IsaLevel::Avx512Vnni if rows_simd => avx2::dot_q_rows(ty, isa.sums(), w, row_bytes, acts, first_act, n, out, true),
         _ => scalar::dot_q_rows(ty, w, row_bytes, acts, first_act, n, out),
     }
 }
