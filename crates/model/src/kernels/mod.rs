@@ -547,8 +547,8 @@ mod tests {
     }
 
     /// The instruction sets with the arithmetic in which each multiplies packed weights (VNNI:
-    /// both; AVX2: block sums), with the AVX2 row kernels they must agree with; none without
-    /// AVX2.
+    /// both; AVX2: block sums), with the AVX2 level whose row kernels they must agree with
+    /// (for block sums of the 32-element formats, the scalar kernel); none without AVX2.
     fn packing_isas(test: &str) -> Option<(Isa, Vec<Isa>)> {
         let Some(avx2) = Isa::get(IsaLevel::Avx2) else {
             eprintln!("{test}: this CPU has no AVX2; nothing to compare");
@@ -558,8 +558,8 @@ mod tests {
         Some((avx2, all.filter(|i| i.packs_weights()).collect()))
     }
 
-    /// The packed kernels (VNNI in either arithmetic, AVX2 with block sums) give the AVX2 row
-    /// kernel's results bit for bit, for every type, for row counts that end inside a group
+    /// The packed kernels (VNNI in either arithmetic, AVX2 with block sums) give the row
+    /// kernels' results bit for bit, for every type, for row counts that end inside a group
     /// (and inside its first half) and for every tile size (so each activation row is also
     /// the same alone or in a tile).
     #[test]
