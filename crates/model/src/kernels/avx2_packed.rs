@@ -52,18 +52,17 @@ unsafe fn half_vec(p: *const u8, h: usize) -> __m256i {
     unsafe { _mm256_loadu_si256(p.add(32 * h).cast()) }
 }
 
-/// Eight rows' byte scales at `p` (half `h` of sixteen) as i16, each twice (`vpmaddwd`
-/// multiplies a row's two pair sums by it); signed for Q6_K.
+/// Eight rows' unsigned byte scales at `p` (half `h` of sixteen) as i16, each twice
+/// (`vpmaddwd` multiplies a row's two pair sums by it).
 ///
 /// # Safety
 /// AVX2 is available and `p` points to 16 readable bytes.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn scale_pairs<const SIGNED: bool>(p: *const u8, h: usize) -> __m256i {
+unsafe fn scale_pairs(p: *const u8, h: usize) -> __m256i {
     // SAFETY: the caller guarantees 16 bytes at `p`; half h's 8 of them.
     let x = unsafe { _mm_loadl_epi64(p.add(8 * h).cast()) };
-    let twice = _mm_unpacklo_epi8(x, x);
-    if SIGNED { _mm256_cvtepi8_epi16(twice) } else { _mm256_cvtepu8_epi16(twice) }
+    _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(x, x))
 }
 
 /// Four activation bytes (elements `4k..4k + 4` of a block at `q`) in every lane.
@@ -231,7 +230,7 @@ unsafe fn half_q4k<const FIVE: bool, const N: usize>(g: *const u8, nsb: usize, h
                         }
                     }
                 }
-                let sc = scale_pairs::<false>(p.add(Q4K_SC + GROUP * j), h);
+                let sc = scale_pairs(p.add(Q4K_SC + GROUP * j), h);
                 let mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(Q4K_MN + GROUP * j + HALF * h).cast()));
                 for n in 0..N {
                     let mut is = _mm256_madd_epi16(lo[n], sc);
@@ -281,13 +280,10 @@ unsafe fn half_q6k<const N: usize>(g: *const u8, nsb: usize, h: usize, acts: &Q8
                 let blk = |n: usize| (first + n) * nb + sb * 8 + b;
                 let qs = |n: usize| acts.qs.as_ptr().add(blk(n) * QK);
                 let chunk = 2 * hb + u % 2;
-                // The block's two groups' scales (lanes 0..4 and 4..8), and side by side per
-                // row for the offset.
-                let sc = [0, 1].map(|gi| scale_pairs::<true>(p.add(Q6K_SC + GROUP * (2 * b + gi)), h));
-                let (s0, s1) = (
-                    _mm_loadl_epi64(p.add(Q6K_SC + GROUP * 2 * b + HALF * h).cast()),
-                    _mm_loadl_epi64(p.add(Q6K_SC + GROUP * (2 * b + 1) + HALF * h).cast()),
-                );
+                // The block's two groups' scales (lanes 0..4 and 4..8), each twice per row for
+                // `vpmaddwd`, and side by side per row for the offset.
+                let [s0, s1] = [0, 1].map(|gi| _mm_loadl_epi64(p.add(Q6K_SC + GROUP * (2 * b + gi) + HALF * h).cast()));
+                let sc = [s0, s1].map(|x| _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x, x)));
                 let sc_side = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s0, s1));
                 let mut is = [_mm256_setzero_si256(); N];
                 for k2 in 0..4 {
