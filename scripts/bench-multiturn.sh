@@ -42,10 +42,13 @@ printf '[[tenant]]\nname = "a"\napi_keys = ["ka"]\n\n[[tenant]]\nname = "b"\napi
 PID=""
 stop() { [[ -z "$PID" ]] || { kill "$PID" 2>/dev/null || true; wait "$PID" 2>/dev/null || true; PID=""; }; }
 trap stop EXIT
-metric() { # URL NAME: the sum of a metric's samples
-  python3 - "$1" "$2" <<'PY'
+ADMIN="bench-operator-$RANDOM$RANDOM"
+metric() { # URL NAME: the sum of a metric's samples on the operator's page
+  python3 - "$1" "$2" "$ADMIN" <<'PY'
 import sys, urllib.request
-text = urllib.request.urlopen(sys.argv[1] + "/metrics", timeout=5).read().decode()
+# The cache activity is on the operator's page (serve runs with --admin-key "$ADMIN").
+req = urllib.request.Request(sys.argv[1] + "/metrics/tenants", headers={"Authorization": "Bearer " + sys.argv[3]})
+text = urllib.request.urlopen(req, timeout=5).read().decode()
 print(sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith(sys.argv[2] + "{") or l.startswith(sys.argv[2] + " ")))
 PY
 }
@@ -62,7 +65,7 @@ load() { # URL OUTFILE SEED
 for rep in $(seq "$REPS"); do
   seed=$((1000 + rep))
   port=$(free_port)
-  BULKHEAD_LOG=info "$BULKHEAD" serve --model "$MODEL" --threads "$THREADS" --tenants "$OUT/tenants.toml" --port "$port" \
+  BULKHEAD_LOG=info "$BULKHEAD" serve --model "$MODEL" --threads "$THREADS" --tenants "$OUT/tenants.toml" --admin-key "$ADMIN" --port "$port" \
     > "$OUT/bulkhead-$rep.log" 2>&1 &
   PID=$!
   wait_ready "http://127.0.0.1:$port" /ready

@@ -19,16 +19,17 @@ OUT="$(mktemp -d)"
 PID=""
 stop() { [[ -z "$PID" ]] || { kill "$PID" 2>/dev/null || true; wait "$PID" 2>/dev/null || true; PID=""; }; }
 trap 'stop; rm -rf "$OUT"' EXIT
+ADMIN="bench-operator-$RANDOM$RANDOM" # the cached pages are on the operator's page
 for mode in defaults no-prefix-cache; do
   port=$(free_port)
   extra=()
   [[ "$mode" == defaults ]] || extra=(--no-prefix-cache)
-  target/release/bulkhead serve --model "$MODEL" --port "$port" "${extra[@]}" > "$OUT/$mode.log" 2>&1 &
+  target/release/bulkhead serve --model "$MODEL" --port "$port" --admin-key "$ADMIN" "${extra[@]}" > "$OUT/$mode.log" 2>&1 &
   PID=$!
   wait_ready "http://127.0.0.1:$port" /ready
-  python3 - "http://127.0.0.1:$port" "$mode" <<'PY'
+  python3 - "http://127.0.0.1:$port" "$mode" "$ADMIN" <<'PY'
 import json, math, sys, threading, time, urllib.request
-url, mode = sys.argv[1], sys.argv[2]
+url, mode, admin = sys.argv[1], sys.argv[2], sys.argv[3]
 def metric(text, name):
     return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
                if l.startswith(name + "{") and 'role="decode"' in l)
@@ -42,7 +43,8 @@ def send():
 t = threading.Thread(target=send); t.start()
 peak = 0
 while t.is_alive():
-    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+    text = "".join(urllib.request.urlopen(urllib.request.Request(url + path, headers=h), timeout=5).read().decode()
+                   for path, h in [("/metrics", {}), ("/metrics/tenants", {"Authorization": "Bearer " + admin})])
     peak = max(peak, metric(text, "bulkhead:kv_leased_pages") + metric(text, "bulkhead:kv_cached_pages"))
     time.sleep(0.02)
 t.join()

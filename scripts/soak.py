@@ -76,10 +76,20 @@ def rss_kib(pid):
 
 
 def metrics(host, port):
-    c = http.client.HTTPConnection(host, port, timeout=30)
-    c.request("GET", "/metrics")
-    body = c.getresponse().read().decode()
-    c.close()
+    """Samples of /metrics, and of the operator's page (the cache activity) with
+    $BULKHEAD_ADMIN_KEY, which scripts/soak.sh gives serve."""
+    body = ""
+    key = os.environ.get("BULKHEAD_ADMIN_KEY")
+    for path, headers in [("/metrics", {}), ("/metrics/tenants", {"Authorization": f"Bearer {key}"} if key else None)]:
+        if headers is None:
+            continue
+        c = http.client.HTTPConnection(host, port, timeout=30)
+        c.request("GET", path, headers=headers)
+        r = c.getresponse()
+        text = r.read().decode()
+        c.close()
+        if r.status == 200:
+            body += text
     samples = []
     for line in body.splitlines():
         if line.startswith("#") or not line.strip():

@@ -21,6 +21,8 @@ if [[ -z "${BULKHEAD_BIN:-}" ]]; then
 fi
 log=$(mktemp)
 out=$(mktemp)
+# The pools' cache pages are on the operator's page: soak.py reads it with this key.
+export BULKHEAD_ADMIN_KEY="soak-operator-$RANDOM$RANDOM"
 "$BULKHEAD_BIN" serve --port 0 --gateways 2 --prefill-workers 2 --decode-workers 2 --audit-kv >"$out" 2>"$log" &
 serve=$!
 status=0

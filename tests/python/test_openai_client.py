@@ -280,3 +280,19 @@ def test_unsupported_fields_are_refused_by_name(server):
     with pytest.raises(openai.BadRequestError) as e:
         chat(server, "hi", modalities=["text", "audio"])
     assert e.value.param == "modalities"
+
+
+def test_a_client_with_its_defaults_fits_a_small_tokens_per_minute(tmp_path):
+    """The client's default of no max_tokens against a tenant limited to 1,500 tokens a
+    minute (greedy, so the answer ends soon): admitted (charged its prompt and an estimate, not the rest of the
+    context), and a prompt larger than the whole budget is refused for good (400 naming the
+    limit), not told to retry for ever."""
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[[tenant]]\nname = "small"\napi_keys = ["sk-small"]\ntokens_per_minute = 1500\n')
+    with serve("--tenants", str(tenants)) as srv:
+        client = openai.OpenAI(base_url=f"http://{srv.addr}/v1", api_key="sk-small", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Reply with one word: hello."}], temperature=0)
+        assert r.choices[0].message.content is not None and r.usage.completion_tokens > 0
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 1600}])
+        assert e.value.code == "request_over_tokens_per_minute" and "1500" in e.value.message

@@ -131,6 +131,11 @@ pub trait Backend: Send + Sync + 'static {
         true
     }
 
+    /// What a request that leaves a sampling field out gets (default: OpenAI's).
+    fn defaults(&self) -> crate::openai::Defaults {
+        crate::openai::Defaults::default()
+    }
+
     /// Every HTTP response the API sends, by status (metrics; default: not counted).
     fn responded(&self, _status: u16) {}
 

@@ -45,5 +45,5 @@ pub mod web;
 pub use backend::{Backend, FinishReason, GenEvent, GenerationRequest, ModelCard, Prompt};
 pub use error::{ApiError, ErrorKind};
 pub use prompt::PromptEncoder;
-pub use routes::{BodyTimeout, DEFAULT_BODY_TIMEOUT, MAX_BODY_BYTES, router, router_with_tenants};
+pub use routes::{Authenticated, BodyTimeout, DEFAULT_BODY_TIMEOUT, MAX_BODY_BYTES, router, router_with_tenants};
 pub use tenants::{Tenant, Tenants, TenantsError};

@@ -152,8 +152,26 @@ impl CompletionParams {
     }
 }
 
-/// Parse a `POST /v1/chat/completions` body.
-pub fn parse_chat(body: &Value) -> Result<CompletionParams, ApiError> {
+/// OpenAI's documented default `temperature`: what a request without one gets unless the
+/// operator sets another ([`Defaults`]).
+pub const OPENAI_TEMPERATURE: f32 = 1.0;
+
+/// What a request that leaves a sampling field out gets: OpenAI's defaults, or the
+/// operator's (`serve --default-temperature`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Defaults {
+    /// The `temperature` of a request without one (0: greedy).
+    pub temperature: f32,
+}
+
+impl Default for Defaults {
+    fn default() -> Self {
+        Defaults { temperature: OPENAI_TEMPERATURE }
+    }
+}
+
+/// Parse a `POST /v1/chat/completions` body; fields it leaves out take `defaults`.
+pub fn parse_chat(body: &Value, defaults: &Defaults) -> Result<CompletionParams, ApiError> {
     let req: ChatCompletionRequest = read_body(body)?;
     refuse_extra(&req.extra, Endpoint::Chat)?;
     let Some(messages) = req.messages else {
@@ -167,7 +185,7 @@ pub fn parse_chat(body: &Value) -> Result<CompletionParams, ApiError> {
     };
     let messages = messages.into_iter().map(ChatMessageParam::into_message).collect();
     let own = Own { model: req.model, logprobs, best_of: None, echo: false };
-    let mut p = common(own, req.options, vec![Prompt::Chat { messages, tools: tools.clone() }])?;
+    let mut p = common(own, req.options, vec![Prompt::Chat { messages, tools: tools.clone() }], defaults)?;
     if let Some(t) = &tools
         && let Some(g) = t.grammar()
     {
@@ -184,15 +202,15 @@ pub fn parse_chat(body: &Value) -> Result<CompletionParams, ApiError> {
     Ok(p)
 }
 
-/// Parse a `POST /v1/completions` body.
-pub fn parse_completion(body: &Value) -> Result<CompletionParams, ApiError> {
+/// Parse a `POST /v1/completions` body; fields it leaves out take `defaults`.
+pub fn parse_completion(body: &Value, defaults: &Defaults) -> Result<CompletionParams, ApiError> {
     let req: CompletionRequest = read_body(body)?;
     refuse_extra(&req.extra, Endpoint::Text)?;
     let Some(PromptParam(prompts)) = req.prompt else {
         return Err(ApiError::invalid_request("prompt", "Missing required parameter: 'prompt'."));
     };
     let own = Own { model: req.model, logprobs: req.logprobs.map(|n| n as u8), best_of: req.best_of, echo: req.echo.unwrap_or(false) };
-    common(own, req.options, prompts)
+    common(own, req.options, prompts, defaults)
 }
 
 /// A body read as its request type `T`. The shared options are read on their own first:
@@ -220,7 +238,7 @@ struct Own {
 }
 
 /// The checks across fields, and the request reduced to what generation needs.
-fn common(own: Own, mut o: CompletionOptions, prompts: Vec<Prompt>) -> Result<CompletionParams, ApiError> {
+fn common(own: Own, mut o: CompletionOptions, prompts: Vec<Prompt>, defaults: &Defaults) -> Result<CompletionParams, ApiError> {
     let Some(model) = own.model else {
         return Err(ApiError::invalid_request("model", "Missing required parameter: 'model'."));
     };
@@ -229,7 +247,7 @@ fn common(own: Own, mut o: CompletionOptions, prompts: Vec<Prompt>) -> Result<Co
         (None, Some(v)) => Some(de::positive_int(v).map_err(|f| f.named("max_tokens"))? as usize),
         (None, None) => None,
     };
-    let mut sampling = sampling(&mut o, max_tokens)?;
+    let mut sampling = sampling(&mut o, max_tokens, defaults)?;
     sampling.logprobs = own.logprobs;
     let (grammar, grammar_param) = match grammar::parse(&o)? {
         Some((g, param)) => (Some(g), Some(param)),
@@ -296,11 +314,8 @@ fn refuse_extra(extra: &Map<String, Value>, endpoint: Endpoint) -> Result<(), Ap
 
 /// The sampling controls (each range-checked as it was read; `max_tokens` bounds
 /// `min_tokens`).
-fn sampling(o: &mut CompletionOptions, max_tokens: Option<usize>) -> Result<Sampling, ApiError> {
-    let mut s = Sampling::default();
-    if let Some(t) = o.temperature {
-        s.temperature = t as f32;
-    }
+fn sampling(o: &mut CompletionOptions, max_tokens: Option<usize>, defaults: &Defaults) -> Result<Sampling, ApiError> {
+    let mut s = Sampling { temperature: o.temperature.map_or(defaults.temperature, |t| t as f32), ..Sampling::default() };
     if let Some(p) = o.top_p {
         // The f32 rounding must not turn a tiny positive top_p into 0 (outside the sampler's
         // range): the smallest positive f32 keeps only the most likely token, as `p` does.
@@ -656,11 +671,24 @@ mod tests {
         if let (Value::Object(b), Value::Object(e)) = (&mut body, extra) {
             b.extend(e);
         }
-        parse_completion(&body)
+        parse_completion(&body, &Defaults::default())
     }
 
     fn refused(extra: Value) -> Option<String> {
         text(extra).err().and_then(|e| e.param)
+    }
+
+    /// A request without `temperature` samples at OpenAI's default (1), or at the
+    /// operator's default; one that sets it gets what it set.
+    #[test]
+    fn a_request_without_temperature_gets_openais_default_or_the_operators() {
+        assert_eq!(text(json!({})).expect("accepted").sampling.temperature, 1.0);
+        assert_eq!(text(json!({ "temperature": 0 })).expect("accepted").sampling.temperature, 0.0);
+        let greedy = Defaults { temperature: 0.0 };
+        let body = json!({"model": "m", "prompt": "hi"});
+        assert_eq!(parse_completion(&body, &greedy).expect("accepted").sampling.temperature, 0.0);
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.5});
+        assert_eq!(parse_chat(&body, &greedy).expect("accepted").sampling.temperature, 0.5);
     }
 
     // Found by schemathesis: the schema's `exclusiveMinimum: 0` admits it.
@@ -699,7 +727,7 @@ mod tests {
     #[test]
     fn an_empty_prompt_is_refused_naming_prompt() {
         for (prompt, param) in [(json!(""), "prompt"), (json!([""]), "prompt[0]")] {
-            let e = parse_completion(&json!({"model": "m", "prompt": prompt})).expect_err("empty");
+            let e = parse_completion(&json!({"model": "m", "prompt": prompt}), &Defaults::default()).expect_err("empty");
             assert_eq!(e.param.as_deref(), Some(param));
             assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
         }
@@ -707,7 +735,7 @@ mod tests {
 
     #[test]
     fn token_id_and_batch_prompts_parse_and_special_tokens_are_skipped_unless_asked() {
-        let prompts = |prompt: Value| parse_completion(&json!({"model": "m", "prompt": prompt})).map(|p| p.prompts);
+        let prompts = |prompt: Value| parse_completion(&json!({"model": "m", "prompt": prompt}), &Defaults::default()).map(|p| p.prompts);
         assert_eq!(prompts(json!([1, 2, 3])).unwrap(), vec![Prompt::Tokens(vec![1, 2, 3])]);
         assert_eq!(prompts(json!([[1, 2], [3]])).unwrap(), vec![Prompt::Tokens(vec![1, 2]), Prompt::Tokens(vec![3])]);
         assert_eq!(prompts(json!(["a", "b"])).unwrap(), vec![Prompt::Text("a".into()), Prompt::Text("b".into())]);
@@ -748,7 +776,7 @@ mod tests {
         let chat = |extra: Value| {
             let mut body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
             body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-            parse_chat(&body).err().and_then(|e| e.param)
+            parse_chat(&body, &Defaults::default()).err().and_then(|e| e.param)
         };
         for f in ["suffix", "prompt", "echo", "best_of"] {
             assert_eq!(chat(json!({ f: "x" })).as_deref(), Some(f));
@@ -814,7 +842,7 @@ mod tests {
             if let (Value::Object(b), Value::Object(e)) = (&mut body, extra) {
                 b.extend(e);
             }
-            parse_chat(&body)
+            parse_chat(&body, &Defaults::default())
         };
         assert_eq!(chat(json!({"logprobs": true, "top_logprobs": 5})).expect("chat").sampling.logprobs, Some(5));
         assert_eq!(chat(json!({"top_logprobs": 5})).expect_err("needs logprobs").param.as_deref(), Some("top_logprobs"));

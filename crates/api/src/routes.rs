@@ -122,6 +122,12 @@ async fn request_id(mut req: Request, next: Next) -> Response {
     resp
 }
 
+/// Set on the response of every request that passed [`authenticate`] (a tenant's key, or
+/// any `/v1/` request when no keys are configured): the HTTP front keeps the connections
+/// that carried one and bounds how long the others may stay.
+#[derive(Clone, Copy, Debug)]
+pub struct Authenticated;
+
 /// The tenant of a `/v1/` request, from its API key (never from its body), as a request
 /// extension and on the request's span; 401 before anything else when the key is wrong.
 async fn authenticate(State(tenants): State<Arc<Tenants>>, mut req: Request, next: Next) -> Response {
@@ -129,7 +135,9 @@ async fn authenticate(State(tenants): State<Arc<Tenants>>, mut req: Request, nex
         Ok(t) => {
             Span::current().record("tenant", &*t.name);
             req.extensions_mut().insert(t);
-            next.run(req).await
+            let mut resp = next.run(req).await;
+            resp.extensions_mut().insert(Authenticated);
+            resp
         }
         Err(e) => {
             tracing::info!(code = e.code, "refused: API key");
@@ -264,7 +272,7 @@ async fn chat_completions(
     Extension(tenant): Extension<Tenant>,
     body: Result<OpenAiJson, ApiError>,
 ) -> Result<Response, ApiError> {
-    let p = body.and_then(|OpenAiJson(b)| openai::parse_chat(&b)).inspect_err(|e| refused_early(&st, e))?;
+    let p = body.and_then(|OpenAiJson(b)| openai::parse_chat(&b, &st.backend.defaults())).inspect_err(|e| refused_early(&st, e))?;
     complete(st, rid, trace, tenant, Endpoint::Chat, p).await
 }
 
@@ -293,7 +301,7 @@ async fn completions(
     Extension(tenant): Extension<Tenant>,
     body: Result<OpenAiJson, ApiError>,
 ) -> Result<Response, ApiError> {
-    let p = body.and_then(|OpenAiJson(b)| openai::parse_completion(&b)).inspect_err(|e| refused_early(&st, e))?;
+    let p = body.and_then(|OpenAiJson(b)| openai::parse_completion(&b, &st.backend.defaults())).inspect_err(|e| refused_early(&st, e))?;
     complete(st, rid, trace, tenant, Endpoint::Text, p).await
 }
 
@@ -340,12 +348,15 @@ async fn complete(
     if p.best_of > p.n && sampling.logprobs.is_none() {
         sampling.logprobs = Some(0);
     }
+    // A request without a seed gets one here, so that every worker that runs any part of
+    // it draws the same numbers: a migrated stream resumes the same text (I11).
+    let seed = sampling.seed.unwrap_or_else(|| crate::ids::random_u128() as u64);
     let mut reqs = Vec::with_capacity(p.prompts.len() * p.best_of);
     for (i, prompt) in p.prompts.iter().enumerate() {
         for j in 0..p.best_of {
             let mut sampling = sampling.clone();
-            // Each choice draws its own tokens: a seed gives each a seed of its own.
-            sampling.seed = sampling.seed.map(|s| sibling_seed(s, j));
+            // Each choice draws its own tokens: each gets a seed of its own.
+            sampling.seed = Some(sibling_seed(seed, j));
             reqs.push((
                 i,
                 GenerationRequest {
@@ -501,10 +512,15 @@ async fn tokenize(State(st): State<AppState>, OpenAiJson(body): OpenAiJson) -> R
     let prompt = match (obj.get("prompt").filter(|v| !v.is_null()), obj.get("messages").filter(|v| !v.is_null())) {
         (Some(Value::String(p)), None) => Prompt::Text(p.clone()),
         (Some(_), None) => return Err(ApiError::invalid_request("prompt", "Invalid type for 'prompt': expected a string.")),
-        (None, Some(_)) => match openai::parse_chat(&serde_json::json!({"model": card.id, "messages": obj["messages"]}))?.prompts.pop() {
-            Some(p) => p,
-            None => return Err(ApiError::invalid_request("messages", "No messages.")),
-        },
+        (None, Some(_)) => {
+            match openai::parse_chat(&serde_json::json!({"model": card.id, "messages": obj["messages"]}), &st.backend.defaults())?
+                .prompts
+                .pop()
+            {
+                Some(p) => p,
+                None => return Err(ApiError::invalid_request("messages", "No messages.")),
+            }
+        }
         _ => return Err(ApiError::bad_request("Send exactly one of 'prompt' and 'messages'.")),
     };
     let backend = Arc::clone(&st.backend);

@@ -203,7 +203,10 @@ async fn a_chat_completion_returns_the_backend_text_with_usage() {
     let req = mock.last_request();
     assert_eq!(req.prompt, Prompt::Chat { messages: vec![ChatMessage::new("user", "Hi")], tools: None });
     assert_eq!(req.max_tokens, None);
-    assert_eq!(req.sampling, bulkhead_protocol::Sampling::default());
+    // OpenAI's default temperature, and a seed drawn by the server (a migrated stream
+    // resumes the same text).
+    assert!(req.sampling.seed.is_some(), "a request without a seed gets one");
+    assert_eq!(req.sampling, bulkhead_protocol::Sampling { temperature: 1.0, seed: req.sampling.seed, ..Default::default() });
 }
 
 #[tokio::test]
@@ -630,7 +633,7 @@ async fn unknown_fields_are_refused_and_null_means_not_given() {
     assert_eq!(status, StatusCode::OK, "{v}");
     let r = mock.last_request();
     assert_eq!(r.max_tokens, None);
-    assert_eq!(r.sampling, bulkhead_protocol::Sampling::default());
+    assert_eq!(r.sampling, bulkhead_protocol::Sampling { temperature: 1.0, seed: r.sampling.seed, ..Default::default() });
     assert!(r.stop.is_empty());
     let body = chat(json!({ "x-vendor-extension": [1, 2] }));
     let v = expect_error(&mock, "/v1/chat/completions", body, StatusCode::BAD_REQUEST, Some("x-vendor-extension")).await;

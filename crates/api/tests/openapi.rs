@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use bulkhead_api::openai::{parse_chat, parse_completion};
+use bulkhead_api::openai::{Defaults, parse_chat, parse_completion};
 use bulkhead_api::openapi::document;
 use bulkhead_api::{ApiError, Backend, FinishReason, GenerationRequest, ModelCard, PromptEncoder, router};
 use serde_json::{Value, json};
@@ -97,7 +97,7 @@ fn request_properties(name: &str) -> BTreeSet<String> {
     properties(&d, &json!({ "$ref": format!("#/components/schemas/{name}") }))
 }
 
-type Parser = fn(&Value) -> Result<bulkhead_api::openai::CompletionParams, ApiError>;
+type Parser = fn(&Value, &Defaults) -> Result<bulkhead_api::openai::CompletionParams, ApiError>;
 
 /// Each documented field, given a value of the wrong type on an otherwise valid body, is
 /// refused naming that field: the parser reads every field the document promises.
@@ -108,14 +108,14 @@ fn every_documented_request_field_is_one_the_parser_reads() {
         ("CompletionRequest", parse_completion, json!({"model": "m", "prompt": "hi"})),
     ];
     for (schema, parse, base) in cases {
-        parse(&base).unwrap_or_else(|e| panic!("{schema}: the base body is refused: {e}"));
+        parse(&base, &Defaults::default()).unwrap_or_else(|e| panic!("{schema}: the base body is refused: {e}"));
         let props = request_properties(schema);
         assert!(props.len() > 5, "{schema}: {props:?}");
         for p in props {
             let refused = [json!(true), json!("x")].into_iter().any(|bad| {
                 let mut body = base.clone();
                 body[&p] = bad;
-                parse(&body).is_err_and(|e| e.param.as_deref() == Some(p.as_str()))
+                parse(&body, &Defaults::default()).is_err_and(|e| e.param.as_deref() == Some(p.as_str()))
             });
             assert!(refused, "{schema}.{p} is documented but a wrong type is not refused naming it");
         }
@@ -143,7 +143,8 @@ fn every_field_the_parser_accepts_is_documented() {
         for p in others.into_iter().chain(["temprature".to_string(), "max_token".to_string()]) {
             let mut body = base.clone();
             body[&p] = json!(1);
-            let e = parse(&body).err().unwrap_or_else(|| panic!("{schema}: `{p}` is not documented but was accepted"));
+            let e =
+                parse(&body, &Defaults::default()).err().unwrap_or_else(|| panic!("{schema}: `{p}` is not documented but was accepted"));
             assert_eq!(e.param.as_deref(), Some(p.as_str()), "{schema}: `{p}` refused naming something else: {e}");
         }
     }

@@ -1,6 +1,8 @@
 // Bulkhead's live isolation dashboard: polls GET /metrics (Prometheus text) every second and
-// shows the evidence that the isolation checks run. It reads nothing else, so it can show no
-// key, prompt or completion. Every number is set with textContent.
+// shows the evidence that the isolation checks run. With the operator's key (entered here,
+// kept in sessionStorage) it also reads /metrics/tenants, where the prefix cache's activity
+// is served. It reads nothing else, so it can show no prompt or completion. Every number is
+// set with textContent.
 "use strict";
 
 (() => {
@@ -10,6 +12,9 @@
   const RATE_WINDOW_MS = 10_000;
   /** Latency percentiles over about this long (else since the server started). */
   const LATENCY_WINDOW_MS = 60_000;
+  const ADMIN_KEY_STORE = "bulkhead.adminKey"; // sessionStorage only: gone when the tab closes
+  /** Whether the last poll read the operator's page (the cache series are there). */
+  let operator = false;
 
   /** What each isolation check (the `check` label) proves; docs/OPERATIONS.md has more. */
   const CHECKS = [
@@ -215,7 +220,9 @@
         el(
           "span",
           "nums",
-          `${count(leased)} leased · ${count(quarantined)} quarantined · ${count(cached)} cached · ${count(free)} free of ${count(pool)}`,
+          operator
+            ? `${count(leased)} leased · ${count(quarantined)} quarantined · ${count(cached)} cached · ${count(free)} free of ${count(pool)}`
+            : `${count(leased)} leased · ${count(quarantined)} quarantined of ${count(pool)} · cached and free: operator's key`,
         ),
       );
       rows.push(row);
@@ -235,7 +242,8 @@
       const r = rate("bulkhead:isolation_checks_total", { check });
       const tr = el("tr");
       tr.dataset.check = check;
-      const ranCell = cell(count(ran), "num");
+      const hidden = check === "tenant_fence" && !operator;
+      const ranCell = cell(hidden ? "operator's key" : count(ran), "num");
       if (r > 0) ranCell.append(el("span", "rate", ` +${count(r)}/s`));
       tr.append(cell(check, "mono"), cell(what, "what"), ranCell, cell(count(failed), "num " + (failed > 0 ? "bad" : "ok")));
       return tr;
@@ -309,6 +317,16 @@
       const r = await fetch("/metrics", { cache: "no-store" });
       if (!r.ok) throw new Error(`${r.status} ${r.statusText}`);
       const samples = parse(await r.text());
+      const key = sessionStorage.getItem(ADMIN_KEY_STORE);
+      operator = false;
+      if (key) {
+        const o = await fetch("/metrics/tenants", { cache: "no-store", headers: { Authorization: `Bearer ${key}` } });
+        if (o.ok) {
+          samples.push(...parse(await o.text()));
+          operator = true;
+        } else if (o.status === 401) sessionStorage.removeItem(ADMIN_KEY_STORE);
+      }
+      $("operator").hidden = operator;
       const t = performance.now();
       history.push({ t, samples });
       while (history.length > 2 && t - history[1].t > LATENCY_WINDOW_MS) history.shift();
@@ -323,6 +341,13 @@
       setTimeout(poll, POLL_MS);
     }
   }
+
+  $("operator").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    const k = $("admin-key").value.trim();
+    if (k) sessionStorage.setItem(ADMIN_KEY_STORE, k);
+    $("admin-key").value = "";
+  });
 
   poll();
 })();

@@ -187,7 +187,8 @@ fn main() {
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");
-        std::process::exit(1);
+        // A process that cannot start says so by its status: its supervisor need not retry.
+        std::process::exit(if e.downcast_ref::<serve::CannotStart>().is_some() { serve::EXIT_CANNOT_START } else { 1 });
     }
 }
 

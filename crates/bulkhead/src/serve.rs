@@ -18,7 +18,7 @@ use bulkhead_server::gateway::{self, GatewayOptions};
 use bulkhead_server::http::HttpLimits;
 use bulkhead_server::kv_transport::KvTransport;
 use bulkhead_server::trust::{self, Trust};
-use bulkhead_server::worker::WorkerConfig;
+use bulkhead_server::worker::{WorkerConfig, WorkerError};
 use clap::{Args, ValueEnum};
 
 use crate::ModelArgs;
@@ -210,12 +210,24 @@ pub struct ServeArgs {
     /// window.
     #[arg(long, env = "BULKHEAD_PREFILL_WINDOW_TOKENS", default_value_t = 512)]
     prefill_window_tokens: usize,
-    /// Client connections served at once; more wait in the listen backlog until one closes.
+    /// The `temperature` of a request that sends none (0 to 2; 0: greedy). OpenAI's default is 1; a seed is drawn for every request without one, so a migrated stream resumes the same text.
+    #[arg(long, env = "BULKHEAD_DEFAULT_TEMPERATURE", default_value_t = bulkhead_api::openai::OPENAI_TEMPERATURE, value_parser = temperature)]
+    default_temperature: f32,
+    /// Client connections served at once. At the cap a new connection takes the place of the oldest idle connection that never carried an authenticated request (of the source address holding the most); with none, it waits in the listen backlog until one closes.
     #[arg(long, env = "BULKHEAD_MAX_CONNECTIONS", default_value_t = 4096)]
     max_connections: usize,
-    /// How long a client connection may take to send a request's headers, counted from when it opens or its previous response ended (so also the keep-alive idle timeout); then it is closed (ms).
+    /// Client connections one source address may hold at once (default: a quarter of --max-connections); one more takes the place of that address's oldest idle connection that never authenticated, or is closed.
+    #[arg(long, env = "BULKHEAD_MAX_CONNECTIONS_PER_SOURCE")]
+    max_connections_per_source: Option<usize>,
+    /// How long a new client connection may take to send its first request's headers; then it is closed (ms).
+    #[arg(long, env = "BULKHEAD_HTTP_FIRST_HEADER_TIMEOUT_MS", default_value_t = 5_000)]
+    http_first_header_timeout_ms: u64,
+    /// How long a client connection may take to send a later request's headers, counted from the end of its previous response (the keep-alive idle timeout); then it is closed (ms).
     #[arg(long, env = "BULKHEAD_HTTP_HEADER_TIMEOUT_MS", default_value_t = 30_000)]
     http_header_timeout_ms: u64,
+    /// How long a client connection that never carried an authenticated request (a tenant's key, or any /v1/ request where no keys are configured) may stay open; then its request in flight finishes and it is closed (ms).
+    #[arg(long, env = "BULKHEAD_HTTP_STRANGER_TIMEOUT_MS", default_value_t = 15_000)]
+    http_stranger_timeout_ms: u64,
     /// How long a request body may take to arrive; then 408 (ms).
     #[arg(long, env = "BULKHEAD_HTTP_BODY_TIMEOUT_MS", default_value_t = 30_000)]
     http_body_timeout_ms: u64,
@@ -501,19 +513,33 @@ impl ServeArgs {
     }
 }
 
-pub fn run(a: ServeArgs) -> anyhow::Result<()> {
+/// The exit status of a `serve` process that cannot start for a reason a restart does not
+/// change (sysexits' `EX_CONFIG`): its settings, its files, the capacity check.
+pub const EXIT_CANNOT_START: i32 = 78;
+
+/// Why a process cannot start, when a restart would fail the same way: `main` exits with
+/// [`EXIT_CANNOT_START`], and the `serve` that started it gives up at once naming it.
+#[derive(Debug)]
+pub struct CannotStart(anyhow::Error);
+
+impl std::fmt::Display for CannotStart {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:#}", self.0)
+    }
+}
+
+impl std::error::Error for CannotStart {}
+
+fn cannot_start(e: impl Into<anyhow::Error>) -> anyhow::Error {
+    anyhow::Error::new(CannotStart(e.into()))
+}
+
+/// The checks of `a` that need no model loaded, and the model's path and the cluster key.
+fn settle(a: &ServeArgs) -> anyhow::Result<(PathBuf, Trust)> {
     a.check_core_budget()?;
     a.check_gateways()?;
     let model = a.model.path()?;
     let trust = a.trust()?;
-    if a.exit_with_stdin {
-        // After the key (if any) was read from it: `serve` holds the other end.
-        std::thread::spawn(|| {
-            let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
-            tracing::warn!("standard input closed: the serve that started this gateway is gone; exiting");
-            std::process::exit(0);
-        });
-    }
     if a.role != ServeRole::Gateway {
         KvTransport::from(a.kv_transport).check(&trust).map_err(anyhow::Error::msg)?;
     }
@@ -522,9 +548,24 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
             "--health-listen is for prefill and decode workers (--role prefill or decode); the gateway answers /health and /ready on its HTTP port"
         );
     }
+    Ok((model, trust))
+}
+
+pub fn run(a: ServeArgs) -> anyhow::Result<()> {
+    let (model, trust) = settle(&a).map_err(cannot_start)?;
+    if a.exit_with_stdin {
+        // After the key (if any) was read from it: `serve` holds the other end.
+        std::thread::spawn(|| {
+            let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+            tracing::warn!("standard input closed: the serve that started this gateway is gone; exiting");
+            std::process::exit(0);
+        });
+    }
     match a.role {
         ServeRole::Prefill | ServeRole::Decode => {
-            anyhow::ensure!(!a.gateway.is_empty(), "--gateway HOST:PORT is required for a worker role");
+            if a.gateway.is_empty() {
+                return Err(cannot_start(anyhow::anyhow!("--gateway HOST:PORT is required for a worker role")));
+            }
             let gw = a.gateway.clone();
             // Bound before the model loads, so probes see a worker that is starting.
             let health = match &a.health_listen {
@@ -538,19 +579,30 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
                 }
                 None => None,
             };
-            let mut cfg = a.worker(model, gw, trust)?;
+            let mut cfg = a.worker(model, gw, trust).map_err(cannot_start)?;
             cfg.health = health;
-            if a.role == ServeRole::Prefill {
-                bulkhead_server::prefill_worker::run(cfg)?;
+            let ran = if a.role == ServeRole::Prefill {
+                bulkhead_server::prefill_worker::run(cfg)
             } else {
-                bulkhead_server::decode_worker::run(cfg)?;
-            }
-            Ok(())
+                bulkhead_server::decode_worker::run(cfg)
+            };
+            ran.map_err(|e| if matches!(e, WorkerError::CannotStart(_)) { cannot_start(e) } else { e.into() })
         }
         ServeRole::Gateway | ServeRole::All => {
             let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
             rt.block_on(serve_gateway(a, model, trust))
         }
+    }
+}
+
+/// What the gateway's start-up line says of the workers' prefix caches; `None` when they
+/// keep none: `--no-prefix-cache`, or `--prefix-cache-pages 0` (which the workers log as off).
+fn prefix_cache_described(no_prefix_cache: bool, pages: Option<usize>) -> Option<String> {
+    match pages {
+        _ if no_prefix_cache => None,
+        Some(0) => None,
+        Some(p) => Some(format!("on (up to {p} pages per worker)")),
+        None => Some("on (up to each worker's pool)".into()),
     }
 }
 
@@ -563,11 +615,7 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
     };
     let access =
         if tenants.authenticates() { format!("{} tenant(s), API keys required", tenants.len()) } else { "open (no API key)".into() };
-    let cache = if a.no_prefix_cache {
-        "off".to_string()
-    } else {
-        a.prefix_cache_pages.map_or("on (up to each worker's pool)".into(), |p| format!("on (up to {p} pages per worker)"))
-    };
+    let cache = prefix_cache_described(a.no_prefix_cache, a.prefix_cache_pages);
     let opts = GatewayOptions {
         chat_template: a.model.chat_template.clone(),
         http_addr: format!("{}:{}", a.host, a.port),
@@ -580,7 +628,13 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
         queue_timeout_ms: a.queue_timeout_ms,
         migration_limit: a.migration_limit,
         prefill_window_tokens: a.prefill_window_tokens,
-        http: HttpLimits { max_connections: a.max_connections, header_timeout: Duration::from_millis(a.http_header_timeout_ms.max(1)) },
+        http: HttpLimits {
+            max_connections: a.max_connections,
+            max_per_source: max_per_source(&a),
+            first_header_timeout: Duration::from_millis(a.http_first_header_timeout_ms.max(1)),
+            header_timeout: Duration::from_millis(a.http_header_timeout_ms.max(1)),
+            stranger_lifetime: Duration::from_millis(a.http_stranger_timeout_ms.max(1)),
+        },
         body_timeout: Duration::from_millis(a.http_body_timeout_ms.max(1)),
         trust,
         web_ui: web_ui_on(a.web_ui, &a.host, tenants.authenticates()),
@@ -590,8 +644,9 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
             None => None,
         },
         tenants: Arc::new(tenants),
-        prefix_cache: !a.no_prefix_cache,
+        prefix_cache: cache.is_some(),
         gateway_id: bulkhead_protocol::GatewayId(a.gateway_id),
+        defaults: bulkhead_api::openai::Defaults { temperature: a.default_temperature },
     };
     let mut gw = gateway::start(opts).await.with_context(|| format!("cannot start the gateway on {}:{}", a.host, a.port))?;
     // Declared before the workers, so it is removed after they are stopped.
@@ -668,7 +723,7 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
             }
         }
     }
-    tracing::info!(%access, prefix_cache = %cache, "serving");
+    tracing::info!(%access, prefix_cache = %cache.as_deref().unwrap_or("off"), "serving");
     println!("{banner}");
     let outcome = tokio::select! {
         () = shutdown_signal() => Ok(()),
@@ -734,6 +789,8 @@ struct Slot {
     child: Option<Child>,
     /// Its standard input, held open while it runs: a gateway child exits when it closes.
     stdin: Option<ChildStdin>,
+    /// Forwards its standard error to ours; ends with its last `error:` line.
+    errors: Option<Errors>,
     /// Recent exits, oldest first, within the crash-loop window.
     exits: VecDeque<Instant>,
     restart_at: Option<Instant>,
@@ -750,8 +807,8 @@ struct Supervisor {
 
 impl Supervisor {
     fn add(&mut self, role: &'static str, mut cmd: Command) -> std::io::Result<()> {
-        let (child, stdin) = spawn(&mut cmd, self.secret.as_deref())?;
-        self.slots.push(Slot { role: role.to_string(), cmd, child: Some(child), stdin, exits: VecDeque::new(), restart_at: None });
+        let (child, stdin, errors) = spawn(&mut cmd, self.secret.as_deref())?;
+        self.slots.push(Slot { role: role.to_string(), cmd, child: Some(child), stdin, errors, exits: VecDeque::new(), restart_at: None });
         Ok(())
     }
 
@@ -764,7 +821,7 @@ impl Supervisor {
         let host = a.worker_listen.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h);
         let mut cmd = gateway_command(a, exe, model, i, port, &format!("{host}:0"));
         cmd.stdout(Stdio::piped());
-        let (mut child, stdin) = spawn(&mut cmd, self.secret.as_deref())?;
+        let (mut child, stdin, errors) = spawn(&mut cmd, self.secret.as_deref())?;
         let out = child.stdout.take().context("no stdout")?;
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
@@ -794,7 +851,7 @@ impl Supervisor {
         restart.stdout(Stdio::null());
         tracing::info!(gateway = i, %http, workers = %at, pid = child.id(), "gateway started");
         let role = format!("gateway-{i}");
-        self.slots.push(Slot { role, cmd: restart, child: Some(child), stdin, exits: VecDeque::new(), restart_at: None });
+        self.slots.push(Slot { role, cmd: restart, child: Some(child), stdin, errors, exits: VecDeque::new(), restart_at: None });
         Ok((http, at))
     }
 
@@ -812,21 +869,29 @@ impl Supervisor {
     fn poll(&mut self, now: Instant) -> anyhow::Result<()> {
         for slot in &mut self.slots {
             let exited = match slot.child.as_mut().map(Child::try_wait) {
-                Some(Ok(Some(status))) => Some(status.to_string()),
-                Some(Err(e)) => Some(format!("cannot wait for it: {e}")),
+                Some(Ok(Some(status))) => Some((status.to_string(), status.code())),
+                Some(Err(e)) => Some((format!("cannot wait for it: {e}"), None)),
                 Some(Ok(None)) | None => None,
             };
-            if let Some(how) = exited {
+            if let Some((status, code)) = exited {
                 slot.child = None;
+                let cause = slot.errors.take().and_then(Errors::last);
+                let how = cause.as_ref().map_or_else(|| status.clone(), |c| format!("{status}: {c}"));
+                // Its own word that a restart fails the same way, or a command line that
+                // does not parse (clap's 2): give up now, naming why.
+                if matches!(code, Some(EXIT_CANNOT_START | 2)) {
+                    anyhow::bail!("the {} worker cannot start ({how}); a restart would fail the same way, so serve stops", slot.role);
+                }
                 slot.exited(now, &how)?;
             }
             if slot.child.is_none() && slot.restart_at.is_some_and(|t| t <= now) {
                 slot.restart_at = None;
                 match spawn(&mut slot.cmd, self.secret.as_deref()) {
-                    Ok((c, stdin)) => {
+                    Ok((c, stdin, errors)) => {
                         tracing::info!(role = %slot.role, pid = c.id(), "{} restarted", slot.role);
                         slot.child = Some(c);
                         slot.stdin = stdin;
+                        slot.errors = errors;
                     }
                     // A worker that cannot even be started crash-loops too.
                     Err(e) => slot.exited(now, &format!("cannot start it: {e}"))?,
@@ -912,19 +977,62 @@ impl Drop for BudgetDir {
     }
 }
 
+/// A child's standard error, copied line by line to ours by a thread that keeps the last
+/// line the child's `main` printed for the error it exits with.
+struct Errors(std::thread::JoinHandle<Option<String>>);
+
+impl Errors {
+    fn forward(from: std::process::ChildStderr) -> Errors {
+        Errors(std::thread::spawn(move || {
+            use std::io::BufRead;
+            let mut last = None;
+            for line in std::io::BufReader::new(from).lines().map_while(Result::ok) {
+                eprintln!("{line}");
+                if let Some(e) = line.strip_prefix("error: ") {
+                    last = Some(e.to_string());
+                }
+            }
+            last
+        }))
+    }
+
+    /// The child's last error line, once its standard error closed (it exited).
+    fn last(self) -> Option<String> {
+        self.0.join().ok().flatten()
+    }
+}
+
 /// Start a worker, handing it the cluster key (if any) on its stdin.
-fn spawn(cmd: &mut Command, secret: Option<&str>) -> std::io::Result<(Child, Option<ChildStdin>)> {
-    let Some(secret) = secret else { return Ok((cmd.spawn()?, None)) };
-    let mut child = cmd.stdin(Stdio::piped()).spawn()?;
+fn spawn(cmd: &mut Command, secret: Option<&str>) -> std::io::Result<(Child, Option<ChildStdin>, Option<Errors>)> {
+    cmd.stderr(Stdio::piped());
+    if secret.is_some() {
+        cmd.stdin(Stdio::piped());
+    }
+    let mut child = cmd.spawn()?;
+    let errors = child.stderr.take().map(Errors::forward);
+    let Some(secret) = secret else { return Ok((child, None, errors)) };
     let sent = child.stdin.take().ok_or_else(|| std::io::Error::other("no stdin")).and_then(|mut i| writeln!(i, "{secret}").map(|()| i));
     match sent {
-        Ok(stdin) => Ok((child, Some(stdin))),
+        Ok(stdin) => Ok((child, Some(stdin), errors)),
         Err(e) => {
             let _ = child.kill();
             let _ = child.wait();
             Err(e)
         }
     }
+}
+
+/// A `--default-temperature`: a number from 0 to 2, as the API accepts in a request.
+fn temperature(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(t) if (0.0..=2.0).contains(&t) => Ok(t),
+        _ => Err(format!("{s:?} is not a temperature from 0 to 2")),
+    }
+}
+
+/// `--max-connections-per-source`, or its default: a quarter of `--max-connections`.
+fn max_per_source(a: &ServeArgs) -> usize {
+    a.max_connections_per_source.unwrap_or(a.max_connections / 4).max(1)
 }
 
 /// How long a gateway child may take to print its addresses.
@@ -944,13 +1052,17 @@ fn gateway_command(a: &ServeArgs, exe: &Path, model: &Path, i: u8, port: u16, wo
         ("--migration-limit", a.migration_limit.into()),
         ("--prefill-window-tokens", a.prefill_window_tokens as u64),
         ("--max-connections", a.max_connections as u64),
+        ("--max-connections-per-source", max_per_source(a) as u64),
+        ("--http-first-header-timeout-ms", a.http_first_header_timeout_ms),
         ("--http-header-timeout-ms", a.http_header_timeout_ms),
+        ("--http-stranger-timeout-ms", a.http_stranger_timeout_ms),
         ("--http-body-timeout-ms", a.http_body_timeout_ms),
         ("--drain-timeout-s", a.drain_timeout_s),
     ];
     for (flag, v) in numbers {
         cmd.args([flag, &v.to_string()]);
     }
+    cmd.args(["--default-temperature", &a.default_temperature.to_string()]);
     if let Some(t) = &a.model.chat_template {
         cmd.arg("--chat-template").arg(t);
     }
@@ -1014,6 +1126,15 @@ mod tests {
     fn check(args: &[&str]) -> Result<(), String> {
         let s = Serve::try_parse_from(std::iter::once("serve").chain(args.iter().copied())).map_err(|e| e.to_string())?;
         s.a.check_core_budget().map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn zero_prefix_cache_pages_is_no_prefix_cache_at_the_gateway_too() {
+        assert_eq!(prefix_cache_described(false, Some(0)), None);
+        assert_eq!(prefix_cache_described(true, None), None);
+        assert_eq!(prefix_cache_described(true, Some(8)), None);
+        assert_eq!(prefix_cache_described(false, Some(8)).as_deref(), Some("on (up to 8 pages per worker)"));
+        assert_eq!(prefix_cache_described(false, None).as_deref(), Some("on (up to each worker's pool)"));
     }
 
     #[test]

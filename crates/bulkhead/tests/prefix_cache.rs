@@ -66,7 +66,7 @@ fn keys_pick_tenants_and_a_cached_prefix_is_reused_only_within_one_tenant_and_sa
         assert_eq!(v["error"]["code"], "invalid_api_key", "{v}");
     }
     assert_eq!(support::request(&s.http, "GET", "/health", &[], "").status, 200, "liveness needs no key");
-    assert_eq!(support::request(&s.http, "GET", "/metrics/tenants", &[], "").status, 404, "not served without --admin-key");
+    assert_eq!(support::request(&s.http, "GET", "/metrics/tenants", &[], "").status, 401, "the operator's page needs its key");
     // A bad salt: 400 naming it.
     for salt in [json!("x".repeat(257)), json!(7), json!(["a"])] {
         let (status, v) = chat(&s, Some(KEY_A), json!({ "cache_salt": salt }), "Where is the red lamp?");
@@ -123,6 +123,33 @@ fn keys_pick_tenants_and_a_cached_prefix_is_reused_only_within_one_tenant_and_sa
     assert!(polled_sum(&s.http, "bulkhead:isolation_checks_total", &fence, 1.0) >= 1.0, "fence checks ran");
     assert_eq!(polled_sum(&s.http, "bulkhead:isolation_failures_total", &fence, 0.0), 0.0);
     assert!(support::pools_idle(&support::scrape(&s.http)), "every pool idle: free or cached pages only");
+    // The public page tells nobody that a tenant repeated a prompt, nor how much was
+    // shared: none of the cache activity is there (the operator's page has it, above).
+    let public = support::scrape_public(&s.http);
+    let cache_activity = [
+        "bulkhead:prefix_cache_queries_total",
+        "bulkhead:prefix_cache_hits_total",
+        "bulkhead:prefix_cache_pages",
+        "bulkhead:prefix_cache_stored_pages_total",
+        "bulkhead:prefix_cache_evictions_total",
+        "bulkhead:kv_cached_pages",
+        "bulkhead:kv_free_pages",
+        "bulkhead:kv_shared_leases",
+        "bulkhead:kv_held_tokens_total",
+        "bulkhead:kv_held_bytes_total",
+        "bulkhead:kv_transferred_tokens_total",
+        "bulkhead:local_prefill_tokens_total",
+        "bulkhead:prefill_routing_total",
+        "bulkhead:decode_routing_total",
+    ];
+    for name in cache_activity {
+        assert!(!public.iter().any(|x| x.name == name), "{name} is on the public /metrics");
+    }
+    // How often the fence ran counts shared pages; its failures (the alarm) stay public.
+    let fence_ran =
+        |x: &support::Sample| x.name == "bulkhead:isolation_checks_total" && x.labels.get("check").is_some_and(|c| c == "tenant_fence");
+    assert!(!public.iter().any(fence_ran), "the tenant-fence count is public");
+    assert!(public.iter().any(|x| x.name == "bulkhead:kv_pool_pages"), "the public page still has the pools");
     let log = std::fs::read_to_string(&s.log).unwrap();
     assert!(log.contains("tenant=alpha") && log.contains("tenant=beta"), "the tenant is on the request's log lines");
     assert!(log.contains("prefix cache on"), "the start-up line says the cache is on");

@@ -443,6 +443,7 @@ fn client_brief(out: &ClientOutput) -> String {
         ClientOutput::Failed { reason, .. } => format!("failed {reason:?}"),
         ClientOutput::Unavailable { .. } => "unavailable".into(),
         ClientOutput::Busy { reason, .. } => format!("busy {reason:?}"),
+        ClientOutput::OverBudget { .. } => "over budget".into(),
     }
 }
 
@@ -695,6 +696,7 @@ impl<'m, M: Models> Sim<'m, M> {
                     req,
                     tokens: r.tokens,
                     max_tokens: r.max_tokens,
+                    max_tokens_set: true,
                     sampling: r.sampling.clone(),
                     stop: Vec::new(),
                     trace: TraceContext::default(),
@@ -1333,6 +1335,8 @@ impl<'m, M: Models> Sim<'m, M> {
                 ClientOutput::Failed { .. } => self.tally.failed += 1,
                 ClientOutput::Unavailable { .. } => self.tally.unavailable += 1,
                 ClientOutput::Busy { .. } => self.tally.busy += 1,
+                // No plan gives a tenant a token budget.
+                ClientOutput::OverBudget { detail } => bad.push(format!("r{id}: over a token budget no plan sets: {detail}")),
                 ClientOutput::Token { .. } => {}
             }
         }

@@ -131,6 +131,8 @@ pub enum Outcome {
     Unavailable,
     /// Turned away for now (HTTP 429).
     Busy(BusyReason),
+    /// Larger than its tenant's whole token budget (HTTP 400).
+    OverBudget,
 }
 
 /// What the driver has seen of one request (ghost state for the properties).
@@ -808,6 +810,7 @@ impl<'c> World<'c> {
             req,
             tokens,
             max_tokens: r.max_tokens,
+            max_tokens_set: true,
             sampling: Sampling::default(),
             stop: vec![],
             trace: TraceContext::default(),
@@ -890,6 +893,7 @@ impl<'c> World<'c> {
             ClientOutput::Failed { reason, .. } => Outcome::Failed(reason),
             ClientOutput::Unavailable { .. } => Outcome::Unavailable,
             ClientOutput::Busy { reason, .. } => Outcome::Busy(reason),
+            ClientOutput::OverBudget { .. } => Outcome::OverBudget,
         };
         let over = request(self.cfg, req).is_some_and(|r| self.cfg.over_capacity(r));
         let retry_variant = self.cfg.variant == Variant::RetryAfterReject;

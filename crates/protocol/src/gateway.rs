@@ -125,15 +125,23 @@ impl Default for TenantPolicy {
 }
 
 /// A tenant's token bucket, in token-milliminutes: a full bucket holds `tokens_per_minute`
-/// × 60,000 and refills by `tokens_per_minute` every millisecond, so integers suffice.
+/// × 60,000 and refills by `tokens_per_minute` every millisecond, so integers suffice. The
+/// level goes below zero when a request used more than it was charged at admission (a
+/// request without `max_tokens` is charged an estimate): the debt delays the next request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Fingerprint)]
 struct Bucket {
-    level: u64,
+    level: i64,
     #[fingerprint(clock)]
     at_ms: u64,
 }
 
 const MS_PER_MINUTE: u64 = 60_000;
+
+/// Completion tokens charged at admission for a request that did not set `max_tokens`
+/// (the official clients' default), on top of its prompt; its real use is settled when it
+/// ends. Charging the rest of the context instead would make such a request larger than a
+/// small tenant's whole budget, refused for ever.
+pub const IMPLICIT_COMPLETION_CHARGE: u32 = 256;
 
 /// How fast a tenant's recent use of prefill ([`Usage`]) is forgotten: it halves every this
 /// many milliseconds. Long against a prompt's prefill (a second or two), so a light tenant
@@ -169,6 +177,9 @@ pub enum GatewayEvent {
         req: RequestId,
         tokens: Vec<u32>,
         max_tokens: u32,
+        /// Whether the client set `max_tokens` (else it is the rest of the context, and
+        /// the tenant's bucket is charged [`IMPLICIT_COMPLETION_CHARGE`] at admission).
+        max_tokens_set: bool,
         sampling: Sampling,
         stop: Vec<String>,
         trace: TraceContext,
@@ -185,6 +196,19 @@ pub enum GatewayEvent {
     WorkerLeft { id: WorkerId },
     /// The clock moved.
     Tick { now_ms: u64 },
+}
+
+/// A tenant's limit that a request is over at admission.
+enum OverLimit {
+    /// For now (HTTP 429).
+    Busy(BusyReason, String),
+    /// For ever: it is larger than the tenant's whole bucket (HTTP 400).
+    Never(String),
+}
+
+/// `tokens` in the buckets' unit (token-milliminutes), saturating.
+fn milli_minutes(tokens: u64) -> i64 {
+    i64::try_from(tokens.saturating_mul(MS_PER_MINUTE)).unwrap_or(i64::MAX)
 }
 
 /// Why a request is turned away for now (HTTP 429, with `Retry-After`).
@@ -235,6 +259,9 @@ pub enum ClientOutput {
     Failed { reason: FailReason, detail: String },
     /// Turned away for now: too much is waiting (HTTP 429).
     Busy { reason: BusyReason, detail: String },
+    /// Larger than its tenant's whole `tokens_per_minute`: it can never be admitted, so
+    /// no retry helps (HTTP 400).
+    OverBudget { detail: String },
     /// No worker of a needed role is registered (HTTP 503); `detail` says whether the
     /// server is starting or lost its workers, and since when.
     Unavailable { detail: String },
@@ -331,8 +358,11 @@ struct InFlight {
     sent: Vec<u32>,
     /// Times it moved off a lost decode worker.
     migrations: u32,
-    /// Tokens charged to its tenant's bucket at admission (prompt + `max_tokens`).
+    /// Tokens charged to its tenant's bucket at admission (prompt + `max_tokens`, or +
+    /// [`IMPLICIT_COMPLETION_CHARGE`] when the client did not set it).
     charged: u64,
+    /// Whether the client set `max_tokens`.
+    max_tokens_set: bool,
     /// Its priority within its tenant's queue (lower first, as vLLM's `priority`).
     priority: i64,
     #[fingerprint(clock)]
@@ -550,51 +580,64 @@ impl GatewayRole {
         self.cfg.tenants.get(&tenant).copied().unwrap_or_default()
     }
 
-    /// The tenant's limits at admission: `Some(reason, detail)` when over one, else the
-    /// request is charged to its bucket. A refusal leaves nothing charged.
-    fn over_limit(&mut self, f: &mut InFlight) -> Option<(BusyReason, String)> {
+    /// The tenant's limits at admission: `Some` when over one, else the request is charged
+    /// to its bucket. A refusal leaves nothing charged.
+    fn over_limit(&mut self, f: &mut InFlight) -> Option<OverLimit> {
         let policy = self.policy(f.tenant);
         if let Some(most) = policy.max_concurrent_requests {
             let running = self.inflight.values().filter(|o| o.tenant == f.tenant).count();
             if running >= most as usize {
                 let detail = format!("this tenant has {running} requests in flight, its max_concurrent_requests is {most}");
-                return Some((BusyReason::ConcurrencyLimit, detail));
+                return Some(OverLimit::Busy(BusyReason::ConcurrencyLimit, detail));
             }
         }
-        let tpm = policy.tokens_per_minute?;
+        let tpm = policy.tokens_per_minute?.max(1);
         let now = self.now_ms;
-        let full = tpm.saturating_mul(MS_PER_MINUTE);
+        let full = milli_minutes(tpm);
         let bucket = self.buckets.entry(f.tenant).or_insert(Bucket { level: full, at_ms: now });
-        bucket.level = bucket.level.saturating_add(now.saturating_sub(bucket.at_ms).saturating_mul(tpm)).min(full);
+        // `tpm` token-milliminutes a millisecond.
+        let refill = i64::try_from(now.saturating_sub(bucket.at_ms).saturating_mul(tpm)).unwrap_or(i64::MAX);
+        bucket.level = bucket.level.saturating_add(refill).min(full);
         bucket.at_ms = now;
-        let tokens = f.tokens.len() as u64 + u64::from(f.max_tokens);
-        let cost = tokens.saturating_mul(MS_PER_MINUTE);
+        let (completion, what) = if f.max_tokens_set {
+            (f.max_tokens, "prompt and max_tokens")
+        } else {
+            (f.max_tokens.min(IMPLICIT_COMPLETION_CHARGE), "prompt and an estimate of the completion, as max_tokens is not set")
+        };
+        let tokens = f.tokens.len() as u64 + u64::from(completion);
+        let cost = milli_minutes(tokens);
+        if cost > full {
+            let detail = format!(
+                "this request counts {tokens} tokens ({what}), more than this tenant's tokens_per_minute of {tpm}: it can never be admitted; send a shorter prompt or a smaller max_tokens"
+            );
+            return Some(OverLimit::Never(detail));
+        }
         if cost > bucket.level {
-            // Refilled at `tpm` per ms: whole seconds until it holds `cost` (never, past a full bucket).
-            let wait_ms = if cost > full { u64::MAX } else { (cost - bucket.level).div_ceil(tpm) };
+            // Refilled at `tpm` per ms: whole seconds until it holds `cost`; finite, as the
+            // cost fits a full bucket and a debt is at most one context's tokens.
+            let wait_ms = (cost.saturating_sub(bucket.level)).unsigned_abs().div_ceil(tpm);
             let retry_after_s = u32::try_from(wait_ms.div_ceil(1000)).unwrap_or(u32::MAX);
-            let detail = if cost > full {
-                format!("this request counts {tokens} tokens (prompt and max_tokens), over this tenant's tokens_per_minute of {tpm}")
-            } else {
-                format!(
-                    "this request counts {tokens} tokens (prompt and max_tokens); this tenant's tokens_per_minute ({tpm}) allows it in {retry_after_s} s"
-                )
-            };
-            return Some((BusyReason::TokenLimit { retry_after_s }, detail));
+            let detail = format!(
+                "this request counts {tokens} tokens ({what}); this tenant's tokens_per_minute ({tpm}) allows it in {retry_after_s} s"
+            );
+            return Some(OverLimit::Busy(BusyReason::TokenLimit { retry_after_s }, detail));
         }
         bucket.level -= cost;
         f.charged = tokens;
         None
     }
 
-    /// Ends `req`'s record: what its tenant was charged and it did not use (the prompt and
-    /// the tokens it generated are used) goes back to the bucket.
+    /// Ends `req`'s record and settles its tenant's bucket: the prompt and the tokens it
+    /// generated are used; what it was charged beyond that goes back, what it used beyond
+    /// its charge (an estimate, when `max_tokens` was not set) is taken (the level may go
+    /// below zero).
     fn end(&mut self, req: &RequestId) -> Option<InFlight> {
         let f = self.inflight.remove(req)?;
         let used = (f.tokens.len() + f.sent.len()) as u64;
-        if let (Some(b), Some(tpm)) = (self.buckets.get_mut(&f.tenant), self.cfg.tenants.get(&f.tenant).and_then(|p| p.tokens_per_minute)) {
-            let refund = f.charged.saturating_sub(used).saturating_mul(MS_PER_MINUTE);
-            b.level = b.level.saturating_add(refund).min(tpm.saturating_mul(MS_PER_MINUTE));
+        let tpm = self.cfg.tenants.get(&f.tenant).and_then(|p| p.tokens_per_minute);
+        if let (Some(b), Some(tpm), true) = (self.buckets.get_mut(&f.tenant), tpm, f.charged > 0) {
+            let settle = milli_minutes(f.charged).saturating_sub(milli_minutes(used));
+            b.level = b.level.saturating_add(settle).min(milli_minutes(tpm));
         }
         Some(f)
     }
@@ -694,7 +737,7 @@ impl GatewayRole {
     pub fn handle(&mut self, ev: GatewayEvent) -> Vec<GatewayAction> {
         let mut out = Vec::new();
         match ev {
-            GatewayEvent::Submit { req, tokens, max_tokens, sampling, stop, trace, tenant, cache, priority } => {
+            GatewayEvent::Submit { req, tokens, max_tokens, max_tokens_set, sampling, stop, trace, tenant, cache, priority } => {
                 let f = InFlight {
                     phase: Phase::Queued,
                     attempt: 0,
@@ -712,6 +755,7 @@ impl GatewayRole {
                     sent: Vec::new(),
                     migrations: 0,
                     charged: 0,
+                    max_tokens_set,
                     priority,
                     avoid: None,
                     tenant,
@@ -770,9 +814,13 @@ impl GatewayRole {
             return out.push(GatewayAction::ToClient { req, out: ClientOutput::Busy { reason: BusyReason::QueueFull, detail } });
         }
         let mut f = f;
-        if let Some((reason, detail)) = self.over_limit(&mut f) {
+        if let Some(over) = self.over_limit(&mut f) {
             self.stats.over_limit += 1;
-            return out.push(GatewayAction::ToClient { req, out: ClientOutput::Busy { reason, detail } });
+            let out_ = match over {
+                OverLimit::Busy(reason, detail) => ClientOutput::Busy { reason, detail },
+                OverLimit::Never(detail) => ClientOutput::OverBudget { detail },
+            };
+            return out.push(GatewayAction::ToClient { req, out: out_ });
         }
         // Within the tenant's queue, lower priority values first, first come first served
         // among equals, never ahead of a request sent back to the queue (it was admitted

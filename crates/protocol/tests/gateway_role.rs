@@ -54,6 +54,7 @@ fn submit(g: &mut GatewayRole, req: u64, prompt: usize, max_tokens: u32) -> Vec<
         req: RequestId(req),
         tokens: vec![5; prompt],
         max_tokens,
+        max_tokens_set: true,
         sampling: Sampling::default(),
         stop: vec![],
         trace: TraceContext::default(),
@@ -498,6 +499,7 @@ fn submit_scoped(
         req: RequestId(req),
         tokens: vec![5; 4],
         max_tokens: 4,
+        max_tokens_set: true,
         sampling: Sampling::default(),
         stop: vec![],
         trace: TraceContext::default(),
@@ -828,4 +830,67 @@ fn a_light_tenants_burst_goes_ahead_of_a_busy_tenant_and_old_use_fades() {
     assert!(reserved_reqs(&submit_as(&mut g, 8, 1, None)).is_empty());
     assert_eq!(computed(&mut g, 4), [8], "tenant 1 is after tenant 0, served last");
     assert_eq!(computed(&mut g, 8), [5]);
+}
+
+/// A client that sends no `max_tokens` (the official clients' default) is charged its
+/// prompt plus an estimate, not the rest of the context, so it fits a small budget; what it
+/// really used is settled when it ends (a debt delays the next request by an honest, finite
+/// `Retry-After`); a request larger than the whole budget is refused for good (400), not
+/// told to retry.
+#[test]
+fn a_request_without_max_tokens_fits_a_small_token_budget_and_one_that_never_fits_is_refused_for_good() {
+    let tpm = 1500;
+    let policy = TenantPolicy { tokens_per_minute: Some(tpm), ..TenantPolicy::default() };
+    let mut g = GatewayRole::new(GatewayConfig { model_context: 4096, ..config(16, &[(0, policy)]) });
+    for (id, role) in [(P1, Role::Prefill), (D2, Role::Decode)] {
+        g.join(&Hello { capacity_tokens: 1 << 20, ..hello(id, role, 4096) }).expect("registers");
+    }
+    let submit = |g: &mut GatewayRole, req: u64, prompt: usize, max_tokens: Option<u32>| {
+        g.handle(GatewayEvent::Submit {
+            req: RequestId(req),
+            tokens: vec![5; prompt],
+            max_tokens: max_tokens.unwrap_or(4096 - prompt as u32),
+            max_tokens_set: max_tokens.is_some(),
+            sampling: Sampling::default(),
+            stop: vec![],
+            trace: TraceContext::default(),
+            tenant: TenantId(0),
+            cache: None,
+            priority: 0,
+        })
+    };
+    // 100 + the estimate fits 1,500; the rest of the context (3,996) would not.
+    assert_eq!(reserved_reqs(&submit(&mut g, 1, 100, None)), [1]);
+    // It generates 1,000 tokens: 1,100 used against 356 charged leaves the bucket at
+    // 1,500 − 1,100 = 400 tokens; the next default request (356) still fits, a third not.
+    from(&mut g, D2, reserved(1));
+    for _ in 0..1000 {
+        from(&mut g, D2, token(1));
+    }
+    let done = Message::Finished {
+        req: RequestId(1),
+        finish: FinishReason::Length,
+        text: String::new(),
+        prompt_tokens: 100,
+        completion_tokens: 1000,
+        cached_tokens: 0,
+    };
+    from(&mut g, D2, done);
+    assert_eq!(reserved_reqs(&submit(&mut g, 2, 100, None)), [2]);
+    let acts = submit(&mut g, 3, 100, None);
+    let [ClientOutput::Busy { reason: BusyReason::TokenLimit { retry_after_s }, detail }] = to_client(&acts).as_slice() else {
+        panic!("expected a 429 for the tokens per minute: {acts:?}")
+    };
+    // 44 tokens are left, 356 are needed: 312 at 25 a second is 12.48 s, so 13 s.
+    assert_eq!(*retry_after_s, 13, "{detail}");
+    assert!(detail.contains("max_tokens is not set"), "{detail}");
+    // Larger than the whole bucket: refused for good, whatever the bucket holds.
+    for (req, prompt, max_tokens) in [(4, 1600, None), (5, 100, Some(1401))] {
+        let acts = submit(&mut g, req, prompt, max_tokens);
+        let [ClientOutput::OverBudget { detail }] = to_client(&acts).as_slice() else { panic!("expected a 400: {acts:?}") };
+        assert!(detail.contains("tokens_per_minute of 1500") && detail.contains("never"), "{detail}");
+    }
+    // An explicit max_tokens that fits is charged in full, as before.
+    g.handle(GatewayEvent::Tick { now_ms: 60_000 });
+    assert_eq!(reserved_reqs(&submit(&mut g, 6, 100, Some(1400))), [6]);
 }

@@ -73,6 +73,8 @@ pub struct GatewayOptions {
     pub web_ui: bool,
     /// SHA-256 of the operator's key for `/metrics/tenants`; none: that page is not served.
     pub admin_key_sha256: Option<[u8; 32]>,
+    /// What requests that leave a sampling field out get (`--default-temperature`).
+    pub defaults: bulkhead_api::openai::Defaults,
     /// This gateway's number in a cluster of several (`--gateway-id`): part of every
     /// request id it makes, so that workers shared by several gateways tell their requests
     /// apart.
@@ -100,6 +102,7 @@ enum Cmd {
     Submit {
         tokens: Vec<u32>,
         max_tokens: u32,
+        max_tokens_set: bool,
         sampling: Sampling,
         stop: Vec<String>,
         trace: TraceContext,
@@ -166,7 +169,10 @@ struct Shared {
     /// The secret of cache scopes; `None` with the prefix cache off.
     cache_secret: Option<CacheSecret>,
     admission_check: bool,
+    defaults: bulkhead_api::openai::Defaults,
     refused: Refused,
+    /// Client connections the HTTP front closed itself, by reason.
+    http: Arc<crate::http::HttpStats>,
     /// HTTP responses sent, by status.
     responses: std::sync::Mutex<BTreeMap<u16, u64>>,
     cmds: mpsc::Sender<Cmd>,
@@ -190,6 +196,10 @@ impl Backend for ClusterBackend {
 
     fn encoder(&self) -> &PromptEncoder {
         &self.0.encoder
+    }
+
+    fn defaults(&self) -> bulkhead_api::openai::Defaults {
+        self.0.defaults
     }
 
     fn generate(&self, req: GenerationRequest) -> Result<mpsc::Receiver<GenEvent>, ApiError> {
@@ -219,6 +229,7 @@ impl Backend for ClusterBackend {
         match s.cmds.try_send(Cmd::Submit {
             tokens,
             max_tokens,
+            max_tokens_set: req.max_tokens.is_some(),
             sampling,
             stop: req.stop,
             trace,
@@ -326,7 +337,9 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
         aliases: names,
         cache_secret,
         admission_check: opts.admission_check,
+        defaults: opts.defaults,
         refused: Refused::default(),
+        http: Arc::default(),
         responses: Default::default(),
         cmds: cmds.clone(),
     });
@@ -396,7 +409,7 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
     }
     let app = app.layer(axum::Extension(bulkhead_api::BodyTimeout(opts.body_timeout)));
     let (tx, rx) = oneshot::channel::<()>();
-    let server = tokio::spawn(crate::http::serve(hl, app, opts.http, rx));
+    let server = tokio::spawn(crate::http::serve(hl, app, opts.http, Arc::clone(&backend_shared.http), rx));
     tracing::info!(%http_addr, %worker_addr, model = %model_id, "gateway listening");
     Ok(RunningGateway { http_addr, worker_addr, server, shutdown: Some(tx), shared: backend_shared })
 }
@@ -426,6 +439,19 @@ async fn serve_metrics(cmds: mpsc::Sender<Cmd>, tenants: bool) -> axum::response
         Err(_) => axum::http::StatusCode::SERVICE_UNAVAILABLE.into_response(),
     }
 }
+
+/// Which metrics page is rendered.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Page {
+    /// `/metrics`, for anyone who can reach the port.
+    Public,
+    /// The cache activity, on `/metrics/tenants` (the operator's key): it tells when a
+    /// tenant repeats a prompt and how long the shared part is.
+    Operator,
+}
+
+/// The error code of a request larger than its tenant's whole `tokens_per_minute` (400).
+const OVER_BUDGET: &str = "request_over_tokens_per_minute";
 
 struct Client {
     events: mpsc::Sender<GenEvent>,
@@ -485,7 +511,20 @@ impl Actor {
     async fn run(mut self, mut inbox: mpsc::Receiver<Cmd>) {
         while let Some(cmd) = inbox.recv().await {
             match cmd {
-                Cmd::Submit { tokens, max_tokens, sampling, stop, trace, tenant, cache, priority, arrived, events, prompt_param } => {
+                Cmd::Submit {
+                    tokens,
+                    max_tokens,
+                    max_tokens_set,
+                    sampling,
+                    stop,
+                    trace,
+                    tenant,
+                    cache,
+                    priority,
+                    arrived,
+                    events,
+                    prompt_param,
+                } => {
                     let req = request_id(self.gateway_id, self.next_req);
                     self.next_req += 1;
                     let prompt_tokens = tokens.len();
@@ -501,7 +540,18 @@ impl Actor {
                         tenant: tenant_name,
                     };
                     self.clients.insert(req, client);
-                    self.apply(GatewayEvent::Submit { req, tokens, max_tokens, sampling, stop, trace, tenant, cache, priority });
+                    self.apply(GatewayEvent::Submit {
+                        req,
+                        tokens,
+                        max_tokens,
+                        max_tokens_set,
+                        sampling,
+                        stop,
+                        trace,
+                        tenant,
+                        cache,
+                        priority,
+                    });
                 }
                 Cmd::Register { hello, writer, reply } => {
                     let r = self.register(hello, writer);
@@ -530,10 +580,12 @@ impl Actor {
                     self.apply(GatewayEvent::Tick { now_ms });
                 }
                 Cmd::Metrics { tenants: false, reply } => {
-                    let _ = reply.send(self.metrics_text());
+                    let _ = reply.send(self.metrics_text(Page::Public));
                 }
                 Cmd::Metrics { tenants: true, reply } => {
-                    let _ = reply.send(self.tenant_metrics_text());
+                    let mut text = self.tenant_metrics_text();
+                    text.push_str(&self.metrics_text(Page::Operator));
+                    let _ = reply.send(text);
                 }
             }
         }
@@ -613,8 +665,10 @@ impl Actor {
         metrics::render(std::iter::once((&[][..], &f.into_vec()[..])))
     }
 
-    /// `/metrics`: the gateway's own families, then every registered worker's latest.
-    fn metrics_text(&self) -> String {
+    /// `/metrics` (the public page: every series but the cache activity) or the cache
+    /// activity for the operator's page: of the gateway's own families, then every
+    /// registered worker's latest.
+    fn metrics_text(&self, page: Page) -> String {
         let mut f = Families::new();
         self.requests.export(&mut f);
         let running = self.clients.values().filter(|c| c.last_token.is_some()).count();
@@ -664,13 +718,19 @@ impl Actor {
             f.gauge("bulkhead:workers", "Registered workers, by role.", &[("role", role_name(role))], n as f64);
         }
         f.refused_connections(&[("worker", "gateway"), ("role", "gateway")]);
+        let help =
+            "Client connections the HTTP front closed itself, by reason (first_header_deadline, stranger_lifetime, evicted, source_full).";
+        for reason in crate::http::Closed::ALL {
+            f.counter("bulkhead:http_connections_closed_total", help, &[("reason", reason.as_str())], self.shared.http.closed(reason));
+        }
         let responses = self.shared.responses.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
         for (status, n) in responses {
             f.counter("bulkhead:http_responses_total", "HTTP responses sent, by status code.", &[("code", &status.to_string())], n);
         }
         let own = f.into_vec();
         let workers = self.workers.values().map(|w| (&w.labels[..], &w.metrics[..]));
-        metrics::render(std::iter::once((&[][..], &own[..])).chain(workers))
+        let sources = std::iter::once((&[][..], &own[..])).chain(workers);
+        metrics::render_only(sources, |family, labels| metrics::is_cache_activity(family, labels) == (page == Page::Operator))
     }
 
     fn deliver_to_client(&mut self, req: RequestId, out: ClientOutput) {
@@ -745,6 +805,11 @@ impl Actor {
             ClientOutput::Unavailable { detail } => {
                 count(&self.shared.refused.unavailable);
                 events.push(GenEvent::Failed(ApiError::overloaded(detail)));
+            }
+            ClientOutput::OverBudget { detail } => {
+                count(&self.shared.refused.invalid);
+                *series.refused.entry(OVER_BUDGET).or_default() += 1;
+                events.push(GenEvent::Failed(ApiError::bad_request(detail).with_code(OVER_BUDGET)));
             }
             ClientOutput::Busy { reason, detail } => {
                 count(&self.shared.refused.busy);

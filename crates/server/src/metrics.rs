@@ -533,17 +533,58 @@ struct Merged<'a> {
 /// name is invalid or whose type disagrees with an earlier source's, samples that do not
 /// belong to their family, and labels with invalid or taken names are left out.
 pub fn render<'a>(sources: impl IntoIterator<Item = (&'a [(String, String)], &'a [MetricFamily])>) -> String {
+    render_only(sources, |_, _| true)
+}
+
+/// Series that move when some tenant's prompt is found in a prefix cache, or that tell how
+/// much of it was: on a page anyone can read they would show when another tenant repeats
+/// a prompt and how long the shared part is (I7). Served on the operator's page only.
+const CACHE_ACTIVITY: [&str; 14] = [
+    "bulkhead:prefix_cache_queries_total",
+    "bulkhead:prefix_cache_hits_total",
+    "bulkhead:prefix_cache_pages",
+    "bulkhead:prefix_cache_stored_pages_total",
+    "bulkhead:prefix_cache_evictions_total",
+    "bulkhead:kv_cached_pages",
+    // Free + cached + leased + quarantined = the pool: free would tell cached.
+    "bulkhead:kv_free_pages",
+    "bulkhead:kv_shared_leases",
+    "bulkhead:kv_held_tokens_total",
+    "bulkhead:kv_held_bytes_total",
+    "bulkhead:kv_transferred_tokens_total",
+    "bulkhead:local_prefill_tokens_total",
+    "bulkhead:prefill_routing_total",
+    "bulkhead:decode_routing_total",
+];
+
+/// Whether a sample of `family` with `labels` tells one tenant's cache activity
+/// ([`CACHE_ACTIVITY`], and the tenant-fence check, which runs once per shared page).
+pub fn is_cache_activity(family: &str, labels: &[(String, String)]) -> bool {
+    CACHE_ACTIVITY.contains(&family)
+        || (family == "bulkhead:isolation_checks_total" && labels.iter().any(|(k, v)| k == "check" && v == "tenant_fence"))
+}
+
+/// [`render`] of the samples `keep` accepts (given the family's name and the sample's own
+/// labels).
+pub fn render_only<'a>(
+    sources: impl IntoIterator<Item = (&'a [(String, String)], &'a [MetricFamily])>,
+    keep: impl Fn(&str, &[(String, String)]) -> bool,
+) -> String {
     let mut merged: BTreeMap<&'a str, Merged<'a>> = BTreeMap::new();
     for (extra, families) in sources {
         for fam in families {
             if !valid_name(&fam.name) {
                 continue;
             }
+            let kept: Vec<_> = fam.samples.iter().filter(|s| keep(&fam.name, &s.labels)).collect();
+            if kept.is_empty() && !fam.samples.is_empty() {
+                continue;
+            }
             let m = merged.entry(&fam.name).or_insert(Merged { help: &fam.help, kind: fam.kind, lines: String::new() });
             if m.kind != fam.kind {
                 continue;
             }
-            for s in fam.samples.iter().filter(|s| belongs(&fam.name, fam.kind, &s.name)) {
+            for s in kept.into_iter().filter(|s| belongs(&fam.name, fam.kind, &s.name)) {
                 let own = s.labels.iter().filter(|(k, _)| valid_label(k) && !extra.iter().any(|(e, _)| e == k));
                 let labels: Vec<String> = extra.iter().chain(own).map(|(k, v)| format!("{k}=\"{}\"", escape(v, true))).collect();
                 let _ = if labels.is_empty() {

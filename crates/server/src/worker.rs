@@ -97,6 +97,10 @@ pub enum WorkerError {
     Model(#[from] bulkhead_model::ModelError),
     #[error(transparent)]
     Trust(#[from] crate::trust::TrustError),
+    /// Loading the model, sizing the pool or the capacity check failed: with the same
+    /// settings and files a restart fails the same way, so a supervisor should not retry.
+    #[error("{0}")]
+    CannotStart(Box<WorkerError>),
 }
 
 /// The context a worker advertises given its pool (I5): the check the incident lacked.
@@ -135,8 +139,13 @@ pub struct Loaded {
     pub digest: u64,
 }
 
-/// Load the model and size the pool, checking the capacity contract.
+/// Load the model and size the pool, checking the capacity contract; any failure is
+/// [`WorkerError::CannotStart`].
 pub fn load(cfg: &WorkerConfig) -> Result<Loaded, WorkerError> {
+    try_load(cfg).map_err(|e| WorkerError::CannotStart(Box::new(e)))
+}
+
+fn try_load(cfg: &WorkerConfig) -> Result<Loaded, WorkerError> {
     let mut model = bulkhead_engine::load_model(&cfg.model, cfg.threads)?;
     if let Some(s) = cfg.kernel_sums {
         model.model.set_sums(s);

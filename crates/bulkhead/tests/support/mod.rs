@@ -186,10 +186,25 @@ pub fn wait_for(what: &str, timeout: Duration, logs: &[&std::path::Path], mut ok
 
 /// `GET /metrics`, parsed strictly.
 pub fn scrape(addr: &str) -> Vec<Sample> {
+    let mut samples = scrape_public(addr);
+    // The cache activity is on the operator's page (every test server has ADMIN_KEY).
+    let r = request(addr, "GET", "/metrics/tenants", &[("Authorization", &format!("Bearer {ADMIN_KEY}"))], "");
+    if r.status == 200 {
+        samples.extend(parse(&r.body).unwrap_or_else(|e| panic!("/metrics/tenants does not parse: {e}\n{}", r.body)));
+    }
+    samples
+}
+
+/// What anyone who reaches the port reads: `/metrics` alone.
+pub fn scrape_public(addr: &str) -> Vec<Sample> {
     let r = request(addr, "GET", "/metrics", &[], "");
     assert_eq!(r.status, 200, "{}", r.body);
     parse(&r.body).unwrap_or_else(|e| panic!("/metrics does not parse: {e}\n{}", r.body))
 }
+
+/// The operator's key of every test server (`BULKHEAD_ADMIN_KEY`; `--admin-key` overrides
+/// it): [`scrape`] reads the cache activity on the operator's page with it.
+pub const ADMIN_KEY: &str = "test-operator-key";
 
 /// A running `bulkhead serve`, killed (with its workers, whose gateway connections close)
 /// on drop; its log is removed then.
@@ -220,7 +235,7 @@ impl Server {
         let mut cmd = std::process::Command::new(BIN);
         cmd.args(["serve", "--port", "0", "--threads", "1", "--model"]).arg(model).args(args);
         // What a developer's shell may set must not change what a test asks for.
-        cmd.env_remove("BULKHEAD_API_KEY").env_remove("BULKHEAD_WEB_UI").env("BULKHEAD_LOG", "info");
+        cmd.env_remove("BULKHEAD_API_KEY").env_remove("BULKHEAD_WEB_UI").env("BULKHEAD_LOG", "info").env("BULKHEAD_ADMIN_KEY", ADMIN_KEY);
         for (k, v) in env {
             cmd.env(k, v);
         }
