@@ -13,8 +13,9 @@
 #                 ~/.cache/bulkhead/models; skipped with a reason when absent)
 #   IMAGE         the image tag (default localhost/bulkhead:kube-play), built by image.sh
 #   BULKHEAD_BIN  the binary image.sh packages (see scripts/image.sh)
-#   PORT_BASE     host ports: gateway HTTP PORT_BASE, prefill and decode health +1 and +2,
-#                 gateway worker port +920, decode KV port +1020 (default 18080)
+#   PORT_BASE     host ports, all five in PORT_BASE..PORT_BASE+4 (so a confined range
+#                 holds them): gateway HTTP PORT_BASE, prefill and decode health +1 and +2,
+#                 gateway worker port +3, decode KV port +4 (default 18080)
 #   KEEP_IMAGE=1  keep the image afterwards
 #
 # What differs from a real cluster, all done on a copy of the YAML (the files are not
@@ -58,7 +59,10 @@ model=${MODEL_FILE:-${BULKHEAD_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/bulkhead}/m
 
 image=${IMAGE:-localhost/bulkhead:kube-play}
 base=${PORT_BASE:-18080}
-http=$base health_prefill=$((base + 1)) health_decode=$((base + 2)) workers=$((base + 920)) kv=$((base + 1020))
+[[ $base =~ ^[0-9]+$ ]] && [ "$base" -ge 1 ] && [ "$base" -le 65531 ] || { say "PORT_BASE must be a port number up to 65531, not '$base'"; exit 2; }
+# Every port within PORT_BASE..PORT_BASE+4 (tests/python/test_kubernetes_yaml.py keeps them
+# within 100 of the base, for a host that opens only a small range).
+http=$base health_prefill=$((base + 1)) health_decode=$((base + 2)) workers=$((base + 3)) kv=$((base + 4))
 for p in $http $health_prefill $health_decode $workers $kv; do
     if ss -Htln "sport = :$p" | grep -q .; then skip "port $p is in use (set PORT_BASE)"; fi
 done

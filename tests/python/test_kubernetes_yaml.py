@@ -5,12 +5,14 @@ flags, probes on the gateway's /health and /ready and on the workers' health lis
 cluster key Secret mounted as a file with mode 0600 and named by --cluster-key-file, the model
 volume behind --model, resource requests, Prometheus scrape annotations, and the Services
 (the workers' one published before the gateway is ready, or nothing could ever register).
-scripts/kube-play.sh runs the same files under podman.
+scripts/kube-play.sh runs the same files under podman (its host ports are checked here to stay
+within 100 of PORT_BASE).
 """
 
 import glob
 import os
 import re
+import subprocess
 
 import pytest
 import yaml
@@ -160,3 +162,24 @@ def test_services_and_addresses():
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert deployment("gateway")["spec"]["replicas"] == 1
     assert deployment("gateway")["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_kube_play_keeps_every_port_within_100_of_its_base():
+    """scripts/kube-play.sh takes PORT_BASE and uses host ports from it alone: a host that opens
+    a small range (a firewall's, a sandbox's) must hold them all, so none may sit hundreds of
+    ports away (it used +920 and +1020)."""
+    script = open(os.path.join(ROOT, "scripts", "kube-play.sh")).read()
+    (line,) = [l for l in script.splitlines() if l.startswith("http=$base ")]
+    names = re.findall(r"(\w+)=", line)
+    assert names == ["http", "health_prefill", "health_decode", "workers", "kv"], line
+    # Every port the script checks is free is one of these, and every one is checked.
+    (check,) = [l for l in script.splitlines() if l.strip().startswith("for p in ")]
+    assert sorted(re.findall(r"\$(\w+)", check)) == sorted(names), check
+    for base in (18080, 40000, 65531):
+        out = subprocess.run(
+            ["bash", "-c", f"base={base}; {line}; echo " + " ".join(f"${n}" for n in names)],
+            capture_output=True, text=True, check=True,
+        ).stdout.split()
+        ports = [int(p) for p in out]
+        assert len(set(ports)) == len(ports), ports
+        assert all(base <= p < base + 100 and p <= 65535 for p in ports), (base, ports)

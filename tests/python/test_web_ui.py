@@ -1,7 +1,8 @@
 """The chat page and the isolation dashboard in headless Chromium, as a person would use them,
 against a real `bulkhead serve`: ask a question and watch the answer stream in, stop a
 generation, hostile model output rendered as text under the page's CSP, the API key prompt
-and a 401, and the dashboard's counters moving after a request.
+and a 401, the dashboard's counters moving after a request, and both pages on a phone
+(390 x 844: nothing wider than the screen, the prompt box full width).
 
 Needs Debian's `chromium` and `chromium-driver` (scripts/test.sh installs them as root) and
 selenium (tests/python/requirements.txt); skips, saying why, without them. Screenshots of
@@ -276,6 +277,63 @@ def test_dashboard_counters_move_after_a_request(server, browser, shots):
     finally:
         t.join()
         browser.set_window_size(1280, 860)
+
+
+PHONE = (390, 844)  # an iPhone 12 to 15 held upright, in CSS pixels
+
+
+def phone_layout(browser):
+    """What a phone-width page must hold to: nothing wider than the screen (no sideways
+    scrolling), and the widest element's right edge on it."""
+    return browser.execute_script(
+        """
+        const doc = document.documentElement;
+        let widest = null, right = 0;
+        for (const e of document.body.querySelectorAll('*')) {
+            const r = e.getBoundingClientRect();
+            if (r.width && r.right > right) { right = r.right; widest = e.tagName + (e.id ? '#' + e.id : '') + (e.className ? '.' + e.className : ''); }
+        }
+        return {inner: window.innerWidth, scroll: doc.scrollWidth, right: Math.ceil(right), widest};
+        """
+    )
+
+
+def test_both_pages_fit_a_phone_held_upright(server, browser, shots):
+    """At 390 x 844 the chat's settings go above the conversation (beside it they left the
+    prompt box one letter wide) and the dashboard's tiles, pools and tables fit the width."""
+    browser.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride", {"width": PHONE[0], "height": PHONE[1], "deviceScaleFactor": 1, "mobile": True}
+    )
+    try:
+        browser.get(f"http://{server.addr}/")
+        wait(browser, "the model list", lambda d: d.find_element(By.ID, "model").get_attribute("value") == MODEL)
+        layout = phone_layout(browser)
+        # A page wider than the screen makes a phone zoom out to fit it: the viewport grows.
+        assert layout["inner"] == PHONE[0], f"the chat page is wider than the phone: {layout}"
+        prompt = browser.find_element(By.ID, "prompt").rect
+        assert prompt["width"] >= 0.8 * PHONE[0], f"the prompt box is {prompt['width']} px wide at {PHONE[0]} px"
+        assert layout["scroll"] <= PHONE[0] and layout["right"] <= PHONE[0], f"the chat page is wider than the phone: {layout}"
+        send = browser.find_element(By.ID, "send").rect
+        assert send["x"] + send["width"] <= PHONE[0] and send["y"] + send["height"] <= PHONE[1], f"Send is off the screen: {send}"
+        set_field(browser, "temperature", 0)
+        set_field(browser, "max-tokens", 48)
+        ask(browser, "Write a Python function that reverses a string.")
+        answer = last_answer(browser)
+        wait(browser, "the answer to finish", lambda d: answer.get_attribute("data-done"))
+        layout = phone_layout(browser)
+        assert layout["scroll"] <= PHONE[0], f"the chat page scrolls sideways with an answer: {layout}"
+        browser.save_screenshot(str(shots / "chat-phone.png"))
+
+        browser.get(f"http://{server.addr}/dashboard")
+        wait(browser, "the first scrape", lambda d: d.find_element(By.ID, "status").text.startswith("live"))
+        wait(browser, "the worker pools", lambda d: len(d.find_elements(By.CSS_SELECTOR, "#pools .pool")) == 2)
+        wait(browser, "the latencies", lambda d: "–" not in d.find_element(By.ID, "ttft").text)
+        layout = phone_layout(browser)
+        assert layout["scroll"] <= PHONE[0] and layout["right"] <= PHONE[0], f"the dashboard is wider than the phone: {layout}"
+        browser.save_screenshot(str(shots / "dashboard-phone.png"))
+        assert csp_violations(browser) == []
+    finally:
+        browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
 
 
 def test_with_tenants_the_page_asks_for_a_key_and_shows_a_401(browser):

@@ -13,7 +13,7 @@ use bulkhead_client::dist::{Dist, Rng};
 use bulkhead_client::http::{Timeouts, Url};
 use bulkhead_client::loadgen::{self, LoadgenConfig};
 use bulkhead_client::multiturn::{self, MultiTurnConfig};
-use bulkhead_client::openloop::{self, OpenLoopConfig, RatePoint, Slo};
+use bulkhead_client::openloop::{self, OpenLoopConfig, OpenLoopReport, RatePoint, Slo};
 use bulkhead_client::{Api, Client, ClientConfig};
 use clap::{Args, ValueEnum};
 
@@ -302,10 +302,27 @@ fn run_open_loop(a: LoadgenArgs) -> anyhow::Result<()> {
             stop_below: a.stop_below,
             label: a.label.clone().unwrap_or_else(|| a.target.url.clone()),
         };
-        // Progress on stderr: a sweep takes minutes.
-        eprintln!("{}", RatePoint::header(&cfg.slos));
-        let report = openloop::run(&clients, &cfg, |p| eprintln!("{}", p.line())).await?;
-        print_report(a.json, &report)?;
+        // A sweep takes minutes, so the table is printed row by row as each rate is
+        // measured, once: as text on stdout (the head first, the goodput last, the same
+        // text as the report's), or with --json on stderr (stdout is the JSON report).
+        openloop::validate(&clients, &cfg)?;
+        let planned = OpenLoopReport::planned(first.config().url.to_string(), &cfg);
+        let show = |text: &str| {
+            use std::io::Write;
+            if a.json {
+                eprint!("{text}");
+            } else {
+                let mut out = std::io::stdout().lock();
+                let _ = out.write_all(text.as_bytes()).and_then(|()| out.flush());
+            }
+        };
+        show(&if a.json { format!("{}\n", RatePoint::header(&cfg.slos)) } else { planned.head() });
+        let report = openloop::run(&clients, &cfg, |p| show(&p.rows())).await?;
+        if a.json {
+            print_report(true, &report)?;
+        } else {
+            show(&report.tail());
+        }
         write_json(a.json_out.as_deref(), &report)?;
         anyhow::ensure!(report.any_ok(), "no request succeeded");
         Ok(())

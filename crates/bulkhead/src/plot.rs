@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::Args;
+use plotters::element::DashedPathElement;
 use plotters::prelude::*;
 use serde_json::Value;
 
@@ -86,6 +87,18 @@ fn panels(curves: &[Curve]) -> Vec<(f64, f64)> {
         }
     }
     v
+}
+
+/// The 90% line's dash and gap (pixels).
+const TARGET_DASH: (i32, i32) = (8, 6);
+
+fn target_style() -> ShapeStyle {
+    BLACK.mix(0.6).stroke_width(1)
+}
+
+/// The 90% line's legend sample at `(x, y)`: dashed like the line (two dashes).
+fn target_legend((x, y): (i32, i32)) -> DashedPathElement<std::vec::IntoIter<(i32, i32)>, i32> {
+    DashedPathElement::new(vec![(x, y), (x + 22, y)], TARGET_DASH.0, TARGET_DASH.1, target_style())
 }
 
 /// A legend entry: the label and its goodput in words.
@@ -176,10 +189,10 @@ pub fn draw(curves: &[Curve], title: &str, out: &Path) -> anyhow::Result<()> {
             .draw()
             .map_err(e)?;
         chart
-            .draw_series(DashedLineSeries::new([(0.0, 90.0), (max_rate, 90.0)], 8, 6, BLACK.mix(0.6).stroke_width(1)))
+            .draw_series(DashedLineSeries::new([(0.0, 90.0), (max_rate, 90.0)], TARGET_DASH.0, TARGET_DASH.1, target_style()))
             .map_err(e)?
             .label("90% target")
-            .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK.mix(0.6)));
+            .legend(target_legend);
         for c in curves.iter().filter(|c| c.slo == *slo) {
             let i = labels.iter().position(|l| *l == c.label).unwrap_or(0);
             let colour = COLOURS[i % COLOURS.len()];
@@ -238,6 +251,21 @@ mod tests {
         assert_eq!(c[1].goodput, Some((1.1, "interpolated".to_string())));
         assert_eq!(legend(&c[0]), "bulkhead: goodput 1.50 req/s");
         assert!(curves(&serde_json::json!({"mode": "closed"}), "x").is_err());
+    }
+
+    #[test]
+    fn the_legend_draws_the_90_percent_line_dashed() {
+        // The legend sample alone, on a white strip: a dash, a gap, a dash.
+        let (w, h) = (40u32, 5u32);
+        let mut buf = vec![255u8; (w * h * 3) as usize];
+        {
+            let root = BitMapBackend::with_buffer(&mut buf, (w, h)).into_drawing_area();
+            root.draw(&target_legend((4, 2))).unwrap();
+            root.present().unwrap();
+        }
+        let row: String = (0..w).map(|x| if buf[((2 * w + x) * 3) as usize] < 200 { '#' } else { '.' }).collect();
+        let dashes = row.split('.').filter(|s| !s.is_empty()).count();
+        assert!(dashes >= 2, "the legend's 90% sample is solid, the line is dashed: {row}");
     }
 
     #[test]

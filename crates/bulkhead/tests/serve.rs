@@ -668,6 +668,11 @@ fn a_worker_without_the_cluster_key_or_with_a_wrong_one_cannot_join_and_exits_no
     let err = stranger(&["--cluster-key-file", &key_file()]);
     assert!(err.contains("the proof does not match") && err.contains("a different cluster key"), "{err}");
     assert!(counter(&s, "bulkhead:auth_refusals_total", &[("worker", "gateway")], 2.0) >= 2.0);
+    // Counted as what they are: no key, and a failed proof (the worker with another key
+    // refuses the gateway's challenge instead of sending its proof), never "unexpected".
+    let gw = |reason, enough| counter(&s, "bulkhead:handshake_refusals_total", &[("role", "gateway"), ("reason", reason)], enough);
+    assert!(gw("no_key", 1.0) >= 1.0 && gw("proof", 1.0) >= 1.0, "no_key {} proof {}", gw("no_key", 0.0), gw("proof", 0.0));
+    assert_eq!(gw("unexpected", 0.0), 0.0);
     let (_, metrics) = get(&s.http, "/metrics");
     assert!(metrics.contains("bulkhead:workers{role=\"decode\"} 1"), "only the real decode worker: {metrics}");
     assert_eq!(chat(&s.http, SYSTEM, "Hi", 4).0, 200);

@@ -454,8 +454,8 @@ impl OpenLoopReport {
     }
 }
 
-/// Check the settings before any request is sent.
-fn validate(clients: &[Client], cfg: &OpenLoopConfig) -> Result<(), ClientError> {
+/// Check the settings before any request is sent ([`run`] does too).
+pub fn validate(clients: &[Client], cfg: &OpenLoopConfig) -> Result<(), ClientError> {
     let bad = |m: String| Err(ClientError::Config(m));
     if cfg.points.is_empty() {
         return bad("give at least one rate".into());
@@ -526,27 +526,7 @@ pub async fn run(clients: &[Client], cfg: &OpenLoopConfig, mut progress: impl Fn
     } else {
         Vec::new()
     };
-    Ok(OpenLoopReport {
-        mode: "open-loop",
-        label: cfg.label.clone(),
-        url: first.config().url.to_string(),
-        api: base.api,
-        model: base.model.clone(),
-        prompt_words: base.prompt_tokens,
-        max_tokens: base.output_tokens,
-        seed: base.seed,
-        ignore_eos: base.ignore_eos,
-        warmup: base.warmup,
-        max_requests_per_point: cfg.max_requests,
-        window_s: cfg.window.map(|w| w.as_secs_f64()),
-        max_in_flight: cfg.max_in_flight,
-        slos: cfg.slos.clone(),
-        stop_below: cfg.stop_below,
-        target: GOODPUT_TARGET,
-        points,
-        goodput,
-        requests,
-    })
+    Ok(OpenLoopReport { points, goodput, requests, ..OpenLoopReport::planned(first.config().url.to_string(), cfg) })
 }
 
 /// Send one point's requests at their arrival times and wait for all of them.
@@ -672,11 +652,39 @@ impl RatePoint {
     }
 }
 
-impl std::fmt::Display for OpenLoopReport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        writeln!(
-            f,
-            "open-loop loadgen ({}): {} {} (model {}), prompt {} words, max_tokens {}{}, seed {}",
+impl OpenLoopReport {
+    /// The report of a run of `cfg` against `url` before any point is measured: what
+    /// [`OpenLoopReport::head`] says is known then, so a caller can print it first and the
+    /// table's rows as they come ([`RatePoint::rows`]), then [`OpenLoopReport::tail`].
+    pub fn planned(url: String, cfg: &OpenLoopConfig) -> Self {
+        let base = &cfg.requests;
+        OpenLoopReport {
+            mode: "open-loop",
+            label: cfg.label.clone(),
+            url,
+            api: base.api,
+            model: base.model.clone(),
+            prompt_words: base.prompt_tokens,
+            max_tokens: base.output_tokens,
+            seed: base.seed,
+            ignore_eos: base.ignore_eos,
+            warmup: base.warmup,
+            max_requests_per_point: cfg.max_requests,
+            window_s: cfg.window.map(|w| w.as_secs_f64()),
+            max_in_flight: cfg.max_in_flight,
+            slos: cfg.slos.clone(),
+            stop_below: cfg.stop_below,
+            target: GOODPUT_TARGET,
+            points: Vec::new(),
+            goodput: Vec::new(),
+            requests: Vec::new(),
+        }
+    }
+
+    /// The text above the table: what was run, the SLO pairs, and the table's header.
+    pub fn head(&self) -> String {
+        let mut f = format!(
+            "open-loop loadgen ({}): {} {} (model {}), prompt {} words, max_tokens {}{}, seed {}\n",
             self.label,
             self.url,
             self.api.path(),
@@ -685,46 +693,71 @@ impl std::fmt::Display for OpenLoopReport {
             self.max_tokens,
             if self.ignore_eos { " (ignore_eos)" } else { "" },
             self.seed
-        )?;
+        );
         let n = self.max_requests_per_point.map(|n| format!("{n} requests"));
         let w = self.window_s.map(|w| format!("{w} s"));
-        writeln!(
-            f,
-            "  Poisson arrivals; per rate {} (whichever first), after {} warm-up requests; in-flight cap {}",
+        f.push_str(&format!(
+            "  Poisson arrivals; per rate {} (whichever first), after {} warm-up requests; in-flight cap {}\n",
             [n, w].into_iter().flatten().collect::<Vec<_>>().join(" or "),
             self.warmup,
             self.max_in_flight
-        )?;
+        ));
         for (i, s) in self.slos.iter().enumerate() {
-            writeln!(f, "  SLO {}: {s}", i + 1)?;
+            f.push_str(&format!("  SLO {}: {s}\n", i + 1));
         }
-        writeln!(f, "{}", RatePoint::header(&self.slos))?;
+        f.push_str(&RatePoint::header(&self.slos));
+        f.push('\n');
+        f
+    }
+
+    /// The text below the table: goodput per SLO pair.
+    pub fn tail(&self) -> String {
+        self.goodput.iter().enumerate().map(|(i, g)| format!("goodput, SLO {} ({}): {}\n", i + 1, g.slo, g.note)).collect()
+    }
+}
+
+impl RatePoint {
+    /// The point's row of the table and the lines under it (tenants, errors, short outputs).
+    pub fn rows(&self) -> String {
+        let mut f = format!("{}\n", self.line());
+        for t in &self.tenants {
+            f.push_str(&format!("    tenant {} at {:.2} req/s: {} sent, {} ok", t.tenant, t.rate, t.sent, t.ok));
+            for (i, a) in t.attainment.iter().enumerate() {
+                f.push_str(&format!(
+                    "; SLO {} both {} (TTFT {}, TPOT {})",
+                    i + 1,
+                    pct(a.both).trim(),
+                    pct(a.ttft).trim(),
+                    pct(a.tpot).trim()
+                ));
+            }
+            if let (Some(tt), Some(tp)) = (t.ttft_ms, t.tpot_ms) {
+                f.push_str(&format!("; TTFT p90 {:.0} ms, TPOT p90 {:.1} ms", tt.p90, tp.p90));
+            }
+            f.push('\n');
+        }
+        for (kind, n) in &self.errors {
+            f.push_str(&format!("    errors: {kind} x {n}\n"));
+        }
+        for e in &self.error_examples {
+            f.push_str(&format!("      e.g. {e}\n"));
+        }
+        if self.short_outputs > 0 {
+            f.push_str(&format!("    note: {} requests ended before max_tokens\n", self.short_outputs));
+        }
+        f
+    }
+}
+
+/// The whole report as text: [`OpenLoopReport::head`], each point's [`RatePoint::rows`],
+/// [`OpenLoopReport::tail`].
+impl std::fmt::Display for OpenLoopReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.head())?;
         for p in &self.points {
-            writeln!(f, "{}", p.line())?;
-            for t in &p.tenants {
-                write!(f, "    tenant {} at {:.2} req/s: {} sent, {} ok", t.tenant, t.rate, t.sent, t.ok)?;
-                for (i, a) in t.attainment.iter().enumerate() {
-                    write!(f, "; SLO {} both {} (TTFT {}, TPOT {})", i + 1, pct(a.both).trim(), pct(a.ttft).trim(), pct(a.tpot).trim())?;
-                }
-                if let (Some(tt), Some(tp)) = (t.ttft_ms, t.tpot_ms) {
-                    write!(f, "; TTFT p90 {:.0} ms, TPOT p90 {:.1} ms", tt.p90, tp.p90)?;
-                }
-                writeln!(f)?;
-            }
-            for (kind, n) in &p.errors {
-                writeln!(f, "    errors: {kind} x {n}")?;
-            }
-            for e in &p.error_examples {
-                writeln!(f, "      e.g. {e}")?;
-            }
-            if p.short_outputs > 0 {
-                writeln!(f, "    note: {} requests ended before max_tokens", p.short_outputs)?;
-            }
+            f.write_str(&p.rows())?;
         }
-        for (i, g) in self.goodput.iter().enumerate() {
-            writeln!(f, "goodput, SLO {} ({}): {}", i + 1, g.slo, g.note)?;
-        }
-        Ok(())
+        f.write_str(&self.tail())
     }
 }
 

@@ -105,6 +105,13 @@ pub enum AuthError {
     WrongPurpose { want: Purpose, got: Purpose },
     #[error("expected {expected} during the handshake, got {got}")]
     Unexpected { expected: &'static str, got: String },
+    /// The connecting side sent a plain frame where a handshake must start: it holds no key.
+    #[error("expected AuthHello (this cluster needs its key) during the handshake, got {got}")]
+    NoHandshake { got: String },
+    /// The connecting side checked this side's proof and refused it: it holds a different
+    /// key (or the challenge was altered on the way).
+    #[error("the peer refused this side's proof: {0}")]
+    ProofRefused(String),
     #[error("the peer refused the handshake: {0}")]
     Refused(String),
     #[error("a frame failed authentication (altered, forged, replayed, reordered or from another session)")]
@@ -229,12 +236,7 @@ impl<'k> Server<'k> {
     ) -> Result<(Self, Message), AuthError> {
         let (got, claim, client_nonce, client_encrypt) = match hello {
             Message::AuthHello { purpose, claim, nonce, encrypt } => (purpose, claim, nonce, encrypt),
-            other => {
-                return Err(AuthError::Unexpected {
-                    expected: "AuthHello (this cluster needs its key)",
-                    got: other.kind_name().to_string(),
-                });
-            }
+            other => return Err(AuthError::NoHandshake { got: other.kind_name().to_string() }),
         };
         if got != purpose {
             return Err(AuthError::WrongPurpose { want: purpose, got });
@@ -249,6 +251,8 @@ impl<'k> Server<'k> {
     pub fn finish(self, proof: Message) -> Result<Session, AuthError> {
         let proof = match proof {
             Message::AuthProof { proof } => proof,
+            // What a client whose key differs sends instead of its proof.
+            Message::AuthRefused { reason } => return Err(AuthError::ProofRefused(reason)),
             other => return Err(AuthError::Unexpected { expected: "AuthProof", got: other.kind_name().to_string() }),
         };
         if !equal(&proof, &self.key.proof(b'C', &self.transcript.bytes())) {
@@ -498,7 +502,19 @@ mod tests {
         let (_, hello) = Client::start(&k, Purpose::Control, 0, false, [1; KEY_LEN]);
         assert!(matches!(Server::start(&k, Purpose::Kv, hello, false, [2; KEY_LEN]).err(), Some(AuthError::WrongPurpose { .. })));
         let plain = Message::KvHello { prefill: crate::WorkerId(1) };
-        assert!(matches!(Server::start(&k, Purpose::Kv, plain, false, [2; KEY_LEN]).err(), Some(AuthError::Unexpected { .. })));
+        assert!(matches!(Server::start(&k, Purpose::Kv, plain, false, [2; KEY_LEN]).err(), Some(AuthError::NoHandshake { .. })));
+    }
+
+    #[test]
+    fn a_client_with_another_key_refuses_the_challenge_and_the_server_learns_its_proof_failed() {
+        let (sk, ck) = (key(1), key(2));
+        let (client, hello) = Client::start(&ck, Purpose::Control, 0, false, [1; KEY_LEN]);
+        let (server, challenge) = Server::start(&sk, Purpose::Control, hello, false, [2; KEY_LEN]).unwrap();
+        let e = client.finish(challenge).err().unwrap();
+        assert_eq!(e, AuthError::WrongKey);
+        // What `wire::connect_handshake` sends the accepting side in place of its proof.
+        let refused = server.finish(Message::AuthRefused { reason: e.to_string() }).err();
+        assert!(matches!(&refused, Some(AuthError::ProofRefused(r)) if r.contains("different cluster key")), "{refused:?}");
     }
 
     #[test]

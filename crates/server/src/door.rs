@@ -142,7 +142,12 @@ pub fn refusal_of(e: &crate::wire::WireError) -> Option<Refusal> {
         WireError::Codec(CodecError::Auth(_)) => Some(Refusal::Proof),
         WireError::Codec(_) => Some(Refusal::Malformed),
         WireError::Auth(AuthError::Unexpected { .. } | AuthError::WrongPurpose { .. }) => Some(Refusal::Unexpected),
-        WireError::Auth(AuthError::Refused(_)) => Some(Refusal::NoKey),
+        // A plain frame where the handshake must start, or a handshake where this side has
+        // no key.
+        WireError::Auth(AuthError::NoHandshake { .. } | AuthError::Refused(_)) => Some(Refusal::NoKey),
+        // This side's check of the peer's proof failed, or the peer's check of this side's
+        // (a connecting side with another key sends `AuthRefused` in place of its proof).
+        WireError::Auth(AuthError::WrongKey | AuthError::ProofRefused(_)) => Some(Refusal::Proof),
         WireError::Auth(_) => Some(Refusal::Proof),
     }
 }
@@ -265,5 +270,33 @@ mod tests {
         }
         let after: u64 = refusals().filter(|(r, _)| *r == Refusal::Malformed).map(|(_, n)| n).sum();
         assert_eq!(after - before, 3);
+    }
+
+    #[test]
+    fn a_peer_with_another_key_is_a_proof_refusal_and_one_with_none_a_missing_key() {
+        use crate::wire::WireError;
+        use bulkhead_protocol::auth::{AuthError, Client, ClusterKey, KEY_LEN, Server};
+        use bulkhead_protocol::{Message, Purpose};
+        let (ours, theirs) = (ClusterKey::from_bytes([1; KEY_LEN]), ClusterKey::from_bytes([2; KEY_LEN]));
+        let accept = |first: Message| Server::start(&ours, Purpose::Control, first, false, [3; KEY_LEN]);
+        // A worker with another key: it refuses the gateway's challenge instead of proving.
+        let (client, hello) = Client::start(&theirs, Purpose::Control, 0, false, [4; KEY_LEN]);
+        let (server, challenge) = accept(hello).unwrap();
+        let reason = client.finish(challenge).err().unwrap().to_string();
+        let e = server.finish(Message::AuthRefused { reason }).err().unwrap();
+        assert_eq!(refusal_of(&WireError::Auth(e)), Some(Refusal::Proof));
+        // A worker that proves with another key.
+        let (_, hello) = Client::start(&theirs, Purpose::Control, 0, false, [4; KEY_LEN]);
+        let (server, _) = accept(hello).unwrap();
+        let e = server.finish(Message::AuthProof { proof: [9; KEY_LEN] }).err().unwrap();
+        assert_eq!(refusal_of(&WireError::Auth(e)), Some(Refusal::Proof));
+        // A worker without a key: its first frame is not a handshake.
+        let e = accept(Message::KvHello { prefill: bulkhead_protocol::WorkerId(1) }).err().unwrap();
+        assert_eq!(refusal_of(&WireError::Auth(e)), Some(Refusal::NoKey));
+        // A handshake for the other port is still unexpected.
+        let (_, hello) = Client::start(&ours, Purpose::Kv, 0, false, [4; KEY_LEN]);
+        let e = accept(hello).err().unwrap();
+        assert!(matches!(e, AuthError::WrongPurpose { .. }));
+        assert_eq!(refusal_of(&WireError::Auth(e)), Some(Refusal::Unexpected));
     }
 }

@@ -35,12 +35,21 @@ pub enum Encryption {
 /// Why the cluster's trust settings refuse to start.
 #[derive(Debug, thiserror::Error)]
 pub enum TrustError {
-    #[error("cannot read the cluster key file {path}: {source}")]
-    Read { path: String, source: std::io::Error },
+    // The I/O error is shown in the message, not chained as a `source` too (an error
+    // printed with its causes would name it twice).
+    #[error("cannot read the cluster key file {path}: {error}")]
+    Read { path: String, error: std::io::Error },
+    #[error(
+        "the cluster key file {path} already exists; `bulkhead keygen` never overwrites a key. To replace it, \
+         remove the file first, then give the new one to every process of the cluster"
+    )]
+    Exists { path: String },
+    #[error("cannot write the cluster key file {path}: {error}")]
+    Write { path: String, error: std::io::Error },
     #[error("the cluster key file {path} is readable or writable by others (mode {mode:o}); run `chmod 600 {path}`")]
     Permissions { path: String, mode: u32 },
-    #[error("the cluster key file {path} does not hold a key: {source}")]
-    Format { path: String, source: bulkhead_protocol::auth::AuthError },
+    #[error("the cluster key file {path} does not hold a key: {error}")]
+    Format { path: String, error: bulkhead_protocol::auth::AuthError },
     #[error(
         "the {what} listens on {addr}, which is not a loopback address, and this cluster has no key: \
          anyone who reaches it could join the cluster. Pass --cluster-key-file FILE (make one with \
@@ -111,7 +120,7 @@ impl Trust {
 /// Read a key file: 64 hexadecimal digits, and not readable by group or others.
 pub fn load_key_file(path: &Path) -> Result<ClusterKey, TrustError> {
     let shown = path.display().to_string();
-    let meta = std::fs::metadata(path).map_err(|source| TrustError::Read { path: shown.clone(), source })?;
+    let meta = std::fs::metadata(path).map_err(|error| TrustError::Read { path: shown.clone(), error })?;
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
@@ -122,8 +131,8 @@ pub fn load_key_file(path: &Path) -> Result<ClusterKey, TrustError> {
     }
     #[cfg(not(unix))]
     let _ = meta;
-    let text = std::fs::read_to_string(path).map_err(|source| TrustError::Read { path: shown.clone(), source })?;
-    ClusterKey::from_hex(&text).map_err(|source| TrustError::Format { path: shown, source })
+    let text = std::fs::read_to_string(path).map_err(|error| TrustError::Read { path: shown.clone(), error })?;
+    ClusterKey::from_hex(&text).map_err(|error| TrustError::Format { path: shown, error })
 }
 
 /// A new random key.
@@ -143,8 +152,11 @@ pub fn write_key_file(path: &Path) -> Result<(), TrustError> {
         use std::os::unix::fs::OpenOptionsExt;
         opts.mode(0o600);
     }
-    let mut f = opts.open(path).map_err(|source| TrustError::Read { path: shown.clone(), source })?;
-    writeln!(f, "{}", key.to_hex()).map_err(|source| TrustError::Read { path: shown, source })
+    let mut f = opts.open(path).map_err(|error| match error.kind() {
+        std::io::ErrorKind::AlreadyExists => TrustError::Exists { path: shown.clone() },
+        _ => TrustError::Write { path: shown.clone(), error },
+    })?;
+    writeln!(f, "{}", key.to_hex()).map_err(|error| TrustError::Write { path: shown, error })
 }
 
 /// 32 random bytes from the operating system: keys and handshake nonces.
@@ -192,7 +204,7 @@ mod tests {
         let path = dir.join("cluster.key");
         let _ = std::fs::remove_file(&path);
         write_key_file(&path).unwrap();
-        assert!(write_key_file(&path).is_err(), "never overwrites a key");
+        assert!(matches!(write_key_file(&path), Err(TrustError::Exists { .. })), "never overwrites a key");
         assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
         load_key_file(&path).unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
