@@ -38,11 +38,12 @@ if not (CHROMIUM and DRIVER):
     )
 
 KEY = "sk-web-ui-browser-test"
+ADMIN = "web-ui-operator-key"  # the dashboard's cache series are on the operator's page
 
 
 @pytest.fixture(scope="module")
 def server():
-    with serve() as srv:
+    with serve("--admin-key", ADMIN) as srv:
         yield srv
 
 
@@ -236,8 +237,14 @@ def test_dashboard_counters_move_after_a_request(server, browser, shots):
     wait(browser, "the first scrape", lambda d: d.find_element(By.ID, "status").text.startswith("live"))
     wait(browser, "the worker pools", lambda d: len(d.find_elements(By.CSS_SELECTOR, "#pools .pool")) == 2)
 
+    def cell(check):
+        """A check's "ran" cell, read in one script: the table is redrawn every second, so an
+        element found first and read later may be gone (stale)."""
+        sel = f"#checks tr[data-check={check}] td:nth-child(3)"
+        return browser.execute_script(f"const e = document.querySelector('{sel}'); return e ? e.textContent : '';")
+
     def coverage():
-        return browser.find_element(By.CSS_SELECTOR, "#checks tr[data-check=coverage] td:nth-child(3)").text.split()[0]
+        return (cell("coverage").split() or [""])[0]
 
     def generated():
         return browser.find_element(By.ID, "tokens-total").text
@@ -259,6 +266,20 @@ def test_dashboard_counters_move_after_a_request(server, browser, shots):
     page = browser.find_element(By.TAG_NAME, "body").text
     assert prompt not in page and completion.strip()[:20] not in page, "the dashboard shows no prompt or completion"
     assert csp_violations(browser) == []
+
+    # The prefix cache's pages and fence checks are the operator's: hidden without the key,
+    # shown once it is entered (and the key is not shown).
+    def fence():
+        return cell("tenant_fence")
+
+    assert fence() == "operator's key" and "cached and free: operator's key" in page, page
+    browser.find_element(By.ID, "admin-key").send_keys(ADMIN)
+    browser.find_element(By.CSS_SELECTOR, "#operator button").click()
+    wait(browser, "the operator's page", lambda d: fence() != "operator's key", timeout=10)
+    assert fence()[:1].isdigit(), fence()
+    wait(browser, "the cache pages", lambda d: " cached · " in d.find_element(By.ID, "pools").text, timeout=5)
+    assert not browser.find_element(By.ID, "operator").is_displayed()
+    assert ADMIN not in browser.find_element(By.TAG_NAME, "body").text
 
     # The screenshot while a long answer is generated: pages leased, a request running.
     long = urllib.request.Request(

@@ -451,20 +451,18 @@ fn past_the_migration_limit_a_killed_decode_worker_ends_the_stream_with_an_error
     assert_eq!(status, 200, "{v}");
 }
 
-/// A worker that cannot start is restarted with backoff, and after five exits within a
-/// minute `serve` exits non-zero and says why, so that an outer supervisor takes over; until
-/// it exits, `/health` answers 503 long enough for a supervisor's probe to see it.
-#[test]
-fn a_crash_looping_worker_makes_serve_exit_non_zero_with_the_reason() {
+/// `serve` with `args` and `env`, its stderr to a file, until it exits by itself: its exit
+/// status, its stderr, and how often `/health` answered 200 and 503 meanwhile.
+fn serve_until_it_exits(args: &[&str], env: &[(&str, &str)]) -> (std::process::ExitStatus, String, u32, u32, Duration) {
     let start = std::time::Instant::now();
-    let log = std::env::temp_dir().join(format!("bulkhead-crash-loop-{}-{}.log", std::process::id(), rand_u64()));
-    let mut child = Command::new(BIN)
-        .args(["serve", "--port", "0", "--kv-pool-tokens", "1000", "--threads", "1", "--model"])
-        .arg(model())
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&log).expect("log file"))
-        .spawn()
-        .expect("spawn bulkhead serve");
+    let log = std::env::temp_dir().join(format!("bulkhead-exit-{}-{}.log", std::process::id(), rand_u64()));
+    let mut cmd = Command::new(BIN);
+    cmd.args(["serve", "--port", "0", "--threads", "1", "--model"]).arg(model()).args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child =
+        cmd.stdout(Stdio::piped()).stderr(std::fs::File::create(&log).expect("log file")).spawn().expect("spawn bulkhead serve");
     let mut line = String::new();
     BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("serve prints its address");
     let http = line.split("http://").nth(1).and_then(|r| r.split_whitespace().next()).expect("address").to_string();
@@ -477,24 +475,56 @@ fn a_crash_looping_worker_makes_serve_exit_non_zero_with_the_reason() {
         s.read_to_string(&mut resp).ok()?;
         resp.split_whitespace().nth(1)?.parse().ok()
     };
-    let mut unhealthy_polls = 0;
+    let (mut healthy, mut unhealthy) = (0, 0);
     let status = loop {
         if let Some(status) = child.try_wait().expect("wait") {
             break status;
         }
-        if health() == Some(503) {
-            unhealthy_polls += 1;
+        match health() {
+            Some(200) => healthy += 1,
+            Some(503) => unhealthy += 1,
+            _ => {}
         }
         assert!(start.elapsed() < Duration::from_secs(90), "serve never exited");
         std::thread::sleep(Duration::from_millis(200));
     };
-    assert!(!status.success());
     let err = std::fs::read_to_string(&log).unwrap_or_default();
-    assert!(err.contains("exited 5 times within 60 s"), "{err}");
-    assert!(err.contains("--kv-pool-tokens"), "the worker's own reason is in the log: {err}");
-    assert!(unhealthy_polls >= 5, "/health answered 503 only {unhealthy_polls} times before serve exited");
-    assert!(start.elapsed() < Duration::from_secs(60), "{:?}", start.elapsed());
     let _ = std::fs::remove_file(&log);
+    (status, err, healthy, unhealthy, start.elapsed())
+}
+
+/// A worker that exits for a reason a restart may cure is restarted with backoff (liveness
+/// stays 200 meanwhile), and after five exits within a minute `serve` exits non-zero, its
+/// last line naming the worker's own reason, so that an outer supervisor takes over; until
+/// it exits, `/health` answers 503 long enough for a supervisor's probe to see it.
+#[test]
+fn a_crash_looping_worker_makes_serve_exit_non_zero_with_the_reason() {
+    // The decode worker's KV port is taken: it exits, and is restarted, until it is not.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = taken.local_addr().expect("addr").to_string();
+    let (status, err, healthy, unhealthy, took) = serve_until_it_exits(&[], &[("BULKHEAD_KV_LISTEN", &port)]);
+    assert!(!status.success());
+    assert_ne!(status.code(), Some(78), "a busy port is no reason to stop at once");
+    let last = err.lines().last().unwrap_or_default();
+    assert!(last.contains("exited 5 times within 60 s") && last.contains("cannot listen for KV connections"), "{err}");
+    assert!(healthy >= 1, "/health was never 200 while the worker was being restarted");
+    assert!(unhealthy >= 5, "/health answered 503 only {unhealthy} times before serve exited");
+    assert!(took < Duration::from_secs(60), "{took:?}");
+}
+
+/// A worker that cannot start for a reason a restart cannot change (here the capacity
+/// check) exits with its own status, and `serve` stops at once, its last line naming the
+/// reason and the fix, without spending its restart budget.
+#[test]
+fn a_worker_that_cannot_start_stops_serve_at_once_naming_the_reason() {
+    let (status, err, _, unhealthy, took) = serve_until_it_exits(&["--kv-pool-tokens", "1000"], &[]);
+    assert!(!status.success());
+    let last = err.lines().last().unwrap_or_default();
+    assert!(last.starts_with("error: ") && last.contains("cannot start"), "{err}");
+    assert!(last.contains("--kv-pool-tokens") && last.contains("--clamp-context"), "the cause and its fix: {last}");
+    assert!(!err.contains("restarting it"), "a worker that cannot start was restarted: {err}");
+    assert!(unhealthy >= 5, "/health answered 503 only {unhealthy} times before serve exited");
+    assert!(took < Duration::from_secs(20), "{took:?}");
 }
 
 #[test]
@@ -559,7 +589,7 @@ fn a_worker_whose_pool_cannot_hold_the_context_refuses_to_start_and_names_the_fi
         .arg(model())
         .output()
         .unwrap();
-    assert!(!out.status.success());
+    assert_eq!(out.status.code(), Some(78), "the status that tells a supervisor not to restart it");
     let err = String::from_utf8_lossy(&out.stderr);
     for needle in ["1008", "8192", "--kv-pool-tokens", "--clamp-context"] {
         assert!(err.contains(needle), "missing {needle:?} in: {err}");
@@ -776,7 +806,7 @@ fn structured_outputs_logprobs_n_and_tools_hold_across_the_handoff() {
         "required": ["city", "population"], "additionalProperties": false});
     let v = post(
         "/v1/chat/completions",
-        serde_json::json!({"model": MODEL_ID, "max_tokens": 64, "messages": user("Give a city and its population as JSON."),
+        serde_json::json!({"model": MODEL_ID, "max_tokens": 64, "temperature": 0, "messages": user("Give a city and its population as JSON."),
         "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": true}}}),
     );
     let answer: serde_json::Value = serde_json::from_str(&content(&v)).unwrap_or_else(|e| panic!("{e}: {v}"));
@@ -799,7 +829,7 @@ fn structured_outputs_logprobs_n_and_tools_hold_across_the_handoff() {
     let mut ctx: Vec<u32> = serde_json::from_value(tokenized["tokens"].clone()).expect("ids");
     let v = post(
         "/v1/chat/completions",
-        serde_json::json!({"model": MODEL_ID, "max_tokens": 4, "messages": messages, "logprobs": true, "top_logprobs": 2}),
+        serde_json::json!({"model": MODEL_ID, "max_tokens": 4, "temperature": 0, "messages": messages, "logprobs": true, "top_logprobs": 2}),
     );
     let served = v["choices"][0]["logprobs"]["content"].as_array().expect("logprobs").clone();
     assert!(!served.is_empty());
@@ -854,7 +884,7 @@ fn structured_outputs_logprobs_n_and_tools_hold_across_the_handoff() {
         "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"], "additionalProperties": false}}}]);
     let v = post(
         "/v1/chat/completions",
-        serde_json::json!({"model": MODEL_ID, "max_tokens": 64, "messages": user("What is the weather in Paris?"), "tools": tools, "tool_choice": "required"}),
+        serde_json::json!({"model": MODEL_ID, "max_tokens": 64, "temperature": 0, "messages": user("What is the weather in Paris?"), "tools": tools, "tool_choice": "required"}),
     );
     let choice = &v["choices"][0];
     assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
