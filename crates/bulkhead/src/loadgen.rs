@@ -13,7 +13,8 @@ use bulkhead_client::dist::{Dist, Rng};
 use bulkhead_client::http::{Timeouts, Url};
 use bulkhead_client::loadgen::{self, LoadgenConfig};
 use bulkhead_client::multiturn::{self, MultiTurnConfig};
-use bulkhead_client::openloop::{self, OpenLoopConfig, OpenLoopReport, RatePoint, Slo};
+use bulkhead_client::openloop::{self, OpenLoopConfig, OpenLoopReport, RatePoint};
+use bulkhead_client::report::Slo;
 use bulkhead_client::{Api, Client, ClientConfig};
 use clap::{Args, ValueEnum};
 
@@ -222,7 +223,7 @@ pub fn run(a: LoadgenArgs) -> anyhow::Result<()> {
         let report = loadgen::run(&client, &cfg).await?;
         print_report(a.json, &report)?;
         write_json(a.json_out.as_deref(), &report)?;
-        anyhow::ensure!(report.ok > 0, "no request succeeded");
+        anyhow::ensure!(report.tally.ok > 0, "no request succeeded");
         Ok(())
     })
 }
@@ -359,7 +360,7 @@ fn run_multi_turn(a: LoadgenArgs) -> anyhow::Result<()> {
         let report = multiturn::run(&clients, &cfg).await?;
         print_report(a.json, &report)?;
         write_json(a.json_out.as_deref(), &report)?;
-        anyhow::ensure!(report.ok > 0, "no request succeeded");
+        anyhow::ensure!(report.tally.ok > 0, "no request succeeded");
         Ok(())
     })
 }

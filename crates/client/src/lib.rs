@@ -6,6 +6,9 @@
 //! - [`openai`]: `/v1/models` and (chat) completions, streamed or not, timed per chunk.
 //! - [`dist`]: seeded generator, length distributions, filler text and random codes.
 //! - [`stats`]: percentiles, latency summaries and the two-sample Kolmogorov–Smirnov test.
+//! - [`report`]: the one report type of the load generator's modes, a [`report::Tally`]:
+//!   counts, failures by kind, tokens, latency percentiles and SLO attainment, as text and
+//!   flat JSON.
 //! - [`loadgen`]: N concurrent streaming clients; throughput, TTFT and inter-token latency.
 //! - [`openloop`]: open-loop (Poisson) arrivals at one or more rates; SLO attainment per
 //!   rate and goodput, the highest rate at which 90% of requests meet a TTFT and a TPOT SLO.
@@ -25,6 +28,7 @@ pub mod multiturn;
 pub mod openai;
 pub mod openloop;
 pub mod probe;
+pub mod report;
 pub mod sse;
 pub mod stats;
 pub mod timing;

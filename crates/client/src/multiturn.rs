@@ -20,7 +20,8 @@ use tokio::sync::Semaphore;
 use crate::ClientError;
 use crate::dist::{Dist, Rng, code, words};
 use crate::openai::{Api, Client, HangUp, Outcome};
-use crate::stats::{Summary, percentile};
+use crate::report::{Tallier, Tally, classify, ms};
+use crate::stats::percentile;
 
 /// Words in each new user message (about one token each).
 pub const USER_WORDS: usize = 24;
@@ -174,6 +175,7 @@ impl Conversation {
 struct Turn {
     /// 1 for the first user turn.
     turn: usize,
+    /// The answer, or the kind and message of its failure ([`classify`]).
     result: Result<Outcome, (String, String)>,
     max_tokens: u32,
     /// A later turn's prompt tokens past the previous turn's prompt and answer (what is
@@ -221,46 +223,22 @@ pub struct MultiTurnReport {
     pub stream: bool,
     /// `ignore_eos` sent.
     pub ignore_eos: bool,
-    /// Requests sent.
+    /// Requests sent: `tally.ok + tally.failed` (a failure ends its conversation).
     pub requests: u64,
-    /// Requests that succeeded.
-    pub ok: u64,
-    /// Requests that failed (each ends its conversation).
-    pub failed: u64,
     /// Turns not sent because their conversation had failed.
     pub skipped_turns: u64,
-    /// Failures by kind.
-    pub errors: BTreeMap<String, u64>,
-    /// The first few failure messages.
-    pub error_examples: Vec<String>,
-    /// Wall time (s).
-    pub duration_s: f64,
-    /// Successful requests per second.
-    pub requests_per_s: f64,
-    /// Output tokens of successful requests.
-    pub output_tokens: u64,
-    /// Output tokens of successful requests per second.
-    pub output_tokens_per_s: f64,
-    /// Successful requests that returned fewer tokens than `max_tokens`.
-    pub short_outputs: u64,
-    /// Time to first token (ms), all turns.
-    pub ttft_ms: Option<Summary>,
+    /// What the requests did, all turns together, over the run's wall time.
+    #[serde(flatten)]
+    pub tally: Tally,
     /// Median TTFT of each turn number.
     pub ttft_by_turn: Vec<TurnTtft>,
     /// Median TTFT of first turns (ms).
     pub ttft_first_turn_p50_ms: Option<f64>,
     /// Median TTFT of all later turns together (ms).
     pub ttft_later_turns_p50_ms: Option<f64>,
-    /// Gaps between content chunks (ms).
-    pub itl_ms: Option<Summary>,
-    /// Whole-request latency (ms).
-    pub latency_ms: Option<Summary>,
-    /// Successful responses that carried `usage`.
-    pub responses_with_usage: u64,
-    /// Of those, the ones with `usage.prompt_tokens_details.cached_tokens`.
+    /// Of the responses with usage (the tally's `responses_with_usage`), the ones with
+    /// `usage.prompt_tokens_details.cached_tokens`.
     pub responses_with_cached_tokens: u64,
-    /// Sum of `usage.prompt_tokens`.
-    pub prompt_tokens: u64,
     /// Sum of `usage.prompt_tokens_details.cached_tokens` (absent counts as 0).
     pub cached_tokens: u64,
     /// Sum of first turns' `usage.prompt_tokens`.
@@ -268,7 +246,8 @@ pub struct MultiTurnReport {
     /// Sum over later turns of their prompt tokens past the previous turn's prompt and
     /// answer: what is new in them (exact when the answer tokenizes back as generated).
     pub later_turn_new_tokens: u64,
-    /// `cached_tokens / prompt_tokens`, when any prompt tokens were reported.
+    /// `cached_tokens / prompt_tokens` (the tally's sum of `usage.prompt_tokens`), when any
+    /// prompt tokens were reported.
     pub cached_share: Option<f64>,
 }
 
@@ -298,11 +277,7 @@ pub async fn run(clients: &[Client], cfg: &MultiTurnConfig) -> Result<MultiTurnR
                 let mut before: Option<u64> = None;
                 loop {
                     let r = client.complete_body(Api::Chat, &conv.body(&cfg), HangUp::Never).await;
-                    let result = match r {
-                        Ok(o) if o.ok(cfg.stream) => Ok(o),
-                        Ok(o) => Err(classify(&o)),
-                        Err(e) => Err((e.kind().to_string(), e.to_string())),
-                    };
+                    let result = classify(r, cfg.stream);
                     let text = result.as_ref().ok().map(|o| o.text.clone());
                     let usage = result.as_ref().ok().and_then(|o| o.usage.map(|u| (u.prompt_tokens, o.output_tokens())));
                     let new_tokens = before.zip(usage).map(|(b, (prompt, _))| prompt.saturating_sub(b));
@@ -328,67 +303,35 @@ pub async fn run(clients: &[Client], cfg: &MultiTurnConfig) -> Result<MultiTurnR
     Ok(report(clients, cfg, &turns, start.elapsed()))
 }
 
-/// The kind and message of an answer that is not a success.
-fn classify(o: &Outcome) -> (String, String) {
-    let kind = if !(200..300).contains(&o.status) {
-        format!("http_{}", o.status)
-    } else if o.error.is_some() {
-        "stream_error".into()
-    } else {
-        "incomplete_stream".into()
-    };
-    (kind, o.error.clone().unwrap_or_else(|| "the stream ended without [DONE]".into()))
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
-
 fn median(mut v: Vec<f64>) -> Option<f64> {
     v.sort_by(f64::total_cmp);
     percentile(&v, 50.0)
 }
 
 fn report(clients: &[Client], cfg: &MultiTurnConfig, turns: &[Turn], elapsed: Duration) -> MultiTurnReport {
-    let mut failures = crate::loadgen::Failures::default();
-    let (mut ttft, mut itl, mut latency) = (Vec::new(), Vec::new(), Vec::new());
+    let mut tally = Tallier::new(ERROR_EXAMPLES);
     let mut by_turn: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
-    let (mut ok, mut tokens, mut short) = (0u64, 0u64, 0u64);
-    let (mut with_usage, mut with_cached, mut prompt_tokens, mut cached_tokens) = (0u64, 0u64, 0u64, 0u64);
-    let (mut first_turn_prompt_tokens, mut later_turn_new_tokens) = (0u64, 0u64);
+    let (mut with_cached, mut cached_tokens, mut first_turn_prompt_tokens, mut later_turn_new_tokens) = (0u64, 0u64, 0u64, 0u64);
     for t in turns {
+        tally.add_outcome(&t.result, t.max_tokens);
         later_turn_new_tokens += t.new_tokens.unwrap_or(0);
-        match &t.result {
-            Err((kind, msg)) => failures.record(kind, Some(msg), ERROR_EXAMPLES),
-            Ok(o) => {
-                ok += 1;
-                let n = o.output_tokens();
-                tokens += n;
-                short += u64::from(n < u64::from(t.max_tokens));
-                if let Some(u) = o.usage {
-                    with_usage += 1;
-                    prompt_tokens += u.prompt_tokens;
-                    if t.turn == 1 {
-                        first_turn_prompt_tokens += u.prompt_tokens;
-                    }
-                    with_cached += u64::from(u.cached_tokens.is_some());
-                    cached_tokens += u.cached_tokens.unwrap_or(0);
-                }
-                if let Some(x) = o.ttft.map(ms) {
-                    ttft.push(x);
-                    by_turn.entry(t.turn).or_default().push(x);
-                }
-                itl.extend(o.itl.iter().copied().map(ms));
-                latency.push(ms(o.latency));
+        let Ok(o) = &t.result else { continue };
+        if let Some(u) = o.usage {
+            if t.turn == 1 {
+                first_turn_prompt_tokens += u.prompt_tokens;
             }
+            with_cached += u64::from(u.cached_tokens.is_some());
+            cached_tokens += u.cached_tokens.unwrap_or(0);
+        }
+        if let Some(x) = o.ttft.map(ms) {
+            by_turn.entry(t.turn).or_default().push(x);
         }
     }
+    let tally = tally.finish(elapsed, &[]);
     let first = by_turn.get(&1).cloned().unwrap_or_default();
     let later: Vec<f64> = by_turn.iter().filter(|(t, _)| **t > 1).flat_map(|(_, v)| v.iter().copied()).collect();
     let ttft_by_turn = by_turn.iter().filter_map(|(&turn, v)| Some(TurnTtft { turn, n: v.len(), p50_ms: median(v.clone())? })).collect();
-    let requests = turns.len() as u64;
     let planned = (cfg.total_conversations() * cfg.turns) as u64;
-    let secs = elapsed.as_secs_f64().max(1e-9);
     MultiTurnReport {
         url: clients.first().map(|c| c.config().url.to_string()).unwrap_or_default(),
         api: Api::Chat,
@@ -403,30 +346,17 @@ fn report(clients: &[Client], cfg: &MultiTurnConfig, turns: &[Turn], elapsed: Du
         seed: cfg.seed,
         stream: cfg.stream,
         ignore_eos: cfg.ignore_eos,
-        requests,
-        ok,
-        failed: requests - ok,
-        skipped_turns: planned.saturating_sub(requests),
-        errors: failures.errors,
-        error_examples: failures.examples,
-        duration_s: secs,
-        requests_per_s: ok as f64 / secs,
-        output_tokens: tokens,
-        output_tokens_per_s: tokens as f64 / secs,
-        short_outputs: short,
-        ttft_ms: Summary::of(&ttft),
+        requests: tally.requests(),
+        skipped_turns: planned.saturating_sub(tally.requests()),
         ttft_by_turn,
         ttft_first_turn_p50_ms: median(first),
         ttft_later_turns_p50_ms: median(later),
-        itl_ms: Summary::of(&itl),
-        latency_ms: Summary::of(&latency),
-        responses_with_usage: with_usage,
         responses_with_cached_tokens: with_cached,
-        prompt_tokens,
         cached_tokens,
         first_turn_prompt_tokens,
         later_turn_new_tokens,
-        cached_share: (prompt_tokens > 0).then(|| cached_tokens as f64 / prompt_tokens as f64),
+        cached_share: (tally.prompt_tokens > 0).then(|| cached_tokens as f64 / tally.prompt_tokens as f64),
+        tally,
     }
 }
 
@@ -446,21 +376,7 @@ impl std::fmt::Display for MultiTurnReport {
             if self.ignore_eos { " (ignore_eos)" } else { "" },
             self.seed
         )?;
-        writeln!(
-            f,
-            "  requests      {} ok, {} failed, {} turns skipped in {:.2} s",
-            self.ok, self.failed, self.skipped_turns, self.duration_s
-        )?;
-        writeln!(f, "  requests/s    {:.3}", self.requests_per_s)?;
-        writeln!(f, "  output tok/s  {:.1}   ({} tokens)", self.output_tokens_per_s, self.output_tokens)?;
-        if self.short_outputs > 0 {
-            writeln!(f, "  note: {} requests ended before max_tokens", self.short_outputs)?;
-        }
-        for (name, s) in [("TTFT ms", &self.ttft_ms), ("ITL ms", &self.itl_ms), ("latency ms", &self.latency_ms)] {
-            if let Some(s) = s {
-                writeln!(f, "  {name:<12}  p50 {:9.2}  p90 {:9.2}  p99 {:9.2}  mean {:9.2}  (n={})", s.p50, s.p90, s.p99, s.mean, s.count)?;
-            }
-        }
+        self.tally.write_summary(f, &format!(", {} turns skipped", self.skipped_turns))?;
         if !self.ttft_by_turn.is_empty() {
             let turns: Vec<String> = self.ttft_by_turn.iter().map(|t| format!("{}: {:.2}", t.turn, t.p50_ms)).collect();
             writeln!(f, "  TTFT p50 by turn (ms)  {}", turns.join("  "))?;
@@ -473,20 +389,14 @@ impl std::fmt::Display for MultiTurnReport {
                 f,
                 "  prompt cache  {} of {} prompt tokens cached ({:.1}%; {} of {} responses with usage reported cached_tokens)",
                 self.cached_tokens,
-                self.prompt_tokens,
+                self.tally.prompt_tokens,
                 share * 100.0,
                 self.responses_with_cached_tokens,
-                self.responses_with_usage
+                self.tally.responses_with_usage
             )?,
             None => writeln!(f, "  prompt cache  - (the server reported no prompt tokens)")?,
         }
-        for (kind, n) in &self.errors {
-            writeln!(f, "  errors: {kind} x {n}")?;
-        }
-        for e in &self.error_examples {
-            writeln!(f, "    e.g. {e}")?;
-        }
-        Ok(())
+        self.tally.failures.write(f, "  ")
     }
 }
 

@@ -16,7 +16,6 @@
 //! requests at the same moments. Each request of a run has its own prompt index, so no
 //! server can answer a later point from a cache filled by an earlier one.
 
-use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -26,9 +25,9 @@ use tokio::time::Instant;
 
 use crate::ClientError;
 use crate::dist::{Dist, Rng};
-use crate::loadgen::{LoadgenConfig, classify};
+use crate::loadgen::LoadgenConfig;
 use crate::openai::{Api, Client, HangUp};
-use crate::stats::Summary;
+use crate::report::{Measure, Slo, Tallier, Tally, classify, ms};
 
 /// Attainment a rate must reach to count towards goodput.
 pub const GOODPUT_TARGET: f64 = 0.9;
@@ -36,21 +35,6 @@ pub const GOODPUT_TARGET: f64 = 0.9;
 const ARRIVAL_STREAM: u64 = 0x4152_5249_5645_0003;
 /// Error messages kept per point (the counts cover all).
 const ERROR_EXAMPLES: usize = 3;
-
-/// A pair of service-level objectives; a request meets the pair when it meets both.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct Slo {
-    /// Largest time to first token (ms).
-    pub ttft_ms: f64,
-    /// Largest mean time per output token after the first (ms).
-    pub tpot_ms: f64,
-}
-
-impl std::fmt::Display for Slo {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "TTFT <= {} ms, TPOT <= {} ms", self.ttft_ms, self.tpot_ms)
-    }
-}
 
 /// What to send: the requests of [`LoadgenConfig`] (its `concurrency`, `requests` and
 /// `duration` are not used), at these rates.
@@ -112,12 +96,6 @@ pub fn arrivals(seed: u64, point: usize, rates: &[f64], max_requests: Option<u64
     all
 }
 
-/// TPOT (ms): the time after the first token over the tokens after it; `None` for fewer
-/// than two output tokens (nothing to divide).
-pub fn tpot_ms(latency_ms: f64, ttft_ms: f64, output_tokens: u64) -> Option<f64> {
-    (output_tokens >= 2).then(|| (latency_ms - ttft_ms).max(0.0) / (output_tokens - 1) as f64)
-}
-
 /// One measured request.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RequestRecord {
@@ -141,47 +119,6 @@ pub struct RequestRecord {
     pub output_tokens: u64,
     /// Time per output token after the first (ms).
     pub tpot_ms: Option<f64>,
-}
-
-impl RequestRecord {
-    /// Whether it meets the TTFT objective of `slo` (a failure meets nothing).
-    pub fn meets_ttft(&self, slo: &Slo) -> bool {
-        self.ok && self.ttft_ms.is_some_and(|t| t <= slo.ttft_ms)
-    }
-
-    /// Whether it meets the TPOT objective of `slo`; a successful request of one token has
-    /// no TPOT and meets it.
-    pub fn meets_tpot(&self, slo: &Slo) -> bool {
-        self.ok && self.tpot_ms.is_none_or(|t| t <= slo.tpot_ms)
-    }
-}
-
-/// The fraction of requests that meet an SLO pair.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct Attainment {
-    /// The pair.
-    pub slo: Slo,
-    /// Both objectives.
-    pub both: f64,
-    /// The TTFT objective alone.
-    pub ttft: f64,
-    /// The TPOT objective alone.
-    pub tpot: f64,
-}
-
-/// Attainment of `slo` over `records` (failures included, meeting nothing); `None` for no
-/// records.
-pub fn attainment<'a>(records: impl IntoIterator<Item = &'a RequestRecord>, slo: Slo) -> Option<Attainment> {
-    let (mut n, mut both, mut ttft, mut tpot) = (0u64, 0u64, 0u64, 0u64);
-    for r in records {
-        let (a, b) = (r.meets_ttft(&slo), r.meets_tpot(&slo));
-        n += 1;
-        ttft += u64::from(a);
-        tpot += u64::from(b);
-        both += u64::from(a && b);
-    }
-    let frac = |k: u64| k as f64 / n as f64;
-    (n > 0).then(|| Attainment { slo, both: frac(both), ttft: frac(ttft), tpot: frac(tpot) })
 }
 
 /// How a goodput figure was found.
@@ -262,16 +199,11 @@ pub struct TenantPoint {
     pub tenant: usize,
     /// Its offered rate (requests/s).
     pub rate: f64,
-    /// Its requests.
+    /// Its requests: `tally.ok + tally.failed`.
     pub sent: u64,
-    /// Those that succeeded.
-    pub ok: u64,
-    /// Attainment per SLO pair.
-    pub attainment: Vec<Attainment>,
-    /// Its TTFT (ms).
-    pub ttft_ms: Option<Summary>,
-    /// Its TPOT (ms).
-    pub tpot_ms: Option<Summary>,
+    /// What its requests did, over the point's duration.
+    #[serde(flatten)]
+    pub tally: Tally,
 }
 
 /// The results at one offered rate.
@@ -279,39 +211,19 @@ pub struct TenantPoint {
 pub struct RatePoint {
     /// Offered rate, all tenants together (requests/s).
     pub rate: f64,
-    /// Requests sent.
+    /// Requests sent: `tally.ok + tally.failed`.
     pub sent: u64,
     /// The rate actually drawn: requests sent over the window when it cut the arrivals,
     /// else over the time to the last arrival.
     pub arrival_rate: f64,
-    /// Requests that succeeded.
-    pub ok: u64,
-    /// Requests that failed.
-    pub failed: u64,
-    /// Failures by kind.
-    pub errors: BTreeMap<String, u64>,
-    /// The first few failure messages.
-    pub error_examples: Vec<String>,
-    /// From the first arrival to the last answer (s).
-    pub duration_s: f64,
-    /// Successful requests per second over `duration_s`.
-    pub requests_per_s: f64,
-    /// Output tokens of successful requests per second over `duration_s`.
-    pub output_tokens_per_s: f64,
     /// Most requests in flight at once.
     pub max_in_flight: usize,
     /// Arrivals that found the in-flight cap full and were sent late.
     pub cap_waits: u64,
-    /// Successful requests that returned fewer tokens than asked.
-    pub short_outputs: u64,
-    /// Attainment per SLO pair, all tenants together.
-    pub attainment: Vec<Attainment>,
-    /// TTFT from arrival (ms), successful requests.
-    pub ttft_ms: Option<Summary>,
-    /// TPOT (ms), successful requests.
-    pub tpot_ms: Option<Summary>,
-    /// End-to-end latency from arrival (ms), successful requests.
-    pub latency_ms: Option<Summary>,
+    /// What the requests did, all tenants together, from the first arrival to the last
+    /// answer; TTFT and latency count from each request's arrival.
+    #[serde(flatten)]
+    pub tally: Tally,
     /// Per tenant, when the point has several.
     pub tenants: Vec<TenantPoint>,
 }
@@ -334,72 +246,79 @@ pub struct PointRun {
 /// A request as measured, before it is judged.
 #[derive(Debug, Clone)]
 struct Measured {
-    record: RequestRecord,
-    message: Option<String>,
-    max_tokens: u32,
+    tenant: usize,
+    /// Scheduled arrival, from the point's start.
+    arrival_s: f64,
+    /// How long after its arrival it was sent (ms).
+    late_ms: f64,
+    /// The answer's measures, when one came (a failure may have one: a stream without
+    /// tokens).
+    answer: Option<Measure>,
+    /// The kind and message of its failure.
+    failure: Option<(String, Option<String>)>,
 }
 
-/// Summarise one point's records (their `point` fields are not checked).
-fn rate_point(rates: &[f64], records: &[Measured], slos: &[Slo], run: PointRun) -> RatePoint {
-    let mut failures = crate::loadgen::Failures::default();
-    let (mut ok, mut tokens, mut short) = (0u64, 0u64, 0u64);
-    for m in records {
-        let r = &m.record;
-        if r.ok {
-            ok += 1;
-            tokens += r.output_tokens;
-            short += u64::from(r.output_tokens < u64::from(m.max_tokens));
-        } else {
-            failures.record(r.error.as_deref().unwrap_or_default(), m.message.as_deref(), ERROR_EXAMPLES);
+impl Measured {
+    /// What a tally counts of it: a request succeeded when it has an answer and no failure.
+    fn result(&self) -> Result<&Measure, (&str, Option<&str>)> {
+        match (&self.failure, &self.answer) {
+            (Some((kind, message)), _) => Err((kind, message.as_deref())),
+            (None, Some(m)) => Ok(m),
+            // `run_point` never builds one without either; were it to, it would not count
+            // as a success.
+            (None, None) => Err(("no_answer", None)),
         }
     }
-    let recs: Vec<&RequestRecord> = records.iter().map(|m| &m.record).collect();
-    let summary = |f: fn(&RequestRecord) -> Option<f64>, tenant: Option<usize>| {
-        let v: Vec<f64> = recs.iter().filter(|r| r.ok && tenant.is_none_or(|t| r.tenant == t)).filter_map(|r| f(r)).collect();
-        Summary::of(&v)
-    };
-    let attain = |tenant: Option<usize>| {
-        slos.iter()
-            .filter_map(|&s| attainment(recs.iter().copied().filter(|r| tenant.is_none_or(|t| r.tenant == t)), s))
-            .collect::<Vec<_>>()
-    };
+
+    /// Its record in the report, in point `point`.
+    fn record(&self, point: usize) -> RequestRecord {
+        let a = self.answer.as_ref();
+        RequestRecord {
+            point,
+            tenant: self.tenant,
+            arrival_s: self.arrival_s,
+            late_ms: self.late_ms,
+            ok: self.result().is_ok(),
+            error: self.failure.as_ref().map(|(kind, _)| kind.clone()),
+            ttft_ms: a.and_then(|m| m.ttft_ms),
+            latency_ms: a.map(|m| m.latency_ms),
+            output_tokens: a.map_or(0, |m| m.output_tokens),
+            tpot_ms: a.and_then(Measure::tpot_ms),
+        }
+    }
+}
+
+/// Summarise one point's requests: all tenants together, and each of several apart.
+fn rate_point(rates: &[f64], measured: &[Measured], slos: &[Slo], run: PointRun) -> RatePoint {
+    let mut all = Tallier::new(ERROR_EXAMPLES);
+    let mut each: Vec<Tallier> = rates.iter().map(|_| Tallier::new(ERROR_EXAMPLES)).collect();
+    for m in measured {
+        all.add(m.result());
+        if let Some(t) = each.get_mut(m.tenant) {
+            t.add(m.result());
+        }
+    }
     let tenants = if rates.len() > 1 {
-        rates
-            .iter()
+        each.into_iter()
+            .zip(rates)
             .enumerate()
-            .map(|(t, &rate)| TenantPoint {
-                tenant: t,
-                rate,
-                sent: recs.iter().filter(|r| r.tenant == t).count() as u64,
-                ok: recs.iter().filter(|r| r.tenant == t && r.ok).count() as u64,
-                attainment: attain(Some(t)),
-                ttft_ms: summary(|r| r.ttft_ms, Some(t)),
-                tpot_ms: summary(|r| r.tpot_ms, Some(t)),
+            .map(|(tenant, (t, &rate))| {
+                let tally = t.finish(run.elapsed, slos);
+                TenantPoint { tenant, rate, sent: tally.requests(), tally }
             })
             .collect()
     } else {
         Vec::new()
     };
-    let secs = run.elapsed.as_secs_f64().max(1e-9);
-    let sent = records.len() as u64;
+    let tally = all.finish(run.elapsed, slos);
+    let sent = tally.requests();
     RatePoint {
         rate: rates.iter().sum(),
         sent,
         arrival_rate: sent as f64 / run.window_cut.unwrap_or(run.last_arrival).as_secs_f64().max(1e-9),
-        ok,
-        failed: sent - ok,
-        errors: failures.errors,
-        error_examples: failures.examples,
-        duration_s: secs,
-        requests_per_s: ok as f64 / secs,
-        output_tokens_per_s: tokens as f64 / secs,
         max_in_flight: run.max_in_flight,
         cap_waits: run.cap_waits,
-        short_outputs: short,
-        attainment: attain(None),
-        ttft_ms: summary(|r| r.ttft_ms, None),
-        tpot_ms: summary(|r| r.tpot_ms, None),
-        latency_ms: summary(|r| r.latency_ms, None),
+        tally,
         tenants,
     }
 }
@@ -450,7 +369,7 @@ pub struct OpenLoopReport {
 impl OpenLoopReport {
     /// Whether any request succeeded.
     pub fn any_ok(&self) -> bool {
-        self.points.iter().any(|p| p.ok > 0)
+        self.points.iter().any(|p| p.tally.ok > 0)
     }
 }
 
@@ -502,13 +421,13 @@ pub async fn run(clients: &[Client], cfg: &OpenLoopConfig, mut progress: impl Fn
     let (mut points, mut requests) = (Vec::new(), Vec::new());
     for (p, rates) in cfg.points.iter().enumerate() {
         let plan = arrivals(base.seed, p, rates, cfg.max_requests, cfg.window);
-        let (measured, run) = run_point(clients, cfg, p, &plan, next_index).await?;
+        let (measured, run) = run_point(clients, cfg, &plan, next_index).await?;
         next_index += plan.len() as u64;
         let point = rate_point(rates, &measured, &cfg.slos, run);
         progress(&point);
-        let hopeless = cfg.stop_below.is_some_and(|floor| point.attainment.iter().all(|a| a.both < floor));
+        let hopeless = cfg.stop_below.is_some_and(|floor| point.tally.attainment.iter().all(|a| a.both < floor));
         points.push(point);
-        requests.extend(measured.into_iter().map(|m| m.record));
+        requests.extend(measured.iter().map(|m| m.record(p)));
         if hopeless && p + 1 < cfg.points.len() {
             tracing::info!(rate = points[p].rate, "every SLO pair's attainment is below --stop-below: the sweep ends here");
             break;
@@ -519,7 +438,7 @@ pub async fn run(clients: &[Client], cfg: &OpenLoopConfig, mut progress: impl Fn
             .iter()
             .enumerate()
             .map(|(i, &slo)| {
-                let curve: Vec<(f64, f64)> = points.iter().filter_map(|p| p.attainment.get(i).map(|a| (p.rate, a.both))).collect();
+                let curve: Vec<(f64, f64)> = points.iter().filter_map(|p| p.tally.attainment.get(i).map(|a| (p.rate, a.both))).collect();
                 goodput(slo, &curve, GOODPUT_TARGET)
             })
             .collect()
@@ -533,7 +452,6 @@ pub async fn run(clients: &[Client], cfg: &OpenLoopConfig, mut progress: impl Fn
 async fn run_point(
     clients: &[Client],
     cfg: &OpenLoopConfig,
-    point: usize,
     plan: &[Arrival],
     first_index: u64,
 ) -> Result<(Vec<Measured>, PointRun), ClientError> {
@@ -559,39 +477,18 @@ async fn run_point(
             let _permit = permit;
             let late = Instant::now() - scheduled;
             let r = classify(client.complete(&req, HangUp::Never).await, true);
-            let ms = |d: Duration| (d + late).as_secs_f64() * 1e3;
-            let mut record = RequestRecord {
-                point,
-                tenant: a.tenant,
-                arrival_s: a.at.as_secs_f64(),
-                late_ms: late.as_secs_f64() * 1e3,
-                ok: r.is_ok(),
-                error: None,
-                ttft_ms: None,
-                latency_ms: None,
-                output_tokens: 0,
-                tpot_ms: None,
-            };
-            let message = match r {
+            let (answer, failure) = match r {
                 Ok(o) => {
-                    record.ttft_ms = o.ttft.map(ms);
-                    record.latency_ms = Some(ms(o.latency));
-                    record.output_tokens = o.output_tokens();
-                    record.tpot_ms = o.ttft.and_then(|t| tpot_ms(ms(o.latency), ms(t), o.output_tokens()));
+                    let answer = Measure::of(&o, req.max_tokens, late);
                     // A stream whose first token never came cannot be judged on TTFT:
                     // count it as a failure, not a success that meets nothing.
-                    if record.ttft_ms.is_none() {
-                        record.ok = false;
-                        record.error = Some("no_tokens".into());
-                    }
-                    None
+                    let failure = answer.ttft_ms.is_none().then(|| ("no_tokens".to_string(), None));
+                    (Some(answer), failure)
                 }
-                Err((kind, msg)) => {
-                    record.error = Some(kind);
-                    Some(msg)
-                }
+                Err((kind, message)) => (None, Some((kind, Some(message)))),
             };
-            measured.lock().unwrap_or_else(PoisonError::into_inner).push(Measured { record, message, max_tokens: req.max_tokens });
+            let m = Measured { tenant: a.tenant, arrival_s: a.at.as_secs_f64(), late_ms: ms(late), answer, failure };
+            measured.lock().unwrap_or_else(PoisonError::into_inner).push(m);
         });
     }
     let last_arrival = plan.last().map_or(Duration::ZERO, |a| a.at);
@@ -602,37 +499,15 @@ async fn run_point(
     }
     let elapsed = start.elapsed();
     let mut measured = std::mem::take(&mut *measured.lock().unwrap_or_else(PoisonError::into_inner));
-    measured.sort_by(|a, b| a.record.arrival_s.total_cmp(&b.record.arrival_s));
+    measured.sort_by(|a, b| a.arrival_s.total_cmp(&b.arrival_s));
     let window_cut = cfg.window.filter(|_| cfg.max_requests.is_none_or(|m| (plan.len() as u64) < m));
     Ok((measured, PointRun { elapsed, last_arrival, window_cut, max_in_flight, cap_waits }))
-}
-
-fn pct(x: f64) -> String {
-    format!("{:5.1}%", x * 100.0)
-}
-
-fn ptiles(s: &Option<Summary>) -> String {
-    s.map_or_else(|| format!("{:>20}", "-"), |s| format!("{:6.0} {:6.0} {:6.0}", s.p50, s.p90, s.p99))
 }
 
 impl RatePoint {
     /// One line of the text table (see [`OpenLoopReport`]'s `Display`).
     pub fn line(&self) -> String {
-        let mut s = format!(
-            "{:7.2} {:7.2} {:5} {:5} {:5} {:7.3} {:8.1}  {}  {}",
-            self.rate,
-            self.arrival_rate,
-            self.sent,
-            self.ok,
-            self.failed,
-            self.requests_per_s,
-            self.output_tokens_per_s,
-            ptiles(&self.ttft_ms),
-            ptiles(&self.tpot_ms)
-        );
-        for a in &self.attainment {
-            s.push_str(&format!("  {} {} {}", pct(a.both), pct(a.ttft), pct(a.tpot)));
-        }
+        let mut s = format!("{:7.2} {:7.2} {:5} {}", self.rate, self.arrival_rate, self.sent, self.tally.cells());
         if self.cap_waits > 0 {
             s.push_str(&format!("  (in-flight cap hit {}x)", self.cap_waits));
         }
@@ -641,14 +516,23 @@ impl RatePoint {
 
     /// The table's header lines for `slos`.
     pub fn header(slos: &[Slo]) -> String {
-        let mut top = format!(
-            "{:>7} {:>7} {:>5} {:>5} {:>5} {:>7} {:>8}  {:^20}  {:^20}",
-            "rate", "drawn", "sent", "ok", "fail", "req/s", "tok/s", "TTFT ms p50/p90/p99", "TPOT ms p50/p90/p99"
-        );
-        for (i, _) in slos.iter().enumerate() {
-            top.push_str(&format!("  {:^20}", format!("SLO {} both/TTFT/TPOT", i + 1)));
+        format!("{:>7} {:>7} {:>5} {}", "rate", "drawn", "sent", Tally::columns(slos))
+    }
+
+    /// The point's row of the table and the lines under it (tenants, errors, short outputs).
+    pub fn rows(&self) -> String {
+        let mut f = format!("{}\n", self.line());
+        for t in &self.tenants {
+            f.push_str(&format!("    tenant {} at {:.2} req/s: {} sent, {} ok", t.tenant, t.rate, t.sent, t.tally.ok));
+            f.push_str(&t.tally.attainment_words());
+            if let (Some(tt), Some(tp)) = (t.tally.ttft_ms, t.tally.tpot_ms) {
+                f.push_str(&format!("; TTFT p90 {:.0} ms, TPOT p90 {:.1} ms", tt.p90, tp.p90));
+            }
+            f.push('\n');
         }
-        top
+        // Writing to a String cannot fail.
+        let _ = self.tally.failures.write(&mut f, "    ").and_then(|()| self.tally.write_short(&mut f, "    "));
+        f
     }
 }
 
@@ -716,39 +600,6 @@ impl OpenLoopReport {
     }
 }
 
-impl RatePoint {
-    /// The point's row of the table and the lines under it (tenants, errors, short outputs).
-    pub fn rows(&self) -> String {
-        let mut f = format!("{}\n", self.line());
-        for t in &self.tenants {
-            f.push_str(&format!("    tenant {} at {:.2} req/s: {} sent, {} ok", t.tenant, t.rate, t.sent, t.ok));
-            for (i, a) in t.attainment.iter().enumerate() {
-                f.push_str(&format!(
-                    "; SLO {} both {} (TTFT {}, TPOT {})",
-                    i + 1,
-                    pct(a.both).trim(),
-                    pct(a.ttft).trim(),
-                    pct(a.tpot).trim()
-                ));
-            }
-            if let (Some(tt), Some(tp)) = (t.ttft_ms, t.tpot_ms) {
-                f.push_str(&format!("; TTFT p90 {:.0} ms, TPOT p90 {:.1} ms", tt.p90, tp.p90));
-            }
-            f.push('\n');
-        }
-        for (kind, n) in &self.errors {
-            f.push_str(&format!("    errors: {kind} x {n}\n"));
-        }
-        for e in &self.error_examples {
-            f.push_str(&format!("      e.g. {e}\n"));
-        }
-        if self.short_outputs > 0 {
-            f.push_str(&format!("    note: {} requests ended before max_tokens\n", self.short_outputs));
-        }
-        f
-    }
-}
-
 /// The whole report as text: [`OpenLoopReport::head`], each point's [`RatePoint::rows`],
 /// [`OpenLoopReport::tail`].
 impl std::fmt::Display for OpenLoopReport {
@@ -766,46 +617,6 @@ mod tests {
     use super::*;
 
     const CHAT: Slo = Slo { ttft_ms: 2500.0, tpot_ms: 100.0 };
-
-    fn rec(ok: bool, ttft: f64, tpot: f64) -> RequestRecord {
-        RequestRecord {
-            point: 0,
-            tenant: 0,
-            arrival_s: 0.0,
-            late_ms: 0.0,
-            ok,
-            error: (!ok).then(|| "io".into()),
-            ttft_ms: ok.then_some(ttft),
-            latency_ms: ok.then_some(ttft + 127.0 * tpot),
-            output_tokens: 128,
-            tpot_ms: ok.then_some(tpot),
-        }
-    }
-
-    #[test]
-    fn tpot_divides_the_time_after_the_first_token_by_the_tokens_after_it() {
-        assert_eq!(tpot_ms(1500.0, 230.0, 128), Some(10.0));
-        assert_eq!(tpot_ms(500.0, 500.0, 2), Some(0.0));
-        assert_eq!(tpot_ms(500.0, 400.0, 1), None, "one token: nothing to divide");
-        assert_eq!(tpot_ms(500.0, 400.0, 0), None);
-    }
-
-    #[test]
-    fn attainment_counts_each_objective_and_failures_meet_neither() {
-        let rs = [
-            rec(true, 1000.0, 50.0),  // both
-            rec(true, 2500.0, 100.0), // both, exactly at the limits
-            rec(true, 3000.0, 50.0),  // TPOT only
-            rec(true, 1000.0, 150.0), // TTFT only
-            rec(false, 0.0, 0.0),     // neither
-        ];
-        let a = attainment(&rs, CHAT).unwrap();
-        assert_eq!((a.both, a.ttft, a.tpot), (0.4, 0.6, 0.6));
-        assert!(attainment(&[], CHAT).is_none());
-        let mut one = rec(true, 100.0, 0.0);
-        one.tpot_ms = None;
-        assert_eq!(attainment(&[one], CHAT).unwrap().both, 1.0, "a one-token answer has no TPOT to miss");
-    }
 
     #[test]
     fn goodput_interpolates_between_the_rates_that_bracket_ninety_percent() {
@@ -874,10 +685,20 @@ mod tests {
 
     #[test]
     fn a_point_summarises_attainment_per_tenant() {
-        let m = |tenant, ok, ttft, tpot| {
-            let mut record = rec(ok, ttft, tpot);
-            record.tenant = tenant;
-            Measured { record, message: (!ok).then(|| "boom".into()), max_tokens: 128 }
+        // 128 tokens, the first after `ttft` ms, the rest `tpot` ms apart.
+        let m = |tenant, ok: bool, ttft: f64, tpot: f64| Measured {
+            tenant,
+            arrival_s: 0.0,
+            late_ms: 0.0,
+            answer: ok.then(|| Measure {
+                output_tokens: 128,
+                max_tokens: 128,
+                ttft_ms: Some(ttft),
+                latency_ms: ttft + 127.0 * tpot,
+                itl_ms: Vec::new(),
+                prompt_tokens: None,
+            }),
+            failure: (!ok).then(|| ("io".to_string(), Some("boom".to_string()))),
         };
         let ms = [m(0, true, 3000.0, 10.0), m(0, false, 0.0, 0.0), m(1, true, 100.0, 10.0), m(1, true, 200.0, 20.0)];
         let run = PointRun {
@@ -888,13 +709,16 @@ mod tests {
             cap_waits: 0,
         };
         let p = rate_point(&[8.0, 0.5], &ms, &[CHAT], run);
-        assert_eq!((p.rate, p.sent, p.ok, p.failed, p.arrival_rate), (8.5, 4, 3, 1, 4.0));
-        assert_eq!(p.attainment[0].both, 0.5);
+        assert_eq!((p.rate, p.sent, p.tally.ok, p.tally.failed, p.arrival_rate), (8.5, 4, 3, 1, 4.0));
+        assert_eq!(p.tally.attainment[0].both, 0.5);
         assert_eq!(p.tenants.len(), 2);
-        assert_eq!((p.tenants[0].sent, p.tenants[0].attainment[0].both), (2, 0.0));
-        assert_eq!((p.tenants[1].sent, p.tenants[1].attainment[0].both), (2, 1.0));
-        assert_eq!(p.errors.get("io"), Some(&1));
-        assert_eq!(p.error_examples, vec!["boom".to_string()]);
-        assert_eq!(p.ttft_ms.unwrap().count, 3, "failures have no TTFT");
+        assert_eq!((p.tenants[0].sent, p.tenants[0].tally.attainment[0].both), (2, 0.0));
+        assert_eq!((p.tenants[1].sent, p.tenants[1].tally.attainment[0].both), (2, 1.0));
+        assert_eq!(p.tally.failures.errors.get("io"), Some(&1));
+        assert_eq!(p.tally.failures.error_examples, vec!["boom".to_string()]);
+        assert_eq!(p.tally.ttft_ms.unwrap().count, 3, "failures have no TTFT");
+        let records: Vec<RequestRecord> = ms.iter().map(|m| m.record(2)).collect();
+        assert_eq!(records[1].error.as_deref(), Some("io"));
+        assert!(records.iter().all(|r| r.point == 2) && !records[1].ok && records[2].tpot_ms == Some(10.0));
     }
 }

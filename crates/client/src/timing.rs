@@ -27,6 +27,7 @@ use crate::ClientError;
 use crate::dist::{Rng, code, words};
 use crate::openai::{Api, Client, CompletionRequest, HangUp, Outcome};
 use crate::probe::MAX_RETRIES;
+use crate::report::{Failures, failure};
 use crate::stats::{ks_two_sample, percentile};
 
 /// Samples per group below which the command line refuses to run: the test has too little
@@ -147,9 +148,10 @@ pub struct TimingReport {
     /// The verdict in words.
     pub verdict: String,
     /// Requests that failed (after retries of shed load); their rounds are left out.
-    pub failed_requests: usize,
-    /// The first few failures.
-    pub error_examples: Vec<String>,
+    pub failed_requests: u64,
+    /// Those failures by kind, and the first few (`errors`, `error_examples`).
+    #[serde(flatten)]
+    pub failures: Failures,
     /// Samples timed to the end of the answer because no chunk carried text (a whole JSON
     /// answer, or an empty first token); with one token of output the two nearly agree.
     pub untimed_first_token: usize,
@@ -169,43 +171,34 @@ fn round(seed: u64, i: u64, prompt_words: usize) -> (String, String, bool) {
     (cached, fresh, rng.below(2) == 0)
 }
 
-/// Send `req` (retrying shed load); a successful answer, or the failure in words.
-async fn send(client: &Client, req: &CompletionRequest) -> Result<Outcome, String> {
+/// Send `req` (retrying shed load); a successful answer, or the kind and words of its
+/// failure.
+async fn send(client: &Client, req: &CompletionRequest) -> Result<Outcome, (String, String)> {
     let mut retries = 0;
     loop {
         match client.complete(req, HangUp::Never).await {
             Ok(o) if o.ok(req.stream) => return Ok(o),
             Ok(o) if (o.status == 429 || o.status == 503) && retries < MAX_RETRIES => {}
             Ok(o) => {
-                let why = o.error.unwrap_or_else(|| "the stream ended without [DONE]".into());
-                return Err(format!("HTTP {}: {why:.300}", o.status));
+                let (kind, why) = failure(&o);
+                return Err((kind, format!("HTTP {}: {why:.300}", o.status)));
             }
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err((e.kind().to_string(), e.to_string())),
         }
         tokio::time::sleep(RETRY_PAUSE * 2u32.pow(retries)).await;
         retries += 1;
     }
 }
 
-/// Failed requests so far; stops the audit once there are too many.
-#[derive(Default)]
-struct Failures {
-    count: usize,
-    examples: Vec<String>,
-}
-
-impl Failures {
-    fn push(&mut self, why: String) -> Result<(), ClientError> {
-        self.count += 1;
-        tracing::warn!(error = %why, "a timing-audit request failed");
-        if self.count >= MAX_FAILURES {
-            return Err(ClientError::TooManyFailures { failed: self.count, last: why });
-        }
-        if self.examples.len() < ERROR_EXAMPLES {
-            self.examples.push(why);
-        }
-        Ok(())
+/// Count a failed request; stops the audit once [`MAX_FAILURES`] have failed.
+fn fail(failures: &mut Failures, (kind, why): (String, String)) -> Result<(), ClientError> {
+    tracing::warn!(error = %why, "a timing-audit request failed");
+    failures.record(&kind, Some(&why));
+    let failed = failures.total();
+    if failed >= MAX_FAILURES as u64 {
+        return Err(ClientError::TooManyFailures { failed: failed as usize, last: why });
     }
+    Ok(())
 }
 
 /// Run the audit: tenant A warms each prompt, tenant B (or A again, in the same-tenant
@@ -242,20 +235,20 @@ pub async fn run(a: &Client, b: &Client, cfg: &TimingConfig) -> Result<TimingRep
         ignore_eos: true,
         stream: true,
     };
-    let mut failures = Failures::default();
+    let mut failures = Failures::new(ERROR_EXAMPLES);
     // Warm-up rounds use indices past the measured ones: prompts no measured round sends.
     for w in 0..WARMUP_REQUESTS {
         let (prompt, _, _) = round(cfg.seed, (cfg.samples + w) as u64, cfg.prompt_words);
-        if let Err(why) = send(b, &req(prompt)).await {
-            failures.push(why)?;
+        if let Err(e) = send(b, &req(prompt)).await {
+            fail(&mut failures, e)?;
         }
     }
     let (mut cached, mut fresh, mut untimed) = (Vec::new(), Vec::new(), 0);
     for i in 0..cfg.samples {
         let (p, q, cached_first) = round(cfg.seed, i as u64, cfg.prompt_words);
         // Tenant A warms P_i; a round whose warming failed says nothing.
-        if let Err(why) = send(a, &req(p.clone())).await {
-            failures.push(why)?;
+        if let Err(e) = send(a, &req(p.clone())).await {
+            fail(&mut failures, e)?;
             continue;
         }
         let order = if cached_first { [(true, p), (false, q)] } else { [(false, q), (true, p)] };
@@ -266,7 +259,7 @@ pub async fn run(a: &Client, b: &Client, cfg: &TimingConfig) -> Result<TimingRep
                     untimed += usize::from(o.ttft.is_none());
                     pair[usize::from(is_cached)] = Some(o.ttft.unwrap_or(o.latency).as_secs_f64() * 1e3);
                 }
-                Err(why) => failures.push(why)?,
+                Err(e) => fail(&mut failures, e)?,
             }
         }
         // Only whole pairs count, so both groups see the same rounds.
@@ -278,7 +271,8 @@ pub async fn run(a: &Client, b: &Client, cfg: &TimingConfig) -> Result<TimingRep
     let (Some(cached_stats), Some(fresh_stats), Some(ks)) =
         (GroupStats::of(&cached), GroupStats::of(&fresh), ks_two_sample(&cached, &fresh))
     else {
-        return Err(ClientError::TooManyFailures { failed: failures.count, last: failures.examples.pop().unwrap_or_default() });
+        let (failed, last) = (failures.total() as usize, failures.error_examples.pop().unwrap_or_default());
+        return Err(ClientError::TooManyFailures { failed, last });
     };
     let distinguishable = ks.p_value < cfg.alpha && cached_stats.median_ms < fresh_stats.median_ms;
     let whose = match mode {
@@ -308,8 +302,8 @@ pub async fn run(a: &Client, b: &Client, cfg: &TimingConfig) -> Result<TimingRep
         p_value: ks.p_value,
         distinguishable,
         verdict,
-        failed_requests: failures.count,
-        error_examples: failures.examples,
+        failed_requests: failures.total(),
+        failures,
         untimed_first_token: untimed,
         warning,
         duration_s: start.elapsed().as_secs_f64(),
@@ -342,9 +336,7 @@ impl std::fmt::Display for TimingReport {
         }
         if self.failed_requests > 0 {
             writeln!(f, "  FAILED REQUESTS: {} (their rounds are left out)", self.failed_requests)?;
-            for e in &self.error_examples {
-                writeln!(f, "    e.g. {e}")?;
-            }
+            self.failures.write(f, "  ")?;
         }
         Ok(())
     }

@@ -55,8 +55,8 @@ async fn conversations_grow_turn_by_turn_and_cached_tokens_are_summed() {
     };
     let clients = [client(&url, "sk-0"), client(&url, "sk-1")];
     let r = multiturn::run(&clients, &cfg).await.unwrap();
-    assert_eq!((r.requests, r.ok, r.failed, r.skipped_turns), (18, 18, 0, 0), "{r}");
-    assert_eq!((r.concurrency, r.output_tokens), (6, 36));
+    assert_eq!((r.requests, r.tally.ok, r.tally.failed, r.skipped_turns), (18, 18, 0, 0), "{r}");
+    assert_eq!((r.concurrency, r.tally.output_tokens), (6, 36));
 
     let seen = seen.lock().unwrap();
     let mut systems: HashMap<String, Vec<String>> = HashMap::new();
@@ -84,16 +84,20 @@ async fn conversations_grow_turn_by_turn_and_cached_tokens_are_summed() {
     assert!(a.iter().all(|s| s == &a[0]) && b.iter().all(|s| s == &b[0]), "one system prompt per tenant");
     assert_ne!(a[0], b[0], "tenants have different system prompts");
 
-    assert_eq!((r.prompt_tokens, r.cached_tokens), (prompt, cached));
-    assert_eq!((r.responses_with_usage, r.responses_with_cached_tokens), (18, 12));
+    assert_eq!((r.tally.prompt_tokens, r.cached_tokens), (prompt, cached));
+    assert_eq!((r.tally.responses_with_usage, r.responses_with_cached_tokens), (18, 12));
     assert!(r.cached_share.is_some_and(|s| s > 0.0 && s < 1.0), "{r}");
     let turns: Vec<(usize, usize)> = r.ttft_by_turn.iter().map(|t| (t.turn, t.n)).collect();
     assert_eq!(turns, [(1, 6), (2, 6), (3, 6)]);
     let (first, later) = (r.ttft_first_turn_p50_ms.unwrap(), r.ttft_later_turns_p50_ms.unwrap());
     assert!(first >= FIRST_TURN.as_secs_f64() * 1e3 && later < first, "{r}");
-    assert_eq!(r.ttft_ms.map(|s| s.count), Some(18));
+    assert_eq!(r.tally.ttft_ms.map(|s| s.count), Some(18));
     let json = serde_json::to_value(&r).unwrap();
     assert!(json["itl_ms"]["p99"].is_number() && json["ttft_ms"]["p90"].is_number() && json["cached_tokens"].is_number(), "{json}");
+    // What scripts/bench-multiturn.sh reads, at the top level.
+    for key in ["ok", "requests", "output_tokens_per_s", "ttft_first_turn_p50_ms", "ttft_later_turns_p50_ms", "cached_share"] {
+        assert!(json[key].is_number(), "{key} in {json}");
+    }
 }
 
 #[tokio::test]
@@ -121,8 +125,8 @@ async fn a_failed_turn_ends_its_conversation_and_the_rest_are_skipped() {
         temperature: 0.0,
     };
     let r = multiturn::run(&[client(&url, "k")], &cfg).await.unwrap();
-    assert_eq!((r.requests, r.ok, r.failed, r.skipped_turns, r.concurrency), (4, 2, 2, 2, 1), "{r}");
-    assert_eq!(r.errors.get("http_503"), Some(&2));
+    assert_eq!((r.requests, r.tally.ok, r.tally.failed, r.skipped_turns, r.concurrency), (4, 2, 2, 2, 1), "{r}");
+    assert_eq!(r.tally.failures.errors.get("http_503"), Some(&2));
     assert_eq!(r.cached_tokens, 0, "absent cached_tokens count as 0");
-    assert!(r.error_examples.iter().all(|e| e == "overloaded"), "{r}");
+    assert!(r.tally.failures.error_examples.iter().all(|e| e == "overloaded"), "{r}");
 }

@@ -5,7 +5,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bulkhead_client::http::{Timeouts, Url};
-use bulkhead_client::loadgen::{self, LoadgenConfig, TokenSource};
+use bulkhead_client::loadgen::{self, LoadgenConfig};
+use bulkhead_client::report::TokenSource;
 use bulkhead_client::{Api, Client, ClientConfig, CompletionRequest, HangUp};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -226,14 +227,20 @@ async fn a_load_run_counts_every_request_once() {
     assert!(failing > 0 && failing < 12, "the seed must give both outcomes: {failing} failing");
     let r = loadgen::run(&client(&url), &cfg).await.unwrap();
     assert_eq!(seen.lock().unwrap().len(), 13, "12 measured + 1 warm-up");
-    assert_eq!((r.requests, r.ok + r.failed, r.failed), (12, 12, failing));
-    assert_eq!(r.errors.get("http_503").copied().unwrap_or(0), failing);
-    assert_eq!(r.output_tokens, 2 * r.ok);
-    if r.ok > 0 {
-        assert_eq!(r.output_tokens_from, TokenSource::Usage);
-        assert_eq!(r.ttft_ms.unwrap().count as u64, r.ok);
-        assert_eq!(r.short_outputs, 0);
+    let t = &r.tally;
+    assert_eq!((r.requests, t.ok + t.failed, t.failed), (12, 12, failing));
+    assert_eq!(t.failures.errors.get("http_503").copied().unwrap_or(0), failing);
+    assert_eq!(t.output_tokens, 2 * t.ok);
+    if t.ok > 0 {
+        assert_eq!(t.output_tokens_from, TokenSource::Usage);
+        assert_eq!(t.ttft_ms.unwrap().count as u64, t.ok);
+        assert_eq!(t.short_outputs, 0);
     }
     let json = serde_json::to_value(&r).unwrap();
-    assert!(json["itl_ms"]["p99"].is_number() || r.ok == 0);
+    assert!(json["itl_ms"]["p99"].is_number() || t.ok == 0);
+    // What scripts/bench-vs-llamacpp.sh reads, at the top level.
+    for key in ["output_tokens_per_s", "failed", "short_outputs", "requests"] {
+        assert!(json[key].is_number(), "{key} in {json}");
+    }
+    assert!(json["ttft_ms"]["p99"].is_number() && json["prompt_tokens_mean"].is_number() || t.ok == 0, "{json}");
 }

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use bulkhead_client::Api;
 use bulkhead_client::loadgen::LoadgenConfig;
-use bulkhead_client::openloop::{self, GoodputKind, OpenLoopConfig, Slo};
+use bulkhead_client::openloop::{self, GoodputKind, OpenLoopConfig};
+use bulkhead_client::report::Slo;
 use support::{Script, client, error, serve, stream};
 
 fn cfg(points: Vec<Vec<f64>>, max_requests: u64) -> OpenLoopConfig {
@@ -56,10 +57,10 @@ async fn a_sweep_that_meets_its_slos_reports_goodput_as_a_lower_bound() {
     assert_eq!(r.points.len(), 2);
     assert_eq!(r.requests.len(), 40);
     for p in &r.points {
-        assert_eq!((p.sent, p.ok, p.failed), (20, 20, 0));
-        assert_eq!(p.attainment[0].both, 1.0, "{p:?}");
-        assert_eq!(p.attainment[1].both, 0.0, "a 5 ms TTFT SLO is missed by every request");
-        let tpot = p.tpot_ms.unwrap();
+        assert_eq!((p.sent, p.tally.ok, p.tally.failed), (20, 20, 0));
+        assert_eq!(p.tally.attainment[0].both, 1.0, "{p:?}");
+        assert_eq!(p.tally.attainment[1].both, 0.0, "a 5 ms TTFT SLO is missed by every request");
+        let tpot = p.tally.tpot_ms.unwrap();
         assert!(tpot.p50 >= 4.0 && tpot.p50 < 40.0, "{tpot:?}");
         assert!(p.tenants.is_empty());
     }
@@ -84,8 +85,8 @@ async fn failed_requests_meet_no_slo() {
     c.requests.warmup = 0;
     let r = openloop::run(&[client(&url, "k")], &c, |_| {}).await.unwrap();
     let p = &r.points[0];
-    assert_eq!((p.ok, p.failed, p.errors.get("http_503")), (20, 20, Some(&20)));
-    assert_eq!(p.attainment[0].both, 0.5);
+    assert_eq!((p.tally.ok, p.tally.failed, p.tally.failures.errors.get("http_503")), (20, 20, Some(&20)));
+    assert_eq!(p.tally.attainment[0].both, 0.5);
     assert_eq!(r.goodput[0].kind, GoodputKind::BelowLowestRate);
     assert!(r.goodput[0].note.contains("goodput 0"), "{}", r.goodput[0].note);
     // With a floor above every pair's attainment, a sweep ends after its first point.
@@ -110,10 +111,14 @@ async fn tenants_are_judged_apart() {
     assert_eq!(p.rate, 80.0);
     assert_eq!(p.tenants.len(), 2);
     assert!(p.tenants[0].sent > p.tenants[1].sent && p.tenants[1].sent > 0, "{:?}", p.tenants);
-    assert_eq!(p.tenants[0].attainment[0].both, 1.0);
-    assert_eq!(p.tenants[1].attainment[0].both, 0.0, "300 ms TTFT misses 150 ms");
+    assert_eq!(p.tenants[0].tally.attainment[0].both, 1.0);
+    assert_eq!(p.tenants[1].tally.attainment[0].both, 0.0, "300 ms TTFT misses 150 ms");
     assert!(r.goodput.is_empty(), "no goodput for a multi-tenant point");
     assert!(r.requests.iter().all(|q| q.arrival_s < 0.7));
+    // What scripts/bench-noisy.sh reads of a point and its tenants.
+    let json = serde_json::to_value(&r).unwrap();
+    let t = &json["points"][0]["tenants"][1];
+    assert!(t["sent"].is_number() && t["ok"].is_number() && t["attainment"][0]["tpot"].is_number(), "{t}");
 }
 
 #[tokio::test]
