@@ -8,25 +8,31 @@ Files are always restored, even on Ctrl-C.
 import os, re, subprocess, sys
 
 KV = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-POOL, SEQ = "src/pool.rs", "src/sequence.rs"
+# The pool is split: bookkeeping (who holds a page), storage (the bytes), and the pool itself.
+BOOK, STORAGE, POOL, HANDLES = "src/pool/book.rs", "src/pool/storage.rs", "src/pool/mod.rs", "src/pool/handles.rs"
+SEQ = "src/sequence.rs"
 
 # (name, file, original text (must occur exactly once), replacement)
 MUTANTS = [
-    ("generation compare", POOL, "let generation_ok = meta.generation == tag.generation;", "let generation_ok = true;"),
-    ("owner compare", POOL, "let owner_ok = meta.state.owner() == Some(tag.owner);", "let owner_ok = true;"),
-    ("state == Leased", POOL, "Want::Leased => matches!(meta.state, PageState::Leased(_)),", "Want::Leased => true,"),
-    ("state == Quarantined", POOL, "Want::Quarantined => matches!(meta.state, PageState::Quarantined(_)),", "Want::Quarantined => true,"),
-    ("foreign pool", POOL, "if tag.pool != self.id {", "if false {"),
-    ("read limited to watermark (read)", POOL, "let len = self.watermarks[self.wm_index(page, layer)];", "let len = self.layout.page_size;"),
-    ("read limited to watermark (k_head/v_head)", POOL, "&block[start..start + self.len * self.head_dim]", "&block[start..start + self.page_size * self.head_dim]"),
-    ("sequential write", POOL, "if slot != watermark {", "if false {"),
-    ("page_size bound", POOL, "if slot >= page_size {", "if false {"),
-    ("lease_many all-or-nothing", POOL, "if n > self.free.len() {", "if false {"),
+    ("generation compare", BOOK, "let generation_ok = meta.generation == tag.generation;", "let generation_ok = true;"),
+    ("owner compare", BOOK, "let owner_ok = meta.state.owner() == Some(tag.owner);", "let owner_ok = true;"),
+    ("state == Leased", BOOK, "Want::Leased => matches!(meta.state, PageState::Leased(_)),", "Want::Leased => true,"),
+    ("state == Quarantined", BOOK, "Want::Quarantined => matches!(meta.state, PageState::Quarantined(_)),", "Want::Quarantined => true,"),
+    ("foreign pool", BOOK, "fn verify(&self, tag: &PageTag, want: Want) -> Result<(), KvError> {\n        if tag.pool != self.id {",
+     "fn verify(&self, tag: &PageTag, want: Want) -> Result<(), KvError> {\n        if false {"),
+    ("read limited to watermark (read)", STORAGE, "let len = self.watermarks[self.wm_index(page, layer)];", "let len = self.layout.page_size;"),
+    ("read limited to watermark (k_head/v_head)", STORAGE, "&block[start..start + self.len * self.head_dim]", "&block[start..start + self.page_size * self.head_dim]"),
+    ("sequential write", STORAGE, "if slot != watermark {", "if false {"),
+    ("page_size bound", STORAGE, "if slot >= page_size {", "if false {"),
+    ("lease_many all-or-nothing", BOOK, "if n > self.free.len() {", "if false {"),
     ("layer range", POOL, "if layer >= self.layout.layers {", "if false {"),
-    ("row length", POOL, "if k.len() != row || v.len() != row {", "if false {"),
-    ("poison on free", POOL, "if self.checks.canaries {", "if false {"),
-    ("watermarks reset on free", POOL, "fn free_page(&mut self, page: PageId) {\n        self.reset_watermarks(page);", "fn free_page(&mut self, page: PageId) {"),
-    ("watermarks reset on quarantine", POOL, "        self.reset_watermarks(tag.page);\n", ""),
+    ("row length", STORAGE, "if k.len() != row || v.len() != row {", "if false {"),
+    ("poison on free", STORAGE, "self.reset_watermarks(page);\n        if self.checks.canaries {", "self.reset_watermarks(page);\n        if false {"),
+    ("watermarks reset on free", STORAGE, "fn scrub(&mut self, page: PageId) {\n        self.reset_watermarks(page);", "fn scrub(&mut self, page: PageId) {"),
+    ("watermarks reset on quarantine", BOOK, "        self.reset_watermarks(tag.page);\n", ""),
+    ("orphan check (a dropped lease)", BOOK, "self.holds.is_held(PageId(i as u32), m.generation),", "true,"),
+    ("a stale lease's drop keeps a newer lease's mark", HANDLES,
+     "let _ = entry.compare_exchange(generation.0, 0, Ordering::Relaxed, Ordering::Relaxed);", "entry.store(0, Ordering::Relaxed);"),
     ("commit checks watermarks", SEQ, "if watermark < need {", "if false {"),
     ("commit within reservation", SEQ, "if end > reserved {", "if false {"),
     ("sequence bound to one pool", SEQ, "&& b.pool != pool.id()", "&& false"),

@@ -31,7 +31,10 @@
 //! - `ids`: [`PageId`], [`Generation`], [`RequestId`], [`PoolId`] (process-unique pool ids).
 //! - `layout`: [`KvLayout`] (page shape and sizes) and [`PoolConfig`].
 //! - `error`: [`KvError`], one typed variant per refusal.
-//! - `pool`: [`KvPool`], [`Lease`], [`Quarantined`], [`PageRead`], [`PoolStats`], [`POISON`].
+//! - `pool`: [`KvPool`], [`Lease`], [`Quarantined`], [`PageRead`], [`PoolStats`], [`POISON`]:
+//!   `pool/book.rs` is the bookkeeping (where a page is leased, quarantined, cached; the
+//!   allocator's invariants at its top), `pool/storage.rs` the bytes (writes, reads, read
+//!   checks, import and export), `pool/handles.rs` the handles callers hold.
 //! - `sequence`: [`SequenceKv`], the page table of one sequence: its own pages after any
 //!   shared ones ([`SeqPage`]).
 //! - `cache`: [`PrefixCache`], full pages published read-only ([`CachedPage`]) and shared

@@ -65,7 +65,8 @@ struct Binding {
 ///
 /// Not `Clone`: it owns its leases. Give it back with [`SequenceKv::release`] or
 /// [`SequenceKv::quarantine`]; dropping it leaves its pages leased (recover them with
-/// [`KvPool::revoke_owner`]).
+/// [`KvPool::revoke_owner`]; until then [`KvPool::check_invariants`] reports them, see
+/// [`Lease`]).
 #[derive(Debug, Fingerprint)]
 pub struct SequenceKv {
     owner: RequestId,

@@ -144,7 +144,7 @@ impl VerifiedSequence {
     }
 
     /// Publishes the verified prompt's own full pages to `cache` under `fence` (`keys[i]`
-    /// names page `i`) and keeps reading them shared ([`PrefixCache::publish_prefix`]):
+    /// names page `i`) and keeps reading them shared ([`PrefixCache::publish_prefix`](crate::PrefixCache::publish_prefix)):
     /// later requests of the scope share them while this one still decodes. Returns the
     /// pages published.
     pub fn publish_prompt(

@@ -1,6 +1,6 @@
 //! Behaviour of `KvPool`: leases, isolation checks, watermarks, poisoning, quarantine.
 
-use bulkhead_kv::{Generation, KvChecks, KvError, KvLayout, KvPool, POISON, PageId, PoolConfig, RequestId};
+use bulkhead_kv::{Generation, KvChecks, KvError, KvLayout, KvPool, POISON, PageId, PoolConfig, RequestId, SequenceKv};
 
 const LAYOUT: KvLayout = KvLayout { layers: 2, kv_heads: 2, head_dim: 3, page_size: 4 };
 const ROW: usize = 6; // kv_heads * head_dim
@@ -402,4 +402,58 @@ fn stats_count_grants_releases_quarantines_writes_reads_and_refusals() {
     p.release_quarantined(q).unwrap();
     let s = p.stats();
     assert_eq!((s.leases_granted, s.releases, s.quarantines, s.writes, s.reads, s.refusals), (1, 1, 1, 1, 1, 1));
+}
+
+/// Runs `check_invariants` and returns its panic message, `None` if it passed.
+fn invariant_failure(p: &KvPool) -> Option<String> {
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| p.check_invariants()));
+    r.err().map(|e| e.downcast_ref::<String>().cloned().unwrap_or_default())
+}
+
+/// The guard that a lease cannot be lost silently: a lease dropped without being given back
+/// leaves its page leased to nobody who can release it, and the invariant check says so.
+#[test]
+#[should_panic(expected = "its Lease is gone: dropped without release, quarantine or revoke_owner")]
+fn a_lease_dropped_without_being_given_back_fails_the_invariant_check() {
+    let mut p = pool(2, false);
+    let _kept = p.lease(A).unwrap();
+    drop(p.lease(A).unwrap());
+    p.check_invariants();
+}
+
+/// The mistake a new code path would make: dropping a sequence instead of releasing it.
+#[test]
+#[should_panic(expected = "page 0 is leased to request 1 at generation 1 but its Lease is gone")]
+fn a_sequence_dropped_without_release_fails_the_invariant_check() {
+    let mut p = pool(3, false);
+    let mut seq = SequenceKv::new(A);
+    seq.reserve(&mut p, 2 * LAYOUT.page_size).unwrap();
+    drop(seq);
+    p.check_invariants();
+}
+
+/// What the guard must let through: a dropped lease whose owner is revoked (the deliberate
+/// path, which `Unreleased::reclaim` takes), and a stale lease dropped after its page was
+/// leased again, which must neither be reported nor hide the new lease being dropped.
+#[test]
+fn a_revoked_owners_dropped_leases_pass_the_invariant_check_and_a_stale_drop_hides_no_orphan() {
+    let mut p = pool(1, false);
+    drop(p.lease(A).unwrap());
+    assert!(invariant_failure(&p).is_some(), "an orphan is reported");
+    for q in p.revoke_owner(A) {
+        p.release_quarantined(q).unwrap();
+    }
+    assert_eq!(invariant_failure(&p), None, "revoke_owner takes the page back");
+
+    let stale = p.lease(A).unwrap();
+    for q in p.revoke_owner(A) {
+        p.release_quarantined(q).unwrap();
+    }
+    let live = p.lease(B).unwrap();
+    assert_eq!(live.page(), stale.page());
+    drop(stale);
+    assert_eq!(invariant_failure(&p), None, "dropping a stale lease says nothing of the page's live one");
+    drop(live);
+    let msg = invariant_failure(&p).expect("the live lease's drop is reported");
+    assert!(msg.contains("page 0 is leased to request 2 at generation 3"), "{msg}");
 }

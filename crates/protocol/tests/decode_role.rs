@@ -17,6 +17,9 @@ struct Rig {
     dec: DecodeRole,
     pool: KvPool,
     ppool: KvPool,
+    /// What the role started, held as the engine holds it: a started sequence dropped here
+    /// would leave its pages leased with no lease, which `check_invariants` reports.
+    running: Vec<DecodeAction>,
 }
 
 fn pool(pages: usize) -> KvPool {
@@ -26,7 +29,7 @@ fn pool(pages: usize) -> KvPool {
 impl Rig {
     fn new(decode_pages: usize) -> Rig {
         let dec = DecodeRole::new(DecodeConfig { max_context: MAX_CONTEXT, transfer_timeout_ms: 1_000, local_prefill_tokens: 0 });
-        let mut r = Rig { dec, pool: pool(decode_pages), ppool: pool(64) };
+        let mut r = Rig { dec, pool: pool(decode_pages), ppool: pool(64), running: Vec::new() };
         for from in [A, B] {
             r.dec.handle(&mut r.pool, DecodeEvent::PrefillConnected { from });
         }
@@ -89,6 +92,13 @@ impl Rig {
         (chunks, Message::Done { req, tokens: prompt as u32, first_token: 7, manifest: manifest.digest(), cached: 0, first_logprobs: None })
     }
 
+    /// Whether `acts` is one `Start`; the rig keeps the started sequence, as the engine would.
+    fn started(&mut self, acts: Vec<DecodeAction>) -> bool {
+        let started = matches!(acts.as_slice(), [DecodeAction::Start(_)]);
+        self.running.extend(acts);
+        started
+    }
+
     /// (pending, fencing, decoding) of the role; (free, leased, quarantined) pages of the pool.
     fn state(&self) -> ((usize, usize, usize), (usize, usize, usize)) {
         let s = self.pool.stats();
@@ -102,10 +112,6 @@ fn rejected(acts: &[DecodeAction]) -> Option<RejectReason> {
         [DecodeAction::ToGateway(Message::Rejected { reason, .. })] => Some(*reason),
         _ => None,
     }
-}
-
-fn started(acts: &[DecodeAction]) -> bool {
-    matches!(acts, [DecodeAction::Start(_)])
 }
 
 #[test]
@@ -130,7 +136,8 @@ fn the_decode_worker_admits_up_to_its_context_and_refuses_duplicates_empty_reque
     for c in chunks {
         r.prefill(A, c);
     }
-    assert!(started(&r.prefill(A, done)));
+    let acts = r.prefill(A, done);
+    assert!(r.started(acts));
     assert_eq!(rejected(&r.reserve(5, 4, 4, A)), Some(RejectReason::Duplicate));
     let s = r.dec.stats();
     let counts = (s.reserved, s.rejected_context, s.rejected_capacity, s.rejected_invalid, s.fenced_releases, s.pages_quarantined);
@@ -154,7 +161,8 @@ fn a_gateway_abort_quarantines_a_pending_reservation_until_fenced_and_stops_a_de
     for c in chunks {
         r.prefill(A, c);
     }
-    assert!(started(&r.prefill(A, done)));
+    let acts = r.prefill(A, done);
+    assert!(r.started(acts));
     assert_eq!(r.state().0, (0, 0, 1));
     let acts = r.gateway(Message::Abort { req: RequestId(2), reason: AbortReason::ClientGone });
     assert!(matches!(acts.as_slice(), [DecodeAction::Stop { req: RequestId(2) }]), "{acts:?}");
@@ -205,7 +213,8 @@ fn a_closed_prefill_connection_ends_only_the_transfers_it_was_writing() {
     for c in chunks {
         r.prefill(B, c);
     }
-    assert!(started(&r.prefill(B, done)), "B's transfer still completes");
+    let acts = r.prefill(B, done);
+    assert!(r.started(acts), "B's transfer still completes");
 }
 
 #[test]
@@ -272,7 +281,8 @@ fn a_reservation_whose_prefill_keeps_talking_waits_past_the_timeout_and_one_whos
     for c in chunks {
         assert!(r.prefill(A, c).is_empty());
     }
-    assert!(started(&r.prefill(A, done)));
+    let acts = r.prefill(A, done);
+    assert!(r.started(acts));
     assert_eq!(r.dec.stats().timeouts, 1);
 }
 
@@ -319,7 +329,8 @@ fn every_chunk_re_arms_the_transfer_timer() {
     r.prefill(A, chunks[1].clone());
     assert!(r.tick(1_500).is_empty(), "the first chunk's deadline no longer holds");
     assert!(r.tick(2_399).is_empty());
-    assert!(started(&r.prefill(A, done)));
+    let acts = r.prefill(A, done);
+    assert!(r.started(acts));
     assert!(r.tick(100_000).is_empty(), "a started request has no transfer timer");
     assert_eq!(r.state().0, (0, 0, 1));
     assert_eq!(r.dec.stats().timeouts, 0);
@@ -340,7 +351,8 @@ fn a_lost_gateways_requests_end_here_and_the_other_gateways_go_on() {
     for c in chunks {
         r.prefill(A, c);
     }
-    assert!(started(&r.prefill(A, done)));
+    let acts = r.prefill(A, done);
+    assert!(r.started(acts));
     let pending = request_id(lost, 2);
     r.reserved(pending.0, 6, B);
     let other = request_id(kept, 1);
