@@ -13,11 +13,11 @@ use bulkhead_kv::transfer::{ChunkExport, Manifest};
 use bulkhead_kv::{Inbound, KvChecks, KvLayout, KvPool, PoolConfig, RequestId, SequenceKv};
 use bulkhead_protocol::auth::{Client, ClusterKey, Server, Session};
 use bulkhead_protocol::{Message, Purpose};
-use bulkhead_server::kv_transport::{Chosen, KvTransport};
-use bulkhead_server::wire::{FrameReader, FrameWriter};
+use bulkhead_transport::kv_transport::{Chosen, KvTransport};
+use bulkhead_transport::wire::{FrameReader, FrameWriter};
 use clap::Args;
 
-use crate::serve::KvTransportArg;
+use crate::serve::args::KvTransportArg;
 
 #[derive(Args, Debug)]
 pub struct TransferArgs {
@@ -38,8 +38,8 @@ const LAYOUT: KvLayout = KvLayout { layers: 30, kv_heads: 3, head_dim: 64, page_
 /// Both sides of a session under `key`, encrypted or not (the production handshake, in
 /// memory): the prefill side's and the decode side's.
 fn sessions(key: &ClusterKey, encrypt: bool) -> anyhow::Result<(Session, Session)> {
-    let (client, hello) = Client::start(key, Purpose::Kv, 1, encrypt, bulkhead_server::trust::random()?);
-    let (server, challenge) = Server::start(key, Purpose::Kv, hello, encrypt, bulkhead_server::trust::random()?)?;
+    let (client, hello) = Client::start(key, Purpose::Kv, 1, encrypt, bulkhead_transport::trust::random()?);
+    let (server, challenge) = Server::start(key, Purpose::Kv, hello, encrypt, bulkhead_transport::trust::random()?)?;
     let (proof, prefill) = client.finish(challenge)?;
     let decode = server.finish(proof)?;
     anyhow::ensure!(decode.encrypted == encrypt, "the session's encryption is not what was asked");
@@ -134,7 +134,7 @@ fn transfer_times(
 /// ChaCha20-Poly1305, and what the MAC-only session's BLAKE3 costs.
 fn cipher_rates(bytes: usize) -> anyhow::Result<Vec<(&'static str, f64)>> {
     use ring::aead::{AES_256_GCM, Aad, CHACHA20_POLY1305, LessSafeKey, Nonce, UnboundKey};
-    let key = bulkhead_server::trust::random()?;
+    let key = bulkhead_transport::trust::random()?;
     let mut frame = vec![7u8; 1 << 20];
     let frames = bytes.div_ceil(frame.len());
     let total = (frames * frame.len()) as f64;
@@ -169,7 +169,7 @@ pub fn run(a: TransferArgs) -> anyhow::Result<()> {
     // Production checks (checksums on) without and with the cluster MAC, encrypted, and
     // checksums off, each over one connection, and plain TCP beside them.
     let no_checksums = KvChecks { checksums: false, ..KvChecks::default() };
-    let key = bulkhead_server::trust::generate_key()?;
+    let key = bulkhead_transport::trust::generate_key()?;
     let (times, chosen) = transfer_times(KvChecks::default(), None, transport, n, reps)?;
     let (sealed, _) = transfer_times(KvChecks::default(), Some((&key, false)), transport, n, reps)?;
     let (encrypted, _) = transfer_times(KvChecks::default(), Some((&key, true)), transport, n, reps)?;

@@ -70,7 +70,7 @@ enum Cmd {
 }
 
 /// Flags shared by every command that loads a model.
-#[derive(Args, Debug, Clone)]
+#[derive(Args, Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct ModelArgs {
     /// A GGUF model file (architectures llama, mistral, qwen2, qwen3, gemma3), or the name of
     /// a model Bulkhead fetches with pip into $BULKHEAD_HOME (default ~/.cache/bulkhead) on
@@ -103,9 +103,22 @@ pub struct ModelArgs {
 pub struct SumsChoice(pub Option<Sums>);
 
 impl SumsChoice {
-    /// The flag's value, for a child process.
+    /// The flag's value.
     pub fn flag(self) -> &'static str {
         self.0.map_or("auto", Sums::name)
+    }
+}
+
+// As its flag's value: what a child of `serve` is given.
+impl serde::Serialize for SumsChoice {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.flag())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for SumsChoice {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        parse_sums(&String::deserialize(d)?).map_err(serde::de::Error::custom)
     }
 }
 
@@ -174,7 +187,7 @@ fn main() {
         Cmd::Loadgen(a) => loadgen::run(a),
         Cmd::LoadgenPlot(a) => plot::run(a),
         Cmd::Probe(a) => probe::run(a),
-        Cmd::Keygen { file } => bulkhead_server::trust::write_key_file(&file).map_err(anyhow::Error::from).map(|()| {
+        Cmd::Keygen { file } => bulkhead_transport::trust::write_key_file(&file).map_err(anyhow::Error::from).map(|()| {
             println!(
                 "bulkhead: wrote a new cluster key to {} (mode 600); give every process of the cluster --cluster-key-file",
                 file.display()

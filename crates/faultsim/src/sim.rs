@@ -20,7 +20,9 @@ use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole, DecodeSta
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeEngine, DecodeLink};
 use bulkhead_protocol::driver::prefill::{Batching, LinkDown, PrefillDriver, PrefillLink, Step};
 use bulkhead_protocol::driver::sabotage::DecodeSabotage;
-use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, TenantId, client_of, gateway_of};
+use bulkhead_protocol::gateway::{
+    ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, Submission, TenantId, client_of, gateway_of, gateways_for,
+};
 use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillRole};
 use bulkhead_protocol::{GatewayId, Hello, Message, RejectReason, Role, TraceContext, WorkerId};
 
@@ -232,12 +234,11 @@ impl Port<'_> {
         self.net.send(conn, End::Worker(self.me), msg, self.now, self.dice);
     }
 
-    /// What the production worker's `Gateways::send` does: a request's message to its
-    /// gateway, anything else to every gateway.
+    /// What the production worker's `Gateways::send` does: to the gateways [`gateways_for`]
+    /// picks among this worker's gateway connections.
     fn send_gateway(&mut self, msg: &Message) {
-        let to = msg.req().map(|r| gateway_of(r).0);
-        let conns: Vec<ConnId> = self.gws.iter().filter(|(g, _)| to.is_none_or(|t| t == **g)).map(|(_, c)| *c).collect();
-        for c in conns {
+        let gws = self.gws;
+        for c in gateways_for(msg, gws.iter().map(|(&g, &c)| (GatewayId(g), c))) {
             self.send(c, msg);
         }
     }
@@ -694,15 +695,20 @@ impl<'m, M: Models> Sim<'m, M> {
                 self.log(format!("client r{req} submits"));
                 let ev = GatewayEvent::Submit {
                     req,
-                    tokens: r.tokens,
-                    max_tokens: r.max_tokens,
-                    max_tokens_set: true,
-                    sampling: r.sampling.clone(),
-                    stop: Vec::new(),
-                    trace: TraceContext::default(),
-                    tenant: TenantId(r.tenant),
-                    cache: self.plan.prefix_cache.then(|| CacheSecret::from_random([5; 32]).scope(&format!("tenant-{}", r.tenant), None)),
-                    priority: 0,
+                    submission: Submission {
+                        tokens: r.tokens,
+                        max_tokens: r.max_tokens,
+                        max_tokens_set: true,
+                        sampling: r.sampling.clone(),
+                        stop: Vec::new(),
+                        trace: TraceContext::default(),
+                        tenant: TenantId(r.tenant),
+                        cache: self
+                            .plan
+                            .prefix_cache
+                            .then(|| CacheSecret::from_random([5; 32]).scope(&format!("tenant-{}", r.tenant), None)),
+                        priority: 0,
+                    },
                 };
                 let acts = self.gws[usize::from(g)].role.handle(ev);
                 self.gateway_actions(g, acts);

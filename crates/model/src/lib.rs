@@ -94,7 +94,7 @@ pub struct Llama {
 }
 
 /// How a forward pass shares this host's cores with another worker process's (the core
-/// budget: `bulkhead_server::core_budget`). Neither method decides what is computed: a
+/// budget: `bulkhead_worker::core_budget`). Neither method decides what is computed: a
 /// pause between regions holds no lock and no KV page beyond what the pass already holds,
 /// and a layer gives the same bits on one thread as on many (every kernel's result for a
 /// row does not depend on how rows are split into tasks), so sharing changes when a result
@@ -154,7 +154,7 @@ impl Llama {
     }
 
     /// Share the cores with another worker's forward passes through `share` (workers on one
-    /// host: `bulkhead_server::core_budget`). With more than one compute thread this makes
+    /// host: `bulkhead_worker::core_budget`). With more than one compute thread this makes
     /// the one-thread pool that narrowed layers run on.
     pub fn set_core_share(&mut self, share: std::sync::Arc<dyn CoreShare>) -> Result<(), ModelError> {
         if self.threads() > 1 && self.narrow.is_none() {

@@ -19,8 +19,8 @@ use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeLink};
 use bulkhead_protocol::driver::prefill::{Batching, LinkDown, PrefillDriver, PrefillLink, Step};
 use bulkhead_protocol::gateway::{
-    BusyReason, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, Phase, TenantId, client_of, gateway_of,
-    request_number,
+    BusyReason, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, Phase, Submission, TenantId, client_of, gateway_of,
+    gateways_for, request_number,
 };
 use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillRole};
 use bulkhead_protocol::{FailReason, GatewayId, Hello, Message, RejectReason, Role, Sampling, TraceContext, WorkerId};
@@ -292,13 +292,10 @@ struct Reach {
 }
 
 impl Reach {
-    /// Where a worker's message to "the gateway" goes (the production `Gateways`): a
-    /// request's message to its own gateway, anything else to every gateway.
-    fn gateways_for(&self, msg: &Message) -> Vec<Node> {
-        match msg.req() {
-            Some(req) => vec![Node::Gateway(gateway_of(req).0)],
-            None => self.gateways.iter().map(|&g| Node::Gateway(g)).collect(),
-        }
+    /// Where a worker's message to "the gateway" goes: the live gateways that
+    /// [`gateways_for`] picks, as the production worker's gateway links do.
+    fn gateways_for<'r>(&'r self, msg: &Message) -> impl Iterator<Item = Node> + use<'r> {
+        gateways_for(msg, self.gateways.iter().map(|&g| (GatewayId(g), Node::Gateway(g))))
     }
 }
 
@@ -808,15 +805,17 @@ impl<'c> World<'c> {
         let g = Self::gateway_index(req);
         let acts = self.gws[g].handle(GatewayEvent::Submit {
             req,
-            tokens,
-            max_tokens: r.max_tokens,
-            max_tokens_set: true,
-            sampling: Sampling::default(),
-            stop: vec![],
-            trace: TraceContext::default(),
-            tenant: TenantId(r.tenant.map_or(0, u32::from)),
-            cache: r.tenant.map(|t| secret.scope(&format!("tenant-{t}"), None)),
-            priority: 0,
+            submission: Submission {
+                tokens,
+                max_tokens: r.max_tokens,
+                max_tokens_set: true,
+                sampling: Sampling::default(),
+                stop: vec![],
+                trace: TraceContext::default(),
+                tenant: TenantId(r.tenant.map_or(0, u32::from)),
+                cache: r.tenant.map(|t| secret.scope(&format!("tenant-{t}"), None)),
+                priority: 0,
+            },
         });
         self.gateway_actions(g, acts);
     }

@@ -11,8 +11,11 @@
 //! request leaves the table at its terminal outcome; anything arriving for it afterwards
 //! is ignored, so a second terminal outcome cannot reach the client.
 //!
-//! Fairness: each tenant has its own queue, and the queues are served round robin, one
-//! request each in turn, so one tenant's burst cannot starve another; nothing reorders a
+//! Fairness: each tenant has its own queue, first come first served within it (lower
+//! `priority` first). The next request comes from the tenant with the least recent prefill
+//! use per unit of weight ([`USAGE_HALF_LIFE_MS`], [`TenantPolicy::weight`]), ties going to
+//! the first after the tenant served last; so a light tenant's burst goes ahead of a tenant
+//! that keeps the server busy, two busy tenants share by weight, and nothing reorders a
 //! queue by what is cached. Routing: a request goes to the decode worker, and to the
 //! prefill worker, that reported the longest run of its page keys cached (`CacheReport`),
 //! unless the prefill workers' loads are out of balance; keys are scoped by tenant and
@@ -62,6 +65,20 @@ pub fn request_number(req: RequestId) -> u64 {
 /// The gateway a request (or an attempt of it) came from: its messages go there.
 pub fn gateway_of(req: RequestId) -> GatewayId {
     GatewayId(((req.0 % CLIENT_ID_LIMIT) >> GATEWAY_SHIFT) as u8)
+}
+
+/// Where a worker's message to "the gateway" goes, among the gateways it is registered
+/// with (each given with what the caller writes to it through, `T`): a request's message
+/// (any attempt's) to the gateway that made the request ([`gateway_of`]) only, or nowhere
+/// when that gateway is not among them (its requests on the worker were ended with its
+/// connection); anything else (load, cache reports, room) to every one, in their order.
+/// The worker's gateway links, the fault schedules and the model checker all route by it.
+pub fn gateways_for<T, I>(msg: &Message, registered: I) -> impl Iterator<Item = T> + use<T, I>
+where
+    I: IntoIterator<Item = (GatewayId, T)>,
+{
+    let to = msg.req().map(gateway_of);
+    registered.into_iter().filter(move |(g, _)| to.is_none_or(|t| t == *g)).map(|(_, t)| t)
 }
 
 /// The id workers know attempt `n` (0 = the first) of client request `client` by.
@@ -169,25 +186,40 @@ impl Usage {
     }
 }
 
+/// A request as the gateway admits it: what the client asked for, tokenised, with the
+/// tenant its key named and the cache scope derived from them. The HTTP side builds it
+/// once; the gateway's role keeps it as is for the request's life, and builds every
+/// attempt's `Reserve` and `Prefill` from it, adding what it owns (ids, route, resumed
+/// tokens).
+#[derive(Clone, Debug, Fingerprint)]
+pub struct Submission {
+    /// The prompt's tokens.
+    pub tokens: Vec<u32>,
+    /// Tokens to generate at most: the client's `max_tokens`, or the rest of the context.
+    pub max_tokens: u32,
+    /// Whether the client set `max_tokens` (else its tenant's bucket is charged
+    /// [`IMPLICIT_COMPLETION_CHARGE`] at admission).
+    pub max_tokens_set: bool,
+    /// How tokens are chosen (seeded: the API draws a seed for a request without one).
+    pub sampling: Sampling,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// The request's trace, request id and tenant name, for every process's logs.
+    pub trace: TraceContext,
+    /// The tenant its API key named (never its body).
+    pub tenant: TenantId,
+    /// Its prefix-cache scope (tenant and salt under the cluster's secret); none with the
+    /// cache off.
+    pub cache: Option<CacheScope>,
+    /// Its place within its tenant's queue: lower first (vLLM's `priority`, default 0).
+    pub priority: i64,
+}
+
 /// What happened at the gateway.
 #[derive(Debug)]
 pub enum GatewayEvent {
-    /// A client asked for a generation.
-    Submit {
-        req: RequestId,
-        tokens: Vec<u32>,
-        max_tokens: u32,
-        /// Whether the client set `max_tokens` (else it is the rest of the context, and
-        /// the tenant's bucket is charged [`IMPLICIT_COMPLETION_CHARGE`] at admission).
-        max_tokens_set: bool,
-        sampling: Sampling,
-        stop: Vec<String>,
-        trace: TraceContext,
-        tenant: TenantId,
-        cache: Option<CacheScope>,
-        /// Its place within its tenant's queue: lower first (vLLM's `priority`, default 0).
-        priority: i64,
-    },
+    /// A client asked for a generation; `req` is the gateway's id for it.
+    Submit { req: RequestId, submission: Submission },
     /// The client went away.
     ClientGone { req: RequestId },
     /// A worker sent a message.
@@ -340,16 +372,13 @@ struct Route {
 
 #[derive(Debug, Fingerprint)]
 struct InFlight {
+    /// What the client asked for, as admitted.
+    sub: Submission,
     phase: Phase,
     /// The current attempt's number (its id is [`attempt_id`] of the client's and this).
     attempt: u32,
     /// Where the current attempt went; `None` while queued.
     route: Option<Route>,
-    tokens: Vec<u32>,
-    max_tokens: u32,
-    sampling: Sampling,
-    stop: Vec<String>,
-    trace: TraceContext,
     /// Tokens generated by earlier attempts (the client has them): they end the next
     /// attempt's prompt.
     resume: Vec<u32>,
@@ -361,10 +390,6 @@ struct InFlight {
     /// Tokens charged to its tenant's bucket at admission (prompt + `max_tokens`, or +
     /// [`IMPLICIT_COMPLETION_CHARGE`] when the client did not set it).
     charged: u64,
-    /// Whether the client set `max_tokens`.
-    max_tokens_set: bool,
-    /// Its priority within its tenant's queue (lower first, as vLLM's `priority`).
-    priority: i64,
     #[fingerprint(clock)]
     deadline_ms: u64,
     /// When it began waiting for room: set when queued, kept while decode workers refuse
@@ -377,9 +402,7 @@ struct InFlight {
     waited_for_room: bool,
     /// A prefill worker not to send its next attempt to (the one it lost).
     avoid: Option<WorkerId>,
-    tenant: TenantId,
-    cache: Option<CacheScope>,
-    /// The key of its prompt's first page, once routed (derived from `tokens` and `cache`):
+    /// The key of its prompt's first page, once routed (derived from the submission's tokens and cache scope):
     /// a request of the same scope and first page sent meanwhile goes to the same decode
     /// worker, to share the pages this one's transfer lands there (the siblings of `n > 1`).
     #[fingerprint(skip)]
@@ -583,9 +606,9 @@ impl GatewayRole {
     /// The tenant's limits at admission: `Some` when over one, else the request is charged
     /// to its bucket. A refusal leaves nothing charged.
     fn over_limit(&mut self, f: &mut InFlight) -> Option<OverLimit> {
-        let policy = self.policy(f.tenant);
+        let policy = self.policy(f.sub.tenant);
         if let Some(most) = policy.max_concurrent_requests {
-            let running = self.inflight.values().filter(|o| o.tenant == f.tenant).count();
+            let running = self.inflight.values().filter(|o| o.sub.tenant == f.sub.tenant).count();
             if running >= most as usize {
                 let detail = format!("this tenant has {running} requests in flight, its max_concurrent_requests is {most}");
                 return Some(OverLimit::Busy(BusyReason::ConcurrencyLimit, detail));
@@ -594,17 +617,17 @@ impl GatewayRole {
         let tpm = policy.tokens_per_minute?.max(1);
         let now = self.now_ms;
         let full = milli_minutes(tpm);
-        let bucket = self.buckets.entry(f.tenant).or_insert(Bucket { level: full, at_ms: now });
+        let bucket = self.buckets.entry(f.sub.tenant).or_insert(Bucket { level: full, at_ms: now });
         // `tpm` token-milliminutes a millisecond.
         let refill = i64::try_from(now.saturating_sub(bucket.at_ms).saturating_mul(tpm)).unwrap_or(i64::MAX);
         bucket.level = bucket.level.saturating_add(refill).min(full);
         bucket.at_ms = now;
-        let (completion, what) = if f.max_tokens_set {
-            (f.max_tokens, "prompt and max_tokens")
+        let (completion, what) = if f.sub.max_tokens_set {
+            (f.sub.max_tokens, "prompt and max_tokens")
         } else {
-            (f.max_tokens.min(IMPLICIT_COMPLETION_CHARGE), "prompt and an estimate of the completion, as max_tokens is not set")
+            (f.sub.max_tokens.min(IMPLICIT_COMPLETION_CHARGE), "prompt and an estimate of the completion, as max_tokens is not set")
         };
-        let tokens = f.tokens.len() as u64 + u64::from(completion);
+        let tokens = f.sub.tokens.len() as u64 + u64::from(completion);
         let cost = milli_minutes(tokens);
         if cost > full {
             let detail = format!(
@@ -633,9 +656,9 @@ impl GatewayRole {
     /// below zero).
     fn end(&mut self, req: &RequestId) -> Option<InFlight> {
         let f = self.inflight.remove(req)?;
-        let used = (f.tokens.len() + f.sent.len()) as u64;
-        let tpm = self.cfg.tenants.get(&f.tenant).and_then(|p| p.tokens_per_minute);
-        if let (Some(b), Some(tpm), true) = (self.buckets.get_mut(&f.tenant), tpm, f.charged > 0) {
+        let used = (f.sub.tokens.len() + f.sent.len()) as u64;
+        let tpm = self.cfg.tenants.get(&f.sub.tenant).and_then(|p| p.tokens_per_minute);
+        if let (Some(b), Some(tpm), true) = (self.buckets.get_mut(&f.sub.tenant), tpm, f.charged > 0) {
             let settle = milli_minutes(f.charged).saturating_sub(milli_minutes(used));
             b.level = b.level.saturating_add(settle).min(milli_minutes(tpm));
         }
@@ -737,16 +760,12 @@ impl GatewayRole {
     pub fn handle(&mut self, ev: GatewayEvent) -> Vec<GatewayAction> {
         let mut out = Vec::new();
         match ev {
-            GatewayEvent::Submit { req, tokens, max_tokens, max_tokens_set, sampling, stop, trace, tenant, cache, priority } => {
+            GatewayEvent::Submit { req, submission } => {
                 let f = InFlight {
+                    sub: submission,
                     phase: Phase::Queued,
                     attempt: 0,
                     route: None,
-                    tokens,
-                    max_tokens,
-                    sampling,
-                    stop,
-                    trace,
                     resume: Vec::new(),
                     deadline_ms: self.now_ms.saturating_add(self.cfg.request_timeout_ms),
                     queued_at_ms: Some(self.now_ms),
@@ -755,11 +774,7 @@ impl GatewayRole {
                     sent: Vec::new(),
                     migrations: 0,
                     charged: 0,
-                    max_tokens_set,
-                    priority,
                     avoid: None,
-                    tenant,
-                    cache,
                     first_key: None,
                 };
                 self.submit(req, f, &mut out);
@@ -791,7 +806,7 @@ impl GatewayRole {
     fn submit(&mut self, req: RequestId, f: InFlight, out: &mut Vec<GatewayAction>) {
         self.stats.submitted += 1;
         if self.cfg.admission_check
-            && let Err(refusal) = admit(f.tokens.len(), Generate::Tokens(f.max_tokens as usize), self.max_context)
+            && let Err(refusal) = admit(f.sub.tokens.len(), Generate::Tokens(f.sub.max_tokens as usize), self.max_context)
         {
             // Rejected before any Reserve (I3, I5).
             self.stats.rejected_at_gateway += 1;
@@ -807,7 +822,7 @@ impl GatewayRole {
         if let Some(detail) = self.unavailable().filter(|_| !self.may_rejoin()) {
             return out.push(GatewayAction::ToClient { req, out: ClientOutput::Unavailable { detail } });
         }
-        let waiting = self.queues.get(&f.tenant).map_or(0, VecDeque::len);
+        let waiting = self.queues.get(&f.sub.tenant).map_or(0, VecDeque::len);
         if waiting >= self.cfg.max_queued {
             self.stats.queue_full += 1;
             let detail = format!("{waiting} requests of this tenant are waiting, the most this server queues per tenant");
@@ -826,8 +841,8 @@ impl GatewayRole {
         // among equals, never ahead of a request sent back to the queue (it was admitted
         // before); another tenant's queue is never affected.
         let inflight = &self.inflight;
-        let queue = self.queues.entry(f.tenant).or_default();
-        let behind = |o: &InFlight| o.attempt == 0 && o.priority > f.priority;
+        let queue = self.queues.entry(f.sub.tenant).or_default();
+        let behind = |o: &InFlight| o.attempt == 0 && o.sub.priority > f.sub.priority;
         let at = queue.iter().position(|r| inflight.get(r).is_some_and(behind)).unwrap_or(queue.len());
         queue.insert(at, req);
         self.inflight.insert(req, f);
@@ -847,7 +862,7 @@ impl GatewayRole {
                 return;
             }
             self.last_served = Some(tenant);
-            let tokens = self.inflight.get(&req).map_or(0, |f| f.tokens.len() + f.resume.len()) as u64;
+            let tokens = self.inflight.get(&req).map_or(0, |f| f.sub.tokens.len() + f.resume.len()) as u64;
             let now_ms = self.now_ms;
             let usage = self.usage.entry(tenant).or_default();
             *usage = Usage { tokens: usage.at(now_ms).saturating_add(tokens), at_ms: now_ms };
@@ -859,7 +874,7 @@ impl GatewayRole {
                 .inflight
                 .get(&req)
                 .filter(|f| self.cfg.admission_check && f.resume.is_empty())
-                .and_then(|f| admit(f.tokens.len(), Generate::Tokens(f.max_tokens as usize), self.max_context).err());
+                .and_then(|f| admit(f.sub.tokens.len(), Generate::Tokens(f.sub.max_tokens as usize), self.max_context).err());
             if let Some(refusal) = refused {
                 self.end(&req);
                 self.stats.rejected_at_gateway += 1;
@@ -872,15 +887,15 @@ impl GatewayRole {
             let resumed = f.resume.len() as u32;
             let msg = Message::Reserve {
                 req: attempt_id(req, f.attempt),
-                prompt_tokens: f.tokens.len() as u32 + resumed,
-                max_tokens: f.max_tokens.saturating_sub(resumed),
+                prompt_tokens: f.sub.tokens.len() as u32 + resumed,
+                max_tokens: f.sub.max_tokens.saturating_sub(resumed),
                 prefill: route.prefill,
-                sampling: f.sampling.clone(),
-                stop: f.stop.clone(),
+                sampling: f.sub.sampling.clone(),
+                stop: f.sub.stop.clone(),
                 resume: f.resume.clone(),
-                prompt: if f.sampling.needs_prompt() || f.cache.is_some() { f.tokens.clone() } else { Vec::new() },
-                trace: f.trace.clone(),
-                cache: f.cache,
+                prompt: if f.sub.sampling.needs_prompt() || f.sub.cache.is_some() { f.sub.tokens.clone() } else { Vec::new() },
+                trace: f.sub.trace.clone(),
+                cache: f.sub.cache,
             };
             out.push(GatewayAction::ToWorker { to: route.decode, msg });
         }
@@ -942,7 +957,7 @@ impl GatewayRole {
         if window == 0 {
             return true;
         }
-        let tokens = |f: &InFlight| f.tokens.len() + f.resume.len();
+        let tokens = |f: &InFlight| f.sub.tokens.len() + f.resume.len();
         let busy: usize = self
             .inflight
             .values()
@@ -956,9 +971,9 @@ impl GatewayRole {
     /// earlier attempts generated), if it uses the cache.
     fn page_keys(&self, req: RequestId) -> Option<Vec<PageKey>> {
         let (f, shape) = (self.inflight.get(&req)?, self.shape?);
-        let scope = f.cache?;
+        let scope = f.sub.cache?;
         let tokens: std::borrow::Cow<'_, [u32]> =
-            if f.resume.is_empty() { (&f.tokens[..]).into() } else { [&f.tokens[..], &f.resume[..]].concat().into() };
+            if f.resume.is_empty() { (&f.sub.tokens[..]).into() } else { [&f.sub.tokens[..], &f.resume[..]].concat().into() };
         Some(scope.page_keys(self.cfg.model_digest, &tokens, shape.page_size as usize))
     }
 
@@ -1013,7 +1028,7 @@ impl GatewayRole {
         f.phase = Phase::Queued;
         f.route = None;
         f.queued_at_ms.get_or_insert(now);
-        self.queues.entry(f.tenant).or_default().push_front(req);
+        self.queues.entry(f.sub.tenant).or_default().push_front(req);
     }
 
     /// Requests that waited too long: 429 from the queue, a failure elsewhere.
@@ -1104,7 +1119,7 @@ impl GatewayRole {
     /// the queue like any other, bounded by the request timeout once it has streamed.
     fn migrate(&mut self, req: RequestId, lost: WorkerId, out: &mut Vec<GatewayAction>) {
         let Some(f) = self.inflight.get_mut(&req) else { return };
-        let left = f.max_tokens.saturating_sub(f.sent.len() as u32);
+        let left = f.sub.max_tokens.saturating_sub(f.sent.len() as u32);
         if f.migrations >= self.cfg.migration_limit || left == 0 {
             let why = if left == 0 { "its last token was sent but not its end" } else { "it reached the migration limit" };
             return self.fail(req, FailReason::WorkerLost, format!("decode {lost} was lost; {why}"), Some(lost), out);
@@ -1223,7 +1238,7 @@ impl GatewayRole {
                 if let Some(since) = f.queued_at_ms.take() {
                     record_queue_wait(&mut self.stats, since, self.now_ms);
                 }
-                let mut tokens = f.tokens.clone();
+                let mut tokens = f.sub.tokens.clone();
                 tokens.extend_from_slice(&f.resume);
                 let msg = Message::Prefill {
                     req: attempt,
@@ -1231,10 +1246,10 @@ impl GatewayRole {
                     decode: route.decode,
                     held,
                     pages,
-                    sampling: f.sampling.clone(),
+                    sampling: f.sub.sampling.clone(),
                     skip_draws: f.resume.len() as u32,
-                    trace: f.trace.clone(),
-                    cache: f.cache,
+                    trace: f.sub.trace.clone(),
+                    cache: f.sub.cache,
                 };
                 out.push(GatewayAction::ToWorker { to: route.prefill, msg });
             }

@@ -10,7 +10,7 @@ use bulkhead_protocol::decode::{DecodeAction, DecodeConfig, DecodeEvent, DecodeR
 use bulkhead_protocol::driver::Honest;
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeEngine, DecodeLink, DecodePolicy, GenEvent};
 use bulkhead_protocol::driver::prefill::{Batching, Chunk, First, LinkDown, PrefillCompute, PrefillDriver, PrefillLink, PrefillPolicy};
-use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, TenantId};
+use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, Submission, TenantId};
 use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillJob, PrefillRole};
 use bulkhead_protocol::*;
 
@@ -221,15 +221,17 @@ impl<PP: PrefillPolicy, DP: DecodePolicy> Cluster<PP, DP> {
         let tokens = (0..prompt).map(|i| i + req as u32 * 100).collect();
         self.gateway(GatewayEvent::Submit {
             req: RequestId(req),
-            tokens,
-            max_tokens,
-            max_tokens_set: true,
-            sampling: Sampling::default(),
-            stop: vec![],
-            trace: TraceContext::default(),
-            tenant: TenantId(0),
-            cache: None,
-            priority: 0,
+            submission: Submission {
+                tokens,
+                max_tokens,
+                max_tokens_set: true,
+                sampling: Sampling::default(),
+                stop: vec![],
+                trace: TraceContext::default(),
+                tenant: TenantId(0),
+                cache: None,
+                priority: 0,
+            },
         });
     }
 
@@ -558,15 +560,17 @@ fn the_trace_context_reaches_the_decode_reservation_and_the_prefill_job() {
     let trace = TraceContext { trace_id: [7; 16], request_id: "req-7".into(), tenant: "acme".into() };
     c.gateway(GatewayEvent::Submit {
         req: RequestId(1),
-        tokens: vec![1, 2, 3],
-        max_tokens: 2,
-        max_tokens_set: true,
-        sampling: Sampling::default(),
-        stop: vec![],
-        trace: trace.clone(),
-        tenant: TenantId(0),
-        cache: None,
-        priority: 0,
+        submission: Submission {
+            tokens: vec![1, 2, 3],
+            max_tokens: 2,
+            max_tokens_set: true,
+            sampling: Sampling::default(),
+            stop: vec![],
+            trace: trace.clone(),
+            tenant: TenantId(0),
+            cache: None,
+            priority: 0,
+        },
     });
     let (mut reserve, mut prefill, mut job) = (None, None, None);
     for _ in 0..1000 {

@@ -6,7 +6,7 @@
 use bulkhead_kv::{Generation, PageId, PageRef, RequestId};
 use bulkhead_protocol::gateway::{
     BusyReason, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, GatewayStats, KvShape, Phase, QUEUE_WAIT_BUCKETS,
-    RegisterError, TenantId, TenantPolicy, attempt_id, client_of,
+    RegisterError, Submission, TenantId, TenantPolicy, attempt_id, client_of,
 };
 use bulkhead_protocol::*;
 
@@ -52,15 +52,17 @@ fn gateway(workers: &[(WorkerId, Role)]) -> GatewayRole {
 fn submit(g: &mut GatewayRole, req: u64, prompt: usize, max_tokens: u32) -> Vec<GatewayAction> {
     let ev = GatewayEvent::Submit {
         req: RequestId(req),
-        tokens: vec![5; prompt],
-        max_tokens,
-        max_tokens_set: true,
-        sampling: Sampling::default(),
-        stop: vec![],
-        trace: TraceContext::default(),
-        tenant: TenantId(0),
-        cache: None,
-        priority: 0,
+        submission: Submission {
+            tokens: vec![5; prompt],
+            max_tokens,
+            max_tokens_set: true,
+            sampling: Sampling::default(),
+            stop: vec![],
+            trace: TraceContext::default(),
+            tenant: TenantId(0),
+            cache: None,
+            priority: 0,
+        },
     };
     g.handle(ev)
 }
@@ -497,15 +499,17 @@ fn submit_scoped(
 ) -> Vec<GatewayAction> {
     let ev = GatewayEvent::Submit {
         req: RequestId(req),
-        tokens: vec![5; 4],
-        max_tokens: 4,
-        max_tokens_set: true,
-        sampling: Sampling::default(),
-        stop: vec![],
-        trace: TraceContext::default(),
-        tenant: TenantId(tenant),
-        cache,
-        priority,
+        submission: Submission {
+            tokens: vec![5; 4],
+            max_tokens: 4,
+            max_tokens_set: true,
+            sampling: Sampling::default(),
+            stop: vec![],
+            trace: TraceContext::default(),
+            tenant: TenantId(tenant),
+            cache,
+            priority,
+        },
     };
     g.handle(ev)
 }
@@ -848,15 +852,17 @@ fn a_request_without_max_tokens_fits_a_small_token_budget_and_one_that_never_fit
     let submit = |g: &mut GatewayRole, req: u64, prompt: usize, max_tokens: Option<u32>| {
         g.handle(GatewayEvent::Submit {
             req: RequestId(req),
-            tokens: vec![5; prompt],
-            max_tokens: max_tokens.unwrap_or(4096 - prompt as u32),
-            max_tokens_set: max_tokens.is_some(),
-            sampling: Sampling::default(),
-            stop: vec![],
-            trace: TraceContext::default(),
-            tenant: TenantId(0),
-            cache: None,
-            priority: 0,
+            submission: Submission {
+                tokens: vec![5; prompt],
+                max_tokens: max_tokens.unwrap_or(4096 - prompt as u32),
+                max_tokens_set: max_tokens.is_some(),
+                sampling: Sampling::default(),
+                stop: vec![],
+                trace: TraceContext::default(),
+                tenant: TenantId(0),
+                cache: None,
+                priority: 0,
+            },
         })
     };
     // 100 + the estimate fits 1,500; the rest of the context (3,996) would not.

@@ -8,7 +8,7 @@
 //! batches), so an aborted request stops at the next chunk boundary.
 //!
 //! Each job's log lines run in a span naming its request and trace; the worker's metrics
-//! go to the gateway every [`PUSH_INTERVAL`](crate::metrics::PUSH_INTERVAL) and after each
+//! go to the gateway every [`PUSH_INTERVAL`](bulkhead_transport::metrics::PUSH_INTERVAL) and after each
 //! step that ended a job.
 
 use std::collections::{BTreeMap, VecDeque};
@@ -18,19 +18,20 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, sync_channel};
 use std::time::{Duration, Instant};
 
 use crate::core_budget::{self, PrefillBudget};
-use crate::kv_transport::KvTransport;
-use crate::trust::Trust;
 use bulkhead_engine::Prefiller;
 use bulkhead_kv::transfer::ChunkExport;
 use bulkhead_kv::{KvPool, PrefixCache, RequestId};
 use bulkhead_protocol::driver::prefill::{Batching, ChunkSendError, LinkDown, PrefillDriver, PrefillLink, Step};
 use bulkhead_protocol::prefill::{JobOutcome, PrefillConfig, PrefillEvent, PrefillRole};
 use bulkhead_protocol::{Hello, Message, Purpose, Role, WorkerId};
+use bulkhead_transport::handshake::connect_handshake;
+use bulkhead_transport::kv_transport::{HELLO_TIMEOUT, KvTransport};
+use bulkhead_transport::trust::Trust;
 
 use crate::gateways::{GatewayIn, Gateways, fresh_worker_id};
-use crate::metrics::{self, Families, Histogram, Pusher};
-use crate::wire::{ChunkWriteError, FrameReader, FrameWriter, WireError, connect_handshake, spawn_reader};
 use crate::worker::{INBOX, WorkerConfig, WorkerError, load, request_span};
+use bulkhead_transport::metrics::{self, Families, Histogram, Pusher};
+use bulkhead_transport::wire::{ChunkWriteError, FrameReader, FrameWriter, WireError, spawn_reader};
 
 enum In {
     Gateway(GatewayIn),
@@ -97,7 +98,7 @@ impl PrefillLink for Link {
             s.set_nodelay(true)?;
             let mut reader = FrameReader::new(s.try_clone()?);
             let mut writer = FrameWriter::new(s);
-            reader.set_timeout(Some(crate::decode_worker::HELLO_TIMEOUT))?;
+            reader.set_timeout(Some(HELLO_TIMEOUT))?;
             let auth = connect_handshake(&mut reader, &mut writer, &self.trust, Purpose::Kv, self.me.0)?;
             writer.send(&Message::KvHello { prefill: self.me })?;
             let chosen = self.transport.connect(auth.is_some(), &mut reader, &mut writer)?;

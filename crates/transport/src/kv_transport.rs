@@ -16,6 +16,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use bulkhead_protocol::Message;
 
 use crate::trust::Trust;
+
+/// How long each answer may take while a KV connection is set up after its introduction
+/// (choosing the transport), and the connecting side's wait for each handshake answer.
+pub const HELLO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 use crate::wire::{FrameReader, FrameWriter, WireError};
 
 /// `--kv-transport`.

@@ -1,18 +1,15 @@
 //! What prefill and decode workers share: configuration, the capacity contract (I5),
 //! loading, and registering with the gateway.
 
-use std::net::TcpStream;
 use std::path::PathBuf;
-use std::time::Duration;
 
 use bulkhead_api::trace::TraceId;
 use bulkhead_engine::LoadedModel;
 use bulkhead_kv::{KvChecks, KvPool, PoolConfig};
-use bulkhead_protocol::{Hello, Message, Purpose, TraceContext};
+use bulkhead_protocol::TraceContext;
 
-use crate::gateways::Registration;
-use crate::trust::Trust;
-use crate::wire::{FrameReader, FrameWriter, WireError, connect_handshake};
+use bulkhead_transport::trust::Trust;
+use bulkhead_transport::wire::WireError;
 
 /// Messages a worker's connection readers may queue for its main thread before they
 /// block: a bound on its memory (frames are at most 16 MiB, KV chunks of the default model
@@ -63,7 +60,7 @@ pub struct WorkerConfig {
     /// cache of prompt pages, a decode worker's cache of ended requests' pages.
     pub prefix_cache_pages: usize,
     /// Which road KV frames may take between prefill and decode workers.
-    pub kv_transport: crate::kv_transport::KvTransport,
+    pub kv_transport: bulkhead_transport::kv_transport::KvTransport,
     /// The core budget shared with the other workers on this host, if any.
     pub core_budget: Option<crate::core_budget::CoreBudget>,
     /// The main loop's heartbeat for the health listener (`--health-listen`), if any.
@@ -96,7 +93,7 @@ pub enum WorkerError {
     #[error(transparent)]
     Model(#[from] bulkhead_model::ModelError),
     #[error(transparent)]
-    Trust(#[from] crate::trust::TrustError),
+    Trust(#[from] bulkhead_transport::trust::TrustError),
     /// Loading the model, sizing the pool or the capacity check failed: with the same
     /// settings and files a restart fails the same way, so a supervisor should not retry.
     #[error("{0}")]
@@ -164,39 +161,6 @@ fn try_load(cfg: &WorkerConfig) -> Result<Loaded, WorkerError> {
         "KV pool sized"
     );
     Ok(Loaded { model, pool, context, digest })
-}
-
-/// Connect to the gateway at `addr`, authenticate with the cluster key if there is one,
-/// and register as `hello` says.
-pub fn register(addr: &str, trust: &Trust, hello: &Hello) -> Result<Registration, WorkerError> {
-    let stream = connect_retry(addr)?;
-    stream.set_nodelay(true)?;
-    let mut reader = FrameReader::new(stream.try_clone()?);
-    let mut writer = FrameWriter::new(stream);
-    let auth = connect_handshake(&mut reader, &mut writer, trust, Purpose::Control, 0).map_err(|e| match e {
-        WireError::Auth(a) => WorkerError::Refused(a.to_string()),
-        other => WorkerError::Wire(other),
-    })?;
-    tracing::info!(gateway = %addr, authenticated = auth.is_some(), encrypted = auth.is_some_and(|a| a.encrypted), "connected to the gateway");
-    writer.send(&Message::Hello(hello.clone()))?;
-    match reader.recv()? {
-        Message::Welcome { gateway } => Ok(Registration { gateway, writer, reader }),
-        Message::Refuse { reason } | Message::AuthRefused { reason } => Err(WorkerError::Refused(reason)),
-        other => Err(WorkerError::Refused(format!("unexpected first message {}", other.kind_name()))),
-    }
-}
-
-/// The gateway may still be starting: retry for a few seconds.
-fn connect_retry(addr: &str) -> Result<TcpStream, WorkerError> {
-    let mut last = None;
-    for _ in 0..50 {
-        match TcpStream::connect(addr) {
-            Ok(s) => return Ok(s),
-            Err(e) => last = Some(e),
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    Err(WorkerError::Connect { addr: addr.to_string(), source: last.unwrap_or_else(|| std::io::Error::other("no attempt")) })
 }
 
 /// The span a worker's log lines about one request run in: the request, its W3C trace id,

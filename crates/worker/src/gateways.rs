@@ -1,22 +1,24 @@
 //! A worker's gateways (`--gateway`, one or several): it registers with each under its own
 //! id, sends each request's messages to the gateway that made the request (the gateway is
-//! part of the request id, [`gateway_of`]) and everything else to all of them, and dials a
-//! lost gateway again in the background while the others keep it busy.
+//! part of the request id) and everything else to all of them ([`gateways_for`]), and
+//! dials a lost gateway again in the background while the others keep it busy.
 //!
 //! Losing a gateway ends that gateway's requests on this worker (the worker's main loop
 //! aborts them, as the gateway would have); the other gateways' requests go on.
 
+use std::net::TcpStream;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::SyncSender;
 use std::time::Duration;
 
-use bulkhead_protocol::gateway::gateway_of;
-use bulkhead_protocol::{GatewayId, Hello, Message, WorkerId};
+use bulkhead_protocol::gateway::gateways_for;
+use bulkhead_protocol::{GatewayId, Hello, Message, Purpose, WorkerId};
+use bulkhead_transport::handshake::connect_handshake;
+use bulkhead_transport::trust::Trust;
+use bulkhead_transport::wire::{FrameReader, FrameWriter, WireError, spawn_reader};
 
-use crate::trust::Trust;
-use crate::wire::{FrameReader, FrameWriter, spawn_reader};
-use crate::worker::{WorkerError, register};
+use crate::worker::WorkerError;
 
 /// What a gateway connection tells the worker's main loop; `usize` is the gateway's place
 /// in the worker's `--gateway` list.
@@ -57,7 +59,7 @@ pub struct Gateways<T: Send + 'static> {
 /// A worker id nobody else is likely to hold: 32 random bits (a gateway refuses a second
 /// live worker with the same id, and the worker then exits and is restarted with another).
 pub fn fresh_worker_id() -> Result<WorkerId, WorkerError> {
-    let b = crate::trust::random()?;
+    let b = bulkhead_transport::trust::random()?;
     Ok(WorkerId(u32::from_le_bytes([b[0], b[1], b[2], b[3]]).max(1)))
 }
 
@@ -152,8 +154,7 @@ impl<T: Send + 'static> Gateways<T> {
     /// gateway is gone: its requests here were ended), anything else to every gateway. A
     /// failed write closes that connection (its reader reports the close).
     pub fn send(&mut self, msg: &Message) {
-        let to = msg.req().map(gateway_of);
-        for (_, w) in self.conns.iter_mut().flatten().filter(|(id, _)| to.is_none_or(|g| g == *id)) {
+        for w in gateways_for(msg, self.conns.iter_mut().flatten().map(|(id, w)| (*id, w))) {
             if w.send(msg).is_err() {
                 w.shutdown();
             }
@@ -204,4 +205,37 @@ impl<T: Send + 'static> Drop for Gateways<T> {
     fn drop(&mut self) {
         self.close_all();
     }
+}
+
+/// Connect to the gateway at `addr`, authenticate with the cluster key if there is one,
+/// and register as `hello` says.
+pub fn register(addr: &str, trust: &Trust, hello: &Hello) -> Result<Registration, WorkerError> {
+    let stream = connect_retry(addr)?;
+    stream.set_nodelay(true)?;
+    let mut reader = FrameReader::new(stream.try_clone()?);
+    let mut writer = FrameWriter::new(stream);
+    let auth = connect_handshake(&mut reader, &mut writer, trust, Purpose::Control, 0).map_err(|e| match e {
+        WireError::Auth(a) => WorkerError::Refused(a.to_string()),
+        other => WorkerError::Wire(other),
+    })?;
+    tracing::info!(gateway = %addr, authenticated = auth.is_some(), encrypted = auth.is_some_and(|a| a.encrypted), "connected to the gateway");
+    writer.send(&Message::Hello(hello.clone()))?;
+    match reader.recv()? {
+        Message::Welcome { gateway } => Ok(Registration { gateway, writer, reader }),
+        Message::Refuse { reason } | Message::AuthRefused { reason } => Err(WorkerError::Refused(reason)),
+        other => Err(WorkerError::Refused(format!("unexpected first message {}", other.kind_name()))),
+    }
+}
+
+/// The gateway may still be starting: retry for a few seconds.
+fn connect_retry(addr: &str) -> Result<TcpStream, WorkerError> {
+    let mut last = None;
+    for _ in 0..50 {
+        match TcpStream::connect(addr) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = Some(e),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Err(WorkerError::Connect { addr: addr.to_string(), source: last.unwrap_or_else(|| std::io::Error::other("no attempt")) })
 }

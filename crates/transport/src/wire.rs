@@ -9,10 +9,8 @@ use std::time::{Duration, Instant};
 
 use bulkhead_kv::transfer::ChunkExport;
 use bulkhead_kv::{KvError, RequestId};
-use bulkhead_protocol::auth::{AuthError, Client, ClusterKey, Server, Session};
-
-use crate::trust::Trust;
-use bulkhead_protocol::{CodecError, DEFAULT_MAX_FRAME, FrameDecoder, FrameEncoder, Message, Purpose};
+use bulkhead_protocol::auth::AuthError;
+use bulkhead_protocol::{CodecError, DEFAULT_MAX_FRAME, FrameDecoder, FrameEncoder, Message};
 
 /// Connections closed for bad bytes (garbage, oversize or unknown frames, a wrong first
 /// message), in this process; logged with each closure and exported as
@@ -59,7 +57,7 @@ const UCX_FRAME_TIMEOUT: Duration = Duration::from_secs(30);
 const STRAY_TCP: &str = "bytes on TCP after the switch to UCX";
 
 /// Bytes asked of the socket per read (the readers here and the gateway's).
-pub(crate) const READ_BYTES: usize = 256 << 10;
+pub const READ_BYTES: usize = 256 << 10;
 
 /// Reads whole messages from a stream.
 pub struct FrameReader {
@@ -110,6 +108,12 @@ impl FrameReader {
     /// From now on, check every frame's MAC (after a handshake).
     pub fn open_with(&mut self, session_recv: bulkhead_protocol::auth::Opener) {
         self.decoder.open_with(session_recv);
+    }
+
+    /// The stream and the decoder (its session and any bytes read past the last message),
+    /// for a caller that reads on with async I/O (the gateway, after [`crate::handshake::admit`]).
+    pub fn into_parts(self) -> (TcpStream, FrameDecoder) {
+        (self.stream, self.decoder)
     }
 
     /// The next message; `Closed` at end of stream. Any codec error means: close.
@@ -202,6 +206,12 @@ impl FrameWriter {
         FrameWriter { stream, encoder: FrameEncoder::plain(), buf: Vec::new(), ucx: None }
     }
 
+    /// The stream and the encoder (with its session), for a caller that writes on with
+    /// async I/O (the gateway, after [`crate::handshake::admit`]).
+    pub fn into_parts(self) -> (TcpStream, FrameEncoder) {
+        (self.stream, self.encoder)
+    }
+
     /// From now on, frames go over UCX.
     pub fn use_ucx(&mut self, sender: bulkhead_ucx::Sender) {
         self.ucx = Some(sender);
@@ -262,86 +272,4 @@ impl FrameWriter {
     pub fn seal_with(&mut self, session_send: bulkhead_protocol::auth::Sealer) {
         self.encoder = FrameEncoder::sealed(session_send);
     }
-}
-
-/// What a handshake established about the peer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Authenticated {
-    /// The identity the peer claimed and proved (a prefill's id on a KV connection; 0 for
-    /// the accepting side, and where nothing is claimed).
-    pub claim: u32,
-    /// Frames are encrypted as well as authenticated.
-    pub encrypted: bool,
-}
-
-/// The connecting side of an internal connection: with a key, run the handshake for
-/// `purpose` claiming `claim`, and seal both directions; without one, nothing (`None`).
-pub fn connect_handshake(
-    r: &mut FrameReader,
-    w: &mut FrameWriter,
-    trust: &Trust,
-    purpose: Purpose,
-    claim: u32,
-) -> Result<Option<Authenticated>, WireError> {
-    let Some(key) = trust.key.as_deref() else { return Ok(None) };
-    let nonce = crate::trust::random().map_err(std::io::Error::other)?;
-    let (client, hello) = Client::start(key, purpose, claim, trust.wants_encryption(w.peer_ip()), nonce);
-    w.send(&hello)?;
-    let (proof, session) = match client.finish(r.recv()?) {
-        Ok(done) => done,
-        Err(e) => {
-            // Tell the accepting side, so it counts the refusal rather than a lost connection.
-            let _ = w.send(&Message::AuthRefused { reason: e.to_string() });
-            return Err(e.into());
-        }
-    };
-    w.send(&proof)?;
-    Ok(Some(seal(r, w, session)))
-}
-
-/// The accepting side of an internal connection whose first frame was `first`: with a
-/// key, run the handshake and seal both directions, returning what the peer proved;
-/// without one, `first` must not be a handshake (`None`). A refusal is sent to the peer
-/// (so it can say why it failed), counted and returned.
-pub fn accept_handshake(
-    first: Message,
-    r: &mut FrameReader,
-    w: &mut FrameWriter,
-    trust: &Trust,
-    purpose: Purpose,
-) -> Result<Option<Authenticated>, WireError> {
-    let result = match (trust.key.as_deref(), first) {
-        (None, Message::AuthHello { .. }) => Err(AuthError::Refused(NO_KEY_HERE.into()).into()),
-        (None, _) => return Ok(None),
-        (Some(key), first) => accept_with(key, trust.wants_encryption(w.peer_ip()), first, r, w, purpose),
-    };
-    result.map(Some).inspect_err(|e| {
-        let _ = w.send(&Message::AuthRefused { reason: e.to_string() });
-        count_auth_refusal();
-    })
-}
-
-/// What a process without a key tells a peer that opens a handshake.
-pub const NO_KEY_HERE: &str = "this cluster runs without a key; start the peer without --cluster-key-file";
-
-fn accept_with(
-    key: &ClusterKey,
-    encrypt: bool,
-    first: Message,
-    r: &mut FrameReader,
-    w: &mut FrameWriter,
-    purpose: Purpose,
-) -> Result<Authenticated, WireError> {
-    let nonce = crate::trust::random().map_err(std::io::Error::other)?;
-    let (server, challenge) = Server::start(key, purpose, first, encrypt, nonce)?;
-    w.send(&challenge)?;
-    let session = server.finish(r.recv()?)?;
-    Ok(seal(r, w, session))
-}
-
-fn seal(r: &mut FrameReader, w: &mut FrameWriter, s: Session) -> Authenticated {
-    let done = Authenticated { claim: s.peer_claim, encrypted: s.encrypted };
-    r.open_with(s.recv);
-    w.seal_with(s.send);
-    done
 }

@@ -14,36 +14,33 @@
 //!
 //! Log lines about a request run in its span (request, trace id, `x-request-id`) from its
 //! `Reserve` on; the worker's metrics go to the gateway every
-//! [`PUSH_INTERVAL`](crate::metrics::PUSH_INTERVAL) and before each request's last message.
+//! [`PUSH_INTERVAL`](bulkhead_transport::metrics::PUSH_INTERVAL) and before each request's last message.
 
 use std::collections::BTreeMap;
 use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{RecvTimeoutError, SyncSender, sync_channel};
 use std::time::{Duration, Instant};
 
 use crate::core_budget::{self, DecodeBudget, DecodeShare};
-use crate::kv_transport::KvTransport;
-use crate::trust::Trust;
 use bulkhead_engine::{Engine, EngineConfig};
 use bulkhead_kv::{KvPool, PrefixCache, RequestId};
 use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeLink};
 use bulkhead_protocol::{Hello, Message, Purpose, Role, WorkerId};
+use bulkhead_transport::handshake::{Admitted, Authenticated, admit};
+use bulkhead_transport::kv_transport::{HELLO_TIMEOUT, KvTransport};
+use bulkhead_transport::trust::Trust;
 use tracing::Span;
 
-use crate::door::{self, Door, Refusal, Waiter};
 use crate::gateways::{GatewayIn, Gateways, fresh_worker_id};
-use crate::metrics::{self, Families, Pusher};
-use crate::wire::{FrameReader, FrameWriter, WireError, accept_handshake, count_auth_refusal, count_bad_connection};
 use crate::worker::{INBOX, WorkerConfig, WorkerError, load, request_span};
+use bulkhead_transport::door::{Port, Refusal, Waiter};
+use bulkhead_transport::metrics::{self, Families, Pusher};
+use bulkhead_transport::wire::{FrameWriter, WireError, count_bad_connection};
 
 /// KV connections served at once; more are closed at once (and counted).
 pub const MAX_KV_CONNECTIONS: usize = 256;
-/// How long each answer may take while a KV connection is set up after its introduction
-/// (choosing the transport), and the connecting side's wait for each handshake answer.
-pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
 enum In {
     Gateway(GatewayIn),
@@ -276,72 +273,33 @@ impl DecodeLink for Link {
 /// (garbage, a port scanner, an HTTP client, silence, a trickle, no key or a wrong one,
 /// another prefill's id) closes that connection and the worker serves on.
 fn accept_prefills(listener: TcpListener, tx: SyncSender<In>, trust: Trust, transport: KvTransport) {
-    let open = Arc::new(AtomicUsize::new(0));
-    let door = Door::new("kv");
+    let port = Port::new("kv", MAX_KV_CONNECTIONS);
     for conn in listener.incoming() {
         let Ok(stream) = conn else { continue };
-        let peer = stream.peer_addr().ok().map(|a| a.ip());
-        if open.load(Ordering::Acquire) >= MAX_KV_CONNECTIONS {
-            door::refuse("kv", peer, Refusal::Full, &format_args!("{MAX_KV_CONNECTIONS} KV connections are open"));
-            continue;
-        }
-        // Eviction shuts the socket down: the handshake's blocked read returns at once.
-        let Ok(evictable) = stream.try_clone() else { continue };
-        let evict: door::Evict = Box::new(move || {
-            let _ = evictable.shutdown(std::net::Shutdown::Both);
-        });
-        let waiter = door.enter(peer.unwrap_or(std::net::Ipv4Addr::UNSPECIFIED.into()), evict);
-        open.fetch_add(1, Ordering::AcqRel);
-        let (tx, open, trust) = (tx.clone(), open.clone(), trust.clone());
+        let Some((open, waiter)) = port.enter(&stream) else { continue };
+        let (tx, trust) = (tx.clone(), trust.clone());
         std::thread::spawn(move || {
             serve_prefill(stream, waiter, &tx, &trust, transport);
-            open.fetch_sub(1, Ordering::AcqRel);
+            drop(open);
         });
     }
 }
 
 fn serve_prefill(stream: TcpStream, waiter: Waiter, tx: &SyncSender<In>, trust: &Trust, transport: KvTransport) {
-    let _ = stream.set_nodelay(true);
-    let Ok(writer) = stream.try_clone() else { return };
-    let mut writer = FrameWriter::new(writer);
-    let peer_ip = stream.peer_addr().ok().map(|a| a.ip());
     let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-    let mut reader = FrameReader::before_handshake(stream, Instant::now() + door::HANDSHAKE_DEADLINE);
-    let hello = reader.recv().and_then(|first| {
-        let auth = accept_handshake(first.clone(), &mut reader, &mut writer, trust, Purpose::Kv)?;
-        // Without a key the first frame was already the introduction.
-        let hello = if auth.is_some() { reader.recv()? } else { first };
-        Ok((auth, hello))
-    });
-    let refuse = |reason: Refusal, detail: &dyn std::fmt::Display| door::refuse("kv", peer_ip, reason, detail);
-    let (from, auth) = match hello {
-        Ok((auth, Message::KvHello { prefill })) if auth.is_none_or(|a| a.claim == prefill.0) => (prefill, auth),
-        Ok((Some(auth), Message::KvHello { prefill })) => {
-            let claim = auth.claim;
-            count_auth_refusal();
-            refuse(Refusal::Identity, &format_args!("authenticated as worker-{claim}, introduced as {prefill}"));
-            let _ =
-                writer.send(&Message::AuthRefused { reason: format!("this connection authenticated as worker-{claim}, not {prefill}") });
-            return;
+    // The introduction must name the prefill the handshake proved (I9).
+    let introduce = |auth: Option<&Authenticated>, first: Message| match first {
+        Message::KvHello { prefill } if auth.is_none_or(|a| a.claim == prefill.0) => Ok(prefill),
+        Message::KvHello { prefill } => {
+            let claim = auth.map_or(0, |a| a.claim);
+            Err((Refusal::Identity, format!("this connection authenticated as worker-{claim}, not {prefill}")))
         }
-        Ok((_, other)) => {
-            count_bad_connection();
-            refuse(Refusal::Unexpected, &format_args!("the first frame was {}, not KvHello", other.kind_name()));
-            return;
-        }
-        Err(e) => {
-            if matches!(e, WireError::Codec(_)) {
-                count_bad_connection();
-            }
-            if let Some(reason) = door::refusal_of(&e) {
-                refuse(reason, &e);
-            }
-            return;
-        }
+        other => Err((Refusal::Unexpected, format!("the first frame was {}, not KvHello", other.kind_name()))),
     };
-    // Admitted: full-size frames, no deadline, and its place in the waiting room is free.
-    drop(waiter);
-    if reader.admitted().and_then(|()| reader.set_timeout(Some(HELLO_TIMEOUT))).is_err() {
+    let Some(Admitted { mut reader, mut writer, auth, intro: from }) = admit(stream, waiter, "kv", trust, Purpose::Kv, introduce) else {
+        return;
+    };
+    if reader.set_timeout(Some(HELLO_TIMEOUT)).is_err() {
         return;
     }
     let chosen = match transport.accept(auth.is_some(), &mut reader, &mut writer) {

@@ -721,7 +721,8 @@ ok_total{worker=\"prefill-0\",v=\"a\\\"b\\\\c\\nd\"} NaN
     }
 
     /// docs/OPERATIONS.md lists every metric family the servers export, and nothing else:
-    /// the names written in this crate's sources against the names in its metrics table.
+    /// the names written in the process crates' sources against the names in its metrics
+    /// table.
     #[test]
     fn the_operations_guide_lists_exactly_the_exported_metrics() {
         let root = concat!(env!("CARGO_MANIFEST_DIR"), "/");
@@ -733,7 +734,9 @@ ok_total{worker=\"prefill-0\",v=\"a\\\"b\\\\c\\nd\"} NaN
                 .collect()
         };
         let mut exported = std::collections::BTreeSet::new();
-        for entry in std::fs::read_dir(format!("{root}src")).expect("src") {
+        // Every process's crate: this one, the gateway's and the workers'.
+        let sources = ["src", "../gateway/src", "../worker/src"].map(|d| std::fs::read_dir(format!("{root}{d}")).expect("src"));
+        for entry in sources.into_iter().flatten() {
             let path = entry.expect("entry").path();
             if path.extension().is_some_and(|e| e == "rs") {
                 let text = std::fs::read_to_string(&path).expect("source");

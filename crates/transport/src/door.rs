@@ -20,7 +20,7 @@
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -129,29 +129,6 @@ pub fn refuse(port: &'static str, peer: Option<IpAddr>, reason: Refusal, detail:
     }
 }
 
-/// The reason a handshake that failed with `e` was refused; `None` for a connection that
-/// merely ended (the peer closed it, or an eviction already counted it).
-pub fn refusal_of(e: &crate::wire::WireError) -> Option<Refusal> {
-    use crate::wire::WireError;
-    use bulkhead_protocol::CodecError;
-    use bulkhead_protocol::auth::AuthError;
-    match e {
-        WireError::Closed | WireError::Io(_) | WireError::Ucx(_) | WireError::Transport(_) => None,
-        WireError::Deadline => Some(Refusal::Deadline),
-        WireError::Codec(CodecError::Version(_)) => Some(Refusal::Version),
-        WireError::Codec(CodecError::Auth(_)) => Some(Refusal::Proof),
-        WireError::Codec(_) => Some(Refusal::Malformed),
-        WireError::Auth(AuthError::Unexpected { .. } | AuthError::WrongPurpose { .. }) => Some(Refusal::Unexpected),
-        // A plain frame where the handshake must start, or a handshake where this side has
-        // no key.
-        WireError::Auth(AuthError::NoHandshake { .. } | AuthError::Refused(_)) => Some(Refusal::NoKey),
-        // This side's check of the peer's proof failed, or the peer's check of this side's
-        // (a connecting side with another key sends `AuthRefused` in place of its proof).
-        WireError::Auth(AuthError::WrongKey | AuthError::ProofRefused(_)) => Some(Refusal::Proof),
-        WireError::Auth(_) => Some(Refusal::Proof),
-    }
-}
-
 /// Closes a waiting connection from another thread or task (shuts its socket down, or
 /// wakes the task that holds it).
 pub type Evict = Box<dyn FnOnce() + Send>;
@@ -213,6 +190,50 @@ impl Door {
     }
 }
 
+/// An internal port's connections in all: at most `max` open at once (registered or still
+/// in their handshake), each waiting at the port's [`Door`] until admitted. One more is
+/// closed at once and counted (`Full`).
+pub struct Port {
+    door: Arc<Door>,
+    open: Arc<AtomicUsize>,
+    max: usize,
+}
+
+/// A connection's place among its port's open ones; dropping it (the connection closed)
+/// frees it.
+pub struct Open(Arc<AtomicUsize>);
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Port {
+    /// Port `name` (`kv` or `worker`, for logs and metrics), at most `max` connections.
+    pub fn new(name: &'static str, max: usize) -> Port {
+        Port { door: Door::new(name), open: Arc::default(), max }
+    }
+
+    /// A new connection: its place among the open ones and in the waiting room, or `None`
+    /// (refused, counted) when `max` are open. Eviction shuts its socket down, so a
+    /// handshake blocked on a read returns at once.
+    pub fn enter(&self, stream: &std::net::TcpStream) -> Option<(Open, Waiter)> {
+        let peer = stream.peer_addr().ok().map(|a| a.ip());
+        if self.open.load(Ordering::Acquire) >= self.max {
+            refuse(self.door.port, peer, Refusal::Full, &format_args!("{} connections are open", self.max));
+            return None;
+        }
+        let evictable = stream.try_clone().ok()?;
+        let evict: Evict = Box::new(move || {
+            let _ = evictable.shutdown(std::net::Shutdown::Both);
+        });
+        let waiter = self.door.enter(peer.unwrap_or(std::net::Ipv4Addr::UNSPECIFIED.into()), evict);
+        self.open.fetch_add(1, Ordering::AcqRel);
+        Some((Open(Arc::clone(&self.open)), waiter))
+    }
+}
+
 /// A connection's place in the waiting room; dropping it (admitted or closed) frees it.
 pub struct Waiter {
     door: Arc<Door>,
@@ -270,33 +291,5 @@ mod tests {
         }
         let after: u64 = refusals().filter(|(r, _)| *r == Refusal::Malformed).map(|(_, n)| n).sum();
         assert_eq!(after - before, 3);
-    }
-
-    #[test]
-    fn a_peer_with_another_key_is_a_proof_refusal_and_one_with_none_a_missing_key() {
-        use crate::wire::WireError;
-        use bulkhead_protocol::auth::{AuthError, Client, ClusterKey, KEY_LEN, Server};
-        use bulkhead_protocol::{Message, Purpose};
-        let (ours, theirs) = (ClusterKey::from_bytes([1; KEY_LEN]), ClusterKey::from_bytes([2; KEY_LEN]));
-        let accept = |first: Message| Server::start(&ours, Purpose::Control, first, false, [3; KEY_LEN]);
-        // A worker with another key: it refuses the gateway's challenge instead of proving.
-        let (client, hello) = Client::start(&theirs, Purpose::Control, 0, false, [4; KEY_LEN]);
-        let (server, challenge) = accept(hello).unwrap();
-        let reason = client.finish(challenge).err().unwrap().to_string();
-        let e = server.finish(Message::AuthRefused { reason }).err().unwrap();
-        assert_eq!(refusal_of(&WireError::Auth(e)), Some(Refusal::Proof));
-        // A worker that proves with another key.
-        let (_, hello) = Client::start(&theirs, Purpose::Control, 0, false, [4; KEY_LEN]);
-        let (server, _) = accept(hello).unwrap();
-        let e = server.finish(Message::AuthProof { proof: [9; KEY_LEN] }).err().unwrap();
-        assert_eq!(refusal_of(&WireError::Auth(e)), Some(Refusal::Proof));
-        // A worker without a key: its first frame is not a handshake.
-        let e = accept(Message::KvHello { prefill: bulkhead_protocol::WorkerId(1) }).err().unwrap();
-        assert_eq!(refusal_of(&WireError::Auth(e)), Some(Refusal::NoKey));
-        // A handshake for the other port is still unexpected.
-        let (_, hello) = Client::start(&ours, Purpose::Kv, 0, false, [4; KEY_LEN]);
-        let e = accept(hello).err().unwrap();
-        assert!(matches!(e, AuthError::WrongPurpose { .. }));
-        assert_eq!(refusal_of(&WireError::Auth(e)), Some(Refusal::Unexpected));
     }
 }
