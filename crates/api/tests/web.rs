@@ -113,7 +113,15 @@ fn the_chat_script_builds_text_nodes_and_checks_link_schemes() {
 /// The dashboard reads `/metrics` and nothing else: it cannot show a key, prompt or completion.
 #[test]
 fn the_dashboard_fetches_only_metrics() {
-    let fetches: Vec<&str> = web::DASHBOARD_JS.match_indices("fetch(").map(|(i, _)| &web::DASHBOARD_JS[i..i + 20]).collect();
-    assert_eq!(fetches, ["fetch(\"/metrics\", { "], "{fetches:?}");
-    assert!(!web::DASHBOARD_JS.contains("sessionStorage") && !web::DASHBOARD_JS.contains("/v1/"));
+    let fetches: Vec<&str> = web::DASHBOARD_JS.match_indices("fetch(").map(|(i, _)| &web::DASHBOARD_JS[i..i + 28]).collect();
+    // The public page, and the operator's page (the cache series) with the operator's key.
+    assert_eq!(fetches, ["fetch(\"/metrics\", { cache: \"", "fetch(\"/metrics/tenants\", { "], "{fetches:?}");
+    // The only thing it keeps is that key, for the tab's life; never a tenant's API key.
+    let stores: Vec<&str> = web::DASHBOARD_JS.match_indices("Storage.").map(|(i, _)| &web::DASHBOARD_JS[i..i + 24]).collect();
+    assert!(stores.iter().all(|s| s.contains("(ADMIN")), "{stores:?}");
+    assert!(
+        !web::DASHBOARD_JS.contains("localStorage")
+            && !web::DASHBOARD_JS.contains("bulkhead.apiKey")
+            && !web::DASHBOARD_JS.contains("/v1/")
+    );
 }

@@ -9,9 +9,7 @@ use serde::de::{self, Deserialize, Deserializer};
 use serde::{Deserialize as DeriveDeserialize, Serialize};
 use serde_json::{Map, Number, Value};
 
-use super::request::{ChatMessageParam, PromptParam, StopParam, StreamOptions, messages_of};
-use super::{MAX_CACHE_SALT, MAX_N, MAX_STOP, MAX_TEMPERATURE, MAX_TEXT_LOGPROBS, MAX_TOKEN_LIST, MAX_TOP_LOGPROBS};
-use crate::backend::Prompt;
+use super::{MAX_CACHE_SALT, MAX_N, MAX_TEMPERATURE, MAX_TEXT_LOGPROBS, MAX_TOKEN_LIST, MAX_TOP_LOGPROBS};
 use crate::error::ApiError;
 
 /// Why a value was refused, before its `param` is known. It crosses serde as the text of a
@@ -132,7 +130,7 @@ pub(super) fn read<'de, D: Deserializer<'de>, T>(d: D, rule: impl FnOnce(&Value)
 }
 
 /// Reads an optional field with `rule`: `null` (clients send it for "not given") is `None`.
-fn optional<'de, D: Deserializer<'de>, T>(d: D, rule: impl FnOnce(&Value) -> Result<T, Fault>) -> Result<Option<T>, D::Error> {
+pub(super) fn optional<'de, D: Deserializer<'de>, T>(d: D, rule: impl FnOnce(&Value) -> Result<T, Fault>) -> Result<Option<T>, D::Error> {
     match Option::<Value>::deserialize(d)? {
         None => Ok(None),
         Some(v) => rule(&v).map(Some).map_err(de::Error::custom),
@@ -245,31 +243,6 @@ rules! {
         Value::Object(m) if m.values().all(Value::is_string) => Ok(v.clone()),
         v => Err(Fault::type_error("an object of strings", v)),
     };
-    /// `{"include_usage": bool}`.
-    stream_options -> StreamOptions = |v| {
-        let Value::Object(o) = v else { return Err(Fault::type_error("an object", v)) };
-        Fault::unknown_key(o, |k| k == "include_usage")?;
-        let include_usage = match o.get("include_usage") {
-            None | Some(Value::Null) => None,
-            Some(Value::Bool(b)) => Some(*b),
-            Some(v) => return Err(Fault::type_error("a boolean", v).within(".include_usage")),
-        };
-        Ok(StreamOptions { include_usage })
-    };
-    /// One stop string or up to [`MAX_STOP`].
-    stop -> StopParam = |v| match v {
-        Value::String(s) => Ok(StopParam::One(s.clone())),
-        Value::Array(items) if items.len() > MAX_STOP => Err(Fault::says(&[&format!(
-            "Invalid 'stop': array too long. Expected at most {MAX_STOP} stop sequences, but got {}.",
-            items.len()
-        )])),
-        Value::Array(items) => each(items, |s| s.as_str().map(str::to_owned).ok_or_else(|| Fault::type_error("a string", s))).map(StopParam::Many),
-        v => Err(Fault::type_error("a string or an array of strings", v)),
-    };
-    /// A text completion's prompt or prompts.
-    prompt -> PromptParam = prompt_of;
-    /// A chat's messages.
-    messages -> Vec<ChatMessageParam> = messages_of;
     /// An array (of values checked elsewhere).
     array -> Vec<Value> = |v| v.as_array().cloned().ok_or_else(|| Fault::type_error("an array", v));
 }
@@ -295,41 +268,7 @@ fn logit_bias_of(v: &Value) -> Result<Vec<(u32, f32)>, Fault> {
     Ok(out)
 }
 
-fn prompt_of(v: &Value) -> Result<PromptParam, Fault> {
-    let prompts = match v {
-        Value::String(s) => vec![text_prompt(s)?],
-        Value::Array(items) if items.is_empty() => return Err(Fault::says(&["Invalid 'prompt': empty array."])),
-        Value::Array(items) if items.iter().all(Value::is_number) => vec![token_prompt(items)?],
-        Value::Array(items) => each(items, |item| match item {
-            Value::String(s) => text_prompt(s),
-            Value::Array(ids) => token_prompt(ids),
-            v => Err(Fault::type_error("a string or an array of token ids", v)),
-        })?,
-        v => {
-            let expected = "a string, an array of strings, an array of token ids or an array of such arrays";
-            return Err(Fault::type_error(expected, v));
-        }
-    };
-    Ok(PromptParam(prompts))
-}
-
-/// A text prompt; empty is refused (nothing to continue from; vLLM refuses it too).
-fn text_prompt(s: &str) -> Result<Prompt, Fault> {
-    if s.is_empty() {
-        return Err(Fault::says(&["Invalid '", "': it is empty. Send at least one character."]));
-    }
-    Ok(Prompt::Text(s.to_owned()))
-}
-
-/// A token-id prompt (checked against the vocabulary by the backend).
-fn token_prompt(ids: &[Value]) -> Result<Prompt, Fault> {
-    if ids.is_empty() {
-        return Err(Fault::says(&["Invalid '", "': empty array of token ids."]));
-    }
-    each(ids, token_id).map(Prompt::Tokens)
-}
-
-fn token_id(v: &Value) -> Result<u32, Fault> {
+pub(super) fn token_id(v: &Value) -> Result<u32, Fault> {
     u32::try_from(int(v, 0)?).map_err(|_| Fault::range("a token id", v))
 }
 

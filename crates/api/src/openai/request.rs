@@ -25,7 +25,7 @@ pub struct ChatCompletionRequest {
     pub model: Option<String>,
     /// The conversation so far; the model's chat template is applied to it.
     #[schema(value_type = Vec<ChatMessageParam>, required = true, min_items = 1)]
-    #[serde(default, deserialize_with = "de::messages")]
+    #[serde(default, deserialize_with = "messages")]
     pub messages: Option<Vec<ChatMessageParam>>,
     /// Functions the model may call (`{"type": "function", "function": {name, description,
     /// parameters}}`). They reach the chat template's `tools`, or a default tool preamble in
@@ -67,7 +67,7 @@ pub struct CompletionRequest {
     pub model: Option<String>,
     /// The text to continue, tokenised as is: a string, token ids, or a batch of either.
     #[schema(value_type = PromptParam, required = true)]
-    #[serde(default, deserialize_with = "de::prompt")]
+    #[serde(default, deserialize_with = "prompt")]
     pub prompt: Option<PromptParam>,
     /// Return each generated token's log-probability and this many most likely
     /// alternatives.
@@ -205,10 +205,10 @@ pub struct CompletionOptions {
     #[serde(default, deserialize_with = "de::boolean")]
     pub stream: Option<bool>,
     /// Streaming options.
-    #[serde(default, deserialize_with = "de::stream_options")]
+    #[serde(default, deserialize_with = "stream_options")]
     pub stream_options: Option<StreamOptions>,
     /// Up to 4 strings; generation ends before the first one, which is not returned.
-    #[serde(default, deserialize_with = "de::stop")]
+    #[serde(default, deserialize_with = "stop")]
     pub stop: Option<StopParam>,
     /// Keep generating past the end-of-generation token until `max_tokens` (not OpenAI's:
     /// llama.cpp's and vLLM's, for fixed-length benchmarks).
@@ -515,4 +515,79 @@ impl<'de> Deserialize<'de> for ContentPartType {
             None => Err(Fault::type_error("a string", v)),
         })
     }
+}
+
+// Deserializers of the fields whose types are defined here (the generic ones are in `de`).
+
+/// `{"include_usage": bool}`.
+pub(super) fn stream_options<'de, D: Deserializer<'de>>(d: D) -> Result<Option<StreamOptions>, D::Error> {
+    de::optional(d, |v| {
+        let Value::Object(o) = v else { return Err(Fault::type_error("an object", v)) };
+        Fault::unknown_key(o, |k| k == "include_usage")?;
+        let include_usage = match o.get("include_usage") {
+            None | Some(Value::Null) => None,
+            Some(Value::Bool(b)) => Some(*b),
+            Some(v) => return Err(Fault::type_error("a boolean", v).within(".include_usage")),
+        };
+        Ok(StreamOptions { include_usage })
+    })
+}
+
+/// One stop string or up to [`MAX_STOP`].
+pub(super) fn stop<'de, D: Deserializer<'de>>(d: D) -> Result<Option<StopParam>, D::Error> {
+    de::optional(d, |v| match v {
+        Value::String(s) => Ok(StopParam::One(s.clone())),
+        Value::Array(items) if items.len() > MAX_STOP => Err(Fault::says(&[&format!(
+            "Invalid 'stop': array too long. Expected at most {MAX_STOP} stop sequences, but got {}.",
+            items.len()
+        )])),
+        Value::Array(items) => {
+            de::each(items, |s| s.as_str().map(str::to_owned).ok_or_else(|| Fault::type_error("a string", s))).map(StopParam::Many)
+        }
+        v => Err(Fault::type_error("a string or an array of strings", v)),
+    })
+}
+
+/// A text completion's prompt or prompts.
+pub(super) fn prompt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<PromptParam>, D::Error> {
+    de::optional(d, prompt_of)
+}
+
+/// A chat's messages.
+pub(super) fn messages<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<ChatMessageParam>>, D::Error> {
+    de::optional(d, messages_of)
+}
+
+fn prompt_of(v: &Value) -> Result<PromptParam, Fault> {
+    let prompts = match v {
+        Value::String(s) => vec![text_prompt(s)?],
+        Value::Array(items) if items.is_empty() => return Err(Fault::says(&["Invalid 'prompt': empty array."])),
+        Value::Array(items) if items.iter().all(Value::is_number) => vec![token_prompt(items)?],
+        Value::Array(items) => de::each(items, |item| match item {
+            Value::String(s) => text_prompt(s),
+            Value::Array(ids) => token_prompt(ids),
+            v => Err(Fault::type_error("a string or an array of token ids", v)),
+        })?,
+        v => {
+            let expected = "a string, an array of strings, an array of token ids or an array of such arrays";
+            return Err(Fault::type_error(expected, v));
+        }
+    };
+    Ok(PromptParam(prompts))
+}
+
+/// A text prompt; empty is refused (nothing to continue from; vLLM refuses it too).
+fn text_prompt(s: &str) -> Result<Prompt, Fault> {
+    if s.is_empty() {
+        return Err(Fault::says(&["Invalid '", "': it is empty. Send at least one character."]));
+    }
+    Ok(Prompt::Text(s.to_owned()))
+}
+
+/// A token-id prompt (checked against the vocabulary by the backend).
+fn token_prompt(ids: &[Value]) -> Result<Prompt, Fault> {
+    if ids.is_empty() {
+        return Err(Fault::says(&["Invalid '", "': empty array of token ids."]));
+    }
+    de::each(ids, de::token_id).map(Prompt::Tokens)
 }
