@@ -1,6 +1,6 @@
 #![forbid(unsafe_code)]
 //! Bulkhead's OpenAI-compatible HTTP API, independent of how text is generated: the
-//! gateway (crates/server) is its one production [`Backend`].
+//! gateway (crates/gateway) is its one production [`Backend`].
 //!
 //! # Layout
 //!

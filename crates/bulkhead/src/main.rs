@@ -5,7 +5,8 @@
 //! - `generate.rs`: `bulkhead generate`, one chat completion streamed to stdout.
 //! - `bench.rs`: `bulkhead bench-engine`, prefill and batched decode throughput.
 //! - `bench_transfer.rs`: `bulkhead bench-transfer`, KV handoff throughput vs memcpy.
-//! - `serve.rs`: `bulkhead serve`, the gateway and workers (one role or all three).
+//! - `serve/`: `bulkhead serve`, the gateway and workers (one role or all three): `mod.rs`
+//!   wires them, `args.rs` holds the flags, their checks and each role's settings.
 //! - `loadgen.rs`: `bulkhead loadgen`, load on any OpenAI-compatible server (and the flags
 //!   naming a target server, shared with `probe`).
 //! - `plot.rs`: `bulkhead loadgen-plot`, open-loop reports' SLO attainment curves as a PNG.

@@ -1,11 +1,12 @@
 //! Seeded fault schedules over Bulkhead's production protocol roles and KV pools.
 //!
 //! A schedule runs the real [`GatewayRole`], [`PrefillRole`] and [`DecodeRole`] and real
-//! [`KvPool`]s (every check on, the auditor included) through drivers that do what
-//! `crates/server` does, over an in-process transport with a virtual clock. One seed
-//! determines everything: the cluster, the requests (fitting, over the context, malformed),
-//! client aborts, message delays, connection cuts, bad bytes, worker crashes and restarts,
-//! timeouts, and the interleaving of every step. No threads, sockets or wall clock.
+//! [`KvPool`]s (every check on, the auditor included) through drivers that do what the
+//! processes (`crates/gateway`, `crates/worker`) do, over an in-process transport with a
+//! virtual clock. One seed determines everything: the cluster, the requests (fitting, over
+//! the context, malformed), client aborts, message delays, connection cuts, bad bytes,
+//! worker crashes and restarts, timeouts, and the interleaving of every step. No threads,
+//! sockets or wall clock.
 //!
 //! After each schedule ([`sim::Sim::verdict`]): every request has exactly one terminal
 //! outcome at the gateway (or its client left first); every finished output equals the

@@ -1,6 +1,6 @@
 //! The real model behind the same schedules: prefill workers compute with
 //! [`Prefiller`] and decode workers run an [`Engine`] over their pool, the very adapters
-//! `crates/server`'s workers use. The
+//! the worker processes (`crates/worker`) use. The
 //! reference is the same engine generating in process on a fresh pool
 //! ([`Engine::add`]), greedy; the forward pass is row-deterministic (a sequence's logits
 //! do not depend on batching or chunking), so every finished output must equal it token

@@ -64,7 +64,7 @@ pub struct Faults {
 /// production roles and pools are the same in every variant.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Variant {
-    /// The drivers do what `crates/server` does.
+    /// The drivers do what the worker processes (`crates/worker`) do.
     Production,
     /// The decode driver starts a request when `Done` arrives even if the verifier refused
     /// the completion claim ("transfer complete" trusted, the incident's decode side).

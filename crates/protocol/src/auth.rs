@@ -512,7 +512,7 @@ mod tests {
         let (server, challenge) = Server::start(&sk, Purpose::Control, hello, false, [2; KEY_LEN]).unwrap();
         let e = client.finish(challenge).err().unwrap();
         assert_eq!(e, AuthError::WrongKey);
-        // What `wire::connect_handshake` sends the accepting side in place of its proof.
+        // What `handshake::connect_handshake` sends the accepting side in place of its proof.
         let refused = server.finish(Message::AuthRefused { reason: e.to_string() }).err();
         assert!(matches!(&refused, Some(AuthError::ProofRefused(r)) if r.contains("different cluster key")), "{refused:?}");
     }
