@@ -1090,8 +1090,9 @@ impl<'m, M: Models> Sim<'m, M> {
         }
     }
 
-    /// What `prefill_worker` does when its role asks to rejoin: close every connection
-    /// (cleanly: what it sent still arrives) and register again, under a new id.
+    /// What the prefill worker (`bulkhead_worker::prefill`) does when its role asks to
+    /// rejoin: close every connection (cleanly: what it sent still arrives) and register
+    /// again, under a new id.
     fn rejoin(&mut self, w: WorkerId) {
         let Some(p) = self.prefills.remove(&w) else { return };
         self.log(format!("w{} lost a KV connection: rejoins under a new id", w.0));
@@ -1114,9 +1115,9 @@ impl<'m, M: Models> Sim<'m, M> {
         self.schedule(self.now + REJOIN_DELAY_MS, Planned::Start(self.plan.prefill));
     }
 
-    /// One step of `prefill_worker`'s loop, through the production driver: end stopped
-    /// jobs, take queued ones within the step's budget, compute and send the next chunk of
-    /// each, end the finished ones.
+    /// One step of the prefill worker's loop (`bulkhead_worker::prefill`), through the
+    /// production driver: end stopped jobs, take queued ones within the step's budget,
+    /// compute and send the next chunk of each, end the finished ones.
     fn prefill_work(&mut self, w: WorkerId) {
         let cost = self.dice.range(self.plan.prefill_cost_ms.0, self.plan.prefill_cost_ms.1);
         let busy_until = self.now + cost;
