@@ -38,7 +38,7 @@ impl Default for TenantPolicy {
 /// small tenant's whole budget, refused for ever.
 pub const IMPLICIT_COMPLETION_CHARGE: u32 = 256;
 
-/// How fast a tenant's recent use of prefill ([`Usage`]) is forgotten: it halves every this
+/// How fast a tenant's recent use of prefill (`Usage`) is forgotten: it halves every this
 /// many milliseconds. Long against a prompt's prefill (a second or two), so a light tenant
 /// keeps its credit through a burst of its own; short against a busy tenant's minutes.
 pub const USAGE_HALF_LIFE_MS: u64 = 30_000;
