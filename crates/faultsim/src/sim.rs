@@ -24,7 +24,7 @@ use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeEngine};
 use bulkhead_protocol::driver::prefill::{Batching, PrefillDriver, Step};
 use bulkhead_protocol::driver::sabotage::DecodeSabotage;
 use bulkhead_protocol::gateway::{
-    ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, Submission, TenantId, client_of, gateway_of,
+    ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, GatewaySettings, Submission, TenantId, client_of, gateway_of,
 };
 use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillRole};
 use bulkhead_protocol::{GatewayId, Hello, Message, Role, TraceContext, WorkerId};
@@ -196,13 +196,15 @@ impl<'m, M: Models> Sim<'m, M> {
         let config = GatewayConfig {
             model_context: plan.model_context,
             model_digest: DIGEST,
-            admission_check: plan.gateway_check,
-            request_timeout_ms: plan.request_timeout_ms,
-            max_queued: plan.requests.len(),
-            queue_timeout_ms: plan.request_timeout_ms,
-            migration_limit: 3,
-            prefill_window_tokens: 0,
             tenants: Default::default(),
+            settings: GatewaySettings {
+                admission_check: plan.gateway_check,
+                request_timeout_ms: plan.request_timeout_ms,
+                max_queued: plan.requests.len(),
+                queue_timeout_ms: plan.request_timeout_ms,
+                migration_limit: 3,
+                prefill_window_tokens: 0,
+            },
         };
         let gws = (0..plan.gateways.max(1))
             .map(|g| Gateway {

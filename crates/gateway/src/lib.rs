@@ -34,7 +34,7 @@ use bulkhead_api::{ApiError, ModelCard};
 use bulkhead_api::{PromptEncoder, Tenants};
 use bulkhead_protocol::GatewayId;
 use bulkhead_protocol::cache::CacheSecret;
-use bulkhead_protocol::gateway::{GatewayConfig, GatewayRole};
+use bulkhead_protocol::gateway::{GatewayConfig, GatewayRole, GatewaySettings};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 
@@ -58,18 +58,8 @@ pub struct GatewayOptions {
     /// Names served in the API, the first as the main one; empty: the model file's name
     /// (without `.gguf`), as llama-server names a model by its file.
     pub model_ids: Vec<String>,
-    /// Check the context limit at the gateway (tests switch it off).
-    pub admission_check: bool,
-    /// A request not finished after this long fails.
-    pub request_timeout_ms: u64,
-    /// Requests that may wait for capacity; one more gets 429.
-    pub max_queued: usize,
-    /// How long a request may wait for capacity before it gets 429.
-    pub queue_timeout_ms: u64,
-    /// How many times one request may move off a lost decode worker.
-    pub migration_limit: u32,
-    /// Prompt tokens a prefill worker is given at once (0: no window).
-    pub prefill_window_tokens: usize,
+    /// Admission, timeouts, the queue, migration and the prefill window: the role's own.
+    pub settings: GatewaySettings,
     /// Client connection limits.
     pub http: HttpLimits,
     /// How long a request body may take to arrive (then 408).
@@ -177,7 +167,7 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
         encoder: PromptEncoder::new(Arc::new(tokenizer), chat),
         aliases: names,
         cache_secret,
-        admission_check: opts.admission_check,
+        admission_check: opts.settings.admission_check,
         defaults: opts.defaults,
         refused: Refused::default(),
         http: Arc::default(),
@@ -187,13 +177,8 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
     let role = GatewayRole::new(GatewayConfig {
         model_context: config.context_length,
         model_digest: digest,
-        admission_check: opts.admission_check,
-        request_timeout_ms: opts.request_timeout_ms,
-        max_queued: opts.max_queued,
-        queue_timeout_ms: opts.queue_timeout_ms,
-        migration_limit: opts.migration_limit,
-        prefill_window_tokens: opts.prefill_window_tokens,
         tenants: opts.tenants.policies(),
+        settings: opts.settings,
     })
     .with_id(opts.gateway_id);
     let actor = Actor::new(role, shared.clone(), opts.gateway_id, first_request_number());

@@ -22,7 +22,7 @@ use bulkhead_kv::{KvChecks, KvPool, PoolConfig, PrefixCache, RequestId};
 use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::driver::decode::DecodeDriver;
 use bulkhead_protocol::driver::prefill::{Batching, PrefillDriver};
-use bulkhead_protocol::gateway::{BusyReason, GatewayConfig, GatewayRole, gateway_of, request_number};
+use bulkhead_protocol::gateway::{BusyReason, GatewayConfig, GatewayRole, GatewaySettings, gateway_of, request_number};
 use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillRole};
 use bulkhead_protocol::{FailReason, GatewayId, Hello, Message, RejectReason, Role, WorkerId};
 
@@ -279,13 +279,15 @@ impl<'c> World<'c> {
         let gateway = GatewayConfig {
             model_context: cfg.gateway_max_context,
             model_digest: DIGEST,
-            admission_check: cfg.gateway_admission,
-            request_timeout_ms: TICK_MS,
-            max_queued: cfg.requests.len(),
-            queue_timeout_ms: TICK_MS,
-            migration_limit: 3,
-            prefill_window_tokens: cfg.prefill_window_tokens,
             tenants: Default::default(),
+            settings: GatewaySettings {
+                admission_check: cfg.gateway_admission,
+                request_timeout_ms: TICK_MS,
+                max_queued: cfg.requests.len(),
+                queue_timeout_ms: TICK_MS,
+                migration_limit: 3,
+                prefill_window_tokens: cfg.prefill_window_tokens,
+            },
         };
         let mut gws: Vec<GatewayRole> =
             (0..cfg.gateways.max(1)).map(|g| GatewayRole::new(gateway.clone()).with_id(GatewayId(g as u8))).collect();

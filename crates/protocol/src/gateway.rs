@@ -63,6 +63,16 @@ pub struct GatewayConfig {
     pub model_context: usize,
     /// Digest of the model file; a worker serving another model is refused.
     pub model_digest: u64,
+    /// Admission, timeouts, the queue, migration and the prefill window.
+    pub settings: GatewaySettings,
+    /// Each tenant's share and limits; a tenant not named here has weight 1 and none.
+    pub tenants: BTreeMap<TenantId, TenantPolicy>,
+}
+
+/// The gateway's own settings, declared once: the gateway process is given them (with its
+/// flags) and hands them to its role as they are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Fingerprint)]
+pub struct GatewaySettings {
     /// Whether the gateway checks the context limit itself (tests turn it off to show the
     /// workers' own admission holds).
     pub admission_check: bool,
@@ -81,8 +91,6 @@ pub struct GatewayConfig {
     /// are served by recent use per weight, unless the worker has none. 0: no window (every prompt goes on
     /// at once and waits in the prefill worker's own first-come queue).
     pub prefill_window_tokens: usize,
-    /// Each tenant's share and limits; a tenant not named here has weight 1 and none.
-    pub tenants: BTreeMap<TenantId, TenantPolicy>,
 }
 
 /// A request as the gateway admits it: what the client asked for, tokenised, with the
@@ -485,7 +493,7 @@ impl GatewayRole {
         [Role::Prefill, Role::Decode]
             .into_iter()
             .filter(|r| self.workers(*r).is_empty())
-            .all(|r| self.lost_since_ms[role_index(r)].is_some_and(|t| self.now_ms.saturating_sub(t) < self.cfg.queue_timeout_ms))
+            .all(|r| self.lost_since_ms[role_index(r)].is_some_and(|t| self.now_ms.saturating_sub(t) < self.cfg.settings.queue_timeout_ms))
     }
 
     /// Why requests cannot be served now, if no worker of a role is registered: the server

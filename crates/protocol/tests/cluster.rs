@@ -10,7 +10,9 @@ use bulkhead_protocol::decode::{DecodeAction, DecodeConfig, DecodeEvent, DecodeR
 use bulkhead_protocol::driver::Honest;
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeEngine, DecodeLink, DecodePolicy, GenEvent};
 use bulkhead_protocol::driver::prefill::{Batching, Chunk, First, LinkDown, PrefillCompute, PrefillDriver, PrefillLink, PrefillPolicy};
-use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, Submission, TenantId};
+use bulkhead_protocol::gateway::{
+    ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, GatewaySettings, Submission, TenantId,
+};
 use bulkhead_protocol::prefill::{PrefillConfig, PrefillEvent, PrefillJob, PrefillRole};
 use bulkhead_protocol::*;
 
@@ -168,13 +170,15 @@ impl<PP: PrefillPolicy, DP: DecodePolicy> Cluster<PP, DP> {
         let mut gw = GatewayRole::new(GatewayConfig {
             model_context,
             model_digest: DIGEST,
-            admission_check: gateway_check,
-            request_timeout_ms: 10_000,
-            max_queued: 16,
-            queue_timeout_ms: 10_000,
-            migration_limit: 3,
-            prefill_window_tokens: 0,
             tenants: Default::default(),
+            settings: GatewaySettings {
+                admission_check: gateway_check,
+                request_timeout_ms: 10_000,
+                max_queued: 16,
+                queue_timeout_ms: 10_000,
+                migration_limit: 3,
+                prefill_window_tokens: 0,
+            },
         });
         let (ppool, dpool) = (pool(prefill_pool_tokens), pool(decode_pool_tokens));
         // Registration's introductions are the transports' business here: the KV

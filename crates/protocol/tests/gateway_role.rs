@@ -5,8 +5,8 @@
 
 use bulkhead_kv::{Generation, PageId, PageRef, RequestId};
 use bulkhead_protocol::gateway::{
-    BusyReason, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, GatewayStats, KvShape, Phase, QUEUE_WAIT_BUCKETS,
-    RegisterError, Submission, TenantId, TenantPolicy, attempt_id, client_of,
+    BusyReason, ClientOutput, GatewayAction, GatewayConfig, GatewayEvent, GatewayRole, GatewaySettings, GatewayStats, KvShape, Phase,
+    QUEUE_WAIT_BUCKETS, RegisterError, Submission, TenantId, TenantPolicy, attempt_id, client_of,
 };
 use bulkhead_protocol::*;
 
@@ -31,12 +31,14 @@ fn config(max_queued: usize, tenants: &[(u32, TenantPolicy)]) -> GatewayConfig {
     GatewayConfig {
         model_context: 8,
         model_digest: DIGEST,
-        admission_check: true,
-        request_timeout_ms: TIMEOUT_MS,
-        max_queued,
-        queue_timeout_ms: TIMEOUT_MS / 2,
-        migration_limit: 3,
-        prefill_window_tokens: 0,
+        settings: GatewaySettings {
+            admission_check: true,
+            request_timeout_ms: TIMEOUT_MS,
+            max_queued,
+            queue_timeout_ms: TIMEOUT_MS / 2,
+            migration_limit: 3,
+            prefill_window_tokens: 0,
+        },
         tenants: tenants.iter().map(|(t, p)| (TenantId(*t), *p)).collect(),
     }
 }
@@ -763,7 +765,9 @@ fn requests_with_the_same_first_page_follow_one_being_received_to_its_decode_wor
 /// request. Fails with the window check in `dispatch` removed.
 #[test]
 fn a_prefill_window_keeps_one_tenants_burst_at_the_gateway_where_tenants_take_turns() {
-    let mut g = GatewayRole::new(GatewayConfig { prefill_window_tokens: 6, ..config(16, &[]) });
+    let mut c = config(16, &[]);
+    c.settings.prefill_window_tokens = 6;
+    let mut g = GatewayRole::new(c);
     join(&mut g, P1, Role::Prefill);
     join(&mut g, D2, Role::Decode);
     // Tenant 0's burst: the first prompt (4 tokens) goes on; 4 + 4 > 6, so the rest wait.
@@ -806,8 +810,10 @@ fn request_ids_of_different_gateways_never_meet_and_every_attempt_names_its_gate
 #[test]
 fn a_light_tenants_burst_goes_ahead_of_a_busy_tenant_and_old_use_fades() {
     use bulkhead_protocol::gateway::USAGE_HALF_LIFE_MS;
-    let patient = GatewayConfig { request_timeout_ms: u64::MAX / 4, queue_timeout_ms: u64::MAX / 4, ..config(16, &[]) };
-    let mut g = GatewayRole::new(GatewayConfig { prefill_window_tokens: 6, ..patient });
+    let mut patient = config(16, &[]);
+    (patient.settings.request_timeout_ms, patient.settings.queue_timeout_ms) = (u64::MAX / 4, u64::MAX / 4);
+    patient.settings.prefill_window_tokens = 6;
+    let mut g = GatewayRole::new(patient);
     join(&mut g, P1, Role::Prefill);
     join(&mut g, D2, Role::Decode);
     // One prompt at a time (4 tokens, window 6): computing one lets the next go.

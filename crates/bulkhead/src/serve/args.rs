@@ -10,6 +10,7 @@ use bulkhead_api::Tenants;
 use bulkhead_gateway::GatewayOptions;
 use bulkhead_gateway::http::HttpLimits;
 use bulkhead_kv::KvChecks;
+use bulkhead_protocol::gateway::GatewaySettings;
 use bulkhead_transport::kv_transport::KvTransport;
 use bulkhead_transport::trust::{self, Trust};
 use bulkhead_worker::core_budget::{CoreBudget, ShareMode, Slo};
@@ -537,12 +538,14 @@ impl ServeArgs {
             workers: self.worker_listen.clone(),
             model,
             model_ids: self.model_id.clone(),
-            admission_check: !self.no_gateway_admission,
-            request_timeout_ms: self.request_timeout_ms,
-            max_queued: self.max_queued_requests,
-            queue_timeout_ms: self.queue_timeout_ms,
-            migration_limit: self.migration_limit,
-            prefill_window_tokens: self.prefill_window_tokens,
+            settings: GatewaySettings {
+                admission_check: !self.no_gateway_admission,
+                request_timeout_ms: self.request_timeout_ms,
+                max_queued: self.max_queued_requests,
+                queue_timeout_ms: self.queue_timeout_ms,
+                migration_limit: self.migration_limit,
+                prefill_window_tokens: self.prefill_window_tokens,
+            },
             http: HttpLimits {
                 max_connections: self.max_connections,
                 max_per_source: max_per_source(self),

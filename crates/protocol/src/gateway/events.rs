@@ -69,7 +69,7 @@ impl GatewayRole {
                     attempt: 0,
                     route: None,
                     resume: Vec::new(),
-                    deadline_ms: self.now_ms.saturating_add(self.cfg.request_timeout_ms),
+                    deadline_ms: self.now_ms.saturating_add(self.cfg.settings.request_timeout_ms),
                     queued_at_ms: Some(self.now_ms),
                     retried: false,
                     waited_for_room: false,
@@ -107,7 +107,7 @@ impl GatewayRole {
 
     fn submit(&mut self, req: RequestId, f: InFlight, out: &mut Vec<GatewayAction>) {
         self.stats.submitted += 1;
-        if self.cfg.admission_check
+        if self.cfg.settings.admission_check
             && let Err(refusal) = admit(f.sub.tokens.len(), Generate::Tokens(f.sub.max_tokens as usize), self.max_context)
         {
             // Rejected before any Reserve (I3, I5).
@@ -125,7 +125,7 @@ impl GatewayRole {
             return out.push(GatewayAction::ToClient { req, out: ClientOutput::Unavailable { detail } });
         }
         let waiting = self.queues.get(&f.sub.tenant).map_or(0, VecDeque::len);
-        if waiting >= self.cfg.max_queued {
+        if waiting >= self.cfg.settings.max_queued {
             self.stats.queue_full += 1;
             let detail = format!("{waiting} requests of this tenant are waiting, the most this server queues per tenant");
             return out.push(GatewayAction::ToClient { req, out: ClientOutput::Busy { reason: BusyReason::QueueFull, detail } });
@@ -346,7 +346,7 @@ impl GatewayRole {
     fn migrate(&mut self, req: RequestId, lost: WorkerId, out: &mut Vec<GatewayAction>) {
         let Some(f) = self.inflight.get_mut(&req) else { return };
         let left = f.sub.max_tokens.saturating_sub(f.sent.len() as u32);
-        if f.migrations >= self.cfg.migration_limit || left == 0 {
+        if f.migrations >= self.cfg.settings.migration_limit || left == 0 {
             let why = if left == 0 { "its last token was sent but not its end" } else { "it reached the migration limit" };
             return self.fail(req, FailReason::WorkerLost, format!("decode {lost} was lost; {why}"), Some(lost), out);
         }
@@ -377,7 +377,7 @@ impl GatewayRole {
                     .get(r)
                     .filter(|f| f.resume.is_empty())
                     .and_then(|f| f.queued_at_ms)
-                    .is_some_and(|t| t.saturating_add(self.cfg.queue_timeout_ms) <= now)
+                    .is_some_and(|t| t.saturating_add(self.cfg.settings.queue_timeout_ms) <= now)
             })
             .collect();
         for req in waited {
@@ -389,7 +389,7 @@ impl GatewayRole {
                 let client = match self.unavailable() {
                     Some(detail) => ClientOutput::Unavailable { detail },
                     None => {
-                        let detail = format!("waited {} ms in the queue for capacity", self.cfg.queue_timeout_ms);
+                        let detail = format!("waited {} ms in the queue for capacity", self.cfg.settings.queue_timeout_ms);
                         ClientOutput::Busy { reason: BusyReason::QueueTimeout, detail }
                     }
                 };

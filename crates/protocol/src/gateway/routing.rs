@@ -41,7 +41,7 @@ impl GatewayRole {
             let refused = self
                 .inflight
                 .get(&req)
-                .filter(|f| self.cfg.admission_check && f.resume.is_empty())
+                .filter(|f| self.cfg.settings.admission_check && f.resume.is_empty())
                 .and_then(|f| admit(f.sub.tokens.len(), Generate::Tokens(f.sub.max_tokens as usize), self.max_context).err());
             if let Some(refusal) = refused {
                 self.end(&req);
@@ -121,7 +121,7 @@ impl GatewayRole {
     /// Whether prefill worker `p` may be given `req`'s prompt now: its prompts in flight
     /// (reserving or prefilling) and this one stay within the window, or it has none.
     fn prefill_has_room(&self, req: RequestId, p: WorkerId) -> bool {
-        let window = self.cfg.prefill_window_tokens;
+        let window = self.cfg.settings.prefill_window_tokens;
         if window == 0 {
             return true;
         }
