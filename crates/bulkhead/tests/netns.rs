@@ -125,7 +125,21 @@ fn chat(max_tokens: usize, user: &str) -> support::Response {
 /// same greedy text as over TCP, and both sides log the road; without UCX, TCP.
 fn kv_over_ucx_between_namespaces() {
     let mut h = hosts().expect("namespaces");
-    let g = h.spawn("g", &["--role", "gateway", "--host", "10.231.0.2", "--port", "8080", "--worker-listen", "0.0.0.0:7000", "--admin-key", support::ADMIN_KEY]);
+    let g = h.spawn(
+        "g",
+        &[
+            "--role",
+            "gateway",
+            "--host",
+            "10.231.0.2",
+            "--port",
+            "8080",
+            "--worker-listen",
+            "0.0.0.0:7000",
+            "--admin-key",
+            support::ADMIN_KEY,
+        ],
+    );
     let p = h.spawn("p", &["--role", "prefill", "--gateway", "10.231.1.1:7000", "--transfer-batch-pages", "8"]);
     let d = h.spawn("d", &["--role", "decode", "--gateway", "10.231.2.1:7000", "--kv-listen", "10.231.3.2:7100"]);
     let logs = [g.as_path(), p.as_path(), d.as_path()];
@@ -204,7 +218,21 @@ fn cutting_the_prefill_decode_link_mid_transfer_fails_one_request_and_frees_noth
     }
     kv_over_ucx_between_namespaces();
     let mut h = hosts().expect("the namespaces again");
-    let g = h.spawn("g", &["--role", "gateway", "--host", "10.231.0.2", "--port", "8080", "--worker-listen", "0.0.0.0:7000", "--admin-key", support::ADMIN_KEY]);
+    let g = h.spawn(
+        "g",
+        &[
+            "--role",
+            "gateway",
+            "--host",
+            "10.231.0.2",
+            "--port",
+            "8080",
+            "--worker-listen",
+            "0.0.0.0:7000",
+            "--admin-key",
+            support::ADMIN_KEY,
+        ],
+    );
     // The cut is of the network link, which only TCP takes (UCX's shared memory between the
     // namespaces does not cross it).
     let p = h.spawn("p", &["--role", "prefill", "--gateway", "10.231.1.1:7000", "--transfer-batch-pages", "8", "--kv-transport", "tcp"]);
