@@ -103,6 +103,24 @@ pub enum GenEvent {
     Failed(ApiError),
 }
 
+/// OpenAI's documented default `temperature`: what a request without one gets unless the
+/// operator sets another ([`Defaults`]).
+pub const OPENAI_TEMPERATURE: f32 = 1.0;
+
+/// What a request that leaves a sampling field out gets: OpenAI's defaults, or the
+/// operator's (`serve --default-temperature`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Defaults {
+    /// The `temperature` of a request without one (0: greedy).
+    pub temperature: f32,
+}
+
+impl Default for Defaults {
+    fn default() -> Self {
+        Defaults { temperature: OPENAI_TEMPERATURE }
+    }
+}
+
 /// A generator of text behind the OpenAI API.
 ///
 /// Dropping the [`Receiver`] returned by [`Backend::generate`] is how a client disconnect
@@ -132,8 +150,8 @@ pub trait Backend: Send + Sync + 'static {
     }
 
     /// What a request that leaves a sampling field out gets (default: OpenAI's).
-    fn defaults(&self) -> crate::openai::Defaults {
-        crate::openai::Defaults::default()
+    fn defaults(&self) -> Defaults {
+        Defaults::default()
     }
 
     /// Every HTTP response the API sends, by status (metrics; default: not counted).

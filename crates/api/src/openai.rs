@@ -10,6 +10,7 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 use utoipa::ToSchema;
 
+pub use crate::backend::{Defaults, OPENAI_TEMPERATURE};
 use crate::backend::{FinishReason, ModelCard, Prompt};
 use crate::error::ApiError;
 use crate::tools::{self, Tools};
@@ -149,24 +150,6 @@ impl CompletionParams {
             ));
         }
         Ok(())
-    }
-}
-
-/// OpenAI's documented default `temperature`: what a request without one gets unless the
-/// operator sets another ([`Defaults`]).
-pub const OPENAI_TEMPERATURE: f32 = 1.0;
-
-/// What a request that leaves a sampling field out gets: OpenAI's defaults, or the
-/// operator's (`serve --default-temperature`).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Defaults {
-    /// The `temperature` of a request without one (0: greedy).
-    pub temperature: f32,
-}
-
-impl Default for Defaults {
-    fn default() -> Self {
-        Defaults { temperature: OPENAI_TEMPERATURE }
     }
 }
 

@@ -10,57 +10,14 @@ use std::time::Instant;
 use bulkhead_api::{ApiError, GenEvent};
 
 use bulkhead_kv::RequestId;
-use bulkhead_protocol::gateway::{
-    ClientOutput, GatewayAction, GatewayEvent, GatewayRole, QUEUE_WAIT_BUCKETS, RegisterError, Submission, request_id,
-};
+use bulkhead_protocol::gateway::{ClientOutput, GatewayAction, GatewayEvent, GatewayRole, QUEUE_WAIT_BUCKETS, RegisterError, request_id};
 use bulkhead_protocol::{FailReason, GatewayId, Hello, Message, MetricFamily, RejectReason, Role, WorkerId};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
 use bulkhead_transport::metrics::{self, Families, Finish, RequestMetrics};
 
-use crate::backend::{Shared, count};
-
-pub(crate) enum Cmd {
-    /// A request the HTTP side admitted, and what only this process needs of it: when it
-    /// arrived, where its events go, and the field an over-context error names.
-    Submit {
-        submission: Submission,
-        arrived: Instant,
-        events: mpsc::Sender<GenEvent>,
-        prompt_param: &'static str,
-    },
-    Register {
-        hello: Hello,
-        writer: mpsc::Sender<Message>,
-        reply: oneshot::Sender<Result<WorkerId, RegisterError>>,
-    },
-    Worker {
-        from: WorkerId,
-        msg: Message,
-    },
-    Left {
-        id: WorkerId,
-    },
-    Tick {
-        now_ms: u64,
-    },
-    /// Render `/metrics`, or with `tenants` the operator's per-tenant series.
-    Metrics {
-        tenants: bool,
-        reply: oneshot::Sender<String>,
-    },
-}
-
-/// Commands that may wait for the actor. Beyond this, HTTP requests get 429 with
-/// `Retry-After` (the actor is behind: nothing is lost, the client retries), and worker
-/// readers and the ticker wait (backpressure on their connections).
-pub const ACTOR_INBOX: usize = 4096;
-
-/// Messages that may wait for one worker's connection. A worker that falls this far
-/// behind is disconnected and counted as lost (its requests fail, its pages are fenced by
-/// the usual paths), rather than letting the gateway's memory grow without bound or one
-/// slow worker stall every other.
-pub const WORKER_OUTBOX: usize = 8192;
+use crate::inbox::{Cmd, WORKER_OUTBOX};
+use crate::shared::{Shared, count};
 
 /// Which metrics page is rendered.
 #[derive(Clone, Copy, PartialEq, Eq)]

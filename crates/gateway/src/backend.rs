@@ -1,56 +1,20 @@
 //! The API's [`Backend`] over the gateway: templating, tokenising and the gateway's own
 //! admission check, before anything is sent to the actor.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use bulkhead_api::{ApiError, Backend, GenEvent, GenerationRequest, ModelCard};
 
 use bulkhead_api::PromptEncoder;
 use bulkhead_protocol::admission::{Generate, admit, default_max_tokens};
-use bulkhead_protocol::cache::CacheSecret;
 use bulkhead_protocol::gateway::{Submission, TenantId};
 use bulkhead_protocol::{RejectReason, TraceContext};
 use tokio::sync::mpsc;
 
-use crate::actor::{ACTOR_INBOX, Cmd};
-
-/// Requests the gateway refused before running them, by reason (the HTTP side counts them,
-/// before anything reaches the actor).
-#[derive(Default)]
-pub(crate) struct Refused {
-    pub(crate) context_length: AtomicU64,
-    pub(crate) unavailable: AtomicU64,
-    pub(crate) invalid: AtomicU64,
-    pub(crate) busy: AtomicU64,
-}
-
-pub(crate) struct Shared {
-    /// The served model under its main name; `aliases` are its other names.
-    pub(crate) card: ModelCard,
-    pub(crate) aliases: Vec<String>,
-    pub(crate) max_context: AtomicUsize,
-    pub(crate) ready: AtomicBool,
-    /// Set when the gateway cannot serve and cannot recover by itself (`/health` 503).
-    pub(crate) failed: AtomicBool,
-    pub(crate) encoder: PromptEncoder,
-    /// The secret of cache scopes; `None` with the prefix cache off.
-    pub(crate) cache_secret: Option<CacheSecret>,
-    pub(crate) admission_check: bool,
-    pub(crate) defaults: bulkhead_api::openai::Defaults,
-    pub(crate) refused: Refused,
-    /// Client connections the HTTP front closed itself, by reason.
-    pub(crate) http: Arc<crate::http::HttpStats>,
-    /// HTTP responses sent, by status.
-    pub(crate) responses: std::sync::Mutex<BTreeMap<u16, u64>>,
-    pub(crate) cmds: mpsc::Sender<Cmd>,
-}
-
-pub(crate) fn count(c: &AtomicU64) {
-    c.fetch_add(1, Ordering::Relaxed);
-}
+use crate::inbox::{ACTOR_INBOX, Cmd};
+use crate::shared::{Shared, count};
 
 /// The [`Backend`] the HTTP layer calls: templating, tokenising and the gateway's own
 /// admission check happen here, before anything is sent to a worker.

@@ -11,7 +11,8 @@
 //!
 //! - [`http`]: which client connections are served, and for how long.
 //! - [`backend`]: the API's `Backend`: templating, tokenising, the gateway's admission.
-//! - [`actor`]: the one task that owns the role, the client streams and the metrics.
+//! - [`actor`]: the one task that owns the role, the client streams and the metrics;
+//!   [`inbox`] is what it is told, [`shared`] what it shares with the HTTP side.
 //! - [`workers`]: the worker port: the door and handshake (written once, in
 //!   `bulkhead-transport`), then each worker's connection.
 //! - [`supervisor`]: the worker processes `serve` starts on one host, restarted as they exit.
@@ -20,6 +21,8 @@
 mod actor;
 pub mod backend;
 pub mod http;
+mod inbox;
+mod shared;
 pub mod supervisor;
 mod workers;
 
@@ -38,9 +41,11 @@ use bulkhead_protocol::gateway::{GatewayConfig, GatewayRole, GatewaySettings};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::actor::{ACTOR_INBOX, Actor, Cmd};
-use crate::backend::{ClusterBackend, Refused, Shared};
+use crate::actor::Actor;
+use crate::backend::ClusterBackend;
 use crate::http::HttpLimits;
+use crate::inbox::{ACTOR_INBOX, Cmd};
+use crate::shared::{Refused, Shared};
 use bulkhead_transport::metrics::{self};
 use bulkhead_transport::trust::Trust;
 

@@ -11,7 +11,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::actor::{Cmd, WORKER_OUTBOX};
+use crate::inbox::{Cmd, WORKER_OUTBOX};
 
 /// Worker connections the gateway serves at once (registered or still in their handshake);
 /// more are closed at once (and counted).
