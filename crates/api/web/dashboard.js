@@ -266,7 +266,8 @@
       ["quarantined-total", "KV pages put in quarantine (writer not yet fenced)", count(sum(samples, "bulkhead:quarantined_pages_total")), false],
       ["fenced", "quarantined pages released after their writer was fenced", count(sum(samples, "bulkhead:fenced_releases_total")), false],
       ["canaries", "canary slots checked · poisoned reads", `${count(sum(samples, "bulkhead:isolation_checks_total", { check: "canary" }))} · ${count(sum(samples, "bulkhead:isolation_failures_total", { check: "canary" }))}`, sum(samples, "bulkhead:isolation_failures_total", { check: "canary" }) > 0],
-      ["tenant-fence", "tenant-fence checks run · failed", `${count(sum(samples, "bulkhead:isolation_checks_total", { check: "tenant_fence" }))} · ${count(sum(samples, "bulkhead:isolation_failures_total", { check: "tenant_fence" }))}`, sum(samples, "bulkhead:isolation_failures_total", { check: "tenant_fence" }) > 0],
+      // How often the fence ran counts shared pages: the operator's; its failures are public.
+      ["tenant-fence", "tenant-fence checks run · failed", `${operator ? count(sum(samples, "bulkhead:isolation_checks_total", { check: "tenant_fence" })) : "operator's key"} · ${count(sum(samples, "bulkhead:isolation_failures_total", { check: "tenant_fence" }))}`, sum(samples, "bulkhead:isolation_failures_total", { check: "tenant_fence" }) > 0],
       ["api-refusals", "API requests refused for their key (401)", count(apiRefused), false],
       ["auth-refusals", "internal connections refused by the cluster handshake", count(sum(samples, "bulkhead:auth_refusals_total")), false],
       ["handshake-refusals", "internal connections closed before they authenticated", count(sum(samples, "bulkhead:handshake_refusals_total")), false],
