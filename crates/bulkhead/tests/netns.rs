@@ -120,26 +120,16 @@ fn chat(max_tokens: usize, user: &str) -> support::Response {
     request(HTTP, "POST", "/v1/chat/completions", &[], &body.to_string())
 }
 
+/// The gateway host's flags (the operator's key: the pools' cache pages are on its page).
+const GATEWAY: &[&str] =
+    &["--role", "gateway", "--host", "10.231.0.2", "--port", "8080", "--worker-listen", "0.0.0.0:7000", "--admin-key", support::ADMIN_KEY];
+
 /// Three hosts with the default `--kv-transport auto`: where UCX loads, the KV connection
 /// takes its shared memory (the namespaces share one machine's memory), the answer is the
 /// same greedy text as over TCP, and both sides log the road; without UCX, TCP.
 fn kv_over_ucx_between_namespaces() {
     let mut h = hosts().expect("namespaces");
-    let g = h.spawn(
-        "g",
-        &[
-            "--role",
-            "gateway",
-            "--host",
-            "10.231.0.2",
-            "--port",
-            "8080",
-            "--worker-listen",
-            "0.0.0.0:7000",
-            "--admin-key",
-            support::ADMIN_KEY,
-        ],
-    );
+    let g = h.spawn("g", GATEWAY);
     let p = h.spawn("p", &["--role", "prefill", "--gateway", "10.231.1.1:7000", "--transfer-batch-pages", "8"]);
     let d = h.spawn("d", &["--role", "decode", "--gateway", "10.231.2.1:7000", "--kv-listen", "10.231.3.2:7100"]);
     let logs = [g.as_path(), p.as_path(), d.as_path()];
@@ -218,21 +208,7 @@ fn cutting_the_prefill_decode_link_mid_transfer_fails_one_request_and_frees_noth
     }
     kv_over_ucx_between_namespaces();
     let mut h = hosts().expect("the namespaces again");
-    let g = h.spawn(
-        "g",
-        &[
-            "--role",
-            "gateway",
-            "--host",
-            "10.231.0.2",
-            "--port",
-            "8080",
-            "--worker-listen",
-            "0.0.0.0:7000",
-            "--admin-key",
-            support::ADMIN_KEY,
-        ],
-    );
+    let g = h.spawn("g", GATEWAY);
     // The cut is of the network link, which only TCP takes (UCX's shared memory between the
     // namespaces does not cross it).
     let p = h.spawn("p", &["--role", "prefill", "--gateway", "10.231.1.1:7000", "--transfer-batch-pages", "8", "--kv-transport", "tcp"]);

@@ -154,7 +154,9 @@ pub struct ServeArgs {
     pub(crate) exit_with_stdin: bool,
     /// Read every setting as one JSON line from standard input, before the cluster key (a
     /// child of `serve --role all`: its settings travel as data, never as rebuilt flags).
-    #[arg(long, hide = true, env = "BULKHEAD_SETTINGS_STDIN", value_parser = clap::builder::BoolishValueParser::new())]
+    /// Alone: any other flag beside it would be replaced by the settings read, so clap
+    /// refuses the combination.
+    #[arg(long, hide = true, exclusive = true, env = "BULKHEAD_SETTINGS_STDIN", value_parser = clap::builder::BoolishValueParser::new(), num_args = 0, default_missing_value = "true")]
     #[serde(skip)]
     pub(crate) settings_stdin: bool,
     /// Where prefill workers reach this decode worker.
@@ -737,5 +739,8 @@ mod tests {
         assert!(p.tenants.is_none() && p.admin_key.is_none(), "a worker never holds the tenants' keys");
         assert_eq!((g.gateway_id, g.port, g.exit_with_stdin, g.slo_tpot_ms), (1, 8081, true, None));
         assert_eq!((g.tenants.as_deref(), g.admin_key.as_deref()), (Some(std::path::Path::new("/t.toml")), Some("op")));
+        // A child takes its settings whole: a flag beside them would be ignored, so it is refused.
+        assert!(Serve::try_parse_from(["serve", "--settings-stdin"]).is_ok_and(|s| s.a.settings_stdin));
+        assert!(Serve::try_parse_from(["serve", "--settings-stdin", "--port", "9"]).is_err());
     }
 }
