@@ -123,6 +123,16 @@ pub enum KvError {
         /// Token slots reserved.
         reserved: usize,
     },
+    /// A roll-back to a length past the committed one, or into the shared prefix.
+    #[error("cannot roll back to {to} tokens: {committed} committed, the first {shared} shared")]
+    BadRollBack {
+        /// Length asked for.
+        to: usize,
+        /// Committed length.
+        committed: usize,
+        /// Tokens in shared (read-only) pages.
+        shared: usize,
+    },
     /// A commit covers a position whose KV is not written in some layer.
     #[error("cannot commit position {pos}: page {page} layer {layer} has only {watermark} slots written")]
     NotWritten {

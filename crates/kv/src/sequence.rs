@@ -236,6 +236,32 @@ impl SequenceKv {
         Ok(())
     }
 
+    /// Moves the written extent back to `len` tokens, in one step: the committed length, and
+    /// every own page's watermarks past it ([`KvPool::unwrite`]: poisoned again with
+    /// canaries, untagged with the auditor), and the canary-checked mark, so a slot written
+    /// again is checked again. What a speculative step wrote for drafts it rejected becomes
+    /// as unreadable as a page that was never written: a read stops at the watermark, a
+    /// commit over it fails with [`KvError::NotWritten`]. The pages stay reserved.
+    /// `len` may not reach into the shared (cached) prefix nor past the committed length;
+    /// on error nothing moved.
+    pub fn roll_back(&mut self, pool: &mut KvPool, len: usize) -> Result<(), KvError> {
+        if len > self.committed || len < self.shared_tokens() {
+            return Err(KvError::BadRollBack { to: len, committed: self.committed, shared: self.shared_tokens() });
+        }
+        let Some(Binding { page_size, .. }) = self.binding else { return Ok(()) };
+        self.check_all(pool)?;
+        // Every own page from the one holding `len` on, reserved ones past the committed
+        // length too: a forward pass that failed may have written there without committing.
+        for (i, page) in self.pages.iter().enumerate().skip(len / page_size) {
+            if let SeqPage::Own(lease) = page {
+                pool.unwrite(lease, len.saturating_sub(i * page_size))?;
+            }
+        }
+        self.committed = len;
+        self.canary_checked = self.canary_checked.min(len);
+        Ok(())
+    }
+
     /// Gives every own page back to the free list and every shared one back to the cache;
     /// returns how many pages. All handles are checked first, so on error nothing was given
     /// back and the sequence comes back inside the error, its own pages still leased to

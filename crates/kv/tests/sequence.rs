@@ -191,3 +191,46 @@ fn releasing_a_revoked_sequence_is_refused_and_releases_nothing() {
     assert!(matches!(s.quarantine(&mut p), Ok(v) if v.len() == 2));
     p.check_invariants();
 }
+
+#[test]
+fn a_roll_back_unwrites_the_rejected_positions_so_nothing_reads_or_commits_them() {
+    let mut p = pool(2);
+    let mut s = SequenceKv::new(A);
+    s.reserve(&mut p, 8).unwrap();
+    for pos in 0..6 {
+        write(&mut p, &s, pos, 0..2);
+    }
+    s.commit(&p, 6).unwrap();
+    s.roll_back(&mut p, 3).unwrap();
+    assert_eq!(s.len(), 3);
+    let (first, second) = (s.locate(0).unwrap().0, s.locate(4).unwrap().0);
+    for layer in 0..2 {
+        // A read stops at the watermark: the rejected positions are not there to attend.
+        assert_eq!(p.read(first, layer).unwrap().len(), 3);
+        assert_eq!(p.read(second, layer).unwrap().len(), 0);
+    }
+    // The second page holds nothing of the rejected positions: poisoned again, whole.
+    assert_eq!(p.page_is_poisoned(second.page()), Ok(true));
+    assert!(matches!(s.commit(&p, 1), Err(KvError::NotWritten { pos: 3, .. })));
+    // Written again, the positions commit and pass the read checks; the pages stayed.
+    write(&mut p, &s, 3, 0..2);
+    s.commit(&p, 1).unwrap();
+    p.check_reads(&mut s).unwrap();
+    assert_eq!((s.len(), s.reserved_tokens()), (4, 8));
+    assert_eq!(s.release(&mut p).ok(), Some(2));
+    p.check_invariants();
+}
+
+#[test]
+fn a_roll_back_past_the_committed_length_is_refused_and_moves_nothing() {
+    let mut p = pool(1);
+    let mut s = SequenceKv::new(A);
+    s.reserve(&mut p, 4).unwrap();
+    write(&mut p, &s, 0, 0..2);
+    s.commit(&p, 1).unwrap();
+    assert_eq!(s.roll_back(&mut p, 2), Err(KvError::BadRollBack { to: 2, committed: 1, shared: 0 }));
+    assert_eq!(s.len(), 1);
+    assert_eq!(p.read(s.locate(0).unwrap().0, 0).unwrap().len(), 1);
+    s.roll_back(&mut p, 0).unwrap();
+    assert_eq!(s.len(), 0);
+}

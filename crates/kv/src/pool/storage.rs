@@ -398,6 +398,37 @@ impl KvPool {
         Ok(())
     }
 
+    /// Un-writes slots `keep..` of every layer of the lease's page (the slots of rejected
+    /// speculative positions, design I2 as amended for speculation): each watermark falls to
+    /// at most `keep`, so a read ends before them, a commit over them fails and the next
+    /// write lands at `keep`; with canaries they are poisoned again and with the auditor
+    /// their tags cleared, so they look exactly as never written in this generation.
+    pub(crate) fn unwrite(&mut self, lease: &Lease, keep: usize) -> Result<(), KvError> {
+        self.verify(&lease.tag, Want::Leased)?;
+        let (page, hd, ps) = (lease.tag.page, self.layout.head_dim, self.layout.page_size);
+        for layer in 0..self.layout.layers {
+            let wm = self.wm_index(page, layer);
+            let written = self.watermarks[wm];
+            if written <= keep {
+                continue;
+            }
+            self.watermarks[wm] = keep;
+            if self.checks.canaries {
+                let k_block = self.block_start(page, layer);
+                for h in 0..2 * self.layout.kv_heads {
+                    // K heads, then V heads: a block is page_size slots of head_dim each.
+                    let at = k_block + h * ps * hd;
+                    self.storage[at + keep * hd..at + written * hd].fill(POISON);
+                }
+            }
+            if self.checks.audit {
+                let at = wm * ps;
+                self.shadow[at + keep..at + written].fill(UNWRITTEN);
+            }
+        }
+        Ok(())
+    }
+
     /// Slots written in `layer` of the lease's page in its generation.
     pub fn watermark<'h>(&self, lease: impl Into<PageHandle<'h>>, layer: usize) -> Result<usize, KvError> {
         let lease = lease.into();
@@ -562,6 +593,71 @@ mod tests {
             })
         );
         assert_eq!((p.stats().audit_violations, p.stats().poisoned_reads), (1, 0));
+    }
+
+    /// A sequence of request 2 that wrote 3 positions (canary-checked), rolled back to 1 as
+    /// a rejected speculative draft is, and then a planted bug: the pool's watermarks
+    /// forced back up and 3 positions committed again, slots 1 and 2 unwritten since.
+    fn rolled_back_then_forced(checks: KvChecks) -> (KvPool, SequenceKv) {
+        let layout = KvLayout { layers: 2, kv_heads: 2, head_dim: 2, page_size: 4 };
+        let mut p = KvPool::new(PoolConfig { layout, pages: 1, checks }).unwrap();
+        let row = [0.5f32; 4];
+        let mut seq = SequenceKv::new(RequestId(2));
+        seq.reserve(&mut p, 4).unwrap();
+        for layer in 0..2 {
+            for slot in 0..3 {
+                p.write(seq.locate(0).unwrap().0, layer, slot, &row, &row).unwrap();
+            }
+        }
+        seq.commit(&p, 3).unwrap();
+        p.check_reads(&mut seq).unwrap();
+        seq.roll_back(&mut p, 1).unwrap();
+        let page = seq.pages()[0].page();
+        for layer in 0..2 {
+            assert_eq!(p.watermark(seq.locate(0).unwrap().0, layer), Ok(1));
+            let wm = p.wm_index(page, layer);
+            p.watermarks[wm] = 3;
+        }
+        seq.commit(&p, 2).unwrap();
+        (p, seq)
+    }
+
+    #[test]
+    fn a_rolled_back_slot_is_poisoned_again_and_checked_again() {
+        let (p, mut seq) = rolled_back_then_forced(KvChecks { audit: false, ..KvChecks::all() });
+        let page = seq.pages()[0].page();
+        // Slot 1 was canary-checked before the roll-back: the mark fell with it.
+        assert_eq!(p.check_reads(&mut seq), Err(KvError::PoisonedSlot { page, layer: 0, slot: 1 }));
+        // Every K and V head of the un-written slots, not just the first element's.
+        let (hd, ps) = (2, 4);
+        for layer in 0..2 {
+            let block = p.block_start(page, layer);
+            for h in 0..4 {
+                let at = block + h * ps * hd;
+                assert!(p.storage[at..at + hd].iter().all(|x| x.to_bits() != POISON.to_bits()), "slot 0 kept");
+                assert!(p.storage[at + hd..at + 3 * hd].iter().all(|x| x.to_bits() == POISON.to_bits()), "slots 1, 2 poisoned");
+            }
+        }
+    }
+
+    #[test]
+    fn the_auditor_refuses_a_rolled_back_slot() {
+        // Without canaries the slot still holds the rejected draft's KV: the auditor's tag
+        // is what says it was un-written.
+        let (p, mut seq) = rolled_back_then_forced(KvChecks { canaries: false, ..KvChecks::all() });
+        let page = seq.pages()[0].page();
+        assert_eq!(
+            p.check_reads(&mut seq),
+            Err(KvError::AuditViolation {
+                page,
+                layer: 0,
+                slot: 1,
+                written_by: RequestId(0),
+                written_generation: Generation(0),
+                reader: RequestId(2),
+                reader_generation: Generation(1),
+            })
+        );
     }
 
     #[test]
