@@ -1,13 +1,43 @@
-//! Writing GGUF files, used to build small synthetic models for tests.
+//! Writing GGUF files: small synthetic models for tests, built in memory
+//! ([`GgufWriter::to_bytes`]), and large ones streamed tensor by tensor to any
+//! [`std::io::Write`] ([`GgufWriter::stream`]) so that no file is ever held whole.
 
+use std::io::{self, Read, Write};
+
+use crate::reader::GgufError;
 use crate::types::{GgmlType, Value};
 use crate::{DEFAULT_ALIGNMENT, MAGIC};
 
-/// Builds a GGUF v3 file in memory.
+/// Builds a GGUF v3 file: in memory, or streamed with tensors whose bytes come later.
 #[derive(Debug, Default)]
 pub struct GgufWriter {
     metadata: Vec<(String, Value)>,
-    tensors: Vec<(String, Vec<u64>, GgmlType, Vec<u8>)>,
+    tensors: Vec<Entry>,
+}
+
+/// One tensor of the table.
+#[derive(Debug)]
+struct Entry {
+    name: String,
+    dims: Vec<u64>,
+    ty: GgmlType,
+    data: Data,
+}
+
+/// A tensor's bytes, or only their count when they are streamed later.
+#[derive(Debug)]
+enum Data {
+    Bytes(Vec<u8>),
+    Later(u64),
+}
+
+impl Entry {
+    fn size(&self) -> u64 {
+        match &self.data {
+            Data::Bytes(b) => b.len() as u64,
+            Data::Later(n) => *n,
+        }
+    }
 }
 
 fn put_str(out: &mut Vec<u8>, s: &str) {
@@ -54,7 +84,7 @@ impl GgufWriter {
 
     /// Add a tensor with raw (already encoded) bytes; `dims` innermost first.
     pub fn tensor(&mut self, name: &str, dims: &[u64], ty: GgmlType, bytes: Vec<u8>) -> &mut Self {
-        self.tensors.push((name.to_string(), dims.to_vec(), ty, bytes));
+        self.tensors.push(Entry { name: name.to_string(), dims: dims.to_vec(), ty, data: Data::Bytes(bytes) });
         self
     }
 
@@ -64,16 +94,35 @@ impl GgufWriter {
         self.tensor(name, dims, GgmlType::F32, bytes)
     }
 
-    /// Serialise, aligning tensor data to `general.alignment` when it is set (readers align
-    /// to it), else to the default.
-    pub fn to_bytes(&self) -> Vec<u8> {
-        let align = self
-            .metadata
+    /// Declare a tensor whose bytes are not held here but written later, in table order,
+    /// through [`GgufWriter::stream`]; its size follows from `dims` and `ty` (an error for a
+    /// type of unknown layout or dims that are not whole blocks).
+    pub fn tensor_later(&mut self, name: &str, dims: &[u64], ty: GgmlType) -> Result<&mut Self, GgufError> {
+        let elems = dims.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
+        let size = elems.and_then(|n| ty.bytes_for(n)).ok_or_else(|| GgufError::BadTensor {
+            name: name.to_string(),
+            why: format!("dims {dims:?} are not a whole number of {ty} blocks (or the type's layout is unknown)"),
+        })?;
+        self.tensors.push(Entry { name: name.to_string(), dims: dims.to_vec(), ty, data: Data::Later(size) });
+        Ok(self)
+    }
+
+    /// The alignment of tensor data: `general.alignment` when it is set (readers align to
+    /// it), else the default.
+    fn alignment(&self) -> u64 {
+        self.metadata
             .iter()
             .rfind(|(k, _)| k == "general.alignment")
             .and_then(|(_, v)| v.as_u64())
             .filter(|a| a.is_power_of_two())
-            .unwrap_or(DEFAULT_ALIGNMENT) as usize;
+            .unwrap_or(DEFAULT_ALIGNMENT)
+    }
+
+    /// Everything before the tensors' data (magic, counts, metadata, the tensor table, and
+    /// the padding that aligns the data section when there are tensors), with each
+    /// tensor's offset within the data section: every offset is computable from the sizes.
+    fn header(&self) -> (Vec<u8>, Vec<u64>) {
+        let align = self.alignment();
         let mut out = Vec::new();
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&3u32.to_le_bytes());
@@ -84,29 +133,138 @@ impl GgufWriter {
             out.extend_from_slice(&v.type_code().to_le_bytes());
             put_value(&mut out, v);
         }
-        let mut offset = 0usize;
-        let mut offsets = Vec::new();
-        for (name, dims, ty, bytes) in &self.tensors {
-            put_str(&mut out, name);
-            out.extend_from_slice(&(dims.len() as u32).to_le_bytes());
-            for d in dims {
+        let mut offset = 0u64;
+        let mut offsets = Vec::with_capacity(self.tensors.len());
+        for e in &self.tensors {
+            put_str(&mut out, &e.name);
+            out.extend_from_slice(&(e.dims.len() as u32).to_le_bytes());
+            for d in &e.dims {
                 out.extend_from_slice(&d.to_le_bytes());
             }
-            out.extend_from_slice(&ty.code().to_le_bytes());
-            out.extend_from_slice(&(offset as u64).to_le_bytes());
+            out.extend_from_slice(&e.ty.code().to_le_bytes());
+            out.extend_from_slice(&offset.to_le_bytes());
             offsets.push(offset);
-            offset = (offset + bytes.len()).div_ceil(align) * align;
+            offset = (offset + e.size()).div_ceil(align) * align;
         }
         // The data section starts aligned; without tensors there is none to pad for.
         if !self.tensors.is_empty() {
-            out.resize(out.len().div_ceil(align) * align, 0);
+            out.resize((out.len() as u64).div_ceil(align) as usize * align as usize, 0);
         }
+        (out, offsets)
+    }
+
+    /// Bytes of the whole file (as [`GgufWriter::to_bytes`] or [`GgufWriter::stream`] write it).
+    pub fn file_size(&self) -> u64 {
+        let (header, offsets) = self.header();
+        let data = self.tensors.last().zip(offsets.last()).map_or(0, |(e, off)| off + e.size());
+        header.len() as u64 + data
+    }
+
+    /// Serialise in memory, aligning tensor data to `general.alignment` when it is set,
+    /// else to the default. A tensor declared with [`GgufWriter::tensor_later`] has no bytes
+    /// here and is written as zeros.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let (mut out, offsets) = self.header();
         let base = out.len();
-        for ((_, _, _, bytes), off) in self.tensors.iter().zip(offsets) {
-            out.resize(base + off, 0);
-            out.extend_from_slice(bytes);
+        for (e, off) in self.tensors.iter().zip(offsets) {
+            out.resize(base + off as usize, 0);
+            match &e.data {
+                Data::Bytes(bytes) => out.extend_from_slice(bytes),
+                Data::Later(n) => out.resize(out.len() + *n as usize, 0),
+            }
         }
         out
+    }
+
+    /// Write the header (metadata and the tensor table, whose offsets follow from the sizes)
+    /// to `out` now, and return the stream that takes the tensors' data in table order:
+    /// tensors added with their bytes are written by the stream itself, those declared with
+    /// [`GgufWriter::tensor_later`] through [`GgufStream::write`]. The bytes written equal
+    /// [`GgufWriter::to_bytes`]'s for the same tensors.
+    pub fn stream<W: Write>(&self, mut out: W) -> io::Result<GgufStream<'_, W>> {
+        let (header, offsets) = self.header();
+        out.write_all(&header)?;
+        Ok(GgufStream { out, entries: &self.tensors, offsets, next: 0, filled: 0, pos: 0 })
+    }
+}
+
+/// A GGUF file being written tensor by tensor (see [`GgufWriter::stream`]): at most one
+/// tensor's bytes, as the caller chunks them, are held at a time.
+#[derive(Debug)]
+pub struct GgufStream<'a, W: Write> {
+    out: W,
+    entries: &'a [Entry],
+    offsets: Vec<u64>,
+    /// The tensor being written (`entries.len()` once all are).
+    next: usize,
+    /// Its bytes written so far.
+    filled: u64,
+    /// Bytes written into the data section.
+    pos: u64,
+}
+
+fn invalid(why: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, why)
+}
+
+impl<W: Write> GgufStream<'_, W> {
+    /// Write the padding before the next tensor and every tensor whose bytes the writer
+    /// holds, up to the next one the caller must write.
+    fn advance(&mut self) -> io::Result<()> {
+        while let Some(e) = self.entries.get(self.next) {
+            if self.filled == 0 {
+                let pad = self.offsets[self.next] - self.pos;
+                io::copy(&mut io::repeat(0).take(pad), &mut self.out)?;
+                self.pos += pad;
+            }
+            match &e.data {
+                Data::Bytes(b) => {
+                    self.out.write_all(b)?;
+                    self.pos += b.len() as u64;
+                    self.next += 1;
+                }
+                Data::Later(n) if self.filled == *n => {
+                    self.filled = 0;
+                    self.next += 1;
+                }
+                Data::Later(_) => return Ok(()),
+            }
+        }
+        Ok(())
+    }
+
+    /// The tensor the next [`GgufStream::write`] belongs to: its name and the bytes still to
+    /// write; `None` once every tensor is written.
+    pub fn next_tensor(&mut self) -> io::Result<Option<(&str, u64)>> {
+        self.advance()?;
+        Ok(self.entries.get(self.next).map(|e| (e.name.as_str(), e.size() - self.filled)))
+    }
+
+    /// Write the next `bytes` of the current tensor (any chunking; a chunk may not run past
+    /// the tensor's end).
+    pub fn write(&mut self, bytes: &[u8]) -> io::Result<()> {
+        self.advance()?;
+        let Some(e) = self.entries.get(self.next) else {
+            return Err(invalid(format!("{} bytes written after the last tensor", bytes.len())));
+        };
+        let left = e.size() - self.filled;
+        if bytes.len() as u64 > left {
+            return Err(invalid(format!("{} bytes for tensor `{}`, which has {left} left", bytes.len(), e.name)));
+        }
+        self.out.write_all(bytes)?;
+        self.filled += bytes.len() as u64;
+        self.pos += bytes.len() as u64;
+        Ok(())
+    }
+
+    /// Check that every tensor was written whole, flush, and return the writer.
+    pub fn finish(mut self) -> io::Result<W> {
+        self.advance()?;
+        if let Some(e) = self.entries.get(self.next) {
+            return Err(invalid(format!("tensor `{}` has {} of its {} bytes", e.name, self.filled, e.size())));
+        }
+        self.out.flush()?;
+        Ok(self.out)
     }
 }
 
@@ -131,6 +289,73 @@ mod tests {
         assert_eq!(t.dims, vec![2, 2]);
         assert_eq!(b.len(), 16);
         assert_eq!(f32::from_le_bytes(b[12..16].try_into().unwrap()), 7.0);
+    }
+
+    /// Two writers with the same tensors: one holding every tensor's bytes, one holding only
+    /// the F32 ones and declaring the quantised ones for later.
+    fn pair(align: Option<u32>) -> (GgufWriter, GgufWriter, Vec<(String, Vec<u8>)>) {
+        let (mut held, mut later) = (GgufWriter::new(), GgufWriter::new());
+        let mut streamed = Vec::new();
+        for w in [&mut held, &mut later] {
+            w.meta("general.architecture", Value::String("llama".into()));
+            if let Some(a) = align {
+                w.meta("general.alignment", Value::U32(a));
+            }
+        }
+        // Sizes that are not multiples of the alignment, so that padding shows.
+        for (i, n) in [3u64, 64, 5, 96].into_iter().enumerate() {
+            let name = format!("t{i}");
+            if i % 2 == 0 {
+                let v: Vec<f32> = (0..n).map(|x| x as f32).collect();
+                held.tensor_f32(&name, &[n], &v);
+                later.tensor_f32(&name, &[n], &v);
+            } else {
+                let bytes: Vec<u8> = (0..n / 32 * 34).map(|x| (x * 7 + i as u64) as u8).collect();
+                held.tensor(&name, &[n], GgmlType::Q8_0, bytes.clone());
+                later.tensor_later(&name, &[n], GgmlType::Q8_0).unwrap();
+                streamed.push((name, bytes));
+            }
+        }
+        (held, later, streamed)
+    }
+
+    #[test]
+    fn a_streamed_file_equals_the_in_memory_one() {
+        for align in [None, Some(64)] {
+            let (held, later, streamed) = pair(align);
+            let want = held.to_bytes();
+            assert_eq!(held.file_size(), want.len() as u64);
+            assert_eq!(later.file_size(), want.len() as u64);
+            // Every tensor held: the stream writes them itself.
+            assert_eq!(held.stream(Vec::new()).unwrap().finish().unwrap(), want);
+            // Tensors streamed in uneven chunks, named in table order.
+            let mut s = later.stream(Vec::new()).unwrap();
+            for (name, bytes) in &streamed {
+                let (next, left) = s.next_tensor().unwrap().unwrap();
+                assert_eq!((next, left), (name.as_str(), bytes.len() as u64));
+                for chunk in bytes.chunks(7) {
+                    s.write(chunk).unwrap();
+                }
+            }
+            assert!(s.next_tensor().unwrap().is_none());
+            assert_eq!(s.finish().unwrap(), want, "alignment {align:?}");
+            GgufFile::parse(want).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_stream_refuses_overlong_and_missing_bytes() {
+        let (_, later, streamed) = pair(None);
+        let mut s = later.stream(Vec::new()).unwrap();
+        let too_long = vec![0u8; streamed[0].1.len() + 1];
+        let e = s.write(&too_long).unwrap_err().to_string();
+        assert!(e.contains("t1") && e.contains("left"), "{e}");
+        s.write(&streamed[0].1[..10]).unwrap();
+        let e = s.finish().unwrap_err().to_string();
+        assert!(e.contains("t1") && e.contains("10 of its 68 bytes"), "{e}");
+        let mut w = GgufWriter::new();
+        let e = w.tensor_later("odd", &[33], GgmlType::Q4_0).unwrap_err().to_string();
+        assert!(e.contains("odd") && e.contains("Q4_0"), "{e}");
     }
 
     #[test]
