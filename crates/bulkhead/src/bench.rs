@@ -96,7 +96,7 @@ fn prefill_tps(m: &Llama, pool: &mut KvPool, n: usize) -> anyhow::Result<f64> {
     let mut kv = SequenceKv::new(RequestId(1));
     kv.reserve(pool, n)?;
     let t = Instant::now();
-    m.forward(pool, &mut [SeqInput { kv: &mut kv, tokens: &prompt, want_logits: true }])?;
+    m.forward(pool, &mut [SeqInput { kv: &mut kv, tokens: &prompt, logit_rows: 1 }])?;
     let s = t.elapsed().as_secs_f64();
     kv.release(pool)?;
     Ok(n as f64 / s)
@@ -110,8 +110,7 @@ fn decode_tps(m: &Llama, pool: &mut KvPool, batch: usize, ctx: usize, steps: usi
     }
     let prompts: Vec<Vec<u32>> = (0..batch).map(|i| tokens(ctx, i + 1, vocab)).collect();
     let logits = {
-        let mut inputs: Vec<SeqInput> =
-            seqs.iter_mut().zip(&prompts).map(|(kv, p)| SeqInput { kv, tokens: p, want_logits: true }).collect();
+        let mut inputs: Vec<SeqInput> = seqs.iter_mut().zip(&prompts).map(|(kv, p)| SeqInput { kv, tokens: p, logit_rows: 1 }).collect();
         m.forward(pool, &mut inputs)?
     };
     let mut next: Vec<[u32; 1]> = logits.chunks_exact(vocab).map(|l| [argmax(l)]).collect();
@@ -119,7 +118,7 @@ fn decode_tps(m: &Llama, pool: &mut KvPool, batch: usize, ctx: usize, steps: usi
     for _ in 0..steps {
         let logits = {
             let mut inputs: Vec<SeqInput> =
-                seqs.iter_mut().zip(&next).map(|(kv, tok)| SeqInput { kv, tokens: tok, want_logits: true }).collect();
+                seqs.iter_mut().zip(&next).map(|(kv, tok)| SeqInput { kv, tokens: tok, logit_rows: 1 }).collect();
             m.forward(pool, &mut inputs)?
         };
         next = logits.chunks_exact(vocab).map(|l| [argmax(l)]).collect();

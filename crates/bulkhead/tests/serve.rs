@@ -845,7 +845,7 @@ fn structured_outputs_logprobs_n_and_tools_hold_across_the_handoff() {
         let mut seq = bulkhead_kv::SequenceKv::new(bulkhead_kv::RequestId(1));
         seq.reserve(&mut pool, ctx.len()).expect("reserve");
         let logits =
-            m.model.forward(&mut pool, &mut [bulkhead_model::SeqInput { kv: &mut seq, tokens: &ctx, want_logits: true }]).expect("forward");
+            m.model.forward(&mut pool, &mut [bulkhead_model::SeqInput { kv: &mut seq, tokens: &ctx, logit_rows: 1 }]).expect("forward");
         let (best, max) = logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &l)| if l > b.1 { (i, l) } else { b });
         let z: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
         let want = -z.ln();

@@ -24,13 +24,14 @@ use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv, Unreleased};
 use bulkhead_model::{Llama, ModelError, SeqInput};
 use bulkhead_protocol::admission::{Generate, Refusal, admit};
 use bulkhead_protocol::decode::{DecodeStart, LocalStart, Retired};
-use bulkhead_protocol::driver::decode::{GenEvent, Growing, make_room};
+use bulkhead_protocol::driver::decode::{GenEvent, Growing, Verification, make_room};
 use bulkhead_protocol::{FinishReason, Sampling, TokenLogprobs};
 use bulkhead_tokenizer::{TokenType, Tokenizer};
 
 use crate::choose::{ChooseError, Chooser, Vocabulary};
 use crate::detok::Utf8Stream;
 use crate::sampling::SamplingError;
+use crate::speculate::{self, Luck, MAX_SPECULATIVE_BATCH, SpecCounters, Speculation};
 use crate::stop::StopMatcher;
 
 /// What one step produced for one request: the protocol's [`GenEvent`], so the engine's
@@ -52,13 +53,29 @@ pub struct EngineConfig {
     pub prefill_chunk: usize,
     /// Longest request admitted (prompt + `max_tokens`); capped at the model's context.
     pub context_limit: usize,
+    /// Whether decoding sequences feed drafted tokens to verify beside their last one.
+    pub speculation: Speculation,
 }
 
 impl EngineConfig {
-    /// The default chunk, and requests up to `context_limit` tokens.
+    /// The default chunk, and requests up to `context_limit` tokens, without speculation.
     pub fn for_context(context_limit: usize) -> Self {
-        EngineConfig { prefill_chunk: DEFAULT_PREFILL_CHUNK, context_limit }
+        EngineConfig { prefill_chunk: DEFAULT_PREFILL_CHUNK, context_limit, speculation: Speculation::Off }
     }
+}
+
+/// What one sequence feeds a step.
+struct Feed {
+    /// Index in the loop's sequences.
+    seq: usize,
+    /// Tokens, at the sequence's next positions: a prompt chunk, or the last sampled token
+    /// and any drafts after it.
+    tokens: Vec<u32>,
+    /// Logit rows wanted: the last `rows` of `tokens` (a decode step's `1 + drafts`, a
+    /// prompt's last chunk 1, other chunks 0).
+    rows: usize,
+    /// Drafted tokens (the last of `tokens`), verified against the rows.
+    drafts: usize,
 }
 
 /// What one generation asks for.
@@ -119,6 +136,11 @@ struct Seq {
     next: Option<u32>,
     /// Most tokens to generate, in all.
     max_tokens: usize,
+    /// The client's prompt (when the loop was given it), then every generated token: where
+    /// proposals are looked up.
+    context: Vec<u32>,
+    /// Recent acceptance of this sequence's proposals.
+    luck: Luck,
     chooser: Chooser,
     utf8: Utf8Stream,
     stop: StopMatcher,
@@ -156,6 +178,10 @@ pub struct Engine {
     /// Keep finished sequences for the decode-side cache ([`Engine::keep_finished`]).
     keep_finished: bool,
     retired: Vec<Retired>,
+    speculation: Speculation,
+    spec: Arc<SpecCounters>,
+    /// Proposal buffer, reused.
+    drafts: Vec<u32>,
 }
 
 impl Engine {
@@ -179,7 +205,15 @@ impl Engine {
             retractions: 0,
             keep_finished: false,
             retired: Vec::new(),
+            speculation: cfg.speculation,
+            spec: Arc::default(),
+            drafts: Vec::new(),
         }
+    }
+
+    /// What speculation did so far (shared: a worker pushes it as metrics).
+    pub fn spec_counters(&self) -> Arc<SpecCounters> {
+        Arc::clone(&self.spec)
     }
 
     /// From now on, a request that finishes normally leaves its pages to
@@ -248,10 +282,12 @@ impl Engine {
             kv,
             feed: req.prompt.clone(),
             prompt_len: req.prompt.len(),
+            context: req.prompt.clone(),
             prompt: Some(req.prompt),
             history: Vec::new(),
             next: None,
             max_tokens: req.max_tokens,
+            luck: Luck::default(),
             chooser,
             utf8: Utf8Stream::new(),
             stop: StopMatcher::new(req.stop),
@@ -288,6 +324,7 @@ impl Engine {
         let hidden = self.hidden(&self.seqs[i], tok);
         let s = &mut self.seqs[i];
         s.history.push(tok);
+        s.context.push(tok);
         let ends = (self.tokenizer.is_eog(tok) && !s.chooser.params().ignore_eos) || s.chooser.is_stop_token(tok);
         // An end token shows no text but still reports its log-probability.
         let bytes = if hidden || ends { &[][..] } else { self.tokenizer.token_bytes(tok).unwrap_or(&[]) };
@@ -338,7 +375,7 @@ impl Engine {
                     Ok(c)
                 })
         };
-        let i = self.join(kv, verified - resume.len(), max_tokens + resume.len(), stop, &resume, checked)?;
+        let i = self.join(kv, verified - resume.len(), max_tokens + resume.len(), stop, &resume, prompt, checked)?;
         let id = self.seqs[i].id;
         let mut events = Vec::new();
         if let Some((reason, text)) = self.on_token(i, first_token, first_logprobs, &mut events) {
@@ -356,6 +393,7 @@ impl Engine {
             let piece = s.utf8.push(bytes);
             s.stop.push(&piece);
             s.history.push(tok);
+            s.context.push(tok);
         }
     }
 
@@ -379,15 +417,19 @@ impl Engine {
                 Ok(c)
             })
         };
-        let i = self.join(kv, prompt_tokens - resume.len(), max_tokens as usize + resume.len(), stop, &resume, checked)?;
+        let client_prompt = tokens.get(..prompt_tokens - resume.len()).unwrap_or_default().to_vec();
+        let i = self.join(kv, prompt_tokens - resume.len(), max_tokens as usize + resume.len(), stop, &resume, client_prompt, checked)?;
         // The rest past its shared prefix is computed in the next steps.
         self.seqs[i].feed = tokens;
         Ok(self.seqs[i].id)
     }
 
-    /// Join a request of the gateway's to the loop (nothing to feed yet): its pages `kv`, the client's prompt length, the tokens it may generate in all (resumed ones
-    /// included) and its chooser, or the error that refused it (its pages go back). The
-    /// resumed tokens are replayed silently. Returns its index in the loop.
+    /// Join a request of the gateway's to the loop (nothing to feed yet): its pages `kv`,
+    /// the client's prompt length, the tokens it may generate in all (resumed ones
+    /// included), the client's prompt if known (for proposals; empty otherwise) and its
+    /// chooser, or the error that refused it (its pages go back). The resumed tokens are
+    /// replayed silently. Returns its index in the loop.
+    #[allow(clippy::too_many_arguments)] // one caller each for verified and local starts
     fn join(
         &mut self,
         kv: SequenceKv,
@@ -395,6 +437,7 @@ impl Engine {
         max_tokens: usize,
         stop: Vec<String>,
         resume: &[u32],
+        prompt: Vec<u32>,
         chooser: Result<Chooser, EngineError>,
     ) -> Result<usize, EngineError> {
         let chooser = match chooser {
@@ -415,6 +458,8 @@ impl Engine {
             history: Vec::new(),
             next: None,
             max_tokens,
+            context: prompt,
+            luck: Luck::default(),
             chooser,
             utf8: Utf8Stream::new(),
             stop: StopMatcher::new(stop),
@@ -481,17 +526,38 @@ impl Engine {
         }
     }
 
-    /// What each sequence feeds this step: (index, tokens, wants logits). A decoding
-    /// sequence feeds its last token (`make_room` gave it a slot, or it waits); a
-    /// prefilling one a chunk within the step's budget whose pages it can lease now.
-    fn feeds(&mut self) -> Vec<(usize, Vec<u32>, bool)> {
+    /// What each sequence feeds this step. A decoding sequence feeds its last token
+    /// (`make_room` gave it a slot, or it waits) and, when speculating, drafts after it in
+    /// positions it already holds or can lease without crowding the others; a prefilling
+    /// one a chunk within the step's budget whose pages it can lease now.
+    fn feeds(&mut self) -> Vec<Feed> {
         let mut budget = self.prefill_chunk;
         let mut feeds = Vec::new();
+        let decoding = self.seqs.iter().filter(|s| s.next.is_some()).count();
+        let k = if decoding <= MAX_SPECULATIVE_BATCH { self.speculation.tokens() } else { 0 };
         for (i, s) in self.seqs.iter_mut().enumerate() {
             if let Some(t) = s.next {
-                if s.kv.reserved_tokens() > s.kv.len() {
-                    feeds.push((i, vec![t], true));
+                let len = s.kv.len();
+                if s.kv.reserved_tokens() <= len {
+                    continue;
                 }
+                // Drafts never outrun what the request may still generate or the context.
+                let room = s.max_tokens.saturating_sub(s.history.len() + 1).min(self.context_limit.saturating_sub(len + 1));
+                let k = k.min(room);
+                if k > 0 && s.luck.ready() {
+                    speculate::propose(&s.context, k, &mut self.drafts);
+                } else {
+                    self.drafts.clear();
+                }
+                // A draft's page is leased only while every decoding sequence could still
+                // grow by one: speculation never causes a retraction.
+                let want = len + 1 + self.drafts.len();
+                if want > s.kv.reserved_tokens() && self.pool.stats().free_pages > decoding {
+                    let _ = s.kv.reserve(&mut self.pool, want);
+                }
+                self.drafts.truncate(s.kv.reserved_tokens() - len - 1);
+                let tokens: Vec<u32> = std::iter::once(t).chain(self.drafts.iter().copied()).collect();
+                feeds.push(Feed { seq: i, rows: tokens.len(), drafts: tokens.len() - 1, tokens });
                 continue;
             }
             let done = s.kv.len();
@@ -500,7 +566,8 @@ impl Engine {
                 continue;
             }
             budget -= n;
-            feeds.push((i, s.feed[done..done + n].to_vec(), done + n == s.feed.len()));
+            let last = done + n == s.feed.len();
+            feeds.push(Feed { seq: i, tokens: s.feed[done..done + n].to_vec(), rows: usize::from(last), drafts: 0 });
         }
         feeds
     }
@@ -517,15 +584,15 @@ impl Engine {
             let mut inputs: Vec<SeqInput<'_>> = Vec::with_capacity(feeds.len());
             let mut it = feeds.iter().peekable();
             for (i, s) in self.seqs.iter_mut().enumerate() {
-                if let Some((_, toks, want)) = it.next_if(|f| f.0 == i) {
-                    inputs.push(SeqInput { kv: &mut s.kv, tokens: toks, want_logits: *want });
+                if let Some(f) = it.next_if(|f| f.seq == i) {
+                    inputs.push(SeqInput { kv: &mut s.kv, tokens: &f.tokens, logit_rows: f.rows });
                 }
             }
             match self.model.forward_into(&mut self.pool, &mut inputs, &mut logits) {
                 Ok(()) => {}
                 // The forward call numbers only the fed sequences.
                 Err(ModelError::ReadCheck { seq, source }) => {
-                    return Err(ModelError::ReadCheck { seq: feeds[seq].0, source }.into());
+                    return Err(ModelError::ReadCheck { seq: feeds[seq].seq, source }.into());
                 }
                 Err(e) => return Err(e.into()),
             }
@@ -535,19 +602,42 @@ impl Engine {
         let mut finished = Vec::new();
         let mut failed = Vec::new();
         let mut rows = logits.chunks_exact(vocab);
-        for (i, _, want) in &feeds {
-            if !want {
+        for f in feeds {
+            let (i, fed_rows) = (f.seq, f.rows);
+            if fed_rows == 0 {
                 continue;
             }
-            let Some(l) = rows.next() else { break };
-            match self.seqs[*i].chooser.choose(l) {
-                Ok(c) => {
-                    if let Some((reason, text)) = self.on_token(*i, c.token, c.logprobs, &mut events) {
-                        finished.push((*i, reason, text));
+            let mine: Vec<&[f32]> = rows.by_ref().take(fed_rows).collect();
+            if mine.len() < fed_rows {
+                return Err(EngineError::MissingLogits);
+            }
+            // Rows are picked in order with the usual draw while they confirm the drafts
+            // (with none, the one row is the step's pick).
+            let mut verify = Verification::new(f.tokens[f.tokens.len() - f.drafts..].to_vec());
+            while let Some(row) = verify.next_row() {
+                match self.seqs[i].chooser.choose(mine[row]) {
+                    Ok(c) => {
+                        let end = self.on_token(i, c.token, c.logprobs, &mut events);
+                        verify.emitted(c.token, end.is_some());
+                        if let Some((reason, text)) = end {
+                            finished.push((i, reason, text));
+                        }
+                    }
+                    // A grammar that cannot go on fails its own request, not the batch.
+                    Err(e) => {
+                        failed.push((i, e));
+                        break;
                     }
                 }
-                // A grammar that cannot go on fails its own request, not the batch.
-                Err(e) => failed.push((*i, e)),
+            }
+            if f.drafts > 0 {
+                let s = &mut self.seqs[i];
+                // The rejected drafts' KV is un-written before anything else can see it:
+                // the next step, the cache a finished sequence goes to, a retraction.
+                let accepted = verify.settle(&mut self.pool, &mut s.kv)?;
+                s.luck.record(accepted);
+                self.spec.record(f.drafts, accepted);
+                tracing::debug!(request = s.id.0, drafted = f.drafts, accepted, "speculative step verified");
             }
         }
         // Remove from the back so indices stay valid.

@@ -85,7 +85,7 @@ impl PrefillCompute for Prefiller {
     fn compute(&mut self, pool: &mut KvPool, chunks: &mut [Chunk<'_>]) -> Result<Vec<Option<First>>, EngineError> {
         let mut inputs: Vec<SeqInput<'_>> = chunks
             .iter_mut()
-            .map(|c| SeqInput { kv: &mut *c.seq, tokens: &c.tokens[c.from..c.to], want_logits: c.to == c.tokens.len() })
+            .map(|c| SeqInput { kv: &mut *c.seq, tokens: &c.tokens[c.from..c.to], logit_rows: usize::from(c.to == c.tokens.len()) })
             .collect();
         let logits = self.model.forward(pool, &mut inputs)?;
         drop(inputs);

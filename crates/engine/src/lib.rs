@@ -13,6 +13,7 @@
 //! - [`stop`]: [`StopMatcher`], stop-string matching over streamed text.
 //! - [`detok`]: [`Utf8Stream`], incremental UTF-8 assembly of token byte pieces.
 //! - [`batch`]: [`Engine`], continuous batching of requests over one model and KV pool.
+//! - [`speculate`]: speculative decoding's n-gram proposals and when to make them.
 //! - [`disagg`]: the engine behind the protocol's driver core: [`Engine`] as a decode
 //!   worker's loop, [`Prefiller`] as a prefill worker's compute.
 //! - [`load`]: model, tokenizer and chat template from one GGUF file.
@@ -24,6 +25,7 @@ pub mod disagg;
 pub mod load;
 pub mod rng;
 pub mod sampling;
+pub mod speculate;
 pub mod stop;
 
 pub use batch::{DEFAULT_PREFILL_CHUNK, Engine, EngineConfig, EngineError, Event, GenRequest};
@@ -34,4 +36,5 @@ pub use disagg::Prefiller;
 pub use load::{LoadError, LoadedModel, load_model, load_model_with};
 pub use rng::Rng;
 pub use sampling::{Sampler, SamplingError};
+pub use speculate::{SpecCounters, Speculation};
 pub use stop::{StopMatcher, StopOutcome};

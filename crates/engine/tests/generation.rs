@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use bulkhead_engine::{Engine, EngineConfig, EngineError, Event, FinishReason, GenRequest, Sampling, load_model};
+use bulkhead_engine::{Engine, EngineConfig, EngineError, Event, FinishReason, GenRequest, Sampling, Speculation, load_model};
 use bulkhead_kv::{KvChecks, KvPool, PoolConfig, RequestId, SequenceKv};
 use bulkhead_model::{Llama, SeqInput, Sums};
 use bulkhead_protocol::admission::Refusal;
@@ -26,9 +26,13 @@ fn shared() -> &'static Shared {
 }
 
 fn engine(pages: usize) -> Engine {
+    speculating(pages, Speculation::Off)
+}
+
+fn speculating(pages: usize, speculation: Speculation) -> Engine {
     let s = shared();
     let pool = KvPool::new(PoolConfig { layout: s.model.kv_layout(16), pages, checks: KvChecks::all() }).unwrap();
-    Engine::new(s.model.clone(), s.tok.clone(), pool, EngineConfig::for_context(8192))
+    Engine::new(s.model.clone(), s.tok.clone(), pool, EngineConfig { speculation, ..EngineConfig::for_context(8192) })
 }
 
 fn greedy(prompt: Vec<u32>, max_tokens: usize) -> GenRequest {
@@ -137,8 +141,7 @@ fn teacher_forced(m: &Llama, paths: &[(Vec<u32>, Vec<u32>)]) -> (usize, usize, f
         kv.reserve(&mut pool, p.len() + c.len()).unwrap();
     }
     let mut logits = {
-        let mut inputs: Vec<SeqInput> =
-            seqs.iter_mut().zip(paths).map(|(kv, (p, _))| SeqInput { kv, tokens: p, want_logits: true }).collect();
+        let mut inputs: Vec<SeqInput> = seqs.iter_mut().zip(paths).map(|(kv, (p, _))| SeqInput { kv, tokens: p, logit_rows: 1 }).collect();
         m.forward(&mut pool, &mut inputs).unwrap()
     };
     let (mut worst, mut exact_steps, mut steps) = (0.0f32, 0, 0);
@@ -163,7 +166,7 @@ fn teacher_forced(m: &Llama, paths: &[(Vec<u32>, Vec<u32>)]) -> (usize, usize, f
         let mut inputs = Vec::new();
         for (i, kv) in seqs.iter_mut().enumerate() {
             if let Some((_, t)) = feed.iter().find(|(j, _)| *j == i) {
-                inputs.push(SeqInput { kv, tokens: t, want_logits: true });
+                inputs.push(SeqInput { kv, tokens: t, logit_rows: 1 });
             }
         }
         logits = m.forward(&mut pool, &mut inputs).unwrap();
@@ -353,4 +356,51 @@ fn a_sequence_retracted_for_room_resumes_and_ends_with_the_text_it_makes_alone()
     assert!(e.retractions() > 0, "the pool was big enough for both: the test shows nothing");
     assert_eq!(both, vec![expected.clone(), expected]);
     assert_eq!((e.active(), e.pool().stats().free_pages), (0, pages));
+}
+
+/// Prompts where n-gram drafts are right (copying a passage, a list that repeats) and
+/// where they mostly are not (a free answer), as chat turns.
+fn speculation_prompts() -> Vec<Vec<u32>> {
+    let s = shared();
+    let passage = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog again, \
+                   and then the lazy dog sleeps while the quick brown fox runs into the forest.";
+    let turns = [
+        format!("Repeat this text exactly, word for word: {passage}"),
+        "Count from one to twenty in words, separated by commas.".to_string(),
+        "What is the capital of France?".to_string(),
+        format!("Fix the spelling in this sentence and write it out again: {}", passage.replace("quick", "quikc")),
+    ];
+    turns.iter().map(|t| s.tok.encode(&s.chat.render(&[ChatMessage::new("user", t)], true).unwrap(), true)).collect()
+}
+
+#[test]
+fn speculation_gives_the_text_of_one_token_per_step_greedy_or_seeded_alone_or_batched() {
+    let prompts = speculation_prompts();
+    let seeded = Sampling { temperature: 0.7, top_k: 40, seed: Some(11), ..Sampling::default() };
+    let requests: Vec<GenRequest> =
+        prompts.iter().flat_map(|p| [greedy(p.clone(), 64), GenRequest { sampling: seeded.clone(), ..greedy(p.clone(), 48) }]).collect();
+    let alone = |speculation| {
+        let mut e = speculating(64, speculation);
+        let out: Vec<_> = requests
+            .iter()
+            .map(|r| {
+                let id = e.add(r.clone()).unwrap();
+                run(&mut e, &[id]).remove(0)
+            })
+            .collect();
+        assert_eq!(e.pool().stats().free_pages, 64);
+        e.pool().check_invariants();
+        (out, e.spec_counters().totals())
+    };
+    let (want, (drafted, _, _)) = alone(Speculation::Off);
+    assert_eq!(drafted, 0);
+    let (got, (drafted, accepted, verifications)) = alone(Speculation::Ngram { tokens: 4 });
+    assert_eq!(got, want);
+    // The copying prompts must have had drafts accepted, or this shows nothing.
+    assert!(accepted >= 20 && drafted > accepted && verifications > 0, "drafted {drafted}, accepted {accepted}");
+    // Batched (as many as speculation runs for), with a pool that retracts.
+    let mut e = speculating(48, Speculation::Ngram { tokens: 4 });
+    let ids: Vec<_> = requests[..4].iter().map(|r| e.add(r.clone()).unwrap()).collect();
+    assert_eq!(run(&mut e, &ids), want[..4].to_vec());
+    assert_eq!(e.pool().stats().free_pages, 48);
 }

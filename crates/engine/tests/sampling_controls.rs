@@ -47,7 +47,7 @@ fn logits_after(tokens: &[u32]) -> Vec<f32> {
     let mut p = pool(tokens.len().div_ceil(16) + 1);
     let mut seq = SequenceKv::new(RequestId(1));
     seq.reserve(&mut p, tokens.len()).expect("reserve");
-    s.model.forward(&mut p, &mut [SeqInput { kv: &mut seq, tokens, want_logits: true }]).expect("forward")
+    s.model.forward(&mut p, &mut [SeqInput { kv: &mut seq, tokens, logit_rows: 1 }]).expect("forward")
 }
 
 struct Out {

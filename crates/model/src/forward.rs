@@ -22,8 +22,10 @@ pub struct SeqInput<'a> {
     pub kv: &'a mut SequenceKv,
     /// New tokens (a prefill chunk, or one decode token).
     pub tokens: &'a [u32],
-    /// Whether to return logits for the last of `tokens`.
-    pub want_logits: bool,
+    /// Logit rows to return: for the last `logit_rows` of `tokens` (at most all of them), in
+    /// order. 0 for none, 1 for the next token's; a speculative step verifying `k` drafted
+    /// tokens asks for `k + 1`.
+    pub logit_rows: usize,
 }
 
 /// Rows per parallel task in the row-wise steps (norms, RoPE, SiLU, residuals): below this a
@@ -407,7 +409,7 @@ fn each_page_ahead<'p>(
 
 impl Llama {
     /// Run one forward step over `seqs`, writing their new tokens' KV into `pool` and
-    /// returning logits (`vocab` values each) for every sequence with `want_logits`, in order.
+    /// returning `vocab` logits for each row each sequence asks for ([`SeqInput::logit_rows`]), in order.
     /// On success each sequence's committed length grows by its token count.
     pub fn forward(&self, pool: &mut KvPool, seqs: &mut [SeqInput<'_>]) -> Result<Vec<f32>, ModelError> {
         let mut logits = Vec::new();
@@ -587,14 +589,12 @@ impl Llama {
             })?;
         }
 
-        // Logits only for the last token of the sequences that asked.
+        // Logits only for the rows the sequences asked for: the last ones of each.
         last.clear();
         let mut r = 0;
         for seq in seqs.iter() {
             r += seq.tokens.len();
-            if seq.want_logits && !seq.tokens.is_empty() {
-                last.push(r - 1);
-            }
+            last.extend(r - seq.logit_rows.min(seq.tokens.len())..r);
         }
         zeroed(logits, last.len() * c.vocab);
         if !last.is_empty() {

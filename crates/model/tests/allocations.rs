@@ -71,7 +71,7 @@ fn allocations_per_steady_run(isa: Isa, threads: usize, checks: KvChecks) -> u64
     for (i, s) in seqs.iter_mut().enumerate() {
         s.reserve(&mut pool, tokens).expect("reserve");
         let prompt: Vec<u32> = (0..8).map(|t| ((t * 3 + i) % SHAPE.vocab) as u32).collect();
-        m.forward_into(&mut pool, &mut [SeqInput { kv: s, tokens: &prompt, want_logits: true }], &mut logits).expect("prefill");
+        m.forward_into(&mut pool, &mut [SeqInput { kv: s, tokens: &prompt, logit_rows: 1 }], &mut logits).expect("prefill");
     }
     let next: Vec<u32> = (0..BATCH as u32).collect();
     let run = |steps: usize, pool: &mut KvPool, seqs: &mut [SequenceKv], logits: &mut Vec<f32>| {
@@ -81,7 +81,7 @@ fn allocations_per_steady_run(isa: Isa, threads: usize, checks: KvChecks) -> u64
             let mut inputs: [SeqInput<'_>; BATCH] = std::array::from_fn(|i| SeqInput {
                 kv: each.next().expect("a sequence per input"),
                 tokens: &next[i..i + 1],
-                want_logits: true,
+                logit_rows: 1,
             });
             m.forward_into(pool, &mut inputs, logits).expect("step");
         }

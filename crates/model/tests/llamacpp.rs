@@ -26,9 +26,7 @@ fn logits_per_position(m: &Llama, tokens: &[u32]) -> Vec<Vec<f32>> {
     kv.reserve(&mut pool, tokens.len()).expect("reserve");
     tokens
         .iter()
-        .map(|t| {
-            m.forward(&mut pool, &mut [SeqInput { kv: &mut kv, tokens: std::slice::from_ref(t), want_logits: true }]).expect("forward")
-        })
+        .map(|t| m.forward(&mut pool, &mut [SeqInput { kv: &mut kv, tokens: std::slice::from_ref(t), logit_rows: 1 }]).expect("forward"))
         .collect()
 }
 
@@ -52,7 +50,7 @@ fn gemma_agrees_with_llama_cpp_along_its_greedy_paths() {
             let mut pool = KvPool::new(PoolConfig { layout: m.kv_layout(16), pages: 16, checks: KvChecks::all() }).expect("pool");
             let mut kv = SequenceKv::new(RequestId(1));
             kv.reserve(&mut pool, prompt.len() + completion.len()).expect("reserve");
-            let mut logits = m.forward(&mut pool, &mut [SeqInput { kv: &mut kv, tokens: &prompt, want_logits: true }]).expect("prefill");
+            let mut logits = m.forward(&mut pool, &mut [SeqInput { kv: &mut kv, tokens: &prompt, logit_rows: 1 }]).expect("prefill");
             match first_logits.get(i) {
                 Some(l) => {
                     let scale = l.iter().fold(1.0f32, |m, x| m.max(x.abs()));
@@ -68,7 +66,7 @@ fn gemma_agrees_with_llama_cpp_along_its_greedy_paths() {
                 worst = worst.max(gap);
                 agree += usize::from(ours == theirs as usize);
                 steps += 1;
-                logits = m.forward(&mut pool, &mut [SeqInput { kv: &mut kv, tokens: &[theirs], want_logits: true }]).expect("step");
+                logits = m.forward(&mut pool, &mut [SeqInput { kv: &mut kv, tokens: &[theirs], logit_rows: 1 }]).expect("step");
             }
         }
         eprintln!(

@@ -77,8 +77,7 @@ fn batched_paged_forward_matches_the_contiguous_reference() {
         s.reserve(&mut pool, p.len() + GEN).unwrap();
     }
     let logits = {
-        let mut inputs: Vec<SeqInput> =
-            seqs.iter_mut().zip(&prompts).map(|(kv, p)| SeqInput { kv, tokens: p, want_logits: true }).collect();
+        let mut inputs: Vec<SeqInput> = seqs.iter_mut().zip(&prompts).map(|(kv, p)| SeqInput { kv, tokens: p, logit_rows: 1 }).collect();
         m.forward(&mut pool, &mut inputs).unwrap()
     };
     let vocab = m.config.vocab;
@@ -106,7 +105,7 @@ fn batched_paged_forward_matches_the_contiguous_reference() {
         let mut inputs = Vec::new();
         for (kv, i) in seqs.iter_mut().enumerate().filter(|(i, _)| next.iter().any(|(j, _)| j == i)).map(|(i, kv)| (kv, i)) {
             let tok = &next.iter().find(|(j, _)| *j == i).unwrap().1;
-            inputs.push(SeqInput { kv, tokens: tok, want_logits: true });
+            inputs.push(SeqInput { kv, tokens: tok, logit_rows: 1 });
             idx.push(i);
         }
         let l = m.forward(&mut pool, &mut inputs).unwrap();
@@ -138,14 +137,14 @@ fn chunked_prefill_interleaved_with_decode_equals_whole_prefill() {
 
     let mut whole = SequenceKv::new(RequestId(1));
     whole.reserve(&mut pool, long.len()).unwrap();
-    let want = m.forward(&mut pool, &mut [SeqInput { kv: &mut whole, tokens: long, want_logits: true }]).unwrap();
+    let want = m.forward(&mut pool, &mut [SeqInput { kv: &mut whole, tokens: long, logit_rows: 1 }]).unwrap();
     whole.release(&mut pool).unwrap();
 
     let mut a = SequenceKv::new(RequestId(2));
     let mut b = SequenceKv::new(RequestId(3));
     a.reserve(&mut pool, long.len()).unwrap();
     b.reserve(&mut pool, short.len() + 8).unwrap();
-    m.forward(&mut pool, &mut [SeqInput { kv: &mut b, tokens: short, want_logits: true }]).unwrap();
+    m.forward(&mut pool, &mut [SeqInput { kv: &mut b, tokens: short, logit_rows: 1 }]).unwrap();
     let mut got = Vec::new();
     let mut off = 0;
     for (step, chunk) in [37usize, 16, 1, 50, 500].into_iter().enumerate() {
@@ -155,8 +154,8 @@ fn chunked_prefill_interleaved_with_decode_equals_whole_prefill() {
             .forward(
                 &mut pool,
                 &mut [
-                    SeqInput { kv: &mut b, tokens: &dec, want_logits: true },
-                    SeqInput { kv: &mut a, tokens: &long[off..end], want_logits: end == long.len() },
+                    SeqInput { kv: &mut b, tokens: &dec, logit_rows: 1 },
+                    SeqInput { kv: &mut a, tokens: &long[off..end], logit_rows: usize::from(end == long.len()) },
                 ],
             )
             .unwrap();

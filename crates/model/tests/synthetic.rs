@@ -39,7 +39,7 @@ fn paged_and_reference(m: &Llama, prompt: &[u32]) -> (Vec<f32>, Vec<f32>) {
     let mut pool = KvPool::new(PoolConfig { layout: m.kv_layout(8), pages: 8, checks: KvChecks::all() }).unwrap();
     let mut kv = SequenceKv::new(RequestId(1));
     kv.reserve(&mut pool, prompt.len()).unwrap();
-    let got = m.forward(&mut pool, &mut [SeqInput { kv: &mut kv, tokens: prompt, want_logits: true }]).unwrap();
+    let got = m.forward(&mut pool, &mut [SeqInput { kv: &mut kv, tokens: prompt, logit_rows: 1 }]).unwrap();
     (got, want)
 }
 
@@ -233,12 +233,12 @@ fn positions_past_the_context_or_unreserved_and_bad_tokens_are_errors_not_panics
     let mut kv = SequenceKv::new(RequestId(1));
     kv.reserve(&mut pool, 300).unwrap();
     let long = vec![1u32; 257];
-    let e = m.forward(&mut pool, &mut [SeqInput { kv: &mut kv, tokens: &long, want_logits: true }]).unwrap_err();
+    let e = m.forward(&mut pool, &mut [SeqInput { kv: &mut kv, tokens: &long, logit_rows: 1 }]).unwrap_err();
     assert!(matches!(e, ModelError::ContextOverflow { needed: 257, context: 256 }), "{e}");
-    let e = m.forward(&mut pool, &mut [SeqInput { kv: &mut kv, tokens: &[VOCAB as u32], want_logits: true }]).unwrap_err();
+    let e = m.forward(&mut pool, &mut [SeqInput { kv: &mut kv, tokens: &[VOCAB as u32], logit_rows: 1 }]).unwrap_err();
     assert!(matches!(e, ModelError::TokenOutOfRange { .. }), "{e}");
     let mut small = SequenceKv::new(RequestId(2));
     small.reserve(&mut pool, 4).unwrap();
-    let e = m.forward(&mut pool, &mut [SeqInput { kv: &mut small, tokens: &[1; 20], want_logits: true }]).unwrap_err();
+    let e = m.forward(&mut pool, &mut [SeqInput { kv: &mut small, tokens: &[1; 20], logit_rows: 1 }]).unwrap_err();
     assert!(matches!(e, ModelError::Kv(_)), "{e}");
 }

@@ -208,6 +208,10 @@ pub struct DecodeStats {
     pub local_prefills: u64,
     /// Prompt tokens those computed here (past their shared prefixes).
     pub local_prefill_tokens: u64,
+    /// Finished sequences not published to the cache because their written extent was not
+    /// the client's prompt and what was generated (a bug: say, a rejected speculative
+    /// draft's KV left in place); their pages were given back instead. Always 0.
+    pub extent_mismatches: u64,
 }
 
 #[derive(Debug, Fingerprint)]
@@ -371,6 +375,13 @@ impl DecodeRole {
         let (Some(c), Some((scope, prompt))) = (self.cache.as_mut(), publish) else {
             return self.release_seq(pool, r.seq);
         };
+        // Every position but the last generated token's (never fed) holds KV, and nothing
+        // more: a rejected draft's KV left in place would be published under the keys of
+        // tokens that were never generated there.
+        if r.seq.len() + 1 != prompt.len() + r.generated.len() {
+            self.stats.extent_mismatches += 1;
+            return self.release_seq(pool, r.seq);
+        }
         let tokens: Vec<u32> = prompt.iter().chain(&r.generated).copied().take(r.seq.len()).collect();
         let keys = scope.page_keys(c.model_digest, &tokens, pool.layout().page_size);
         c.cache.finish(pool, r.seq, &keys, scope.fence());

@@ -252,6 +252,12 @@ pub fn decode_families(s: &DecodeStats, checksums: bool, kv_bytes_per_token: usi
     );
     f.counter("bulkhead:late_chunks_total", "KV chunks for requests no longer receiving, dropped unread.", &[], s.late_chunks);
     f.counter(
+        "bulkhead:retired_extent_mismatches_total",
+        "Finished sequences kept out of the decode-side cache because their written KV was not exactly the prompt and the generated tokens (a bug, such as a rejected draft's KV left in place); always 0.",
+        &[],
+        s.extent_mismatches,
+    );
+    f.counter(
         "bulkhead:kv_transfer_timeouts_total",
         "KV transfers that stalled: no chunk within the transfer timeout of the previous one.",
         &[],

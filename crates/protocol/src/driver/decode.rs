@@ -330,3 +330,61 @@ pub fn make_room<S: Growing>(pool: &mut KvPool, seqs: &mut Vec<S>) -> Result<Vec
         }
     }
 }
+
+/// The verification of one speculative step of one sequence, sans-IO, shared by the engine
+/// and the checkers' mocks. The step fed the sequence's last token and `drafts` after it
+/// and committed all of them; row `r` of its logits gives the token after the `r`-th fed
+/// one. The caller picks row after row ([`Verification::next_row`]) with its usual draw,
+/// emitting each pick as it would without speculation, and reports it
+/// ([`Verification::emitted`]); rows are accepted while the pick equals the draft fed
+/// after it, so the text is exactly what one token per step would give (one draw per
+/// emitted token, I11). [`Verification::settle`] then rolls the sequence's KV back to the
+/// positions of emitted tokens: a rejected draft's KV is never attended to, published or
+/// counted (I2, amended for speculation).
+#[derive(Debug)]
+pub struct Verification {
+    drafts: Vec<u32>,
+    emitted: usize,
+    done: bool,
+}
+
+impl Verification {
+    /// Verification of a step that fed `drafts` after the sequence's last token.
+    pub fn new(drafts: Vec<u32>) -> Self {
+        Verification { drafts, emitted: 0, done: false }
+    }
+
+    /// The logits row to pick from next; `None` once verification is over.
+    pub fn next_row(&self) -> Option<usize> {
+        (!self.done && self.emitted <= self.drafts.len()).then_some(self.emitted)
+    }
+
+    /// The token picked from [`Verification::next_row`] was emitted; `ends` if it ended
+    /// the request. The next row is verified only if this pick is the draft fed after it.
+    pub fn emitted(&mut self, token: u32, ends: bool) {
+        let accepted = self.drafts.get(self.emitted) == Some(&token);
+        self.emitted += 1;
+        self.done |= ends || !accepted;
+    }
+
+    /// Drafts accepted: emitted tokens that were fed as drafts.
+    pub fn accepted(&self) -> usize {
+        self.emitted.saturating_sub(1)
+    }
+
+    /// Drafts fed.
+    pub fn drafted(&self) -> usize {
+        self.drafts.len()
+    }
+
+    /// Rolls `seq` back to the positions of what was emitted ([`SequenceKv::roll_back`]):
+    /// the fed token and each accepted draft keep their KV; every rejected draft's (and
+    /// those after a request's end) is un-written. Returns the drafts accepted.
+    pub fn settle(self, pool: &mut KvPool, seq: &mut SequenceKv) -> Result<usize, KvError> {
+        let unread = self.drafts.len() + 1 - self.emitted.max(1);
+        if unread > 0 {
+            seq.roll_back(pool, seq.len().saturating_sub(unread))?;
+        }
+        Ok(self.accepted())
+    }
+}
