@@ -11,6 +11,7 @@
 //!   naming a target server, shared with `probe`).
 //! - `plot.rs`: `bulkhead loadgen-plot`, open-loop reports' SLO attainment curves as a PNG.
 //! - `probe.rs`: `bulkhead probe`, the cross-tenant isolation probe of any such server.
+//! - `synth.rs`: `bulkhead synth-model`, a public model's shape with random weights.
 //! - `config.rs`: `--config FILE` (TOML) and the generated configuration reference.
 #![forbid(unsafe_code)]
 
@@ -23,6 +24,7 @@ mod loadgen;
 mod plot;
 mod probe;
 mod serve;
+mod synth;
 
 use std::path::PathBuf;
 
@@ -59,6 +61,9 @@ enum Cmd {
     /// Probe any OpenAI-compatible server for cross-request leaks, accepted over-context
     /// prompts and long inputs whose answers ignore them (exit 2 on findings).
     Probe(probe::ProbeArgs),
+    /// Write a GGUF model of a public model's shape (Llama 3, Qwen 2.5, Gemma 3, Mistral) with
+    /// seeded random weights, for measuring speed without the real weights.
+    SynthModel(synth::SynthArgs),
     /// Write a new random cluster key to FILE (created readable by its owner only; never
     /// overwritten), for `serve --cluster-key-file FILE` on every host of a cluster.
     Keygen {
@@ -188,6 +193,7 @@ fn main() {
         Cmd::Loadgen(a) => loadgen::run(a),
         Cmd::LoadgenPlot(a) => plot::run(a),
         Cmd::Probe(a) => probe::run(a),
+        Cmd::SynthModel(a) => synth::run(a),
         Cmd::Keygen { file } => bulkhead_transport::trust::write_key_file(&file).map_err(anyhow::Error::from).map(|()| {
             println!(
                 "bulkhead: wrote a new cluster key to {} (mode 600); give every process of the cluster --cluster-key-file",
