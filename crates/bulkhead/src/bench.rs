@@ -10,6 +10,8 @@ use clap::Args;
 
 use crate::ModelArgs;
 
+mod spec;
+
 #[derive(Args, Debug)]
 pub struct BenchArgs {
     #[command(flatten)]
@@ -47,6 +49,15 @@ pub struct BenchArgs {
     /// alternating repetitions; prints the throughput ratios.
     #[arg(long, env = "BULKHEAD_BENCH_COMPARE_SUMS", value_parser = clap::builder::BoolishValueParser::new(), conflicts_with = "compare_kernels")]
     compare_sums: bool,
+    /// Instead of the usual figures, measure speculative decoding (n-gram, up to
+    /// `--speculative-tokens` drafts): output tokens per second with it against without, per
+    /// task (copying, code editing, quoting, free chat) at each of `--batches`, in alternating
+    /// repetitions; fails if the two sides' texts differ.
+    #[arg(long, env = "BULKHEAD_BENCH_COMPARE_SPECULATION", value_parser = clap::builder::BoolishValueParser::new())]
+    compare_speculation: bool,
+    /// Most drafts per sequence and step for `--compare-speculation`.
+    #[arg(long, env = "BULKHEAD_BENCH_SPECULATIVE_TOKENS", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=16))]
+    speculative_tokens: u32,
     /// Instead of the usual figures, measure constrained decoding: the engine's decode loop
     /// with every sequence under a ten-field JSON schema against none (at the largest batch
     /// size), and time to first token with and without it, in alternating repetitions.
@@ -100,6 +111,45 @@ fn prefill_tps(m: &Llama, pool: &mut KvPool, n: usize) -> anyhow::Result<f64> {
     let s = t.elapsed().as_secs_f64();
     kv.release(pool)?;
     Ok(n as f64 / s)
+}
+
+/// Bytes read per second by `threads` threads each summing its share of a buffer far larger
+/// than the caches (a plain read loop: the memory wall a batch-1 decode step, which reads
+/// every weight once, runs into). Best of three passes.
+pub(crate) fn read_bandwidth(threads: usize) -> f64 {
+    const BYTES: usize = 512 << 20;
+    let words: Vec<u64> = (0..BYTES / 8).map(|i| i as u64).collect();
+    let share = words.len().div_ceil(threads.max(1));
+    let pass = || {
+        let t = Instant::now();
+        let total: u64 = std::thread::scope(|sc| {
+            let parts: Vec<_> = words
+                .chunks(share)
+                .map(|part| {
+                    sc.spawn(move || {
+                        // Eight independent sums: the loads, not an add chain, set the pace.
+                        let mut acc = [0u64; 8];
+                        for c in part.chunks_exact(8) {
+                            for (a, x) in acc.iter_mut().zip(c) {
+                                *a = a.wrapping_add(*x);
+                            }
+                        }
+                        acc.iter().fold(0u64, |s, a| s.wrapping_add(*a))
+                    })
+                })
+                .collect();
+            parts.into_iter().map(|h| h.join().unwrap_or(0)).fold(0u64, u64::wrapping_add)
+        });
+        std::hint::black_box(total);
+        BYTES as f64 / t.elapsed().as_secs_f64()
+    };
+    (0..3).map(|_| pass()).fold(0.0, f64::max)
+}
+
+/// Bytes one decode step of `batch` sequences at `ctx` tokens of context reads: the
+/// weights once, and every sequence's KV.
+fn bytes_per_step(m: &Llama, kv_bytes_per_token: usize, batch: usize, ctx: usize) -> f64 {
+    (m.weights.streamed_bytes_per_step() + batch * ctx * kv_bytes_per_token) as f64
 }
 
 fn decode_tps(m: &Llama, pool: &mut KvPool, batch: usize, ctx: usize, steps: usize) -> anyhow::Result<f64> {
@@ -211,6 +261,9 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         let batch = a.batches.iter().copied().max().unwrap_or(16);
         return crate::bench_grammar::run(a.model.load()?, a.model.page_size as usize, batch, a.decode_steps, a.reps, a.json);
     }
+    if a.compare_speculation {
+        return spec::run(a.model.load()?, a.model.page_size as usize, a.speculative_tokens as usize, &a.batches, a.reps, a.json);
+    }
     let m = a.model.load()?.model;
     let layout = m.kv_layout(a.model.page_size as usize);
     let max_batch = a.batches.iter().copied().max().unwrap_or(1);
@@ -266,6 +319,9 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     }
     // KV footprint: what the pool stores per token against the model's f16 figure, and the
     // slack of one decode sequence (its last page's unused slots).
+    // The memory wall: what these threads can read, and what each decode figure reads.
+    let wall = read_bandwidth(m.threads());
+    let read = |b: usize, v: f64| bytes_per_step(&m, layout.bytes_per_token(), b, a.decode_context + a.decode_steps / 2) * v / b as f64;
     let c = &m.config;
     let theoretical = 2 * c.layers * c.kv_heads * c.head_dim * 2;
     let seq_tokens = a.decode_context + a.decode_steps;
@@ -283,7 +339,9 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
             "prefill_tok_s": prefill,
             "decode_context": a.decode_context,
             "decode_steps": a.decode_steps,
-            "decode_tok_s": decode.iter().map(|(b, v)| serde_json::json!({"batch": b, "tok_s": v})).collect::<Vec<_>>(),
+            "read_bandwidth_gb_s": wall / 1e9,
+            "weight_bytes_per_step": m.weights.streamed_bytes_per_step(),
+            "decode_tok_s": decode.iter().map(|&(b, v)| serde_json::json!({"batch": b, "tok_s": v, "read_gb_s": read(b, v) / 1e9, "of_bandwidth": read(b, v) / wall})).collect::<Vec<_>>(),
         });
         println!("{j}");
     } else {
@@ -298,9 +356,21 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
             c.head_dim,
             layout.page_size
         );
+        println!(
+            "memory wall: {:.1} GB/s read by {} threads (a plain read loop); a step reads {:.1} MB of weights + KV",
+            wall / 1e9,
+            m.threads(),
+            m.weights.streamed_bytes_per_step() as f64 / 1e6
+        );
         println!("prefill {:>5} tokens          {prefill:8.1} tok/s", a.prompt_tokens);
         for (b, v) in decode {
-            println!("decode  batch {b:>3} (ctx {:>4})   {v:8.1} tok/s aggregate", a.decode_context);
+            let r = read(b, v);
+            println!(
+                "decode  batch {b:>3} (ctx {:>4})   {v:8.1} tok/s aggregate, reads {:5.1} GB/s = {:.2} of the wall",
+                a.decode_context,
+                r / 1e9,
+                r / wall
+            );
         }
     }
     Ok(())

@@ -105,37 +105,38 @@ impl Luck {
     }
 }
 
-/// Accepted drafts per verification, the histogram's buckets (upper bounds).
-pub const ACCEPTED_BUCKETS: [u64; 6] = [0, 1, 2, 4, 8, 16];
+/// Accepted drafts per verification: the histogram's bucket bounds.
+pub const ACCEPTED_BOUNDS: [f64; 6] = [0.0, 1.0, 2.0, 4.0, 8.0, 16.0];
 
 /// What speculation did, for the metrics: counters shared with the worker that pushes them.
 #[derive(Debug, Default)]
 pub struct SpecCounters {
     /// Drafts fed to verification.
-    pub drafted: AtomicU64,
+    drafted: AtomicU64,
     /// Drafts accepted (emitted as the step's picks).
-    pub accepted: AtomicU64,
-    /// Verifications (sequence-steps with at least one draft).
-    pub verifications: AtomicU64,
-    /// Verifications by accepted drafts, cumulative per [`ACCEPTED_BUCKETS`] bound.
-    pub accepted_le: [AtomicU64; ACCEPTED_BUCKETS.len()],
+    accepted: AtomicU64,
+    /// Verifications by accepted drafts, per bucket of [`ACCEPTED_BOUNDS`] (not
+    /// cumulative; the last is past the last bound).
+    by_accepted: [AtomicU64; ACCEPTED_BOUNDS.len() + 1],
 }
 
 impl SpecCounters {
     pub(crate) fn record(&self, drafted: usize, accepted: usize) {
         self.drafted.fetch_add(drafted as u64, Ordering::Relaxed);
         self.accepted.fetch_add(accepted as u64, Ordering::Relaxed);
-        self.verifications.fetch_add(1, Ordering::Relaxed);
-        for (bound, n) in ACCEPTED_BUCKETS.iter().zip(&self.accepted_le) {
-            if accepted as u64 <= *bound {
-                n.fetch_add(1, Ordering::Relaxed);
-            }
-        }
+        let bucket = ACCEPTED_BOUNDS.partition_point(|b| *b < accepted as f64);
+        self.by_accepted[bucket].fetch_add(1, Ordering::Relaxed);
     }
 
     /// (drafted, accepted, verifications) so far.
     pub fn totals(&self) -> (u64, u64, u64) {
-        (self.drafted.load(Ordering::Relaxed), self.accepted.load(Ordering::Relaxed), self.verifications.load(Ordering::Relaxed))
+        let verifications = self.by_accepted.iter().map(|n| n.load(Ordering::Relaxed)).sum();
+        (self.drafted.load(Ordering::Relaxed), self.accepted.load(Ordering::Relaxed), verifications)
+    }
+
+    /// Verifications per bucket of [`ACCEPTED_BOUNDS`], not cumulative.
+    pub fn by_accepted(&self) -> [u64; ACCEPTED_BOUNDS.len() + 1] {
+        std::array::from_fn(|i| self.by_accepted[i].load(Ordering::Relaxed))
     }
 }
 

@@ -19,7 +19,7 @@
 
 use bulkhead_kv::{KvChecks, KvError, KvLayout, KvPool, PoolConfig, RequestId, SequenceKv};
 use bulkhead_protocol::decode::{DecodeStart, LocalStart, Retired};
-use bulkhead_protocol::driver::decode::{DecodeEngine, GenEvent, Growing, make_room};
+use bulkhead_protocol::driver::decode::{DecodeEngine, GenEvent, Growing, Verification, make_room};
 use bulkhead_protocol::driver::prefill::{Chunk, First, PrefillCompute};
 use bulkhead_protocol::{FinishReason, Sampling};
 use half::f16;
@@ -228,20 +228,68 @@ impl Gen {
 
     /// Feeds the last token at the next position and takes the token read off every slot.
     /// A sequence with no slot for it (the pool is held elsewhere) waits.
-    fn step(&mut self, pool: &mut KvPool, faults: &mut u64, events: &mut Vec<GenEvent>) -> Result<bool, KvError> {
+    ///
+    /// Speculating (`spec`), it also feeds up to `spec.drafts` drafts in the positions after,
+    /// as the engine does: in slots it holds, or leases while `spec.may_lease`. The mock has
+    /// no proposer: each draft is the token the row before gives (what a perfect one would
+    /// propose) or, by a coin of the sequence and position, another one, so rejections fall
+    /// at every position. Verification and the roll-back are the driver core's, as in the
+    /// engine; `spec.keep_rejected` skips the roll-back (a planted bug).
+    fn step(&mut self, pool: &mut KvPool, faults: &mut u64, events: &mut Vec<GenEvent>, spec: Spec) -> Result<bool, KvError> {
         let pos = self.kv.len();
         if self.kv.reserved_tokens() <= pos {
             return Ok(false);
         }
         let Some(token) = self.next.take() else { return Ok(true) };
-        let acc = fold(pool, &self.kv, 0, pos, START, faults);
-        write_position(pool, &self.kv, pos, mix(acc, token_word(token, pos)))?;
-        self.kv.commit(pool, 1)?;
-        let acc = check_reads(pool, &mut self.kv, acc, faults);
-        let acc = fold(pool, &self.kv, pos, pos + 1, acc, faults);
-        Ok(self.on_token(token_of(acc), events))
+        let room = (self.max_tokens as usize).saturating_sub(self.history.len() + 1);
+        let k = spec.drafts.min(room);
+        if k > 0 && spec.may_lease && self.kv.reserved_tokens() < pos + 1 + k {
+            let _ = self.kv.reserve(pool, pos + 1 + k);
+        }
+        let k = k.min(self.kv.reserved_tokens() - pos - 1);
+        // Row j feeds `fed[j]` at position pos + j and reads every slot up to it.
+        let mut acc = fold(pool, &self.kv, 0, pos, START, faults);
+        let (mut fed, mut rows) = (vec![token], Vec::with_capacity(k + 1));
+        for j in 0..=k {
+            write_position(pool, &self.kv, pos + j, mix(acc, token_word(fed[j], pos + j)))?;
+            acc = fold(pool, &self.kv, pos + j, pos + j + 1, acc, faults);
+            rows.push(acc);
+            if j < k {
+                let right = token_of(acc);
+                let coin = mix(self.kv.owner().0, (pos + j) as u64) % 3;
+                fed.push(if coin == 0 { (right + 1) % VOCAB } else { right });
+            }
+        }
+        self.kv.commit(pool, k + 1)?;
+        let checked = check_reads(pool, &mut self.kv, 0, faults);
+        let mut verify = Verification::new(fed.split_off(1));
+        let mut done = false;
+        while let Some(row) = verify.next_row() {
+            // A failed read check spoils every row, as it would the one row of a step.
+            let t = token_of(if checked == 0 { rows[row] } else { mix(rows[row], checked) });
+            done = self.on_token(t, events);
+            verify.emitted(t, done);
+        }
+        if !spec.keep_rejected {
+            verify.settle(pool, &mut self.kv)?;
+        }
+        Ok(done)
     }
 }
+
+/// How a mock decode step speculates.
+#[derive(Clone, Copy, Debug, Default)]
+struct Spec {
+    /// Most drafts per sequence and step (0: none).
+    drafts: usize,
+    /// Whether a page may be leased for drafts (every decoding sequence could still grow).
+    may_lease: bool,
+    /// The planted bug: rejected drafts' KV is left in place.
+    keep_rejected: bool,
+}
+
+/// Drafts per step of the mock's decode loop: speculation runs in every schedule.
+const MOCK_DRAFTS: usize = 3;
 
 /// The mock's prefill compute.
 #[derive(Debug)]
@@ -273,6 +321,8 @@ pub struct MockDecode {
     /// Finished sequences go to the driver (the decode-side cache) instead of the pool.
     keep_finished: bool,
     retired: Vec<Retired>,
+    /// The planted bug of [`Sabotage::KeepRejectedDrafts`](crate::Sabotage).
+    keep_rejected: bool,
 }
 
 impl MockDecode {
@@ -350,8 +400,11 @@ impl DecodeEngine for MockDecode {
             events.push(GenEvent::Retracted { req: g.kv.owner(), tokens: g.history });
         }
         let mut done = Vec::new();
+        let decoding = self.seqs.iter().filter(|g| g.next.is_some()).count();
         for (i, g) in self.seqs.iter_mut().enumerate() {
-            if g.step(&mut self.pool, &mut self.faults, &mut events)? {
+            let may_lease = self.pool.stats().free_pages > decoding;
+            let spec = Spec { drafts: MOCK_DRAFTS, may_lease, keep_rejected: self.keep_rejected };
+            if g.step(&mut self.pool, &mut self.faults, &mut events, spec)? {
                 done.push(i);
             }
         }
@@ -401,6 +454,9 @@ impl DecodeModel for MockDecode {
     fn read_faults(&self) -> u64 {
         self.faults
     }
+    fn keep_rejected_drafts(&mut self) {
+        self.keep_rejected = true;
+    }
 }
 
 /// What `prompt` produces on the mock, run alone on a fresh private pool of `layout`.
@@ -417,7 +473,7 @@ pub fn reference(layout: KvLayout, prompt: &[u32], max_tokens: u32) -> Result<Ex
     let mut events = Vec::new();
     let mut done = g.on_token(first, &mut events);
     while !done {
-        done = g.step(&mut pool, &mut faults, &mut events)?;
+        done = g.step(&mut pool, &mut faults, &mut events, Spec::default())?;
     }
     if faults > 0 {
         return Err(ModelFault(format!("{faults} faulty reads on a private pool")));
@@ -454,7 +510,8 @@ impl Models for MockModels {
     }
 
     fn decode(&self, pool: KvPool, _max_context: usize) -> MockDecode {
-        MockDecode { pool, seqs: Vec::new(), next_order: 0, faults: 0, retractions: 0, keep_finished: false, retired: Vec::new() }
+        let retired = Vec::new();
+        MockDecode { pool, seqs: Vec::new(), next_order: 0, faults: 0, retractions: 0, keep_finished: false, retired, keep_rejected: false }
     }
 
     /// The mock picks no tokens: its output does not depend on `sampling`.

@@ -88,6 +88,9 @@ pub trait DecodeModel: DecodeEngine {
     fn read_faults(&self) -> u64 {
         0
     }
+    /// Plant [`Sabotage::KeepRejectedDrafts`](crate::Sabotage): leave rejected speculative
+    /// drafts' KV in place. Models that cannot plant it ignore it.
+    fn keep_rejected_drafts(&mut self) {}
 }
 
 /// A model family: workers' compute and the reference.

@@ -136,6 +136,9 @@ pub enum Sabotage {
     /// The decode driver takes a transfer timeout for a fence, releasing the quarantined
     /// pages while the prefill worker may still be sending chunks for them (I4).
     ReleaseOnTimeout,
+    /// The decode loop leaves a speculative step's rejected drafts' KV in place instead of
+    /// rolling it back (I2 as amended for speculation): later steps attend to it.
+    KeepRejectedDrafts,
 }
 
 /// What a run may do besides the production behaviour.

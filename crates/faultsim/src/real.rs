@@ -10,7 +10,7 @@ use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use bulkhead_engine::{Engine, EngineConfig, GenRequest, Prefiller};
+use bulkhead_engine::{Engine, EngineConfig, GenRequest, Prefiller, Speculation};
 use bulkhead_kv::{KvChecks, KvLayout, KvPool, PoolConfig};
 use bulkhead_model::Llama;
 use bulkhead_protocol::Sampling;
@@ -76,8 +76,11 @@ impl Models for RealModels {
         Prefiller::new(self.model.clone(), self.tokenizer.clone())
     }
 
+    /// The decode loop as `serve` runs it by default: speculating (against references
+    /// computed without).
     fn decode(&self, pool: KvPool, max_context: usize) -> Engine {
-        Engine::new(self.model.clone(), self.tokenizer.clone(), pool, EngineConfig::for_context(max_context))
+        let cfg = EngineConfig { speculation: Speculation::Ngram { tokens: 4 }, ..EngineConfig::for_context(max_context) };
+        Engine::new(self.model.clone(), self.tokenizer.clone(), pool, cfg)
     }
 
     fn reference(&self, layout: KvLayout, prompt: &[u32], max_tokens: u32, sampling: &Sampling) -> Result<Expected, ModelFault> {

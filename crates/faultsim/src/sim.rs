@@ -131,7 +131,7 @@ fn decode_policy(s: Sabotage) -> DecodeSabotage {
     match s {
         Sabotage::DropFences => DecodeSabotage::DropFences,
         Sabotage::ReleaseOnTimeout => DecodeSabotage::FenceOnTimeout,
-        Sabotage::None | Sabotage::DropFirstToken => DecodeSabotage::None,
+        Sabotage::None | Sabotage::DropFirstToken | Sabotage::KeepRejectedDrafts => DecodeSabotage::None,
     }
 }
 
@@ -495,7 +495,10 @@ impl<'m, M: Models> Sim<'m, M> {
                 // The decode side keeps ended requests' full pages wherever the prefill side
                 // caches: later requests of a scope then share them and receive only the rest.
                 let role = if self.plan.prefix_cache { role.with_cache(PrefixCache::new(wp.pool_pages), DIGEST) } else { role };
-                let model = self.models.decode(pool, wp.context);
+                let mut model = self.models.decode(pool, wp.context);
+                if self.plan.options.sabotage == Sabotage::KeepRejectedDrafts {
+                    model.keep_rejected_drafts();
+                }
                 let driver = DecodeDriver::with_policy(role, model, decode_policy(self.plan.options.sabotage));
                 let (kv, identified, reserved_via, handed_out) = (BTreeMap::new(), BTreeSet::new(), BTreeMap::new(), BTreeMap::new());
                 let d = DecodeWorker { driver, gws, kv, identified, reserved_via, handed_out, busy_until: 0, next_tick };

@@ -77,6 +77,16 @@ fn a_lost_token_is_caught_by_the_reference_comparison() {
     assert!(report.contains(&format!("BULKHEAD_SEED={} cargo test", first.seed)), "{report}");
 }
 
+/// Every schedule speculates (the mock's decode loop drafts up to 3 tokens a step and
+/// rejects some at every position); one that leaves the rejected drafts' KV in place
+/// attends to it later and its output differs from the reference.
+#[test]
+fn rejected_drafts_left_in_place_are_caught_by_the_reference_comparison() {
+    let s = run_seeds(&MockModels, 0..100, Options { sabotage: Sabotage::KeepRejectedDrafts, ..Options::default() });
+    let first = s.failures.first().expect("rejected drafts left in place went unnoticed in 100 schedules");
+    assert!(first.violations.iter().any(|v| v.contains("differs from the reference")), "{:?}", first.violations);
+}
+
 /// The decode driver drops `Fenced`: quarantined pages wait for ever, and the schedule
 /// ends with a pool that is not full (or never goes quiet).
 #[test]

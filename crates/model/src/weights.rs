@@ -148,6 +148,11 @@ impl Matrix {
     pub fn bytes(&self) -> usize {
         self.data.len() + self.packed.as_ref().map_or(0, Vec::len)
     }
+
+    /// Bytes a product over every row reads: the packed layout where there is one.
+    pub fn streamed_bytes(&self) -> usize {
+        self.packed.as_ref().map_or(self.data.len(), Vec::len)
+    }
 }
 
 /// One transformer block. The optional parts are what the families add to llama's.
@@ -301,5 +306,17 @@ impl Weights {
             .map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().map(|m| m.bytes()).sum::<usize>())
             .sum();
         l + self.embedding.bytes() + self.output.as_ref().map_or(0, Matrix::bytes)
+    }
+
+    /// Weight bytes one forward step reads however few its rows: every layer's matrices
+    /// and the output head (token lookups read only their rows of the embedding). At batch
+    /// 1 decode is a stream of these: the memory wall's numerator.
+    pub fn streamed_bytes_per_step(&self) -> usize {
+        let l: usize = self
+            .layers
+            .iter()
+            .map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().map(|m| m.streamed_bytes()).sum::<usize>())
+            .sum();
+        l + self.output().streamed_bytes()
     }
 }

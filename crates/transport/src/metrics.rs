@@ -544,8 +544,9 @@ pub fn render<'a>(sources: impl IntoIterator<Item = (&'a [(String, String)], &'a
 
 /// Series that move when some tenant's prompt is found in a prefix cache, or that tell how
 /// much of it was: on a page anyone can read they would show when another tenant repeats
-/// a prompt and how long the shared part is (I7). Served on the operator's page only.
-const CACHE_ACTIVITY: [&str; 14] = [
+/// a prompt and how long the shared part is (I7); and speculation's acceptance, which tells
+/// how much a request's output repeats its input. Served on the operator's page only.
+const CACHE_ACTIVITY: [&str; 17] = [
     "bulkhead:prefix_cache_queries_total",
     "bulkhead:prefix_cache_hits_total",
     "bulkhead:prefix_cache_pages",
@@ -561,6 +562,10 @@ const CACHE_ACTIVITY: [&str; 14] = [
     "bulkhead:local_prefill_tokens_total",
     "bulkhead:prefill_routing_total",
     "bulkhead:decode_routing_total",
+    // Speculation's acceptance tells how much a request's output repeats its own input.
+    "bulkhead:spec_decode_num_draft_tokens_total",
+    "bulkhead:spec_decode_num_accepted_tokens_total",
+    "bulkhead:spec_decode_accepted_length",
 ];
 
 /// Whether a sample of `family` with `labels` tells one tenant's cache activity

@@ -23,7 +23,8 @@ use std::sync::mpsc::{RecvTimeoutError, SyncSender, sync_channel};
 use std::time::{Duration, Instant};
 
 use crate::core_budget::{self, DecodeBudget, DecodeShare};
-use bulkhead_engine::{Engine, EngineConfig};
+use bulkhead_engine::speculate::ACCEPTED_BOUNDS;
+use bulkhead_engine::{Engine, EngineConfig, SpecCounters};
 use bulkhead_kv::{KvPool, PrefixCache, RequestId};
 use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeLink};
@@ -76,7 +77,9 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
         core_budget::joined(b, "decode", r)
     });
     let cache_pages = cfg.prefix_cache_pages.min(pool.total_pages());
-    let engine = Engine::new(Arc::new(llama), Arc::new(model.tokenizer), pool, EngineConfig::for_context(context));
+    let engine_cfg = EngineConfig { speculation: cfg.speculation, ..EngineConfig::for_context(context) };
+    let engine = Engine::new(Arc::new(llama), Arc::new(model.tokenizer), pool, engine_cfg);
+    let spec = engine.spec_counters();
     let role = DecodeRole::new(DecodeConfig {
         max_context: context,
         transfer_timeout_ms: cfg.transfer_timeout_ms,
@@ -93,7 +96,8 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     };
     let mut driver = DecodeDriver::new(role, engine);
     let share = budget.as_ref().map(DecodeBudget::core_share);
-    let mut link = Link { gateways, prefills: BTreeMap::new(), spans: BTreeMap::new(), received_bytes: 0, pusher: Pusher::new(), share };
+    let mut link =
+        Link { gateways, prefills: BTreeMap::new(), spans: BTreeMap::new(), received_bytes: 0, pusher: Pusher::new(), share, spec };
     let start = Instant::now();
     let mut last_tick = 0;
     loop {
@@ -199,6 +203,8 @@ struct Link {
     pusher: Pusher,
     /// The model's share of the core budget, for its count of narrowed layers.
     share: Option<Arc<DecodeShare>>,
+    /// What the decode loop's speculation did.
+    spec: Arc<SpecCounters>,
 }
 
 impl Link {
@@ -219,9 +225,24 @@ impl Link {
             f.counter("bulkhead:narrowed_layers_total", core_budget::NARROWED_HELP, &[], s.narrowed_layers());
             f.counter("bulkhead:slo_paced_steps_total", core_budget::SLO_PACED_HELP, &[], s.slo_paced_steps());
         }
+        speculation_families(&self.spec, &mut f);
         self.pusher.pushed();
         self.gateways.send(&Message::Metrics { families: f.into_vec() });
     }
+}
+
+/// Speculative decoding's evidence, under vLLM's names with Bulkhead's prefix.
+fn speculation_families(s: &SpecCounters, f: &mut Families) {
+    let (drafted, accepted, _) = s.totals();
+    f.counter("bulkhead:spec_decode_num_draft_tokens_total", "Drafted tokens fed to verification (speculative decoding).", &[], drafted);
+    f.counter(
+        "bulkhead:spec_decode_num_accepted_tokens_total",
+        "Drafted tokens accepted: each was the step's own pick, emitted as without speculation.",
+        &[],
+        accepted,
+    );
+    let h = metrics::Histogram::from_counts(&ACCEPTED_BOUNDS, &s.by_accepted(), accepted as f64);
+    f.histogram("bulkhead:spec_decode_accepted_length", "Drafts accepted per verification (one sequence, one step).", &[], &h);
 }
 
 impl DecodeLink for Link {

@@ -52,6 +52,8 @@ pub struct WorkerConfig {
     /// Decode only: a rest of a prompt this short, past what the worker's cache holds, is
     /// computed here (`DecodeConfig::local_prefill_tokens`); 0: never.
     pub max_local_prefill_tokens: usize,
+    /// Decode workers: speculative decoding.
+    pub speculation: bulkhead_engine::Speculation,
     /// Optional KV integrity checks (canaries, checksums, auditor).
     pub kv_checks: KvChecks,
     /// The cluster key, if any (every internal connection authenticates with it).

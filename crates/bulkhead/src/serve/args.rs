@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use bulkhead_api::Tenants;
+use bulkhead_engine::Speculation;
 use bulkhead_gateway::GatewayOptions;
 use bulkhead_gateway::http::HttpLimits;
 use bulkhead_kv::KvChecks;
@@ -50,6 +51,15 @@ pub enum KvTransportArg {
     Ucx,
     /// Bulkhead's TCP framing only.
     Tcp,
+}
+
+/// `--speculative`: whether decode workers verify drafted tokens beside each sequence's last.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+pub enum SpeculativeArg {
+    /// One token per sequence per step.
+    Off,
+    /// N-gram prompt lookup: what followed the sequence's last few tokens where they occurred before (in its prompt or its output) is verified in the same step; no second model.
+    Ngram,
 }
 
 impl From<KvTransportArg> for KvTransport {
@@ -190,6 +200,12 @@ pub struct ServeArgs {
     /// Decode workers: a request that finds part of its prompt in the decode worker's cache (a conversation's earlier turns) and at most this many prompt tokens missing has the rest computed on the decode worker, beside its decoding sequences, instead of by a prefill worker: no prefill queue, no transfer, and the previous answer, which only the decode worker holds, is not computed again. 0: every prompt goes through a prefill worker.
     #[arg(long, env = "BULKHEAD_MAX_LOCAL_PREFILL_TOKENS", default_value_t = 256)]
     pub(crate) max_local_prefill_tokens: usize,
+    /// Decode workers: speculative decoding. With `ngram`, a sequence whose last tokens occurred earlier in its prompt or output feeds what followed them there as drafts beside its last token; a draft is kept only while the pick the step makes anyway equals it, so the text is exactly what `off` gives (greedy or seeded), and a rejected draft's KV is un-written in the same step. Drafts are made only while at most 4 sequences decode and paused for a sequence whose drafts keep missing. Pays on copying (edits, quotes, code, later turns that repeat earlier ones): see BENCHMARKS.md.
+    #[arg(long, env = "BULKHEAD_SPECULATIVE", value_enum, default_value_t = SpeculativeArg::Ngram)]
+    pub(crate) speculative: SpeculativeArg,
+    /// Decode workers: most drafted tokens a sequence feeds per step with `--speculative ngram` (1-16).
+    #[arg(long, env = "BULKHEAD_SPECULATIVE_TOKENS", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=16))]
+    pub(crate) speculative_tokens: u32,
     /// Which road KV frames take from prefill to decode workers, chosen per connection and logged with it (`bulkhead:kv_connections_total{transport}`); the frames, their MACs and the chunk checks are the same on both.
     #[arg(long, env = "BULKHEAD_KV_TRANSPORT", value_enum, default_value_t = KvTransportArg::Auto)]
     pub(crate) kv_transport: KvTransportArg,
@@ -427,6 +443,10 @@ impl ServeArgs {
             max_prefill_tokens: self.max_prefill_tokens as usize,
             transfer_timeout_ms: self.transfer_timeout_ms,
             max_local_prefill_tokens: self.max_local_prefill_tokens,
+            speculation: match self.speculative {
+                SpeculativeArg::Off => Speculation::Off,
+                SpeculativeArg::Ngram => Speculation::Ngram { tokens: self.speculative_tokens as usize },
+            },
             kv_checks: self.checks.checks(),
             trust,
             prefix_cache_pages: if self.no_prefix_cache { 0 } else { self.prefix_cache_pages.unwrap_or(usize::MAX) },
