@@ -367,3 +367,60 @@ fn a_lost_gateways_requests_end_here_and_the_other_gateways_go_on() {
     assert!(r.prefill(B, Message::Fenced { req: pending }).is_empty());
     assert_eq!(r.state().0, (1, 0, 0), "the fence brings the pages back");
 }
+
+/// A finished sequence reaches the decode-side cache only if its written KV is exactly the
+/// client's prompt and what was generated (the last token never fed): one position more
+/// (a rejected speculative draft's KV left in place, the TGI #2711 class) would be
+/// published under the key of a token that was never there, and keeps it out.
+#[test]
+fn a_finished_sequence_whose_kv_runs_past_its_tokens_is_not_published() {
+    use bulkhead_kv::PrefixCache;
+    use bulkhead_protocol::cache::CacheScope;
+    use bulkhead_protocol::decode::Retired;
+    for extra in [0, 1] {
+        let mut r = Rig::new(16);
+        let cache = PrefixCache::new(16);
+        r.dec = std::mem::replace(
+            &mut r.dec,
+            DecodeRole::new(DecodeConfig { max_context: MAX_CONTEXT, transfer_timeout_ms: 1_000, local_prefill_tokens: 0 }),
+        )
+        .with_cache(cache, 0xD16E57);
+        let prompt: Vec<u32> = (100..106).collect();
+        let acts = r.gateway(Message::Reserve {
+            req: RequestId(1),
+            prompt_tokens: 6,
+            max_tokens: 8,
+            prefill: A,
+            sampling: Sampling::default(),
+            stop: vec![],
+            resume: vec![],
+            prompt: prompt.clone(),
+            trace: TraceContext::default(),
+            cache: Some(CacheScope([5; 32])),
+        });
+        let [DecodeAction::ToGateway(Message::Reserved { pages, .. })] = acts.as_slice() else { panic!("not reserved: {acts:?}") };
+        let (chunks, done) = r.transfer(1, 6, &pages.clone());
+        for c in chunks {
+            r.prefill(A, c);
+        }
+        let mut acts = r.prefill(A, done);
+        let Some(DecodeAction::Start(start)) = acts.pop() else { panic!("not started") };
+        // Decoded: the first token (7) and 9 fed, 11 picked last; `extra` more positions.
+        let mut seq = start.seq.into_sequence();
+        seq.reserve(&mut r.pool, 8 + extra).expect("grow");
+        for pos in 6..8 + extra {
+            let (lease, slot) = seq.locate(pos).expect("locate");
+            for layer in 0..LAYOUT.layers {
+                r.pool.write(lease, layer, slot, &[1.0, 2.0], &[3.0, 4.0]).expect("write");
+            }
+        }
+        seq.commit(&r.pool, 2 + extra).expect("commit");
+        // The prompt's full page was published when it arrived; the retired sequence adds
+        // its second full page (positions 4..8), or nothing.
+        let before = r.dec.cache().map_or(0, |c| c.len());
+        r.dec.retire(&mut r.pool, Retired { seq, generated: vec![7, 9, 11] });
+        let published = r.dec.cache().map_or(0, |c| c.len()) - before;
+        assert_eq!((r.dec.stats().extent_mismatches, published), (extra as u64, 1 - extra), "{extra} extra");
+        assert_eq!(r.pool.stats().leased_pages, 0);
+    }
+}
