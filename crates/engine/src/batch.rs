@@ -543,12 +543,8 @@ impl Engine {
                 }
                 // Drafts never outrun what the request may still generate or the context.
                 let room = s.max_tokens.saturating_sub(s.history.len() + 1).min(self.context_limit.saturating_sub(len + 1));
-                let k = k.min(room);
-                if k > 0 && s.luck.ready() {
-                    speculate::propose(&s.context, k, &mut self.drafts);
-                } else {
-                    self.drafts.clear();
-                }
+                let k = if k > 0 { s.luck.drafts(k.min(room)) } else { 0 };
+                speculate::propose(&s.context, k, &mut self.drafts);
                 // A draft's page is leased only while every decoding sequence could still
                 // grow by one: speculation never causes a retraction.
                 let want = len + 1 + self.drafts.len();
@@ -635,7 +631,7 @@ impl Engine {
                 // The rejected drafts' KV is un-written before anything else can see it:
                 // the next step, the cache a finished sequence goes to, a retraction.
                 let accepted = verify.settle(&mut self.pool, &mut s.kv)?;
-                s.luck.record(accepted);
+                s.luck.record(f.drafts, accepted);
                 self.spec.record(f.drafts, accepted);
                 tracing::debug!(request = s.id.0, drafted = f.drafts, accepted, "speculative step verified");
             }

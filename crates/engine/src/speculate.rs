@@ -70,30 +70,36 @@ pub fn propose(context: &[u32], k: usize, out: &mut Vec<u32>) {
     }
 }
 
-/// A sequence's recent luck with proposals: after drafts that were all rejected twice in a
+/// A sequence's recent luck with proposals, which sets how many drafts it feeds: after a
+/// verification that accepted every draft, twice as many (up to the limit); after one that
+/// stopped early, one more than it accepted. After drafts that were all rejected twice in a
 /// row it stops proposing for a while (doubling, at most [`MAX_BACKOFF`] steps), so that
 /// free-form text, where lookups rarely match, pays almost nothing.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Luck {
     misses: u32,
     wait: u32,
+    /// Drafts to feed next (0: not set yet, the limit).
+    len: usize,
 }
 
 /// Longest pause in proposals after misses, in steps.
 const MAX_BACKOFF: u32 = 32;
 
 impl Luck {
-    /// Whether to propose this step (counts down a pause).
-    pub fn ready(&mut self) -> bool {
+    /// How many drafts to propose this step, at most `max` (0 during a pause, which it
+    /// counts down).
+    pub fn drafts(&mut self, max: usize) -> usize {
         if self.wait > 0 {
             self.wait -= 1;
-            return false;
+            return 0;
         }
-        true
+        if self.len == 0 { max } else { self.len.min(max) }
     }
 
-    /// A verification accepted `accepted` of its drafts.
-    pub fn record(&mut self, accepted: usize) {
+    /// A verification accepted `accepted` of `drafted` drafts.
+    pub fn record(&mut self, drafted: usize, accepted: usize) {
+        self.len = if accepted >= drafted { drafted.saturating_mul(2) } else { accepted + 1 };
         if accepted > 0 {
             self.misses = 0;
             return;
@@ -171,14 +177,27 @@ mod tests {
     #[test]
     fn misses_pause_proposals_longer_each_time_and_a_hit_resumes_them() {
         let mut l = Luck::default();
-        l.record(0);
-        assert!(l.ready());
-        l.record(0);
-        assert_eq!((0..3).filter(|_| !l.ready()).count(), 2);
-        l.record(0);
-        assert_eq!((0..6).filter(|_| !l.ready()).count(), 4);
-        l.record(3);
-        l.record(0);
-        assert!(l.ready());
+        assert_eq!(l.drafts(4), 4);
+        l.record(4, 0);
+        assert_eq!(l.drafts(4), 1);
+        l.record(1, 0);
+        assert_eq!((0..3).map(|_| l.drafts(4)).collect::<Vec<_>>(), [0, 0, 1]);
+        l.record(1, 0);
+        assert_eq!((0..5).filter(|_| l.drafts(4) == 0).count(), 4);
+        l.record(1, 1);
+        l.record(2, 0);
+        assert_eq!(l.drafts(4), 1);
+    }
+
+    #[test]
+    fn drafts_double_while_all_are_accepted_and_fall_to_what_was() {
+        let mut l = Luck::default();
+        l.record(4, 1);
+        assert_eq!(l.drafts(4), 2);
+        l.record(2, 2);
+        assert_eq!(l.drafts(4), 4);
+        l.record(4, 4);
+        assert_eq!(l.drafts(4), 4, "never past the limit");
+        assert_eq!(l.drafts(16), 8);
     }
 }

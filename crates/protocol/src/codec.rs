@@ -30,7 +30,7 @@ use std::sync::Arc;
 /// whether they want encryption, and an encrypted session's payloads are AES-256-GCM;
 /// 9: prefix-cache scopes and reports; 10: `Sampling` carries penalties, `logit_bias`,
 /// `min_p`, `min_tokens`, `stop_token_ids`, log-probabilities and a grammar, `Token` and
-/// `Done` carry log-probabilities, `Reserve` the prompt when the sampling needs it);
+/// `Done` carry log-probabilities, `Reserve` the client's prompt);
 /// 11: the KV transport is negotiated after `KvHello` (`KvUcxAddress`, `KvUcxUse`);
 /// 12: the decode side's cache: `Reserve.cache`, `Reserved.held`, `Prefill.held`;
 /// 13: `Reserved.local`, a short rest computed on the decode worker).

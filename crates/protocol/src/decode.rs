@@ -81,7 +81,7 @@ pub struct DecodeStart {
     /// Tokens an earlier attempt generated (the client has them): the last ones of the
     /// verified prompt, replayed by the decode loop so it picks up where it was.
     pub resume: Vec<u32>,
-    /// The prompt's tokens, when the sampling's repetition penalty needs them (else empty).
+    /// The client's prompt tokens (penalties and speculation's lookups read them).
     pub prompt: Vec<u32>,
 }
 
@@ -747,7 +747,6 @@ impl DecodeRole {
                         let pages = inbound.prompt_pages(ps);
                         let deadline_ms = self.now_ms.saturating_add(self.cfg.transfer_timeout_ms);
                         let publish = cache.map(|scope| (scope, prompt.clone()));
-                        let prompt = if sampling.needs_prompt() { prompt } else { Vec::new() };
                         let pending = Pending { inbound, prefill, max_tokens, sampling, stop, resume, prompt, publish, deadline_ms };
                         self.pending.insert(req, pending);
                         out.push(DecodeAction::ToGateway(Message::Reserved { req, held: held as u32, pages, local: false }));

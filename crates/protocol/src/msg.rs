@@ -366,9 +366,8 @@ pub enum Message {
     /// Gateway → decode: reserve pages for a prompt that `prefill` will write. `resume`
     /// holds the tokens a retracted request already generated (and the client already has):
     /// they end the prompt, and the decode loop replays them to pick up where it was.
-    /// `prompt` holds the prompt's tokens (the client's, then `resume`) when the sampling
-    /// needs them ([`Sampling::needs_prompt`]) or the request uses the cache, else it is
-    /// empty. `cache`: the request's prefix-cache scope, as in `Prefill`: the decode worker
+    /// `prompt` holds the client's prompt tokens: the sampling's penalties, the cache's
+    /// keys and speculation's lookups read them. `cache`: the request's prefix-cache scope, as in `Prefill`: the decode worker
     /// shares the prompt's cached pages of this scope and keeps the request's full pages
     /// when it ends.
     Reserve {

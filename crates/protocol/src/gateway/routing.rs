@@ -61,7 +61,7 @@ impl GatewayRole {
                 sampling: f.sub.sampling.clone(),
                 stop: f.sub.stop.clone(),
                 resume: f.resume.clone(),
-                prompt: if f.sub.sampling.needs_prompt() || f.sub.cache.is_some() { f.sub.tokens.clone() } else { Vec::new() },
+                prompt: f.sub.tokens.clone(),
                 trace: f.sub.trace.clone(),
                 cache: f.sub.cache,
             };
