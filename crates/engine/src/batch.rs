@@ -19,6 +19,7 @@
 //! sequences leave and release their pages in the same step.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv, Unreleased};
 use bulkhead_model::{Llama, ModelError, SeqInput};
@@ -31,7 +32,7 @@ use bulkhead_tokenizer::{TokenType, Tokenizer};
 use crate::choose::{ChooseError, Chooser, Vocabulary};
 use crate::detok::Utf8Stream;
 use crate::sampling::SamplingError;
-use crate::speculate::{self, Luck, MAX_SPECULATIVE_BATCH, SpecCounters, Speculation};
+use crate::speculate::{self, Luck, MAX_SPECULATIVE_BATCH, SpecCounters, Speculation, StepCost};
 use crate::stop::StopMatcher;
 
 /// What one step produced for one request: the protocol's [`GenEvent`], so the engine's
@@ -180,6 +181,8 @@ pub struct Engine {
     retired: Vec<Retired>,
     speculation: Speculation,
     spec: Arc<SpecCounters>,
+    /// What drafted rows cost, from the steps so far.
+    step_cost: StepCost,
     /// Proposal buffer, reused.
     drafts: Vec<u32>,
 }
@@ -207,6 +210,7 @@ impl Engine {
             retired: Vec::new(),
             speculation: cfg.speculation,
             spec: Arc::default(),
+            step_cost: StepCost::default(),
             drafts: Vec::new(),
         }
     }
@@ -543,7 +547,8 @@ impl Engine {
                 }
                 // Drafts never outrun what the request may still generate or the context.
                 let room = s.max_tokens.saturating_sub(s.history.len() + 1).min(self.context_limit.saturating_sub(len + 1));
-                let k = if k > 0 { s.luck.drafts(k.min(room)) } else { 0 };
+                let cost = &self.step_cost;
+                let k = if k > 0 && room > 0 { s.luck.drafts(k.min(room), |k| cost.row_cost(decoding, k)) } else { 0 };
                 speculate::propose(&s.context, k, &mut self.drafts);
                 // A draft's page is leased only while every decoding sequence could still
                 // grow by one: speculation never causes a retraction.
@@ -584,8 +589,15 @@ impl Engine {
                     inputs.push(SeqInput { kv: &mut s.kv, tokens: &f.tokens, logit_rows: f.rows });
                 }
             }
+            let started = Instant::now();
             match self.model.forward_into(&mut self.pool, &mut inputs, &mut logits) {
-                Ok(()) => {}
+                Ok(()) => {
+                    // Decode-only steps teach what a drafted row costs.
+                    if self.speculation != Speculation::Off && feeds.iter().all(|f| f.rows == f.tokens.len()) {
+                        let drafted = feeds.iter().map(|f| f.drafts).sum();
+                        self.step_cost.observe(feeds.len(), drafted, started.elapsed().as_secs_f64());
+                    }
+                }
                 // The forward call numbers only the fed sequences.
                 Err(ModelError::ReadCheck { seq, source }) => {
                     return Err(ModelError::ReadCheck { seq: feeds[seq].seq, source }.into());

@@ -70,43 +70,123 @@ pub fn propose(context: &[u32], k: usize, out: &mut Vec<u32>) {
     }
 }
 
-/// A sequence's recent luck with proposals, which sets how many drafts it feeds: after a
-/// verification that accepted every draft, twice as many (up to the limit); after one that
-/// stopped early, one more than it accepted. After drafts that were all rejected twice in a
-/// row it stops proposing for a while (doubling, at most [`MAX_BACKOFF`] steps), so that
-/// free-form text, where lookups rarely match, pays almost nothing.
-#[derive(Clone, Copy, Debug, Default)]
+/// A sequence's recent luck with proposals: an estimate of the chance that its next draft
+/// is accepted, given the one before was (a decaying count of accepted drafts over drafts
+/// that had their chance: every accepted one, and the first rejected one of a step).
+#[derive(Clone, Copy, Debug)]
 pub struct Luck {
-    misses: u32,
+    accepted: f64,
+    tried: f64,
+    /// Steps left in a pause of proposals.
     wait: u32,
-    /// Drafts to feed next (0: not set yet, the limit).
-    len: usize,
+    /// Pauses in a row (each twice as long as the last, at most [`MAX_BACKOFF`] steps).
+    pauses: u32,
 }
 
-/// Longest pause in proposals after misses, in steps.
+/// Longest pause in proposals, in steps.
 const MAX_BACKOFF: u32 = 32;
+/// Weight of the past in the acceptance estimate, per verification.
+const DECAY: f64 = 0.8;
+
+impl Default for Luck {
+    /// A prior of 0.6 worth two drafts: enough to try two drafts at batch 1.
+    fn default() -> Self {
+        Luck { accepted: 1.2, tried: 2.0, wait: 0, pauses: 0 }
+    }
+}
 
 impl Luck {
-    /// How many drafts to propose this step, at most `max` (0 during a pause, which it
-    /// counts down).
-    pub fn drafts(&mut self, max: usize) -> usize {
+    /// The estimated chance that a draft is accepted once the ones before it were.
+    pub fn acceptance(&self) -> f64 {
+        self.accepted / self.tried
+    }
+
+    /// How many drafts to feed this step, at most `max`, when `k` drafted rows cost
+    /// `cost(k)` each, in tokens of the sequence's share of a step: draft `j` is expected to
+    /// add `p^j` tokens, and the count with the largest expected gain over its cost wins.
+    /// Where none gains, one draft is fed as a probe and proposals pause (2, 4, … 32
+    /// steps), so the estimate can recover without making every step pay.
+    pub fn drafts(&mut self, max: usize, cost: impl Fn(usize) -> f64) -> usize {
         if self.wait > 0 {
             self.wait -= 1;
             return 0;
         }
-        if self.len == 0 { max } else { self.len.min(max) }
+        let p = self.acceptance();
+        let (mut best, mut best_gain, mut tokens, mut pj) = (0, 0.0, 0.0, 1.0);
+        for k in 1..=max {
+            pj *= p;
+            tokens += pj;
+            let gain = tokens - k as f64 * cost(k);
+            if gain > best_gain {
+                (best, best_gain) = (k, gain);
+            }
+        }
+        if best == 0 && max > 0 {
+            self.pauses += 1;
+            self.wait = (1u32 << self.pauses.min(5)).min(MAX_BACKOFF);
+            return 1;
+        }
+        self.pauses = 0;
+        best
     }
 
     /// A verification accepted `accepted` of `drafted` drafts.
     pub fn record(&mut self, drafted: usize, accepted: usize) {
-        self.len = if accepted >= drafted { drafted.saturating_mul(2) } else { accepted + 1 };
+        let tried = accepted + usize::from(accepted < drafted);
+        self.accepted = DECAY * self.accepted + accepted as f64;
+        self.tried = DECAY * self.tried + tried as f64;
+        // A probe that hit ends its pause.
         if accepted > 0 {
-            self.misses = 0;
-            return;
+            self.wait = 0;
         }
-        self.misses += 1;
-        if self.misses >= 2 {
-            self.wait = (1u32 << (self.misses - 1).min(5)).min(MAX_BACKOFF);
+    }
+}
+
+/// What drafted rows cost, learnt from the steps themselves: the seconds of a step with
+/// one row per sequence, by how many sequences decode, and the seconds `d` drafted rows in
+/// all add to it. The first extra row costs more than the next ones where a one-row step
+/// has a faster path (batch 1), hence a figure per count. Only steps that decode and
+/// prefill nothing are counted.
+#[derive(Clone, Debug)]
+pub struct StepCost {
+    base: [f64; MAX_SPECULATIVE_BATCH + 1],
+    extra: [[f64; MAX_SPECULATIVE_TOKENS + 1]; MAX_SPECULATIVE_BATCH + 1],
+}
+
+/// Weight of the past in the step-cost estimates.
+const COST_DECAY: f64 = 0.9;
+/// A drafted row's cost against a one-row step's, before any step measured it (about what
+/// SmolLM2 shows on two Zen 4 cores, where a model this small is far from the memory wall;
+/// larger models cost less per row).
+const DEFAULT_ROW_COST: f64 = 0.3;
+
+impl Default for StepCost {
+    fn default() -> Self {
+        StepCost { base: [0.0; MAX_SPECULATIVE_BATCH + 1], extra: [[0.0; MAX_SPECULATIVE_TOKENS + 1]; MAX_SPECULATIVE_BATCH + 1] }
+    }
+}
+
+impl StepCost {
+    /// A decode-only step of `batch` sequences feeding `drafted` drafts in all took
+    /// `seconds`.
+    pub fn observe(&mut self, batch: usize, drafted: usize, seconds: f64) {
+        let ewma = |old: f64, new: f64| if old == 0.0 { new } else { COST_DECAY * old + (1.0 - COST_DECAY) * new };
+        let Some(&base) = self.base.get(batch) else { return };
+        if drafted == 0 {
+            self.base[batch] = ewma(base, seconds);
+        } else if base > 0.0 {
+            let e = &mut self.extra[batch][drafted.min(MAX_SPECULATIVE_TOKENS)];
+            *e = ewma(*e, (seconds - base).max(1e-9));
+        }
+    }
+
+    /// Each of `k` drafted rows' cost at `batch`, in tokens of a sequence's share of a step.
+    pub fn row_cost(&self, batch: usize, k: usize) -> f64 {
+        let default = DEFAULT_ROW_COST * batch as f64;
+        let (Some(&base), Some(extra)) = (self.base.get(batch), self.extra.get(batch)) else { return default };
+        match extra.get(k.min(MAX_SPECULATIVE_TOKENS)) {
+            Some(&e) if base > 0.0 && e > 0.0 => e / k as f64 * batch as f64 / base,
+            _ => default,
         }
     }
 }
@@ -175,29 +255,49 @@ mod tests {
     }
 
     #[test]
-    fn misses_pause_proposals_longer_each_time_and_a_hit_resumes_them() {
+    fn drafts_are_fed_while_their_expected_yield_beats_their_cost() {
         let mut l = Luck::default();
-        assert_eq!(l.drafts(4), 4);
-        l.record(4, 0);
-        assert_eq!(l.drafts(4), 1);
-        l.record(1, 0);
-        assert_eq!((0..3).map(|_| l.drafts(4)).collect::<Vec<_>>(), [0, 0, 1]);
-        l.record(1, 0);
-        assert_eq!((0..5).filter(|_| l.drafts(4) == 0).count(), 4);
-        l.record(1, 1);
-        l.record(2, 0);
-        assert_eq!(l.drafts(4), 1);
+        // p = 0.6: 0.6 and 0.36 beat 0.3, 0.216 does not.
+        assert_eq!(l.drafts(4, |_| 0.3), 2);
+        assert_eq!(l.drafts(1, |_| 0.3), 1, "never past the limit");
+        for _ in 0..10 {
+            l.record(4, 4);
+        }
+        assert!(l.acceptance() > 0.95);
+        assert_eq!(l.drafts(4, |_| 0.3), 4);
+        // A first row dearer than the next ones: four drafts pay where one would not.
+        assert_eq!(l.drafts(4, |k| if k == 1 { 1.2 } else { 0.4 }), 4);
+        assert_eq!(l.drafts(4, |_| 1.0), 1, "a probe where nothing pays");
     }
 
     #[test]
-    fn drafts_double_while_all_are_accepted_and_fall_to_what_was() {
+    fn where_nothing_pays_one_probe_then_longer_pauses() {
         let mut l = Luck::default();
-        l.record(4, 1);
-        assert_eq!(l.drafts(4), 2);
-        l.record(2, 2);
-        assert_eq!(l.drafts(4), 4);
-        l.record(4, 4);
-        assert_eq!(l.drafts(4), 4, "never past the limit");
-        assert_eq!(l.drafts(16), 8);
+        for _ in 0..10 {
+            l.record(2, 0);
+        }
+        assert_eq!(l.drafts(4, |_| 0.3), 1);
+        assert_eq!((0..3).map(|_| l.drafts(4, |_| 0.3)).collect::<Vec<_>>(), [0, 0, 1]);
+        assert_eq!((0..5).filter(|_| l.drafts(4, |_| 0.3) == 0).count(), 4);
+        for _ in 0..10 {
+            l.record(1, 1);
+        }
+        assert!(l.drafts(4, |_| 0.3) >= 2, "accepted probes bring drafts back");
+    }
+
+    #[test]
+    fn a_drafted_row_costs_what_the_steps_showed() {
+        let mut c = StepCost::default();
+        assert_eq!(c.row_cost(2, 1), 0.6, "the default before any step");
+        c.observe(1, 0, 0.005);
+        c.observe(1, 4, 0.010);
+        c.observe(1, 1, 0.008);
+        assert!((c.row_cost(1, 4) - 0.25).abs() < 1e-9, "{}", c.row_cost(1, 4));
+        assert!((c.row_cost(1, 1) - 0.6).abs() < 1e-9, "{}", c.row_cost(1, 1));
+        assert_eq!(c.row_cost(1, 2), 0.3, "not measured: the default");
+        c.observe(4, 0, 0.008);
+        c.observe(4, 2, 0.0105);
+        assert!((c.row_cost(4, 2) - 0.625).abs() < 1e-9, "{}", c.row_cost(4, 2));
+        c.observe(9, 0, 1.0);
     }
 }

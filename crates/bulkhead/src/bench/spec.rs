@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bulkhead_engine::{Engine, EngineConfig, Event, GenRequest, LoadedModel, Sampling, Speculation};
-use bulkhead_kv::{KvChecks, KvPool, PoolConfig, RequestId};
-use bulkhead_model::Llama;
+use bulkhead_kv::{KvChecks, KvPool, PoolConfig, RequestId, SequenceKv};
+use bulkhead_model::{Llama, SeqInput};
 use bulkhead_tokenizer::{ChatMessage, Tokenizer};
 
 use super::alternate;
@@ -78,10 +78,47 @@ fn engine(m: &Arc<Llama>, tok: &Arc<Tokenizer>, page_size: usize, pages: usize, 
     Ok(Side { engine: Engine::new(Arc::clone(m), Arc::clone(tok), pool, cfg) })
 }
 
+/// Seconds of one forward step of `batch` sequences at `ctx` tokens of context, each
+/// feeding `rows` tokens with a logit row each (a verification of `rows - 1` drafts);
+/// the median of 16 steps.
+fn step_seconds(m: &Llama, page_size: usize, batch: usize, rows: usize, ctx: usize) -> anyhow::Result<f64> {
+    const STEPS: usize = 16;
+    let layout = m.kv_layout(page_size);
+    let mut pool =
+        KvPool::new(PoolConfig { layout, pages: batch * layout.pages_for_tokens(ctx + rows * STEPS), checks: KvChecks::default() })?;
+    let mut seqs: Vec<SequenceKv> = (0..batch).map(|i| SequenceKv::new(RequestId(i as u64 + 1))).collect();
+    let prompt: Vec<u32> = (0..ctx).map(|i| 100 + (i * 7919 % 20_000) as u32).collect();
+    for s in &mut seqs {
+        s.reserve(&mut pool, ctx + rows * STEPS)?;
+    }
+    let mut inputs: Vec<SeqInput> = seqs.iter_mut().map(|kv| SeqInput { kv, tokens: &prompt, logit_rows: 1 }).collect();
+    m.forward(&mut pool, &mut inputs)?;
+    let fed: Vec<u32> = prompt[..rows].to_vec();
+    let mut times = Vec::with_capacity(STEPS);
+    for _ in 0..STEPS {
+        let mut inputs: Vec<SeqInput> = seqs.iter_mut().map(|kv| SeqInput { kv, tokens: &fed, logit_rows: rows }).collect();
+        let t = Instant::now();
+        m.forward(&mut pool, &mut inputs)?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    for s in seqs {
+        s.release(&mut pool)?;
+    }
+    Ok(super::median(times))
+}
+
 /// Runs the comparison: `tokens` drafts per step at most, each batch size in `batches`.
 pub fn run(loaded: LoadedModel, page_size: usize, tokens: usize, batches: &[usize], reps: usize, json: bool) -> anyhow::Result<()> {
     let (m, tok) = (Arc::new(loaded.model), Arc::new(loaded.tokenizer));
     const MAX_TOKENS: usize = 128;
+    // What a verification costs: a step feeding 1 + k rows per sequence against one row.
+    let mut costs = Vec::new();
+    for &batch in batches {
+        for rows in [2, 3, tokens + 1] {
+            let (one, more) = (step_seconds(&m, page_size, batch, 1, 256)?, step_seconds(&m, page_size, batch, rows, 256)?);
+            costs.push(serde_json::json!({ "batch": batch, "rows": rows, "one_row_ms": one * 1e3, "ratio": more / one }));
+        }
+    }
     let mut rows = Vec::new();
     for (name, turn) in tasks() {
         let text = match &loaded.chat {
@@ -130,6 +167,15 @@ pub fn run(loaded: LoadedModel, page_size: usize, tokens: usize, batches: &[usiz
         m.isa().name(),
         reps.max(1)
     );
+    for c in costs {
+        println!(
+            "a step of {} rows per sequence, batch {:>2}: {:.2}x a one-row step ({:.2} ms)",
+            c["rows"],
+            c["batch"],
+            c["ratio"].as_f64().unwrap_or(0.0),
+            c["one_row_ms"].as_f64().unwrap_or(0.0)
+        );
+    }
     for r in rows {
         println!(
             "{:<16} batch {:>2}: on {:7.1} tok/s, off {:7.1} tok/s, ratio {:.2}; drafts accepted {}/{} ({:.0}%) over {} verifications",
