@@ -45,7 +45,14 @@ fn content(v: &serde_json::Value) -> String {
 }
 
 const SYSTEM: &str = "You are a helpful assistant.";
-const PROMPTS: [&str; 3] = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors."];
+/// The last one is copied: `serve` speculates by default and `generate` does not, so the
+/// answers agreeing shows speculation changes no text.
+const PROMPTS: [&str; 4] = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three primary colors.",
+    "Repeat exactly: the quick brown fox jumps over the lazy dog, and the lazy dog sleeps on.",
+];
 
 fn generate(user: &str) -> String {
     let out = Command::new(BIN)
@@ -66,6 +73,8 @@ fn greedy_output_through_serve_equals_generate_alone_and_while_sharing_the_batch
         assert_eq!(status, 200, "{v}");
         assert_eq!(&content(&v), w, "alone: {p}");
     }
+    let accepted = support::sum(&support::scrape(&s.http), "bulkhead:spec_decode_num_accepted_tokens_total", &[]);
+    assert!(accepted > 0.0, "the copied answer had no draft accepted: the comparison shows nothing about speculation");
     // All at once, plus unrelated load, so they share decode steps.
     let addr = s.http.clone();
     let load: Vec<_> = (0..3)
