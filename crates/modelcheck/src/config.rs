@@ -104,6 +104,9 @@ pub enum Variant {
     /// The decode driver drops the news that a gateway's connection closed: that gateway's
     /// requests keep their pages for clients that are gone.
     IgnoreGatewayLoss,
+    /// The decode loop leaves a speculative step's rejected drafts' KV in place instead of
+    /// rolling it back (I2 as amended for speculation).
+    KeepRejectedDrafts,
 }
 
 /// A model configuration.
@@ -152,6 +155,9 @@ pub struct Config {
     /// The gateway's prefill window in prompt tokens (`GatewayConfig::prefill_window_tokens`);
     /// 0: none.
     pub prefill_window_tokens: usize,
+    /// Most drafts the mock decode loop feeds per step (speculative decoding; 0: none).
+    /// Each step accepts a different number of them, so rejections fall everywhere.
+    pub speculative_tokens: usize,
     /// Driver variant.
     pub variant: Variant,
 }
@@ -185,6 +191,7 @@ impl Config {
             decode_cache: false,
             decode_local_prefill: 0,
             prefill_window_tokens: 0,
+            speculative_tokens: 0,
             variant: Variant::Production,
         }
     }
@@ -222,6 +229,7 @@ impl Config {
             decode_cache: false,
             decode_local_prefill: 0,
             prefill_window_tokens: 0,
+            speculative_tokens: 0,
             variant: Variant::Production,
         }
     }
@@ -300,6 +308,14 @@ impl Config {
             faults: Faults::default(),
             ..Self::faulty_network()
         }
+    }
+
+    /// Speculative decoding on KV on demand: [`Config::growth`]'s two requests, the decode
+    /// loop feeding up to 2 drafts a step in the slots its sequences hold and accepting a
+    /// different number each step (none, some, all), so a rejection falls at every position,
+    /// beside growth, retraction and client aborts.
+    pub fn speculation() -> Self {
+        Config { name: "speculation", speculative_tokens: 2, faults: Faults { client_aborts: 1, ..Faults::default() }, ..Self::growth() }
     }
 
     /// The prefix cache with two tenants (issue 14): two requests of tenant 0 and one of

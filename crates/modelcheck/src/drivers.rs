@@ -9,7 +9,7 @@ use bulkhead_fingerprint::Fingerprint;
 use bulkhead_kv::{KvError, KvPool, RequestId, SequenceKv};
 use bulkhead_protocol::FinishReason;
 use bulkhead_protocol::decode::{DecodeStart, LocalStart, Retired};
-use bulkhead_protocol::driver::decode::{DecodeEngine, GenEvent, Growing, make_room};
+use bulkhead_protocol::driver::decode::{DecodeEngine, GenEvent, Growing, Verification, make_room};
 use bulkhead_protocol::driver::prefill::{Chunk, First, PrefillCompute};
 use bulkhead_protocol::driver::sabotage::{DecodeSabotage, PrefillSabotage};
 
@@ -82,9 +82,10 @@ impl Growing for Running {
 }
 
 /// The mock decode loop. It steps one request at a time (the checker chooses which, by
-/// setting [`MockDecode::focus`]): write the KV of its last token at the next position,
-/// commit it, and attend over every position through `KvPool::read`, checking each holds
-/// the request's own value. What it sees goes into [`MockDecode::seen`] for the properties.
+/// setting [`MockDecode::focus`]): write the KV of its last token at the next position
+/// (and of drafts after it, when speculating), commit, verify and roll back, and attend
+/// over every position through `KvPool::read`, checking each holds the request's own
+/// value. What it sees goes into [`MockDecode::seen`] for the properties.
 #[derive(Debug)]
 pub struct MockDecode {
     /// The worker's pool.
@@ -103,6 +104,10 @@ pub struct MockDecode {
     /// Free a victim's pages for a growing sequence but keep the victim in the loop (the
     /// broken [`Variant::KeepRetractedRunning`]).
     keep_retracted_running: bool,
+    /// Most drafts a step feeds ([`Config::speculative_tokens`](crate::config::Config)).
+    drafts: usize,
+    /// Leave rejected drafts' KV in place (the broken [`Variant::KeepRejectedDrafts`]).
+    keep_rejected_drafts: bool,
     next_order: u64,
     /// Sequences retracted so far.
     pub retractions: u64,
@@ -129,7 +134,7 @@ pub struct Started {
 
 impl MockDecode {
     /// An empty loop over `pool`.
-    pub fn new(pool: KvPool, variant: Variant, values: Values) -> Self {
+    pub fn new(pool: KvPool, variant: Variant, drafts: usize, values: Values) -> Self {
         MockDecode {
             pool,
             running: BTreeMap::new(),
@@ -138,6 +143,8 @@ impl MockDecode {
             seen: Vec::new(),
             read_past_watermark: variant == Variant::ReadPastWatermark,
             keep_retracted_running: variant == Variant::KeepRetractedRunning,
+            drafts,
+            keep_rejected_drafts: variant == Variant::KeepRejectedDrafts,
             next_order: 0,
             retractions: 0,
             values,
@@ -268,16 +275,47 @@ impl DecodeEngine for MockDecode {
             self.running.insert(req, r);
             return Ok(events);
         }
-        // Feed the last token: write its KV at the next position, commit it, attend.
+        // Feed the last token, and drafts in the slots the sequence holds: write their KV
+        // at the next positions, commit them, verify, roll the rejected ones back, attend.
         let pos = r.seq.len();
-        let row = [self.values.of(req, pos); LAYOUT.kv_heads * LAYOUT.head_dim];
-        let written = r
-            .seq
-            .locate(pos)
-            .and_then(|(lease, slot)| (0..LAYOUT.layers).try_for_each(|layer| self.pool.write(lease, layer, slot, &row, &row)));
-        if let Err(e) = written.and_then(|()| r.seq.commit(&self.pool, 1)) {
-            self.seen.push((Prop::ReadIsolation, format!("{req} cannot write its own position {pos}: {e}")));
+        let room = (r.max_tokens - r.generated - 1) as usize;
+        let k = self.drafts.min(r.seq.reserved_tokens() - pos - 1).min(room);
+        // The step accepts `a` of its drafts, a different number at each position. An
+        // accepted draft's KV is the request's own value there; a rejected one's is not.
+        let a = (req.0 as usize + pos / LAYOUT.page_size) % (k + 1);
+        let mut drafts = Vec::with_capacity(k);
+        for p in pos..=pos + k {
+            let own = self.values.of(req, p);
+            let (value, token) = if p <= pos + a { (own, FIRST_TOKEN) } else { (-1.0 - own, FIRST_TOKEN + 1) };
+            if p > pos {
+                drafts.push(token);
+            }
+            let row = [value; LAYOUT.kv_heads * LAYOUT.head_dim];
+            let written = r
+                .seq
+                .locate(p)
+                .and_then(|(lease, slot)| (0..LAYOUT.layers).try_for_each(|layer| self.pool.write(lease, layer, slot, &row, &row)));
+            if let Err(e) = written {
+                self.seen.push((Prop::ReadIsolation, format!("{req} cannot write its own position {p}: {e}")));
+            }
         }
+        if let Err(e) = r.seq.commit(&self.pool, k + 1) {
+            self.seen.push((Prop::ReadIsolation, format!("{req} cannot commit its own positions {pos}..={}: {e}", pos + k)));
+        }
+        // Every row picks the request's token; the one after the last accepted draft
+        // differs from its draft, which ends verification.
+        let mut verify = Verification::new(drafts);
+        let mut emitted = 0;
+        while verify.next_row().is_some() {
+            emitted += 1;
+            verify.emitted(FIRST_TOKEN, r.generated + emitted >= r.max_tokens);
+        }
+        if !self.keep_rejected_drafts
+            && let Err(e) = verify.settle(&mut self.pool, &mut r.seq)
+        {
+            self.seen.push((Prop::ReadIsolation, format!("{req} cannot roll back its rejected drafts: {e}")));
+        }
+        r.generated += emitted - 1;
         self.read_all(req, &r.seq);
         r.generated += 1;
         if r.generated < r.max_tokens {

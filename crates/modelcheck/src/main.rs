@@ -29,6 +29,7 @@ fn main() -> ExitCode {
         "ucx-restart" => Config::ucx_restart(),
         "keepalive" => Config::keepalive(),
         "growth" => Config::growth(),
+        "speculation" => Config::speculation(),
         "prefix-cache" => Config::prefix_cache(),
         "decode-cache" => Config::decode_cache(),
         "decode-local" => Config::decode_local(),
@@ -36,7 +37,7 @@ fn main() -> ExitCode {
         "two-gateways" => Config::two_gateways(),
         other => {
             eprintln!(
-                "unknown configuration {other:?}: three-requests | faulty-network | duplicating-network | reordering-network | prefill-restart | ucx-restart | keepalive | growth | prefix-cache | decode-cache | decode-local | batched-prefill | two-gateways"
+                "unknown configuration {other:?}: three-requests | faulty-network | duplicating-network | reordering-network | prefill-restart | ucx-restart | keepalive | growth | speculation | prefix-cache | decode-cache | decode-local | batched-prefill | two-gateways"
             );
             return ExitCode::FAILURE;
         }
@@ -54,6 +55,7 @@ fn main() -> ExitCode {
         "unscoped-cache-keys" => Variant::UnscopedCacheKeys,
         "one-decode-scope" => Variant::OneDecodeScope,
         "one-sided-writes" => Variant::OneSidedWrites,
+        "keep-rejected-drafts" => Variant::KeepRejectedDrafts,
         other => {
             eprintln!("unknown variant {other:?}");
             return ExitCode::FAILURE;

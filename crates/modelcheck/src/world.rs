@@ -303,7 +303,11 @@ impl<'c> World<'c> {
             local_prefill_tokens: cfg.decode_local_prefill,
         });
         let role = if cfg.decode_cache { role.with_cache(PrefixCache::new(cfg.decode_pool_pages), DIGEST) } else { role };
-        let mut dec = DecodeDriver::with_policy(role, MockDecode::new(dpool, cfg.variant, Values::new(cfg)), decode_policy(cfg.variant));
+        let mut dec = DecodeDriver::with_policy(
+            role,
+            MockDecode::new(dpool, cfg.variant, cfg.speculative_tokens, Values::new(cfg)),
+            decode_policy(cfg.variant),
+        );
         let mut prefills = Vec::new();
         for i in 0..cfg.prefill_workers {
             let id = WorkerId(FIRST_PREFILL + i as u32);

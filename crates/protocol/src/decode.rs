@@ -494,6 +494,14 @@ impl DecodeRole {
         out
     }
 
+    /// The decode loop retracted a sequence for want of pages: the gateway counts this
+    /// worker full until it hears of room, so the next pages freed (a request that ends or
+    /// is stopped) owe it a `Room` as a refused reservation does (found by the model
+    /// checker: a client that left after a retraction freed pages nobody was told about).
+    pub fn retracted(&mut self) {
+        self.owes_room = true;
+    }
+
     /// The decode loop freed pages (it ended sequences): the `Room` owed to the gateway,
     /// if a reservation was refused for want of room since the last one.
     pub fn room(&mut self) -> Option<Message> {

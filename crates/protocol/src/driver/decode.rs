@@ -248,6 +248,8 @@ impl<E: DecodeEngine, P: DecodePolicy> DecodeDriver<E, P> {
             self.role.retire(self.engine.pool_mut(), r);
         }
         let mut ended = false;
+        let retracted = events.iter().any(|e| matches!(e, GenEvent::Retracted { .. }));
+        let events_freed = events.iter().any(|e| e.is_terminal() && !matches!(e, GenEvent::Retracted { .. }));
         let mut cached = Vec::with_capacity(events.len());
         for e in &events {
             let terminal = e.is_terminal();
@@ -261,7 +263,13 @@ impl<E: DecodeEngine, P: DecodePolicy> DecodeDriver<E, P> {
             link.to_gateway(e.into_message(cached));
         }
         self.publish_computed(link);
-        if let Some(m) = ended.then(|| self.role.room()).flatten() {
+        // A retraction hands pages to another sequence: it frees none, but the gateway now
+        // waits for room, which the next pages freed (here, or later) owe it.
+        if retracted {
+            self.role.retracted();
+        }
+        let freed = events_freed;
+        if let Some(m) = freed.then(|| self.role.room()).flatten() {
             link.to_gateway(m);
         }
         self.report_cache(link);
