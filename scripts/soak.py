@@ -54,7 +54,12 @@ def children(pid):
                 continue
             with open(f"/proc/{p}/cmdline", "rb") as f:
                 args = f.read().split(b"\0")
-            if b"--role" in args:
+            # `serve --role all` names each child in its argv[0]: bulkhead-prefill,
+            # bulkhead-decode, bulkhead-gateway-N (its settings come on standard input).
+            name = os.path.basename(args[0]).decode(errors="replace")
+            if name.startswith("bulkhead-"):
+                out[int(p)] = name[len("bulkhead-"):]
+            elif b"--role" in args:
                 role = args[args.index(b"--role") + 1].decode()
                 if role == "gateway" and b"--gateway-id" in args:
                     role = "gateway-" + args[args.index(b"--gateway-id") + 1].decode()
@@ -176,6 +181,7 @@ class Soak:
         self.outcomes = Counter()
         self.bad = []
         self.kills = []  # (time, pid, role)
+        self.missed = []  # (at, role): planned kills that found no such process
         self.stop_at = time.monotonic() + a.duration
         self.done = threading.Event()
         c = http.client.HTTPConnection(self.host, self.port, timeout=30)
@@ -311,6 +317,8 @@ class Soak:
             workers = [p for p, r in children(serve_pid).items() if role in (r, "any") or (role == "gateway" and r.startswith("gateway-"))]
             if not workers:
                 print(f"soak: no {role} worker to kill at {at} s", flush=True)
+                with self.lock:
+                    self.missed.append((at, role))
                 continue
             pid = rng.choice(workers)
             role_of = children(serve_pid).get(pid, "?")
@@ -389,6 +397,10 @@ def main():
     for outcome, detail in s.bad[:40]:
         print(f"  {outcome}: {detail}")
     failed |= bool(s.bad)
+    # A soak that killed nothing it was asked to kill tested nothing it was meant to.
+    for at, role in s.missed:
+        print(f"soak: the kill of a {role} worker planned at {at} s found none")
+    failed |= bool(s.missed)
 
     # Let aborted and failed requests settle, then every worker's pool must be whole again.
     deadline = time.monotonic() + 60

@@ -134,7 +134,7 @@ async fn serve_gateway(a: ServeArgs, model: PathBuf, trust: Trust) -> anyhow::Re
             for _ in 0..n {
                 let name = if role == ServeRole::Prefill { "prefill" } else { "decode" };
                 children
-                    .add(name.to_string(), child_command(&exe), child_input(&settings, secret.as_deref())?)
+                    .add(name.to_string(), child_command(&exe, name), child_input(&settings, secret.as_deref())?)
                     .with_context(|| format!("cannot start a {name} worker"))?;
             }
         }
@@ -181,8 +181,12 @@ fn start_gateway(
     let port = if a.port == 0 { 0 } else { a.port.checked_add(u16::from(i)).context("no HTTP port left above --port")? };
     let host = a.worker_listen.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h);
     let settings = a.gateway_settings(i, port, format!("{host}:0"), model.to_path_buf(), secret.is_some());
-    let (slot, line) =
-        children.add_announcing(format!("gateway-{i}"), child_command(exe), child_input(&settings, secret)?, GATEWAY_START_TIMEOUT)?;
+    let (slot, line) = children.add_announcing(
+        format!("gateway-{i}"),
+        child_command(exe, &format!("gateway-{i}")),
+        child_input(&settings, secret)?,
+        GATEWAY_START_TIMEOUT,
+    )?;
     let http = line.split("http://").nth(1).and_then(|r| r.split_whitespace().next()).map(str::to_string);
     let at = line.split("register at ").nth(1).and_then(|r| r.split(')').next()).map(str::to_string);
     let (Some(http), Some(at)) = (http, at) else { anyhow::bail!("unexpected first line {line:?}") };
@@ -192,10 +196,14 @@ fn start_gateway(
     Ok((http, at))
 }
 
-/// A child of this `serve`: this binary, its settings on standard input. None of this
-/// process's `BULKHEAD_*` environment (a config file, keys) is the child's.
-fn child_command(exe: &Path) -> Command {
+/// A child of this `serve`: this binary, its settings on standard input, named
+/// `bulkhead-NAME` in its argv[0] (what `ps` and the soak see: the settings are not on its
+/// command line). None of this process's `BULKHEAD_*` environment (a config file, keys) is
+/// the child's.
+fn child_command(exe: &Path, name: &str) -> Command {
+    use std::os::unix::process::CommandExt;
     let mut cmd = Command::new(exe);
+    cmd.arg0(format!("bulkhead-{name}"));
     cmd.args(["serve", "--settings-stdin"]);
     for (k, _) in std::env::vars_os() {
         if k.to_str().is_some_and(|k| k.starts_with("BULKHEAD_") && k != "BULKHEAD_LOG") {
