@@ -5,7 +5,8 @@
 # Usage:
 #   scripts/bench-llamacpp.sh [--model PATH] [--out DIR] [--threads N]
 #                             [--batched-reps N] [--no-server] [--build-only]
-#                             [--isa native|avx2]
+#                             [--isa native|avx2] [--prompt-tokens N] [--depth N]
+#                             [--batched-prompt N]
 #
 #   --model PATH       GGUF model (env MODEL; default
 #                      $BULKHEAD_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf)
@@ -17,6 +18,14 @@
 #                      reports the median (env BATCHED_REPS; default 3)
 #   --no-server        do not build llama-server
 #   --build-only       fetch + build, then exit
+#   --prompt-tokens N  llama-bench's prompt (-p; env PROMPT_TOKENS; default 512):
+#                      compare with `bench-engine --prompt-tokens N`
+#   --depth N          tokens already in the context before llama-bench's prompt
+#                      and decode are timed (-d; env DEPTH; default 0): decode at
+#                      N tokens of context, compare with `bench-engine
+#                      --decode-context N`
+#   --batched-prompt N llama-batched-bench's prompt per sequence (-npp; env
+#                      BATCHED_PROMPT; default 128)
 #   --isa avx2         build (in build-avx2/) and run llama.cpp with AVX2, FMA and
 #                      F16C only, to compare against Bulkhead's AVX2 kernels
 #                      (BULKHEAD_NO_VNNI=1) on a CPU that has AVX-512 (env ISA;
@@ -29,10 +38,10 @@
 #      AMX, whose kernels crash there). Everything is cached under
 #      ${BULKHEAD_HOME:-~/.cache/bulkhead}/llama.cpp-0.3.36/, so reruns skip
 #      download and build (delete that directory to force a rebuild).
-#   2. llama-bench -m MODEL -t 1,THREADS -p 512 -n 128 -r 5
+#   2. llama-bench -m MODEL -t 1,THREADS -p PROMPT_TOKENS -n 128 -d DEPTH -r 5
 #      (markdown on stdout + saved as llama-bench.md, JSON saved as llama-bench.json)
 #   3. llama-batched-bench -m MODEL -t THREADS -c 4096 -b 2048 -ub 512
-#      -npp 128 -ntg 64 -npl 1,4,16: 128-token prompt per sequence, then 64
+#      -npp BATCHED_PROMPT -ntg 64 -npl 1,4,16: 128-token prompt per sequence, then 64
 #      decode steps at 1/4/16 parallel sequences; S_TG is the aggregate decode
 #      tok/s, comparable to `bulkhead bench-engine`.
 #   4. prints a summary (medians) and writes it to summary.txt in the out dir.
@@ -59,6 +68,9 @@ BATCHED_REPS="${BATCHED_REPS:-3}"
 BUILD_SERVER=1
 BUILD_ONLY=0
 ISA="${ISA:-native}"
+PROMPT_TOKENS="${PROMPT_TOKENS:-512}"
+DEPTH="${DEPTH:-0}"
+BATCHED_PROMPT="${BATCHED_PROMPT:-128}"
 JOBS="${JOBS:-$(nproc 2>/dev/null || echo 2)}"
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
@@ -77,6 +89,12 @@ while [[ $# -gt 0 ]]; do
     --build-only) BUILD_ONLY=1; shift ;;
     --isa) ISA="$2"; shift 2 ;;
     --isa=*) ISA="${1#*=}"; shift ;;
+    --prompt-tokens) PROMPT_TOKENS="$2"; shift 2 ;;
+    --prompt-tokens=*) PROMPT_TOKENS="${1#*=}"; shift ;;
+    --depth) DEPTH="$2"; shift 2 ;;
+    --depth=*) DEPTH="${1#*=}"; shift ;;
+    --batched-prompt) BATCHED_PROMPT="$2"; shift 2 ;;
+    --batched-prompt=*) BATCHED_PROMPT="${1#*=}"; shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown argument: $1" >&2; usage >&2; exit 2 ;;
   esac
@@ -259,17 +277,19 @@ run_clean() {
   log "warning: $label was contended on all $MAX_TRIES tries; keeping the last"
 }
 
-# 2. llama-bench: pp512 + tg128 at 1 and THREADS threads, 5 repetitions each.
+# 2. llama-bench: pp512 + tg128 (or as asked) at 1 and THREADS threads, 5 repetitions each.
 # Markdown goes to stdout, JSON to stderr (-oe), so the benchmark runs once.
-BENCH_CMD=("$BIN_DIR/llama-bench" -m "$MODEL" -t "1,$THREADS" -p 512 -n 128 -r 5 -o md -oe json)
+BENCH_CMD=("$BIN_DIR/llama-bench" -m "$MODEL" -t "1,$THREADS" -p "$PROMPT_TOKENS" -n 128 -d "$DEPTH" -r 5 -o md -oe json)
 log "${BENCH_CMD[*]}"
 run_clean llama-bench "$OUT/llama-bench.md" "$OUT/llama-bench.stderr" "${BENCH_CMD[@]}"
 cat "$OUT/llama-bench.md"
 
 # 3. llama-batched-bench: aggregate decode tok/s at 1/4/16 sequences.
 # Each row is a single measurement, so the whole run is repeated BATCHED_REPS times.
+# Room for 16 sequences of prompt + 64 tokens (4096 at the default 128-token prompts).
+CTX=$((16 * (BATCHED_PROMPT + 64) + 256)); ((CTX < 4096)) && CTX=4096
 BATCHED_CMD=("$BIN_DIR/llama-batched-bench" -m "$MODEL" -t "$THREADS" -tb "$THREADS"
-             -c 4096 -b 2048 -ub 512 -npp 128 -ntg 64 -npl 1,4,16)
+             -c "$CTX" -b 2048 -ub 512 -npp "$BATCHED_PROMPT" -ntg 64 -npl 1,4,16)
 for ((i = 1; i <= BATCHED_REPS; i++)); do
   log "[$i/$BATCHED_REPS] ${BATCHED_CMD[*]}"
   run_clean "batched-bench.$i" "$OUT/batched-bench.$i.md" "$OUT/batched-bench.$i.log" "${BATCHED_CMD[@]}"
@@ -277,9 +297,10 @@ for ((i = 1; i <= BATCHED_REPS; i++)); do
 done
 
 # ---------------------------------------------------------------- summary ---
-python3 - "$OUT" "$THREADS" "$BATCHED_REPS" <<'PY' | tee "$OUT/summary.txt"
+python3 - "$OUT" "$THREADS" "$BATCHED_REPS" "$PROMPT_TOKENS" "$DEPTH" "$BATCHED_PROMPT" <<'PY' | tee "$OUT/summary.txt"
 import json, re, statistics, sys, glob, os
 out, threads, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+prompt, depth, batched_prompt = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
 
 raw = open(os.path.join(out, "llama-bench.stderr")).read()
 start = raw.find("[")
@@ -300,8 +321,9 @@ print(f"llama.cpp build: {first['build_commit']} ({first['build_number']})  "
 print(f"cpu: {first.get('cpu_info','?')}  backend: {first.get('backends','?')}")
 print(f"model: {first.get('model_filename','?')} ({first.get('model_type','?')})")
 print()
-print("llama-bench (-r 5; median [mean +- stddev] tok/s)")
-for label, np_, ng in (("prefill pp512", 512, 0), ("decode  tg128", 0, 128)):
+at = f" at depth {depth}" if depth else ""
+print(f"llama-bench (-r 5; median [mean +- stddev] tok/s){at}")
+for label, np_, ng in ((f"prefill pp{prompt}", prompt, 0), ("decode  tg128", 0, 128)):
     for t in sorted({1, threads}):
         r = bench(np_, ng, t)
         if r:
@@ -320,7 +342,7 @@ for i in range(1, reps + 1):
             rows.setdefault(pl, []).append(float(cells[7]))
             pp_rows.setdefault(pl, []).append(float(cells[5]))
 print()
-print(f"llama-batched-bench -t {threads} (PP=128/seq, TG=64 steps; median of {reps} runs)")
+print(f"llama-batched-bench -t {threads} (PP={batched_prompt}/seq, TG=64 steps; median of {reps} runs)")
 print("  B   S_TG aggregate decode tok/s   (S_PP prefill tok/s)   all runs S_TG")
 for pl in sorted(rows):
     print(f"  {pl:<3} {statistics.median(rows[pl]):10.2f}"
