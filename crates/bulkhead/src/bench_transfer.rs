@@ -30,10 +30,14 @@ pub struct TransferArgs {
     /// The road the chunks take, chosen as `serve` chooses it; other than tcp, the TCP figure is measured beside it.
     #[arg(long, env = "BULKHEAD_KV_TRANSPORT", value_enum, default_value_t = KvTransportArg::Auto)]
     kv_transport: KvTransportArg,
+    /// A GGUF model whose KV shape (layers, KV heads, head size) the transfers take; only its
+    /// metadata is read. The default model's shape without it.
+    #[arg(long = "model", env = "BULKHEAD_BENCH_TRANSFER_MODEL")]
+    model: Option<std::path::PathBuf>,
 }
 
 /// The default model's KV shape.
-const LAYOUT: KvLayout = KvLayout { layers: 30, kv_heads: 3, head_dim: 64, page_size: 16 };
+const DEFAULT_LAYOUT: KvLayout = KvLayout { layers: 30, kv_heads: 3, head_dim: 64, page_size: 16 };
 
 /// Both sides of a session under `key`, encrypted or not (the production handshake, in
 /// memory): the prefill side's and the decode side's.
@@ -62,27 +66,28 @@ fn ends(stream: TcpStream, session: Option<Session>) -> anyhow::Result<(FrameRea
 /// times over one connection (set up untimed, as a worker's lives long), and the road it
 /// took; with `key`, every frame is sealed as in production (encrypted if its flag says so).
 fn transfer_times(
+    layout: KvLayout,
     checks: KvChecks,
     key: Option<(&ClusterKey, bool)>,
     transport: KvTransport,
     n: usize,
     reps: usize,
 ) -> anyhow::Result<(Vec<f64>, Chosen)> {
-    let pages = LAYOUT.pages_for_tokens(n);
-    let mut src = KvPool::new(PoolConfig { layout: LAYOUT, pages, checks })?;
+    let pages = layout.pages_for_tokens(n);
+    let mut src = KvPool::new(PoolConfig { layout, pages, checks })?;
     let mut seq = SequenceKv::new(RequestId(1));
     seq.reserve(&mut src, n)?;
-    let row: Vec<f32> = (0..LAYOUT.row_elems()).map(|i| i as f32 * 0.01).collect();
+    let row: Vec<f32> = (0..layout.row_elems()).map(|i| i as f32 * 0.01).collect();
     for pos in 0..n {
         let (lease, slot) = seq.locate(pos)?;
-        for layer in 0..LAYOUT.layers {
+        for layer in 0..layout.layers {
             src.write(lease, layer, slot, &row, &row)?;
         }
     }
     seq.commit(&src, n)?;
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
-    let mut dst = KvPool::new(PoolConfig { layout: LAYOUT, pages, checks })?;
+    let mut dst = KvPool::new(PoolConfig { layout, pages, checks })?;
     let (prefill_session, decode_session) = match key {
         Some((k, encrypt)) => sessions(k, encrypt).map(|(p, d)| (Some(p), Some(d)))?,
         None => (None, None),
@@ -112,7 +117,7 @@ fn transfer_times(
             let req = RequestId(100 + rep as u64);
             let mut inbound = Inbound::reserve(&mut dst, req, n, n)?;
             let t = Instant::now();
-            targets_tx.send((req, inbound.prompt_pages(LAYOUT.page_size)))?;
+            targets_tx.send((req, inbound.prompt_pages(layout.page_size)))?;
             while inbound.received_tokens() < n {
                 match r.recv()? {
                     Message::KvChunk { header, data, .. } => inbound.accept(&mut dst, &header, &data)?,
@@ -164,18 +169,28 @@ fn cipher_rates(bytes: usize) -> anyhow::Result<Vec<(&'static str, f64)>> {
 pub fn run(a: TransferArgs) -> anyhow::Result<()> {
     let n = a.tokens.max(1);
     let reps = a.reps.max(1);
-    let bytes = n * LAYOUT.bytes_per_token();
+    let layout = match &a.model {
+        Some(path) => {
+            let c = bulkhead_model::LlamaConfig::from_gguf(&bulkhead_gguf::GgufFile::open_metadata(path)?)?;
+            KvLayout { layers: c.layers, kv_heads: c.kv_heads, head_dim: c.head_dim, page_size: DEFAULT_LAYOUT.page_size }
+        }
+        None => DEFAULT_LAYOUT,
+    };
+    let bytes = n * layout.bytes_per_token();
     let transport = KvTransport::from(a.kv_transport);
     // Production checks (checksums on) without and with the cluster MAC, encrypted, and
     // checksums off, each over one connection, and plain TCP beside them.
     let no_checksums = KvChecks { checksums: false, ..KvChecks::default() };
     let key = bulkhead_transport::trust::generate_key()?;
-    let (times, chosen) = transfer_times(KvChecks::default(), None, transport, n, reps)?;
-    let (sealed, _) = transfer_times(KvChecks::default(), Some((&key, false)), transport, n, reps)?;
-    let (encrypted, _) = transfer_times(KvChecks::default(), Some((&key, true)), transport, n, reps)?;
-    let (unchecked, _) = transfer_times(no_checksums, None, transport, n, reps)?;
-    let tcp =
-        if matches!(chosen, Chosen::Ucx(_)) { Some(transfer_times(KvChecks::default(), None, KvTransport::Tcp, n, reps)?.0) } else { None };
+    let (times, chosen) = transfer_times(layout, KvChecks::default(), None, transport, n, reps)?;
+    let (sealed, _) = transfer_times(layout, KvChecks::default(), Some((&key, false)), transport, n, reps)?;
+    let (encrypted, _) = transfer_times(layout, KvChecks::default(), Some((&key, true)), transport, n, reps)?;
+    let (unchecked, _) = transfer_times(layout, no_checksums, None, transport, n, reps)?;
+    let tcp = if matches!(chosen, Chosen::Ucx(_)) {
+        Some(transfer_times(layout, KvChecks::default(), None, KvTransport::Tcp, n, reps)?.0)
+    } else {
+        None
+    };
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
