@@ -538,7 +538,9 @@ impl Engine {
         let mut budget = self.prefill_chunk;
         let mut feeds = Vec::new();
         let decoding = self.seqs.iter().filter(|s| s.next.is_some()).count();
-        let k = if decoding <= MAX_SPECULATIVE_BATCH { self.speculation.tokens() } else { 0 };
+        // Counted with those still prefilling, which decode from the next steps on: a few
+        // drafting ahead while a batch fills would leave it out of step once it is full.
+        let k = if self.seqs.len() <= MAX_SPECULATIVE_BATCH { self.speculation.tokens() } else { 0 };
         for (i, s) in self.seqs.iter_mut().enumerate() {
             if let Some(t) = s.next {
                 let len = s.kv.len();
