@@ -26,7 +26,8 @@
 #                   llamacpp, bulkhead, bulkhead-slo (`serve --slo-tpot-ms 100
 #                   --slo-ttft-ms 2500`, the chat pair), bulkhead-slo-tpot (`--slo-tpot-ms
 #                   100` alone: every waiting prompt counts as late), bulkhead-slo-tight
-#                   (50 / 1200) or bulkhead-nowindow (`--prefill-window-tokens 0`)
+#                   (50 / 1200), bulkhead-nowindow (`--prefill-window-tokens 0`) or
+#                   bulkhead-nospec (`--speculative off`)
 #   --out DIR       results (env OUT; default $CACHE_DIR/goodput/<UTC timestamp>)
 #
 # Each server runs alone (the other is stopped) and fresh: its own process, started for
@@ -129,12 +130,13 @@ for server in "${SERVER_LIST[@]}"; do
       PID=$!
       wait_ready "http://127.0.0.1:$port" /health
       label=llama-server ;;
-    bulkhead|bulkhead-slo|bulkhead-slo-tpot|bulkhead-slo-tight|bulkhead-nowindow)
+    bulkhead|bulkhead-slo|bulkhead-slo-tpot|bulkhead-slo-tight|bulkhead-nowindow|bulkhead-nospec)
       slo_args=()
       case "$server" in
         bulkhead-slo) slo_args=(--slo-tpot-ms 100 --slo-ttft-ms 2500) ;;
         bulkhead-slo-tpot) slo_args=(--slo-tpot-ms 100) ;;
         bulkhead-nowindow) slo_args=(--prefill-window-tokens 0) ;;
+        bulkhead-nospec) slo_args=(--speculative off) ;;
         bulkhead-slo-tight) slo_args=(--slo-tpot-ms 50 --slo-ttft-ms 1200) ;;
       esac
       log "bulkhead serve on :$port (--threads $THREADS per worker, --context-length $CTX, --kv-pool-tokens $KV_TOKENS ${slo_args[*]})"
@@ -167,7 +169,7 @@ out, servers = sys.argv[1], sys.argv[2].split(",")
 reports = {s: json.load(open(os.path.join(out, f"{s}.json"))) for s in servers}
 names = {"llamacpp": "llama-server", "bulkhead": "Bulkhead", "bulkhead-slo": "Bulkhead --slo 100/2500",
          "bulkhead-slo-tpot": "Bulkhead --slo-tpot-ms 100", "bulkhead-nowindow": "Bulkhead, no prefill window",
-         "bulkhead-slo-tight": "Bulkhead --slo 50/1200"}
+         "bulkhead-slo-tight": "Bulkhead --slo 50/1200", "bulkhead-nospec": "Bulkhead --speculative off"}
 print(open(os.path.join(out, "setup.txt")).read())
 slos = next(iter(reports.values()))["slos"]
 pair = lambda s: f"TTFT <= {s['ttft_ms']:g} ms, TPOT <= {s['tpot_ms']:g} ms"
@@ -213,6 +215,12 @@ for slo_server in ("bulkhead-slo", "bulkhead-slo-tpot", "bulkhead-slo-tight"):
             a, b = reports[slo_server]["goodput"][i], reports["bulkhead"]["goodput"][i]
             r = f"{a['rate'] / b['rate']:.2f}" if b["rate"] > 0 else "n/a (without: 0)"
             print(f"- {pair(slo)}: goodput of {names[slo_server]} / Bulkhead without: {r}")
+if "bulkhead-nospec" in reports and "bulkhead" in reports:
+    print()
+    for i, slo in enumerate(slos):
+        a, b = reports["bulkhead"]["goodput"][i], reports["bulkhead-nospec"]["goodput"][i]
+        r = f"{a['rate'] / b['rate']:.2f}" if b["rate"] > 0 else "n/a (speculation off: 0)"
+        print(f"- {pair(slo)}: goodput of Bulkhead (speculation on, the default) / --speculative off: {r}")
 print()
 print("load average (1, 5, 15 min) after each sweep:")
 print(open(os.path.join(out, "loadavg.txt")).read())

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Served speculative decoding at batch 1: output tok/s of OpenAI-compatible servers on a
-copying task (repeat a passage) and free chat, greedy, 128 tokens, one request at a time,
-alternating servers, the median of 3 after a warm-up. Whole-request time (the first token
-included), the same for every server. Not part of CI.
+copying task (repeat a passage), free chat, and a later turn that quotes an earlier one
+(turn 1 asks for a paragraph, untimed; turn 2, timed, asks to repeat it and add a
+sentence), greedy, 128 tokens, one request at a time, alternating servers, the median of 3
+after a warm-up. Whole-request time (the first token included), the same for every server.
+Not part of CI.
 
 Usage: scripts/bench-spec-vs-llamacpp.py PORT:MODEL:NAME [PORT:MODEL:NAME ...]
   e.g. bulkhead serve --port 18201 --model-id smol &
@@ -16,10 +18,25 @@ PASSAGE = ("A key-value cache stores, for every token a model has read, the keys
 "disaggregated server one machine computes a prompt's cache and another generates from it; the cache moves "
 "between them in pages, and a page that changes hands must never show its earlier owner's values.")
 TASKS = {"copy": f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",
-         "chat": "Write a short story about a lighthouse keeper who finds a message in a bottle."}
+         "chat": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+         "turn2": None}
+TURN1 = "Explain in one paragraph how a lighthouse warns ships at night."
+TURN2 = "Repeat your answer above exactly, word for word, then add one sentence about lighthouse keepers."
+def chat(port, model, messages):
+    body = json.dumps({"model": model, "temperature": 0, "max_tokens": 128, "messages": messages}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body, {"content-type": "application/json"})
+    return json.load(urllib.request.urlopen(req, timeout=300))
+first_turns = {}
+def messages(port, model, task):
+    if task != "turn2":
+        return [{"role": "user", "content": TASKS[task]}]
+    if port not in first_turns:   # the server's own first answer, untimed
+        first_turns[port] = chat(port, model, [{"role": "user", "content": TURN1}])["choices"][0]["message"]["content"]
+    return [{"role": "user", "content": TURN1}, {"role": "assistant", "content": first_turns[port]},
+            {"role": "user", "content": TURN2}]
 def run(port, model, task):
     body = json.dumps({"model": model, "temperature": 0, "max_tokens": 128,
-                       "messages": [{"role": "user", "content": TASKS[task]}]}).encode()
+                       "messages": messages(port, model, task)}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body, {"content-type": "application/json"})
     t = time.monotonic()
     r = json.load(urllib.request.urlopen(req, timeout=300))

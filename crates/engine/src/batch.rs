@@ -31,6 +31,7 @@ use bulkhead_tokenizer::{TokenType, Tokenizer};
 
 use crate::choose::{ChooseError, Chooser, Vocabulary};
 use crate::detok::Utf8Stream;
+use crate::draft::{DraftModel, Want};
 use crate::sampling::SamplingError;
 use crate::speculate::{self, Luck, MAX_SPECULATIVE_BATCH, SpecCounters, Speculation, StepCost};
 use crate::stop::StopMatcher;
@@ -185,6 +186,10 @@ pub struct Engine {
     step_cost: StepCost,
     /// Proposal buffer, reused.
     drafts: Vec<u32>,
+    /// The draft model of [`Speculation::Draft`].
+    drafter: Option<DraftModel>,
+    /// The fewest tokens a sequence emitted in the last step that emitted any.
+    step_tokens: usize,
 }
 
 impl Engine {
@@ -212,7 +217,19 @@ impl Engine {
             spec: Arc::default(),
             step_cost: StepCost::default(),
             drafts: Vec::new(),
+            drafter: None,
+            step_tokens: 1,
         }
+    }
+
+    /// Draft with `draft` ([`Speculation::Draft`]); until it is given, nothing is drafted.
+    pub fn set_draft_model(&mut self, draft: DraftModel) {
+        self.drafter = Some(draft);
+    }
+
+    /// The draft model, if any.
+    pub fn draft_model(&self) -> Option<&DraftModel> {
+        self.drafter.as_ref()
     }
 
     /// What speculation did so far (shared: a worker pushes it as metrics).
@@ -264,6 +281,13 @@ impl Engine {
         &self.tokenizer
     }
 
+    /// The fewest tokens any sequence got from the last step that emitted tokens: 1
+    /// without speculation, more where every sequence's drafts were accepted. Whatever paces
+    /// the steps for a per-token target may space the next one that many tokens apart.
+    pub fn step_tokens(&self) -> usize {
+        self.step_tokens
+    }
+
     /// Requests admitted and not finished.
     pub fn active(&self) -> usize {
         self.seqs.len()
@@ -304,7 +328,16 @@ impl Engine {
         let Some(i) = self.seqs.iter().position(|s| s.id == id) else { return Ok(false) };
         let s = self.seqs.swap_remove(i);
         self.give_back(s.kv);
+        self.forget_drafts();
         Ok(true)
+    }
+
+    /// The draft model gives back the KV of sequences that left the loop.
+    fn forget_drafts(&mut self) {
+        let seqs = &self.seqs;
+        if let Some(d) = &mut self.drafter {
+            d.retain(|id| seqs.iter().any(|s| s.id == id));
+        }
     }
 
     /// A sequence's pages go back to the pool; stale ones (a bug) are reclaimed all the same.
@@ -523,6 +556,7 @@ impl Engine {
                 }
                 Ok(mut more) => {
                     events.append(&mut more);
+                    self.forget_drafts();
                     return Ok(events);
                 }
                 Err(e) => return Err(e),
@@ -538,28 +572,22 @@ impl Engine {
         let mut budget = self.prefill_chunk;
         let mut feeds = Vec::new();
         let decoding = self.seqs.iter().filter(|s| s.next.is_some()).count();
-        // Counted with those still prefilling, which decode from the next steps on: a few
-        // drafting ahead while a batch fills would leave it out of step once it is full.
-        let k = if self.seqs.len() <= MAX_SPECULATIVE_BATCH { self.speculation.tokens() } else { 0 };
+        let proposals = self.proposals(decoding);
         for (i, s) in self.seqs.iter_mut().enumerate() {
             if let Some(t) = s.next {
                 let len = s.kv.len();
                 if s.kv.reserved_tokens() <= len {
                     continue;
                 }
-                // Drafts never outrun what the request may still generate or the context.
-                let room = s.max_tokens.saturating_sub(s.history.len() + 1).min(self.context_limit.saturating_sub(len + 1));
-                let cost = &self.step_cost;
-                let k = if k > 0 && room > 0 { s.luck.drafts(k.min(room), |k| cost.row_cost(decoding, k)) } else { 0 };
-                speculate::propose(&s.context, k, &mut self.drafts);
+                let drafts = proposals.get(i).map_or(&[][..], Vec::as_slice);
                 // A draft's page is leased only while every decoding sequence could still
                 // grow by one: speculation never causes a retraction.
-                let want = len + 1 + self.drafts.len();
+                let want = len + 1 + drafts.len();
                 if want > s.kv.reserved_tokens() && self.pool.stats().free_pages > decoding {
                     let _ = s.kv.reserve(&mut self.pool, want);
                 }
-                self.drafts.truncate(s.kv.reserved_tokens() - len - 1);
-                let tokens: Vec<u32> = std::iter::once(t).chain(self.drafts.iter().copied()).collect();
+                let drafts = &drafts[..drafts.len().min(s.kv.reserved_tokens() - len - 1)];
+                let tokens: Vec<u32> = std::iter::once(t).chain(drafts.iter().copied()).collect();
                 feeds.push(Feed { seq: i, rows: tokens.len(), drafts: tokens.len() - 1, tokens });
                 continue;
             }
@@ -573,6 +601,56 @@ impl Engine {
             feeds.push(Feed { seq: i, tokens: s.feed[done..done + n].to_vec(), rows: usize::from(last), drafts: 0 });
         }
         feeds
+    }
+
+    /// Each sequence's drafts for this step (by index in the loop; empty where none): as
+    /// many as pay for it given its luck and what a drafted row costs, from its own tokens
+    /// (n-gram) or the draft model.
+    fn proposals(&mut self, decoding: usize) -> Vec<Vec<u32>> {
+        // Counted with those still prefilling, which decode from the next steps on: a few
+        // drafting ahead while a batch fills would leave it out of step once it is full.
+        let k = if self.seqs.len() <= MAX_SPECULATIVE_BATCH { self.speculation.tokens() } else { 0 };
+        let mut out = vec![Vec::new(); self.seqs.len()];
+        if k == 0 {
+            return out;
+        }
+        let cost = &self.step_cost;
+        let mut wants = Vec::with_capacity(self.seqs.len());
+        for (i, s) in self.seqs.iter_mut().enumerate() {
+            let len = s.kv.len();
+            if s.next.is_none() || s.kv.reserved_tokens() <= len {
+                continue;
+            }
+            // Drafts never outrun what the request may still generate or the context.
+            let room = s.max_tokens.saturating_sub(s.history.len() + 1).min(self.context_limit.saturating_sub(len + 1));
+            if room > 0 {
+                wants.push((i, s.luck.drafts(k.min(room), |k| cost.row_cost(decoding, k))));
+            }
+        }
+        match (&mut self.drafter, self.speculation) {
+            (Some(d), Speculation::Draft { .. }) => {
+                let asked: Vec<Want<'_>> = wants
+                    .iter()
+                    .filter(|w| w.1 > 0)
+                    .map(|&(i, k)| Want { id: self.seqs[i].id, context: &self.seqs[i].context, k })
+                    .collect();
+                let mut drafted = Vec::new();
+                d.propose(&asked, &mut drafted);
+                let (seconds, rounds) = d.last_cost();
+                self.step_cost.observe_draft(decoding, rounds, seconds);
+                for ((i, _), d) in wants.iter().filter(|w| w.1 > 0).zip(drafted) {
+                    out[*i] = d;
+                }
+            }
+            (_, Speculation::Ngram { .. }) => {
+                for (i, k) in wants {
+                    speculate::propose(&self.seqs[i].context, k, &mut self.drafts);
+                    out[i].extend_from_slice(&self.drafts);
+                }
+            }
+            _ => {}
+        }
+        out
     }
 
     /// One forward call; inputs are in `self.seqs` order, so a `ReadCheck` error's index is a
@@ -612,6 +690,7 @@ impl Engine {
         let mut finished = Vec::new();
         let mut failed = Vec::new();
         let mut rows = logits.chunks_exact(vocab);
+        let mut fewest = usize::MAX;
         for f in feeds {
             let (i, fed_rows) = (f.seq, f.rows);
             if fed_rows == 0 {
@@ -640,14 +719,19 @@ impl Engine {
                     }
                 }
             }
+            fewest = fewest.min(verify.accepted() + 1);
+            let s = &mut self.seqs[i];
             if f.drafts > 0 {
-                let s = &mut self.seqs[i];
                 // The rejected drafts' KV is un-written before anything else can see it:
                 // the next step, the cache a finished sequence goes to, a retraction.
                 let accepted = verify.settle(&mut self.pool, &mut s.kv)?;
                 s.luck.record(f.drafts, accepted);
                 self.spec.record(f.drafts, accepted);
                 tracing::debug!(request = s.id.0, drafted = f.drafts, accepted, "speculative step verified");
+            }
+            // So is the draft model's KV of every draft not emitted.
+            if let Some(d) = &mut self.drafter {
+                d.settle(s.id, &s.context);
             }
         }
         // Remove from the back so indices stay valid.
@@ -665,6 +749,9 @@ impl Engine {
                     events.push(Event::Failed { req, detail: format!("could not pick a token: {e}") });
                 }
             }
+        }
+        if fewest != usize::MAX {
+            self.step_tokens = fewest;
         }
         self.logits = logits;
         Ok(events)

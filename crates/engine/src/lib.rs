@@ -14,6 +14,7 @@
 //! - [`detok`]: [`Utf8Stream`], incremental UTF-8 assembly of token byte pieces.
 //! - [`batch`]: [`Engine`], continuous batching of requests over one model and KV pool.
 //! - [`speculate`]: speculative decoding's n-gram proposals and when to make them.
+//! - [`draft`]: speculative decoding's draft model, in its own KV pool.
 //! - [`disagg`]: the engine behind the protocol's driver core: [`Engine`] as a decode
 //!   worker's loop, [`Prefiller`] as a prefill worker's compute.
 //! - [`load`]: model, tokenizer and chat template from one GGUF file.
@@ -22,6 +23,7 @@ pub mod batch;
 pub mod choose;
 pub mod detok;
 pub mod disagg;
+pub mod draft;
 pub mod load;
 pub mod rng;
 pub mod sampling;
@@ -33,6 +35,7 @@ pub use bulkhead_protocol::{FinishReason, Sampling};
 pub use choose::{Choice, ChooseError, Chooser, Vocabulary};
 pub use detok::Utf8Stream;
 pub use disagg::Prefiller;
+pub use draft::{DraftError, DraftModel};
 pub use load::{LoadError, LoadedModel, load_model, load_model_with};
 pub use rng::Rng;
 pub use sampling::{Sampler, SamplingError};

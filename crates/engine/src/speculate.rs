@@ -32,6 +32,13 @@ pub enum Speculation {
         /// Most drafts per step (1..=[`MAX_SPECULATIVE_TOKENS`]).
         tokens: usize,
     },
+    /// A draft model ([`crate::draft::DraftModel`], given with
+    /// [`crate::Engine::set_draft_model`]) drafts greedily, up to `tokens` per sequence per
+    /// step.
+    Draft {
+        /// Most drafts per step (1..=[`MAX_SPECULATIVE_TOKENS`]).
+        tokens: usize,
+    },
 }
 
 impl Speculation {
@@ -39,7 +46,7 @@ impl Speculation {
     pub fn tokens(self) -> usize {
         match self {
             Speculation::Off => 0,
-            Speculation::Ngram { tokens } => tokens.min(MAX_SPECULATIVE_TOKENS),
+            Speculation::Ngram { tokens } | Speculation::Draft { tokens } => tokens.min(MAX_SPECULATIVE_TOKENS),
         }
     }
 }
@@ -151,6 +158,8 @@ impl Luck {
 pub struct StepCost {
     base: [f64; MAX_SPECULATIVE_BATCH + 1],
     extra: [[f64; MAX_SPECULATIVE_TOKENS + 1]; MAX_SPECULATIVE_BATCH + 1],
+    /// Seconds of one round of a draft model, by how many sequences decode.
+    draft: [f64; MAX_SPECULATIVE_BATCH + 1],
 }
 
 /// Weight of the past in the step-cost estimates.
@@ -162,7 +171,11 @@ const DEFAULT_ROW_COST: f64 = 0.3;
 
 impl Default for StepCost {
     fn default() -> Self {
-        StepCost { base: [0.0; MAX_SPECULATIVE_BATCH + 1], extra: [[0.0; MAX_SPECULATIVE_TOKENS + 1]; MAX_SPECULATIVE_BATCH + 1] }
+        StepCost {
+            base: [0.0; MAX_SPECULATIVE_BATCH + 1],
+            extra: [[0.0; MAX_SPECULATIVE_TOKENS + 1]; MAX_SPECULATIVE_BATCH + 1],
+            draft: [0.0; MAX_SPECULATIVE_BATCH + 1],
+        }
     }
 }
 
@@ -180,14 +193,28 @@ impl StepCost {
         }
     }
 
-    /// Each of `k` drafted rows' cost at `batch`, in tokens of a sequence's share of a step.
+    /// A draft model's proposal at `batch` ran `rounds` forward calls in `seconds`.
+    pub fn observe_draft(&mut self, batch: usize, rounds: usize, seconds: f64) {
+        if let Some(d) = self.draft.get_mut(batch)
+            && rounds > 0
+        {
+            let round = seconds / rounds as f64;
+            *d = if *d == 0.0 { round } else { COST_DECAY * *d + (1.0 - COST_DECAY) * round };
+        }
+    }
+
+    /// Each of `k` drafted rows' cost at `batch`, in tokens of a sequence's share of a step:
+    /// the row in the step, and with a draft model the round that drafted it (shared by the
+    /// sequences that draft, about one step's share each).
     pub fn row_cost(&self, batch: usize, k: usize) -> f64 {
         let default = DEFAULT_ROW_COST * batch as f64;
         let (Some(&base), Some(extra)) = (self.base.get(batch), self.extra.get(batch)) else { return default };
-        match extra.get(k.min(MAX_SPECULATIVE_TOKENS)) {
+        let row = match extra.get(k.min(MAX_SPECULATIVE_TOKENS)) {
             Some(&e) if base > 0.0 && e > 0.0 => e / k as f64 * batch as f64 / base,
             _ => default,
-        }
+        };
+        let draft = self.draft.get(batch).copied().unwrap_or(0.0);
+        if base > 0.0 { row + draft / base } else { row }
     }
 }
 
@@ -299,5 +326,8 @@ mod tests {
         c.observe(4, 2, 0.0105);
         assert!((c.row_cost(4, 2) - 0.625).abs() < 1e-9, "{}", c.row_cost(4, 2));
         c.observe(9, 0, 1.0);
+        // A draft model's round adds its share of a step to every drafted row.
+        c.observe_draft(4, 2, 0.004);
+        assert!((c.row_cost(4, 2) - 0.875).abs() < 1e-9, "{}", c.row_cost(4, 2));
     }
 }

@@ -4,7 +4,9 @@
 
 use std::sync::{Arc, OnceLock};
 
-use bulkhead_engine::{Engine, EngineConfig, EngineError, Event, FinishReason, GenRequest, Sampling, Speculation, load_model};
+use bulkhead_engine::{
+    DraftError, DraftModel, Engine, EngineConfig, EngineError, Event, FinishReason, GenRequest, Sampling, Speculation, load_model,
+};
 use bulkhead_kv::{KvChecks, KvPool, PoolConfig, RequestId, SequenceKv};
 use bulkhead_model::{Llama, SeqInput, Sums};
 use bulkhead_protocol::admission::Refusal;
@@ -403,4 +405,65 @@ fn speculation_gives_the_text_of_one_token_per_step_greedy_or_seeded_alone_or_ba
     let ids: Vec<_> = requests[..4].iter().map(|r| e.add(r.clone()).unwrap()).collect();
     assert_eq!(run(&mut e, &ids), want[..4].to_vec());
     assert_eq!(e.pool().stats().free_pages, 48);
+}
+
+/// A draft model sharing the target's weights: its greedy drafts are the target's greedy
+/// picks, so the plumbing (catch-up, rounds, roll-back of the draft KV, release) is tested
+/// against a known answer without a second model.
+fn self_drafting(pages: usize) -> Engine {
+    let s = shared();
+    let mut e = speculating(pages, Speculation::Draft { tokens: 4 });
+    let draft = DraftModel::new(s.model.clone(), &s.tok, &s.tok, 16, pages * 16, 512, KvChecks::all()).unwrap();
+    e.set_draft_model(draft);
+    e
+}
+
+#[test]
+fn a_draft_model_gives_the_text_of_one_token_per_step_and_gives_its_kv_back() {
+    let prompts = speculation_prompts();
+    let seeded = Sampling { temperature: 0.7, top_k: 40, seed: Some(11), ..Sampling::default() };
+    let requests: Vec<GenRequest> =
+        prompts.iter().flat_map(|p| [greedy(p.clone(), 40), GenRequest { sampling: seeded.clone(), ..greedy(p.clone(), 32) }]).collect();
+    let mut off = speculating(64, Speculation::Off);
+    let want: Vec<_> = requests.iter().map(|r| run_one(&mut off, r)).collect();
+    let mut e = self_drafting(64);
+    let got: Vec<_> = requests.iter().map(|r| run_one(&mut e, r)).collect();
+    assert_eq!(got, want);
+    let (drafted, accepted, _) = e.spec_counters().totals();
+    // Greedy requests accept every draft the end of generation does not cut.
+    assert!(drafted > 0 && accepted > 0, "drafted {drafted}, accepted {accepted}");
+    let greedy_only = {
+        let mut g = self_drafting(64);
+        for r in requests.iter().step_by(2) {
+            run_one(&mut g, r);
+        }
+        g.spec_counters().totals()
+    };
+    assert!(greedy_only.1 * 10 >= greedy_only.0 * 9, "greedy self-drafts rejected: {greedy_only:?}");
+    // Batched: every draft sequence's KV went back with its request.
+    let ids: Vec<_> = requests[..4].iter().map(|r| e.add(r.clone()).unwrap()).collect();
+    assert_eq!(run(&mut e, &ids), want[..4].to_vec());
+    let draft_pool = e.draft_model().unwrap().pool();
+    assert_eq!(draft_pool.stats().free_pages, draft_pool.total_pages());
+    draft_pool.check_invariants();
+    assert_eq!(e.pool().stats().free_pages, 64);
+}
+
+fn run_one(e: &mut Engine, r: &GenRequest) -> (String, FinishReason, usize) {
+    let id = e.add(r.clone()).unwrap();
+    run(e, &[id]).remove(0)
+}
+
+#[test]
+fn a_draft_model_of_another_tokenizer_is_refused_naming_the_difference() {
+    let s = shared();
+    let gemma = bulkhead_fetch::ensure(&bulkhead_fetch::GEMMA3_270M, false).expect("Gemma 3 270M");
+    let f = bulkhead_gguf::GgufFile::open_metadata(&gemma).unwrap();
+    let other = Tokenizer::from_gguf(&f).unwrap();
+    let err = DraftModel::new(s.model.clone(), &other, &s.tok, 16, 1024, 512, KvChecks::all()).err().expect("refused");
+    assert!(matches!(err, DraftError::VocabularySize { draft: 262_144, target: 49_152 }), "{err}");
+    assert!(err.to_string().contains("262144 tokens"), "{err}");
+    // A pool that cannot hold one request of the context is refused too (I5).
+    let err = DraftModel::new(s.model.clone(), &s.tok, &s.tok, 16, 256, 512, KvChecks::all()).err().expect("refused");
+    assert!(matches!(err, DraftError::Capacity { capacity: 256, context: 512 }), "{err}");
 }

@@ -486,8 +486,11 @@ impl DecodeBudget {
     }
 
     /// How long the next step should wait to leave prefill its share (zero: start now;
-    /// always zero in split mode, where it sets whether the step runs narrow).
-    pub fn wait(&mut self, now: Instant) -> Duration {
+    /// always zero in split mode, where it sets whether the step runs narrow). `tokens` is
+    /// the fewest tokens a sequence got from the last step (more than one where speculation's
+    /// drafts were accepted): the pace counts tokens, not steps, so a step that gave every
+    /// sequence three tokens may be followed three paces later.
+    pub fn wait(&mut self, now: Instant, tokens: usize) -> Duration {
         let mut buf = [0u8; 8];
         while let Ok((n, from)) = self.ep.sock.recv_from(&mut buf) {
             let Some(peer) = from.as_pathname().map(Path::to_path_buf) else { continue };
@@ -512,7 +515,7 @@ impl DecodeBudget {
             Some(slo) if late => slo.pace(),
             Some(slo) => slo.pace() / 2,
             None => self.interval,
-        };
+        } * u32::try_from(tokens.max(1)).unwrap_or(u32::MAX);
         self.slo_paced = late && self.slo.is_some() && self.mode == ShareMode::Pause;
         match self.last {
             Some((start, end)) if prefill_busy && self.mode == ShareMode::Pause => {
@@ -606,7 +609,7 @@ mod tests {
     fn until_paced(d: &mut DecodeBudget) -> Duration {
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
-            let w = d.wait(Instant::now());
+            let w = d.wait(Instant::now(), 1);
             if !w.is_zero() || Instant::now() > deadline {
                 return w;
             }
@@ -639,12 +642,12 @@ mod tests {
         assert!(prefill.paused_seconds() > 0.05, "paused time not counted: {}", prefill.paused_seconds());
 
         // Decode paces itself only while the prefill worker reports work.
-        assert_eq!(decode.wait(Instant::now()), Duration::ZERO, "paced with an idle prefill");
+        assert_eq!(decode.wait(Instant::now(), 1), Duration::ZERO, "paced with an idle prefill");
         prefill.report(Some(Duration::ZERO));
         let w = until_paced(&mut decode);
         assert!(w > Duration::ZERO && w <= Duration::from_millis(40), "pacing with a busy prefill: {w:?}");
         prefill.report(None);
-        eventually("still paced after the prefill worker went idle", || decode.wait(Instant::now()).is_zero());
+        eventually("still paced after the prefill worker went idle", || decode.wait(Instant::now(), 1).is_zero());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -664,12 +667,12 @@ mod tests {
         // Decode narrows its steps while prefill reports work, and never waits.
         assert!(!decode_share.narrow(), "decode narrow with an idle prefill");
         prefill.report(Some(Duration::ZERO));
-        eventually("a busy prefill never narrowed decode", || decode.wait(Instant::now()).is_zero() && decode_share.narrow());
+        eventually("a busy prefill never narrowed decode", || decode.wait(Instant::now(), 1).is_zero() && decode_share.narrow());
         drop(decode.hold());
-        assert_eq!(decode.wait(Instant::now()), Duration::ZERO, "split mode paced decode");
+        assert_eq!(decode.wait(Instant::now(), 1), Duration::ZERO, "split mode paced decode");
         prefill.report(None);
         eventually("decode stayed narrow after prefill went idle", || {
-            decode.wait(Instant::now());
+            decode.wait(Instant::now(), 1);
             !decode_share.narrow()
         });
         assert!(decode_share.narrowed_layers() > 0);
@@ -685,7 +688,7 @@ mod tests {
         // How long the next step waits, right after a step.
         let after_a_step = |d: &mut DecodeBudget| {
             drop(d.hold());
-            d.wait(Instant::now())
+            d.wait(Instant::now(), 1)
         };
         // A prompt that has waited less than half the first-token target: half the pace.
         prefill.report(Some(Duration::from_millis(100)));
@@ -699,6 +702,11 @@ mod tests {
         let w = after_a_step(&mut decode);
         assert!(w <= Duration::from_millis(300), "paced past the SLO's pace: {w:?}");
         assert!(decode.share.slo_paced_steps() > 0, "steps at the SLO's pace not counted");
+        // A step that gave every sequence three tokens (accepted drafts) is followed three
+        // paces later: the pace counts tokens, not steps.
+        drop(decode.hold());
+        let w = decode.wait(Instant::now(), 3);
+        assert!(w > Duration::from_millis(800) && w <= Duration::from_millis(900), "three tokens paced as {w:?}");
         prefill.report(None);
         eventually("still paced after the prefill worker went idle", || after_a_step(&mut decode).is_zero());
         // Without a first-token target every waiting prompt is late.

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use crate::core_budget::{self, DecodeBudget, DecodeShare};
 use bulkhead_engine::speculate::ACCEPTED_BOUNDS;
-use bulkhead_engine::{Engine, EngineConfig, SpecCounters};
+use bulkhead_engine::{DraftModel, Engine, EngineConfig, SpecCounters};
 use bulkhead_kv::{KvPool, PrefixCache, RequestId};
 use bulkhead_protocol::decode::{DecodeConfig, DecodeEvent, DecodeRole};
 use bulkhead_protocol::driver::decode::{DecodeDriver, DecodeLink};
@@ -78,7 +78,14 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     });
     let cache_pages = cfg.prefix_cache_pages.min(pool.total_pages());
     let engine_cfg = EngineConfig { speculation: cfg.speculation, ..EngineConfig::for_context(context) };
-    let engine = Engine::new(Arc::new(llama), Arc::new(model.tokenizer), pool, engine_cfg);
+    let draft = match &cfg.draft_model {
+        Some(path) => Some(load_draft(path, &cfg, &model.tokenizer, context).map_err(|e| WorkerError::CannotStart(Box::new(e)))?),
+        None => None,
+    };
+    let mut engine = Engine::new(Arc::new(llama), Arc::new(model.tokenizer), pool, engine_cfg);
+    if let Some(d) = draft {
+        engine.set_draft_model(d);
+    }
     let spec = engine.spec_counters();
     let role = DecodeRole::new(DecodeConfig {
         max_context: context,
@@ -107,7 +114,7 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
         // Block only when nothing is decoding, or while the core budget leaves prefill its share.
         let decoding = driver.engine().active() > 0;
         let pace = match &mut budget {
-            Some(b) if decoding => b.wait(Instant::now()),
+            Some(b) if decoding => b.wait(Instant::now(), driver.engine().step_tokens()),
             _ => Duration::ZERO,
         };
         let first = if decoding && pace.is_zero() {
@@ -174,7 +181,7 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
             driver.handle(ev, &mut link);
         }
         if driver.engine().active() > 0
-            && budget.as_mut().is_none_or(|b| b.wait(Instant::now()).is_zero())
+            && budget.as_mut().is_none_or(|b| b.wait(Instant::now(), driver.engine().step_tokens()).is_zero())
             && let Err(e) = {
                 let _held = budget.as_mut().map(DecodeBudget::hold);
                 driver.step(&mut link)
@@ -362,4 +369,20 @@ fn serve_prefill(stream: TcpStream, waiter: Waiter, tx: &SyncSender<In>, trust: 
             }
         }
     }
+}
+
+/// The draft model of `--draft-model`, with a pool for every sequence that may draft at
+/// once (counted in the capacity check, I5), refused when its tokenizer is not the target's.
+fn load_draft(
+    path: &std::path::Path,
+    cfg: &WorkerConfig,
+    target: &bulkhead_tokenizer::Tokenizer,
+    context: usize,
+) -> Result<DraftModel, WorkerError> {
+    let m = bulkhead_engine::load_model(path, cfg.threads)?;
+    let tokens = DraftModel::pool_tokens(context);
+    let draft = DraftModel::new(Arc::new(m.model), &m.tokenizer, target, cfg.page_size, tokens, context, cfg.kv_checks)
+        .map_err(|source| WorkerError::Draft { path: path.to_path_buf(), source })?;
+    tracing::info!(path = %path.display(), pool_tokens = draft.pool().capacity_tokens(), "draft model loaded: it drafts, the model verifies");
+    Ok(draft)
 }

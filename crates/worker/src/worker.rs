@@ -54,6 +54,8 @@ pub struct WorkerConfig {
     pub max_local_prefill_tokens: usize,
     /// Decode workers: speculative decoding.
     pub speculation: bulkhead_engine::Speculation,
+    /// Decode workers: the draft model of [`bulkhead_engine::Speculation::Draft`].
+    pub draft_model: Option<PathBuf>,
     /// Optional KV integrity checks (canaries, checksums, auditor).
     pub kv_checks: KvChecks,
     /// The cluster key, if any (every internal connection authenticates with it).
@@ -80,6 +82,8 @@ pub enum WorkerError {
     Capacity { pool: usize, context: usize },
     #[error(transparent)]
     Load(#[from] bulkhead_engine::LoadError),
+    #[error("draft model {path}: {source}")]
+    Draft { path: PathBuf, source: bulkhead_engine::DraftError },
     #[error(transparent)]
     Kv(#[from] bulkhead_kv::KvError),
     #[error("cannot reach the gateway at {addr}: {source}")]

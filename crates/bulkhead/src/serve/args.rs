@@ -60,6 +60,8 @@ pub enum SpeculativeArg {
     Off,
     /// N-gram prompt lookup: what followed the sequence's last few tokens where they occurred before (in its prompt or its output) is verified in the same step; no second model.
     Ngram,
+    /// A smaller model of the same tokenizer (`--draft-model`) drafts greedily in its own KV pool, verified the same way.
+    Draft,
 }
 
 impl From<KvTransportArg> for KvTransport {
@@ -203,7 +205,10 @@ pub struct ServeArgs {
     /// Decode workers: speculative decoding. With `ngram`, a sequence whose last tokens occurred earlier in its prompt or output feeds what followed them there as drafts beside its last token; a draft is kept only while the pick the step makes anyway equals it, so the text is exactly what `off` gives (greedy or seeded), and a rejected draft's KV is un-written in the same step. Drafts are made only while at most 4 sequences decode, as many per sequence as pay given how often its drafts were accepted and what a drafted row costs (learnt from the steps), and none where none pays. Pays on copying (edits, quotes, code, later turns that repeat earlier ones): see BENCHMARKS.md.
     #[arg(long, env = "BULKHEAD_SPECULATIVE", value_enum, default_value_t = SpeculativeArg::Ngram)]
     pub(crate) speculative: SpeculativeArg,
-    /// Decode workers: most drafted tokens a sequence feeds per step with `--speculative ngram` (1-16).
+    /// Decode workers: the draft model of `--speculative draft`, a GGUF whose tokenizer is the model's (refused at start-up, naming the first difference, otherwise). Its KV pool holds 4 requests of the context (counted in the start-up capacity check); it drafts only while at most 4 sequences decode.
+    #[arg(long, env = "BULKHEAD_DRAFT_MODEL")]
+    pub(crate) draft_model: Option<PathBuf>,
+    /// Decode workers: most drafted tokens a sequence feeds per step with `--speculative ngram` or `draft` (1-16).
     #[arg(long, env = "BULKHEAD_SPECULATIVE_TOKENS", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=16))]
     pub(crate) speculative_tokens: u32,
     /// Which road KV frames take from prefill to decode workers, chosen per connection and logged with it (`bulkhead:kv_connections_total{transport}`); the frames, their MACs and the chunk checks are the same on both.
@@ -446,7 +451,9 @@ impl ServeArgs {
             speculation: match self.speculative {
                 SpeculativeArg::Off => Speculation::Off,
                 SpeculativeArg::Ngram => Speculation::Ngram { tokens: self.speculative_tokens as usize },
+                SpeculativeArg::Draft => Speculation::Draft { tokens: self.speculative_tokens as usize },
             },
+            draft_model: self.draft_model.clone(),
             kv_checks: self.checks.checks(),
             trust,
             prefix_cache_pages: if self.no_prefix_cache { 0 } else { self.prefix_cache_pages.unwrap_or(usize::MAX) },
@@ -510,6 +517,18 @@ impl ServeArgs {
             }
         }
         Ok(())
+    }
+
+    /// Refuse a draft model without draft speculation, and draft speculation without one.
+    pub(crate) fn check_speculation(&self) -> anyhow::Result<()> {
+        match (self.speculative, &self.draft_model) {
+            (SpeculativeArg::Draft, None) => anyhow::bail!("--speculative draft needs --draft-model (a GGUF with the model's tokenizer)"),
+            (SpeculativeArg::Off | SpeculativeArg::Ngram, Some(_)) => {
+                let mode = self.speculative.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default();
+                anyhow::bail!("--draft-model drafts for --speculative draft only; this is --speculative {mode}")
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Refuse gateway flags the role would otherwise ignore.
@@ -660,6 +679,20 @@ mod tests {
     fn check(args: &[&str]) -> Result<(), String> {
         let s = Serve::try_parse_from(std::iter::once("serve").chain(args.iter().copied())).map_err(|e| e.to_string())?;
         s.a.check_core_budget().map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_draft_model_goes_with_draft_speculation_only() {
+        let speculation = |args: &[&str]| {
+            let s = Serve::try_parse_from(std::iter::once("serve").chain(args.iter().copied())).map_err(|e| e.to_string())?;
+            s.a.check_speculation().map_err(|e| e.to_string())
+        };
+        assert!(speculation(&["--speculative", "draft"]).unwrap_err().contains("needs --draft-model"));
+        assert!(speculation(&["--draft-model", "/d.gguf"]).unwrap_err().contains("this is --speculative ngram"));
+        assert!(speculation(&["--speculative", "off", "--draft-model", "/d.gguf"]).unwrap_err().contains("this is --speculative off"));
+        speculation(&["--speculative", "draft", "--draft-model", "/d.gguf"]).unwrap();
+        speculation(&[]).unwrap();
+        assert!(speculation(&["--speculative-tokens", "0"]).is_err() && speculation(&["--speculative-tokens", "17"]).is_err());
     }
 
     #[test]

@@ -51,6 +51,7 @@ fn read_settings() -> anyhow::Result<ServeArgs> {
 fn settle(a: &ServeArgs) -> anyhow::Result<(PathBuf, Trust)> {
     a.check_core_budget()?;
     a.check_gateways()?;
+    a.check_speculation()?;
     let model = a.model.path()?;
     let trust = a.trust()?;
     if a.role != ServeRole::Gateway {
