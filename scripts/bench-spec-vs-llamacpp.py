@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Served speculative decoding at batch 1: output tok/s of OpenAI-compatible servers on a
 copying task (repeat a passage), free chat, and a later turn that quotes an earlier one
-(turn 1 asks for a paragraph, untimed; turn 2, timed, asks to repeat it and add a
-sentence), greedy, 128 tokens, one request at a time, alternating servers, the median of 3
-after a warm-up. Whole-request time (the first token included), the same for every server.
+(turn 1 asks for a paragraph, untimed; turn 2, timed, asks to copy it: SmolLM2-135M
+ignores "repeat it word for word, then add a sentence" and writes anew), greedy, 128
+tokens, one request at a time, alternating servers, the median of 3 after a warm-up. Whole-request time (the first token included), the same for every server.
 Not part of CI.
 
 Usage: scripts/bench-spec-vs-llamacpp.py PORT:MODEL:NAME [PORT:MODEL:NAME ...]
@@ -21,7 +21,7 @@ TASKS = {"copy": f"Repeat the following text exactly, word for word:\n\n{PASSAGE
          "chat": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
          "turn2": None}
 TURN1 = "Explain in one paragraph how a lighthouse warns ships at night."
-TURN2 = "Repeat your answer above exactly, word for word, then add one sentence about lighthouse keepers."
+TURN2 = "Copy your last answer exactly."
 def chat(port, model, messages):
     body = json.dumps({"model": model, "temperature": 0, "max_tokens": 128, "messages": messages}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body, {"content-type": "application/json"})

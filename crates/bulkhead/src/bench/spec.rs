@@ -1,7 +1,7 @@
 //! `bulkhead bench-engine --compare-speculation`: what n-gram speculative decoding buys,
 //! through the engine's own decode loop: output tokens per second after the first token,
 //! with speculation against without, per task (copying a passage, editing code, quoting an
-//! answer, free-form chat) and batch size, in alternating repetitions. Both sides must give
+//! answer, free-form chat, a later turn that repeats an earlier answer) and batch size, in alternating repetitions. Both sides must give
 //! the same text: a run where they differ is an error, not a figure.
 
 use std::sync::Arc;
@@ -23,13 +23,23 @@ const CODE: &str = "fn total_price(items: &[Item], tax: f64) -> f64 {\n    let m
 total += item.price * item.quantity as f64;\n    }\n    let total = total * (1.0 + tax);\n    println!(\"total: {total}\");\n    \
 total\n}\n";
 
-/// The tasks: (name, the user's turn).
-fn tasks() -> Vec<(&'static str, String)> {
+/// The tasks: (name, the conversation's turns as (role, text), the last the user's).
+fn tasks() -> Vec<(&'static str, Vec<(&'static str, String)>)> {
+    let user = |t: String| vec![("user", t)];
     vec![
-        ("copy a passage", format!("Repeat the following text exactly, word for word:\n\n{PASSAGE}")),
-        ("edit code", format!("Rename the variable `total` to `sum` in this Rust function and write out the whole function:\n\n{CODE}")),
-        ("quote an answer", format!("{PASSAGE}\n\nQuoting the text above, what must a page that changes hands never show?")),
-        ("free chat", "Write a short story about a lighthouse keeper who finds a message in a bottle.".to_string()),
+        ("copy a passage", user(format!("Repeat the following text exactly, word for word:\n\n{PASSAGE}"))),
+        ("edit code", user(format!("Rename the variable `total` to `sum` in this Rust function and write out the whole function:\n\n{CODE}"))),
+        ("quote an answer", user(format!("{PASSAGE}\n\nQuoting the text above, what must a page that changes hands never show?"))),
+        ("free chat", user("Write a short story about a lighthouse keeper who finds a message in a bottle.".to_string())),
+        // A later turn that quotes an earlier answer (the passage, as the assistant's).
+        (
+            "later turn",
+            vec![
+                ("user", "Explain in one paragraph what a key-value cache is and how it moves in a disaggregated server.".to_string()),
+                ("assistant", PASSAGE.to_string()),
+                ("user", "Copy your last answer exactly.".to_string()),
+            ],
+        ),
     ]
 }
 
@@ -120,10 +130,10 @@ pub fn run(loaded: LoadedModel, page_size: usize, tokens: usize, batches: &[usiz
         }
     }
     let mut rows = Vec::new();
-    for (name, turn) in tasks() {
+    for (name, turns) in tasks() {
         let text = match &loaded.chat {
-            Some(chat) => chat.render(&[ChatMessage::new("user", turn)], true)?,
-            None => turn,
+            Some(chat) => chat.render(&turns.iter().map(|(role, t)| ChatMessage::new(*role, t.as_str())).collect::<Vec<_>>(), true)?,
+            None => turns.iter().map(|(_, t)| t.as_str()).collect::<Vec<_>>().join("\n\n"),
         };
         let prompt = tok.encode(&text, true);
         for &batch in batches {
