@@ -184,8 +184,9 @@ for s, r in reports.items():
         tp = p["tpot_ms"]["p90"] if p["tpot_ms"] else float("nan")
         print(f"| {names.get(s, s)} | {p['rate']:g} | {p['sent']} | {p['ok']} | {att} | {tt:,.0f} | {tp:.1f} |")
 print("\nGoodput (highest rate with >= 90% of requests meeting both SLOs):\n")
-print("| SLO pair | " + " | ".join(names.get(s, s) for s in reports) + (" | Bulkhead / llama-server |" if len(reports) == 2 else " |"))
-print("|---|" + "---|" * len(reports) + ("---|" if len(reports) == 2 else ""))
+against_llama = len(reports) == 2 and "llamacpp" in reports
+print("| SLO pair | " + " | ".join(names.get(s, s) for s in reports) + (" | Bulkhead / llama-server |" if against_llama else " |"))
+print("|---|" + "---|" * len(reports) + ("---|" if against_llama else ""))
 for i, slo in enumerate(slos):
     gs = [r["goodput"][i] for r in reports.values()]
     def fmt(g):
