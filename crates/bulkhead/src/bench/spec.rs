@@ -28,7 +28,10 @@ fn tasks() -> Vec<(&'static str, Vec<(&'static str, String)>)> {
     let user = |t: String| vec![("user", t)];
     vec![
         ("copy a passage", user(format!("Repeat the following text exactly, word for word:\n\n{PASSAGE}"))),
-        ("edit code", user(format!("Rename the variable `total` to `sum` in this Rust function and write out the whole function:\n\n{CODE}"))),
+        (
+            "edit code",
+            user(format!("Rename the variable `total` to `sum` in this Rust function and write out the whole function:\n\n{CODE}")),
+        ),
         ("quote an answer", user(format!("{PASSAGE}\n\nQuoting the text above, what must a page that changes hands never show?"))),
         ("free chat", user("Write a short story about a lighthouse keeper who finds a message in a bottle.".to_string())),
         // A later turn that quotes an earlier answer (the passage, as the assistant's).
