@@ -293,6 +293,51 @@ unsafe fn group_q6k<const N: usize, const BLOCKS: bool>(g: *const u8, nsb: usize
         for sb in 0..nsb {
             let p = g.add(sb * KSB_Q6K);
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()));
+            if N == 1 && BLOCKS {
+                // One activation row (a decode step's output head): bound by reading the
+                // weights, so each quant vector is loaded once for the four blocks that share
+                // it. The integer sums are exact in any order, and the float steps below run
+                // in block order as in the loop after, so the bits are the same.
+                let blk = |b: usize| first * nb + sb * 8 + b;
+                let mut isum = [[_mm512_setzero_si512(); 2]; 8];
+                for (b, s) in isum.iter_mut().enumerate() {
+                    for (gi, v) in s.iter_mut().enumerate() {
+                        *v = _mm512_set1_epi32(-32 * *acts.sums.get_unchecked(2 * blk(b) + gi));
+                    }
+                }
+                for h in 0..2 {
+                    for k in 0..8 {
+                        let qh = _mm512_loadu_si512(p.add(Q6K_QH + (8 * h + k) * 4 * GROUP).cast());
+                        let ql = [2 * h, 2 * h + 1].map(|chunk| _mm512_loadu_si512(p.add(Q6K_QL + (8 * chunk + k) * 4 * GROUP).cast()));
+                        for u in 0..4 {
+                            let v = ql[u % 2];
+                            let low = if u < 2 { _mm512_and_si512(v, mask) } else { _mm512_and_si512(_mm512_srli_epi16(v, 4), mask) };
+                            let hb = match u {
+                                0 => _mm512_slli_epi16(qh, 4),
+                                1 => _mm512_slli_epi16(qh, 2),
+                                2 => qh,
+                                _ => _mm512_srli_epi16(qh, 2),
+                            };
+                            // low | (hb & high) in one instruction.
+                            let w = _mm512_ternarylogic_epi32::<0xF8>(low, hb, high);
+                            let b = 4 * h + u;
+                            let q = acts.qs.as_ptr().add(blk(b) * QK + 4 * k);
+                            let a = _mm512_set1_epi32(std::ptr::read_unaligned(q.cast::<i32>()));
+                            isum[b][k / 4] = _mm512_dpbusd_epi32(isum[b][k / 4], w, a);
+                        }
+                    }
+                }
+                let mut part = _mm512_setzero_ps();
+                for (b, is) in isum.iter().enumerate() {
+                    let sc: [__m512i; 2] =
+                        std::array::from_fn(|g| _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(Q6K_SC + GROUP * (2 * b + g)).cast())));
+                    let is = _mm512_add_epi32(_mm512_mullo_epi32(is[0], sc[0]), _mm512_mullo_epi32(is[1], sc[1]));
+                    let t = _mm512_mul_ps(d, _mm512_cvtepi32_ps(is));
+                    part = _mm512_add_ps(part, _mm512_mul_ps(_mm512_set1_ps(*acts.d.get_unchecked(blk(b))), t));
+                }
+                total[0] = _mm512_add_ps(total[0], part);
+                continue;
+            }
             let mut part = [_mm512_setzero_ps(); N];
             for b in 0..8 {
                 let (h, u) = (b / 4, b % 4);
