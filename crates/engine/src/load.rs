@@ -1,5 +1,7 @@
-//! Model, tokenizer, chat template and digest from one GGUF file, read once: the digest is
-//! of the bytes already in memory, and the weights are laid out (packed) straight from them.
+//! Model, tokenizer, chat template and digest from one GGUF file, read a tensor at a time:
+//! each matrix is laid out (packed) from its own bytes, which are then dropped, so a load
+//! holds the laid-out weights and one tensor, not the whole file beside them; the digest is
+//! one more pass over the file, a few megabytes at a time.
 
 use std::path::{Path, PathBuf};
 
@@ -32,6 +34,8 @@ pub enum LoadError {
     Tokenizer { path: PathBuf, source: TokenizerError },
     #[error("chat template {path}: {why}")]
     ChatTemplate { path: PathBuf, why: String },
+    #[error("{path}: could not be read again for its digest")]
+    Digest { path: PathBuf },
 }
 
 /// Load a model file with `threads` compute threads (0 = one per core).
@@ -47,7 +51,7 @@ pub fn load_model_with(path: &Path, threads: usize, chat_template: Option<&Path>
     let model = Llama::from_gguf(&f, threads).map_err(|source| LoadError::Model { path: p(), source })?;
     let tokenizer = Tokenizer::from_gguf(&f).map_err(|source| LoadError::Tokenizer { path: p(), source })?;
     let chat = chat_template_of(&f, path, chat_template)?;
-    let digest = f.digest().unwrap_or_default();
+    let digest = f.digest().ok_or_else(|| LoadError::Digest { path: p() })?;
     Ok(LoadedModel { model, tokenizer, chat, digest })
 }
 

@@ -154,8 +154,8 @@ pub async fn start(opts: GatewayOptions) -> Result<RunningGateway, GatewayError>
         names.push(model_name(&f, &opts.model));
     }
     let model_id = names.remove(0);
-    // The digest of the bytes already read: one pass over the file in all.
-    let digest = f.digest().unwrap_or_default();
+    // The file's identity, read a few megabytes at a time: the gateway never holds the weights.
+    let digest = f.digest().ok_or_else(|| bulkhead_engine::LoadError::Digest { path: opts.model.clone() })?;
     drop(f);
     // Derived from the cluster key, or random per run: only this process needs it.
     let cache_secret = match (&opts.trust.key, opts.prefix_cache) {

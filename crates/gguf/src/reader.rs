@@ -2,6 +2,7 @@
 //! length read from the file is checked against the bytes that remain before anything is
 //! allocated for it.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -63,16 +64,26 @@ impl TensorInfo {
     }
 }
 
-/// A parsed GGUF file with its bytes.
+/// A parsed GGUF file, and where its tensors' bytes are read from.
 #[derive(Debug)]
 pub struct GgufFile {
     version: u32,
     metadata: BTreeMap<String, Value>,
     tensors: Vec<TensorInfo>,
-    data: Vec<u8>,
+    data: Data,
     data_offset: usize,
-    /// False for [`GgufFile::open_metadata`]: no tensor can be read.
-    has_data: bool,
+}
+
+/// Where a [`GgufFile`]'s tensors are.
+#[derive(Debug)]
+enum Data {
+    /// The whole file, in memory ([`GgufFile::parse`]).
+    Memory(Vec<u8>),
+    /// In the open file, read a tensor at a time ([`GgufFile::open`]): a model is laid out
+    /// from it without the whole file in memory beside the result.
+    File { file: std::fs::File, path: std::path::PathBuf },
+    /// Nowhere: [`GgufFile::open_metadata`].
+    None,
 }
 
 // Metadata arrays nest; real files use one level. Refuse deeper nesting rather than recurse on
@@ -153,18 +164,28 @@ impl<'a> Cursor<'a> {
 }
 
 impl GgufFile {
-    /// Read and parse a file; errors name the file.
+    /// Open and parse a file, its header read now and each tensor when asked for
+    /// ([`GgufFile::tensor`]); every tensor must lie within the file. Errors name the file.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, GgufError> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|source| GgufError::Io { path: path.to_path_buf(), source })?;
-        Self::parse(bytes).map_err(|e| GgufError::InFile { path: path.to_path_buf(), source: Box::new(e) })
+        let (file, head) = Self::read_header(path)?;
+        let len = file.metadata().map_err(|source| GgufError::Io { path: path.to_path_buf(), source })?.len();
+        let mut f = Self::parse_inner(head, Some(len)).map_err(|e| GgufError::InFile { path: path.to_path_buf(), source: Box::new(e) })?;
+        f.data = Data::File { file, path: path.to_path_buf() };
+        Ok(f)
     }
 
     /// Read only a file's metadata and tensor table (not the tensors' data, which cannot be
     /// read from the result): what deciding a model's shape needs, for a fraction of the I/O.
     pub fn open_metadata(path: impl AsRef<Path>) -> Result<Self, GgufError> {
-        use std::io::Read;
         let path = path.as_ref();
+        let (_, head) = Self::read_header(path)?;
+        Self::parse_inner(head, None).map_err(|e| GgufError::InFile { path: path.to_path_buf(), source: Box::new(e) })
+    }
+
+    /// The open file and its first bytes, enough to parse its header and tensor table.
+    fn read_header(path: &Path) -> Result<(std::fs::File, Vec<u8>), GgufError> {
+        use std::io::Read;
         let io = |source| GgufError::Io { path: path.to_path_buf(), source };
         let file = std::fs::File::open(path).map_err(io)?;
         let mut head = Vec::new();
@@ -175,26 +196,51 @@ impl GgufFile {
             let have = head.len() as u64;
             (&file).take(want - have).read_to_end(&mut head).map_err(io)?;
             let eof = (head.len() as u64) < want;
-            match Self::parse_inner(head.clone(), false) {
+            match Self::parse_inner(head.clone(), None) {
                 Err(GgufError::Truncated { .. }) if !eof => want *= 2,
-                r => return r.map_err(|e| GgufError::InFile { path: path.to_path_buf(), source: Box::new(e) }),
+                Err(e) => return Err(GgufError::InFile { path: path.to_path_buf(), source: Box::new(e) }),
+                Ok(_) => return Ok((file, head)),
             }
         }
     }
 
-    /// xxh3-64 of the whole file: the identity a gateway and its workers compare (`None` for
-    /// a file opened for its metadata only). One pass over the bytes already read.
+    /// xxh3-64 of the whole file: the identity a gateway and its workers compare. `None` for
+    /// a file opened for its metadata only, or one that can no longer be read. An opened file
+    /// is read again for it, a few megabytes at a time.
     pub fn digest(&self) -> Option<u64> {
-        self.has_data.then(|| xxhash_rust::xxh3::xxh3_64(&self.data))
+        match &self.data {
+            Data::Memory(bytes) => Some(xxhash_rust::xxh3::xxh3_64(bytes)),
+            Data::File { file, .. } => {
+                use std::os::unix::fs::FileExt;
+                let mut h = xxhash_rust::xxh3::Xxh3::new();
+                let mut buf = vec![0u8; 8 << 20];
+                let mut at = 0u64;
+                loop {
+                    match file.read_at(&mut buf, at) {
+                        Ok(0) => return Some(h.digest()),
+                        Ok(n) => {
+                            h.update(&buf[..n]);
+                            at += n as u64;
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                        Err(_) => return None,
+                    }
+                }
+            }
+            Data::None => None,
+        }
     }
 
-    /// Parse a file's bytes.
+    /// Parse a file's bytes, held in memory.
     pub fn parse(data: Vec<u8>) -> Result<Self, GgufError> {
-        Self::parse_inner(data, true)
+        let len = data.len() as u64;
+        Self::parse_inner(data, Some(len))
     }
 
-    /// Parse; `with_data`: the tensors' data must be there (else only the header is read).
-    fn parse_inner(data: Vec<u8>, with_data: bool) -> Result<Self, GgufError> {
+    /// Parse a header held in `data`; with `file_len` (the whole file's length), every
+    /// tensor must lie within it, and `data`, if it is the whole file, is kept.
+    fn parse_inner(data: Vec<u8>, file_len: Option<u64>) -> Result<Self, GgufError> {
+        let with_data = file_len.is_some();
         let mut c = Cursor { bytes: &data, pos: 0 };
         let magic: [u8; 4] = c.array()?;
         if &magic != MAGIC {
@@ -245,10 +291,11 @@ impl GgufFile {
         let data_offset = (c.pos as u64).div_ceil(alignment) * alignment;
         // Every tensor, even one of no bytes, is read from the data section: it must start
         // within the file.
-        if with_data && !tensors.is_empty() && data_offset > data.len() as u64 {
-            return Err(GgufError::Truncated { offset: c.pos as u64, needed: data_offset - c.pos as u64, len: data.len() as u64 });
+        let file_bytes = file_len.unwrap_or(data.len() as u64);
+        if with_data && !tensors.is_empty() && data_offset > file_bytes {
+            return Err(GgufError::Truncated { offset: c.pos as u64, needed: data_offset - c.pos as u64, len: file_bytes });
         }
-        let data_len = (data.len() as u64).saturating_sub(data_offset);
+        let data_len = file_bytes.saturating_sub(data_offset);
         let mut seen = std::collections::HashSet::new();
         for t in &mut tensors {
             if !seen.insert(t.name.clone()) {
@@ -278,7 +325,9 @@ impl GgufFile {
                 }
             }
         }
-        Ok(GgufFile { version, metadata, tensors, data_offset: data_offset as usize, data, has_data: with_data })
+        // The bytes are kept only when they are the whole file.
+        let data = if file_len == Some(data.len() as u64) { Data::Memory(data) } else { Data::None };
+        Ok(GgufFile { version, metadata, tensors, data_offset: data_offset as usize, data })
     }
 
     /// GGUF format version.
@@ -371,17 +420,24 @@ impl GgufFile {
         self.tensors.iter().find(|t| t.name == name).ok_or_else(|| GgufError::MissingTensor { name: name.to_string() })
     }
 
-    /// A tensor's entry and raw bytes. Fails for a type whose size is unknown.
-    pub fn tensor(&self, name: &str) -> Result<(&TensorInfo, &[u8]), GgufError> {
+    /// A tensor's entry and raw bytes: borrowed from a file parsed in memory, read from an
+    /// opened one. Fails for a type whose size is unknown.
+    pub fn tensor(&self, name: &str) -> Result<(&TensorInfo, Cow<'_, [u8]>), GgufError> {
         let t = self.tensor_info(name)?;
-        if !self.has_data {
-            return Err(GgufError::BadTensor { name: name.to_string(), why: "the file was opened for its metadata only".into() });
-        }
         if t.ty.block().is_none() {
             return Err(GgufError::BadTensor { name: name.to_string(), why: format!("unsupported tensor type {}", t.ty) });
         }
         // In range: checked against the data section at parse time.
         let start = self.data_offset + t.offset as usize;
-        Ok((t, &self.data[start..start + t.size as usize]))
+        match &self.data {
+            Data::Memory(bytes) => Ok((t, Cow::Borrowed(&bytes[start..start + t.size as usize]))),
+            Data::File { file, path } => {
+                use std::os::unix::fs::FileExt;
+                let mut buf = vec![0u8; t.size as usize];
+                file.read_exact_at(&mut buf, start as u64).map_err(|source| GgufError::Io { path: path.clone(), source })?;
+                Ok((t, Cow::Owned(buf)))
+            }
+            Data::None => Err(GgufError::BadTensor { name: name.to_string(), why: "the file was opened for its metadata only".into() }),
+        }
     }
 }

@@ -392,6 +392,31 @@ mod tests {
     }
 
     #[test]
+    fn an_opened_file_reads_each_tensor_from_disk_as_the_parsed_one_holds_it() {
+        let dir = std::env::temp_dir().join(format!("bulkhead-gguf-open-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (held, _, _) = pair(Some(64));
+        let bytes = held.to_bytes();
+        let path = dir.join("m.gguf");
+        std::fs::write(&path, &bytes).unwrap();
+        let (opened, parsed) = (GgufFile::open(&path).unwrap(), GgufFile::parse(bytes.clone()).unwrap());
+        assert_eq!(opened.digest(), parsed.digest());
+        assert_eq!(opened.digest(), Some(xxhash_rust::xxh3::xxh3_64(&bytes)));
+        for t in parsed.tensors() {
+            assert_eq!(opened.tensor(&t.name).unwrap().1, parsed.tensor(&t.name).unwrap().1, "{}", t.name);
+        }
+        // Metadata only: the same table, no tensor, no digest.
+        let meta = GgufFile::open_metadata(&path).unwrap();
+        assert_eq!(meta.tensors().len(), parsed.tensors().len());
+        assert!(meta.tensor(&parsed.tensors()[0].name).is_err() && meta.digest().is_none());
+        // A file cut short is refused when opened, naming it, not when a tensor is read.
+        std::fs::write(&path, &bytes[..bytes.len() - 1]).unwrap();
+        let err = GgufFile::open(&path).unwrap_err().to_string();
+        assert!(err.contains("m.gguf") && err.contains("outside"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn a_tensor_past_the_end_of_the_file_is_refused() {
         let mut w = GgufWriter::new();
         w.tensor("x", &[64], GgmlType::F32, vec![0; 128]); // needs 256 bytes

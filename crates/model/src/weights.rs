@@ -33,20 +33,12 @@ impl Matrix {
     }
 
     /// Build from the file's bytes in the layout `isa` multiplies (packed straight from
-    /// them, without a copy in rows first, unless `keep_rows`).
-    pub fn from_bytes(
-        name: &str,
-        ty: GgmlType,
-        rows: usize,
-        cols: usize,
-        data: &[u8],
-        isa: Isa,
-        keep_rows: bool,
-    ) -> Result<Self, ModelError> {
+    /// them, without a copy in rows first).
+    pub fn from_bytes(name: &str, ty: GgmlType, rows: usize, cols: usize, data: &[u8], isa: Isa) -> Result<Self, ModelError> {
         let row_bytes = Self::check(name, ty, rows, cols, data.len())?;
         let packs = isa.packs_weights() && packed::supports(ty);
         let packed = packs.then(|| packed::pack(ty, rows, row_bytes, data));
-        let data = if packs && !keep_rows { Vec::new() } else { data.to_vec() };
+        let data = if packs { Vec::new() } else { data.to_vec() };
         Ok(Matrix { ty, rows, cols, row_bytes, data, packed })
     }
 
@@ -72,9 +64,8 @@ impl Matrix {
     }
 
     /// Store a quantised matrix packed for `isa` when it multiplies packed weights, in rows
-    /// otherwise; `keep_rows` keeps the row layout as well (for embedding lookups). Lossless
-    /// both ways.
-    pub fn set_layout(&mut self, isa: Isa, keep_rows: bool) {
+    /// otherwise: one layout, never both. Lossless both ways.
+    pub fn set_layout(&mut self, isa: Isa) {
         if !self.is_quantized() {
             return;
         }
@@ -83,7 +74,7 @@ impl Matrix {
         }
         self.packed =
             (isa.packs_weights() && packed::supports(self.ty)).then(|| packed::pack(self.ty, self.rows, self.row_bytes, &self.data));
-        if self.packed.is_some() && !keep_rows {
+        if self.packed.is_some() {
             self.data = Vec::new();
         }
     }
@@ -102,7 +93,7 @@ impl Matrix {
         Some(&p[r0 / packed::GROUP * gb..r1.div_ceil(packed::GROUP) * gb])
     }
 
-    fn load(f: &GgufFile, name: &str, rows: usize, cols: usize, isa: Isa, keep_rows: bool) -> Result<Self, ModelError> {
+    fn load(f: &GgufFile, name: &str, rows: usize, cols: usize, isa: Isa) -> Result<Self, ModelError> {
         let (info, bytes) = f.tensor(name).map_err(|e| match e {
             bulkhead_gguf::GgufError::BadTensor { name, why } if why.starts_with("unsupported") => {
                 ModelError::UnsupportedTensorType { tensor: name, ty: why.trim_start_matches("unsupported tensor type ").to_string() }
@@ -113,7 +104,7 @@ impl Matrix {
         if info.dims != want {
             return Err(ModelError::BadShape { tensor: name.to_string(), why: format!("dims {:?}, expected {want:?}", info.dims) });
         }
-        Matrix::from_bytes(name, info.ty, rows, cols, bytes, isa, keep_rows)
+        Matrix::from_bytes(name, info.ty, rows, cols, &bytes, isa)
     }
 
     /// Raw bytes of row `r` (ggml's layout; panics on a matrix packed without keeping rows,
@@ -139,9 +130,26 @@ impl Matrix {
         crate::kernels::is_block_quantized(self.ty)
     }
 
-    /// Row `r` as f32 values.
+    /// Row `r` as f32 values: from the rows, or unpacked from the packed layout (a tied
+    /// embedding's lookups: held once, for the head), on the stack up to
+    /// [`MAX_LOOKUP_ROW_BYTES`] so a decode step allocates nothing.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        dequantize_row(self.ty, self.row(r), &mut out[..self.cols]);
+        let out = &mut out[..self.cols];
+        match &self.packed {
+            Some(p) if self.data.is_empty() => {
+                let mut stack = [0u8; MAX_LOOKUP_ROW_BYTES];
+                let mut heap = Vec::new();
+                let row = if self.row_bytes <= stack.len() {
+                    &mut stack[..self.row_bytes]
+                } else {
+                    heap.resize(self.row_bytes, 0);
+                    &mut heap[..]
+                };
+                packed::unpack_row(self.ty, self.row_bytes, p, r, row);
+                dequantize_row(self.ty, row, out);
+            }
+            _ => dequantize_row(self.ty, self.row(r), out),
+        }
     }
 
     /// Bytes held (both layouts).
@@ -154,6 +162,10 @@ impl Matrix {
         self.packed.as_ref().map_or(self.data.len(), Vec::len)
     }
 }
+
+/// The largest row a token lookup unpacks on the stack: a hidden size of 8,192 at Q8_0
+/// (8,704 bytes) fits; a larger one takes the heap.
+pub const MAX_LOOKUP_ROW_BYTES: usize = 16 * 1024;
 
 /// One transformer block. The optional parts are what the families add to llama's.
 #[derive(Debug)]
@@ -198,7 +210,7 @@ fn vector(f: &GgufFile, name: &str, len: usize) -> Result<Vec<f32>, ModelError> 
         return Err(ModelError::BadShape { tensor: name.to_string(), why: format!("{} {:?}, expected F32 [{len}]", info.ty, info.dims) });
     }
     let mut v = vec![0.0; len];
-    dequantize_row(info.ty, bytes, &mut v);
+    dequantize_row(info.ty, &bytes, &mut v);
     Ok(v)
 }
 
@@ -224,31 +236,31 @@ impl Weights {
             let b = |s: &str| format!("blk.{i}.{s}.bias");
             layers.push(Layer {
                 attn_norm: vector(f, &n("attn_norm"), c.hidden)?,
-                wq: Matrix::load(f, &n("attn_q"), q_dim, c.hidden, isa, false)?,
-                wk: Matrix::load(f, &n("attn_k"), kv_dim, c.hidden, isa, false)?,
-                wv: Matrix::load(f, &n("attn_v"), kv_dim, c.hidden, isa, false)?,
+                wq: Matrix::load(f, &n("attn_q"), q_dim, c.hidden, isa)?,
+                wk: Matrix::load(f, &n("attn_k"), kv_dim, c.hidden, isa)?,
+                wv: Matrix::load(f, &n("attn_v"), kv_dim, c.hidden, isa)?,
                 bq: optional_vector(f, &b("attn_q"), q_dim, biases)?,
                 bk: optional_vector(f, &b("attn_k"), kv_dim, biases)?,
                 bv: optional_vector(f, &b("attn_v"), kv_dim, biases)?,
                 q_norm: optional_vector(f, &n("attn_q_norm"), c.head_dim, qk_norm)?,
                 k_norm: optional_vector(f, &n("attn_k_norm"), c.head_dim, qk_norm)?,
-                wo: Matrix::load(f, &n("attn_output"), c.hidden, q_dim, isa, false)?,
+                wo: Matrix::load(f, &n("attn_output"), c.hidden, q_dim, isa)?,
                 post_attn_norm: optional_vector(f, &n("post_attention_norm"), c.hidden, post_norms)?,
                 ffn_norm: vector(f, &n("ffn_norm"), c.hidden)?,
-                w_gate: Matrix::load(f, &n("ffn_gate"), c.ffn, c.hidden, isa, false)?,
-                w_up: Matrix::load(f, &n("ffn_up"), c.ffn, c.hidden, isa, false)?,
-                w_down: Matrix::load(f, &n("ffn_down"), c.hidden, c.ffn, isa, false)?,
+                w_gate: Matrix::load(f, &n("ffn_gate"), c.ffn, c.hidden, isa)?,
+                w_up: Matrix::load(f, &n("ffn_up"), c.ffn, c.hidden, isa)?,
+                w_down: Matrix::load(f, &n("ffn_down"), c.hidden, c.ffn, isa)?,
                 post_ffn_norm: optional_vector(f, &n("post_ffw_norm"), c.hidden, post_norms)?,
             });
         }
         let output = match f.tensor_info("output.weight") {
-            Ok(_) => Some(Matrix::load(f, "output.weight", c.vocab, c.hidden, isa, false)?),
+            Ok(_) => Some(Matrix::load(f, "output.weight", c.vocab, c.hidden, isa)?),
             Err(_) => None,
         };
-        // Token lookups read the embedding's rows; it is packed only when it is the output.
+        // The embedding is packed only when it is the output: held once, its lookups unpack.
         let embed_isa = if output.is_some() { Isa::scalar() } else { isa };
         Ok(Weights {
-            embedding: Matrix::load(f, "token_embd.weight", c.vocab, c.hidden, embed_isa, true)?,
+            embedding: Matrix::load(f, "token_embd.weight", c.vocab, c.hidden, embed_isa)?,
             layers,
             out_norm: vector(f, "output_norm.weight", c.hidden)?,
             output,
@@ -261,20 +273,20 @@ impl Weights {
         self.output.as_ref().unwrap_or(&self.embedding)
     }
 
-    /// Lay the quantised matrices out for `isa`: the layers' packed only, the embedding
-    /// also in rows (token lookups read its rows) and packed only when it is the output.
+    /// Lay the quantised matrices out for `isa`: the layers' packed, the embedding packed
+    /// only when it is the output (its lookups unpack their rows), in rows otherwise.
     pub fn set_layout(&mut self, isa: Isa) {
         for l in &mut self.layers {
             for m in [&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.w_gate, &mut l.w_up, &mut l.w_down] {
-                m.set_layout(isa, false);
+                m.set_layout(isa);
             }
         }
         match &mut self.output {
             Some(out) => {
-                out.set_layout(isa, false);
-                self.embedding.set_layout(Isa::scalar(), true);
+                out.set_layout(isa);
+                self.embedding.set_layout(Isa::scalar());
             }
-            None => self.embedding.set_layout(isa, true),
+            None => self.embedding.set_layout(isa),
         }
     }
 
@@ -318,5 +330,50 @@ impl Weights {
             .map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().map(|m| m.streamed_bytes()).sum::<usize>())
             .sum();
         l + self.output().streamed_bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A matrix held only packed (a tied embedding) gives its rows' values to lookups as
+    /// the rows themselves do, for the 32-element formats and the k-quants.
+    #[test]
+    fn lookups_unpack_a_packed_matrix_to_its_rows_values() {
+        let isa = Isa::detect();
+        if !isa.packs_weights() {
+            eprintln!("skipped: this CPU does not pack weights");
+            return;
+        }
+        let mut seed = 5u64;
+        let mut byte = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 56) as u8
+        };
+        for (ty, scales) in [(GgmlType::Q4_0, [0usize].as_slice()), (GgmlType::Q8_0, [0].as_slice()), (GgmlType::Q6_K, [208].as_slice())] {
+            let (rows, cols) = (19, 256);
+            let row_bytes = ty.bytes_for(cols as u64).unwrap() as usize;
+            let block = ty.block().unwrap().1;
+            let mut data: Vec<u8> = (0..rows * row_bytes).map(|_| byte()).collect();
+            for blk in data.chunks_exact_mut(block) {
+                for &at in scales {
+                    // A modest positive f16 scale: no infinities or NaNs.
+                    blk[at..at + 2].copy_from_slice(&(0x1c00u16 + u16::from(byte())).to_le_bytes());
+                }
+            }
+            let m = Matrix::from_bytes("m", ty, rows, cols, &data, isa).unwrap();
+            assert!(m.is_packed() && m.data.is_empty(), "{ty}: held once, packed");
+            let (mut got, mut want) = (vec![0.0; cols], vec![0.0; cols]);
+            for r in 0..rows {
+                m.dequantize_row(r, &mut got);
+                dequantize_row(ty, &data[r * row_bytes..(r + 1) * row_bytes], &mut want);
+                assert_eq!(
+                    got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    "{ty} row {r}"
+                );
+            }
+        }
     }
 }

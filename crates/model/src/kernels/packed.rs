@@ -197,20 +197,6 @@ fn pack_kquant(ty: GgmlType, rows: usize, row_bytes: usize, data: &[u8]) -> Vec<
     out
 }
 
-fn unpack_kquant(ty: GgmlType, rows: usize, row_bytes: usize, packed: &[u8]) -> Vec<u8> {
-    let (src, dst) = ksb_sizes(ty);
-    let nsb = row_bytes / src;
-    let mut out = vec![0u8; rows * row_bytes];
-    for (r, row) in out.chunks_exact_mut(row_bytes).enumerate() {
-        let (g, lane) = (r / GROUP, r % GROUP);
-        for (s, sb) in row.chunks_exact_mut(src).enumerate() {
-            let at = (g * nsb + s) * dst;
-            unpack_ksb(ty, &packed[at..at + dst], lane, sb);
-        }
-    }
-    out
-}
-
 /// Bytes of one 32-element block of Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0.
 pub(super) fn block_bytes(ty: GgmlType) -> usize {
     match ty {
@@ -357,22 +343,34 @@ fn transpose_qh(ty: GgmlType, blk: &mut [u8; 34], back: bool) {
 
 /// The inverse of [`pack`]: `rows` rows in ggml's row layout.
 pub fn unpack(ty: GgmlType, rows: usize, row_bytes: usize, packed: &[u8]) -> Vec<u8> {
+    let mut out = vec![0u8; rows * row_bytes];
+    for (r, row) in out.chunks_exact_mut(row_bytes).enumerate() {
+        unpack_row(ty, row_bytes, packed, r, row);
+    }
+    out
+}
+
+/// Row `r` of packed data, in ggml's row layout, into `out` (`row_bytes` bytes): what a
+/// token lookup reads from an embedding held only packed (the output head it is tied to).
+pub fn unpack_row(ty: GgmlType, row_bytes: usize, packed: &[u8], r: usize, out: &mut [u8]) {
+    let (g, lane) = (r / GROUP, r % GROUP);
     if is_packed_kquant(ty) {
-        return unpack_kquant(ty, rows, row_bytes, packed);
+        let (src, dst) = ksb_sizes(ty);
+        let nsb = row_bytes / src;
+        for (s, sb) in out.chunks_exact_mut(src).enumerate() {
+            let at = (g * nsb + s) * dst;
+            unpack_ksb(ty, &packed[at..at + dst], lane, sb);
+        }
+        return;
     }
     let bs = block_bytes(ty);
     let nb = row_bytes / bs;
-    let mut out = vec![0u8; rows * row_bytes];
-    for (r, row) in out.chunks_exact_mut(row_bytes).enumerate() {
-        let (g, lane) = (r / GROUP, r % GROUP);
-        for (b, blk) in row.chunks_exact_mut(bs).enumerate() {
-            let base = block_offset(ty, nb, g, b);
-            let mut got: [u8; 34] = std::array::from_fn(|j| if j < bs { packed[base + dest(ty, lane, j)] } else { 0 });
-            transpose_qh(ty, &mut got, true);
-            blk.copy_from_slice(&got[..bs]);
-        }
+    for (b, blk) in out.chunks_exact_mut(bs).enumerate() {
+        let base = block_offset(ty, nb, g, b);
+        let mut got: [u8; 34] = std::array::from_fn(|j| if j < bs { packed[base + dest(ty, lane, j)] } else { 0 });
+        transpose_qh(ty, &mut got, true);
+        blk.copy_from_slice(&got[..bs]);
     }
-    out
 }
 
 #[cfg(test)]
