@@ -153,7 +153,7 @@ impl ModelArgs {
     /// Load the model named by the flags (fetching a known one if needed).
     pub fn load(&self) -> anyhow::Result<bulkhead_engine::LoadedModel> {
         let path = self.path()?;
-        let mut m = bulkhead_engine::load_model_with(&path, self.threads, self.chat_template.as_deref())?;
+        let mut m = bulkhead_engine::load_model_with(&path, self.threads, self.chat_template.as_deref(), None)?;
         if let Some(s) = self.kernel_sums.0 {
             m.model.set_sums(s);
         }

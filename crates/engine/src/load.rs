@@ -6,6 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use bulkhead_gguf::{GgufError, GgufFile};
+use bulkhead_model::shared::Shared;
 use bulkhead_model::{Llama, ModelError};
 use bulkhead_tokenizer::{ChatTemplate, Tokenizer, TokenizerError};
 
@@ -40,18 +41,35 @@ pub enum LoadError {
 
 /// Load a model file with `threads` compute threads (0 = one per core).
 pub fn load_model(path: &Path, threads: usize) -> Result<LoadedModel, LoadError> {
-    load_model_with(path, threads, None)
+    load_model_with(path, threads, None, None)
 }
 
 /// [`load_model`], with the chat template read from `chat_template` (a Jinja file) instead
-/// of the model's.
-pub fn load_model_with(path: &Path, threads: usize, chat_template: Option<&Path>) -> Result<LoadedModel, LoadError> {
+/// of the model's, and the laid-out weights shared through `weights_cache` with the other
+/// processes of this host that load the same file ([`bulkhead_model::shared`]).
+pub fn load_model_with(
+    path: &Path,
+    threads: usize,
+    chat_template: Option<&Path>,
+    weights_cache: Option<&Path>,
+) -> Result<LoadedModel, LoadError> {
     let f = GgufFile::open(path)?;
     let p = || path.to_path_buf();
-    let model = Llama::from_gguf(&f, threads).map_err(|source| LoadError::Model { path: p(), source })?;
+    let digest = f.digest().ok_or_else(|| LoadError::Digest { path: p() })?;
+    let model = match weights_cache {
+        Some(dir) => {
+            let (m, how) = Llama::from_gguf_shared(&f, threads, digest, dir).map_err(|source| LoadError::Model { path: p(), source })?;
+            match how {
+                Shared::Mapped(at) => tracing::info!(file = %at.display(), "weights mapped from this host's shared copy"),
+                Shared::Written(at) => tracing::info!(file = %at.display(), "weights laid out and shared for this host's other workers"),
+                Shared::Own(why) => tracing::warn!(%why, "weights not shared: this process holds its own copy"),
+            }
+            m
+        }
+        None => Llama::from_gguf(&f, threads).map_err(|source| LoadError::Model { path: p(), source })?,
+    };
     let tokenizer = Tokenizer::from_gguf(&f).map_err(|source| LoadError::Tokenizer { path: p(), source })?;
     let chat = chat_template_of(&f, path, chat_template)?;
-    let digest = f.digest().ok_or_else(|| LoadError::Digest { path: p() })?;
     Ok(LoadedModel { model, tokenizer, chat, digest })
 }
 

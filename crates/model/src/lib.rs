@@ -28,6 +28,7 @@ pub mod kquant;
 pub mod matmul;
 pub mod quant;
 pub mod reference;
+pub mod shared;
 pub mod weights;
 
 use std::path::{Path, PathBuf};
@@ -127,6 +128,19 @@ impl Llama {
         let config = LlamaConfig::from_gguf(f)?;
         let isa = Isa::detect();
         let weights = Weights::load(f, &config, isa)?;
+        Self::with_weights(config, weights, isa, threads)
+    }
+
+    /// [`Llama::from_gguf`], the laid-out weights shared with the other processes of this
+    /// host through `dir` ([`shared`]); `digest` is the file's.
+    pub fn from_gguf_shared(f: &GgufFile, threads: usize, digest: u64, dir: &Path) -> Result<(Self, shared::Shared), ModelError> {
+        let config = LlamaConfig::from_gguf(f)?;
+        let isa = Isa::detect();
+        let (weights, how) = shared::load(f, &config, isa, digest, dir)?;
+        Ok((Self::with_weights(config, weights, isa, threads)?, how))
+    }
+
+    fn with_weights(config: LlamaConfig, weights: Weights, isa: Isa, threads: usize) -> Result<Self, ModelError> {
         let threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)

@@ -20,16 +20,51 @@ pub struct Matrix {
     /// Input features.
     pub cols: usize,
     row_bytes: usize,
-    /// ggml's row layout; empty once packed without keeping rows.
-    data: Vec<u8>,
-    packed: Option<Vec<u8>>,
+    /// ggml's row layout; empty once packed.
+    data: Bytes,
+    packed: Option<Bytes>,
+}
+
+/// A matrix's bytes: its own, or a range of the host's shared weights file, mapped
+/// read-only ([`crate::shared`]), which every worker process of the host maps.
+pub enum Bytes {
+    /// Held by this matrix.
+    Owned(Vec<u8>),
+    /// `len` bytes from `start` of a shared map.
+    Mapped {
+        /// The map, kept alive by every matrix in it.
+        map: std::sync::Arc<crate::shared::Map>,
+        /// Offset in the map.
+        start: usize,
+        /// Length.
+        len: usize,
+    },
+}
+
+impl std::ops::Deref for Bytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Bytes::Owned(v) => v,
+            Bytes::Mapped { map, start, len } => &map.bytes()[*start..*start + *len],
+        }
+    }
+}
+
+impl std::fmt::Debug for Bytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Bytes::Owned(v) => write!(f, "Owned({} bytes)", v.len()),
+            Bytes::Mapped { start, len, .. } => write!(f, "Mapped({len} bytes at {start})"),
+        }
+    }
 }
 
 impl Matrix {
     /// Build from raw ggml bytes; shape and type are checked.
     pub fn new(name: &str, ty: GgmlType, rows: usize, cols: usize, data: Vec<u8>) -> Result<Self, ModelError> {
         let row_bytes = Self::check(name, ty, rows, cols, data.len())?;
-        Ok(Matrix { ty, rows, cols, row_bytes, data, packed: None })
+        Ok(Matrix { ty, rows, cols, row_bytes, data: Bytes::Owned(data), packed: None })
     }
 
     /// Build from the file's bytes in the layout `isa` multiplies (packed straight from
@@ -37,8 +72,8 @@ impl Matrix {
     pub fn from_bytes(name: &str, ty: GgmlType, rows: usize, cols: usize, data: &[u8], isa: Isa) -> Result<Self, ModelError> {
         let row_bytes = Self::check(name, ty, rows, cols, data.len())?;
         let packs = isa.packs_weights() && packed::supports(ty);
-        let packed = packs.then(|| packed::pack(ty, rows, row_bytes, data));
-        let data = if packs { Vec::new() } else { data.to_vec() };
+        let packed = packs.then(|| Bytes::Owned(packed::pack(ty, rows, row_bytes, data)));
+        let data = Bytes::Owned(if packs { Vec::new() } else { data.to_vec() });
         Ok(Matrix { ty, rows, cols, row_bytes, data, packed })
     }
 
@@ -70,12 +105,12 @@ impl Matrix {
             return;
         }
         if let (true, Some(p)) = (self.data.is_empty(), &self.packed) {
-            self.data = packed::unpack(self.ty, self.rows, self.row_bytes, p);
+            self.data = Bytes::Owned(packed::unpack(self.ty, self.rows, self.row_bytes, p));
         }
-        self.packed =
-            (isa.packs_weights() && packed::supports(self.ty)).then(|| packed::pack(self.ty, self.rows, self.row_bytes, &self.data));
+        self.packed = (isa.packs_weights() && packed::supports(self.ty))
+            .then(|| Bytes::Owned(packed::pack(self.ty, self.rows, self.row_bytes, &self.data)));
         if self.packed.is_some() {
-            self.data = Vec::new();
+            self.data = Bytes::Owned(Vec::new());
         }
     }
 
@@ -105,6 +140,38 @@ impl Matrix {
             return Err(ModelError::BadShape { tensor: name.to_string(), why: format!("dims {:?}, expected {want:?}", info.dims) });
         }
         Matrix::from_bytes(name, info.ty, rows, cols, &bytes, isa)
+    }
+
+    /// A matrix whose bytes are already laid out (`packed` or in rows), as a shared weights
+    /// file holds them; refused unless their length is what the shape and layout make.
+    pub fn from_layout(name: &str, ty: GgmlType, rows: usize, cols: usize, bytes: Bytes, packed: bool) -> Result<Self, ModelError> {
+        let row_bytes = Self::check(name, ty, rows, cols, rows * ty.bytes_for(cols as u64).map_or(0, |b| b as usize))?;
+        let want = if packed { rows.div_ceil(packed::GROUP) * packed::group_bytes(ty, row_bytes) } else { rows * row_bytes };
+        if bytes.len() != want {
+            return Err(ModelError::BadShape { tensor: name.to_string(), why: format!("{} bytes laid out, expected {want}", bytes.len()) });
+        }
+        Ok(if packed {
+            Matrix { ty, rows, cols, row_bytes, data: Bytes::Owned(Vec::new()), packed: Some(bytes) }
+        } else {
+            Matrix { ty, rows, cols, row_bytes, data: bytes, packed: None }
+        })
+    }
+
+    /// The bytes the matrix is held in: packed, or its rows.
+    pub fn held(&self) -> &[u8] {
+        self.packed.as_deref().unwrap_or(&self.data)
+    }
+
+    /// Hold the same bytes from `b` (a shared map of them) instead of this copy.
+    pub fn share(&mut self, b: Bytes) {
+        debug_assert_eq!(b.len(), self.held().len());
+        if b.len() != self.held().len() {
+            return;
+        }
+        match &mut self.packed {
+            Some(p) => *p = b,
+            None => self.data = b,
+        }
     }
 
     /// Raw bytes of row `r` (ggml's layout; panics on a matrix packed without keeping rows,
@@ -154,12 +221,12 @@ impl Matrix {
 
     /// Bytes held (both layouts).
     pub fn bytes(&self) -> usize {
-        self.data.len() + self.packed.as_ref().map_or(0, Vec::len)
+        self.data.len() + self.packed.as_ref().map_or(0, |p| p.len())
     }
 
     /// Bytes a product over every row reads: the packed layout where there is one.
     pub fn streamed_bytes(&self) -> usize {
-        self.packed.as_ref().map_or(self.data.len(), Vec::len)
+        self.packed.as_ref().map_or(self.data.len(), |p| p.len())
     }
 }
 
@@ -190,6 +257,11 @@ pub struct Layer {
     pub w_down: Matrix,
     /// RMS norm of the MLP output before the residual add (Gemma 3).
     pub post_ffn_norm: Option<Vec<f32>>,
+}
+
+impl Layer {
+    /// The matrices' tensor names in a block, in the order of [`Weights::matrices`].
+    const MATRICES: [&'static str; 7] = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"];
 }
 
 /// All weights of a model.
@@ -223,9 +295,17 @@ fn optional_vector(f: &GgufFile, name: &str, len: usize, required: bool) -> Resu
     }
 }
 
+/// Where [`Weights::load_with`] takes each matrix from: `(name, rows, cols, layout)`.
+pub type MatrixSource<'a> = dyn FnMut(&str, usize, usize, Isa) -> Result<Matrix, ModelError> + 'a;
+
 impl Weights {
     /// Load every tensor the config implies, laid out for `isa` (see [`Weights::set_layout`]).
     pub fn load(f: &GgufFile, c: &LlamaConfig, isa: Isa) -> Result<Self, ModelError> {
+        Self::load_with(f, c, isa, &mut |name, rows, cols, isa| Matrix::load(f, name, rows, cols, isa))
+    }
+
+    /// [`Weights::load`], with the matrices from `mat` (the vectors from `f`).
+    pub fn load_with(f: &GgufFile, c: &LlamaConfig, isa: Isa, mat: &mut MatrixSource<'_>) -> Result<Self, ModelError> {
         let (q_dim, kv_dim) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
         let qk_norm = matches!(c.arch, Arch::Qwen3 | Arch::Gemma3);
         let post_norms = c.arch == Arch::Gemma3;
@@ -236,36 +316,67 @@ impl Weights {
             let b = |s: &str| format!("blk.{i}.{s}.bias");
             layers.push(Layer {
                 attn_norm: vector(f, &n("attn_norm"), c.hidden)?,
-                wq: Matrix::load(f, &n("attn_q"), q_dim, c.hidden, isa)?,
-                wk: Matrix::load(f, &n("attn_k"), kv_dim, c.hidden, isa)?,
-                wv: Matrix::load(f, &n("attn_v"), kv_dim, c.hidden, isa)?,
+                wq: mat(&n("attn_q"), q_dim, c.hidden, isa)?,
+                wk: mat(&n("attn_k"), kv_dim, c.hidden, isa)?,
+                wv: mat(&n("attn_v"), kv_dim, c.hidden, isa)?,
                 bq: optional_vector(f, &b("attn_q"), q_dim, biases)?,
                 bk: optional_vector(f, &b("attn_k"), kv_dim, biases)?,
                 bv: optional_vector(f, &b("attn_v"), kv_dim, biases)?,
                 q_norm: optional_vector(f, &n("attn_q_norm"), c.head_dim, qk_norm)?,
                 k_norm: optional_vector(f, &n("attn_k_norm"), c.head_dim, qk_norm)?,
-                wo: Matrix::load(f, &n("attn_output"), c.hidden, q_dim, isa)?,
+                wo: mat(&n("attn_output"), c.hidden, q_dim, isa)?,
                 post_attn_norm: optional_vector(f, &n("post_attention_norm"), c.hidden, post_norms)?,
                 ffn_norm: vector(f, &n("ffn_norm"), c.hidden)?,
-                w_gate: Matrix::load(f, &n("ffn_gate"), c.ffn, c.hidden, isa)?,
-                w_up: Matrix::load(f, &n("ffn_up"), c.ffn, c.hidden, isa)?,
-                w_down: Matrix::load(f, &n("ffn_down"), c.hidden, c.ffn, isa)?,
+                w_gate: mat(&n("ffn_gate"), c.ffn, c.hidden, isa)?,
+                w_up: mat(&n("ffn_up"), c.ffn, c.hidden, isa)?,
+                w_down: mat(&n("ffn_down"), c.hidden, c.ffn, isa)?,
                 post_ffn_norm: optional_vector(f, &n("post_ffw_norm"), c.hidden, post_norms)?,
             });
         }
         let output = match f.tensor_info("output.weight") {
-            Ok(_) => Some(Matrix::load(f, "output.weight", c.vocab, c.hidden, isa)?),
+            Ok(_) => Some(mat("output.weight", c.vocab, c.hidden, isa)?),
             Err(_) => None,
         };
         // The embedding is packed only when it is the output: held once, its lookups unpack.
         let embed_isa = if output.is_some() { Isa::scalar() } else { isa };
         Ok(Weights {
-            embedding: Matrix::load(f, "token_embd.weight", c.vocab, c.hidden, embed_isa)?,
+            embedding: mat("token_embd.weight", c.vocab, c.hidden, embed_isa)?,
             layers,
             out_norm: vector(f, "output_norm.weight", c.hidden)?,
             output,
             rope_freqs: optional_vector(f, "rope_freqs.weight", c.head_dim / 2, false)?,
         })
+    }
+
+    /// Every matrix with its tensor name, in a fixed order.
+    pub fn matrices(&self) -> Vec<(String, &Matrix)> {
+        let mut out = Vec::new();
+        for (i, l) in self.layers.iter().enumerate() {
+            for (s, m) in Layer::MATRICES.iter().zip([&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]) {
+                out.push((format!("blk.{i}.{s}.weight"), m));
+            }
+        }
+        out.push(("token_embd.weight".into(), &self.embedding));
+        if let Some(o) = &self.output {
+            out.push(("output.weight".into(), o));
+        }
+        out
+    }
+
+    /// [`Weights::matrices`], to change.
+    pub fn matrices_mut(&mut self) -> Vec<(String, &mut Matrix)> {
+        let mut out = Vec::new();
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            let ms = [&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.w_gate, &mut l.w_up, &mut l.w_down];
+            for (s, m) in Layer::MATRICES.iter().zip(ms) {
+                out.push((format!("blk.{i}.{s}.weight"), m));
+            }
+        }
+        out.push(("token_embd.weight".into(), &mut self.embedding));
+        if let Some(o) = &mut self.output {
+            out.push(("output.weight".into(), o));
+        }
+        out
     }
 
     /// The output projection (the embedding when tied).

@@ -379,7 +379,7 @@ fn load_draft(
     target: &bulkhead_tokenizer::Tokenizer,
     context: usize,
 ) -> Result<DraftModel, WorkerError> {
-    let m = bulkhead_engine::load_model(path, cfg.threads)?;
+    let m = bulkhead_engine::load_model_with(path, cfg.threads, None, cfg.weights_cache.as_deref())?;
     let tokens = DraftModel::pool_tokens(context);
     let draft = DraftModel::new(Arc::new(m.model), &m.tokenizer, target, cfg.page_size, tokens, context, cfg.kv_checks)
         .map_err(|source| WorkerError::Draft { path: path.to_path_buf(), source })?;

@@ -56,6 +56,9 @@ pub struct WorkerConfig {
     pub speculation: bulkhead_engine::Speculation,
     /// Decode workers: the draft model of [`bulkhead_engine::Speculation::Draft`].
     pub draft_model: Option<PathBuf>,
+    /// Where the laid-out weights are shared with this host's other workers, if anywhere
+    /// ([`bulkhead_model::shared`]).
+    pub weights_cache: Option<PathBuf>,
     /// Optional KV integrity checks (canaries, checksums, auditor).
     pub kv_checks: KvChecks,
     /// The cluster key, if any (every internal connection authenticates with it).
@@ -149,7 +152,7 @@ pub fn load(cfg: &WorkerConfig) -> Result<Loaded, WorkerError> {
 }
 
 fn try_load(cfg: &WorkerConfig) -> Result<Loaded, WorkerError> {
-    let mut model = bulkhead_engine::load_model(&cfg.model, cfg.threads)?;
+    let mut model = bulkhead_engine::load_model_with(&cfg.model, cfg.threads, None, cfg.weights_cache.as_deref())?;
     if let Some(s) = cfg.kernel_sums {
         model.model.set_sums(s);
     }

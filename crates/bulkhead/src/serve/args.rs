@@ -347,6 +347,12 @@ pub struct ServeArgs {
     /// --api-key), off otherwise.
     #[arg(long, env = "BULKHEAD_WEB_UI", value_enum)]
     pub(crate) web_ui: Option<WebUi>,
+    /// Workers: where the laid-out (packed) weights are written once per model and layout and mapped read-only by every worker on this host, so the prefill and decode workers hold one copy between them and a restart maps instead of packing (default: $BULKHEAD_HOME/weights; about the model file's size per model).
+    #[arg(long, env = "BULKHEAD_WEIGHTS_CACHE")]
+    pub(crate) weights_cache: Option<PathBuf>,
+    /// Workers: each holds its own copy of the laid-out weights (nothing written to --weights-cache).
+    #[arg(long, env = "BULKHEAD_NO_WEIGHTS_CACHE", value_parser = clap::builder::BoolishValueParser::new())]
+    pub(crate) no_weights_cache: bool,
     /// Do not share KV pages between requests: no prefix cache on the prefill workers, and
     /// none on the decode workers (every turn's whole prompt is then sent).
     #[arg(long, env = "BULKHEAD_NO_PREFIX_CACHE", value_parser = clap::builder::BoolishValueParser::new())]
@@ -454,6 +460,7 @@ impl ServeArgs {
                 SpeculativeArg::Draft => Speculation::Draft { tokens: self.speculative_tokens as usize },
             },
             draft_model: self.draft_model.clone(),
+            weights_cache: self.weights_cache_dir(),
             kv_checks: self.checks.checks(),
             trust,
             prefix_cache_pages: if self.no_prefix_cache { 0 } else { self.prefix_cache_pages.unwrap_or(usize::MAX) },
@@ -626,7 +633,14 @@ impl ServeArgs {
             w.kv_pool_tokens = self.prefill_kv_pool_tokens.or(self.kv_pool_tokens);
         }
         w.core_budget_dir = budget_dir;
+        // Resolved here: a child does not see this process's $BULKHEAD_HOME.
+        w.weights_cache = self.weights_cache_dir();
         w
+    }
+
+    /// Where workers share laid-out weights, if anywhere.
+    pub(crate) fn weights_cache_dir(&self) -> Option<PathBuf> {
+        (!self.no_weights_cache).then(|| self.weights_cache.clone().unwrap_or_else(|| bulkhead_fetch::home_dir().join("weights")))
     }
 
     /// The settings of extra gateway `id` that `serve --role all` starts on `port` with its
