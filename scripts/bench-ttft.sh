@@ -5,7 +5,9 @@
 # (`bulkhead bench-engine`), as ratios in one run. The prefix cache is off, so every
 # repetition prefills the whole prompt. Not part of CI.
 #
-# Usage: scripts/bench-ttft.sh [PROMPT_TOKENS] [REPS] [TRANSPORTS]
+# Usage: [MODEL=FILE] scripts/bench-ttft.sh [PROMPT_TOKENS] [REPS] [TRANSPORTS]
+#   MODEL: a GGUF (default: the default model), e.g. a `bulkhead synth-model` file; both
+#   sides get a context of the prompt plus 256 tokens and a KV pool of twice that.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TOKENS=${1:-2000}
@@ -16,6 +18,8 @@ TRANSPORTS=${3:-$DEFAULT_TRANSPORTS}
 cargo build --release -q -p bulkhead
 BIN=target/release/bulkhead
 PORT=18089
+CTX=$((TOKENS + 256))
+MODEL_ARGS=(${MODEL:+--model "$MODEL"})
 # Token ids are not accepted by the API: build a text of about N tokens;
 # the server's own usage figure says exactly how many.
 BODY=$(python3 - "$TOKENS" <<'PY'
@@ -28,10 +32,11 @@ PY
 )
 RESULTS=()
 for T in ${TRANSPORTS//,/ }; do
-  $BIN serve --port $PORT --model-id bulkhead --no-prefix-cache --kv-transport "$T" >/tmp/bulkhead-ttft.log 2>&1 &
+  $BIN serve "${MODEL_ARGS[@]}" --context-length $CTX --kv-pool-tokens $((2 * CTX)) --prefill-kv-pool-tokens $((2 * CTX)) \
+    --port $PORT --model-id bulkhead --no-prefix-cache --kv-transport "$T" >/tmp/bulkhead-ttft.log 2>&1 &
   SERVE=$!
   trap 'kill $SERVE 2>/dev/null; wait $SERVE 2>/dev/null || true' EXIT
-  for _ in $(seq 100); do curl -sf localhost:$PORT/ready >/dev/null && break; sleep 0.2; done
+  for _ in $(seq 600); do curl -sf localhost:$PORT/ready >/dev/null && break; sleep 0.2; done
   PROMPT_TOKENS=$(curl -s localhost:$PORT/v1/completions -H 'content-type: application/json' -d "$BODY" | python3 -c 'import json,sys; print(json.load(sys.stdin)["usage"]["prompt_tokens"])')
   ROAD=$(grep -o 'KV connection open.*transport="[a-z]*" detail="[^"]*"' /tmp/bulkhead-ttft.log | sed 's/.*transport=/transport=/' | head -1)
   TIMES=()
@@ -41,7 +46,7 @@ for T in ${TRANSPORTS//,/ }; do
   kill $SERVE; wait $SERVE 2>/dev/null || true; trap - EXIT
   RESULTS+=("$T $(printf '%s\n' "${TIMES[@]}" | sort -n | sed -n "$(( (REPS + 1) / 2 ))p") $ROAD")
 done
-LOCAL_TPS=$($BIN bench-engine --prompt-tokens "$PROMPT_TOKENS" --batches 1 --decode-steps 1 --reps "$REPS" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["prefill_tok_s"])')
+LOCAL_TPS=$($BIN bench-engine "${MODEL_ARGS[@]}" --prompt-tokens "$PROMPT_TOKENS" --batches 1 --decode-steps 1 --reps "$REPS" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["prefill_tok_s"])')
 python3 - "$PROMPT_TOKENS" "$LOCAL_TPS" "${RESULTS[@]}" <<'PY'
 import sys
 n, tps = int(sys.argv[1]), float(sys.argv[2])
