@@ -1,6 +1,12 @@
 # Helpers the benchmark scripts share; sourced, not run. The caller sets OUT (where its logs
 # go) before calling wait_ready.
 
+# llama.cpp as scripts/bench-llamacpp.sh builds it (llama-cpp-python's vendored copy), under
+# $BULKHEAD_HOME.
+LLAMA_CPP_PY_VERSION=0.3.36
+BULKHEAD_HOME="${BULKHEAD_HOME:-$HOME/.cache/bulkhead}"
+CACHE_DIR="$BULKHEAD_HOME/llama.cpp-$LLAMA_CPP_PY_VERSION"
+
 log() { printf '\n==> %s\n' "$*" >&2; }
 die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 

@@ -16,9 +16,6 @@ cd "$(dirname "$0")/.."
 # shellcheck source=scripts/bench-lib.sh
 source scripts/bench-lib.sh
 
-LLAMA_CPP_PY_VERSION=0.3.36
-BULKHEAD_HOME="${BULKHEAD_HOME:-$HOME/.cache/bulkhead}"
-CACHE_DIR="$BULKHEAD_HOME/llama.cpp-$LLAMA_CPP_PY_VERSION"
 LLAMA_SERVER="$CACHE_DIR/build/bin/llama-server"
 MODEL="${MODEL:-$BULKHEAD_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
 THREADS="${THREADS:-$(nproc 2>/dev/null || echo 2)}"

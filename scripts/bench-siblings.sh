@@ -11,7 +11,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/bench-lib.sh
 source scripts/bench-lib.sh
-BULKHEAD_HOME="${BULKHEAD_HOME:-$HOME/.cache/bulkhead}"
 MODEL="${MODEL:-$BULKHEAD_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
 [[ -f "$MODEL" ]] || cargo run --quiet -p bulkhead-fetch --example fetch-model smollm2-135m
 cargo build --quiet --release -p bulkhead

@@ -57,9 +57,6 @@ cd "$(dirname "$0")/.."
 # shellcheck source=scripts/bench-lib.sh
 source scripts/bench-lib.sh
 
-LLAMA_CPP_PY_VERSION=0.3.36
-BULKHEAD_HOME="${BULKHEAD_HOME:-$HOME/.cache/bulkhead}"
-CACHE_DIR="$BULKHEAD_HOME/llama.cpp-$LLAMA_CPP_PY_VERSION"
 MODEL="${MODEL:-$BULKHEAD_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
 THREADS="${THREADS:-$(nproc 2>/dev/null || echo 2)}"
 BH_THREADS="${BULKHEAD_THREADS_PER_WORKER:-}"

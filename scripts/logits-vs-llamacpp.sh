@@ -27,9 +27,6 @@ cd "$(dirname "$0")/.."
 # shellcheck source=scripts/bench-lib.sh
 source scripts/bench-lib.sh
 
-LLAMA_CPP_PY_VERSION=0.3.36
-BULKHEAD_HOME="${BULKHEAD_HOME:-$HOME/.cache/bulkhead}"
-CACHE_DIR="$BULKHEAD_HOME/llama.cpp-$LLAMA_CPP_PY_VERSION"
 SHAPES="${SHAPES:-llama-3.2-1b,gemma-3-1b,qwen2.5-7b,llama-3.1-8b,mistral-7b}"
 QUANT="${QUANT:-q4_k_m}"
 TOKENS="${TOKENS:-32}"
