@@ -603,17 +603,18 @@ impl Engine {
         feeds
     }
 
-    /// Each sequence's drafts for this step (by index in the loop; empty where none): as
+    /// Each sequence's drafts for this step (by index in the loop; none, or an empty list,
+    /// where it drafts nothing): as
     /// many as pay for it given its luck and what a drafted row costs, from its own tokens
     /// (n-gram) or the draft model.
     fn proposals(&mut self, decoding: usize) -> Vec<Vec<u32>> {
         // Counted with those still prefilling, which decode from the next steps on: a few
         // drafting ahead while a batch fills would leave it out of step once it is full.
         let k = if self.seqs.len() <= MAX_SPECULATIVE_BATCH { self.speculation.tokens() } else { 0 };
-        let mut out = vec![Vec::new(); self.seqs.len()];
         if k == 0 {
-            return out;
+            return Vec::new();
         }
+        let mut out = vec![Vec::new(); self.seqs.len()];
         let cost = &self.step_cost;
         let mut wants = Vec::with_capacity(self.seqs.len());
         for (i, s) in self.seqs.iter_mut().enumerate() {

@@ -17,6 +17,7 @@ use bulkhead_kv::{KvError, KvPool, PoolConfig, RequestId, SequenceKv};
 use bulkhead_model::{Llama, ModelError, SeqInput};
 use bulkhead_tokenizer::Tokenizer;
 
+use crate::sampling::argmax;
 use crate::speculate::{MAX_SPECULATIVE_BATCH, MAX_SPECULATIVE_TOKENS};
 
 /// Why a draft model cannot draft for a target.
@@ -43,6 +44,19 @@ struct DraftSeq {
     kv: SequenceKv,
     /// `fed[i]` is the token whose KV is at position `i` (`fed.len() == kv.len()`).
     fed: Vec<u32>,
+}
+
+impl DraftSeq {
+    /// Keep only the positions whose tokens begin `context` (at most `keep`): the rest,
+    /// drafts the target did not emit, are un-written ([`SequenceKv::roll_back`]).
+    fn roll_back_to(&mut self, pool: &mut KvPool, context: &[u32], keep: usize) -> Result<(), KvError> {
+        let common = self.fed.iter().zip(context).take_while(|(a, b)| a == b).count().min(keep);
+        if common < self.fed.len() {
+            self.kv.roll_back(pool, common)?;
+            self.fed.truncate(common);
+        }
+        Ok(())
+    }
 }
 
 /// A draft model and its KV pool, beside a target's decode loop.
@@ -159,13 +173,9 @@ impl DraftModel {
             None => DraftSeq { kv: SequenceKv::new(want.id), fed: Vec::new() },
         };
         // The last token is fed again where the draft KV already holds it: its logits draft.
-        let common = s.fed.iter().zip(context).take_while(|(a, b)| a == b).count().min(context.len() - 1);
-        if common < s.fed.len() {
-            if s.kv.roll_back(&mut self.pool, common).is_err() {
-                self.forget_seq(s);
-                return None;
-            }
-            s.fed.truncate(common);
+        if s.roll_back_to(&mut self.pool, context, context.len() - 1).is_err() {
+            self.forget_seq(s);
+            return None;
         }
         // Positions written this step: the context and every draft fed after it.
         let need = context.len() + want.k.min(MAX_SPECULATIVE_TOKENS) - 1;
@@ -180,7 +190,7 @@ impl DraftModel {
                 return None;
             }
         }
-        let missing = context[common..].to_vec();
+        let missing = context[s.fed.len()..].to_vec();
         self.seqs.insert(want.id, s);
         Some(missing)
     }
@@ -206,8 +216,9 @@ impl DraftModel {
         let picks = match ran {
             Ok(()) => {
                 let vocab = self.model.config.vocab;
-                let picks =
-                    (0..batch.len()).map(|i| if rows == 0 { None } else { logits.chunks_exact(vocab).nth(i).map(argmax) }).collect();
+                let picks = (0..batch.len())
+                    .map(|i| if rows == 0 { None } else { logits.chunks_exact(vocab).nth(i).and_then(argmax).map(|(t, _)| t) })
+                    .collect();
                 for (mut s, (id, t)) in taken.into_iter().zip(batch.iter()) {
                     s.fed.extend_from_slice(t);
                     self.seqs.insert(*id, s);
@@ -233,13 +244,8 @@ impl DraftModel {
     /// rejected are un-written now, as the target's are.
     pub(crate) fn settle(&mut self, id: RequestId, context: &[u32]) {
         let Some(s) = self.seqs.get_mut(&id) else { return };
-        let common = s.fed.iter().zip(context).take_while(|(a, b)| a == b).count();
-        if common < s.fed.len() {
-            if s.kv.roll_back(&mut self.pool, common).is_ok() {
-                s.fed.truncate(common);
-            } else {
-                self.forget(id);
-            }
+        if s.roll_back_to(&mut self.pool, context, context.len()).is_err() {
+            self.forget(id);
         }
     }
 
@@ -272,17 +278,6 @@ pub(crate) struct Want<'a> {
     pub(crate) context: &'a [u32],
     /// Most drafts.
     pub(crate) k: usize,
-}
-
-/// The first largest logit's index (greedy).
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// Refuse a draft model whose ids stand for other tokens than the target's.

@@ -324,7 +324,7 @@ fn masked_sum(c: &[f32], tau: f32) -> f64 {
 
 /// Single-pass argmax: the lowest id holding the largest non-NaN logit, with
 /// that logit. `None` when every logit is NaN or `-inf`.
-fn argmax(logits: &[f32]) -> Option<(u32, f32)> {
+pub(crate) fn argmax(logits: &[f32]) -> Option<(u32, f32)> {
     let mut best_val = f32::NEG_INFINITY;
     let mut best_id = None;
     for (id, &l) in (0u32..).zip(logits) {

@@ -526,8 +526,12 @@ impl ServeArgs {
         Ok(())
     }
 
-    /// Refuse a draft model without draft speculation, and draft speculation without one.
+    /// Refuse a draft model without draft speculation, draft speculation without one, and a
+    /// weights cache directory beside `--no-weights-cache`.
     pub(crate) fn check_speculation(&self) -> anyhow::Result<()> {
+        if self.no_weights_cache && self.weights_cache.is_some() {
+            anyhow::bail!("--weights-cache names where workers share their weights, but --no-weights-cache turns sharing off: drop one");
+        }
         match (self.speculative, &self.draft_model) {
             (SpeculativeArg::Draft, None) => anyhow::bail!("--speculative draft needs --draft-model (a GGUF with the model's tokenizer)"),
             (SpeculativeArg::Off | SpeculativeArg::Ngram, Some(_)) => {
@@ -706,6 +710,8 @@ mod tests {
         assert!(speculation(&["--speculative", "off", "--draft-model", "/d.gguf"]).unwrap_err().contains("this is --speculative off"));
         speculation(&["--speculative", "draft", "--draft-model", "/d.gguf"]).unwrap();
         speculation(&[]).unwrap();
+        assert!(speculation(&["--weights-cache", "/w", "--no-weights-cache"]).unwrap_err().contains("--no-weights-cache"));
+        speculation(&["--weights-cache", "/w"]).unwrap();
         assert!(speculation(&["--speculative-tokens", "0"]).is_err() && speculation(&["--speculative-tokens", "17"]).is_err());
     }
 
