@@ -108,6 +108,10 @@ pub struct LoadgenArgs {
     /// open loop: per rate, whichever of this and --requests comes first.
     #[arg(long, env = "BULKHEAD_LOADGEN_DURATION_S")]
     duration_s: Option<f64>,
+    /// Open loop: keep each rate's --duration-s open until this many requests (per tenant)
+    /// arrived, so a low rate is not decided by the few arrivals of one window.
+    #[arg(long, env = "BULKHEAD_LOADGEN_MIN_REQUESTS", requires = "duration_s")]
+    min_requests: Option<u64>,
     /// Open loop: Poisson arrivals at this rate (requests/s, seeded) instead of
     /// --concurrency clients; each request is sent at its arrival time, answered or not.
     #[arg(long, env = "BULKHEAD_LOADGEN_RATE", conflicts_with_all = ["rates", "tenant_rates"])]
@@ -199,6 +203,10 @@ pub fn run(a: LoadgenArgs) -> anyhow::Result<()> {
         return run_open_loop(a);
     }
     anyhow::ensure!(a.tenant_key.is_empty(), "--tenant-key applies to --scenario multi-turn and --tenant-rates only");
+    anyhow::ensure!(
+        a.min_requests.is_none(),
+        "--min-requests keeps an open-loop rate's window open; give --rate, --rates or --tenant-rates"
+    );
     let duration = a.duration_s.map(Duration::try_from_secs_f64).transpose().context("--duration-s must be a positive number")?;
     let requests = match (a.requests, duration) {
         (None, None) => Some(100),
@@ -298,6 +306,7 @@ fn run_open_loop(a: LoadgenArgs) -> anyhow::Result<()> {
             points,
             max_requests,
             window,
+            min_requests: a.min_requests,
             max_in_flight: a.max_in_flight,
             slos,
             stop_below: a.stop_below,

@@ -46,8 +46,11 @@ pub struct OpenLoopConfig {
     pub points: Vec<Vec<f64>>,
     /// A point's arrivals stop after this many requests (all tenants together)...
     pub max_requests: Option<u64>,
-    /// ...or after this long, whichever comes first (at least one is needed).
+    /// ...or after this long, whichever comes first (at least one is needed)...
     pub window: Option<Duration>,
+    /// ...but the window closes on no tenant before it drew this many: at a low rate a
+    /// window's handful of arrivals lets one early burst decide the point.
+    pub min_requests: Option<u64>,
     /// Requests in flight at most; an arrival past it waits (and is charged for the wait).
     pub max_in_flight: usize,
     /// SLO pairs to judge every request against.
@@ -70,9 +73,17 @@ pub struct Arrival {
 
 /// The arrivals of point `point`: per tenant a Poisson process at its rate (exponential
 /// gaps from a generator seeded by `seed`, the point and the tenant), merged in time order
-/// and cut at `max_requests` in all or at `window`, whichever comes first. Rates must be
-/// positive and finite, and one of the bounds given.
-pub fn arrivals(seed: u64, point: usize, rates: &[f64], max_requests: Option<u64>, window: Option<Duration>) -> Vec<Arrival> {
+/// and cut at `max_requests` in all or at `window`, whichever comes first, the window
+/// staying open for a tenant until it drew `min_requests`. Rates must be positive and
+/// finite, and `max_requests` or `window` given.
+pub fn arrivals(
+    seed: u64,
+    point: usize,
+    rates: &[f64],
+    max_requests: Option<u64>,
+    window: Option<Duration>,
+    min_requests: Option<u64>,
+) -> Vec<Arrival> {
     let mut all = Vec::new();
     for (tenant, &rate) in rates.iter().enumerate() {
         let mut rng = Rng::for_index(seed ^ ARRIVAL_STREAM, ((point as u64) << 16) | tenant as u64);
@@ -82,7 +93,8 @@ pub fn arrivals(seed: u64, point: usize, rates: &[f64], max_requests: Option<u64
             // 1 - unit() is in (0, 1]: the logarithm is finite.
             t += -(1.0 - rng.unit()).ln() / rate;
             let at = Duration::from_secs_f64(t);
-            if window.is_some_and(|w| at >= w) || max_requests.is_some_and(|m| n >= m) {
+            let window_closed = window.is_some_and(|w| at >= w) && min_requests.is_none_or(|m| n >= m);
+            if window_closed || max_requests.is_some_and(|m| n >= m) {
                 break;
             }
             all.push(Arrival { at, tenant });
@@ -348,8 +360,10 @@ pub struct OpenLoopReport {
     pub warmup: u64,
     /// A point's arrivals stop after this many requests...
     pub max_requests_per_point: Option<u64>,
-    /// ...or this many seconds, whichever first.
+    /// ...or this many seconds, whichever first...
     pub window_s: Option<f64>,
+    /// ...the seconds running on until a tenant drew this many.
+    pub min_requests_per_point: Option<u64>,
     /// The in-flight cap.
     pub max_in_flight: usize,
     /// The SLO pairs judged.
@@ -384,6 +398,14 @@ pub fn validate(clients: &[Client], cfg: &OpenLoopConfig) -> Result<(), ClientEr
     }
     if cfg.max_requests == Some(0) || cfg.window.is_some_and(|w| w.is_zero()) {
         return bad("the request count and duration per rate must be positive".into());
+    }
+    if let Some(min) = cfg.min_requests {
+        if cfg.window.is_none() {
+            return bad("a least count per rate keeps a duration open: give a duration per rate too".into());
+        }
+        if min == 0 || cfg.max_requests.is_some_and(|max| min > max) {
+            return bad(format!("the least count per rate ({min}) must be positive and at most the request count"));
+        }
     }
     if cfg.max_in_flight == 0 {
         return bad("the in-flight cap must be at least 1".into());
@@ -420,7 +442,7 @@ pub async fn run(clients: &[Client], cfg: &OpenLoopConfig, mut progress: impl Fn
     let mut next_index = base.warmup;
     let (mut points, mut requests) = (Vec::new(), Vec::new());
     for (p, rates) in cfg.points.iter().enumerate() {
-        let plan = arrivals(base.seed, p, rates, cfg.max_requests, cfg.window);
+        let plan = arrivals(base.seed, p, rates, cfg.max_requests, cfg.window, cfg.min_requests);
         let (measured, run) = run_point(clients, cfg, &plan, next_index).await?;
         next_index += plan.len() as u64;
         let point = rate_point(rates, &measured, &cfg.slos, run);
@@ -555,6 +577,7 @@ impl OpenLoopReport {
             warmup: base.warmup,
             max_requests_per_point: cfg.max_requests,
             window_s: cfg.window.map(|w| w.as_secs_f64()),
+            min_requests_per_point: cfg.min_requests,
             max_in_flight: cfg.max_in_flight,
             slos: cfg.slos.clone(),
             stop_below: cfg.stop_below,
@@ -579,9 +602,12 @@ impl OpenLoopReport {
             self.seed
         );
         let n = self.max_requests_per_point.map(|n| format!("{n} requests"));
-        let w = self.window_s.map(|w| format!("{w} s"));
+        let w = self.window_s.map(|w| match self.min_requests_per_point {
+            Some(m) => format!("{w} s (or until {m} arrived)"),
+            None => format!("{w} s"),
+        });
         f.push_str(&format!(
-            "  Poisson arrivals; per rate {} (whichever first), after {} warm-up requests; in-flight cap {}\n",
+            "  Poisson arrivals seeded by the seed and the rate's index; per rate {} (whichever first), after {} warm-up requests; in-flight cap {}\n",
             [n, w].into_iter().flatten().collect::<Vec<_>>().join(" or "),
             self.warmup,
             self.max_in_flight
@@ -655,10 +681,10 @@ mod tests {
 
     #[test]
     fn arrivals_are_seeded_poisson_and_stop_at_the_first_bound() {
-        let a = arrivals(7, 0, &[4.0], Some(2000), None);
-        assert_eq!(a, arrivals(7, 0, &[4.0], Some(2000), None));
-        assert_ne!(a, arrivals(8, 0, &[4.0], Some(2000), None));
-        assert_ne!(a, arrivals(7, 1, &[4.0], Some(2000), None), "each point has its own stream");
+        let a = arrivals(7, 0, &[4.0], Some(2000), None, None);
+        assert_eq!(a, arrivals(7, 0, &[4.0], Some(2000), None, None));
+        assert_ne!(a, arrivals(8, 0, &[4.0], Some(2000), None, None));
+        assert_ne!(a, arrivals(7, 1, &[4.0], Some(2000), None, None), "each point has its own stream");
         assert_eq!(a.len(), 2000);
         assert!(a.windows(2).all(|w| w[0].at <= w[1].at));
         // Mean gap 1/rate; exponential gaps have standard deviation equal to their mean.
@@ -668,17 +694,23 @@ mod tests {
         let sd = (gaps.iter().map(|g| (g - mean).powi(2)).sum::<f64>() / gaps.len() as f64).sqrt();
         assert!((mean - 0.25).abs() < 0.02 && (sd - 0.25).abs() < 0.03, "mean {mean} sd {sd}");
         // A window shorter than the count's time stops first.
-        let w = arrivals(7, 0, &[4.0], Some(2000), Some(Duration::from_secs(10)));
+        let w = arrivals(7, 0, &[4.0], Some(2000), Some(Duration::from_secs(10)), None);
         assert!((25..=60).contains(&w.len()) && w.iter().all(|x| x.at < Duration::from_secs(10)), "{}", w.len());
         assert_eq!(w[..], a[..w.len()], "the same draws, cut earlier");
+        // A least count keeps the window open until it is drawn, and no longer.
+        let slow = arrivals(7, 0, &[0.05], Some(2000), Some(Duration::from_secs(90)), Some(30));
+        assert_eq!(slow.len(), 30, "the window stayed open for the least count only");
+        assert!(slow.last().is_some_and(|x| x.at > Duration::from_secs(90)));
+        let busy = arrivals(7, 0, &[4.0], Some(2000), Some(Duration::from_secs(10)), Some(5));
+        assert_eq!(busy, w, "a least count already drawn changes nothing");
     }
 
     #[test]
     fn tenants_share_one_window_and_the_count_covers_all_of_them() {
-        let a = arrivals(3, 0, &[10.0, 1.0], None, Some(Duration::from_secs(60)));
+        let a = arrivals(3, 0, &[10.0, 1.0], None, Some(Duration::from_secs(60)), None);
         let n = |t| a.iter().filter(|x| x.tenant == t).count() as f64;
         assert!((n(0) / 600.0 - 1.0).abs() < 0.15 && (n(1) / 60.0 - 1.0).abs() < 0.4, "{} {}", n(0), n(1));
-        let capped = arrivals(3, 0, &[10.0, 1.0], Some(100), Some(Duration::from_secs(60)));
+        let capped = arrivals(3, 0, &[10.0, 1.0], Some(100), Some(Duration::from_secs(60)), None);
         assert_eq!(capped.len(), 100);
         assert_eq!(capped[..], a[..100]);
     }

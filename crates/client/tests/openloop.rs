@@ -31,6 +31,7 @@ fn cfg(points: Vec<Vec<f64>>, max_requests: u64) -> OpenLoopConfig {
         points,
         max_requests: Some(max_requests),
         window: Some(Duration::from_secs(10)),
+        min_requests: None,
         max_in_flight: 64,
         slos: vec![Slo { ttft_ms: 150.0, tpot_ms: 50.0 }, Slo { ttft_ms: 5.0, tpot_ms: 50.0 }],
         stop_below: None,
@@ -130,6 +131,9 @@ async fn bad_settings_are_refused_before_sending() {
         OpenLoopConfig { points: vec![vec![1.0, 1.0]], ..cfg(vec![], 1) },
         OpenLoopConfig { slos: vec![], ..cfg(vec![vec![1.0]], 1) },
         OpenLoopConfig { max_requests: None, window: None, ..cfg(vec![vec![1.0]], 1) },
+        OpenLoopConfig { window: None, min_requests: Some(1), ..cfg(vec![vec![1.0]], 1) },
+        OpenLoopConfig { min_requests: Some(2), ..cfg(vec![vec![1.0]], 1) },
+        OpenLoopConfig { min_requests: Some(0), ..cfg(vec![vec![1.0]], 1) },
     ] {
         assert!(openloop::run(std::slice::from_ref(&c), &broken, |_| {}).await.is_err());
     }

@@ -5,10 +5,11 @@
 //! barrier: a decode step of 20 ms can take 100. The budget stops that in one of two ways
 //! ([`ShareMode`]):
 //!
-//! - **split** (the default): while both workers have work, each runs its layers on one
-//!   compute thread ([`bulkhead_model::CoreShare::narrow`]), so each has a core to itself
-//!   and neither waits for the other; a worker alone uses every core. Decode steps keep an
-//!   even pace (no pre-emption) and no core idles while the other worker has work.
+//! - **split**: while both workers have work, each runs its layers on one compute thread
+//!   ([`bulkhead_model::CoreShare::narrow`]), so each has a core to itself and neither
+//!   waits for the other; a worker alone uses every core. Decode steps keep an even pace
+//!   (no pre-emption) and no core idles while the other worker has work, but a prompt gets
+//!   half the cores while any stream decodes, and decode runs far faster than a reader needs.
 //! - **pause**: decode steps first, the way Sarathi-Serve's stall-free batching orders
 //!   them inside one process. The decode worker holds the cores for each step
 //!   ([`DecodeBudget::hold`]); a prefill worker's forward pass waits at its next pause
@@ -17,13 +18,14 @@
 //!   starts a step no sooner than `interval` after the previous one started, nor sooner
 //!   than a quarter of `interval` after it ended. Inter-token latency is then about
 //!   `interval`, at the cost of the time a small decode step leaves a core idle.
-//! - **pause at the SLO's pace** ([`Slo`], `serve --slo-tpot-ms`): pause mode whose
-//!   decode steps, while prompts are *late* (the prefill worker has been busy for half the
-//!   first-token target, or at all without one), start at most once per three quarters
-//!   of the per-token target instead of once per `interval`: decode takes only the
-//!   per-token latency the SLO allows and prefill the rest (Sarathi-Serve's stall-free
-//!   batching, with the pace set by the SLO). While prompts wait but none is late, half that
-//!   pace (the plain interval starved prefill: measured in BENCHMARKS.md).
+//! - **pause at the SLO's pace** ([`Slo`], `serve --core-budget slo`, the default): pause
+//!   mode whose decode steps, while prompts are *late* (the prefill worker has been busy for
+//!   half the first-token target), start at most once per three quarters of the per-token
+//!   target instead of once per `interval`: decode takes only the per-token latency the SLO
+//!   allows and prefill the rest (Sarathi-Serve's stall-free batching, with the pace set by
+//!   the SLO). While prompts wait but none is late, half that pace (the plain interval
+//!   starved prefill: measured in BENCHMARKS.md). With no prompt waiting decode runs
+//!   unpaced on every core.
 //!
 //! Either way the decode worker sends `HOLD` before each step and `RELEASE` after, and a
 //! prefill worker reports `BUSY`, `LATE` or `IDLE`: that is all each side knows of the
@@ -94,7 +96,8 @@ pub struct CoreBudget {
     pub slo: Option<Slo>,
 }
 
-/// Service-level targets that pace decode (`serve --slo-tpot-ms`, `--slo-ttft-ms`).
+/// Service-level targets that pace decode (`serve --slo-tpot-ms`, `--slo-ttft-ms`; the chat
+/// pair, 100 ms and 2.5 s, by default).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Slo {
     /// Time per output token: while a prompt is late, decode steps start at most once per
@@ -102,8 +105,8 @@ pub struct Slo {
     pub tpot: Duration,
     /// Time to first token: prompts are late once the prefill worker has been busy for half
     /// of this without a pause (the other half is left for a prompt's compute and the way to
-    /// the client). None: every waiting prompt is late.
-    pub ttft: Option<Duration>,
+    /// the client).
+    pub ttft: Duration,
 }
 
 impl Slo {
@@ -115,7 +118,7 @@ impl Slo {
 
     /// Whether a prompt that has waited `waited` is late.
     pub fn late(&self, waited: Duration) -> bool {
-        self.ttft.is_none_or(|t| waited >= t / 2)
+        waited >= self.ttft / 2
     }
 }
 
@@ -169,8 +172,8 @@ pub fn joined<T>(b: &CoreBudget, role: &str, r: Result<T, BudgetError>) -> Optio
                         }
                         Some(slo) => {
                             let pace_ms = slo.pace().as_millis() as u64;
-                            let late_after_ms = slo.ttft.map(|t| (t / 2).as_millis() as u64);
-                            tracing::info!(role, %dir, pace_ms, ?late_after_ms, "core budget paced by the SLO: prefill pauses during decode steps, which keep the SLO's pace while a prompt is late and half of it while prompts wait")
+                            let late_after_ms = (slo.ttft / 2).as_millis() as u64;
+                            tracing::info!(role, %dir, pace_ms, late_after_ms, "core budget paced by the SLO: prefill pauses during decode steps, which keep the SLO's pace while a prompt is late and half of it while prompts wait")
                         }
                     }
                 }
@@ -682,7 +685,7 @@ mod tests {
     #[test]
     fn with_an_slo_decode_keeps_its_pace_only_while_a_prompt_is_late() {
         let dir = temp_dir("slo");
-        let slo = Slo { tpot: Duration::from_millis(400), ttft: Some(Duration::from_millis(1000)) };
+        let slo = Slo { tpot: Duration::from_millis(400), ttft: Duration::from_millis(1000) };
         let b = CoreBudget { slo: Some(slo), ..budget(&dir, ShareMode::Pause, 20) };
         let (mut prefill, mut decode) = (PrefillBudget::join(&b).unwrap(), DecodeBudget::join(&b).unwrap());
         // How long the next step waits, right after a step.
@@ -709,9 +712,8 @@ mod tests {
         assert!(w > Duration::from_millis(800) && w <= Duration::from_millis(900), "three tokens paced as {w:?}");
         prefill.report(None);
         eventually("still paced after the prefill worker went idle", || after_a_step(&mut decode).is_zero());
-        // Without a first-token target every waiting prompt is late.
-        let slo = Slo { ttft: None, ..slo };
-        assert!(slo.late(Duration::ZERO) && !Slo { ttft: Some(Duration::from_secs(2)), ..slo }.late(Duration::from_millis(999)));
+        // Late at half the first-token target, not before.
+        assert!(slo.late(Duration::from_millis(500)) && !slo.late(Duration::from_millis(499)));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -77,6 +77,8 @@ impl From<KvTransportArg> for KvTransport {
 /// `--core-budget`: how the workers on one host share its cores while both have work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 pub enum CoreBudgetArg {
+    /// Prefill pauses during each decode step; while prompts wait, decode steps keep the pace the SLO allows (--slo-tpot-ms, --slo-ttft-ms), prefill taking the rest.
+    Slo,
     /// Each worker runs on one compute thread while the other has work, on all of them alone.
     Split,
     /// Prefill pauses during each decode step; while prompts wait, decode steps start at most once per --decode-interval-ms.
@@ -90,7 +92,7 @@ impl CoreBudgetArg {
     fn mode(self) -> Option<ShareMode> {
         match self {
             CoreBudgetArg::Split => Some(ShareMode::Split),
-            CoreBudgetArg::Pause => Some(ShareMode::Pause),
+            CoreBudgetArg::Slo | CoreBudgetArg::Pause => Some(ShareMode::Pause),
             CoreBudgetArg::Off => None,
         }
     }
@@ -271,7 +273,7 @@ pub struct ServeArgs {
     /// How the prefill and decode workers on one host share its cores while both have
     /// work, so that their compute threads stop pre-empting each other. Role all sets the
     /// budget up itself; workers started by hand on one host need --core-budget-dir as well.
-    /// Default split (pause paced by the SLO with --slo-tpot-ms).
+    /// Default slo: first tokens first, every running stream within --slo-tpot-ms.
     #[arg(long, env = "BULKHEAD_CORE_BUDGET", value_enum)]
     pub(crate) core_budget: Option<CoreBudgetArg>,
     /// With --core-budget pause only (refused with the other modes): while prompts wait, a
@@ -279,15 +281,15 @@ pub struct ServeArgs {
     /// (inter-token latency is then about this). Default 15.
     #[arg(long, env = "BULKHEAD_DECODE_INTERVAL_MS")]
     pub(crate) decode_interval_ms: Option<u64>,
-    /// Per-token latency target (ms): the core budget pauses prefill during decode steps,
-    /// and while a prompt is late decode steps start at most once per three quarters of
-    /// this (half that while prompts wait in time), prefill taking the rest of the cores.
-    /// Takes the place of --core-budget and --decode-interval-ms (combining them is refused).
+    /// Per-token latency target (ms) of --core-budget slo (refused with the other modes):
+    /// while a prompt is late, decode steps start at most once per three quarters of this
+    /// (half that while prompts wait in time), prefill taking the rest of the cores.
+    /// Default 100.
     #[arg(long, env = "BULKHEAD_SLO_TPOT_MS", value_parser = clap::value_parser!(u64).range(4..=60_000))]
     pub(crate) slo_tpot_ms: Option<u64>,
-    /// Time-to-first-token target (ms), with --slo-tpot-ms only: prompts are late once the
-    /// prefill worker has been busy for half of this without a pause. Without it every
-    /// waiting prompt is late.
+    /// Time-to-first-token target (ms) of --core-budget slo (refused with the other modes):
+    /// prompts are late once the prefill worker has been busy for half of this without a
+    /// pause. Default 2500.
     #[arg(long, env = "BULKHEAD_SLO_TTFT_MS", value_parser = clap::value_parser!(u64).range(10..=600_000))]
     pub(crate) slo_ttft_ms: Option<u64>,
     /// Prefill and decode workers started by hand on one host: a directory only this user
@@ -478,38 +480,44 @@ impl ServeArgs {
 
 /// `--decode-interval-ms` when `--core-budget pause` leaves it unset.
 const DEFAULT_DECODE_INTERVAL_MS: u64 = 15;
+/// `--slo-tpot-ms` when unset: the chat pair's per-token target.
+const DEFAULT_SLO_TPOT_MS: u64 = 100;
+/// `--slo-ttft-ms` when unset: the chat pair's first-token target.
+const DEFAULT_SLO_TTFT_MS: u64 = 2500;
 
 impl ServeArgs {
-    /// The SLO that paces decode, if any.
+    /// The SLO that paces decode, if any (`--core-budget slo`, the default).
     pub(crate) fn slo(&self) -> Option<Slo> {
-        self.slo_tpot_ms.map(|tpot| Slo { tpot: Duration::from_millis(tpot), ttft: self.slo_ttft_ms.map(Duration::from_millis) })
+        (self.core_budget() == CoreBudgetArg::Slo).then(|| Slo {
+            tpot: Duration::from_millis(self.slo_tpot_ms.unwrap_or(DEFAULT_SLO_TPOT_MS)),
+            ttft: Duration::from_millis(self.slo_ttft_ms.unwrap_or(DEFAULT_SLO_TTFT_MS)),
+        })
+    }
+
+    fn core_budget(&self) -> CoreBudgetArg {
+        self.core_budget.unwrap_or(CoreBudgetArg::Slo)
     }
 
     /// How the workers share the cores, or `None` for no budget.
     pub(crate) fn budget_mode(&self) -> Option<ShareMode> {
-        match (self.slo_tpot_ms, self.core_budget) {
-            (Some(_), _) => Some(ShareMode::Pause),
-            (None, b) => b.unwrap_or(CoreBudgetArg::Split).mode(),
-        }
+        self.core_budget().mode()
     }
 
     /// Refuse core budget flags this configuration would otherwise ignore.
     pub(crate) fn check_core_budget(&self) -> anyhow::Result<()> {
-        if self.slo_ttft_ms.is_some() && self.slo_tpot_ms.is_none() {
-            anyhow::bail!("--slo-ttft-ms says when decode steps slow to the per-token target's pace; it needs --slo-tpot-ms");
-        }
-        if self.slo_tpot_ms.is_some() {
-            if self.core_budget.is_some() || self.decode_interval_ms.is_some() {
-                anyhow::bail!(
-                    "--slo-tpot-ms sets how decode and prefill share the cores; it takes the place of --core-budget and --decode-interval-ms, drop them"
-                );
+        let core_budget = self.core_budget();
+        let mode = core_budget.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default();
+        for (given, flag) in [(self.slo_tpot_ms.is_some(), "--slo-tpot-ms"), (self.slo_ttft_ms.is_some(), "--slo-ttft-ms")] {
+            if !given {
+                continue;
             }
             if self.role == ServeRole::Gateway {
-                anyhow::bail!("--slo-tpot-ms paces the workers' compute; a gateway computes nothing (give it to the workers)");
+                anyhow::bail!("{flag} paces the workers' compute; a gateway computes nothing (give it to the workers)");
+            }
+            if core_budget != CoreBudgetArg::Slo {
+                anyhow::bail!("{flag} paces decode under --core-budget slo (the default) only; this is --core-budget {mode}");
             }
         }
-        let core_budget = self.core_budget.unwrap_or(CoreBudgetArg::Split);
-        let mode = core_budget.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default();
         if self.decode_interval_ms.is_some() && core_budget != CoreBudgetArg::Pause {
             anyhow::bail!("--decode-interval-ms paces decode under --core-budget pause only; this is --core-budget {mode}");
         }
@@ -743,17 +751,27 @@ mod tests {
         assert_eq!(check(&["--role", "decode", "--core-budget-dir", "/tmp/x"]), Ok(()));
         assert_eq!(check(&["--slo-tpot-ms", "100", "--slo-ttft-ms", "2500"]), Ok(()));
         assert_eq!(check(&["--role", "decode", "--slo-tpot-ms", "100", "--core-budget-dir", "/tmp/x"]), Ok(()));
+        assert_eq!(check(&["--slo-ttft-ms", "1200", "--core-budget", "slo"]), Ok(()));
+        assert_eq!(check(&["--core-budget", "split"]), Ok(()));
+        // By default decode is paced by the chat pair; the other modes carry no SLO.
+        let a = |args: &[&str]| Serve::try_parse_from(std::iter::once("serve").chain(args.iter().copied())).expect("parses").a;
+        let chat = Slo { tpot: Duration::from_millis(100), ttft: Duration::from_millis(2500) };
+        assert_eq!((a(&[]).slo(), a(&[]).budget_mode()), (Some(chat), Some(ShareMode::Pause)));
+        assert_eq!(a(&["--slo-ttft-ms", "1200"]).slo(), Some(Slo { ttft: Duration::from_millis(1200), ..chat }));
+        assert_eq!((a(&["--core-budget", "split"]).slo(), a(&["--core-budget", "split"]).budget_mode()), (None, Some(ShareMode::Split)));
+        assert_eq!((a(&["--core-budget", "pause"]).slo(), a(&["--core-budget", "off"]).budget_mode()), (None, None));
         for (args, names) in [
             (&["--decode-interval-ms", "30"][..], "--decode-interval-ms"),
             (&["--core-budget", "off", "--decode-interval-ms", "0"], "--decode-interval-ms"),
             (&["--core-budget-dir", "/tmp/x"], "--core-budget-dir"),
             (&["--role", "gateway", "--core-budget-dir", "/tmp/x"], "--core-budget-dir"),
             (&["--role", "prefill", "--core-budget", "off", "--core-budget-dir", "/tmp/x"], "--core-budget-dir"),
-            (&["--slo-ttft-ms", "2500"], "--slo-tpot-ms"),
-            (&["--slo-tpot-ms", "100", "--core-budget", "split"], "--core-budget"),
-            (&["--slo-tpot-ms", "100", "--core-budget", "pause"], "--core-budget"),
+            (&["--slo-tpot-ms", "100", "--core-budget", "split"], "--core-budget split"),
+            (&["--slo-ttft-ms", "2500", "--core-budget", "pause"], "--core-budget pause"),
+            (&["--slo-tpot-ms", "100", "--core-budget", "off"], "--slo-tpot-ms"),
             (&["--slo-tpot-ms", "100", "--decode-interval-ms", "20"], "--decode-interval-ms"),
             (&["--role", "gateway", "--slo-tpot-ms", "100"], "gateway"),
+            (&["--role", "gateway", "--slo-ttft-ms", "100"], "gateway"),
             (&["--slo-tpot-ms", "0"], "--slo-tpot-ms"),
             (&["--slo-tpot-ms=-5"], "--slo-tpot-ms"),
             (&["--slo-tpot-ms", "100", "--slo-ttft-ms", "99999999999"], "--slo-ttft-ms"),
