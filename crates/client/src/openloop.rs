@@ -522,7 +522,8 @@ async fn run_point(
     let elapsed = start.elapsed();
     let mut measured = std::mem::take(&mut *measured.lock().unwrap_or_else(PoisonError::into_inner));
     measured.sort_by(|a, b| a.arrival_s.total_cmp(&b.arrival_s));
-    let window_cut = cfg.window.filter(|_| cfg.max_requests.is_none_or(|m| (plan.len() as u64) < m));
+    // The window cut the arrivals unless the count did, or the least count held it open.
+    let window_cut = cfg.window.filter(|w| cfg.max_requests.is_none_or(|m| (plan.len() as u64) < m) && last_arrival < *w);
     Ok((measured, PointRun { elapsed, last_arrival, window_cut, max_in_flight, cap_waits }))
 }
 

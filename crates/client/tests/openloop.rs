@@ -141,3 +141,17 @@ async fn bad_settings_are_refused_before_sending() {
     no_stream.requests.stream = false;
     assert!(openloop::run(&[c], &no_stream, |_| {}).await.is_err());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_least_count_holds_a_low_rates_window_open_and_the_drawn_rate_counts_its_time() {
+    let url = serve(|_| answer(Duration::ZERO)).await;
+    let mut c = cfg(vec![vec![40.0]], 1000);
+    (c.window, c.min_requests, c.requests.warmup) = (Some(Duration::from_millis(20)), Some(12), 0);
+    let r = openloop::run(&[client(&url, "k")], &c, |_| {}).await.unwrap();
+    let p = &r.points[0];
+    assert_eq!(p.sent, 12, "the window stayed open for the least count");
+    let last = r.requests.iter().map(|q| q.arrival_s).fold(0.0, f64::max);
+    assert!(last > 0.02, "{last}");
+    // Over the time to the last arrival, not the 20 ms window the count outlasted.
+    assert!((p.arrival_rate - 12.0 / last).abs() < 1e-6, "{} vs {}", p.arrival_rate, 12.0 / last);
+}
