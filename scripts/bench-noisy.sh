@@ -15,7 +15,7 @@
 #   --rate-b R       tenant B's rate (env RATE_B; default 0.3)
 #   --window-s S     arrivals per point for S seconds (env WINDOW_S; default 60)
 #   --servers LIST   bulkhead, llamacpp, in order (env SERVERS; default bulkhead,llamacpp)
-#   --serve-args A   extra `bulkhead serve` flags, e.g. "--slo-tpot-ms 100" (env SERVE_ARGS)
+#   --serve-args A   extra `bulkhead serve` flags, e.g. "--core-budget split" (env SERVE_ARGS)
 #   --out DIR        results (env OUT; default $CACHE_DIR/noisy/<UTC timestamp>)
 #
 # Per server, fresh: 5 warm-up requests, then point 1: B alone at RATE_B; point 2: A at
