@@ -210,9 +210,9 @@ pub struct ServeArgs {
     /// Decode workers: the draft model of `--speculative draft`, a GGUF whose tokenizer is the model's (refused at start-up, naming the first difference, otherwise). Its KV pool holds 4 requests of the context (counted in the start-up capacity check); it drafts only while at most 4 sequences decode.
     #[arg(long, env = "BULKHEAD_DRAFT_MODEL")]
     pub(crate) draft_model: Option<PathBuf>,
-    /// Decode workers: most drafted tokens a sequence feeds per step with `--speculative ngram` or `draft` (1-16).
-    #[arg(long, env = "BULKHEAD_SPECULATIVE_TOKENS", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=16))]
-    pub(crate) speculative_tokens: u32,
+    /// Decode workers: most drafted tokens a sequence feeds per step with `--speculative ngram` or `draft` (1-16; refused with off). Default 4.
+    #[arg(long, env = "BULKHEAD_SPECULATIVE_TOKENS", value_parser = clap::value_parser!(u32).range(1..=16))]
+    pub(crate) speculative_tokens: Option<u32>,
     /// Which road KV frames take from prefill to decode workers, chosen per connection and logged with it (`bulkhead:kv_connections_total{transport}`); the frames, their MACs and the chunk checks are the same on both.
     #[arg(long, env = "BULKHEAD_KV_TRANSPORT", value_enum, default_value_t = KvTransportArg::Auto)]
     pub(crate) kv_transport: KvTransportArg,
@@ -456,10 +456,13 @@ impl ServeArgs {
             max_prefill_tokens: self.max_prefill_tokens as usize,
             transfer_timeout_ms: self.transfer_timeout_ms,
             max_local_prefill_tokens: self.max_local_prefill_tokens,
-            speculation: match self.speculative {
-                SpeculativeArg::Off => Speculation::Off,
-                SpeculativeArg::Ngram => Speculation::Ngram { tokens: self.speculative_tokens as usize },
-                SpeculativeArg::Draft => Speculation::Draft { tokens: self.speculative_tokens as usize },
+            speculation: {
+                let tokens = self.speculative_tokens.unwrap_or(DEFAULT_SPECULATIVE_TOKENS) as usize;
+                match self.speculative {
+                    SpeculativeArg::Off => Speculation::Off,
+                    SpeculativeArg::Ngram => Speculation::Ngram { tokens },
+                    SpeculativeArg::Draft => Speculation::Draft { tokens },
+                }
             },
             draft_model: self.draft_model.clone(),
             weights_cache: self.weights_cache_dir(),
@@ -480,6 +483,8 @@ impl ServeArgs {
 
 /// `--decode-interval-ms` when `--core-budget pause` leaves it unset.
 const DEFAULT_DECODE_INTERVAL_MS: u64 = 15;
+/// `--speculative-tokens` when unset.
+const DEFAULT_SPECULATIVE_TOKENS: u32 = 4;
 /// `--slo-tpot-ms` when unset: the chat pair's per-token target.
 const DEFAULT_SLO_TPOT_MS: u64 = 100;
 /// `--slo-ttft-ms` when unset: the chat pair's first-token target.
@@ -534,11 +539,15 @@ impl ServeArgs {
         Ok(())
     }
 
-    /// Refuse a draft model without draft speculation, draft speculation without one, and a
-    /// weights cache directory beside `--no-weights-cache`.
+    /// Refuse a draft model without draft speculation, draft speculation without one, a
+    /// draft length with speculation off, and a weights cache directory beside
+    /// `--no-weights-cache`.
     pub(crate) fn check_speculation(&self) -> anyhow::Result<()> {
         if self.no_weights_cache && self.weights_cache.is_some() {
             anyhow::bail!("--weights-cache names where workers share their weights, but --no-weights-cache turns sharing off: drop one");
+        }
+        if self.speculative == SpeculativeArg::Off && self.speculative_tokens.is_some() {
+            anyhow::bail!("--speculative-tokens sizes drafts, but --speculative is off: drop one");
         }
         match (self.speculative, &self.draft_model) {
             (SpeculativeArg::Draft, None) => anyhow::bail!("--speculative draft needs --draft-model (a GGUF with the model's tokenizer)"),
@@ -721,6 +730,8 @@ mod tests {
         assert!(speculation(&["--weights-cache", "/w", "--no-weights-cache"]).unwrap_err().contains("--no-weights-cache"));
         speculation(&["--weights-cache", "/w"]).unwrap();
         assert!(speculation(&["--speculative-tokens", "0"]).is_err() && speculation(&["--speculative-tokens", "17"]).is_err());
+        assert!(speculation(&["--speculative", "off", "--speculative-tokens", "8"]).unwrap_err().contains("--speculative is off"));
+        speculation(&["--speculative-tokens", "8"]).unwrap();
     }
 
     #[test]
