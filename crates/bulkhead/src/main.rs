@@ -177,6 +177,10 @@ fn main() {
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        // A line that cannot be written (a child of `serve` whose parent, the reader of its
+        // standard error, is gone) is lost, never a panic: the panic ended the thread that
+        // makes an orphaned gateway child exit, and it outlived `serve`.
+        .log_internal_errors(false)
         .init();
     let cli = match config::apply(&Cli::command(), std::env::args_os().collect()) {
         Ok(args) => Cli::parse_from(args),

@@ -1152,6 +1152,15 @@ fn two_gateways_share_the_workers_and_a_killed_one_leaves_the_other_serving() {
     let (status, v) = chat(&s.http, SYSTEM, "What is the capital of France?", 8);
     assert_eq!(status, 200, "{v}");
     assert_eq!(get(&s.http, "/health").0, 200);
+
+    // SIGKILL leaves serve no chance to stop its children: the gateway child sees its
+    // standard input close and exits, though its standard error (a pipe to serve) is gone.
+    let pid = gateway_pid(&s, 1);
+    assert!(Command::new("kill").args(["-9", &s.child.id().to_string()]).status().unwrap().success());
+    support::wait_for("the gateway child exits once serve is killed", Duration::from_secs(10), &[&s.log], || {
+        let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        state.is_empty() || state.contains(") Z ")
+    });
 }
 
 /// Several gateways need the cluster key (each derives the prefix cache's secret from

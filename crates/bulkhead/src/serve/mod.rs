@@ -200,14 +200,17 @@ fn start_gateway(
 /// A child of this `serve`: this binary, its settings on standard input, named
 /// `bulkhead-NAME` in its argv[0] (what `ps` and the soak see: the settings are not on its
 /// command line). None of this process's `BULKHEAD_*` environment (a config file, keys) is
-/// the child's.
+/// the child's, but for the log filter and the kernel overrides (`BULKHEAD_NO_VNNI`,
+/// `BULKHEAD_FORCE_SCALAR`), which are the machine's, not settings: without them an AVX2
+/// benchmark of `serve` ran the workers on VNNI kernels.
 fn child_command(exe: &Path, name: &str) -> Command {
     use std::os::unix::process::CommandExt;
     let mut cmd = Command::new(exe);
     cmd.arg0(format!("bulkhead-{name}"));
     cmd.args(["serve", "--settings-stdin"]);
     for (k, _) in std::env::vars_os() {
-        if k.to_str().is_some_and(|k| k.starts_with("BULKHEAD_") && k != "BULKHEAD_LOG") {
+        const KEPT: [&str; 3] = ["BULKHEAD_LOG", "BULKHEAD_NO_VNNI", "BULKHEAD_FORCE_SCALAR"];
+        if k.to_str().is_some_and(|k| k.starts_with("BULKHEAD_") && !KEPT.contains(&k)) {
             cmd.env_remove(k);
         }
     }
