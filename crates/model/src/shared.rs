@@ -25,7 +25,7 @@ use crate::{LlamaConfig, ModelError};
 
 const MAGIC: &[u8; 4] = b"BHWC";
 /// Bumped whenever the packed layout or this file's format changes.
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 /// Each matrix starts at a multiple of this in the data section (a cache line).
 const ALIGN: usize = 64;
 

@@ -264,7 +264,7 @@ unsafe fn half_q4k<const FIVE: bool, const N: usize>(g: *const u8, nsb: usize, h
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::needless_range_loop)]
 unsafe fn half_q6k<const N: usize>(g: *const u8, nsb: usize, h: usize, acts: &Q8Acts, first: usize, res: &mut Res) {
-    use packed::{KSB_Q6K, Q6K_QH, Q6K_QL, Q6K_SC};
+    use packed::{KSB_Q6K, Q6K_SC, q6k_qh, q6k_ql};
     let (mask, high) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
     let nb = 8 * nsb;
     let mut total = [_mm256_setzero_ps(); N];
@@ -289,9 +289,9 @@ unsafe fn half_q6k<const N: usize>(g: *const u8, nsb: usize, h: usize, acts: &Q8
                 for k2 in 0..4 {
                     let mut pairs = [_mm256_setzero_si256(); N];
                     for k in [2 * k2, 2 * k2 + 1] {
-                        let v = half_vec(p.add(Q6K_QL + (8 * chunk + k) * 4 * GROUP), h);
+                        let v = half_vec(p.add(q6k_ql(8 * chunk + k)), h);
                         let low = if u < 2 { _mm256_and_si256(v, mask) } else { _mm256_and_si256(_mm256_srli_epi16(v, 4), mask) };
-                        let qh = half_vec(p.add(Q6K_QH + (8 * hb + k) * 4 * GROUP), h);
+                        let qh = half_vec(p.add(q6k_qh(8 * hb + k)), h);
                         // Bits 2u, 2u + 1 of each byte to bits 4, 5.
                         let hbits = match u {
                             0 => _mm256_slli_epi16(qh, 4),

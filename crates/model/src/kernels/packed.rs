@@ -32,11 +32,16 @@
 //! - Q5_K: Q4_K's layout (the nibbles from ggml's `qs`), then 8 vectors of the fifth bits,
 //!   vector `k` holding bytes `4k..4k + 4` of each row's 32-byte `qh` (bit `j` of byte `l` is
 //!   element `l`'s fifth bit in block `j`, as in ggml).
-//! - Q6_K: `d[16]` (f16); the sixteen i8 scales as `sc[16][16]`; 32 vectors of the low nibbles
-//!   laid out as Q4_K's (source chunk `c` = `ql[32c..32c + 32]`: low nibbles block
-//!   `4(c / 2) + c % 2`, high nibbles block `4(c / 2) + 2 + c % 2`); then 16 vectors of the
-//!   high bits, vector `8h + k` holding bytes `32h + 4k..32h + 4k + 4` of each row's `qh`
-//!   (bits `2u, 2u + 1` of a byte belong to block `4h + u`). The same size as the rows.
+//! - Q6_K: `d[16]` (f16); the sixteen i8 scales as `sc[16][16]`; 32 vectors of the low nibbles,
+//!   vector `8c + k` holding bytes `32c + 4k..32c + 4k + 4` of each row's `ql` (source chunk
+//!   `c` = `ql[32c..32c + 32]`: low nibbles block `4(c / 2) + c % 2`, high nibbles block
+//!   `4(c / 2) + 2 + c % 2`), and 16 vectors of the high bits, vector `8h + k` holding bytes
+//!   `32h + 4k..32h + 4k + 4` of each row's `qh` (bits `2u, 2u + 1` of a byte belong to block
+//!   `4h + u`). The 48 vectors are stored as triples in the order the one-row kernel reads
+//!   them ([`q6k_qh`], [`q6k_ql`]): high-bit vector `8h + k`, then nibble vectors
+//!   `8(2h) + k` and `8(2h + 1) + k`. A superblock is then read front to back, which the
+//!   hardware prefetcher follows; read as three interleaved runs it streamed from memory at a
+//!   third of Q4_K's rate. The same size as the rows.
 //!
 //! Lane `k` of a block again covers the elements the AVX2 row kernel's lane `k` covers.
 
@@ -86,10 +91,22 @@ pub const Q5K_QH: usize = KSB_Q4K;
 
 /// Bytes of sixteen rows' packed Q6_K superblock: d, sc, 32 nibble vectors, 16 high-bit vectors.
 pub const KSB_Q6K: usize = 2 * GROUP + 16 * GROUP + 48 * 4 * GROUP;
-/// Offsets in a packed Q6_K superblock: the scales, the nibble vectors, the high-bit vectors.
+/// Offset of the scales in a packed Q6_K superblock.
 pub const Q6K_SC: usize = 2 * GROUP;
-pub const Q6K_QL: usize = Q6K_SC + 16 * GROUP;
-pub const Q6K_QH: usize = Q6K_QL + 32 * 4 * GROUP;
+/// Offset of the 48 vectors (triples of a high-bit and two nibble vectors) after them.
+const Q6K_VECS: usize = Q6K_SC + 16 * GROUP;
+
+/// Offset of high-bit vector `v` (`8h + k`) in a packed Q6_K superblock: its triple's first.
+pub const fn q6k_qh(v: usize) -> usize {
+    Q6K_VECS + 3 * v * 4 * GROUP
+}
+
+/// Offset of nibble vector `v` (`8c + k`, chunk `c`) in a packed Q6_K superblock: in the
+/// triple of high-bit vector `8(c / 2) + k`, second for an even chunk, third for an odd one.
+pub const fn q6k_ql(v: usize) -> usize {
+    let (c, k) = (v / 8, v % 8);
+    q6k_qh(8 * (c / 2) + k) + (1 + c % 2) * 4 * GROUP
+}
 
 /// Where byte `q` of row `r`'s run of bytes lands among the packed vectors: vector `q / 4`,
 /// row `r`, byte `q % 4`.
@@ -124,10 +141,10 @@ fn pack_ksb(ty: GgmlType, sb: &[u8], r: usize, out: &mut [u8]) {
                 out[Q6K_SC + g * GROUP + r] = sb[192 + g];
             }
             for (q, &b) in sb[..128].iter().enumerate() {
-                out[Q6K_QL + vec_dest(q, r)] = b;
+                out[q6k_ql(q / 4) + vec_dest(q % 4, r)] = b;
             }
             for (q, &b) in sb[128..192].iter().enumerate() {
-                out[Q6K_QH + vec_dest(q, r)] = b;
+                out[q6k_qh(q / 4) + vec_dest(q % 4, r)] = b;
             }
         }
         other => unreachable!("{other} has no packed superblock layout"),
@@ -164,10 +181,10 @@ fn unpack_ksb(ty: GgmlType, p: &[u8], r: usize, sb: &mut [u8]) {
                 sb[192 + g] = p[Q6K_SC + g * GROUP + r];
             }
             for (q, b) in sb[..128].iter_mut().enumerate() {
-                *b = p[Q6K_QL + vec_dest(q, r)];
+                *b = p[q6k_ql(q / 4) + vec_dest(q % 4, r)];
             }
             for (q, b) in sb[128..192].iter_mut().enumerate() {
-                *b = p[Q6K_QH + vec_dest(q, r)];
+                *b = p[q6k_qh(q / 4) + vec_dest(q % 4, r)];
             }
         }
         other => unreachable!("{other} has no packed superblock layout"),
@@ -389,6 +406,22 @@ mod tests {
             }
         }
         assert_eq!(KSB_Q6K, GROUP * Q6K_BYTES);
+    }
+
+    #[test]
+    fn a_q6k_superblocks_vectors_lie_in_the_one_row_kernels_reading_order() {
+        // The one-row kernel reads, for h in 0..2 and k in 0..8, high-bit vector 8h + k and
+        // nibble vectors 8(2h) + k, 8(2h + 1) + k: each must follow the last with no gap.
+        let mut at = Q6K_SC + 16 * GROUP;
+        for h in 0..2 {
+            for k in 0..8 {
+                for off in [q6k_qh(8 * h + k), q6k_ql(16 * h + k), q6k_ql(16 * h + 8 + k)] {
+                    assert_eq!(off, at, "h {h} k {k}");
+                    at += 4 * GROUP;
+                }
+            }
+        }
+        assert_eq!(at, KSB_Q6K);
     }
 
     #[test]

@@ -281,7 +281,7 @@ unsafe fn group_q4k<const FIVE: bool, const N: usize, const BLOCKS: bool>(
 /// As [`group_q4k`], for packed Q6_K superblocks.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
 unsafe fn group_q6k<const N: usize, const BLOCKS: bool>(g: *const u8, nsb: usize, acts: &Q8Acts, first: usize, res: &mut Res) {
-    use packed::{KSB_Q6K, Q6K_QH, Q6K_QL, Q6K_SC};
+    use packed::{KSB_Q6K, Q6K_SC, q6k_qh, q6k_ql};
     let mut acc = [[_mm512_setzero_ps(); 8]; N];
     let mut total = [_mm512_setzero_ps(); N];
     let (mask, high) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x30));
@@ -307,8 +307,8 @@ unsafe fn group_q6k<const N: usize, const BLOCKS: bool>(g: *const u8, nsb: usize
                 }
                 for h in 0..2 {
                     for k in 0..8 {
-                        let qh = _mm512_loadu_si512(p.add(Q6K_QH + (8 * h + k) * 4 * GROUP).cast());
-                        let ql = [2 * h, 2 * h + 1].map(|chunk| _mm512_loadu_si512(p.add(Q6K_QL + (8 * chunk + k) * 4 * GROUP).cast()));
+                        let qh = _mm512_loadu_si512(p.add(q6k_qh(8 * h + k)).cast());
+                        let ql = [2 * h, 2 * h + 1].map(|chunk| _mm512_loadu_si512(p.add(q6k_ql(8 * chunk + k)).cast()));
                         for u in 0..4 {
                             let v = ql[u % 2];
                             let low = if u < 2 { _mm512_and_si512(v, mask) } else { _mm512_and_si512(_mm512_srli_epi16(v, 4), mask) };
@@ -364,9 +364,9 @@ unsafe fn group_q6k<const N: usize, const BLOCKS: bool>(g: *const u8, nsb: usize
                     std::array::from_fn(|g| _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(Q6K_SC + GROUP * (2 * b + g)).cast())));
                 let scales = sc_int.map(|v| _mm512_cvtepi32_ps(v));
                 for k in 0..8 {
-                    let v = _mm512_loadu_si512(p.add(Q6K_QL + (8 * chunk + k) * 4 * GROUP).cast());
+                    let v = _mm512_loadu_si512(p.add(q6k_ql(8 * chunk + k)).cast());
                     let low = if u < 2 { _mm512_and_si512(v, mask) } else { _mm512_and_si512(_mm512_srli_epi16(v, 4), mask) };
-                    let qh = _mm512_loadu_si512(p.add(Q6K_QH + (8 * h + k) * 4 * GROUP).cast());
+                    let qh = _mm512_loadu_si512(p.add(q6k_qh(8 * h + k)).cast());
                     // Bits 2u, 2u + 1 of each byte to bits 4, 5.
                     let hb = match u {
                         0 => _mm512_slli_epi16(qh, 4),
