@@ -11,7 +11,9 @@ use bulkhead_kv::{KvPool, PageRead, PageReader, SeqPage, SequenceKv};
 use rayon::prelude::*;
 
 use crate::config::{Activation, RopeStyle};
-use crate::kernels::{Isa, KvElem, dot_kv_rows, exp_shifted, gelu_mul, prefetch, weighted_sum_kv, widen_f16};
+use crate::kernels::{
+    Isa, KvElem, dot_kv_rows, dot_kv_rows2, exp_shifted, gelu_mul, prefetch, weighted_sum_kv, weighted_sum_kv2, widen_f16,
+};
 use crate::matmul::{MatmulScratch, matmul};
 use crate::{Llama, ModelError};
 
@@ -199,16 +201,40 @@ struct Span {
     scale: f32,
 }
 
+/// The rows of `positions` that see part of the page whose first position is `page`, as
+/// `(first row, rows, keys seen)`: two consecutive rows that see the same keys of it
+/// together (the kernels then read each key once for both), otherwise one.
+fn page_rows(positions: &[usize], page: usize, page_size: usize) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+    let seen = move |r: usize| (positions[r] + 1).saturating_sub(page).min(page_size);
+    let mut r = 0;
+    std::iter::from_fn(move || {
+        while r < positions.len() {
+            let (at, n) = (r, seen(r));
+            let rows = if r + 1 < positions.len() && seen(r + 1) == n { 2 } else { 1 };
+            r += rows;
+            if n > 0 {
+                return Some((at, rows, n));
+            }
+        }
+        None
+    })
+}
+
 /// Scaled scores of every row that sees part of this page, against its keys `k` (as stored,
 /// or converted once to f32 when several rows share them).
 fn score_page<T: KvElem>(isa: Isa, k: &[T], q: &[f32], positions: &[usize], at: Span, scores: &mut [f32]) {
     let hd = at.head_dim;
-    for (r, &pos) in positions.iter().enumerate() {
-        let Some(n) = (pos + 1).checked_sub(at.page).filter(|&n| n > 0) else { continue };
-        let n = n.min(at.page_size);
-        let s = &mut scores[r * at.n_max + at.page..r * at.n_max + at.page + n];
-        dot_kv_rows(isa, &k[..n * hd], &q[r * hd..(r + 1) * hd], s);
-        s.iter_mut().for_each(|v| *v *= at.scale);
+    for (r, rows, n) in page_rows(positions, at.page, at.page_size) {
+        let o = r * at.n_max + at.page;
+        let (k, q) = (&k[..n * hd], &q[r * hd..(r + rows) * hd]);
+        if rows == 2 {
+            dot_kv_rows2(isa, k, q, &mut scores[o..o + at.n_max + n], at.n_max);
+        } else {
+            dot_kv_rows(isa, k, q, &mut scores[o..o + n]);
+        }
+        for row in 0..rows {
+            scores[o + row * at.n_max..][..n].iter_mut().for_each(|v| *v *= at.scale);
+        }
     }
 }
 
@@ -364,15 +390,15 @@ fn attend(
             if rows > 1 {
                 widen_f16(isa, v, &mut scr.v);
             }
-            for (r, &pos) in positions.iter().enumerate() {
-                let Some(n) = (pos + 1).checked_sub(pi * page_size).filter(|&n| n > 0) else { continue };
-                let n = n.min(page_size);
-                let w = &scr.scores[r * n_max + pi * page_size..r * n_max + pi * page_size + n];
-                let o = &mut out[r * head_dim..(r + 1) * head_dim];
+            for (r, k, n) in page_rows(positions, pi * page_size, page_size) {
+                let w = |r: usize| &scr.scores[r * n_max + pi * page_size..][..n];
+                let o = &mut out[r * head_dim..(r + k) * head_dim];
                 if rows == 1 {
-                    weighted_sum_kv(isa, o, w, &v[..n * head_dim]);
+                    weighted_sum_kv(isa, o, w(r), &v[..n * head_dim]);
+                } else if k == 2 {
+                    weighted_sum_kv2(isa, o, [w(r), w(r + 1)], &scr.v[..n * head_dim]);
                 } else {
-                    weighted_sum_kv(isa, o, w, &scr.v[..n * head_dim]);
+                    weighted_sum_kv(isa, o, w(r), &scr.v[..n * head_dim]);
                 }
             }
             Ok(())
@@ -550,11 +576,13 @@ impl Llama {
                                 let TaskScratch { attn, positions, q: qh } = scr;
                                 let heads = g * group..(g + 1) * group;
                                 positions.clear();
-                                positions.extend(heads.clone().flat_map(|_| rows[r0..r1].iter().map(|&(_, p)| p)));
                                 qh.clear();
-                                qh.extend(heads.flat_map(|h| {
-                                    (r0..r1).flat_map(move |r| q[r * q_dim + h * hd..r * q_dim + (h + 1) * hd].iter().copied())
-                                }));
+                                for h in heads {
+                                    positions.extend(rows[r0..r1].iter().map(|&(_, p)| p));
+                                    for r in r0..r1 {
+                                        qh.extend_from_slice(&q[r * q_dim + h * hd..][..hd]);
+                                    }
+                                }
                                 attend(isa, pool, seqs[rows[r0].0].kv, at, g, positions, qh, &mut out[..group * (r1 - r0) * hd], attn)
                             })
                         })?;

@@ -651,7 +651,7 @@ fn dot_rows_impl<T: Lanes>(k: &[T], q: &[f32], out: &mut [f32]) {
 /// `[hsum(a[0]), ..., hsum(a[7])]`, each lane by the same three additions as [`hsum`]:
 /// `s_i = l_i + l_(i+4)`, then `t_0 = s_0 + s_2`, `t_1 = s_1 + s_3`, then `t_0 + t_1`.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum8(a: &[__m256; 8]) -> __m256 {
+pub(super) fn hsum8(a: &[__m256; 8]) -> __m256 {
     // s[j] = [s of a[j] | s of a[j + 4]].
     let mut s = [_mm256_setzero_ps(); 4];
     for (j, sj) in s.iter_mut().enumerate() {

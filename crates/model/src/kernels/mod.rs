@@ -337,6 +337,43 @@ pub fn dot_kv_rows<T: KvElem>(isa: Isa, k: &[T], q: &[f32], out: &mut [f32]) {
     }
 }
 
+/// [`dot_kv_rows`] for two query rows at once: `q` holds them (`d` values each), and row
+/// `r`'s results go to `out[r * stride..r * stride + n]` for the `n` rows of `k`. The same
+/// bits as two calls of [`dot_kv_rows`]; on AVX-512 one pass over `k` for both rows (the
+/// prefill's scores, rows sharing a page's keys).
+pub fn dot_kv_rows2<T: KvElem>(isa: Isa, k: &[T], q: &[f32], out: &mut [f32], stride: usize) {
+    let d = q.len() / 2;
+    assert!(d > 0 && q.len() == 2 * d && k.len().is_multiple_of(d), "dot_kv_rows2 shape");
+    let n = k.len() / d;
+    assert!(stride >= n && out.len() >= stride + n, "dot_kv_rows2 output");
+    match isa.level() {
+        // 64-wide heads keep their query in registers in the one-row kernel: not this one.
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx512Vnni if d.is_multiple_of(8) && d != 64 => vnni::dot_rows2(k, q, out, stride),
+        _ => {
+            let (first, second) = out.split_at_mut(stride);
+            dot_kv_rows(isa, k, &q[..d], &mut first[..n]);
+            dot_kv_rows(isa, k, &q[d..], &mut second[..n]);
+        }
+    }
+}
+
+/// [`weighted_sum_kv`] for two output rows at once: `out` holds both (`cols` values each),
+/// `w[r]` row `r`'s weights for the rows of `v`. The same bits as two calls.
+pub fn weighted_sum_kv2<T: KvElem>(isa: Isa, out: &mut [f32], w: [&[f32]; 2], v: &[T]) {
+    let cols = out.len() / 2;
+    assert!(out.len() == 2 * cols && w[0].len() == w[1].len() && v.len() == cols * w[0].len(), "rows of v");
+    match isa.level() {
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx512Vnni if cols.is_multiple_of(16) => vnni::weighted_sum2(out, w, v),
+        _ => {
+            let (first, second) = out.split_at_mut(cols);
+            weighted_sum_kv(isa, first, w[0], v);
+            weighted_sum_kv(isa, second, w[1], v);
+        }
+    }
+}
+
 /// `out += Σ_j w[j] · v row j` for the `w.len()` rows of `v` (each `out.len()` wide); equal to
 /// calling [`axpy_kv`] per row, in order.
 pub fn weighted_sum_kv<T: KvElem>(isa: Isa, out: &mut [f32], w: &[f32], v: &[T]) {
@@ -431,6 +468,19 @@ mod tests {
                         axpy_kv(isa, &mut stepped, wj, r);
                     }
                     assert_eq!(summed, stepped, "{isa:?}, {cols} columns: weighted sum");
+                    // Two rows at once: the second query and weights differ from the first.
+                    let q2: Vec<f32> = q.iter().chain(q.iter().rev()).copied().collect();
+                    let (mut second, stride) = (vec![0.0; n], n + 3);
+                    dot_kv_rows(isa, rows, &q2[cols..], &mut second);
+                    let mut pair = vec![0.0; stride + n];
+                    dot_kv_rows2(isa, rows, &q2, &mut pair, stride);
+                    assert_eq!((&pair[..n], &pair[stride..]), (&batched[..], &second[..]), "{isa:?}, {cols} columns: two rows' scores");
+                    let w2: Vec<f32> = w.iter().rev().copied().collect();
+                    let mut both = q2.clone();
+                    weighted_sum_kv2(isa, &mut both, [&w, &w2], rows);
+                    let mut other = q2[cols..].to_vec();
+                    weighted_sum_kv(isa, &mut other, &w2, rows);
+                    assert_eq!((&both[..cols], &both[cols..]), (&summed[..], &other[..]), "{isa:?}, {cols} columns: two rows' sums");
                     got.push((batched, summed));
                 }
                 // The f16 rows as stored (the decode path) give what their widened copy gives.

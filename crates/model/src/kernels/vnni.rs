@@ -535,6 +535,106 @@ fn weighted_sum_impl<T: Lanes16>(out: &mut [f32], w: &[f32], v: &[T]) {
     }
 }
 
+/// [`weighted_sum_impl`] for two output rows at once (`out` holds both, `cols` apart, and
+/// `w[r]` row `r`'s weights): per element the same FMA sequence, so the same bits; each
+/// `v` vector is loaded once for both rows, and eight FMA chains run side by side instead of
+/// four (too few to hide the FMA's latency).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+fn weighted_sum2_impl<T: Lanes16>(out: &mut [f32], w: [&[f32]; 2], v: &[T]) {
+    let cols = out.len() / 2;
+    for c0 in (0..cols).step_by(64) {
+        let width = (cols - c0).min(64) / 16;
+        let mut acc = [[_mm512_setzero_ps(); 4]; 2];
+        for (r, row) in acc.iter_mut().enumerate() {
+            for (c, a) in row.iter_mut().enumerate().take(width) {
+                let o = &out[r * cols + c0 + c * 16..][..16];
+                // SAFETY: `o` has 16 readable f32.
+                *a = unsafe { _mm512_loadu_ps(o.as_ptr()) };
+            }
+        }
+        for ((x, &w0), &w1) in v.chunks_exact(cols).zip(w[0]).zip(w[1]) {
+            let wv = [_mm512_set1_ps(w0), _mm512_set1_ps(w1)];
+            for c in 0..width {
+                let x = &x[c0 + c * 16..c0 + c * 16 + 16];
+                // SAFETY: `x` has 16 readable elements.
+                let xv = unsafe { T::load16(x.as_ptr()) };
+                for (row, wr) in acc.iter_mut().zip(wv) {
+                    row[c] = _mm512_fmadd_ps(wr, xv, row[c]);
+                }
+            }
+        }
+        for (r, row) in acc.iter().enumerate() {
+            for (c, a) in row.iter().enumerate().take(width) {
+                let o = &mut out[r * cols + c0 + c * 16..][..16];
+                // SAFETY: `o` has 16 writable f32.
+                unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *a) };
+            }
+        }
+    }
+}
+
+/// See [`weighted_sum2_impl`]; each row's width must be a multiple of 16.
+pub(super) fn weighted_sum2<T: Lanes16>(out: &mut [f32], w: [&[f32]; 2], v: &[T]) {
+    let cols = out.len() / 2;
+    assert!(
+        cols.is_multiple_of(16) && out.len() == 2 * cols && w[0].len() == w[1].len() && v.len() == cols * w[0].len(),
+        "weighted_sum2 shape"
+    );
+    // SAFETY: only reached through an Isa at level Avx512Vnni, which only detection of AVX2, FMA, F16C and AVX-512F/VL/BW/VNNI makes.
+    unsafe { weighted_sum2_impl(out, w, v) }
+}
+
+/// Two query rows' scores against the same keys: `out[r * stride + j] = dot(k row j, q row
+/// r)` for `r` in 0..2, rows `d = q.len() / 2` wide (a multiple of 8). Per (row, key) the
+/// AVX2 kernel's arithmetic for such widths (one accumulator, FMAs in order, [`hsum8`] for
+/// whole blocks of eight keys, `dot` for the rest), so the same bits; each key vector is
+/// loaded once for both rows, and sixteen FMA chains run side by side (eight could not hide
+/// the FMA's latency), which AVX-512's 32 registers hold.
+///
+/// [`hsum8`]: super::avx2::hsum8
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+fn dot_rows2_impl<T: super::avx2::Lanes>(k: &[T], q: &[f32], out: &mut [f32], stride: usize) {
+    let d = q.len() / 2;
+    let n = k.len() / d;
+    let full = n / 8 * 8;
+    for b in (0..full).step_by(8) {
+        let mut acc = [[_mm256_setzero_ps(); 8]; 2];
+        for i in (0..d).step_by(8) {
+            // SAFETY: `q` has 2 d readable f32, `k` n rows of d readable elements, b + 8 <= n.
+            let qv = unsafe { [_mm256_loadu_ps(q.as_ptr().add(i)), _mm256_loadu_ps(q.as_ptr().add(d + i))] };
+            for j in 0..8 {
+                // SAFETY: as above.
+                let kv = unsafe { T::load8(k.as_ptr().add((b + j) * d + i)) };
+                for (a, qr) in acc.iter_mut().zip(qv) {
+                    a[j] = _mm256_fmadd_ps(kv, qr, a[j]);
+                }
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            let o = &mut out[r * stride + b..r * stride + b + 8];
+            // SAFETY: `o` has 8 writable f32.
+            unsafe { _mm256_storeu_ps(o.as_mut_ptr(), super::avx2::hsum8(a)) };
+        }
+    }
+    for j in full..n {
+        for r in 0..2 {
+            out[r * stride + j] = super::avx2::dot(&k[j * d..(j + 1) * d], &q[r * d..(r + 1) * d]);
+        }
+    }
+}
+
+/// See [`dot_rows2_impl`]; `q` holds two rows of a multiple of 8 values.
+pub(super) fn dot_rows2<T: super::avx2::Lanes>(k: &[T], q: &[f32], out: &mut [f32], stride: usize) {
+    let d = q.len() / 2;
+    let n = k.len().checked_div(d).unwrap_or(0);
+    assert!(
+        d > 0 && d.is_multiple_of(8) && q.len() == 2 * d && k.len() == n * d && out.len() >= stride + n && stride >= n,
+        "dot_rows2 shape"
+    );
+    // SAFETY: only reached through an Isa at level Avx512Vnni, which only detection of AVX2, FMA, F16C and AVX-512F/VL/BW/VNNI makes.
+    unsafe { dot_rows2_impl(k, q, out, stride) }
+}
+
 /// See [`weighted_sum_impl`]; `out.len()` must be a multiple of 16.
 pub(super) fn weighted_sum<T: Lanes16>(out: &mut [f32], w: &[f32], v: &[T]) {
     assert!(out.len().is_multiple_of(16) && v.len() == out.len() * w.len(), "weighted_sum shape");
