@@ -114,28 +114,29 @@ pub(crate) struct Rope<'a> {
 /// Softmax of attention scores, max-subtracted.
 pub(crate) fn softmax_in_place(isa: Isa, s: &mut [f32]) {
     if let Some(last) = s.len().checked_sub(1) {
-        softmax_rows(isa, s, s.len(), &[last], None);
+        softmax_rows(isa, s, s.len(), 0, &[last], None);
     }
 }
 
-/// The softmax of each row `r` of `scores` (rows `n_max` apart) over the keys row `r` sees,
-/// `first_seen(pos)..=pos` for its position, with 0 before them ([`softmax_in_place`] is
+/// The softmax of each row `r` of `scores` (rows `width` apart, holding keys `base..`) over
+/// the keys row `r` sees, `first_seen(pos)..=pos` for its position (none before `base`), with
+/// 0 before them ([`softmax_in_place`] is
 /// its one-row case, so every path gets the same bits). Each row's sum still runs in key
 /// order from its first key, but eight rows' sums run side by side: one dependent chain of
 /// adds per row was most of the softmax's time (eight chains keep both adders busy).
-fn softmax_rows(isa: Isa, scores: &mut [f32], n_max: usize, positions: &[usize], window: Option<usize>) {
+fn softmax_rows(isa: Isa, scores: &mut [f32], width: usize, base: usize, positions: &[usize], window: Option<usize>) {
     const SIDE: usize = 8;
-    let span = |r: usize| (first_seen(positions[r], window), positions[r] + 1);
+    let span = |r: usize| (first_seen(positions[r], window) - base, positions[r] + 1 - base);
     for r in 0..positions.len() {
         let (lo, end) = span(r);
-        let row = &mut scores[r * n_max..r * n_max + end];
+        let row = &mut scores[r * width..r * width + end];
         row[..lo].fill(0.0);
         let max = max_of(&row[lo..]);
         exp_shifted(isa, &mut row[lo..], max);
     }
     for r0 in (0..positions.len()).step_by(SIDE) {
         let rows = SIDE.min(positions.len() - r0);
-        let start = |k: usize| (r0 + k) * n_max + span(r0 + k).0;
+        let start = |k: usize| (r0 + k) * width + span(r0 + k).0;
         let len = |k: usize| span(r0 + k).1 - span(r0 + k).0;
         let mut sums = [0.0f32; SIDE];
         // The keys all the rows see, summed side by side; each row's own tail after.
@@ -195,8 +196,10 @@ struct Span {
     /// First position in the page.
     page: usize,
     page_size: usize,
-    /// Score row length (positions of the last row + 1).
-    n_max: usize,
+    /// The position of a score row's first value (the first page any row sees).
+    base: usize,
+    /// Score row length (positions from `base` to the last row's, inclusive).
+    width: usize,
     head_dim: usize,
     scale: f32,
 }
@@ -225,15 +228,15 @@ fn page_rows(positions: &[usize], page: usize, page_size: usize) -> impl Iterato
 fn score_page<T: KvElem>(isa: Isa, k: &[T], q: &[f32], positions: &[usize], at: Span, scores: &mut [f32]) {
     let hd = at.head_dim;
     for (r, rows, n) in page_rows(positions, at.page, at.page_size) {
-        let o = r * at.n_max + at.page;
+        let o = r * at.width + at.page - at.base;
         let (k, q) = (&k[..n * hd], &q[r * hd..(r + rows) * hd]);
         if rows == 2 {
-            dot_kv_rows2(isa, k, q, &mut scores[o..o + at.n_max + n], at.n_max);
+            dot_kv_rows2(isa, k, q, &mut scores[o..o + at.width + n], at.width);
         } else {
             dot_kv_rows(isa, k, q, &mut scores[o..o + n]);
         }
         for row in 0..rows {
-            scores[o + row * at.n_max..][..n].iter_mut().for_each(|v| *v *= at.scale);
+            scores[o + row * at.width..][..n].iter_mut().for_each(|v| *v *= at.scale);
         }
     }
 }
@@ -323,10 +326,10 @@ fn first_seen(pos: usize, window: Option<usize>) -> usize {
     window.map_or(0, |w| (pos + 1).saturating_sub(w))
 }
 
-/// Attention of one query head over the positions `first_seen(pos)..=pos` of each row's
-/// sequence, for consecutive rows of one sequence (`positions` increasing, `q` their query
-/// vectors for this head, `head_dim` apart), read page by page through the sequence's
-/// leases. Positions a row does not see get weight 0; pages no row sees are not read.
+/// Attention over the positions `first_seen(pos)..=pos` of each row's sequence, for rows of
+/// one sequence that share KV head `g` (`positions` their positions, in runs of consecutive
+/// ones, one run per query head; `q` their query vectors, `head_dim` apart), read page by
+/// page through the sequence's leases. Positions a row does not see get weight 0; pages no row sees are not read.
 #[allow(clippy::too_many_arguments)]
 fn attend(
     isa: Isa,
@@ -342,17 +345,20 @@ fn attend(
     let layer = at.layer;
     let head_dim = q.len() / positions.len();
     let page_size = pool.layout().page_size;
-    let n_max = positions.last().map_or(0, |p| p + 1);
+    let n_max = positions.iter().max().map_or(0, |p| p + 1);
     let pages = n_max.div_ceil(page_size);
     if kv.pages().len() < pages {
         return Err(ModelError::NotReserved { pos: n_max - 1 });
     }
     let scale = at.scale;
     let reader = pool.reader();
-    let first_page = positions.first().map_or(0, |&p| first_seen(p, at.window) / page_size);
-    let rows = positions.len();
+    // Score rows start at the first page any row sees: a sliding-window layer's rows hold
+    // the window's keys, not the whole prefix.
+    let first_page = positions.iter().min().map_or(0, |&p| first_seen(p, at.window) / page_size);
+    let (rows, base) = (positions.len(), first_page * page_size);
+    let width = n_max - base.min(n_max);
     scr.scores.clear();
-    scr.scores.resize(rows * n_max, 0.0);
+    scr.scores.resize(rows * width, 0.0);
     let leases = &kv.pages()[first_page..pages];
     each_page_ahead(
         &reader,
@@ -366,7 +372,7 @@ fn attend(
                 return Err(ModelError::MissingKv { page: leases[i].page().0, layer, written: page.len(), needed: need });
             }
             let k = &page.k_head(g)[..need * head_dim];
-            let at = Span { page: pi * page_size, page_size, n_max, head_dim, scale };
+            let at = Span { page: pi * page_size, page_size, base, width, head_dim, scale };
             if rows == 1 {
                 score_page(isa, k, q, positions, at, &mut scr.scores);
             } else {
@@ -376,7 +382,7 @@ fn attend(
             Ok(())
         },
     )?;
-    softmax_rows(isa, &mut scr.scores, n_max, positions, at.window);
+    softmax_rows(isa, &mut scr.scores, width, base, positions, at.window);
     out.fill(0.0);
     each_page_ahead(
         &reader,
@@ -391,7 +397,7 @@ fn attend(
                 widen_f16(isa, v, &mut scr.v);
             }
             for (r, k, n) in page_rows(positions, pi * page_size, page_size) {
-                let w = |r: usize| &scr.scores[r * n_max + pi * page_size..][..n];
+                let w = |r: usize| &scr.scores[r * width + pi * page_size - base..][..n];
                 let o = &mut out[r * head_dim..(r + k) * head_dim];
                 if rows == 1 {
                     weighted_sum_kv(isa, o, w(r), &v[..n * head_dim]);

@@ -543,32 +543,45 @@ fn weighted_sum_impl<T: Lanes16>(out: &mut [f32], w: &[f32], v: &[T]) {
 fn weighted_sum2_impl<T: Lanes16>(out: &mut [f32], w: [&[f32]; 2], v: &[T]) {
     let cols = out.len() / 2;
     for c0 in (0..cols).step_by(64) {
-        let width = (cols - c0).min(64) / 16;
-        let mut acc = [[_mm512_setzero_ps(); 4]; 2];
-        for (r, row) in acc.iter_mut().enumerate() {
-            for (c, a) in row.iter_mut().enumerate().take(width) {
-                let o = &out[r * cols + c0 + c * 16..][..16];
-                // SAFETY: `o` has 16 readable f32.
-                *a = unsafe { _mm512_loadu_ps(o.as_ptr()) };
+        // A register count fixed at compile time keeps the loop over keys free of branches.
+        match (cols - c0).min(64) / 16 {
+            4 => weighted_sum2_cols::<T, 4>(out, w, v, c0),
+            3 => weighted_sum2_cols::<T, 3>(out, w, v, c0),
+            2 => weighted_sum2_cols::<T, 2>(out, w, v, c0),
+            _ => weighted_sum2_cols::<T, 1>(out, w, v, c0),
+        }
+    }
+}
+
+/// [`weighted_sum2_impl`]'s columns `c0..c0 + 16 W` of both rows.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+#[inline]
+fn weighted_sum2_cols<T: Lanes16, const W: usize>(out: &mut [f32], w: [&[f32]; 2], v: &[T], c0: usize) {
+    let cols = out.len() / 2;
+    let mut acc = [[_mm512_setzero_ps(); W]; 2];
+    for (r, row) in acc.iter_mut().enumerate() {
+        for (c, a) in row.iter_mut().enumerate() {
+            let o = &out[r * cols + c0 + c * 16..][..16];
+            // SAFETY: `o` has 16 readable f32.
+            *a = unsafe { _mm512_loadu_ps(o.as_ptr()) };
+        }
+    }
+    for ((x, &w0), &w1) in v.chunks_exact(cols).zip(w[0]).zip(w[1]) {
+        let wv = [_mm512_set1_ps(w0), _mm512_set1_ps(w1)];
+        let x = &x[c0..c0 + 16 * W];
+        for c in 0..W {
+            // SAFETY: `x` has 16 W readable elements.
+            let xv = unsafe { T::load16(x.as_ptr().add(c * 16)) };
+            for (row, wr) in acc.iter_mut().zip(wv) {
+                row[c] = _mm512_fmadd_ps(wr, xv, row[c]);
             }
         }
-        for ((x, &w0), &w1) in v.chunks_exact(cols).zip(w[0]).zip(w[1]) {
-            let wv = [_mm512_set1_ps(w0), _mm512_set1_ps(w1)];
-            for c in 0..width {
-                let x = &x[c0 + c * 16..c0 + c * 16 + 16];
-                // SAFETY: `x` has 16 readable elements.
-                let xv = unsafe { T::load16(x.as_ptr()) };
-                for (row, wr) in acc.iter_mut().zip(wv) {
-                    row[c] = _mm512_fmadd_ps(wr, xv, row[c]);
-                }
-            }
-        }
-        for (r, row) in acc.iter().enumerate() {
-            for (c, a) in row.iter().enumerate().take(width) {
-                let o = &mut out[r * cols + c0 + c * 16..][..16];
-                // SAFETY: `o` has 16 writable f32.
-                unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *a) };
-            }
+    }
+    for (r, row) in acc.iter().enumerate() {
+        for (c, a) in row.iter().enumerate() {
+            let o = &mut out[r * cols + c0 + c * 16..][..16];
+            // SAFETY: `o` has 16 writable f32.
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *a) };
         }
     }
 }
