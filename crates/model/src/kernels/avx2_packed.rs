@@ -274,46 +274,84 @@ unsafe fn half_q6k<const N: usize>(g: *const u8, nsb: usize, h: usize, acts: &Q8
         for sb in 0..nsb {
             let p = g.add(sb * KSB_Q6K);
             let d = half_f16(p, h);
-            let mut part = [_mm256_setzero_ps(); N];
-            for b in 0..8 {
-                let (hb, u) = (b / 4, b % 4);
-                let blk = |n: usize| (first + n) * nb + sb * 8 + b;
-                let qs = |n: usize| acts.qs.as_ptr().add(blk(n) * QK);
-                let chunk = 2 * hb + u % 2;
-                // The block's two groups' scales (lanes 0..4 and 4..8), each twice per row for
-                // `vpmaddwd`, and side by side per row for the offset.
+            // Block `b`'s scaled result from its integer sum `is` (activation row `n`): the
+            // offset of 32 out, then the scalar kernel's float steps.
+            let value = |n: usize, b: usize, is: __m256i| {
+                let blk = (first + n) * nb + sb * 8 + b;
                 let [s0, s1] = [0, 1].map(|gi| _mm_loadl_epi64(p.add(Q6K_SC + GROUP * (2 * b + gi) + HALF * h).cast()));
-                let sc = [s0, s1].map(|x| _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x, x)));
                 let sc_side = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s0, s1));
-                let mut is = [_mm256_setzero_si256(); N];
-                for k2 in 0..4 {
-                    let mut pairs = [_mm256_setzero_si256(); N];
-                    for k in [2 * k2, 2 * k2 + 1] {
-                        let v = half_vec(p.add(q6k_ql(8 * chunk + k)), h);
-                        let low = if u < 2 { _mm256_and_si256(v, mask) } else { _mm256_and_si256(_mm256_srli_epi16(v, 4), mask) };
-                        let qh = half_vec(p.add(q6k_qh(8 * hb + k)), h);
-                        // Bits 2u, 2u + 1 of each byte to bits 4, 5.
-                        let hbits = match u {
-                            0 => _mm256_slli_epi16(qh, 4),
-                            1 => _mm256_slli_epi16(qh, 2),
-                            2 => qh,
-                            _ => _mm256_srli_epi16(qh, 2),
-                        };
-                        let w = _mm256_or_si256(low, _mm256_and_si256(hbits, high));
+                let (a0, a1) = (*acts.sums.get_unchecked(2 * blk), *acts.sums.get_unchecked(2 * blk + 1));
+                let sums = _mm256_set1_epi32((a1 << 16) | (a0 & 0xFFFF));
+                let off = _mm256_slli_epi32(_mm256_madd_epi16(sc_side, sums), 5);
+                let t = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(is, off)));
+                _mm256_mul_ps(_mm256_set1_ps(*acts.d.get_unchecked(blk)), t)
+            };
+            // The sixteen-element group `gi` scales of block `b`, each twice for `vpmaddwd`.
+            let scale = |b: usize, gi: usize| {
+                let x = _mm_loadl_epi64(p.add(Q6K_SC + GROUP * (2 * b + gi) + HALF * h).cast());
+                _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x, x))
+            };
+            // Bits 2u, 2u + 1 of each byte of `qh` to bits 4, 5, over the nibbles of `v`.
+            let weights = |v: __m256i, qh: __m256i, u: usize| {
+                let low = if u < 2 { _mm256_and_si256(v, mask) } else { _mm256_and_si256(_mm256_srli_epi16(v, 4), mask) };
+                let hbits = match u {
+                    0 => _mm256_slli_epi16(qh, 4),
+                    1 => _mm256_slli_epi16(qh, 2),
+                    2 => qh,
+                    _ => _mm256_srli_epi16(qh, 2),
+                };
+                _mm256_or_si256(low, _mm256_and_si256(hbits, high))
+            };
+            let mut part = [_mm256_setzero_ps(); N];
+            if N == 1 {
+                // One activation row (a decode step's output head): bound by reading the
+                // weights, so each quant vector is loaded once for the four blocks that
+                // share it, in the layout's order. The integer sums are exact in any order
+                // (pair sums still of two vectors), and the float steps run in block order as
+                // in the loop after, so the bits are the same.
+                let qs = |b: usize| acts.qs.as_ptr().add((first * nb + sb * 8 + b) * QK);
+                for hb in 0..2 {
+                    let mut is = [_mm256_setzero_si256(); 4];
+                    for k2 in 0..4 {
+                        let mut pairs = [_mm256_setzero_si256(); 4];
+                        for k in [2 * k2, 2 * k2 + 1] {
+                            let qh = half_vec(p.add(q6k_qh(8 * hb + k)), h);
+                            let ql = [2 * hb, 2 * hb + 1].map(|c| half_vec(p.add(q6k_ql(8 * c + k)), h));
+                            for (u, pr) in pairs.iter_mut().enumerate() {
+                                let w = weights(ql[u % 2], qh, u);
+                                *pr = _mm256_add_epi16(*pr, _mm256_maddubs_epi16(w, act4(qs(4 * hb + u), k)));
+                            }
+                        }
+                        for (u, (i, pr)) in is.iter_mut().zip(pairs).enumerate() {
+                            *i = _mm256_add_epi32(*i, _mm256_madd_epi16(pr, scale(4 * hb + u, k2 / 2)));
+                        }
+                    }
+                    for (u, i) in is.into_iter().enumerate() {
+                        part[0] = _mm256_add_ps(part[0], value(0, 4 * hb + u, i));
+                    }
+                }
+            } else {
+                for b in 0..8 {
+                    let (hb, u) = (b / 4, b % 4);
+                    let qs = |n: usize| acts.qs.as_ptr().add(((first + n) * nb + sb * 8 + b) * QK);
+                    let chunk = 2 * hb + u % 2;
+                    let sc = [0, 1].map(|gi| scale(b, gi));
+                    let mut is = [_mm256_setzero_si256(); N];
+                    for k2 in 0..4 {
+                        let mut pairs = [_mm256_setzero_si256(); N];
+                        for k in [2 * k2, 2 * k2 + 1] {
+                            let w = weights(half_vec(p.add(q6k_ql(8 * chunk + k)), h), half_vec(p.add(q6k_qh(8 * hb + k)), h), u);
+                            for n in 0..N {
+                                pairs[n] = _mm256_add_epi16(pairs[n], _mm256_maddubs_epi16(w, act4(qs(n), k)));
+                            }
+                        }
                         for n in 0..N {
-                            pairs[n] = _mm256_add_epi16(pairs[n], _mm256_maddubs_epi16(w, act4(qs(n), k)));
+                            is[n] = _mm256_add_epi32(is[n], _mm256_madd_epi16(pairs[n], sc[k2 / 2]));
                         }
                     }
                     for n in 0..N {
-                        is[n] = _mm256_add_epi32(is[n], _mm256_madd_epi16(pairs[n], sc[k2 / 2]));
+                        part[n] = _mm256_add_ps(part[n], value(n, b, is[n]));
                     }
-                }
-                for n in 0..N {
-                    let (a0, a1) = (*acts.sums.get_unchecked(2 * blk(n)), *acts.sums.get_unchecked(2 * blk(n) + 1));
-                    let sums = _mm256_set1_epi32((a1 << 16) | (a0 & 0xFFFF));
-                    let off = _mm256_slli_epi32(_mm256_madd_epi16(sc_side, sums), 5);
-                    let t = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(is[n], off)));
-                    part[n] = _mm256_add_ps(part[n], _mm256_mul_ps(_mm256_set1_ps(*acts.d.get_unchecked(blk(n))), t));
                 }
             }
             for n in 0..N {

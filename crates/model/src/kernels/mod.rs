@@ -704,6 +704,14 @@ mod tests {
                 dot_q_rows(avx2_isa.with_sums(isa.sums()), ty, &w, row_bytes, &acts, 0, 3, &mut want);
                 let mut got = vec![0.0; rows * 3];
                 dot_q_packed(isa, ty, &p, rows, &acts, 0, 3, &mut got);
+                // And one activation row at a time (a decode step's one-row kernels).
+                let mut one = vec![0.0; rows];
+                for a in 0..3 {
+                    dot_q_packed(isa, ty, &p, rows, &acts, a, 1, &mut one);
+                    for r in 0..rows {
+                        assert_eq!(one[r].to_bits(), want[r * 3 + a].to_bits(), "{ty} {isa:?} one row: row {r} act {a}");
+                    }
+                }
                 for r in 0..rows {
                     for a in 0..3 {
                         assert_eq!(got[a * rows + r].to_bits(), want[r * 3 + a].to_bits(), "{ty} {isa:?} row {r} act {a}");
