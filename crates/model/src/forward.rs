@@ -119,11 +119,11 @@ pub(crate) fn softmax_in_place(isa: Isa, s: &mut [f32]) {
 }
 
 /// The softmax of each row `r` of `scores` (rows `width` apart, holding keys `base..`) over
-/// the keys row `r` sees, `first_seen(pos)..=pos` for its position (none before `base`), with
-/// 0 before them ([`softmax_in_place`] is
-/// its one-row case, so every path gets the same bits). Each row's sum still runs in key
-/// order from its first key, but eight rows' sums run side by side: one dependent chain of
-/// adds per row was most of the softmax's time (eight chains keep both adders busy).
+/// the keys row `r` sees, `first_seen(pos)..=pos` for its position (none before `base`),
+/// with 0 before them ([`softmax_in_place`] is its one-row case, so every path gets the
+/// same bits). Each row's sum still runs in key order from its first key, but eight rows'
+/// sums run side by side: one dependent chain of adds per row was most of the softmax's
+/// time (eight chains keep both adders busy).
 fn softmax_rows(isa: Isa, scores: &mut [f32], width: usize, base: usize, positions: &[usize], window: Option<usize>) {
     const SIDE: usize = 8;
     let span = |r: usize| (first_seen(positions[r], window) - base, positions[r] + 1 - base);
@@ -314,8 +314,11 @@ fn zeroed(v: &mut Vec<f32>, n: usize) -> &mut Vec<f32> {
 /// its query heads.
 #[derive(Debug, Clone)]
 struct AttnTask {
+    /// The step's rows.
     rows: std::ops::Range<usize>,
+    /// The KV head.
     kv: usize,
+    /// Query heads, all of them `kv`'s.
     heads: std::ops::Range<usize>,
 }
 
