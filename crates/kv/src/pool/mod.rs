@@ -19,10 +19,12 @@ use half::f16;
 use crate::{Generation, KvChecks, KvError, KvLayout, PageId, PoolConfig, PoolId, RequestId};
 
 mod book;
+mod elems;
 mod handles;
 mod storage;
 
 use book::{PageMeta, PageState};
+use elems::Elems;
 use handles::Holds;
 pub use handles::{CachedPage, Lease, PageHandle, PageTag, Quarantined, SharedLease};
 pub use storage::{POISON, PageRead, PageReader};
@@ -97,7 +99,7 @@ pub struct KvPool {
     // The bytes (`storage.rs`): storage, watermarks, shadow. Who holds each page (`book.rs`):
     // meta, holds, free, readers and the page counts. The counters are bumped by both.
     /// `pages * page_elems` elements; page `p` at `[p * page_elems..]`.
-    storage: Vec<f16>,
+    storage: Elems,
     meta: Vec<PageMeta>,
     /// Which pages' leases are alive, shared with those leases (see [`Lease`]).
     holds: Holds,
@@ -143,8 +145,8 @@ impl fmt::Debug for KvPool {
 }
 
 impl KvPool {
-    /// Makes a pool of `cfg.pages` free pages. Storage is allocated up front with
-    /// `try_reserve_exact`, so running out of memory is an error, not an abort.
+    /// Makes a pool of `cfg.pages` free pages. Storage is allocated and written up front, so
+    /// running out of address space is an error, not an abort.
     pub fn new(cfg: PoolConfig) -> Result<Self, KvError> {
         let layout = cfg.layout;
         layout.validate()?;
@@ -162,15 +164,13 @@ impl KvPool {
         let wm_len = cfg.pages.checked_mul(layout.layers).ok_or(too_large.clone())?;
         let shadow_len = if cfg.checks.audit { wm_len.checked_mul(layout.page_size).ok_or(too_large)? } else { 0 };
 
-        let mut storage = Vec::new();
-        storage.try_reserve_exact(elems).map_err(|_| KvError::OutOfMemory { bytes })?;
+        let fill = if cfg.checks.canaries { POISON } else { f16::ZERO };
+        let storage = Elems::new(elems, fill).ok_or(KvError::OutOfMemory { bytes })?;
         let mut shadow = Vec::new();
         shadow
             .try_reserve_exact(shadow_len)
             .map_err(|_| KvError::OutOfMemory { bytes: shadow_len.saturating_mul(std::mem::size_of::<SlotTag>()) })?;
         shadow.resize(shadow_len, UNWRITTEN);
-        let fill = if cfg.checks.canaries { POISON } else { f16::ZERO };
-        storage.resize(elems, fill);
 
         let meta = vec![PageMeta { state: PageState::Free, generation: Generation(0) }; cfg.pages];
         // Reverse so that page 0 is leased first (deterministic, easier to read in tests).
