@@ -149,7 +149,15 @@ pub(crate) fn read_bandwidth(threads: usize) -> f64 {
 /// Bytes one decode step of `batch` sequences at `ctx` tokens of context reads: the
 /// weights once, and every sequence's KV.
 fn bytes_per_step(m: &Llama, kv_bytes_per_token: usize, batch: usize, ctx: usize) -> f64 {
-    (m.weights.streamed_bytes_per_step() + batch * ctx * kv_bytes_per_token) as f64
+    (m.weights.streamed_bytes_per_step() + batch * kv_bytes_read(m, kv_bytes_per_token, ctx)) as f64
+}
+
+/// Bytes of K and V one sequence's decode step reads at `ctx` tokens of context: each
+/// layer's over the keys it sees (a sliding-window layer's window, not the context).
+fn kv_bytes_read(m: &Llama, kv_bytes_per_token: usize, ctx: usize) -> usize {
+    let c = &m.config;
+    let per_layer = kv_bytes_per_token / c.layers.max(1);
+    (0..c.layers).map(|l| c.window(l).map_or(ctx, |w| w.min(ctx)) * per_layer).sum()
 }
 
 fn decode_tps(m: &Llama, pool: &mut KvPool, batch: usize, ctx: usize, steps: usize) -> anyhow::Result<f64> {
@@ -357,10 +365,13 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
             layout.page_size
         );
         println!(
-            "memory wall: {:.1} GB/s read by {} threads (a plain read loop); a step reads {:.1} MB of weights + KV",
+            "memory wall: {:.1} GB/s read by {} threads (a plain read loop); a step reads {:.1} MB of weights, and {:.1} MB of \
+             K and V a sequence at {} tokens of context",
             wall / 1e9,
             m.threads(),
-            m.weights.streamed_bytes_per_step() as f64 / 1e6
+            m.weights.streamed_bytes_per_step() as f64 / 1e6,
+            kv_bytes_read(&m, layout.bytes_per_token(), a.decode_context + a.decode_steps / 2) as f64 / 1e6,
+            a.decode_context + a.decode_steps / 2
         );
         println!("prefill {:>5} tokens          {prefill:8.1} tok/s", a.prompt_tokens);
         for (b, v) in decode {

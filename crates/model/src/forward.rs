@@ -111,28 +111,44 @@ pub(crate) struct Rope<'a> {
     pub freqs: Option<&'a [f32]>,
 }
 
-/// Softmax of attention scores, max-subtracted.
-pub(crate) fn softmax_in_place(isa: Isa, s: &mut [f32]) {
+/// Softmax of attention scores, max-subtracted; returns the max and the sum of the
+/// exponentials (what [`fold_span`] needs).
+pub(crate) fn softmax_in_place(isa: Isa, s: &mut [f32]) -> (f32, f32) {
+    let mut stats = [(f32::NEG_INFINITY, 0.0)];
     if let Some(last) = s.len().checked_sub(1) {
-        softmax_rows(isa, s, s.len(), 0, &[last], None);
+        softmax_rows(isa, s, s.len(), 0..s.len(), &[last], None, &mut stats);
     }
+    stats[0]
 }
 
-/// The softmax of each row `r` of `scores` (rows `width` apart, holding keys `base..`) over
-/// the keys row `r` sees, `first_seen(pos)..=pos` for its position (none before `base`),
-/// with 0 before them ([`softmax_in_place`] is its one-row case, so every path gets the
-/// same bits). Each row's sum still runs in key order from its first key, but eight rows'
-/// sums run side by side: one dependent chain of adds per row was most of the softmax's
-/// time (eight chains keep both adders busy).
-fn softmax_rows(isa: Isa, scores: &mut [f32], width: usize, base: usize, positions: &[usize], window: Option<usize>) {
+/// The softmax of each row `r` of `scores` (rows `width` apart, holding `keys`) over the
+/// keys of `keys` row `r` sees, `first_seen(pos)..=pos` for its position, with 0 before
+/// them ([`softmax_in_place`] is its one-row case, so every path gets the same bits); each
+/// row's max and sum of exponentials into `stats` (`(-inf, 0)`: it sees none of `keys`).
+/// Each row's sum still runs in key order from its first key, but eight rows' sums run side
+/// by side: one dependent chain of adds per row was most of the softmax's time (eight
+/// chains keep both adders busy).
+fn softmax_rows(
+    isa: Isa,
+    scores: &mut [f32],
+    width: usize,
+    keys: std::ops::Range<usize>,
+    positions: &[usize],
+    window: Option<usize>,
+    stats: &mut [(f32, f32)],
+) {
     const SIDE: usize = 8;
-    let span = |r: usize| (first_seen(positions[r], window) - base, positions[r] + 1 - base);
-    for r in 0..positions.len() {
+    let span = |r: usize| {
+        let end = (positions[r] + 1).clamp(keys.start, keys.end);
+        (first_seen(positions[r], window).clamp(keys.start, end) - keys.start, end - keys.start)
+    };
+    for (r, st) in stats.iter_mut().enumerate().take(positions.len()) {
         let (lo, end) = span(r);
         let row = &mut scores[r * width..r * width + end];
         row[..lo].fill(0.0);
         let max = max_of(&row[lo..]);
         exp_shifted(isa, &mut row[lo..], max);
+        *st = (max, 0.0);
     }
     for r0 in (0..positions.len()).step_by(SIDE) {
         let rows = SIDE.min(positions.len() - r0);
@@ -154,8 +170,50 @@ fn softmax_rows(isa: Isa, scores: &mut [f32], width: usize, base: usize, positio
             *sum = row[common..].iter().fold(*sum, |acc, &v| acc + v);
             let inv = 1.0 / *sum;
             row.iter_mut().for_each(|v| *v *= inv);
+            stats[r0 + k].1 = *sum;
         }
     }
+}
+
+/// Values besides its `head_dim` outputs that attention keeps for a row: the max and the
+/// sum of exponentials of its softmax so far ([`fold_span`]).
+pub(crate) const ROW_EXTRA: usize = 2;
+
+/// An empty fold ([`fold_span`]): no keys yet.
+pub(crate) fn fold_start(acc: &mut [f32]) {
+    let hd = acc.len() - ROW_EXTRA;
+    acc.fill(0.0);
+    acc[hd] = f32::NEG_INFINITY;
+}
+
+/// Fold one key span's attention into a row's: `acc` holds `head_dim` outputs, then the
+/// max and sum of exponentials of the spans folded so far; `o` the span's own outputs
+/// (its softmax normalised within it), `(max, sum)` its statistics. The two weigh by their
+/// sums of exponentials at the common max. The first span is copied, so a row whose keys
+/// lie in one span has the bits of an unsplit softmax. Every path (prefill, decode, a
+/// decode row split between tasks, the reference pass) folds a row's spans in position
+/// order through here: the same bits.
+pub(crate) fn fold_span(isa: Isa, acc: &mut [f32], o: &[f32], (max, sum): (f32, f32)) {
+    let hd = acc.len() - ROW_EXTRA;
+    if sum == 0.0 {
+        return; // the row sees none of this span's keys
+    }
+    let (m0, s0) = (acc[hd], acc[hd + 1]);
+    if s0 == 0.0 {
+        acc[..hd].copy_from_slice(o);
+        (acc[hd], acc[hd + 1]) = (max, sum);
+        return;
+    }
+    let m = m0.max(max);
+    let mut e = [m0, max];
+    exp_shifted(isa, &mut e, m);
+    let (a, b) = (s0 * e[0], sum * e[1]);
+    let total = a + b;
+    let (ca, cb) = (a / total, b / total);
+    for (x, &y) in acc[..hd].iter_mut().zip(o) {
+        *x = *x * ca + y * cb;
+    }
+    (acc[hd], acc[hd + 1]) = (m, total);
 }
 
 /// The largest value of `v` (NaNs ignored, as by `f32::max`), sixteen lanes at a time: the
@@ -247,6 +305,9 @@ struct AttnScratch {
     scores: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
+    /// One key span's outputs, and each row's softmax statistics over it.
+    o: Vec<f32>,
+    stats: Vec<(f32, f32)>,
 }
 
 /// What a compute thread reuses from one attention task to the next: [`attend`]'s buffers,
@@ -259,13 +320,15 @@ struct TaskScratch {
 }
 
 impl TaskScratch {
-    /// Room for tasks of up to `rows` score rows over sequences of up to `context` tokens in
+    /// Room for tasks of up to `rows` score rows over key spans of up to `keys` positions in
     /// `page_size`-token pages.
-    fn reserve(&mut self, rows: usize, context: usize, page_size: usize, head_dim: usize) {
+    fn reserve(&mut self, rows: usize, keys: usize, page_size: usize, head_dim: usize) {
         let grow = |v: &mut Vec<f32>, n: usize| v.reserve(n.saturating_sub(v.len()));
-        grow(&mut self.attn.scores, rows * context);
+        grow(&mut self.attn.scores, rows * keys);
         grow(&mut self.attn.k, page_size * head_dim);
         grow(&mut self.attn.v, page_size * head_dim);
+        grow(&mut self.attn.o, rows * head_dim);
+        self.attn.stats.reserve(rows.saturating_sub(self.attn.stats.len()));
         grow(&mut self.q, rows * head_dim);
         self.positions.reserve(rows.saturating_sub(self.positions.len()));
     }
@@ -311,7 +374,7 @@ fn zeroed(v: &mut Vec<f32>, n: usize) -> &mut Vec<f32> {
 }
 
 /// One attention task: consecutive rows of one sequence, against one KV head, for some of
-/// its query heads.
+/// its query heads, over some of its key spans.
 #[derive(Debug, Clone)]
 struct AttnTask {
     /// The step's rows.
@@ -320,39 +383,82 @@ struct AttnTask {
     kv: usize,
     /// Query heads, all of them `kv`'s.
     heads: std::ops::Range<usize>,
+    /// Key spans ([`KeySplit::span`] positions each): all of them, or one of a decode row
+    /// whose spans are tasks of their own.
+    spans: std::ops::Range<usize>,
 }
 
-/// From this many bytes of K and V per layer and KV head (f16: 4 · head_dim a position), a
-/// decode row's query heads share tasks ([`attention_tasks`]). Measured on the Zen 4 (its
-/// L3: 32 MB) with Gemma 3 270M: at 16k positions (16 MB) a task per query head decoded
-/// 1.10× faster than two heads a task, at 32k (32 MB) two heads a task 1.20× faster.
+/// Positions per key span, [`KeySplit::span`]'s default.
+const KEY_SPAN: usize = 4096;
+
+/// [`KeySplit::shared_bytes`]'s default. Measured on the Zen 4 (its L3: 32 MB) with Gemma 3
+/// 270M: at 16k positions (16 MB) a task per query head decoded 1.10× faster than two
+/// heads a task, at 32k (32 MB) two heads a task 1.20× faster.
 const SHARED_KV_BYTES: usize = 24 << 20;
 
-/// The attention tasks of a step over `rows` (sequence, position): blocks of up to
-/// [`ATTN_ROWS`] consecutive rows of a sequence, per KV head, each for all of that head's
-/// `group` query heads, so that they share each page's read. A decode step (one row a
-/// sequence) gives each query head its own task while the sequence's K and V fit in cache
-/// (more tasks to share among the `threads`; the pages are read again from cache), and
-/// from [`SHARED_KV_BYTES`] a task to `group / threads` query heads, which read the pages
-/// from memory once between them. Which rows and heads a task holds does not change any
-/// row's bits.
-fn attention_tasks(rows: &[(usize, usize)], kv_heads: usize, group: usize, head_dim: usize, threads: usize, tasks: &mut Vec<AttnTask>) {
+/// Where attention splits a row's keys, and when a decode row's key spans become tasks of
+/// their own. Each span's softmax and weighted sum are computed alone and folded in
+/// position order ([`fold_span`]), so the split points, fixed by position, decide a row's
+/// bits and nothing else does: not the batch, not the threads, not the tasks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeySplit {
+    /// Positions per span: a row's keys split at its multiples (rows within the first span
+    /// keep an unsplit softmax's bits).
+    pub span: usize,
+    /// From this many bytes of K and V per layer and KV head (f16: 4 · head_dim a position),
+    /// past what a last-level cache holds, a decode row's spans become tasks of their own,
+    /// each for all of a KV head's query heads: the threads read the pages from memory once
+    /// between them. Below it each query head is a task, and its reads hit the cache.
+    pub shared_bytes: usize,
+}
+
+impl Default for KeySplit {
+    fn default() -> Self {
+        KeySplit { span: KEY_SPAN, shared_bytes: SHARED_KV_BYTES }
+    }
+}
+
+/// The attention tasks of a step over `rows` (sequence, position) at a layer with `window`:
+/// blocks of up to [`ATTN_ROWS`] consecutive rows of a sequence, per KV head, each for all
+/// of that head's `group` query heads, so that they share each page's read. A decode step
+/// (one row a sequence) gives each query head its own task while the keys it sees fit in
+/// cache (more tasks to share among the threads; the pages are read again from cache), and
+/// from [`KeySplit::shared_bytes`] each of the row's key spans a task of all `group` heads.
+/// Which rows, heads and spans a task holds does not change any row's bits.
+fn attention_tasks(
+    rows: &[(usize, usize)],
+    (kv_heads, group, head_dim): (usize, usize, usize),
+    window: Option<usize>,
+    split: KeySplit,
+    tasks: &mut Vec<AttnTask>,
+) {
     tasks.clear();
     let decode = rows.windows(2).all(|w| w[0].0 != w[1].0);
+    let all = 0..usize::MAX;
     let mut r0 = 0;
     while r0 < rows.len() {
         let mut r1 = r0;
         while r1 < rows.len() && rows[r1].0 == rows[r0].0 && r1 - r0 < ATTN_ROWS {
             r1 += 1;
         }
+        let pos = rows[r0].1;
+        let first = first_seen(pos, window);
         let per = match decode {
-            true if (rows[r0].1 + 1) * 4 * head_dim < SHARED_KV_BYTES => 1,
-            true => (group / threads.max(1)).max(1),
+            true if (pos + 1 - first) * 4 * head_dim >= split.shared_bytes && first / split.span < pos / split.span => {
+                for kv in 0..kv_heads {
+                    for s in first / split.span..=pos / split.span {
+                        tasks.push(AttnTask { rows: r0..r1, kv, heads: kv * group..(kv + 1) * group, spans: s..s + 1 });
+                    }
+                }
+                r0 = r1;
+                continue;
+            }
+            true => 1,
             false => group,
         };
         for kv in 0..kv_heads {
             for h0 in (kv * group..(kv + 1) * group).step_by(per) {
-                tasks.push(AttnTask { rows: r0..r1, kv, heads: h0..(h0 + per).min((kv + 1) * group) });
+                tasks.push(AttnTask { rows: r0..r1, kv, heads: h0..(h0 + per).min((kv + 1) * group), spans: all.clone() });
             }
         }
         r0 = r1;
@@ -367,6 +473,10 @@ struct AttnAt {
     scale: f32,
     /// Keys a query sees, its own included (a sliding-window layer); `None`: all before it.
     window: Option<usize>,
+    /// Positions per key span ([`KeySplit::span`]).
+    span: usize,
+    /// Positions per KV page.
+    page_size: usize,
 }
 
 /// The first position a query at `pos` attends to.
@@ -375,10 +485,12 @@ fn first_seen(pos: usize, window: Option<usize>) -> usize {
     window.map_or(0, |w| (pos + 1).saturating_sub(w))
 }
 
-/// Attention over the positions `first_seen(pos)..=pos` of each row's sequence, for rows of
-/// one sequence that share KV head `g` (`positions` their positions, in runs of consecutive
-/// ones, one run per query head; `q` their query vectors, `head_dim` apart), read page by
-/// page through the sequence's leases. Positions a row does not see get weight 0; pages no row sees are not read.
+/// Attention over the positions `first_seen(pos)..=pos` of each row's sequence that lie in
+/// the key spans `spans`, for rows of one sequence that share KV head `g` (`positions`
+/// their positions, in runs of consecutive ones, one run per query head; `q` their query
+/// vectors, `head_dim` apart), read page by page through the sequence's leases. Each row
+/// gets `head_dim + ROW_EXTRA` values of `out`: its spans folded in order ([`fold_span`]).
+/// Positions a row does not see get weight 0; pages no row sees are not read.
 #[allow(clippy::too_many_arguments)]
 fn attend(
     isa: Isa,
@@ -388,40 +500,67 @@ fn attend(
     g: usize,
     positions: &[usize],
     q: &[f32],
+    spans: std::ops::Range<usize>,
     out: &mut [f32],
     scr: &mut AttnScratch,
 ) -> Result<(), ModelError> {
-    let layer = at.layer;
     let head_dim = q.len() / positions.len();
-    let page_size = pool.layout().page_size;
     let n_max = positions.iter().max().map_or(0, |p| p + 1);
-    let pages = n_max.div_ceil(page_size);
-    if kv.pages().len() < pages {
+    if kv.pages().len() < n_max.div_ceil(at.page_size) {
         return Err(ModelError::NotReserved { pos: n_max - 1 });
     }
-    let scale = at.scale;
+    out.chunks_exact_mut(head_dim + ROW_EXTRA).for_each(fold_start);
+    // Spans start at the first key any row sees: a sliding-window layer's rows read the
+    // window's keys, not the whole prefix.
+    let first = positions.iter().map(|&p| first_seen(p, at.window)).min().unwrap_or(0);
     let reader = pool.reader();
-    // Score rows start at the first page any row sees: a sliding-window layer's rows hold
-    // the window's keys, not the whole prefix.
-    let first_page = positions.iter().min().map_or(0, |&p| first_seen(p, at.window) / page_size);
-    let (rows, base) = (positions.len(), first_page * page_size);
-    let width = n_max - base.min(n_max);
+    for s in spans.start.max(first / at.span)..spans.end.min(n_max.div_ceil(at.span)) {
+        let keys = (s * at.span).max(first)..((s + 1) * at.span).min(n_max);
+        attend_span(isa, &reader, kv.pages(), at, g, positions, q, keys, scr)?;
+        for (r, acc) in out.chunks_exact_mut(head_dim + ROW_EXTRA).enumerate() {
+            fold_span(isa, acc, &scr.o[r * head_dim..(r + 1) * head_dim], scr.stats[r]);
+        }
+    }
+    Ok(())
+}
+
+/// [`attend`] over the positions `keys` (within one key span) of the pages `leases`: each
+/// row's outputs into `scr.o`, its softmax statistics into `scr.stats`.
+#[allow(clippy::too_many_arguments)]
+fn attend_span(
+    isa: Isa,
+    reader: &PageReader<'_>,
+    leases: &[SeqPage],
+    at: AttnAt,
+    g: usize,
+    positions: &[usize],
+    q: &[f32],
+    keys: std::ops::Range<usize>,
+    scr: &mut AttnScratch,
+) -> Result<(), ModelError> {
+    let (layer, rows) = (at.layer, positions.len());
+    let head_dim = q.len() / rows;
+    let page_size = at.page_size;
+    let width = keys.len();
+    let first_page = keys.start / page_size;
+    let leases = &leases[first_page..(keys.end - 1) / page_size + 1];
+    // The slots of page `pi` within `keys`.
+    let part = |pi: usize| keys.start.saturating_sub(pi * page_size)..(keys.end - pi * page_size).min(page_size);
     scr.scores.clear();
     scr.scores.resize(rows * width, 0.0);
-    let leases = &kv.pages()[first_page..pages];
     each_page_ahead(
-        &reader,
+        reader,
         leases,
         layer,
         |p| prefetch(p.k_head(g)),
         |i, page| {
-            let pi = first_page + i;
-            let need = (n_max - pi * page_size).min(page_size);
-            if page.len() < need {
-                return Err(ModelError::MissingKv { page: leases[i].page().0, layer, written: page.len(), needed: need });
+            let (pi, slots) = (first_page + i, part(first_page + i));
+            if page.len() < slots.end {
+                return Err(ModelError::MissingKv { page: leases[i].page().0, layer, written: page.len(), needed: slots.end });
             }
-            let k = &page.k_head(g)[..need * head_dim];
-            let at = Span { page: pi * page_size, page_size, base, width, head_dim, scale };
+            let k = &page.k_head(g)[slots.start * head_dim..slots.end * head_dim];
+            let at =
+                Span { page: pi * page_size + slots.start, page_size: slots.len(), base: keys.start, width, head_dim, scale: at.scale };
             if rows == 1 {
                 score_page(isa, k, q, positions, at, &mut scr.scores);
             } else {
@@ -431,23 +570,25 @@ fn attend(
             Ok(())
         },
     )?;
-    softmax_rows(isa, &mut scr.scores, width, base, positions, at.window);
-    out.fill(0.0);
+    scr.stats.clear();
+    scr.stats.resize(rows, (f32::NEG_INFINITY, 0.0));
+    softmax_rows(isa, &mut scr.scores, width, keys.clone(), positions, at.window, &mut scr.stats);
+    let o = zeroed(&mut scr.o, rows * head_dim);
     each_page_ahead(
-        &reader,
+        reader,
         leases,
         layer,
         |p| prefetch(p.v_head(g)),
         |i, page| {
-            let pi = first_page + i;
-            let need = (n_max - pi * page_size).min(page_size);
-            let v = &page.v_head(g)[..need * head_dim];
+            let (pi, slots) = (first_page + i, part(first_page + i));
+            let start = pi * page_size + slots.start;
+            let v = &page.v_head(g)[slots.start * head_dim..slots.end * head_dim];
             if rows > 1 {
                 widen_f16(isa, v, &mut scr.v);
             }
-            for (r, k, n) in page_rows(positions, pi * page_size, page_size) {
-                let w = |r: usize| &scr.scores[r * width + pi * page_size - base..][..n];
-                let o = &mut out[r * head_dim..(r + k) * head_dim];
+            for (r, k, n) in page_rows(positions, start, slots.len()) {
+                let w = |r: usize| &scr.scores[r * width + start - keys.start..][..n];
+                let o = &mut o[r * head_dim..(r + k) * head_dim];
                 if rows == 1 {
                     weighted_sum_kv(isa, o, w(r), &v[..n * head_dim]);
                 } else if k == 2 {
@@ -501,9 +642,9 @@ impl Llama {
     /// Size every compute thread's attention buffers for sequences of up to `context`
     /// tokens in `page_size`-token pages, so that steps never grow them as contexts grow.
     pub fn reserve_attention(&self, context: usize, page_size: usize) {
-        let (head_dim, rows) = (self.config.head_dim, self.config.group() * ATTN_ROWS);
+        let (head_dim, rows, keys) = (self.config.head_dim, self.config.group() * ATTN_ROWS, context.min(self.split.span));
         for pool in std::iter::once(&self.threads).chain(&self.narrow) {
-            pool.broadcast(|_| TASK.with_borrow_mut(|t| t.reserve(rows, context, page_size, head_dim)));
+            pool.broadcast(|_| TASK.with_borrow_mut(|t| t.reserve(rows, keys, page_size, head_dim)));
         }
     }
 
@@ -574,8 +715,8 @@ impl Llama {
         let o = zeroed(o, t * c.hidden);
         let (gate, up) = (zeroed(gate, t * c.ffn), zeroed(up, t * c.ffn));
         let isa = self.isa;
-        attention_tasks(rows, c.kv_heads, group, hd, rayon::current_num_threads(), tasks);
-        let task_values = tasks.iter().map(|a| a.rows.len() * a.heads.len() * hd).max().unwrap_or(0).max(1);
+        // A task's values: each of its rows' outputs and softmax statistics, head-major.
+        let row_values = hd + ROW_EXTRA;
 
         for (li, l) in self.weights.layers.iter().enumerate() {
             // Each layer on the threads the core share leaves it (all of them without one).
@@ -591,7 +732,15 @@ impl Llama {
                         rope(kr, hd, pos, r);
                     },
                 );
-                let at = AttnAt { layer: li, scale: c.attn_scale, window: c.window(li) };
+                let at = AttnAt {
+                    layer: li,
+                    scale: c.attn_scale,
+                    window: c.window(li),
+                    span: self.split.span,
+                    page_size: pool.layout().page_size,
+                };
+                attention_tasks(rows, (c.kv_heads, group, hd), at.window, self.split, tasks);
+                let task_values = tasks.iter().map(|a| a.rows.len() * a.heads.len() * row_values).max().unwrap_or(0).max(1);
                 for (r, &(s, pos)) in rows.iter().enumerate() {
                     let (lease, slot) = seqs[s].kv.locate(pos)?;
                     pool.write(lease, li, slot, &k[r * kv_dim..(r + 1) * kv_dim], &v[r * kv_dim..(r + 1) * kv_dim])?;
@@ -615,18 +764,30 @@ impl Llama {
                                     qh.extend_from_slice(&q[r * q_dim + h * hd..][..hd]);
                                 }
                             }
-                            let out = &mut out[..task.heads.len() * task.rows.len() * hd];
-                            attend(isa, pool, seqs[rows[task.rows.start].0].kv, at, task.kv, positions, qh, out, attn)
+                            let out = &mut out[..task.heads.len() * task.rows.len() * row_values];
+                            let kv: &SequenceKv = seqs[rows[task.rows.start].0].kv;
+                            attend(isa, pool, kv, at, task.kv, positions, qh, task.spans.clone(), out, attn)
                         })
                     })?;
-                    for (task, out) in tasks.iter().zip(blocks.chunks(task_values)) {
+                    // The tasks of one decode row's key spans (in position order) fold into
+                    // the first's values; then each task's outputs go to their rows and heads.
+                    let mut i = 0;
+                    while i < tasks.len() {
+                        let task = &tasks[i];
+                        let run = tasks[i..].iter().take_while(|u| u.rows == task.rows && u.heads == task.heads).count();
+                        let (out, later) = blocks[i * task_values..(i + run) * task_values].split_at_mut(task_values);
                         let n = task.rows.len();
-                        for (j, h) in task.heads.clone().enumerate() {
-                            for (i, r) in task.rows.clone().enumerate() {
-                                att[r * q_dim + h * hd..r * q_dim + (h + 1) * hd]
-                                    .copy_from_slice(&out[(j * n + i) * hd..(j * n + i + 1) * hd]);
+                        for part in later.chunks(task_values) {
+                            for (acc, p) in out.chunks_exact_mut(row_values).zip(part.chunks_exact(row_values)).take(n * task.heads.len()) {
+                                fold_span(isa, acc, &p[..hd], (p[hd], p[hd + 1]));
                             }
                         }
+                        for (j, h) in task.heads.clone().enumerate() {
+                            for (i, r) in task.rows.clone().enumerate() {
+                                att[r * q_dim + h * hd..r * q_dim + (h + 1) * hd].copy_from_slice(&out[(j * n + i) * row_values..][..hd]);
+                            }
+                        }
+                        i += run;
                     }
                 }
                 self.pause();
@@ -745,33 +906,51 @@ impl Llama {
 mod tests {
     use super::*;
 
-    /// Every (row, query head) pair is in exactly one task, with its own KV head; how many
-    /// heads a task holds follows the step's kind and the context's size.
+    /// Every (row, query head, key span) is in exactly one task, with its own KV head; how
+    /// many heads and spans a task holds follows the step's kind, the keys the row sees and
+    /// their bytes.
     #[test]
-    fn attention_tasks_cover_every_row_and_head_once() {
-        let (kv_heads, group, head_dim, threads) = (2, 4, 256, 2);
-        let long = SHARED_KV_BYTES / (4 * head_dim);
-        let steps: [(&[(usize, usize)], usize); 4] = [
-            (&[(0, 0), (0, 1), (0, 2), (1, 5)], group), // prefill rows of two sequences
-            (&[(0, 7), (1, 9)], 1),                     // decode, short contexts
-            (&[(0, long), (1, long + 3)], group / threads),
-            (&[(0, long - 2)], 1), // one position short of the bytes
+    fn attention_tasks_cover_every_row_head_and_span_once() {
+        let (kv_heads, group, head_dim) = (2, 4, 256);
+        let split = KeySplit::default();
+        let long = split.shared_bytes / (4 * head_dim);
+        let spans = |pos: usize| long.div_ceil(split.span).max(pos / split.span + 1);
+        // Rows, window, heads a task, whether a task takes one span (or all).
+        type Step<'a> = (&'a [(usize, usize)], Option<usize>, usize, bool);
+        let steps: [Step; 5] = [
+            (&[(0, 0), (0, 1), (0, 2), (1, 5)], None, group, false), // prefill rows of two sequences
+            (&[(0, 7), (1, 9)], None, 1, false),                     // decode, short contexts
+            (&[(0, long), (1, long + 3)], None, group, true),        // decode past the bytes: a task a span
+            (&[(0, long - 2)], None, 1, false),                      // one position short of the bytes
+            (&[(0, long)], Some(512), 1, false),                     // a window's keys fit whatever the position
         ];
-        for (rows, per) in steps {
+        for (rows, window, heads, per_span) in steps {
             let mut tasks = Vec::new();
-            attention_tasks(rows, kv_heads, group, head_dim, threads, &mut tasks);
-            let mut seen = vec![0; rows.len() * kv_heads * group];
+            attention_tasks(rows, (kv_heads, group, head_dim), window, split, &mut tasks);
+            let n = spans(rows.iter().map(|r| r.1).max().unwrap_or(0));
+            let mut seen = vec![0; rows.len() * kv_heads * group * n];
             for t in &tasks {
-                assert_eq!(t.heads.len(), per, "{rows:?}: {t:?}");
+                assert_eq!(t.heads.len(), heads, "{rows:?}: {t:?}");
+                assert_eq!(per_span, t.spans.len() == 1, "{rows:?}: {t:?}");
                 for r in t.rows.clone() {
                     assert!(t.rows.clone().all(|q| rows[q].0 == rows[r].0), "one sequence a task: {t:?}");
+                    let (lo, pos) = (first_seen(rows[r].1, window), rows[r].1);
                     for h in t.heads.clone() {
                         assert_eq!(h / group, t.kv, "{t:?}");
-                        seen[r * kv_heads * group + h] += 1;
+                        for s in (lo / split.span..=pos / split.span).filter(|s| t.spans.contains(s)) {
+                            seen[((r * kv_heads * group) + h) * n + s] += 1;
+                        }
                     }
                 }
             }
-            assert!(seen.iter().all(|&n| n == 1), "{rows:?}: {seen:?}");
+            for r in 0..rows.len() {
+                let (lo, pos) = (first_seen(rows[r].1, window), rows[r].1);
+                for h in 0..kv_heads * group {
+                    for s in lo / split.span..=pos / split.span {
+                        assert_eq!(seen[((r * kv_heads * group) + h) * n + s], 1, "{rows:?}: row {r} head {h} span {s}");
+                    }
+                }
+            }
         }
     }
 }

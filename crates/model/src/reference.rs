@@ -11,7 +11,7 @@
 use half::f16;
 
 use crate::Llama;
-use crate::forward::{activate, rms_norm, rope, softmax_in_place};
+use crate::forward::{ROW_EXTRA, activate, fold_span, fold_start, rms_norm, rope, softmax_in_place};
 use crate::kernels::{axpy_kv, dot_kv};
 use crate::matmul::{MatmulScratch, matmul};
 
@@ -55,16 +55,26 @@ impl Llama {
             st.k[li].extend(k.iter().map(|&a| f16::from_f32(a)));
             st.v[li].extend(v.iter().map(|&a| f16::from_f32(a)));
             let mut att = vec![0.0; q_dim];
+            let span = self.split.span;
             for h in 0..c.heads {
                 let g = h / c.group();
                 let qh = &q[h * hd..(h + 1) * hd];
                 let at = |p: usize| p * kv_dim + g * hd..p * kv_dim + (g + 1) * hd;
-                // Positions outside a sliding window take no part.
-                let mut w: Vec<f32> = (lo..=pos).map(|p| dot_kv(self.isa, &st.k[li][at(p)], qh) * c.attn_scale).collect();
-                softmax_in_place(self.isa, &mut w);
-                for (p, &wp) in (lo..=pos).zip(&w) {
-                    axpy_kv(self.isa, &mut att[h * hd..(h + 1) * hd], wp, &st.v[li][at(p)]);
+                // Positions outside a sliding window take no part; the rest in key spans,
+                // each a softmax of its own, folded in order.
+                let mut acc = vec![0.0; hd + ROW_EXTRA];
+                fold_start(&mut acc);
+                for s in lo / span..=pos / span {
+                    let keys = (s * span).max(lo)..((s + 1) * span).min(pos + 1);
+                    let mut w: Vec<f32> = keys.clone().map(|p| dot_kv(self.isa, &st.k[li][at(p)], qh) * c.attn_scale).collect();
+                    let stats = softmax_in_place(self.isa, &mut w);
+                    let mut o = vec![0.0; hd];
+                    for (p, &wp) in keys.zip(&w) {
+                        axpy_kv(self.isa, &mut o, wp, &st.v[li][at(p)]);
+                    }
+                    fold_span(self.isa, &mut acc, &o, stats);
                 }
+                att[h * hd..(h + 1) * hd].copy_from_slice(&acc[..hd]);
             }
             let mut o = vec![0.0; c.hidden];
             matmul(self.isa, &[&l.wo], &att, 1, &mut s, &mut [&mut o]);

@@ -242,3 +242,67 @@ fn positions_past_the_context_or_unreserved_and_bad_tokens_are_errors_not_panics
     let e = m.forward(&mut pool, &mut [SeqInput { kv: &mut small, tokens: &[1; 20], logit_rows: 1 }]).unwrap_err();
     assert!(matches!(e, ModelError::Kv(_)), "{e}");
 }
+
+/// Logits at every position of `tokens` from the paged pass: prefill in chunks of `chunk`
+/// (each row's logits), then one token a step, `seqs` copies of the sequence decoding side
+/// by side in one batch. Every copy must give the same logits; the first copy's returned.
+fn paged_every_position(m: &Llama, tokens: &[u32], page_size: usize, chunk: usize, decoded: usize, seqs: usize) -> Vec<Vec<f32>> {
+    let vocab = m.config.vocab;
+    let mut pool = KvPool::new(PoolConfig { layout: m.kv_layout(page_size), pages: 64, checks: KvChecks::all() }).unwrap();
+    let mut kvs: Vec<SequenceKv> = (0..seqs).map(|i| SequenceKv::new(RequestId(i as u64))).collect();
+    for kv in &mut kvs {
+        kv.reserve(&mut pool, tokens.len()).unwrap();
+    }
+    let prefilled = tokens.len() - decoded;
+    let mut out = Vec::new();
+    for c in tokens[..prefilled].chunks(chunk) {
+        for (i, kv) in kvs.iter_mut().enumerate() {
+            let l = m.forward(&mut pool, &mut [SeqInput { kv, tokens: c, logit_rows: c.len() }]).unwrap();
+            if i == 0 {
+                out.extend(l.chunks(vocab).map(<[f32]>::to_vec));
+            }
+        }
+    }
+    for t in &tokens[prefilled..] {
+        let one = [*t];
+        let mut inputs: Vec<SeqInput> = kvs.iter_mut().map(|kv| SeqInput { kv, tokens: &one, logit_rows: 1 }).collect();
+        let l = m.forward(&mut pool, &mut inputs).unwrap();
+        assert!(l.chunks(vocab).all(|r| r == &l[..vocab]), "copies of one sequence differ in a batch");
+        out.push(l[..vocab].to_vec());
+    }
+    out
+}
+
+/// A row's keys split at fixed positions (the key span), each span's softmax folded into
+/// the next: prefill whole or in chunks, decode alone or batched, its spans in one task or
+/// in tasks of their own (as a long decode row's are), on one thread or two, with pages
+/// that do not divide the span, all give the reference pass's bits; and rows past the first
+/// span differ from an unsplit softmax (the split is reached), rows within it do not.
+#[test]
+fn key_spans_fold_to_the_same_bits_in_every_path_and_every_split() {
+    let tokens: Vec<u32> = (0..45).map(|i| (i * 11 % VOCAB) as u32).collect();
+    for (arch, window) in [("llama", None), ("gemma3", Some(13))] {
+        // F32 weights: no 8-bit activations between layers to round a fold's last bits away.
+        let w = support::model(GgmlType::F32, arch, SMALL, window);
+        let f = GgufFile::parse(w.to_bytes()).unwrap();
+        let unsplit = paged_every_position(&Llama::from_gguf(&f, 2).unwrap(), &tokens, 8, 45, 0, 1);
+        for (threads, shared_bytes) in [(1, 0), (2, 0), (2, usize::MAX)] {
+            let mut m = Llama::from_gguf(&f, threads).unwrap();
+            m.set_key_split(bulkhead_model::KeySplit { span: 8, shared_bytes });
+            let mut st = ReferenceState::default();
+            let want: Vec<Vec<f32>> = tokens.iter().map(|&t| m.reference_step(&mut st, t)).collect();
+            assert!(want[..8] == unsplit[..8], "{arch}: rows within the first span keep an unsplit softmax's bits");
+            // (Gemma 3's GELU goes through an f16 table, which can round a fold's last bits away.)
+            assert!((8..45).any(|p| want[p] != unsplit[p]), "{arch}: rows past it fold spans");
+            for (page_size, chunk, decoded, seqs) in [(8, 45, 0, 1), (5, 7, 20, 1), (3, 45, 12, 3)] {
+                let got = paged_every_position(&m, &tokens, page_size, chunk, decoded, seqs);
+                for (p, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        g == w,
+                        "{arch} {threads} threads, split from {shared_bytes} bytes, pages of {page_size}, chunks of {chunk}, {decoded} decoded, batch {seqs}: position {p}"
+                    );
+                }
+            }
+        }
+    }
+}
