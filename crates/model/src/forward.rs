@@ -383,53 +383,32 @@ struct AttnTask {
     kv: usize,
     /// Query heads, all of them `kv`'s.
     heads: std::ops::Range<usize>,
-    /// Key spans ([`KeySplit::span`] positions each): all of them, or one of a decode row
+    /// Key spans ([`KEY_SPAN`] positions each): all of them, or one of a decode row
     /// whose spans are tasks of their own.
     spans: std::ops::Range<usize>,
 }
 
-/// Positions per key span, [`KeySplit::span`]'s default.
-const KEY_SPAN: usize = 4096;
+/// Positions per key span: attention splits a row's keys at multiples of this. Each span's
+/// softmax and weighted sum are computed alone and folded in position order
+/// ([`fold_span`]), so the split points, fixed by position, decide a row's bits and nothing
+/// else does: not the batch, not the threads, not the tasks. Rows within the first span
+/// keep an unsplit softmax's bits.
+pub const KEY_SPAN: usize = 4096;
 
-/// [`KeySplit::shared_bytes`]'s default. Measured on the Zen 4 (its L3: 32 MB) with Gemma 3
-/// 270M: at 16k positions (16 MB) a task per query head decoded 1.10× faster than two
-/// heads a task, at 32k (32 MB) two heads a task 1.20× faster.
-const SHARED_KV_BYTES: usize = 24 << 20;
-
-/// Where attention splits a row's keys, and when a decode row's key spans become tasks of
-/// their own. Each span's softmax and weighted sum are computed alone and folded in
-/// position order ([`fold_span`]), so the split points, fixed by position, decide a row's
-/// bits and nothing else does: not the batch, not the threads, not the tasks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct KeySplit {
-    /// Positions per span: a row's keys split at its multiples (rows within the first span
-    /// keep an unsplit softmax's bits).
-    pub span: usize,
-    /// From this many bytes of K and V per layer and KV head (f16: 4 · head_dim a position),
-    /// past what a last-level cache holds, a decode row's spans become tasks of their own,
-    /// each for all of a KV head's query heads: the threads read the pages from memory once
-    /// between them. Below it each query head is a task, and its reads hit the cache.
-    pub shared_bytes: usize,
-}
-
-impl Default for KeySplit {
-    fn default() -> Self {
-        KeySplit { span: KEY_SPAN, shared_bytes: SHARED_KV_BYTES }
-    }
-}
-
-/// The attention tasks of a step over `rows` (sequence, position) at a layer with `window`:
-/// blocks of up to [`ATTN_ROWS`] consecutive rows of a sequence, per KV head, each for all
-/// of that head's `group` query heads, so that they share each page's read. A decode step
-/// (one row a sequence) gives each query head its own task while the keys it sees fit in
-/// cache (more tasks to share among the threads; the pages are read again from cache), and
-/// from [`KeySplit::shared_bytes`] each of the row's key spans a task of all `group` heads.
-/// Which rows, heads and spans a task holds does not change any row's bits.
+/// The attention tasks of a step over `rows` (sequence, position) at a layer with `window`,
+/// in key spans of `span` positions: blocks of up to [`ATTN_ROWS`] consecutive rows of a
+/// sequence, per KV head, each for all of that head's `group` query heads, so that they
+/// share each page's read. A decode step (one row a sequence) gives each query head its own
+/// task while the keys a row sees lie in one span (more tasks to share among the threads;
+/// the pages come again from cache), and each of a longer row's spans a task of all `group`
+/// heads, which read the pages once between them (Gemma 3 270M on the Zen 4: 1.03–1.05× at
+/// 8k of context, 1.19–1.24× at 16k, against a task per head). Which rows, heads and spans
+/// a task holds does not change any row's bits.
 fn attention_tasks(
     rows: &[(usize, usize)],
-    (kv_heads, group, head_dim): (usize, usize, usize),
+    (kv_heads, group): (usize, usize),
     window: Option<usize>,
-    split: KeySplit,
+    span: usize,
     tasks: &mut Vec<AttnTask>,
 ) {
     tasks.clear();
@@ -444,9 +423,9 @@ fn attention_tasks(
         let pos = rows[r0].1;
         let first = first_seen(pos, window);
         let per = match decode {
-            true if (pos + 1 - first) * 4 * head_dim >= split.shared_bytes && first / split.span < pos / split.span => {
+            true if first / span < pos / span => {
                 for kv in 0..kv_heads {
-                    for s in first / split.span..=pos / split.span {
+                    for s in first / span..=pos / span {
                         tasks.push(AttnTask { rows: r0..r1, kv, heads: kv * group..(kv + 1) * group, spans: s..s + 1 });
                     }
                 }
@@ -473,7 +452,7 @@ struct AttnAt {
     scale: f32,
     /// Keys a query sees, its own included (a sliding-window layer); `None`: all before it.
     window: Option<usize>,
-    /// Positions per key span ([`KeySplit::span`]).
+    /// Positions per key span ([`KEY_SPAN`]).
     span: usize,
     /// Positions per KV page.
     page_size: usize,
@@ -642,7 +621,7 @@ impl Llama {
     /// Size every compute thread's attention buffers for sequences of up to `context`
     /// tokens in `page_size`-token pages, so that steps never grow them as contexts grow.
     pub fn reserve_attention(&self, context: usize, page_size: usize) {
-        let (head_dim, rows, keys) = (self.config.head_dim, self.config.group() * ATTN_ROWS, context.min(self.split.span));
+        let (head_dim, rows, keys) = (self.config.head_dim, self.config.group() * ATTN_ROWS, context.min(self.key_span));
         for pool in std::iter::once(&self.threads).chain(&self.narrow) {
             pool.broadcast(|_| TASK.with_borrow_mut(|t| t.reserve(rows, keys, page_size, head_dim)));
         }
@@ -736,10 +715,10 @@ impl Llama {
                     layer: li,
                     scale: c.attn_scale,
                     window: c.window(li),
-                    span: self.split.span,
+                    span: self.key_span,
                     page_size: pool.layout().page_size,
                 };
-                attention_tasks(rows, (c.kv_heads, group, hd), at.window, self.split, tasks);
+                attention_tasks(rows, (c.kv_heads, group), at.window, at.span, tasks);
                 let task_values = tasks.iter().map(|a| a.rows.len() * a.heads.len() * row_values).max().unwrap_or(0).max(1);
                 for (r, &(s, pos)) in rows.iter().enumerate() {
                     let (lease, slot) = seqs[s].kv.locate(pos)?;
@@ -907,27 +886,24 @@ mod tests {
     use super::*;
 
     /// Every (row, query head, key span) is in exactly one task, with its own KV head; how
-    /// many heads and spans a task holds follows the step's kind, the keys the row sees and
-    /// their bytes.
+    /// many heads and spans a task holds follows the step's kind and the keys the row sees.
     #[test]
     fn attention_tasks_cover_every_row_head_and_span_once() {
-        let (kv_heads, group, head_dim) = (2, 4, 256);
-        let split = KeySplit::default();
-        let long = split.shared_bytes / (4 * head_dim);
-        let spans = |pos: usize| long.div_ceil(split.span).max(pos / split.span + 1);
+        let (kv_heads, group, span) = (2, 4, KEY_SPAN);
+        let long = 6 * span + 600;
         // Rows, window, heads a task, whether a task takes one span (or all).
         type Step<'a> = (&'a [(usize, usize)], Option<usize>, usize, bool);
         let steps: [Step; 5] = [
-            (&[(0, 0), (0, 1), (0, 2), (1, 5)], None, group, false), // prefill rows of two sequences
-            (&[(0, 7), (1, 9)], None, 1, false),                     // decode, short contexts
-            (&[(0, long), (1, long + 3)], None, group, true),        // decode past the bytes: a task a span
-            (&[(0, long - 2)], None, 1, false),                      // one position short of the bytes
-            (&[(0, long)], Some(512), 1, false),                     // a window's keys fit whatever the position
+            (&[(0, 0), (0, 1), (0, 2), (1, long)], None, group, false), // prefill rows of two sequences
+            (&[(0, 7), (1, 9)], None, 1, false),                        // decode, short contexts
+            (&[(0, long), (1, span)], None, group, true),               // decode past one span: a task a span
+            (&[(0, span - 1)], None, 1, false),                         // the first span's last position
+            (&[(0, long)], Some(512), 1, false),                        // a window within one span
         ];
         for (rows, window, heads, per_span) in steps {
             let mut tasks = Vec::new();
-            attention_tasks(rows, (kv_heads, group, head_dim), window, split, &mut tasks);
-            let n = spans(rows.iter().map(|r| r.1).max().unwrap_or(0));
+            attention_tasks(rows, (kv_heads, group), window, span, &mut tasks);
+            let n = rows.iter().map(|r| r.1).max().unwrap_or(0) / span + 1;
             let mut seen = vec![0; rows.len() * kv_heads * group * n];
             for t in &tasks {
                 assert_eq!(t.heads.len(), heads, "{rows:?}: {t:?}");
@@ -937,7 +913,7 @@ mod tests {
                     let (lo, pos) = (first_seen(rows[r].1, window), rows[r].1);
                     for h in t.heads.clone() {
                         assert_eq!(h / group, t.kv, "{t:?}");
-                        for s in (lo / split.span..=pos / split.span).filter(|s| t.spans.contains(s)) {
+                        for s in (lo / span..=pos / span).filter(|s| t.spans.contains(s)) {
                             seen[((r * kv_heads * group) + h) * n + s] += 1;
                         }
                     }
@@ -946,7 +922,7 @@ mod tests {
             for r in 0..rows.len() {
                 let (lo, pos) = (first_seen(rows[r].1, window), rows[r].1);
                 for h in 0..kv_heads * group {
-                    for s in lo / split.span..=pos / split.span {
+                    for s in lo / span..=pos / span {
                         assert_eq!(seen[((r * kv_heads * group) + h) * n + s], 1, "{rows:?}: row {r} head {h} span {s}");
                     }
                 }

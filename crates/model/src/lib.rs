@@ -37,7 +37,7 @@ use bulkhead_gguf::{GgufError, GgufFile};
 use bulkhead_kv::{KvError, KvLayout};
 
 pub use config::{Activation, Arch, LlamaConfig, RopeStyle};
-pub use forward::{KeySplit, SeqInput};
+pub use forward::{KEY_SPAN, SeqInput};
 pub use kernels::{Isa, IsaLevel, Sums};
 pub use weights::Weights;
 
@@ -92,8 +92,8 @@ pub struct Llama {
     scratch: std::sync::Mutex<forward::ForwardScratch>,
     /// How a forward pass shares the cores with another worker's (see [`CoreShare`]).
     share: Option<std::sync::Arc<dyn CoreShare>>,
-    /// Where attention splits a row's keys.
-    split: KeySplit,
+    /// Positions per attention key span ([`KEY_SPAN`]).
+    key_span: usize,
 }
 
 /// How a forward pass shares this host's cores with another worker process's (the core
@@ -149,16 +149,7 @@ impl Llama {
             .thread_name(|i| format!("bulkhead-compute-{i}"))
             .build()
             .map_err(|e| ModelError::Threads { threads, why: e.to_string() })?;
-        Ok(Llama {
-            config,
-            weights,
-            isa,
-            threads: pool,
-            narrow: None,
-            scratch: Default::default(),
-            share: None,
-            split: KeySplit::default(),
-        })
+        Ok(Llama { config, weights, isa, threads: pool, narrow: None, scratch: Default::default(), share: None, key_span: KEY_SPAN })
     }
 
     /// Use another instruction set (tests compare the portable path with the SIMD one).
@@ -178,12 +169,11 @@ impl Llama {
         self.isa = isa;
     }
 
-    /// Split attention's keys elsewhere. The span decides the bits of rows past its first
-    /// span (in the paged pass and the reference pass alike): tests shrink it, and the
-    /// shared-bytes threshold, to reach several spans and split decode rows with short
-    /// sequences.
-    pub fn set_key_split(&mut self, split: KeySplit) {
-        self.split = KeySplit { span: split.span.max(1), ..split };
+    /// Split attention's keys every `span` positions instead of [`KEY_SPAN`]. The span
+    /// decides the bits of rows past the first span (in the paged pass and the reference
+    /// pass alike): tests shrink it to reach several spans with short sequences.
+    pub fn set_key_span(&mut self, span: usize) {
+        self.key_span = span.max(1);
     }
 
     /// Share the cores with another worker's forward passes through `share` (workers on one

@@ -55,7 +55,7 @@ impl Llama {
             st.k[li].extend(k.iter().map(|&a| f16::from_f32(a)));
             st.v[li].extend(v.iter().map(|&a| f16::from_f32(a)));
             let mut att = vec![0.0; q_dim];
-            let span = self.split.span;
+            let span = self.key_span;
             for h in 0..c.heads {
                 let g = h / c.group();
                 let qh = &q[h * hd..(h + 1) * hd];
