@@ -17,12 +17,18 @@ pub(super) enum Elems {
     Vec(Vec<f16>),
 }
 
+/// Pools from this size up get a map of their own: one huge page.
+const HUGE_PAGE: usize = 2 << 20;
+
 impl Elems {
     /// `len` elements, each `fill`, every byte written now (so a pool too large for the
     /// host fails at start-up, not at its first long request). `None`: no memory for them.
     pub(super) fn new(len: usize, fill: f16) -> Option<Elems> {
         let bytes = len.checked_mul(2)?;
-        if let Ok(mut map) = memmap2::MmapMut::map_anon(bytes) {
+        // Below one huge page a map gains nothing and costs system calls (the model
+        // checker makes pools of a few bytes by the million).
+        let map = if bytes >= HUGE_PAGE { memmap2::MmapMut::map_anon(bytes).ok() } else { None };
+        if let Some(mut map) = map {
             // A hint: without transparent huge pages the kernel refuses it and 4 KB pages serve.
             #[cfg(target_os = "linux")]
             let _ = map.advise(memmap2::Advice::HugePage);
@@ -64,13 +70,17 @@ mod tests {
 
     #[test]
     fn elements_hold_their_fill_and_what_is_written() {
-        for len in [1, 4099, 3 << 20] {
+        for len in [HUGE_PAGE / 2, 3 << 20] {
             let mut e = Elems::new(len, f16::from_f32(-2.5)).expect("memory for a test pool");
             assert_eq!(e.len(), len);
             assert!(e.iter().all(|x| x.to_f32() == -2.5));
             e[len - 1] = f16::from_f32(7.0);
             assert_eq!(e[len - 1].to_f32(), 7.0);
             assert!(matches!(e, Elems::Map(_)), "an anonymous map where the OS makes one");
+        }
+        for len in [1, 4099] {
+            let e = Elems::new(len, f16::from_f32(-2.5)).expect("memory for a test pool");
+            assert!(matches!(e, Elems::Vec(_)) && e.len() == len && e.iter().all(|x| x.to_f32() == -2.5), "small pools in ordinary memory");
         }
     }
 }
