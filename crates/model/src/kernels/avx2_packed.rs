@@ -231,15 +231,20 @@ unsafe fn half_q4k<const FIVE: bool, const N: usize>(g: *const u8, nsb: usize, h
                     }
                 }
                 let sc = scale_pairs(p.add(Q4K_SC + GROUP * j), h);
-                let mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(Q4K_MN + GROUP * j + HALF * h).cast()));
+                // `dmin · mn` is exact in f32 (an f16 times a 6-bit integer), and so is
+                // `mn · a` (below 2^24): `(dmin · mn) · a` rounds the scalar kernel's
+                // `dmin · (mn · a)` once, bit for bit, without an integer multiply a row.
+                let dm = _mm256_mul_ps(
+                    dmin,
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(Q4K_MN + GROUP * j + HALF * h).cast()))),
+                );
                 for n in 0..N {
                     let mut is = _mm256_madd_epi16(lo[n], sc);
                     if FIVE {
                         is = _mm256_add_epi32(is, _mm256_madd_epi16(hi[n], sc));
                     }
-                    let a = *acts.sums.get_unchecked(2 * blk(n)) + *acts.sums.get_unchecked(2 * blk(n) + 1);
-                    let ms = _mm256_mullo_epi32(mn, _mm256_set1_epi32(a));
-                    let t = _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(is)), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(ms)));
+                    let a = (*acts.sums.get_unchecked(2 * blk(n)) + *acts.sums.get_unchecked(2 * blk(n) + 1)) as f32;
+                    let t = _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(is)), _mm256_mul_ps(dm, _mm256_set1_ps(a)));
                     part[n] = _mm256_add_ps(part[n], _mm256_mul_ps(_mm256_set1_ps(*acts.d.get_unchecked(blk(n))), t));
                 }
             }

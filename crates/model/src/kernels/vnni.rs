@@ -215,8 +215,7 @@ unsafe fn group_q4k<const FIVE: bool, const N: usize, const BLOCKS: bool>(
             for j in 0..8 {
                 let blk = |n: usize| (first + n) * nb + sb * 8 + j;
                 let dd: [__m512; N] = std::array::from_fn(|n| _mm512_mul_ps(d, _mm512_set1_ps(*acts.d.get_unchecked(blk(n)))));
-                let sc_int = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(Q4K_SC + GROUP * j).cast()));
-                let sc = _mm512_cvtepi32_ps(sc_int);
+                let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(Q4K_SC + GROUP * j).cast())));
                 let mut isum = [zero; N];
                 for k in 0..8 {
                     let v = _mm512_loadu_si512(p.add(Q4K_QS + (8 * (j / 2) + k) * 4 * GROUP).cast());
@@ -237,11 +236,16 @@ unsafe fn group_q4k<const FIVE: bool, const N: usize, const BLOCKS: bool>(
                     }
                 }
                 if BLOCKS {
-                    let mn = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(Q4K_MN + GROUP * j).cast()));
+                    // The scalar kernel's `d · (I · sc) - dmin · (mn · a)` with the scales
+                    // applied first: an f16 times a 6-bit integer is exact in f32, and so are
+                    // `I · sc` and `mn · a` (below 2^24), so `(d · sc) · I` rounds the same real
+                    // number once, bit for bit, and two integer multiplies a row leave the loop.
+                    let ds = _mm512_mul_ps(d, sc);
+                    let dm =
+                        _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(Q4K_MN + GROUP * j).cast()))));
                     for n in 0..N {
-                        let a = *acts.sums.get_unchecked(2 * blk(n)) + *acts.sums.get_unchecked(2 * blk(n) + 1);
-                        let (is, ms) = (_mm512_mullo_epi32(isum[n], sc_int), _mm512_mullo_epi32(mn, _mm512_set1_epi32(a)));
-                        let t = _mm512_sub_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(is)), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(ms)));
+                        let a = (*acts.sums.get_unchecked(2 * blk(n)) + *acts.sums.get_unchecked(2 * blk(n) + 1)) as f32;
+                        let t = _mm512_sub_ps(_mm512_mul_ps(ds, _mm512_cvtepi32_ps(isum[n])), _mm512_mul_ps(dm, _mm512_set1_ps(a)));
                         part[n] = _mm512_add_ps(part[n], _mm512_mul_ps(_mm512_set1_ps(*acts.d.get_unchecked(blk(n))), t));
                     }
                 }
