@@ -5,6 +5,7 @@
 use std::time::Instant;
 
 use bulkhead_kv::{KvChecks, KvPool, PoolConfig, RequestId, SequenceKv};
+use bulkhead_model::kernels::int8_dot_chains;
 use bulkhead_model::{Isa, IsaLevel, Llama, SeqInput, Sums};
 use clap::Args;
 
@@ -113,37 +114,49 @@ fn prefill_tps(m: &Llama, pool: &mut KvPool, n: usize) -> anyhow::Result<f64> {
     Ok(n as f64 / s)
 }
 
+/// Units of work per second `threads` threads do together, each running `work(thread)`,
+/// which returns its units: best of three passes.
+fn best_rate(threads: usize, work: impl Fn(usize) -> u64 + Sync) -> f64 {
+    let pass = || {
+        let t = Instant::now();
+        let units: u64 = std::thread::scope(|sc| {
+            let work = &work;
+            let parts: Vec<_> = (0..threads.max(1)).map(|i| sc.spawn(move || work(i))).collect();
+            parts.into_iter().map(|h| h.join().unwrap_or(0)).sum()
+        });
+        units as f64 / t.elapsed().as_secs_f64()
+    };
+    (0..3).map(|_| pass()).fold(0.0, f64::max)
+}
+
 /// Bytes read per second by `threads` threads each summing its share of a buffer far larger
 /// than the caches (a plain read loop: the memory wall a batch-1 decode step, which reads
-/// every weight once, runs into). Best of three passes.
+/// every weight once, runs into).
 pub(crate) fn read_bandwidth(threads: usize) -> f64 {
     const BYTES: usize = 512 << 20;
     let words: Vec<u64> = (0..BYTES / 8).map(|i| i as u64).collect();
     let share = words.len().div_ceil(threads.max(1));
-    let pass = || {
-        let t = Instant::now();
-        let total: u64 = std::thread::scope(|sc| {
-            let parts: Vec<_> = words
-                .chunks(share)
-                .map(|part| {
-                    sc.spawn(move || {
-                        // Eight independent sums: the loads, not an add chain, set the pace.
-                        let mut acc = [0u64; 8];
-                        for c in part.chunks_exact(8) {
-                            for (a, x) in acc.iter_mut().zip(c) {
-                                *a = a.wrapping_add(*x);
-                            }
-                        }
-                        acc.iter().fold(0u64, |s, a| s.wrapping_add(*a))
-                    })
-                })
-                .collect();
-            parts.into_iter().map(|h| h.join().unwrap_or(0)).fold(0u64, u64::wrapping_add)
-        });
-        std::hint::black_box(total);
-        BYTES as f64 / t.elapsed().as_secs_f64()
-    };
-    (0..3).map(|_| pass()).fold(0.0, f64::max)
+    best_rate(threads, |i| {
+        let part = words.chunks(share).nth(i).unwrap_or_default();
+        // Eight independent sums: the loads, not an add chain, set the pace.
+        let mut acc = [0u64; 8];
+        for c in part.chunks_exact(8) {
+            for (a, x) in acc.iter_mut().zip(c) {
+                *a = a.wrapping_add(*x);
+            }
+        }
+        std::hint::black_box(acc);
+        8 * part.len() as u64
+    })
+}
+
+/// Integer multiply-adds per second `threads` threads do with the ISA's integer-dot
+/// instruction alone (`kernels::int8_dot_chains`): the compute wall a prefill's quantised
+/// matrices run into. `None` where the ISA has none.
+fn int8_dot_peak(isa: Isa, threads: usize) -> Option<f64> {
+    const ROUNDS: u64 = 20_000_000;
+    int8_dot_chains(isa, 1)?;
+    Some(best_rate(threads, |_| int8_dot_chains(isa, ROUNDS).unwrap_or(0)))
 }
 
 /// Bytes one decode step of `batch` sequences at `ctx` tokens of context reads: the
@@ -329,6 +342,12 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     // slack of one decode sequence (its last page's unused slots).
     // The memory wall: what these threads can read, and what each decode figure reads.
     let wall = read_bandwidth(m.threads());
+    // The compute wall: what the integer-dot instruction alone does, and what the prefill's
+    // matrices did.
+    let peak = int8_dot_peak(m.isa(), m.threads());
+    let prefill_macs = m.weights.prefill_matrix_macs(a.prompt_tokens) as f64 * prefill / a.prompt_tokens as f64;
+    // A decoded token runs every matrix and the head once.
+    let token_macs = m.weights.prefill_matrix_macs(1) as f64;
     let read = |b: usize, v: f64| bytes_per_step(&m, layout.bytes_per_token(), b, a.decode_context + a.decode_steps / 2) * v / b as f64;
     let c = &m.config;
     let theoretical = 2 * c.layers * c.kv_heads * c.head_dim * 2;
@@ -345,11 +364,14 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
             "threads": m.threads(),
             "prompt_tokens": a.prompt_tokens,
             "prefill_tok_s": prefill,
+            "int8_dot_peak_g_per_s": peak.map(|p| p / 1e9),
+            "prefill_matrix_g_macs_per_s": prefill_macs / 1e9,
+            "prefill_of_int8_peak": peak.map(|p| prefill_macs / p),
             "decode_context": a.decode_context,
             "decode_steps": a.decode_steps,
             "read_bandwidth_gb_s": wall / 1e9,
             "weight_bytes_per_step": m.weights.streamed_bytes_per_step(),
-            "decode_tok_s": decode.iter().map(|&(b, v)| serde_json::json!({"batch": b, "tok_s": v, "read_gb_s": read(b, v) / 1e9, "of_bandwidth": read(b, v) / wall})).collect::<Vec<_>>(),
+            "decode_tok_s": decode.iter().map(|&(b, v)| serde_json::json!({"batch": b, "tok_s": v, "read_gb_s": read(b, v) / 1e9, "of_bandwidth": read(b, v) / wall, "of_int8_peak": peak.map(|p| token_macs * v / p)})).collect::<Vec<_>>(),
         });
         println!("{j}");
     } else {
@@ -373,15 +395,31 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
             kv_bytes_read(&m, layout.bytes_per_token(), a.decode_context + a.decode_steps / 2) as f64 / 1e6,
             a.decode_context + a.decode_steps / 2
         );
-        println!("prefill {:>5} tokens          {prefill:8.1} tok/s", a.prompt_tokens);
+        if let Some(p) = peak {
+            println!(
+                "compute wall: {:.1} G int8 multiply-adds a second by {} threads ({} chains alone)",
+                p / 1e9,
+                m.threads(),
+                if m.isa().level() == IsaLevel::Avx512Vnni { "vpdpbusd" } else { "vpmaddubsw" }
+            );
+        }
+        print!("prefill {:>5} tokens          {prefill:8.1} tok/s", a.prompt_tokens);
+        match peak {
+            Some(p) => println!(", matrices {:5.1} G multiply-adds/s = {:.2} of the compute wall", prefill_macs / 1e9, prefill_macs / p),
+            None => println!(),
+        }
         for (b, v) in decode {
             let r = read(b, v);
-            println!(
+            print!(
                 "decode  batch {b:>3} (ctx {:>4})   {v:8.1} tok/s aggregate, reads {:5.1} GB/s = {:.2} of the wall",
                 a.decode_context,
                 r / 1e9,
                 r / wall
             );
+            match peak {
+                Some(p) => println!(", {:.2} of the compute wall", token_macs * v / p),
+                None => println!(),
+            }
         }
     }
     Ok(())

@@ -287,8 +287,13 @@ pub struct Layer {
 }
 
 impl Layer {
-    /// The matrices' tensor names in a block, in the order of [`Weights::matrices`].
+    /// The matrices' tensor names in a block, in the order of [`Layer::matrices`].
     const MATRICES: [&'static str; 7] = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"];
+
+    /// The block's matrices, in the order of [`Layer::MATRICES`].
+    pub fn matrices(&self) -> [&Matrix; 7] {
+        [&self.wq, &self.wk, &self.wv, &self.wo, &self.w_gate, &self.w_up, &self.w_down]
+    }
 }
 
 /// All weights of a model.
@@ -379,7 +384,7 @@ impl Weights {
     pub fn matrices(&self) -> Vec<(String, &Matrix)> {
         let mut out = Vec::new();
         for (i, l) in self.layers.iter().enumerate() {
-            for (s, m) in Layer::MATRICES.iter().zip([&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]) {
+            for (s, m) in Layer::MATRICES.iter().zip(l.matrices()) {
                 out.push((format!("blk.{i}.{s}.weight"), m));
             }
         }
@@ -434,8 +439,7 @@ impl Weights {
     /// kernels, on AVX2 or AVX-512 CPUs), `scalar`.
     pub fn kernels(&self, isa: Isa) -> Vec<(GgmlType, &'static str, usize)> {
         let mut by_type: std::collections::BTreeMap<String, (GgmlType, &'static str, usize)> = Default::default();
-        let layers = self.layers.iter().flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]);
-        for m in layers.chain(std::iter::once(self.output())) {
+        for m in self.layers.iter().flat_map(Layer::matrices).chain(std::iter::once(self.output())) {
             let kernel = match (m.is_packed(), isa.level()) {
                 (true, crate::kernels::IsaLevel::Avx2) => "avx2-packed",
                 (true, _) => "vnni512",
@@ -450,11 +454,7 @@ impl Weights {
 
     /// Total bytes of weights held.
     pub fn bytes(&self) -> usize {
-        let l: usize = self
-            .layers
-            .iter()
-            .map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().map(|m| m.bytes()).sum::<usize>())
-            .sum();
+        let l: usize = self.layers.iter().flat_map(Layer::matrices).map(Matrix::bytes).sum();
         l + self.embedding.bytes() + self.output.as_ref().map_or(0, Matrix::bytes)
     }
 
@@ -462,12 +462,16 @@ impl Weights {
     /// and the output head (token lookups read only their rows of the embedding). At batch
     /// 1 decode is a stream of these: the memory wall's numerator.
     pub fn streamed_bytes_per_step(&self) -> usize {
-        let l: usize = self
-            .layers
-            .iter()
-            .map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().map(|m| m.streamed_bytes()).sum::<usize>())
-            .sum();
+        let l: usize = self.layers.iter().flat_map(Layer::matrices).map(Matrix::streamed_bytes).sum();
         l + self.output().streamed_bytes()
+    }
+
+    /// Multiply-adds in the matrices of a prefill of `tokens` tokens that ends in one row of
+    /// logits: every layer's matrices for every token, the output head once (attention's
+    /// are not counted). Over a measured time, the numerator of the compute wall's share.
+    pub fn prefill_matrix_macs(&self, tokens: usize) -> usize {
+        let per_token: usize = self.layers.iter().flat_map(Layer::matrices).map(|m| m.rows * m.cols).sum();
+        per_token * tokens + self.output().rows * self.output().cols
     }
 }
 

@@ -512,6 +512,30 @@ pub(super) fn quantize(x: &[f32], d: &mut [f32], s: &mut [f32], qs: &mut [i8]) {
     unsafe { quantize_impl(x, d, s, qs) }
 }
 
+/// `rounds` rounds of twelve independent `vpmaddubsw` (32 u8 × i8 multiply-adds each, pairs
+/// summed in i16), the AVX2 kernels' integer product with nothing around it: the compute
+/// wall their prefill figures are held against. Returns the multiply-adds done.
+#[target_feature(enable = "avx2")]
+fn dot_chains_impl(rounds: u64) -> u64 {
+    let a = std::hint::black_box(_mm256_set1_epi8(5));
+    let mut acc = [std::hint::black_box(_mm256_set1_epi8(3)); 12];
+    for _ in 0..rounds {
+        for x in acc.iter_mut() {
+            // Each product's bytes feed the next (the values do not matter): twelve chains
+            // the compiler cannot hoist, enough to cover the instruction's latency.
+            *x = _mm256_maddubs_epi16(*x, a);
+        }
+    }
+    std::hint::black_box(acc);
+    rounds * 12 * 32
+}
+
+/// See [`dot_chains_impl`].
+pub(super) fn dot_chains(rounds: u64) -> u64 {
+    // SAFETY: only reached through an Isa at level Avx2 or Avx512Vnni, which only detection of AVX2, FMA and F16C makes.
+    unsafe { dot_chains_impl(rounds) }
+}
+
 /// Element types attention reads: f16 (pool storage) and f32 (a page converted once).
 pub trait Lanes: Copy {
     /// Eight elements at `p`, as f32.

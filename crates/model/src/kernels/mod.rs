@@ -304,6 +304,20 @@ mod private {
     impl Both for f32 {}
 }
 
+/// Integer multiply-adds one thread does in `rounds` rounds of independent chains of the
+/// ISA's integer-dot instruction alone (`vpdpbusd` with AVX-512 VNNI, `vpmaddubsw` with AVX2):
+/// timed, it is the compute wall of the quantised matrix kernels. `None` on the scalar level,
+/// which has no such instruction.
+pub fn int8_dot_chains(isa: Isa, rounds: u64) -> Option<u64> {
+    match isa.level() {
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx512Vnni => Some(vnni::dot_chains(rounds)),
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx2 => Some(avx2::dot_chains(rounds)),
+        _ => None,
+    }
+}
+
 /// `sum(k[i] * q[i])`.
 #[inline]
 pub fn dot_kv<T: KvElem>(isa: Isa, k: &[T], q: &[f32]) -> f32 {

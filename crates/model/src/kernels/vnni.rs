@@ -712,3 +712,25 @@ pub(super) fn exp_shifted(v: &mut [f32], max: f32) {
     // SAFETY: only reached through an Isa at level Avx512Vnni, which only detection of AVX2, FMA, F16C and AVX-512F/VL/BW/VNNI makes.
     unsafe { exp_shifted_impl(v, max) }
 }
+
+/// `rounds` rounds of twelve independent `vpdpbusd` chains (64 u8 × i8 multiply-adds each),
+/// the packed kernels' one arithmetic instruction with nothing around it: the compute wall
+/// their prefill figures are held against. Returns the multiply-adds done.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+fn dot_chains_impl(rounds: u64) -> u64 {
+    let (w, a) = (std::hint::black_box(_mm512_set1_epi8(3)), std::hint::black_box(_mm512_set1_epi8(5)));
+    let mut acc = [_mm512_setzero_si512(); 12];
+    for _ in 0..rounds {
+        for x in acc.iter_mut() {
+            *x = _mm512_dpbusd_epi32(*x, w, a);
+        }
+    }
+    std::hint::black_box(acc);
+    rounds * 12 * 64
+}
+
+/// See [`dot_chains_impl`].
+pub(super) fn dot_chains(rounds: u64) -> u64 {
+    // SAFETY: only reached through an Isa at level Avx512Vnni, which only detection of AVX2, FMA, F16C and AVX-512F/VL/BW/VNNI makes.
+    unsafe { dot_chains_impl(rounds) }
+}
