@@ -47,6 +47,7 @@
 
 mod cache;
 mod error;
+mod huge;
 mod ids;
 mod layout;
 mod pool;
@@ -55,6 +56,7 @@ pub mod transfer;
 
 pub use cache::{CacheStats, PrefixCache};
 pub use error::KvError;
+pub use huge::{HUGE_PAGE, huge_map};
 pub use ids::{Fence, Generation, PageId, PageKey, PoolId, RequestId};
 pub use layout::{KvChecks, KvLayout, PoolConfig};
 pub use pool::{CachedPage, KvPool, Lease, POISON, PageHandle, PageRead, PageReader, PageTag, PoolStats, Quarantined, SharedLease};

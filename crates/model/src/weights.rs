@@ -55,23 +55,13 @@ impl std::ops::Deref for Bytes {
     }
 }
 
-/// Matrices from this size up are worth a map of their own ([`Bytes::laid_out`]): one huge
-/// page.
-const HUGE_PAGE: usize = 2 << 20;
-
 impl Bytes {
-    /// A laid-out matrix's bytes. From [`HUGE_PAGE`] up they move into an anonymous map
-    /// advised for transparent huge pages: a batch-1 decode step reads every weight once,
-    /// and through 4 KB pages it read the 1B shape about 11% slower on the Zen 4
-    /// (BENCHMARKS.md). Where the map cannot be made, they stay where they are.
+    /// A laid-out matrix's bytes. From one huge page up they move into memory of their own
+    /// advised for transparent huge pages ([`bulkhead_kv::huge_map`]): a batch-1 decode step
+    /// reads every weight once, and through 4 KB pages it read the 1B shape about 11% slower
+    /// on the Zen 4 (BENCHMARKS.md). Where the map cannot be made, they stay where they are.
     pub(crate) fn laid_out(v: Vec<u8>) -> Bytes {
-        if v.len() < HUGE_PAGE {
-            return Bytes::Owned(v);
-        }
-        let Ok(mut map) = memmap2::MmapMut::map_anon(v.len()) else { return Bytes::Owned(v) };
-        // A hint: a kernel without transparent huge pages refuses it, and 4 KB pages serve.
-        #[cfg(target_os = "linux")]
-        let _ = map.advise(memmap2::Advice::HugePage);
+        let Some(mut map) = bulkhead_kv::huge_map(v.len()) else { return Bytes::Owned(v) };
         map.copy_from_slice(&v);
         map.make_read_only().map_or(Bytes::Owned(v), Bytes::Huge)
     }
@@ -478,6 +468,7 @@ impl Weights {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bulkhead_kv::HUGE_PAGE;
 
     #[test]
     fn laid_out_bytes_keep_their_values_in_a_map_of_their_own_from_a_huge_page_up() {

@@ -1,5 +1,5 @@
 //! Where the pool's K and V elements live: memory of their own, advised for transparent
-//! huge pages.
+//! huge pages ([`crate::huge_map`]).
 
 use half::f16;
 use zerocopy::FromBytes;
@@ -17,25 +17,15 @@ pub(super) enum Elems {
     Vec(Vec<f16>),
 }
 
-/// Pools from this size up get a map of their own: one huge page.
-const HUGE_PAGE: usize = 2 << 20;
-
 impl Elems {
     /// `len` elements, each `fill`, every byte written now (so a pool too large for the
     /// host fails at start-up, not at its first long request). `None`: no memory for them.
     pub(super) fn new(len: usize, fill: f16) -> Option<Elems> {
-        let bytes = len.checked_mul(2)?;
-        // Below one huge page a map gains nothing and costs system calls (the model
-        // checker makes pools of a few bytes by the million).
-        let map = if bytes >= HUGE_PAGE { memmap2::MmapMut::map_anon(bytes).ok() } else { None };
-        if let Some(mut map) = map {
-            // A hint: without transparent huge pages the kernel refuses it and 4 KB pages serve.
-            #[cfg(target_os = "linux")]
-            let _ = map.advise(memmap2::Advice::HugePage);
-            if let Ok(e) = <[f16]>::mut_from_bytes(&mut map) {
-                e.fill(fill);
-                return Some(Elems::Map(map));
-            }
+        if let Some(mut map) = crate::huge_map(len.checked_mul(2)?)
+            && let Ok(e) = <[f16]>::mut_from_bytes(&mut map)
+        {
+            e.fill(fill);
+            return Some(Elems::Map(map));
         }
         let mut v = Vec::new();
         v.try_reserve_exact(len).ok()?;
@@ -67,6 +57,7 @@ impl std::ops::DerefMut for Elems {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::HUGE_PAGE;
 
     #[test]
     fn elements_hold_their_fill_and_what_is_written() {
