@@ -696,6 +696,8 @@ impl Llama {
         let isa = self.isa;
         // A task's values: each of its rows' outputs and softmax statistics, head-major.
         let row_values = hd + ROW_EXTRA;
+        // The window `tasks` were listed for: they depend on nothing else that varies by layer.
+        let mut tasks_window = None;
 
         for (li, l) in self.weights.layers.iter().enumerate() {
             // Each layer on the threads the core share leaves it (all of them without one).
@@ -718,7 +720,10 @@ impl Llama {
                     span: self.key_span,
                     page_size: pool.layout().page_size,
                 };
-                attention_tasks(rows, (c.kv_heads, group), at.window, at.span, tasks);
+                if tasks_window != Some(at.window) {
+                    attention_tasks(rows, (c.kv_heads, group), at.window, at.span, tasks);
+                    tasks_window = Some(at.window);
+                }
                 let task_values = tasks.iter().map(|a| a.rows.len() * a.heads.len() * row_values).max().unwrap_or(0).max(1);
                 for (r, &(s, pos)) in rows.iter().enumerate() {
                     let (lease, slot) = seqs[s].kv.locate(pos)?;
