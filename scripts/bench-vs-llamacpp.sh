@@ -167,7 +167,7 @@ for sc in "${SCENARIOS[@]}"; do
 done
 
 python3 - "$OUT" "$REPS" "$SCENARIO_LIST" <<'PY' | tee "$OUT/summary.md"
-import json, statistics, sys, os
+import json, re, statistics, sys, os
 out, reps, scenarios = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")
 def load(sc, server):
     return [json.load(open(os.path.join(out, f"{sc}.{server}.{r}.json"))) for r in range(1, reps + 1)]
@@ -179,11 +179,11 @@ figs = [("output tok/s", lambda r: r["output_tokens_per_s"]),
 print(open(os.path.join(out, "setup.txt")).read())
 prefill, decode16 = None, {}
 for line in open(os.path.join(out, "bench-engine.txt")):
-    w = line.split()
-    if w[:2] == ["prefill", "512"]:
-        prefill = float(w[w.index("tok/s") - 1])
-    if w[:4] == ["decode", "batch", "16", "(ctx"]:
-        decode16[int(w[4].rstrip(")"))] = float(w[w.index("tok/s") - 1])
+    w, rate = line.split(), re.search(r"([0-9.]+) tok/s", line)
+    if w[:2] == ["prefill", "512"] and rate:
+        prefill = float(rate.group(1))
+    if w[:4] == ["decode", "batch", "16", "(ctx"] and rate:
+        decode16[int(w[4].rstrip(")"))] = float(rate.group(1))
 def ceiling_at(ctx):
     d = decode16.get(ctx)
     return 16 * 128 / (16 * 512 / prefill + 16 * 128 / d) if prefill and d else None
