@@ -696,8 +696,9 @@ impl Llama {
         let isa = self.isa;
         // A task's values: each of its rows' outputs and softmax statistics, head-major.
         let row_values = hd + ROW_EXTRA;
-        // The window `tasks` were listed for: they depend on nothing else that varies by layer.
-        let mut tasks_window = None;
+        // The window `tasks` were listed for (they depend on nothing else that varies by
+        // layer), and the most values one of them writes.
+        let (mut tasks_window, mut task_values) = (None, 1);
 
         for (li, l) in self.weights.layers.iter().enumerate() {
             // Each layer on the threads the core share leaves it (all of them without one).
@@ -723,8 +724,8 @@ impl Llama {
                 if tasks_window != Some(at.window) {
                     attention_tasks(rows, (c.kv_heads, group), at.window, at.span, tasks);
                     tasks_window = Some(at.window);
+                    task_values = tasks.iter().map(|a| a.rows.len() * a.heads.len() * row_values).max().unwrap_or(0).max(1);
                 }
-                let task_values = tasks.iter().map(|a| a.rows.len() * a.heads.len() * row_values).max().unwrap_or(0).max(1);
                 for (r, &(s, pos)) in rows.iter().enumerate() {
                     let (lease, slot) = seqs[s].kv.locate(pos)?;
                     pool.write(lease, li, slot, &k[r * kv_dim..(r + 1) * kv_dim], &v[r * kv_dim..(r + 1) * kv_dim])?;
